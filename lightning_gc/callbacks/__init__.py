@@ -1,0 +1,5 @@
+"""Callbacks: monitoring (and, later, controllers)."""
+
+from .monitor import GCMonitor
+
+__all__ = ["GCMonitor"]

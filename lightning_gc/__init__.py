@@ -1,0 +1,16 @@
+"""lightning_gc: communication-efficient data-parallel training for PyTorch Lightning.
+
+Importing the package registers the ``gc_<compressor>`` strategy aliases with Lightning, so
+``Trainer(strategy="gc_topk")`` works after ``import lightning_gc``.
+"""
+
+from .callbacks import GCMonitor
+from .compressors import available_compressors, build_compressor
+from .engine import EngineConfig, GCEngine
+from .strategy import GCStrategy, register_aliases
+
+__version__ = "0.1.0"
+
+register_aliases()
+
+__all__ = ["EngineConfig", "GCEngine", "GCMonitor", "GCStrategy", "available_compressors", "build_compressor", "__version__"]

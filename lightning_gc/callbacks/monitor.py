@@ -1,0 +1,72 @@
+"""GCMonitor: per-optimizer-step communication metrics to the Trainer's logger (TensorBoard).
+
+Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
+
+====================  ========================================================================
+``gc/ratio``           fraction of dense fp32 bytes the compressor targets this step (1.0 when dense)
+``gc/dense_step``      1 during dense steps (warm-up), 0 when compressed
+``gc/bytes_sent``      bytes this rank transmitted, modelled for the collectives' algorithms
+``gc/bytes_dense``     bytes the same rank would send with dense fp32 ring allreduce
+``gc/bytes_ratio``     bytes_sent / bytes_dense
+``gc/compress_ms``     time spent compressing, decompressing and aggregating (ms)
+``gc/comm_ms``         wall time inside collectives (ms)
+``gc/error_norm``      ‖e‖₂ of this rank's error memory after the step
+``gc/gain``            compression gain Σ_r‖g_c‖² / Σ_r‖g_e‖² of the previous compressed step (all ranks)
+``gc/gain_ewma``       exponentially smoothed gain (all ranks)
+``gc/nonfinite``       1 if the step's gradient was non-finite on some rank (all ranks)
+====================  ========================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+
+class GCMonitor(Callback):
+    """Log lightning_gc engine statistics after every optimizer step.
+
+    Args:
+        prog_bar: also show ``gc/bytes_ratio`` and ``gc/gain_ewma`` in the progress bar.
+
+    Logging frequency follows the Trainer's ``log_every_n_steps``.
+    """
+
+    def __init__(self, prog_bar: bool = False) -> None:
+        self.prog_bar = prog_bar
+        self._last_step = -1
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is None or engine.last_step is None:
+            return
+        s = engine.last_step
+        if s.step == self._last_step:  # accumulation micro-batch: no new optimizer step
+            return
+        self._last_step = s.step
+        metrics = {
+            "gc/ratio": float(s.ratio),
+            "gc/dense_step": float(s.dense),
+            "gc/bytes_sent": float(s.bytes_sent),
+            "gc/bytes_dense": float(s.bytes_dense),
+            "gc/bytes_ratio": float(s.bytes_sent / s.bytes_dense) if s.bytes_dense else 1.0,
+            "gc/compress_ms": 1e3 * s.compress_time_s,
+            "gc/comm_ms": 1e3 * s.comm_time_s,
+            "gc/error_norm": float(s.error_norm),
+            "gc/nonfinite": float(s.nonfinite),
+        }
+        if s.gain is not None:
+            metrics["gc/gain"] = float(s.gain)
+        if s.gain_ewma is not None:
+            metrics["gc/gain_ewma"] = float(s.gain_ewma)
+        for key, value in metrics.items():
+            pl_module.log(
+                key,
+                value,
+                on_step=True,
+                on_epoch=False,
+                rank_zero_only=True,
+                batch_size=1,
+                prog_bar=self.prog_bar and key in ("gc/bytes_ratio", "gc/gain_ewma"),
+            )

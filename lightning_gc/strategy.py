@@ -1,0 +1,287 @@
+"""GCStrategy: Lightning's DDPStrategy with lightning_gc's communication engine as its comm hook.
+
+Usage::
+
+    import lightning_gc  # registers the gc_* strategy aliases
+    trainer = Trainer(strategy=GCStrategy(compressor="topk", ratio=0.01), accelerator="cpu", devices=2)
+    trainer = Trainer(strategy="gc_topk", accelerator="cpu", devices=2)
+
+Why a DDPStrategy subclass: DDP already handles bucket readiness, overlap with backward, unused
+parameters, ``no_sync`` during gradient accumulation and mixed precision; the engine plugs into
+DDP's communication hook. Lightning's own ``DDPStrategy`` registers comm hooks only when the
+device is CUDA and silently ignores them on CPU; this strategy registers its hook on every device
+type (tests check ``model._get_ddp_logging_data()["comm_hook"]``).
+
+State: error memory (per rank, keyed by parameter name), the step counter and the gain statistics
+are saved in every Lightning checkpoint under ``"lightning_gc"`` (all ranks' states gathered to
+the file) and restored on resume. A resume with another world size resets error memory with a
+warning and keeps the step counter.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from .comm.exchange import validate_collective
+from .compressors import available_compressors, build_config, get_entry
+from .compressors.base import Compressor
+from .engine import EngineConfig, GCEngine, gc_comm_hook
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "lightning_gc"
+_FORBIDDEN_DDP_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+try:  # the default timeout of torch.distributed
+    from torch.distributed.constants import default_pg_timeout
+except ImportError:  # pragma: no cover
+    default_pg_timeout = timedelta(minutes=30)
+
+
+class GCStrategy(DDPStrategy):
+    """Data-parallel training with compressed gradient communication.
+
+    Args:
+        compressor: algorithm name; one of :func:`lightning_gc.compressors.available_compressors`
+            (``dense``, ``fp16``, ``bf16``, ``topk``, ``lwtopk``, ``mstopk``, ``randomk``, ``qsgd``,
+            ``signsgd``, ``efsignsgd``, ...). See docs/compressors.md.
+        ratio: fraction of elements kept, in (0, 1], for compressors that take one (Top-k family,
+            RandomK); default: the compressor's own default (0.01).
+        compressor_args: further options of the compressor, e.g. ``{"levels": 15}`` for QSGD.
+        collective: ``"auto"`` (the compressor's natural collective) or an explicit one; an
+            incompatible pair is refused here with the valid alternatives.
+        plan: ``"model"``, ``"layer"`` or ``"threshold"`` grouping (docs/concepts.md).
+        plan_threshold: elements per merged group for ``plan="threshold"``.
+        min_compress_numel: tensors smaller than this are sent exactly.
+        warmup_steps: dense optimizer steps before compression starts (≥ 1 recommended).
+        error_feedback: ``None`` uses the compressor's default (on for Top-k and EF-signSGD, off
+            for unbiased QSGD/RandomK and majority-vote signSGD).
+        check_finite: agree across ranks on non-finite gradients (see ``nonfinite``).
+        nonfinite: ``"skip"`` — a step whose gradient is non-finite on any rank is skipped by the
+            optimizer on every rank (with AMP fp16 the GradScaler does it); ``"propagate"`` — every
+            rank receives the non-finite gradient, like plain DDP.
+        seed: seed of all compressor randomness.
+        monitor: add a :class:`~lightning_gc.callbacks.GCMonitor` if the Trainer has none.
+        process_group_backend, timeout, start_method: as in ``DDPStrategy``.
+        **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (e.g. ``bucket_cap_mb``,
+            ``find_unused_parameters``).
+    """
+
+    strategy_name = "gc"
+
+    def __init__(
+        self,
+        compressor: str = "topk",
+        ratio: float | None = None,
+        compressor_args: dict[str, Any] | None = None,
+        collective: str = "auto",
+        plan: str = "model",
+        plan_threshold: int = 8192,
+        min_compress_numel: int = 1024,
+        warmup_steps: int = 1,
+        error_feedback: bool | None = None,
+        check_finite: bool = True,
+        nonfinite: Literal["skip", "propagate"] = "skip",
+        seed: int = 0,
+        monitor: bool = True,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        for key in _FORBIDDEN_DDP_ARGS:
+            if key in kwargs:
+                raise ValueError(
+                    f"GCStrategy installs its own DDP communication hook, so {key}= cannot be used. "
+                    "Use lightning's DDPStrategy for a custom hook, or pick a lightning_gc compressor."
+                )
+        entry = get_entry(compressor)
+        self._compressor_config = build_config(compressor, ratio, compressor_args)
+        probe: Compressor = entry.compressor_cls(self._compressor_config)
+        self._collective = validate_collective(probe, collective)
+        if nonfinite not in ("skip", "propagate"):
+            raise ValueError(f"nonfinite={nonfinite!r} is invalid: use 'skip' or 'propagate'.")
+        if not isinstance(monitor, bool):
+            raise ValueError(f"monitor={monitor!r} must be True or False.")
+        ef = probe.default_error_feedback if error_feedback is None else bool(error_feedback)
+        self._engine_config = EngineConfig(
+            plan=plan,
+            plan_threshold=plan_threshold,
+            min_compress_numel=min_compress_numel,
+            warmup_steps=warmup_steps,
+            error_feedback=ef,
+            check_finite=check_finite,
+            seed=seed,
+            collective=self._collective,
+        )
+        self._compressor_name = compressor
+        self._nonfinite = nonfinite
+        self._monitor = monitor
+        self._engine: GCEngine | None = None
+        self._pending_state: dict | None = None
+        self.skipped_steps = 0
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **kwargs,
+        )
+
+    # ------------------------------------------------------------------ public
+    @property
+    def engine(self) -> GCEngine | None:
+        """The communication engine (``None`` before the model is wrapped)."""
+        return self._engine
+
+    @property
+    def compressor_name(self) -> str:
+        return self._compressor_name
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return self._engine_config
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def setup(self, trainer: Any) -> None:
+        if self._monitor:
+            from .callbacks.monitor import GCMonitor
+
+            if not any(isinstance(cb, GCMonitor) for cb in trainer.callbacks):
+                trainer.callbacks.append(GCMonitor())
+        super().setup(trainer)
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers hooks only on CUDA; the engine must run on every device type.
+        assert isinstance(self.model, DistributedDataParallel)
+        named = [(n, p) for n, p in self.model.module.named_parameters() if p.requires_grad]
+        compressor = get_entry(self._compressor_name).compressor_cls(self._compressor_config)
+        self._engine = GCEngine(compressor, self._engine_config, named, process_group=self.model.process_group)
+        if self._engine.world_size == 1:
+            rank_zero_warn(
+                "lightning_gc: world size is 1, so gradients are neither communicated nor compressed; "
+                "training proceeds as on a single device."
+            )
+        else:
+            rank_zero_info(
+                f"lightning_gc: compressor={self._compressor_name} collective={self._engine.exchange.name} "
+                f"plan={self._engine_config.plan} groups={len(self._engine.plan.groups)} "
+                f"warmup_steps={self._engine_config.warmup_steps} error_feedback={self._engine.error_feedback}"
+            )
+        if self._pending_state is not None:
+            self._apply_state(self._pending_state)
+            self._pending_state = None
+        self.model.register_comm_hook(self._engine, gc_comm_hook)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        scaler = getattr(self.precision_plugin, "scaler", None) if isinstance(self.precision_plugin, MixedPrecision) else None
+        if self._nonfinite != "skip" or scaler is not None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_skip() -> Any:
+            out = closure()
+            engine = self._engine
+            if engine is not None and engine.last_step_nonfinite:
+                # Optimizers skip parameters without a gradient: no update, no momentum, no decay.
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
+                self.skipped_steps += 1
+                rank_zero_warn(
+                    f"lightning_gc: non-finite gradient at step {engine.step - 1}; the optimizer step was "
+                    "skipped on every rank and error memory left unchanged."
+                )
+            return out
+
+        return super().optimizer_step(optimizer, closure_then_skip, model, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._engine is not None:
+            checkpoint[CHECKPOINT_KEY] = self._gather_state()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is not None:
+            if self._engine is not None:
+                self._apply_state(state)
+            else:
+                self._pending_state = state
+        return checkpoint
+
+    def _gather_state(self) -> dict[str, Any]:
+        engine = self._engine
+        assert engine is not None
+        local = engine.state_dict()
+        if engine.world_size > 1:
+            states: list[Any] = [None] * engine.world_size
+            dist.all_gather_object(states, local, group=engine.process_group)
+        else:
+            states = [local]
+        return {"world_size": engine.world_size, "ranks": states, "compressor": self._compressor_name}
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
+        engine = self._engine
+        assert engine is not None
+        saved_ws = int(state.get("world_size", -1))
+        ranks = state.get("ranks") or []
+        if saved_ws != engine.world_size or len(ranks) != saved_ws:
+            rank_zero_warn(
+                f"lightning_gc: the checkpoint was written with world size {saved_ws}, this run has "
+                f"{engine.world_size}; per-rank error memory cannot be mapped and is reset to zero. "
+                "The step counter and statistics are kept."
+            )
+            if ranks:
+                engine.load_state_dict(ranks[0], restore_memory=False)
+            return
+        missing = engine.load_state_dict(ranks[engine.rank])
+        if missing:
+            rank_zero_warn(
+                f"lightning_gc: error memory for {len(missing)} parameter(s) was not in the checkpoint "
+                f"(e.g. {missing[:3]}); it starts at zero."
+            )
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name in available_compressors():
+            alias = f"gc_{name}"
+            if alias in strategy_registry:
+                continue
+            strategy_registry.register(
+                alias,
+                cls,
+                description=f"lightning_gc: {get_entry(name).summary}",
+                compressor=name,
+            )
+
+
+def register_aliases() -> None:
+    """Register ``gc_<compressor>`` for every known compressor in Lightning's strategy registry."""
+    GCStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,92 @@
+"""Run a function on several gloo ranks from inside pytest.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` fresh processes, initialises a
+gloo process group on a free loopback port, calls ``fn(rank, world_size, *args)`` on every rank and
+returns the list of per-rank return values (pickled back through a queue). Any exception on any
+rank is re-raised in the parent with that rank's traceback, and a hung group is killed after
+``timeout`` seconds, so a deadlock fails the test instead of hanging the suite.
+
+``fn`` must be defined at module level (spawned processes import it by name).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        # serialise to bytes: tensors sent as-is would travel through shared-memory handles that
+        # die with this process before the parent reads them
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - forwarded to the parent verbatim
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size and not errors:
+            try:
+                rank, ok, payload = queue.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    errors.append(f"ranks {dead} died without reporting (exit codes "
+                                  f"{[procs[r].exitcode for r in dead]})")
+                elif time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout}s waiting for ranks; "
+                                  f"ranks that answered: {sorted(results)}")
+                continue
+            if ok:
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,44 @@
+"""Tiny LightningModules and data for tests (module level so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class TinyClassifier(L.LightningModule):
+    """Two-layer MLP; `hidden` large enough that its weights are compressed (≥ 1024 elements)."""
+
+    def __init__(self, num_features: int = 16, hidden: int = 96, num_classes: int = 4, lr: float = 0.1,
+                 momentum: float = 0.9, nan_at_step: int = -1, nan_rank: int = 1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(1234)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(num_features, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, num_classes)
+        )
+        self.local_grads: list[dict[str, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        if self.hparams.nan_at_step == self.global_step and self.global_rank == self.hparams.nan_rank:
+            loss = loss * float("nan")
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+
+
+def make_loader(n: int = 256, num_features: int = 16, num_classes: int = 4, batch_size: int = 16, seed: int = 0,
+                shuffle: bool = True) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, num_features, generator=g)
+    w = torch.randn(num_features, num_classes, generator=g)
+    y = (x @ w).argmax(dim=1)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)
