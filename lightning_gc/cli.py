@@ -1,0 +1,35 @@
+"""The ``lightning-gc`` command.
+
+``lightning-gc fit|validate|test|predict --config recipes/<recipe>.yaml`` is Lightning's own
+LightningCLI (jsonargparse): any LightningModule / LightningDataModule / Strategy class can be
+named by ``class_path`` in the YAML, and the ``gc_*`` strategy aliases are registered because this
+module imports lightning_gc.
+
+``lightning-gc bench ...`` runs the benchmark (see docs/bench.md).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import lightning_gc  # noqa: F401  (registers the gc_* strategy aliases)
+
+
+def _lightning_cli(argv: list[str]) -> int:
+    from lightning.pytorch.cli import LightningCLI
+
+    LightningCLI(args=argv, save_config_kwargs={"overwrite": True})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from .bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    return _lightning_cli(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Thin wrappers over torch.distributed collectives with byte accounting.
+
+Byte counts are *modelled* per rank for the algorithms gloo and NCCL use for these calls
+(ring allreduce: each rank sends ``2(N−1)/N`` of the message; ring allgather: each rank forwards
+``(N−1)`` payloads). The benchmark compares them against the interfaces' transmit counters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_ALIGN = 8
+
+
+def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring allreduce of an ``nbytes`` message."""
+    if world_size <= 1:
+        return 0
+    return int(round(2 * (world_size - 1) * nbytes / world_size))
+
+
+def allgather_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring allgather where every rank contributes ``nbytes``."""
+    return (world_size - 1) * nbytes if world_size > 1 else 0
+
+
+def allreduce(tensors: list[Tensor], group=None) -> int:
+    """Sum-allreduce each tensor in place; returns modelled bytes sent by this rank."""
+    ws = dist.get_world_size(group)
+    sent = 0
+    for t in tensors:
+        dist.all_reduce(t, group=group)
+        sent += ring_allreduce_bytes(t.numel() * t.element_size(), ws)
+    return sent
+
+
+def pack_payload(tensors: tuple[Tensor, ...]) -> Tensor:
+    """Concatenate tensors into one uint8 buffer, each part padded to 8-byte alignment."""
+    parts = []
+    for t in tensors:
+        b = t.contiguous().reshape(-1).view(torch.uint8)
+        pad = (-b.numel()) % _ALIGN
+        parts.append(b)
+        if pad:
+            parts.append(b.new_zeros(pad))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+
+
+def unpack_payload(buf: Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[Tensor, ...]:
+    """Inverse of :func:`pack_payload` given each part's shape and dtype."""
+    out = []
+    off = 0
+    for shape, dtype in specs:
+        n = 1
+        for s in shape:
+            n *= s
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        out.append(buf[off:off + nbytes].view(dtype).reshape(shape))
+        off += nbytes + (-nbytes) % _ALIGN
+    return tuple(out)
+
+
+def packed_nbytes(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    total = 0
+    for shape, dtype in specs:
+        n = 1
+        for s in shape:
+            n *= s
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        total += nbytes + (-nbytes) % _ALIGN
+    return total
+
+
+def allgather_payload(payload: tuple[Tensor, ...], specs, group=None) -> tuple[list[tuple[Tensor, ...]], int, int]:
+    """All-gather one fixed-size payload per rank in a single collective.
+
+    Returns (payloads of all ranks in rank order, modelled bytes sent, payload bytes).
+    """
+    buf = pack_payload(payload)
+    expected = packed_nbytes(specs)
+    if buf.numel() != expected:
+        raise RuntimeError(
+            f"payload of {buf.numel()} bytes differs from the {expected} bytes every rank expects; "
+            "a compressor produced a rank-dependent size, which would deadlock the allgather."
+        )
+    ws = dist.get_world_size(group)
+    bufs = [torch.empty_like(buf) for _ in range(ws)]
+    dist.all_gather(bufs, buf, group=group)
+    return [unpack_payload(b, specs) for b in bufs], allgather_bytes(buf.numel(), ws), buf.numel()

@@ -1,0 +1,106 @@
+"""Name → (config dataclass, compressor class), and validated construction from plain values.
+
+Everything a user writes in a recipe is a string, a float and a dict; ``build_compressor`` turns
+those into a typed config (rejecting unknown keys and bad values with a message that says which
+keys exist) and the compressor instance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .base import Compressor
+from .cast import BF16Compressor, CastConfig, FP16Compressor
+from .dense import DenseCompressor, DenseConfig
+from .lwtopk import LWTopKCompressor, LWTopKConfig
+from .mstopk import MSTopKCompressor, MSTopKConfig
+from .qsgd import QSGDCompressor, QSGDConfig
+from .randomk import RandomKCompressor, RandomKConfig
+from .sign import EFSignSGDCompressor, SignConfig, SignSGDCompressor
+from .topk import TopKCompressor, TopKConfig
+
+
+@dataclass(frozen=True)
+class CompressorEntry:
+    name: str
+    config_cls: type
+    compressor_cls: type[Compressor]
+    summary: str
+    fixed_args: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def takes_ratio(self) -> bool:
+        return any(f.name == "ratio" for f in dataclasses.fields(self.config_cls))
+
+
+_ENTRIES = [
+    CompressorEntry("dense", DenseConfig, DenseCompressor, "exact allreduce (DDP's own numerics)"),
+    CompressorEntry("fp16", CastConfig, FP16Compressor, "every element cast to fp16", (("dtype", "fp16"),)),
+    CompressorEntry("bf16", CastConfig, BF16Compressor, "every element cast to bf16", (("dtype", "bf16"),)),
+    CompressorEntry("topk", TopKConfig, TopKCompressor, "global Top-k over the group, allgather"),
+    CompressorEntry("lwtopk", LWTopKConfig, LWTopKCompressor, "Top-k per layer, allgather"),
+    CompressorEntry("mstopk", MSTopKConfig, MSTopKCompressor, "threshold-search Top-k (exactly k), allgather"),
+    CompressorEntry("randomk", RandomKConfig, RandomKCompressor, "shared random k, values by allreduce"),
+    CompressorEntry("qsgd", QSGDConfig, QSGDCompressor, "stochastic s-level quantisation, allgather"),
+    CompressorEntry("signsgd", SignConfig, SignSGDCompressor, "1-bit signs, majority vote"),
+    CompressorEntry("efsignsgd", SignConfig, EFSignSGDCompressor, "1-bit scaled signs with error feedback"),
+]
+
+COMPRESSORS: dict[str, CompressorEntry] = {e.name: e for e in _ENTRIES}
+
+
+def register_compressor(entry: CompressorEntry) -> None:
+    """Add a compressor (used by modules that add new algorithms, e.g. AR-Topk)."""
+    if entry.name in COMPRESSORS and COMPRESSORS[entry.name] is not entry:
+        raise ValueError(f"a compressor named {entry.name!r} is already registered")
+    COMPRESSORS[entry.name] = entry
+
+
+def available_compressors() -> list[str]:
+    return list(COMPRESSORS)
+
+
+def get_entry(name: str) -> CompressorEntry:
+    if not isinstance(name, str) or name not in COMPRESSORS:
+        raise ValueError(
+            f"unknown compressor {name!r}. Valid compressors: {', '.join(COMPRESSORS)}."
+        )
+    return COMPRESSORS[name]
+
+
+def takes_ratio(name: str) -> bool:
+    return get_entry(name).takes_ratio
+
+
+def build_config(name: str, ratio: float | None = None, args: dict[str, Any] | None = None) -> Any:
+    """Validated config for compressor ``name`` from a ratio and a dict of extra options."""
+    entry = get_entry(name)
+    args = dict(args or {})
+    valid = [f.name for f in dataclasses.fields(entry.config_cls) if f.name not in dict(entry.fixed_args)]
+    unknown = sorted(set(args) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"compressor_args {unknown} are not options of compressor {name!r}; "
+            f"its options are: {valid or 'none'}."
+        )
+    if ratio is not None:
+        if not entry.takes_ratio:
+            raise ValueError(
+                f"compressor {name!r} does not take a ratio (got ratio={ratio!r}); leave ratio unset. "
+                f"Compressors with a ratio: {[n for n, e in COMPRESSORS.items() if e.takes_ratio]}."
+            )
+        if "ratio" in args and args["ratio"] != ratio:
+            raise ValueError(
+                f"ratio given twice with different values (ratio={ratio!r}, compressor_args.ratio="
+                f"{args['ratio']!r}); set it once."
+            )
+        args["ratio"] = ratio
+    args.update(dict(entry.fixed_args))
+    return entry.config_cls(**args)
+
+
+def build_compressor(name: str, ratio: float | None = None, args: dict[str, Any] | None = None) -> Compressor:
+    entry = get_entry(name)
+    return entry.compressor_cls(build_config(name, ratio, args))

@@ -1,0 +1,55 @@
+"""Per-step statistics and cumulative totals of the engine (this rank's view)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step's communication did on this rank.
+
+    ``gain`` is the compression gain of the *previous* compressed step, averaged over ranks
+    (it travels in the next step's small stats allreduce), ``None`` until known.
+    """
+
+    step: int = 0
+    dense: bool = True
+    ratio: float = 1.0
+    bytes_sent: int = 0
+    bytes_payload: int = 0
+    bytes_dense: int = 0
+    compress_time_s: float = 0.0
+    comm_time_s: float = 0.0
+    error_norm: float = 0.0
+    nonfinite: bool = False
+    gain: float | None = None
+    gain_ewma: float | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Totals:
+    steps: int = 0
+    compressed_steps: int = 0
+    nonfinite_steps: int = 0
+    bytes_sent: int = 0
+    bytes_payload: int = 0
+    bytes_dense: int = 0
+    compress_time_s: float = 0.0
+    comm_time_s: float = 0.0
+
+    def add(self, s: StepStats) -> None:
+        self.steps += 1
+        self.compressed_steps += int(not s.dense)
+        self.nonfinite_steps += int(s.nonfinite)
+        self.bytes_sent += s.bytes_sent
+        self.bytes_payload += s.bytes_payload
+        self.bytes_dense += s.bytes_dense
+        self.compress_time_s += s.compress_time_s
+        self.comm_time_s += s.comm_time_s
+
+    def as_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,244 @@
+"""Single-process oracles for every compressor: what it keeps, what it sends, that it is unbiased
+where it claims to be, and that bad settings are refused with a useful message."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_gc.compressors import GroupContext, available_compressors, build_compressor, ratio_to_k, takes_ratio
+from lightning_gc.compressors.mstopk import threshold_topk_indices
+from lightning_gc.compressors.packing import pack_bits, pack_uint, unpack_bits, unpack_uint
+from lightning_gc.comm.collectives import pack_payload, packed_nbytes, unpack_payload
+
+
+def ctx(n: int, step: int = 0, rank: int = 0, world_size: int = 2, segments=None) -> GroupContext:
+    return GroupContext(step=step, rank=rank, world_size=world_size, segments=tuple(segments or (n,)))
+
+
+def roundtrip(name: str, x: torch.Tensor, c: GroupContext, **kw):
+    comp = build_compressor(name, **kw)
+    out = comp.compress(x, c)
+    return comp, out, comp.decompress(out.payload, out.meta, c)
+
+
+@pytest.mark.parametrize("name", available_compressors())
+def test_payload_matches_declared_specs(name):
+    """The engine unpacks gathered bytes with payload_specs: they must describe compress() exactly."""
+    x = torch.randn(3001)
+    c = ctx(3001, segments=(1000, 2000, 1))
+    comp = build_compressor(name, ratio=0.05 if takes_ratio(name) else None)
+    out = comp.compress(x, c)
+    assert [(tuple(t.shape), t.dtype) for t in out.payload] == comp.payload_specs(c, x.dtype)
+    # and the packed buffer has a rank-independent size
+    out2 = comp.compress(torch.randn(3001) * 100, ctx(3001, rank=1, segments=(1000, 2000, 1)))
+    assert pack_payload(out.payload).numel() == pack_payload(out2.payload).numel()
+
+
+def test_k_rule():
+    assert ratio_to_k(0.01, 1000) == 10
+    assert ratio_to_k(0.01, 1001) == 11  # ceil
+    assert ratio_to_k(1e-9, 5) == 1  # at least one
+    assert ratio_to_k(1.0, 7) == 7
+
+
+def test_topk_keeps_exactly_the_largest_magnitudes():
+    x = torch.randn(1000)
+    _, out, d = roundtrip("topk", x, ctx(1000), ratio=0.05)
+    vals, idx = out.payload
+    assert idx.dtype == torch.int32 and idx.numel() == 50
+    expected = set(torch.topk(x.abs(), 50).indices.tolist())
+    assert set(idx.tolist()) == expected
+    assert torch.equal(d[idx.long()], x[idx.long()])
+    mask = torch.ones(1000, dtype=torch.bool)
+    mask[idx.long()] = False
+    assert torch.all(d[mask] == 0)
+
+
+def test_topk_ratio_one_is_lossless():
+    x = torch.randn(777)
+    _, _, d = roundtrip("topk", x, ctx(777), ratio=1.0)
+    assert torch.equal(d, x)
+
+
+def test_lwtopk_selects_per_layer():
+    x = torch.cat([torch.randn(100) * 100, torch.randn(900) * 0.01])  # global top-k would ignore layer 2
+    c = ctx(1000, segments=(100, 900))
+    _, out, d = roundtrip("lwtopk", x, c, ratio=0.1)
+    idx = out.payload[1].long()
+    assert (idx < 100).sum() == 10 and (idx >= 100).sum() == 90
+    assert set(idx[idx >= 100].tolist()) == set((torch.topk(x[100:].abs(), 90).indices + 100).tolist())
+    assert torch.equal(d[idx], x[idx])
+
+
+@pytest.mark.parametrize("n,ratio", [(1000, 0.01), (4097, 0.003), (50, 0.5), (10, 1.0)])
+def test_mstopk_exactly_k_and_matches_topk_without_ties(n, ratio):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g)
+    k = ratio_to_k(ratio, n)
+    idx = threshold_topk_indices(x, k, rounds=40)
+    assert idx.numel() == k
+    assert idx.unique().numel() == k
+    assert set(idx.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+
+
+def test_mstopk_exactly_k_with_heavy_ties_and_zeros():
+    x = torch.tensor([1.0] * 30 + [0.0] * 70)
+    for k in (1, 10, 30, 31, 100):
+        idx = threshold_topk_indices(x, k, rounds=25)
+        assert idx.numel() == k and idx.unique().numel() == k
+    assert threshold_topk_indices(torch.zeros(64), 5, 25).numel() == 5
+
+
+def test_randomk_indices_shared_across_ranks_and_fresh_each_step():
+    comp = build_compressor("randomk", ratio=0.1)
+    a = comp.indices(ctx(1000, step=3, rank=0))
+    b = comp.indices(ctx(1000, step=3, rank=1))
+    c = comp.indices(ctx(1000, step=4, rank=0))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert a.unique().numel() == 100
+
+
+def test_randomk_and_qsgd_do_not_touch_global_rng():
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    for name in ("randomk", "qsgd"):
+        comp = build_compressor(name, ratio=0.1 if takes_ratio(name) else None)
+        comp.compress(torch.randn(100, generator=torch.Generator().manual_seed(0)), ctx(100))
+    assert torch.equal(before, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("name,kw,trials", [("randomk", {"ratio": 0.25}, 4000), ("qsgd", {"compressor_args": {"levels": 2}}, 3000)])
+def test_unbiased_estimators(name, kw, trials):
+    """E[decompress(compress(x))] = x: the empirical mean over independent draws is within
+    5 standard errors of x in every coordinate (standard errors estimated from the draws)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, generator=g)
+    args = {"ratio": kw.get("ratio")} if "ratio" in kw else {"args": kw["compressor_args"]}
+    comp = build_compressor(name, **args)
+    draws = []
+    for t in range(trials):
+        c = ctx(64, step=t)
+        out = comp.compress(x, c)
+        draws.append(comp.decompress(out.payload, out.meta, c).double())
+    d = torch.stack(draws)
+    mean, se = d.mean(0), d.std(0) / math.sqrt(trials)
+    z = (mean - x.double()).abs() / se.clamp_min(1e-12)
+    assert z.max() < 5.0, f"max z-score {z.max():.2f}"
+    # and the estimator is not trivially exact (it really is random)
+    assert d.std(0).mean() > 0.01
+
+
+def test_randomk_biased_variant_is_biased_by_k_over_n():
+    x = torch.ones(40)
+    comp = build_compressor("randomk", ratio=0.25, args={"unbiased": False})
+    acc = torch.zeros(40)
+    for t in range(2000):
+        c = ctx(40, step=t)
+        out = comp.compress(x, c)
+        acc += comp.decompress(out.payload, out.meta, c)
+    assert abs(float(acc.mean() / 2000) - 0.25) < 0.02
+
+
+def test_qsgd_levels_in_range_and_norm_preserved_bucketwise():
+    x = torch.randn(2000)
+    comp = build_compressor("qsgd", args={"levels": 7, "bucket_size": 500})
+    c = ctx(2000)
+    out = comp.compress(x, c)
+    norms, packed = out.payload
+    assert norms.numel() == 4 and packed.numel() == 1000  # 4 bits per element
+    assert torch.allclose(norms, x.view(4, 500).norm(dim=1))
+    d = comp.decompress(out.payload, out.meta, c)
+    q = d.view(4, 500) / norms.unsqueeze(1) * 7
+    assert torch.allclose(q, q.round(), atol=1e-4) and q.abs().max() <= 7 + 1e-4
+    assert torch.all(torch.sign(d[d != 0]) == torch.sign(x[d != 0]))
+
+
+def test_sign_compressors_send_signs_and_l1_scale():
+    x = torch.tensor([0.5, -2.0, 0.0, 3.0, -1.0, 1.0, -0.1, 0.2, 4.0])
+    c = ctx(9)
+    for name in ("signsgd", "efsignsgd"):
+        comp, out, d = roundtrip(name, x, c)
+        scale, packed = out.payload
+        assert packed.numel() == 2 and packed.dtype == torch.uint8
+        assert torch.isclose(scale, x.abs().mean().reshape(1)).all()
+        assert torch.equal(torch.sign(d), torch.where(x >= 0, 1.0, -1.0))
+
+
+def test_signsgd_majority_vote_aggregate():
+    comp = build_compressor("signsgd")
+    c = ctx(4, world_size=3)
+    xs = [torch.tensor([1.0, -1.0, 2.0, -3.0]), torch.tensor([1.0, 1.0, -2.0, -1.0]), torch.tensor([-1.0, 1.0, -2.0, 5.0])]
+    payloads = [comp.compress(x, c).payload for x in xs]
+    out = comp.aggregate_gathered(payloads, torch.float32, c)
+    mean_scale = sum(float(x.abs().mean()) for x in xs) / 3
+    assert torch.allclose(out, torch.tensor([1.0, 1.0, -1.0, -1.0]) * mean_scale)
+
+
+def test_bit_packing_roundtrip():
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 7, 8, 9, 1000):
+        bits = torch.rand(n, generator=g) > 0.5
+        assert torch.equal(unpack_bits(pack_bits(bits), n), bits)
+    for width in (2, 4, 8, 16):
+        for n in (1, 3, 17, 1000):
+            v = torch.randint(0, 2**width, (n,), generator=g)
+            assert torch.equal(unpack_uint(pack_uint(v, width), width, n), v)
+
+
+def test_payload_byte_packing_roundtrip_and_alignment():
+    parts = (torch.randn(3), torch.arange(5, dtype=torch.int32), torch.tensor([1, 2, 3], dtype=torch.uint8), torch.randn(2).double())
+    specs = [(tuple(t.shape), t.dtype) for t in parts]
+    buf = pack_payload(parts)
+    assert buf.numel() == packed_nbytes(specs) and buf.numel() % 8 == 0
+    for a, b in zip(parts, unpack_payload(buf, specs)):
+        assert torch.equal(a, b)
+
+
+def test_cast_compressors_halve_bytes():
+    x = torch.randn(100)
+    for name, dt in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        comp, out, d = roundtrip(name, x, ctx(100, world_size=1))
+        assert out.payload[0].dtype == dt and out.nbytes == 200
+        assert torch.allclose(d, x, rtol=1e-2, atol=1e-2)
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("ratio", [0, 0.0, -0.1, 1.5, float("nan"), "0.1", True])
+def test_ratio_outside_unit_interval_is_refused(ratio):
+    with pytest.raises(ValueError, match=r"ratio=.* must lie in \(0, 1\]"):
+        build_compressor("topk", ratio=ratio)
+
+
+def test_unknown_compressor_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown compressor 'tpok'.*topk.*qsgd"):
+        build_compressor("tpok")
+
+
+def test_ratio_for_compressor_without_ratio_is_refused():
+    with pytest.raises(ValueError, match=r"'qsgd' does not take a ratio"):
+        build_compressor("qsgd", ratio=0.1)
+
+
+def test_unknown_compressor_option_names_valid_options():
+    with pytest.raises(ValueError, match=r"\['level'\] are not options of compressor 'qsgd'.*levels"):
+        build_compressor("qsgd", args={"level": 4})
+
+
+@pytest.mark.parametrize("args,match", [({"levels": 0}, "levels=0"), ({"levels": 40000}, "levels=40000"), ({"bucket_size": 0}, "bucket_size=0")])
+def test_qsgd_bad_options(args, match):
+    with pytest.raises(ValueError, match=match):
+        build_compressor("qsgd", args=args)
+
+
+def test_mstopk_bad_rounds():
+    with pytest.raises(ValueError, match="search_rounds=0"):
+        build_compressor("mstopk", args={"search_rounds": 0})
+
+
+def test_sign_bad_scale():
+    with pytest.raises(ValueError, match="scale='l2'"):
+        build_compressor("signsgd", args={"scale": "l2"})
