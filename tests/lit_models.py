@@ -42,3 +42,36 @@ def make_loader(n: int = 256, num_features: int = 16, num_classes: int = 4, batc
     w = torch.randn(num_features, num_classes, generator=g)
     y = (x @ w).argmax(dim=1)
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)
+
+
+class ReportCallback(L.Callback):
+    """Writes each rank's engine/strategy facts and final parameters to ``<out>/rank<r>.pt``."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.steps_seen: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+        self.steps_seen.append(int(torch.isfinite(flat).all()))
+
+    def on_train_end(self, trainer, pl_module):
+        import os
+
+        strategy = trainer.strategy
+        engine = getattr(strategy, "engine", None)
+        ddp = strategy.model
+        info = {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "global_step": trainer.global_step,
+            "engine_step": engine.step if engine else None,
+            "hook_calls": engine.hook_calls if engine else None,
+            "totals": engine.totals() if engine else None,
+            "comm_hook": ddp._get_ddp_logging_data().get("comm_hook") if hasattr(ddp, "_get_ddp_logging_data") else None,
+            "skipped": getattr(strategy, "skipped_steps", None),
+            "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+            "memory": engine.state_dict()["memory"] if engine else None,
+            "finite_after_each_step": self.steps_seen,
+        }
+        torch.save(info, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))

@@ -1,0 +1,170 @@
+"""GCStrategy inside real Lightning training on 2 spawned CPU/gloo processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_gc import GCStrategy
+from lightning_gc.engine import EngineConfig, GCEngine
+from lightning_gc.compressors import build_compressor
+from lit_models import ReportCallback, TinyClassifier, make_loader
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _fit(tmp: Path, strategy: GCStrategy, model=None, ckpt_path=None, logger=False, callbacks=(), **trainer_kw):
+    out = tmp / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, logger=logger, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(tmp), callbacks=[ReportCallback(str(out)), *callbacks],
+        **{"max_epochs": 2, "enable_checkpointing": False, **trainer_kw},
+    )
+    trainer.fit(model or TinyClassifier(), make_loader(), ckpt_path=ckpt_path)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_hook_runs_on_cpu_and_counts_optimizer_steps_with_accumulation(tmp_path):
+    reports = _fit(tmp_path, GCStrategy(compressor="topk", ratio=0.1, start_method="spawn"), accumulate_grad_batches=2)
+    for rep in reports:
+        assert rep["comm_hook"] == "gc_comm_hook"  # Lightning's DDPStrategy would not register it on CPU
+        assert rep["hook_calls"] > 0
+        assert rep["engine_step"] == rep["global_step"] == 8  # 256 samples / 2 ranks / 16 per batch / 2 accum × 2 epochs
+        assert rep["totals"]["compressed_steps"] == 7  # one dense warm-up step
+    for k in reports[0]["params"]:
+        assert torch.equal(reports[0]["params"][k], reports[1]["params"][k])
+
+
+def test_resume_from_epoch_checkpoint_is_exact(tmp_path):
+    """Uninterrupted 3 epochs == 1 epoch, checkpoint, resume for 2 more (qsgd + error feedback:
+    both per-rank memory and private randomness must be restored)."""
+
+    def strategy():
+        return GCStrategy(compressor="qsgd", error_feedback=True, start_method="spawn", warmup_steps=2)
+
+    ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
+    full = _fit(tmp_path / "a", strategy(), max_epochs=3, enable_checkpointing=True, callbacks=[ckpt_cb])
+    ckpts = sorted((tmp_path / "ckpt").glob("epoch=0*.ckpt"))
+    assert ckpts, list((tmp_path / "ckpt").iterdir())
+    saved = torch.load(ckpts[0], weights_only=False)["lightning_gc"]
+    assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
+    assert not torch.equal(saved["ranks"][0]["memory"]["net.0.weight"], saved["ranks"][1]["memory"]["net.0.weight"])
+    resumed = _fit(tmp_path / "b", strategy(), max_epochs=3, ckpt_path=str(ckpts[0]))
+    for r in range(2):
+        assert resumed[r]["engine_step"] == full[r]["engine_step"]
+        for k, v in full[r]["params"].items():
+            assert torch.equal(v, resumed[r]["params"][k]), f"rank {r} {k} differs after resume"
+        for k, v in full[r]["memory"].items():
+            assert torch.equal(v, resumed[r]["memory"][k])
+
+
+def test_nonfinite_step_skipped_on_all_ranks_and_monitor_writes_tensorboard(tmp_path):
+    logger = L.pytorch.loggers.TensorBoardLogger(str(tmp_path), name="tb")
+    model = TinyClassifier(nan_at_step=5, nan_rank=1)
+    reports = _fit(tmp_path, GCStrategy(compressor="efsignsgd", start_method="spawn"), model=model, logger=logger,
+                   log_every_n_steps=1, max_epochs=1)
+    for rep in reports:
+        assert rep["skipped"] == 1 and rep["totals"]["nonfinite_steps"] == 1
+        assert all(rep["finite_after_each_step"])
+        assert all(torch.isfinite(v).all() for v in rep["params"].values())
+    for k in reports[0]["params"]:
+        assert torch.equal(reports[0]["params"][k], reports[1]["params"][k])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert events
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("gc/ratio", "gc/bytes_sent", "gc/bytes_dense", "gc/compress_ms", "gc/comm_ms", "gc/error_norm",
+                "gc/gain", "gc/gain_ewma", "gc/nonfinite"):
+        assert tag in tags, f"{tag} missing from {sorted(tags)}"
+    assert [e.value for e in acc.Scalars("gc/nonfinite")].count(1.0) == 1
+    sent = [e.value for e in acc.Scalars("gc/bytes_sent")]
+    dense = [e.value for e in acc.Scalars("gc/bytes_dense")]
+    assert sent[-1] < dense[-1] / 2  # 1-bit signs on the big weight; small tensors go exact
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, lightning as L
+    sys.path.insert(0, {tests!r})
+    import lightning_gc
+    from lit_models import TinyClassifier, make_loader
+    devices = int(sys.argv[1])
+    trainer = L.Trainer(strategy=sys.argv[2], accelerator="cpu", devices=devices, max_steps=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(TinyClassifier(), make_loader())
+    s = trainer.strategy
+    print("RESULT", type(s).__name__, s.compressor_name, s.engine.world_size, s.engine.step, trainer.global_rank)
+    """
+)
+
+
+def _run_script(tmp_path, devices: int, alias: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(tests=str(REPO / "tests")))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+    return subprocess.run([sys.executable, str(script), str(devices), alias], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_string_alias_trains_with_two_processes(tmp_path):
+    proc = _run_script(tmp_path, 2, "gc_lwtopk")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = sorted(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+    assert results == ["RESULT GCStrategy lwtopk 2 4 0", "RESULT GCStrategy lwtopk 2 4 1"], proc.stdout[-2000:]
+
+
+def test_world_size_one_trains_without_communication_and_says_so_once(tmp_path):
+    proc = _run_script(tmp_path, 1, "gc_topk")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RESULT GCStrategy topk 1 4 0" in proc.stdout
+    assert (proc.stdout + proc.stderr).count("world size is 1") == 1
+
+
+# ---------------------------------------------------------------- construction-time errors
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"ratio": 0.0}, r"ratio=0.0 is invalid .* must lie in \(0, 1\]"),
+        ({"ratio": 1.01}, r"ratio=1.01 is invalid"),
+        ({"compressor": "top_k"}, r"unknown compressor 'top_k'. Valid compressors: dense, fp16"),
+        ({"compressor": "topk", "collective": "allreduce"}, r"cannot travel by collective='allreduce'.*randomk.*'allgather'"),
+        ({"compressor": "randomk", "collective": "allgather"}, r"cannot travel by collective='allgather'.*\['allreduce'"),
+        ({"collective": "carrier_pigeon"}, r"unknown collective 'carrier_pigeon'"),
+        ({"plan": "per_layer"}, r"plan='per_layer' is not a plan kind"),
+        ({"warmup_steps": -1}, r"warmup_steps=-1 is invalid"),
+        ({"compressor": "qsgd", "ratio": 0.1}, r"'qsgd' does not take a ratio"),
+        ({"compressor_args": {"rounds": 3}}, r"\['rounds'\] are not options of compressor 'topk'"),
+        ({"nonfinite": "ignore"}, r"nonfinite='ignore' is invalid"),
+        ({"ddp_comm_hook": print}, r"installs its own DDP communication hook"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GCStrategy(**kwargs)
+
+
+def test_resume_with_other_world_size_resets_memory_with_warning():
+    """Engine-level: a 2-rank checkpoint applied to a 1-process engine keeps the step, resets memory."""
+    model = torch.nn.Linear(64, 32)
+    strategy = GCStrategy(compressor="topk", ratio=0.1)
+    strategy._engine = GCEngine(build_compressor("topk", ratio=0.1), EngineConfig(), list(model.named_parameters()))
+    state = strategy._engine.state_dict()
+    state.update(step=7, memory={"weight": torch.ones(64 * 32)})
+    with pytest.warns(UserWarning, match="written with world size 2, this run has 1.*reset to zero"):
+        strategy._apply_state({"world_size": 2, "ranks": [state, state]})
+    assert strategy.engine.step == 7 and strategy.engine.memory == {}
+    # same world size: memory restored by parameter name
+    strategy._apply_state({"world_size": 1, "ranks": [state]})
+    assert torch.equal(strategy.engine.memory[0], torch.ones(64 * 32))
