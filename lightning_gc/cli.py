@@ -15,7 +15,7 @@ import sys
 import lightning_gc  # noqa: F401  (registers the gc_* strategy aliases)
 
 
-def _lightning_cli(argv: list[str]) -> int:
+def _lightning_cli(argv: list[str] | None) -> int:
     from lightning.pytorch.cli import LightningCLI
 
     LightningCLI(args=argv, save_config_kwargs={"overwrite": True})
@@ -23,12 +23,13 @@ def _lightning_cli(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "bench":
         from .bench.cli import main as bench_main
 
-        return bench_main(argv[1:])
-    return _lightning_cli(argv)
+        return bench_main(args[1:])
+    # LightningCLI reads sys.argv itself when args is None (and warns if given both)
+    return _lightning_cli(None if argv is None else args)
 
 
 if __name__ == "__main__":

@@ -103,8 +103,12 @@ class GCStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
+        # LightningCLI fills every inherited keyword with its default (None for these); drop them
         for key in _FORBIDDEN_DDP_ARGS:
-            if key in kwargs:
+            if key in kwargs and kwargs[key] is None:
+                del kwargs[key]
+        for key in _FORBIDDEN_DDP_ARGS:
+            if kwargs.get(key) is not None:
                 raise ValueError(
                     f"GCStrategy installs its own DDP communication hook, so {key}= cannot be used. "
                     "Use lightning's DDPStrategy for a custom hook, or pick a lightning_gc compressor."
