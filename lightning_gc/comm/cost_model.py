@@ -1,0 +1,395 @@
+"""The alpha-beta communication cost model, in one place.
+
+Every prediction of communication time in ``lightning_gc`` comes from this module, so the engine,
+the controller and the benchmarks cannot drift apart. The model (Hockney's alpha-beta model, as
+used in Table I and Eq. 4a/4b of the AR-Topk paper) charges
+
+* ``alpha`` seconds per message (latency: software stack + wire), and
+* ``beta`` seconds per byte (inverse bandwidth),
+
+for each step of a collective's schedule. All functions take
+
+* ``alpha`` -- seconds per message, ``>= 0``;
+* ``beta`` -- seconds per byte, ``>= 0`` (``8 / bits_per_second``);
+* ``M`` -- bytes of the *dense fp32* message (``4 * numel``), ``>= 0``;
+* ``N`` -- number of ranks, an integer ``>= 1``;
+* ``c`` -- compression ratio, the fraction of elements kept, ``0 <= c <= 1`` (top-k keeps
+  ``k = ceil(c * numel)`` elements; ``M * c`` is then the byte size of the kept fp32 values and,
+  because indices are int32, also of the kept indices).
+
+and return seconds. **Logarithms are base 2** (``log2 N``): the tree and broadcast terms count the
+depth of a binary tree and the allgather latency term counts the rounds of recursive doubling.
+The paper writes ``log(N)`` without a base; base 2 is the one under which its own Table VI numbers
+and the usual derivations of these formulas hold.
+
+At ``N == 1`` every cost is exactly 0 (``N - 1 == 0`` and ``log2 1 == 0``): nothing is sent.
+
+Selection among the sparse collectives (a top-k gradient of ``M * c`` value bytes):
+
+* ``allgather`` -- every rank gathers every rank's values and int32 indices,
+  ``alpha*log2 N + 2*M*c*beta*(N-1)``;
+* ``art_ring`` -- AR-Topk with a ring allreduce: broadcast the source rank's indices, then a ring
+  allreduce of the values, Eq. 4a;
+* ``art_tree`` -- AR-Topk with a tree allreduce, Eq. 4b.
+
+Rules 5a-5c are the paper's closed forms of the pairwise comparisons; :func:`choose_sparse_collective`
+compares the cost formulas directly. Both break ties the same way (see its docstring), and the test
+suite checks that they agree over a grid.
+
+How to tune: do not hand-tune ``alpha``/``beta`` from data-sheets; measure them in-band with
+:func:`lightning_gc.comm.probe.probe_network` (it times a collective whose formula is known here and
+inverts it), or pin them with :class:`NetworkModel` if the network is known and stable.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "NetworkModel",
+    "SparseCollective",
+    "SPARSE_COLLECTIVE_TIE_ORDER",
+    "log2n",
+    "parameter_server_cost",
+    "ring_allreduce_cost",
+    "tree_allreduce_cost",
+    "broadcast_cost",
+    "allgather_cost",
+    "sparse_allgather_cost",
+    "art_ring_cost",
+    "art_tree_cost",
+    "sparse_collective_costs",
+    "rule_5a_coefficient",
+    "rule_5b_coefficient",
+    "rule_5c_coefficient",
+    "rule_5a_ring_over_tree",
+    "rule_5b_ring_over_allgather",
+    "rule_5c_tree_over_allgather",
+    "choose_sparse_collective",
+    "choose_sparse_collective_by_rules",
+]
+
+SparseCollective = Literal["allgather", "art_ring", "art_tree"]
+
+#: Order in which equal-cost sparse collectives are preferred (first wins). It mirrors the strict
+#: inequalities of rules 5a-5c: AR-Topk replaces allgather only when *strictly* cheaper (5b, 5c)
+#: and ART-Ring replaces ART-Tree only when *strictly* cheaper (5a). Allgather first also means a
+#: degenerate setting (``N == 1``, ``M*c == 0``, ``alpha == beta == 0``) picks the collective with
+#: no source rank and no index broadcast.
+SPARSE_COLLECTIVE_TIE_ORDER: tuple[SparseCollective, ...] = ("allgather", "art_tree", "art_ring")
+
+
+# --------------------------------------------------------------------------------------------
+# validation helpers
+# --------------------------------------------------------------------------------------------
+def _check_nonneg(name: str, value: float, fix: str) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}={value!r} is not a number; {fix}") from None
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"{name}={value!r} must be a finite number >= 0; {fix}")
+    return v
+
+
+def _check_n(N: int) -> int:
+    try:
+        n = operator.index(N)
+    except TypeError:
+        n = 0
+    if isinstance(N, bool) or n < 1:
+        raise ValueError(
+            f"N={N!r} must be an integer >= 1 (the number of ranks); pass the process-group size, "
+            "e.g. torch.distributed.get_world_size(group)"
+        )
+    return n
+
+
+def _check_c(c: float) -> float:
+    v = _check_nonneg("c", c, "pass the fraction of elements kept, e.g. 0.01 for top-1%")
+    if v > 1:
+        raise ValueError(
+            f"c={c!r} must be at most 1: it is the fraction of elements kept, not a percentage; "
+            "pass e.g. 0.01 for top-1%"
+        )
+    return v
+
+
+def _check_common(alpha: float, beta: float, M: float, N: int) -> tuple[float, float, float, int]:
+    a = _check_nonneg("alpha", alpha, "pass the latency per message in seconds, e.g. 1e-4")
+    b = _check_nonneg("beta", beta, "pass seconds per byte, i.e. 8 / bandwidth_in_bits_per_second")
+    m = _check_nonneg("M", M, "pass the dense fp32 message size in bytes (4 * numel)")
+    return a, b, m, _check_n(N)
+
+
+def log2n(N: int) -> float:
+    """``log2(N)``, exact for powers of two (this is the only logarithm the model uses)."""
+    return math.log2(_check_n(N))
+
+
+# --------------------------------------------------------------------------------------------
+# Table I (dense collectives on M bytes)
+# --------------------------------------------------------------------------------------------
+def parameter_server_cost(alpha: float, beta: float, M: float, N: int) -> float:
+    """Star / parameter server: ``2*alpha + 2*(N-1)*M*beta`` (Table I). 0 at ``N == 1``."""
+    a, b, m, n = _check_common(alpha, beta, M, N)
+    if n == 1:
+        return 0.0
+    return 2 * a + 2 * (n - 1) * m * b
+
+
+def ring_allreduce_cost(alpha: float, beta: float, M: float, N: int) -> float:
+    """Ring allreduce: ``2*(N-1)*alpha + 2*(N-1)/N*M*beta`` (Table I).
+
+    ``N - 1`` reduce-scatter and ``N - 1`` allgather steps, each moving one ``M/N`` chunk.
+    """
+    a, b, m, n = _check_common(alpha, beta, M, N)
+    return 2 * (n - 1) * a + 2 * (n - 1) / n * m * b
+
+
+def tree_allreduce_cost(alpha: float, beta: float, M: float, N: int) -> float:
+    """Tree allreduce (reduce then broadcast): ``2*alpha*log2 N + 2*log2 N*M*beta`` (Table I)."""
+    a, b, m, n = _check_common(alpha, beta, M, N)
+    lg = math.log2(n)
+    return 2 * a * lg + 2 * lg * m * b
+
+
+def broadcast_cost(alpha: float, beta: float, M: float, N: int) -> float:
+    """Binomial-tree broadcast: ``alpha*log2 N + log2 N*M*beta`` (Table I)."""
+    a, b, m, n = _check_common(alpha, beta, M, N)
+    lg = math.log2(n)
+    return a * lg + lg * m * b
+
+
+def allgather_cost(alpha: float, beta: float, M: float, N: int) -> float:
+    """Allgather of ``M`` bytes per rank: ``alpha*log2 N + (N-1)*M*beta`` (Table I)."""
+    a, b, m, n = _check_common(alpha, beta, M, N)
+    return a * math.log2(n) + (n - 1) * m * b
+
+
+# --------------------------------------------------------------------------------------------
+# sparse collectives (Section 3-D)
+# --------------------------------------------------------------------------------------------
+def sparse_allgather_cost(alpha: float, beta: float, M: float, N: int, c: float) -> float:
+    """Allgather of top-k values + int32 indices: ``alpha*log2 N + 2*M*c*beta*(N-1)``.
+
+    The factor 2 is exact because fp32 values and int32 indices have the same width.
+    """
+    a, b, m, n = _check_common(alpha, beta, M, N)
+    cc = _check_c(c)
+    return a * math.log2(n) + 2 * m * cc * b * (n - 1)
+
+
+def art_ring_cost(alpha: float, beta: float, M: float, N: int, c: float) -> float:
+    """AR-Topk with ring allreduce, Eq. 4a.
+
+    ``alpha*[2(N-1) + log2 N] + M*c*beta*[2(N-1)/N + log2 N]`` = broadcast of ``M*c`` index bytes
+    + ring allreduce of ``M*c`` value bytes.
+    """
+    a, b, m, n = _check_common(alpha, beta, M, N)
+    cc = _check_c(c)
+    lg = math.log2(n)
+    return a * (2 * (n - 1) + lg) + m * cc * b * (2 * (n - 1) / n + lg)
+
+
+def art_tree_cost(alpha: float, beta: float, M: float, N: int, c: float) -> float:
+    """AR-Topk with tree allreduce, Eq. 4b: ``3*alpha*log2 N + 3*M*c*beta*log2 N``."""
+    a, b, m, n = _check_common(alpha, beta, M, N)
+    cc = _check_c(c)
+    lg = math.log2(n)
+    return 3 * a * lg + 3 * m * cc * b * lg
+
+
+def sparse_collective_costs(
+    alpha: float, beta: float, M: float, N: int, c: float
+) -> dict[SparseCollective, float]:
+    """Predicted seconds of the three sparse collectives, keyed by name."""
+    return {
+        "allgather": sparse_allgather_cost(alpha, beta, M, N, c),
+        "art_ring": art_ring_cost(alpha, beta, M, N, c),
+        "art_tree": art_tree_cost(alpha, beta, M, N, c),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# rules 5a-5c (closed forms)
+# --------------------------------------------------------------------------------------------
+def rule_5a_coefficient(N: int) -> float:
+    """``K`` of rule 5a: ART-Ring beats ART-Tree iff ``alpha/beta < K * M * c``.
+
+    ``K = (log2 N - (N-1)/N) / (N - 1 - log2 N)``. The denominator vanishes at ``N == 2``
+    (``1 - log2 2 == 0``) while the numerator is ``1/2 > 0``: the ring then wins for *every*
+    ``alpha`` as soon as ``M*c*beta > 0`` (Eq. 4a minus 4b is ``-M*c*beta``), so ``K = inf``.
+    At ``N == 1`` both numerator and denominator are 0 and nothing is sent: ``K = nan`` (the rule
+    never fires). For ``N >= 3`` the denominator is positive and ``K`` is finite and positive.
+    """
+    n = _check_n(N)
+    if n == 1:
+        return math.nan
+    if n == 2:
+        return math.inf
+    lg = math.log2(n)
+    return (lg - (n - 1) / n) / (n - 1 - lg)
+
+
+def rule_5b_coefficient(N: int) -> float:
+    """``K`` of rule 5b: ART-Ring beats allgather iff ``alpha/beta < K * M * c``.
+
+    ``K = 1 - 1/N - log2 N / (2(N-1))``. ``K == 0`` at ``N == 2`` (the ring can at best tie
+    allgather, when ``alpha == 0``); ``nan`` at ``N == 1`` (rule never fires).
+    """
+    n = _check_n(N)
+    if n == 1:
+        return math.nan
+    return 1 - 1 / n - math.log2(n) / (2 * (n - 1))
+
+
+def rule_5c_coefficient(N: int) -> float:
+    """``K`` of rule 5c: ART-Tree beats allgather iff ``alpha/beta < K * M * c``.
+
+    ``K = (N-1)/log2 N - 3/2``: negative at ``N in (2, 3)``, zero at ``N == 4``, positive from 5
+    on -- so with ``alpha >= 0`` ART-Tree never beats allgather below 5 ranks. ``nan`` at ``N == 1``.
+    """
+    n = _check_n(N)
+    if n == 1:
+        return math.nan
+    return (n - 1) / math.log2(n) - 1.5
+
+
+def _rule(alpha: float, beta: float, M: float, N: int, c: float, coeff: Callable[[int], float]) -> bool:
+    # Written as alpha < K*M*c*beta (multiplied out) so that beta == 0 needs no division.
+    a, b, m, n = _check_common(alpha, beta, M, N)
+    cc = _check_c(c)
+    if n == 1:  # nothing is sent: no collective is strictly cheaper than another
+        return False
+    k = coeff(n)
+    if math.isinf(k):  # rule 5a at N == 2: the alpha terms cancel, any M*c*beta > 0 decides
+        return m * cc * b > 0
+    return a < k * m * cc * b
+
+
+def rule_5a_ring_over_tree(alpha: float, beta: float, M: float, N: int, c: float) -> bool:
+    """Rule 5a: True iff ART-Ring is strictly cheaper than ART-Tree.
+
+    Closed form ``alpha/beta < (log2 N - (N-1)/N)/(N-1-log2 N) * M*c``, evaluated multiplied out
+    (``alpha < K*M*c*beta``). ``N == 2``: True iff ``M*c*beta > 0`` (see :func:`rule_5a_coefficient`).
+    """
+    return _rule(alpha, beta, M, N, c, rule_5a_coefficient)
+
+
+def rule_5b_ring_over_allgather(alpha: float, beta: float, M: float, N: int, c: float) -> bool:
+    """Rule 5b: True iff ART-Ring is strictly cheaper than allgather,
+    ``alpha/beta < (1 - 1/N - log2 N/(2(N-1))) * M*c``."""
+    return _rule(alpha, beta, M, N, c, rule_5b_coefficient)
+
+
+def rule_5c_tree_over_allgather(alpha: float, beta: float, M: float, N: int, c: float) -> bool:
+    """Rule 5c: True iff ART-Tree is strictly cheaper than allgather,
+    ``alpha/beta < ((N-1)/log2 N - 3/2) * M*c``."""
+    return _rule(alpha, beta, M, N, c, rule_5c_coefficient)
+
+
+def choose_sparse_collective_by_rules(
+    alpha: float, beta: float, M: float, N: int, c: float
+) -> SparseCollective:
+    """The paper's decision procedure from the closed forms only.
+
+    Rule 5a picks the AR-Topk flavour; rule 5b (ring) or 5c (tree) then decides whether it beats
+    allgather. Agrees with :func:`choose_sparse_collective` (same tie order) up to floating-point
+    rounding at the exact decision boundaries.
+    """
+    if rule_5a_ring_over_tree(alpha, beta, M, N, c):
+        return "art_ring" if rule_5b_ring_over_allgather(alpha, beta, M, N, c) else "allgather"
+    return "art_tree" if rule_5c_tree_over_allgather(alpha, beta, M, N, c) else "allgather"
+
+
+def choose_sparse_collective(alpha: float, beta: float, M: float, N: int, c: float) -> SparseCollective:
+    """Pick the cheapest of allgather / ART-Ring / ART-Tree by comparing the cost formulas.
+
+    Ties (equal predicted seconds, which happens in degenerate settings: ``N == 1``, ``M*c == 0``,
+    ``alpha == beta == 0``, or exactly on a rule boundary) are broken by
+    :data:`SPARSE_COLLECTIVE_TIE_ORDER` = allgather, then ART-Tree, then ART-Ring, which is what the
+    strict inequalities of rules 5a-5c imply. The inputs must be replicated across ranks (e.g. a
+    probed, agreed :class:`NetworkModel`), otherwise ranks pick different collectives and hang.
+    """
+    costs = sparse_collective_costs(alpha, beta, M, N, c)
+    best = SPARSE_COLLECTIVE_TIE_ORDER[0]
+    for name in SPARSE_COLLECTIVE_TIE_ORDER[1:]:
+        if costs[name] < costs[best]:
+            best = name
+    return best
+
+
+# --------------------------------------------------------------------------------------------
+# NetworkModel
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NetworkModel:
+    """Latency and inverse bandwidth of the network between the ranks of one process group.
+
+    Args:
+        alpha_s: seconds per message (``>= 0``). On real networks tens of microseconds (same rack)
+            to milliseconds (WAN); on loopback/veth it is the software stack's latency only.
+        beta_s_per_byte: seconds per byte (``>= 0``), i.e. ``8 / bandwidth_bits_per_s``:
+            ``8e-10`` for 10 Gbit/s.
+
+    ``beta == 0`` (infinite bandwidth) is allowed: it is what a probe returns when its message
+    sizes were too small to see bandwidth (see the clamping rule there); every formula stays defined.
+
+    Use :meth:`from_bandwidth` to pin a known network, or
+    :func:`lightning_gc.comm.probe.probe_network` to measure one.
+    """
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def __post_init__(self) -> None:
+        _check_nonneg("alpha_s", self.alpha_s, "pass the latency per message in seconds, e.g. 1e-4")
+        _check_nonneg(
+            "beta_s_per_byte",
+            self.beta_s_per_byte,
+            "pass seconds per byte, i.e. 8 / bandwidth_in_bits_per_second (use NetworkModel.from_bandwidth)",
+        )
+        object.__setattr__(self, "alpha_s", float(self.alpha_s))
+        object.__setattr__(self, "beta_s_per_byte", float(self.beta_s_per_byte))
+
+    @classmethod
+    def from_bandwidth(cls, bits_per_s: float, latency_s: float) -> NetworkModel:
+        """Build from a bandwidth in bits per second (e.g. ``10e9``) and a latency in seconds."""
+        bw = _check_nonneg("bits_per_s", bits_per_s, "pass e.g. 10e9 for 10 Gbit/s")
+        if bw == 0:
+            raise ValueError(
+                f"bits_per_s={bits_per_s!r} must be > 0: a zero bandwidth has no finite beta; "
+                "pass the link bandwidth, e.g. 10e9 for 10 Gbit/s"
+            )
+        return cls(alpha_s=latency_s, beta_s_per_byte=8.0 / bw)
+
+    @property
+    def bandwidth_bits_per_s(self) -> float:
+        """``8 / beta`` (``inf`` when ``beta == 0``)."""
+        return math.inf if self.beta_s_per_byte == 0 else 8.0 / self.beta_s_per_byte
+
+    def ring_allreduce(self, M: float, N: int) -> float:
+        return ring_allreduce_cost(self.alpha_s, self.beta_s_per_byte, M, N)
+
+    def tree_allreduce(self, M: float, N: int) -> float:
+        return tree_allreduce_cost(self.alpha_s, self.beta_s_per_byte, M, N)
+
+    def broadcast(self, M: float, N: int) -> float:
+        return broadcast_cost(self.alpha_s, self.beta_s_per_byte, M, N)
+
+    def allgather(self, M: float, N: int) -> float:
+        return allgather_cost(self.alpha_s, self.beta_s_per_byte, M, N)
+
+    def parameter_server(self, M: float, N: int) -> float:
+        return parameter_server_cost(self.alpha_s, self.beta_s_per_byte, M, N)
+
+    def sparse_costs(self, M: float, N: int, c: float) -> dict[SparseCollective, float]:
+        return sparse_collective_costs(self.alpha_s, self.beta_s_per_byte, M, N, c)
+
+    def choose_sparse_collective(self, M: float, N: int, c: float) -> SparseCollective:
+        return choose_sparse_collective(self.alpha_s, self.beta_s_per_byte, M, N, c)

@@ -1,0 +1,216 @@
+"""P2P ring and tree allreduce against native ``dist.all_reduce`` on gloo ranks.
+
+One 5-rank spawn covers groups of 2, 3, 4 and 5 ranks (spawning is the expensive part); each
+worker runs every case and returns a list of mismatch descriptions plus result digests, and the
+parent asserts, so a failing case never leaves the other ranks hanging in a later collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_harness import run_distributed
+
+from lightning_gc.comm.p2p_allreduce import (
+    ring_allreduce,
+    ring_bytes_sent,
+    tree_allreduce,
+    tree_bytes_sent,
+)
+
+ALGOS = {"ring": ring_allreduce, "tree": tree_allreduce}
+
+
+# ------------------------------------------------------------------------------------------
+# independent oracles (not using the library's helpers)
+# ------------------------------------------------------------------------------------------
+def _oracle_ring_bytes(numel: int, esize: int, n: int, r: int) -> int:
+    # torch.tensor_split puts the extra elements in the first chunks, like the ring does. In the
+    # reduce-scatter a rank sends every chunk except (r+1)%n (the one it ends up owning); in the
+    # allgather every chunk except (r+2)%n (the one its right neighbour owns).
+    if n == 1:
+        return 0
+    sizes = [len(c) for c in torch.tensor_split(torch.arange(numel), n)]
+    return (2 * sum(sizes) - sizes[(r + 1) % n] - sizes[(r + 2) % n]) * esize
+
+
+def _oracle_tree_bytes(numel: int, esize: int, n: int, r: int) -> int:
+    n_children = sum(1 for c in (2 * r + 1, 2 * r + 2) if c < n)
+    return ((r != 0) + n_children) * numel * esize if n > 1 else 0
+
+
+def _oracle_subtree(c: int, n: int) -> int:
+    # ranks whose chain of parents (d-1)//2 passes through c
+    count = 0
+    for d in range(n):
+        x = d
+        while x > c:
+            x = (x - 1) // 2
+        count += x == c
+    return count
+
+
+def _input(kind: str, numel: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + 7 * rank + numel)
+    if kind == "int64":  # large values: sums wrap around, which must match too
+        return torch.randint(-(2**62), 2**62, (numel,), generator=g, dtype=torch.int64)
+    return torch.randn(numel, generator=g, dtype=torch.float32) * (rank + 1)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------
+# worker
+# ------------------------------------------------------------------------------------------
+def _check_group(errors: list, digests: dict, tag: str, group, cases: list[tuple[str, int]]) -> None:
+    n = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    for algo, fn in ALGOS.items():
+        for kind, numel in cases:
+            case = f"{tag} {algo} {kind} numel={numel}"
+            x = _input(kind, numel, dist.get_rank())
+            ref = x.clone()
+            dist.all_reduce(ref, group=group)
+            stats = fn(x, group)
+            if kind == "int64":
+                if not torch.equal(x, ref):
+                    errors.append(f"{case}: not bit-identical to dist.all_reduce")
+            elif not torch.allclose(x, ref, rtol=1e-5, atol=1e-5):
+                errors.append(f"{case}: max err {(x - ref).abs().max().item()}")
+            esize = x.element_size()
+            expected = (_oracle_ring_bytes if algo == "ring" else _oracle_tree_bytes)(numel, esize, n, r)
+            if stats.bytes_sent != expected:
+                errors.append(f"{case}: bytes_sent {stats.bytes_sent} != analytic {expected}")
+            helper = (ring_bytes_sent if algo == "ring" else tree_bytes_sent)(numel, esize, n, r)
+            if helper != expected:
+                errors.append(f"{case}: bytes helper {helper} != analytic {expected}")
+            digests[case] = (_digest(x), stats.bytes_sent, stats.bytes_received)
+
+
+def _hop_check(errors: list, tag: str, group, numel: int) -> None:
+    """All-ones data: the incoming chunk at hop m must hold exactly m everywhere."""
+    n = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    for algo, fn in ALGOS.items():
+        calls: list[int] = []
+
+        def counting(acc: torch.Tensor, inc: torch.Tensor, hop: int, calls: list = calls, algo: str = algo) -> None:
+            calls.append(hop)
+            if inc.numel() and not torch.all(inc == hop):
+                errors.append(f"{tag} {algo}: incoming chunk at hop {hop} holds {inc.unique().tolist()}")
+            acc.add_(inc)
+
+        x = torch.ones(numel, dtype=torch.int64)
+        stats = fn(x, group, counting)
+        if not torch.all(x == n):
+            errors.append(f"{tag} {algo}: all-ones sum is {x.unique().tolist()}, want {n}")
+        if algo == "ring":
+            want = list(range(1, n))
+        else:
+            want = [_oracle_subtree(c, n) for c in (2 * r + 1, 2 * r + 2) if c < n]
+        if calls != want:
+            errors.append(f"{tag} {algo} numel={numel}: combine hops {calls}, want {want}")
+        if stats.combine_calls != len(want):
+            errors.append(f"{tag} {algo}: combine_calls {stats.combine_calls} != {len(want)}")
+
+
+def _custom_combine_check(errors: list, group) -> None:
+    """A max-combine (in place for the tree, returning a new tensor for the ring) must equal
+    all_reduce(MAX)."""
+    variants = {
+        "tree": ("inplace", lambda a, b, h: torch.maximum(a, b, out=a)),
+        "ring": ("returned", lambda a, b, h: torch.maximum(a, b)),
+    }
+    for algo, fn in ALGOS.items():
+        name, comb = variants[algo]
+        x = _input("float32", 37, dist.get_rank())
+        ref = x.clone()
+        dist.all_reduce(ref, op=dist.ReduceOp.MAX, group=group)
+        fn(x, group, comb)
+        if not torch.equal(x, ref):
+            errors.append(f"{algo} max-combine ({name}) differs from all_reduce(MAX)")
+
+
+# Group sizes 2..4 are subgroups of one 5-rank world whose group ranks differ from the global
+# ranks (exercising the rank translation); 5 is the world group itself (group=None). One spawn
+# instead of four keeps the suite fast on small machines.
+SUBGROUPS = {2: [1, 3], 3: [0, 2, 4], 4: [1, 2, 3, 4]}
+WORLD = 5
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    errors: list[str] = []
+    digests: dict = {}
+    groups = {n: dist.new_group(members) for n, members in SUBGROUPS.items()}  # all ranks call
+    groups[WORLD] = None
+    for n, group in groups.items():
+        if group is not None and rank not in SUBGROUPS[n]:
+            continue
+        # int64 (exact) over sizes below, at and above N and not divisible by N; float32 on two
+        int_sizes = sorted({0, 1, max(1, n - 1), n + 1, 5 * n + 3})
+        cases = [("int64", s) for s in int_sizes] + [("float32", n + 1), ("float32", 1031)]
+        _check_group(errors, digests, f"N={n}", group, cases)
+        for numel in (1, 4 * n + 1):
+            _hop_check(errors, f"N={n}", group, numel)
+        _custom_combine_check(errors, group)
+
+    # 2-D contiguous input is reduced element-wise through its flat view
+    x2 = _input("float32", 15, rank).view(3, 5)
+    ref2 = x2.clone()
+    dist.all_reduce(ref2)
+    ring_allreduce(x2)
+    if x2.shape != (3, 5) or not torch.allclose(x2, ref2, rtol=1e-5, atol=1e-5):
+        errors.append("2-D tensor: result differs from all_reduce")
+
+    # a single-rank group: no-op; a non-member: clear error; non-contiguous: clear error
+    solo = dist.new_group([1])
+    if rank == 1:
+        y = torch.arange(5.0)
+        for fn in ALGOS.values():
+            st = fn(y, solo, lambda a, b, h: errors.append("combine called at world size 1"))
+            if st.bytes_sent or st.messages_sent or not torch.equal(y, torch.arange(5.0)):
+                errors.append(f"world size 1 is not a no-op: {st}")
+    else:
+        with pytest.raises(ValueError, match="not a member"):
+            ring_allreduce(torch.zeros(3), solo)
+    with pytest.raises(ValueError, match="not contiguous"):
+        ring_allreduce(torch.zeros(4, 4).t())
+    if rank in SUBGROUPS[2]:
+        # both members raise at the same point (after the first ring exchange completed), so no
+        # message is left in flight
+        with pytest.raises(TypeError, match="same shape"):
+            ring_allreduce(torch.zeros(4), groups[2], lambda a, b, h: torch.zeros(3))
+    dist.barrier()
+    return {"errors": errors, "digests": digests}
+
+
+def test_ring_and_tree_match_native_allreduce_for_2_to_5_ranks() -> None:
+    results = run_distributed(_worker, WORLD)
+    errors = [f"rank {r}: {e}" for r, res in enumerate(results) for e in res["errors"]]
+    assert not errors, "\n".join(errors)
+    # every member holds the bit-identical result; bytes sent == bytes received over the group
+    cases = set().union(*(res["digests"] for res in results))
+    for case in cases:
+        holders = [res["digests"][case] for res in results if case in res["digests"]]
+        n = int(case.split()[0].removeprefix("N="))
+        assert len(holders) == n, case
+        assert len({h[0] for h in holders}) == 1, f"{case}: results differ across ranks"
+        assert sum(h[1] for h in holders) == sum(h[2] for h in holders), case
+    for n in (2, 3, 4, 5):
+        for algo in ALGOS:
+            assert any(c.startswith(f"N={n} {algo} ") for c in cases), (n, algo)
+
+
+def test_ring_bytes_approach_model() -> None:
+    # 2(N-1)/N * M per rank when numel divides evenly (Table I's Ring-AR bandwidth term)
+    for n in (2, 3, 4, 8):
+        numel = 24 * n
+        for r in range(n):
+            assert ring_bytes_sent(numel, 4, n, r) == 2 * (n - 1) * (numel // n) * 4
+    # tree: leaves send once, inner nodes 1 + children, root only to children
+    assert [tree_bytes_sent(10, 4, 5, r) for r in range(5)] == [80, 120, 40, 40, 40]
