@@ -71,6 +71,11 @@ class GCStrategy(DDPStrategy):
             rank receives the non-finite gradient, like plain DDP.
         seed: seed of all compressor randomness.
         monitor: add a :class:`~lightning_gc.callbacks.GCMonitor` if the Trainer has none.
+        network_alpha_s, network_beta_s_per_byte: pin the alpha-beta network model (seconds per
+            message, seconds per byte) used by ``artopk_auto`` instead of probing it.
+        probe_every, probe_drift, probe_patience: when ``artopk_auto`` re-measures the network:
+            every ``probe_every`` steps, or after ``probe_patience`` consecutive steps whose measured
+            communication time differs from the model's prediction by more than ``probe_drift``.
         process_group_backend, timeout, start_method: as in ``DDPStrategy``.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (e.g. ``bucket_cap_mb``,
             ``find_unused_parameters``).
@@ -93,6 +98,11 @@ class GCStrategy(DDPStrategy):
         nonfinite: Literal["skip", "propagate"] = "skip",
         seed: int = 0,
         monitor: bool = True,
+        network_alpha_s: float | None = None,
+        network_beta_s_per_byte: float | None = None,
+        probe_every: int = 1000,
+        probe_drift: float = 0.5,
+        probe_patience: int = 5,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -131,6 +141,11 @@ class GCStrategy(DDPStrategy):
             check_finite=check_finite,
             seed=seed,
             collective=self._collective,
+            network_alpha_s=network_alpha_s,
+            network_beta_s_per_byte=network_beta_s_per_byte,
+            probe_every=probe_every,
+            probe_drift=probe_drift,
+            probe_patience=probe_patience,
         )
         self._compressor_name = compressor
         self._nonfinite = nonfinite

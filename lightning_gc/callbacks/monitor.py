@@ -14,6 +14,12 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 ``gc/gain``            compression gain Σ_r‖g_c‖² / Σ_r‖g_e‖² of the previous compressed step (all ranks)
 ``gc/gain_ewma``       exponentially smoothed gain (all ranks)
 ``gc/nonfinite``       1 if the step's gradient was non-finite on some rank (all ranks)
+``gc/collective``      model-chosen collective (artopk_auto): 0 allgather, 1 ART-Ring, 2 ART-Tree
+``gc/predicted_comm_ms`` alpha-beta prediction for the model-chosen collectives (ms)
+``gc/exchange_comm_ms``  measured time of those same collectives (ms)
+``gc/net_alpha_us``    network latency per message in force (µs; probed or pinned)
+``gc/net_bandwidth_mbit`` network bandwidth in force, 8/β (Mbit/s)
+``gc/probe_ms``        time spent probing the network during the step (ms)
 ====================  ========================================================================
 """
 
@@ -22,6 +28,8 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
+
+_COLLECTIVE_CODES = {"allgather": 0, "art_ring": 1, "art_tree": 2}
 
 
 class GCMonitor(Callback):
@@ -60,6 +68,16 @@ class GCMonitor(Callback):
             metrics["gc/gain"] = float(s.gain)
         if s.gain_ewma is not None:
             metrics["gc/gain_ewma"] = float(s.gain_ewma)
+        if s.collective is not None:
+            metrics["gc/collective"] = float(_COLLECTIVE_CODES.get(s.collective, -1))
+            metrics["gc/exchange_comm_ms"] = 1e3 * s.exchange_comm_s
+            if s.predicted_comm_s is not None:
+                metrics["gc/predicted_comm_ms"] = 1e3 * s.predicted_comm_s
+        if s.alpha_s is not None and s.beta_s_per_byte is not None:
+            metrics["gc/net_alpha_us"] = 1e6 * s.alpha_s
+            metrics["gc/net_bandwidth_mbit"] = 8e-6 / s.beta_s_per_byte if s.beta_s_per_byte > 0 else float("inf")
+        if s.probe_s > 0:
+            metrics["gc/probe_ms"] = 1e3 * s.probe_s
         for key, value in metrics.items():
             pl_module.log(
                 key,

@@ -119,10 +119,50 @@ class AllgatherExchange(Exchange):
         return mean, sent
 
 
+def _p2p(reduce: str) -> Callable[..., Exchange]:
+    def factory(compressor: Compressor, group=None) -> Exchange:
+        from .p2p_allreduce import ring_allreduce, tree_allreduce
+
+        fn = ring_allreduce if reduce == "ring" else tree_allreduce
+        ex = AllreduceExchange(compressor, group, reduce_fn=lambda t, g: fn(t, group=g).bytes_sent)
+        ex.name = reduce
+        return ex
+
+    return factory
+
+
+def _art(reduce: str) -> Callable[..., Exchange]:
+    def factory(compressor: Compressor, group=None) -> Exchange:
+        from .artopk import ARTopkExchange
+
+        return ARTopkExchange(compressor, group, reduce)  # type: ignore[arg-type]
+
+    return factory
+
+
+def _auto_sparse(compressor: Compressor, group=None) -> Exchange:
+    from .artopk import AutoSparseExchange
+
+    return AutoSparseExchange(compressor, group)  # type: ignore[arg-type]
+
+
 # name -> (exchange factory, wire formats it can carry)
 _EXCHANGES: dict[str, tuple[Callable[..., Exchange], frozenset[str]]] = {
     "allreduce": (AllreduceExchange, frozenset({"allreduce"})),
+    "ring": (_p2p("ring"), frozenset({"allreduce"})),
+    "tree": (_p2p("tree"), frozenset({"allreduce"})),
     "allgather": (AllgatherExchange, frozenset({"allgather"})),
+    "art_allreduce": (_art("allreduce"), frozenset({"artopk"})),
+    "art_ring": (_art("ring"), frozenset({"artopk"})),
+    "art_tree": (_art("tree"), frozenset({"artopk"})),
+    "auto_sparse": (_auto_sparse, frozenset({"artopk_auto"})),
+}
+# what collective="auto" means for each wire format
+_DEFAULT_FOR_FORMAT = {
+    "allreduce": "allreduce",
+    "allgather": "allgather",
+    "artopk": "art_allreduce",
+    "artopk_auto": "auto_sparse",
 }
 
 
@@ -140,7 +180,7 @@ def validate_collective(compressor: Compressor, collective: str) -> str:
     """Resolve ``"auto"`` and refuse incompatible pairs with a helpful message."""
     valid = compatible_collectives(compressor)
     if collective == "auto":
-        return compressor.wire_format
+        return _DEFAULT_FOR_FORMAT[compressor.wire_format]
     if collective not in _EXCHANGES:
         raise ValueError(
             f"unknown collective {collective!r}; valid collectives: {['auto', *_EXCHANGES]}."
@@ -148,7 +188,7 @@ def validate_collective(compressor: Compressor, collective: str) -> str:
     if collective not in valid:
         hint = (
             " Its (values, indices) payloads from different ranks cannot be summed element-wise;"
-            " for an allreduce-friendly sparse format use compressor='randomk' (shared indices)."
+            " for an allreduce-friendly sparse format use compressor='star_topk' (AR-Topk) or 'randomk'."
             if compressor.wire_format == "allgather"
             else ""
         )

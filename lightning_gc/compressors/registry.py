@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .artopk import ARTopKConfig, AutoARTopKCompressor, STARTopKCompressor, VARTopKCompressor
 from .base import Compressor
 from .cast import BF16Compressor, CastConfig, FP16Compressor
 from .dense import DenseCompressor, DenseConfig
@@ -46,6 +47,12 @@ _ENTRIES = [
     CompressorEntry("qsgd", QSGDConfig, QSGDCompressor, "stochastic s-level quantisation, allgather"),
     CompressorEntry("signsgd", SignConfig, SignSGDCompressor, "1-bit signs, majority vote"),
     CompressorEntry("efsignsgd", SignConfig, EFSignSGDCompressor, "1-bit scaled signs with error feedback"),
+    CompressorEntry("star_topk", ARTopKConfig, STARTopKCompressor,
+                    "AR-Topk, round-robin source broadcasts indices, values by allreduce", (("selection", "star"),)),
+    CompressorEntry("var_topk", ARTopKConfig, VARTopKCompressor,
+                    "AR-Topk, max-energy source broadcasts indices, values by allreduce", (("selection", "var"),)),
+    CompressorEntry("artopk_auto", ARTopKConfig, AutoARTopKCompressor,
+                    "STAR AR-Topk or Top-k allgather, collective chosen by the alpha-beta model", (("selection", "star"),)),
 ]
 
 COMPRESSORS: dict[str, CompressorEntry] = {e.name: e for e in _ENTRIES}

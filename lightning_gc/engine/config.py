@@ -32,6 +32,12 @@ class EngineConfig:
         seed: seed of all compressor randomness (shared and private streams derive from it).
         gain_ewma_beta: smoothing of the compression gain, ``ewma ← β·ewma + (1−β)·gain``.
         collective: ``"auto"`` (the compressor's natural collective) or an explicit name.
+        network_alpha_s, network_beta_s_per_byte: pin the network model (latency per message in
+            seconds, transfer time per byte in seconds) instead of probing; both or neither.
+        probe_every: re-probe the network every this many optimizer steps (0 = never again).
+        probe_drift: re-probe when the measured communication time of the model-chosen
+            collectives differs from the prediction by more than this fraction ...
+        probe_patience: ... for this many consecutive steps.
     """
 
     plan: str = "model"
@@ -43,8 +49,26 @@ class EngineConfig:
     seed: int = 0
     gain_ewma_beta: float = 0.9
     collective: str = "auto"
+    network_alpha_s: float | None = None
+    network_beta_s_per_byte: float | None = None
+    probe_every: int = 1000
+    probe_drift: float = 0.5
+    probe_patience: int = 5
 
     def __post_init__(self) -> None:
+        pinned = (self.network_alpha_s, self.network_beta_s_per_byte)
+        if (pinned[0] is None) != (pinned[1] is None):
+            raise ValueError(
+                f"network_alpha_s={pinned[0]!r} and network_beta_s_per_byte={pinned[1]!r}: pin both "
+                "(e.g. 1e-4 s and 8e-8 s/byte for 100 Mbit/s) or neither (measure them with the probe)."
+            )
+        for name, v in zip(("network_alpha_s", "network_beta_s_per_byte"), pinned):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+                raise ValueError(f"{name}={v!r} must be a number ≥ 0 (seconds per message / per byte).")
+        _int("probe_every", self.probe_every, 0, "Use 0 to probe only once, e.g. 1000 to refresh.")
+        _int("probe_patience", self.probe_patience, 1, "Use e.g. 5 consecutive drifted steps.")
+        if not isinstance(self.probe_drift, (int, float)) or not self.probe_drift > 0:
+            raise ValueError(f"probe_drift={self.probe_drift!r} must be a fraction > 0, e.g. 0.5 (50%).")
         if self.plan not in PLAN_KINDS:
             raise ValueError(
                 f"plan={self.plan!r} is not a plan kind: use one of {list(PLAN_KINDS)} "

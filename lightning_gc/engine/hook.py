@@ -33,8 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..comm.artopk import NetworkState
 from ..comm.collectives import ring_allreduce_bytes
+from ..comm.cost_model import NetworkModel
 from ..comm.exchange import AllreduceExchange, ExchangeTimes, Timer, make_exchange
+from ..comm.probe import ProbeConfig, ProbePolicy, probe_network
 from ..compressors.base import Compressor, GroupContext
 from ..compressors.dense import DenseCompressor
 from .config import EngineConfig
@@ -95,6 +98,22 @@ class GCEngine:
         self.exact_exchange = AllreduceExchange(DenseCompressor(), process_group)
         self.all_exact = all(g.exact for g in self.plan.groups)
         self.error_feedback = bool(config.error_feedback) and compressor.lossy
+        # network model: pinned by the user, or measured in-band by the probe when an exchange
+        # needs it (the model-chosen collective). Replicated: pinned values are arguments every
+        # rank receives, probed values are agreed by the probe (MAX over ranks).
+        pinned = config.network_alpha_s is not None
+        self.network = NetworkState(
+            NetworkModel(config.network_alpha_s, config.network_beta_s_per_byte) if pinned else None, pinned
+        )
+        if hasattr(self.exchange, "network"):
+            self.exchange.network = self.network
+        needs_probe = hasattr(self.exchange, "network") and not pinned and self.world_size > 1
+        self.probe_policy = (
+            ProbePolicy(config.probe_every, config.probe_drift, config.probe_patience, probe_at_start=True)
+            if needs_probe else None
+        )
+        self.probe_config = ProbeConfig(sizes_bytes=(64, 65536, 1048576), warmup=2, repeats=7)
+        self._meas_carry: tuple[float, float] | None = None  # (exchange comm s, predicted s), prev step
         self.memory: dict[int, Tensor] = {}
         self.step = 0
         self.gain_ewma: float | None = None
@@ -182,6 +201,7 @@ class GCEngine:
         self._first_stats_sent = False
         self._step_sent2 = 0.0
         self._step_p2 = 0.0
+        self._exchange_comm_s = 0.0
 
     def _dense_bucket(self, buffer: Tensor) -> torch.futures.Future:
         """DDP's own hook: async allreduce of bucket / N (same numerics as DDP without a hook)."""
@@ -255,27 +275,49 @@ class GCEngine:
     def _process_lossy(self, gid: int, flat: Tensor, ctx: GroupContext, timer: Timer) -> Tensor:
         mem = self.memory.get(gid)
         p = flat + mem if (self.error_feedback and mem is not None) else flat
-        if self.config.check_finite:
-            carry = self._carry if not self._first_stats_sent else None
+        first = not self._first_stats_sent
+        if self.config.check_finite or self.probe_policy is not None:
+            carry = self._carry if first else None
+            meas = self._meas_carry if first else None
             local_bad = 0.0 if bool(torch.isfinite(p).all()) else 1.0
-            stats = torch.tensor([local_bad, float(carry is not None), *(carry or (0.0, 0.0))],
-                                 dtype=torch.float64, device=flat.device)
+            stats = torch.tensor(
+                [local_bad, float(carry is not None), *(carry or (0.0, 0.0)),
+                 float(meas is not None), *(meas or (0.0, 0.0))],
+                dtype=torch.float64, device=flat.device,
+            )
             timer.run("comm", lambda: dist.all_reduce(stats, group=self.process_group))
             self._times.bytes_sent += ring_allreduce_bytes(stats.numel() * 8, self.world_size)
-            if not self._first_stats_sent:
+            if first:
                 self._first_stats_sent = True
                 self._carry = None
+                self._meas_carry = None
                 if float(stats[1]) > 0:  # carried values are identical in presence on all ranks
                     self._record_gain(float(stats[2]), float(stats[3]))
+                if self.probe_policy is not None:
+                    has = float(stats[4]) > 0
+                    measured = float(stats[5]) / self.world_size if has else None  # mean over ranks
+                    predicted = float(stats[6]) / self.world_size if has else None  # replicated anyway
+                    if self.probe_policy.update(self.step, measured, predicted):
+                        self._run_probe()
             if float(stats[0]) > 0:
                 self._nonfinite = True
                 return torch.full_like(flat, float("nan"))
+        c0 = self._times.comm_s
         mean, sent = self.exchange.run(p, ctx, timer)
+        self._exchange_comm_s += self._times.comm_s - c0
         if self.error_feedback:
             self.memory[gid] = p - sent
         self._step_sent2 += float(sent.float().pow(2).sum())
         self._step_p2 += float(p.float().pow(2).sum())
         return mean
+
+    def _run_probe(self) -> None:
+        """Measure alpha/beta in-band (a collective: every rank decided identically to call it)."""
+        t0 = time.perf_counter()
+        result = probe_network(self.process_group, self.probe_config, device=self.device)
+        self.network.model = result.network
+        self.network.probes += 1
+        self._stats.probe_s += time.perf_counter() - t0
 
     def _record_gain(self, sent2: float, p2: float) -> None:
         gain = sent2 / p2 if p2 > 0 else 1.0
@@ -300,6 +342,16 @@ class GCEngine:
                 self._carry = (self._step_sent2, self._step_p2)
             if not self.config.check_finite and self._step_p2 > 0:
                 self._record_gain(self._step_sent2, self._step_p2)  # local estimate only
+        choices = self._times.extra.get("choices")
+        if choices:
+            s.collective = "+".join(sorted(set(choices)))
+            s.predicted_comm_s = self._times.extra.get("predicted_comm_s")
+            s.exchange_comm_s = self._exchange_comm_s
+            if s.predicted_comm_s is not None and not s.nonfinite:
+                self._meas_carry = (self._exchange_comm_s, s.predicted_comm_s)
+        if self.network.model is not None:
+            s.alpha_s = self.network.model.alpha_s
+            s.beta_s_per_byte = self.network.model.beta_s_per_byte
         s.bytes_sent += self._times.bytes_sent
         s.bytes_payload += self._times.bytes_payload
         s.bytes_dense = self._dense_bytes_per_step if self.world_size > 1 else 0
@@ -334,6 +386,10 @@ class GCEngine:
             "totals": self._totals.as_dict(),
             "plan": self.plan.signature(),
             "seed": self.config.seed,
+            "network": None if self.network.model is None or self.network.pinned
+            else (self.network.model.alpha_s, self.network.model.beta_s_per_byte),
+            "probe_policy": self.probe_policy.state_dict() if self.probe_policy is not None else None,
+            "meas_carry": self._meas_carry,
         }
 
     def load_state_dict(self, state: dict, restore_memory: bool = True) -> list[str]:
@@ -345,6 +401,13 @@ class GCEngine:
         carry = state.get("carry")
         self._carry = tuple(carry) if carry is not None else None  # type: ignore[assignment]
         self._totals = Totals(**state.get("totals", {}))
+        net = state.get("network")
+        if net is not None and not self.network.pinned:
+            self.network.model = NetworkModel(*net)
+        if self.probe_policy is not None and state.get("probe_policy") is not None:
+            self.probe_policy.load_state_dict(state["probe_policy"])
+        meas = state.get("meas_carry")
+        self._meas_carry = tuple(meas) if meas is not None else None  # type: ignore[assignment]
         missing: list[str] = []
         self.memory = {}
         if not restore_memory:

@@ -25,6 +25,12 @@ class StepStats:
     nonfinite: bool = False
     gain: float | None = None
     gain_ewma: float | None = None
+    collective: str | None = None  # model-chosen collective(s) of the step, e.g. "art_ring"
+    predicted_comm_s: float | None = None  # alpha-beta prediction for the chosen collectives
+    exchange_comm_s: float = 0.0  # measured time of those exchanges (what the prediction is for)
+    alpha_s: float | None = None  # network model in force
+    beta_s_per_byte: float | None = None
+    probe_s: float = 0.0  # time spent probing the network during this step
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -40,6 +46,7 @@ class Totals:
     bytes_dense: int = 0
     compress_time_s: float = 0.0
     comm_time_s: float = 0.0
+    probes: int = 0
 
     def add(self, s: StepStats) -> None:
         self.steps += 1
@@ -50,6 +57,7 @@ class Totals:
         self.bytes_dense += s.bytes_dense
         self.compress_time_s += s.compress_time_s
         self.comm_time_s += s.comm_time_s
+        self.probes += int(s.probe_s > 0)
 
     def as_dict(self) -> dict:
         return asdict(self)

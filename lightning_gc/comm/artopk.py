@@ -1,0 +1,128 @@
+"""AR-Topk exchanges: broadcast the source's indices, allreduce every rank's values there.
+
+Three reductions for the values, so that ring vs tree is a real choice on any backend:
+``"allreduce"`` (the backend's own), ``"ring"`` and ``"tree"`` (our P2P implementations in
+:mod:`lightning_gc.comm.p2p_allreduce`). :class:`AutoSparseExchange` picks per group and step among
+Top-k allgather (AG), ART-Ring and ART-Tree from the alpha-beta model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..compressors.artopk import ARTopKCompressor, select_source
+from ..compressors.base import GroupContext, ratio_to_k
+from ..compressors.sparse import scatter_sparse
+from .collectives import allgather_bytes, ring_allreduce_bytes
+from .cost_model import NetworkModel
+from .exchange import AllgatherExchange, Exchange, Timer
+from .p2p_allreduce import ring_allreduce, tree_allreduce
+
+
+class NetworkState:
+    """The network model the engine currently believes (probed or pinned), shared with exchanges."""
+
+    def __init__(self, model: NetworkModel | None = None, pinned: bool = False) -> None:
+        self.model = model
+        self.pinned = pinned
+        self.probes = 0
+
+
+class ARTopkExchange(Exchange):
+    """Broadcast source indices, then reduce values with ``reduce`` ∈ {allreduce, ring, tree}."""
+
+    def __init__(self, compressor: ARTopKCompressor, group=None, reduce: str = "allreduce") -> None:
+        super().__init__(compressor, group)
+        if reduce not in ("allreduce", "ring", "tree"):
+            raise ValueError(f"reduce={reduce!r} must be 'allreduce', 'ring' or 'tree'")
+        self.reduce = reduce
+        self.name = {"allreduce": "art_allreduce", "ring": "art_ring", "tree": "art_tree"}[reduce]
+        self._energy: Tensor | None = None  # VAR's smoothed per-rank energies (replicated)
+        self.last_source = -1
+
+    def _global(self, r: int) -> int:
+        return dist.get_global_rank(self.group, r) if self.group is not None else r
+
+    def _var_source(self, local_values: Tensor, ctx: GroupContext, timer: Timer) -> int:
+        cfg = self.compressor.config
+        energy = local_values.double().pow(2).sum().reshape(1)
+        gathered = [torch.empty_like(energy) for _ in range(ctx.world_size)]
+        timer.run("comm", lambda: dist.all_gather(gathered, energy, group=self.group))
+        timer.times.bytes_sent += allgather_bytes(8, ctx.world_size)
+        e = torch.cat(gathered).cpu()
+        if cfg.var_smoothing > 0 and self._energy is not None:
+            e = cfg.var_smoothing * self._energy + (1 - cfg.var_smoothing) * e
+        self._energy = e
+        return select_source("var", ctx, e)
+
+    def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor]:
+        c = self.compressor
+        k = ratio_to_k(c.ratio, ctx.numel)
+        local = timer.run("compress", lambda: c.compress(p, ctx))
+        if c.config.selection == "var":
+            src = self._var_source(local.payload[0], ctx, timer)
+        else:
+            src = select_source("star", ctx)
+        self.last_source = src
+        idx = local.payload[1] if ctx.rank == src else torch.empty(k, dtype=torch.int32, device=p.device)
+        idx = idx.contiguous()
+        timer.run("comm", lambda: dist.broadcast(idx, src=self._global(src), group=self.group))
+        if ctx.rank == src:
+            timer.times.bytes_sent += (ctx.world_size - 1) * 4 * k
+        timer.times.bytes_payload += 4 * k + p.element_size() * k
+        idx_long = idx.long()
+        values = timer.run("compress", lambda: p[idx_long].contiguous())
+        sent = timer.run("compress", lambda: scatter_sparse(values, idx, ctx.numel))
+        summed = values.clone()
+        if self.reduce == "allreduce":
+            timer.run("comm", lambda: dist.all_reduce(summed, group=self.group))
+            timer.times.bytes_sent += ring_allreduce_bytes(summed.numel() * summed.element_size(), ctx.world_size)
+        else:
+            fn = ring_allreduce if self.reduce == "ring" else tree_allreduce
+            stats = timer.run("comm", lambda: fn(summed, group=self.group))
+            timer.times.bytes_sent += stats.bytes_sent
+        mean = timer.run("compress", lambda: scatter_sparse(summed.div_(ctx.world_size), idx, ctx.numel))
+        return mean, sent
+
+
+class AutoSparseExchange(Exchange):
+    """Per group and step, the collective the alpha-beta model predicts fastest.
+
+    Candidates: ``allgather`` (plain Top-k), ``art_ring``, ``art_tree`` (STAR AR-Topk). The choice
+    depends only on replicated values (the agreed network model, the group size, N and the ratio),
+    so every rank picks the same collective. Without a network model (not yet probed) it uses
+    allgather.
+    """
+
+    name = "auto"
+
+    def __init__(self, compressor: ARTopKCompressor, group=None, network: NetworkState | None = None) -> None:
+        super().__init__(compressor, group)
+        self.network = network or NetworkState()
+        from ..compressors.topk import TopKCompressor, TopKConfig
+
+        self._ag = AllgatherExchange(TopKCompressor(TopKConfig(ratio=compressor.ratio)), group)
+        self._ring = ARTopkExchange(compressor, group, "ring")
+        self._tree = ARTopkExchange(compressor, group, "tree")
+        self.last_choice: str | None = None
+        self.last_predicted_s: float | None = None
+
+    def choose(self, ctx: GroupContext, element_size: int = 4) -> tuple[str, float | None]:
+        model = self.network.model
+        if model is None or ctx.world_size == 1:
+            return "allgather", None
+        M = ctx.numel * element_size
+        costs = model.sparse_costs(M, ctx.world_size, self.compressor.ratio)
+        choice = model.choose_sparse_collective(M, ctx.world_size, self.compressor.ratio)
+        return choice, costs[choice]
+
+    def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor]:
+        choice, predicted = self.choose(ctx, p.element_size())
+        self.last_choice, self.last_predicted_s = choice, predicted
+        timer.times.extra.setdefault("choices", []).append(choice)
+        if predicted is not None:
+            timer.times.extra["predicted_comm_s"] = timer.times.extra.get("predicted_comm_s", 0.0) + predicted
+        ex = {"allgather": self._ag, "art_ring": self._ring, "art_tree": self._tree}[choice]
+        return ex.run(p, ctx, timer)
