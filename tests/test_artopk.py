@@ -12,14 +12,13 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
+from dist_harness import run_distributed
+from test_engine_distributed import _batch, _gather, _loss, _model
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_harness import run_distributed
 from lightning_gc.comm.cost_model import NetworkModel
 from lightning_gc.compressors import build_compressor, ratio_to_k
 from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
-from test_engine_distributed import _batch, _gather, _loss, _model
 
 STEPS = 4
 RATIO = 0.05

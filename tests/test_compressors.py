@@ -8,10 +8,16 @@ import math
 import pytest
 import torch
 
-from lightning_gc.compressors import GroupContext, available_compressors, build_compressor, ratio_to_k, takes_ratio
+from lightning_gc.comm.collectives import pack_payload, packed_nbytes, unpack_payload
+from lightning_gc.compressors import (
+    GroupContext,
+    available_compressors,
+    build_compressor,
+    ratio_to_k,
+    takes_ratio,
+)
 from lightning_gc.compressors.mstopk import threshold_topk_indices
 from lightning_gc.compressors.packing import pack_bits, pack_uint, unpack_bits, unpack_uint
-from lightning_gc.comm.collectives import pack_payload, packed_nbytes, unpack_payload
 
 
 def ctx(n: int, step: int = 0, rank: int = 0, world_size: int = 2, segments=None) -> GroupContext:

@@ -19,9 +19,9 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_harness import run_distributed
 from lightning_gc.compressors import GroupContext, build_compressor, ratio_to_k, takes_ratio
 from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lit_models import ReportCallback, TinyClassifier, make_loader
 
 from lightning_gc import GCStrategy
-from lightning_gc.engine import EngineConfig, GCEngine
 from lightning_gc.compressors import build_compressor
-from lit_models import ReportCallback, TinyClassifier, make_loader
+from lightning_gc.engine import EngineConfig, GCEngine
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
