@@ -213,9 +213,13 @@ class GCEngine:
         fut = dist.all_reduce(buffer, group=self.process_group, async_op=True).get_future()
         stats = self._stats
 
+        totals = self._totals
+
         def done(f: torch.futures.Future) -> Tensor:
             out = f.value()[0]
-            stats.comm_time_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            stats.comm_time_s += dt  # the step was closed at the last bucket's call; keep both current
+            totals.comm_time_s += dt
             if not bool(torch.isfinite(out).all()):
                 stats.nonfinite = True
                 self.last_step_nonfinite = True
@@ -413,6 +417,8 @@ class GCEngine:
         if not restore_memory:
             return missing
         saved = state.get("memory", {})
+        if not saved:  # nothing compressed yet when the checkpoint was written
+            return missing
         for g in self.plan.groups:
             if g.exact:
                 continue
@@ -423,8 +429,7 @@ class GCEngine:
                     missing.append(name)
                     t = torch.zeros(n, dtype=self.params[pid].dtype)
                 parts.append(t.to(dtype=self.params[pid].dtype))
-            if len(missing) < len(g.names) or any(name in saved for name in g.names):
-                self.memory[g.gid] = torch.cat(parts).to(self.device)
+            self.memory[g.gid] = torch.cat(parts).to(self.device)
         return missing
 
 
