@@ -1,0 +1,173 @@
+"""``lightning-gc bench``: every method against DDP on an emulated (shaped) network.
+
+Example::
+
+    lightning-gc bench --preset mlp --ranks 4 --bandwidth 100mbit --methods ddp,topk --steps 20 --json out.json
+
+Exit codes: 0 all methods measured, 1 at least one method failed (the others are still reported),
+2 invalid arguments, 130 interrupted (Ctrl-C; namespaces and processes are cleaned up first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightning_gc.bench.methods import MethodError, available_methods
+from lightning_gc.bench.schedule import ScheduleError
+from lightning_gc.bench.workloads import WorkloadError
+
+__all__ = ["main", "build_parser"]
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _kv(text: str) -> tuple[str, object]:
+    from lightning_gc.bench.methods import _parse_value
+
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE; write e.g. --preset-arg batch_size=64")
+    return key.strip(), _parse_value(value)
+
+
+def _val_batches(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a batch count (8) or a fraction (0.25)") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0; give a batch count (8) or a fraction (0.25)")
+    return int(v) if v >= 1 and v == int(v) else v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lightning-gc bench",
+        description="Measure gradient-compression methods against dense DDP on an emulated cluster: one network "
+        "namespace per host joined by a bridge, links shaped with tc (root needed; otherwise loopback, "
+        "clearly marked). See docs/bench.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    w = p.add_argument_group("workload")
+    w.add_argument("--preset", default="mlp", help="mlp | cnn | lm | quickstart | probe | module:factory")
+    w.add_argument("--preset-arg", action="append", type=_kv, default=[], metavar="KEY=VALUE",
+                   help="extra keyword for the preset factory (repeatable)")
+    w.add_argument("--steps", type=int, default=20, help="training steps per method")
+    w.add_argument("--warmup", type=int, default=3, help="first steps excluded from timing and byte counts")
+    w.add_argument("--compute-steps", type=int, default=5, help="replayed steps without sync to time compute")
+    w.add_argument("--eval-every", type=int, default=None, help="validate every N steps (default steps/4)")
+    w.add_argument("--val-batches", type=_val_batches, default=8, help="validation batches (count or fraction)")
+    w.add_argument("--target", type=float, default=None, help="metric target for time-to-target (default: preset's)")
+    w.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("methods")
+    m.add_argument("--methods", default="ddp,powersgd,fp16,topk",
+                   help="comma-separated NAME[:KEY=VALUE...] entries, or 'all'; see --list-methods")
+    m.add_argument("--ratio", type=float, default=0.01, help="default ratio for compressors that take one")
+    m.add_argument("--list-methods", action="store_true", help="print the method names and exit")
+    n = p.add_argument_group("cluster and network")
+    n.add_argument("--ranks", type=int, default=4, help="total training processes")
+    n.add_argument("--hosts", type=int, default=None,
+                   help="emulated hosts (network namespaces); ranks/hosts processes each; default: one per rank")
+    n.add_argument("--bandwidth", default=None, help="link rate per host and direction, e.g. 100mbit, 1gbit")
+    n.add_argument("--schedule", default=None,
+                   help="rate schedule 'AT:RATE,...' (AT = fraction of steps), or a file with such entries")
+    n.add_argument("--shaper", choices=("tbf", "htb"), default="tbf", help="tc qdisc used for shaping")
+    n.add_argument("--no-shape-ingress", action="store_true",
+                   help="shape only host egress (default: both directions, like a full-duplex NIC)")
+    n.add_argument("--network", choices=("auto", "netns", "loopback"), default="auto",
+                   help="auto: namespaces if possible, else loopback; netns: fail without namespaces")
+    n.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cores/ranks)")
+    n.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per method")
+    n.add_argument("--cleanup-stale", action="store_true",
+                   help="remove namespaces left by killed bench runs (whose process is gone) and exit")
+    c = p.add_argument_group("real cluster (see docs/bench.md)")
+    c.add_argument("--prepare", default=None, metavar="DIR",
+                   help="write worker configs for a real cluster into DIR (shared file system) and print the "
+                        "torchrun command of every method")
+    c.add_argument("--collect", default=None, metavar="DIR", help="build the report from a --prepare'd DIR")
+    c.add_argument("--ifname", default=None, help="with --prepare: NIC whose tx counter gives wire bytes, e.g. eth0")
+    c.add_argument("--master-addr", default="NODE0_ADDRESS", help="with --prepare: address of node 0")
+    c.add_argument("--master-port", type=int, default=29500, help="with --prepare: rendezvous port on node 0")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", default=None, metavar="FILE", help="write the result document here")
+    o.add_argument("--out", default=None, metavar="DIR", help="write bench.json, bench.md and PNG plots here")
+    o.add_argument("--logs", default=None, metavar="DIR", help="keep every rank's log here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help or a usage error
+        return int(exc.code or 0)
+
+    if args.list_methods:
+        from lightning_gc.bench.methods import _gc_compressors
+
+        names, why = _gc_compressors()
+        print("torch baselines: ddp, powersgd, fp16")
+        if names is None:
+            print(f"lightning_gc compressors: unavailable ({why})")
+        else:
+            print("lightning_gc compressors: " + ", ".join(m for m in available_methods() if m not in
+                                                            ("ddp", "powersgd", "fp16")))
+        return 0
+    if args.cleanup_stale:
+        from lightning_gc.bench.netns import sweep_stale
+
+        removed = sweep_stale(_log)
+        _log(f"removed {len(removed)} stale namespace(s)")
+        return 0
+
+    from lightning_gc.bench import report
+    from lightning_gc.bench.runner import BenchConfig, BenchError, collect, prepare, run_bench
+
+    cfg = BenchConfig(
+        preset=args.preset, preset_args=dict(args.preset_arg), ranks=args.ranks, hosts=args.hosts,
+        bandwidth=args.bandwidth, schedule=args.schedule, methods=args.methods, ratio=args.ratio,
+        steps=args.steps, warmup=args.warmup, compute_steps=args.compute_steps, eval_every=args.eval_every,
+        val_batches=args.val_batches, target=args.target, seed=args.seed, threads=args.threads,
+        shaper=args.shaper, shape_ingress=not args.no_shape_ingress, network=args.network,
+        timeout_s=args.timeout, logs_dir=args.logs,
+    )
+    if args.prepare and args.collect:
+        print("lightning-gc bench: error: --prepare and --collect are two separate steps; give one of them",
+              file=sys.stderr)
+        return 2
+    if args.prepare:
+        try:
+            prepare(cfg, args.prepare, ifname=args.ifname, master_addr=args.master_addr,
+                    master_port=args.master_port, log=_log)
+        except (BenchError, ScheduleError, MethodError) as exc:
+            print(f"lightning-gc bench: error: {exc}", file=sys.stderr, flush=True)
+            return 2
+        return 0
+    if args.json is None and args.out is None:
+        _log("note: neither --json nor --out given; results are only printed")
+    try:
+        doc = collect(args.collect, log=_log) if args.collect else run_bench(cfg, log=_log)
+    except (BenchError, ScheduleError, MethodError, WorkloadError) as exc:
+        print(f"lightning-gc bench: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("lightning-gc bench: interrupted; processes and namespaces were cleaned up", file=sys.stderr, flush=True)
+        return 130
+    doc["config"]["command"] = "lightning-gc bench " + " ".join(argv)
+    _log("")
+    _log(report.markdown(doc))
+    for path in report.write_outputs(doc, json_path=args.json, out_dir=args.out):
+        _log(f"wrote {path}")
+    failed = [r["label"] for r in doc["results"] if r["status"] != "ok"]
+    if failed:
+        print(f"lightning-gc bench: {len(failed)} method(s) failed: {', '.join(failed)}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

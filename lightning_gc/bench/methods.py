@@ -1,0 +1,309 @@
+"""Benchmark methods: a name (plus options) -> a Lightning strategy, and how its bytes are counted.
+
+Method list syntax (``--methods``): comma-separated entries ``NAME[:KEY=VALUE[:KEY=VALUE...]]``::
+
+    ddp,powersgd:rank=4,fp16,topk,topk:ratio=0.001,qsgd:levels=16
+
+* ``ddp`` - plain Lightning ``DDPStrategy`` (dense fp32 allreduce, gloo on CPU).
+* ``powersgd`` - torch's ``powerSGD_hook`` (options: ``rank`` (1), ``start_iter`` (2),
+  ``min_compression_rate`` (2), ``error_feedback`` (true), ``warm_start`` (true)).
+* ``fp16`` - torch's ``fp16_compress_hook``.
+* any lightning_gc compressor name (``topk``, ``lwtopk``, ``mstopk``, ``randomk``, ``qsgd``, ``signsgd``,
+  ``efsignsgd``, ...: the strategy alias without ``gc_``) -> ``GCStrategy(compressor=NAME, ...)``.
+  Where a compressor shares its name with a torch baseline (``fp16``), the bare name is the torch
+  baseline and ``gc_fp16`` is lightning_gc's compressor; ``gc_NAME`` is accepted for every compressor.
+  ``ratio`` defaults to ``--ratio`` for compressors that take one; ``plan``, ``warmup_steps``,
+  ``error_feedback`` and ``monitor`` go to ``GCStrategy``; any other key goes to ``compressor_args``.
+
+The same method may appear several times with different options; each entry is labelled by its
+full spec (``topk:ratio=0.001``), with the default ratio made explicit.
+
+Lightning's ``DDPStrategy`` only registers DDP comm hooks on CUDA, so the torch baselines use
+:class:`TorchHookDDPStrategy`, which registers the hook on any device (CPU/gloo included); the
+worker verifies that the hook really ran (``DistributedDataParallel._get_ddp_logging_data()``).
+``powersgd`` runs with a single DDP bucket (see :class:`TorchHookDDPStrategy`): on gloo the hook's
+per-bucket collectives are otherwise issued in different orders on different ranks.
+
+Bytes per rank per step for the torch baselines (no engine counts them) follow the ring-allreduce
+model used for dense DDP, ``2 (N - 1) / N`` times the message size for ``N`` ranks:
+
+* ``ddp``:      ``2(N-1)/N * 4 * D``       (D = number of gradient elements)
+* ``fp16``:     ``2(N-1)/N * 2 * D``
+* ``powersgd``: ``2(N-1)/N * 4 * (U + sum_i (n_i + m_i) r)``, three allreduces per bucket: the
+  uncompressed tensors (U elements: 1-D tensors and matrices that are not worth compressing,
+  ``(n+m) r * min_compression_rate >= n m``), the P factors (``n_i r``) and the Q factors
+  (``m_i r``). The counts are read from ``PowerSGDState.total_numel_after_compression`` over the
+  measured steps, so they are exactly what the hook reduced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+
+__all__ = [
+    "MethodError",
+    "MethodSpec",
+    "BASELINES",
+    "parse_methods",
+    "available_methods",
+    "build_strategy",
+    "TorchHookDDPStrategy",
+    "ring_factor",
+    "dense_grad_elements",
+    "analytic_bytes_per_step",
+    "powersgd_elements",
+    "hook_marker",
+]
+
+BASELINES = ("ddp", "powersgd", "fp16")
+SINGLE_BUCKET_MB = 1_000_000  # larger than any model: DDP puts every gradient into one bucket
+_POWERSGD_KEYS = {"rank", "start_iter", "min_compression_rate", "error_feedback", "warm_start"}
+_GC_STRATEGY_KEYS = {"ratio", "plan", "warmup_steps", "error_feedback", "monitor"}
+
+
+class MethodError(ValueError):
+    """An unknown method or a bad method option; the message names the value, the reason and the fix."""
+
+
+def _parse_value(text: str) -> Any:
+    low = text.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    if low in ("none", "null"):
+        return None
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str  # torch baseline name or lightning_gc compressor name
+    options: dict = field(default_factory=dict)
+    gc: bool = False  # True: a lightning_gc compressor through GCStrategy
+
+    @property
+    def method(self) -> str:
+        """Name as written in results: baseline name, compressor name, or ``gc_NAME`` on a clash."""
+        return f"gc_{self.name}" if self.gc and self.name in BASELINES else self.name
+
+    @property
+    def label(self) -> str:
+        return self.method + "".join(f":{k}={_fmt(v)}" for k, v in self.options.items())
+
+    @property
+    def is_baseline(self) -> bool:
+        return not self.gc
+
+    def to_json(self) -> dict:
+        return {"method": self.method, "label": self.label, "compressor": self.name if self.gc else None,
+                "options": dict(self.options)}
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    return str(v)
+
+
+def _gc_compressors() -> tuple[list[str] | None, str]:
+    """Names of lightning_gc compressors, or ``(None, why)`` when the package part is not importable."""
+    try:
+        from lightning_gc.compressors import available_compressors
+    except Exception as exc:  # noqa: BLE001 - any import problem means "not available"
+        return None, f"lightning_gc.compressors.available_compressors is not importable ({type(exc).__name__}: {exc})"
+    return list(available_compressors()), ""
+
+
+def _takes_ratio(name: str) -> bool:
+    try:
+        from lightning_gc.compressors import takes_ratio
+    except Exception:  # noqa: BLE001
+        return True
+    return bool(takes_ratio(name))
+
+
+def available_methods() -> list[str]:
+    names, _ = _gc_compressors()
+    return list(BASELINES) + [f"gc_{n}" if n in BASELINES else n for n in (names or [])]
+
+
+def parse_methods(text: str, *, default_ratio: float | None) -> list[MethodSpec]:
+    """Parse ``--methods``; validates names (and option keys of the torch baselines)."""
+    if not isinstance(text, str) or not text.strip():
+        raise MethodError(f"--methods {text!r} is empty: give a comma-separated list such as 'ddp,topk'")
+    entries = [e.strip() for e in text.split(",") if e.strip()]
+    gc_names, why = _gc_compressors()
+    if entries == ["all"]:
+        entries = available_methods()
+    specs: list[MethodSpec] = []
+    for entry in entries:
+        name, *opt_parts = entry.split(":")
+        name = name.strip().lower()
+        gc = name not in BASELINES
+        if name.startswith("gc_"):
+            name, gc = name[3:], True
+        options: dict[str, Any] = {}
+        for part in opt_parts:
+            key, eq, value = part.partition("=")
+            key = key.strip()
+            if not eq or not key:
+                raise MethodError(
+                    f"method {entry!r}: option {part!r} is not KEY=VALUE; write e.g. 'topk:ratio=0.001'"
+                )
+            options[key] = _parse_value(value)
+        if gc:
+            if gc_names is None:
+                raise MethodError(
+                    f"method {name!r} needs lightning_gc's compressors, but {why}; use the torch baselines "
+                    f"({', '.join(BASELINES)}) or install the full package"
+                )
+            if name not in gc_names:
+                raise MethodError(
+                    f"unknown method {name!r}: choose from {', '.join(available_methods())} "
+                    f"(see 'lightning-gc bench --list-methods')"
+                )
+            if "ratio" not in options and default_ratio is not None and _takes_ratio(name):
+                options = {"ratio": default_ratio, **options}
+            if "ratio" in options and options["ratio"] is not None:
+                r = options["ratio"]
+                if not isinstance(r, (int, float)) or isinstance(r, bool) or not (0 < float(r) <= 1):
+                    raise MethodError(
+                        f"method {entry!r}: ratio={r!r} must be a number in (0, 1] (fraction of gradient "
+                        f"entries kept); e.g. 'topk:ratio=0.01'"
+                    )
+        elif name == "powersgd":
+            bad = set(options) - _POWERSGD_KEYS
+            if bad:
+                raise MethodError(
+                    f"method {entry!r}: unknown PowerSGD option(s) {sorted(bad)}; valid: {sorted(_POWERSGD_KEYS)}"
+                )
+            rank = options.get("rank", 1)
+            if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+                raise MethodError(f"method {entry!r}: rank={rank!r} must be an integer >= 1, e.g. 'powersgd:rank=4'")
+            start = options.get("start_iter", 2)
+            if not isinstance(start, int) or isinstance(start, bool) or start < 2:
+                raise MethodError(
+                    f"method {entry!r}: start_iter={start!r} must be an integer >= 2 (torch requires > 1 with error "
+                    f"feedback / warm start); e.g. 'powersgd:start_iter=2'"
+                )
+        elif options:
+            raise MethodError(f"method {entry!r}: {name} takes no options; write just '{name}'")
+        specs.append(MethodSpec(name, options, gc=gc))
+    labels = [s.label for s in specs]
+    dup = sorted({lab for lab in labels if labels.count(lab) > 1})
+    if dup:
+        raise MethodError(f"--methods lists {dup} more than once; give each method/options combination once")
+    return specs
+
+
+class TorchHookDDPStrategy(DDPStrategy):
+    """``DDPStrategy`` that registers a torch DDP comm hook on any device (Lightning only does so on CUDA)."""
+
+    def __init__(self, hook_name: str, hook_options: dict | None = None, **kwargs: Any) -> None:
+        if hook_name == "powersgd":
+            # One DDP bucket: powerSGD_hook issues the Q allreduce of a bucket from the completion callback of
+            # its P allreduce, so with several buckets the next bucket's collectives race with it and ranks
+            # issue them in different orders - NCCL serialises them on a stream, gloo does not and aborts
+            # with a collective size mismatch. An explicit bucket_cap_mb also disables DDP's small first bucket.
+            kwargs.setdefault("bucket_cap_mb", SINGLE_BUCKET_MB)
+        super().__init__(**kwargs)
+        self.hook_name = hook_name
+        self.hook_options = dict(hook_options or {})
+        self.hook_state: Any = None
+
+    def _register_ddp_hooks(self) -> None:  # noqa: D401 - overrides Lightning's CUDA-only version
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        model = self.model
+        if self.hook_name == "fp16":
+            model.register_comm_hook(state=None, hook=default_hooks.fp16_compress_hook)
+        elif self.hook_name == "powersgd":
+            o = self.hook_options
+            self.hook_state = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=int(o.get("rank", 1)),
+                start_powerSGD_iter=int(o.get("start_iter", 2)),
+                min_compression_rate=float(o.get("min_compression_rate", 2)),
+                use_error_feedback=bool(o.get("error_feedback", True)),
+                warm_start=bool(o.get("warm_start", True)),
+            )
+            model.register_comm_hook(state=self.hook_state, hook=powerSGD_hook.powerSGD_hook)
+        else:
+            raise MethodError(f"TorchHookDDPStrategy: unknown hook {self.hook_name!r}; use 'fp16' or 'powersgd'")
+
+
+def build_strategy(spec: MethodSpec, **ddp_kwargs: Any):
+    """A fresh Lightning strategy for ``spec``."""
+    if not spec.gc and spec.name == "ddp":
+        return DDPStrategy(**ddp_kwargs)
+    if not spec.gc and spec.name in ("fp16", "powersgd"):
+        return TorchHookDDPStrategy(spec.name, spec.options, **ddp_kwargs)
+    try:
+        from lightning_gc.strategy import GCStrategy
+    except Exception as exc:  # noqa: BLE001
+        raise MethodError(
+            f"method {spec.name!r} needs lightning_gc.strategy.GCStrategy, which is not importable "
+            f"({type(exc).__name__}: {exc}); use the torch baselines or fix the installation"
+        ) from exc
+    kwargs: dict[str, Any] = {}
+    compressor_args: dict[str, Any] = {}
+    for k, v in spec.options.items():
+        (kwargs if k in _GC_STRATEGY_KEYS else compressor_args)[k] = v
+    if compressor_args:
+        kwargs["compressor_args"] = compressor_args
+    return GCStrategy(compressor=spec.name, **kwargs, **ddp_kwargs)
+
+
+def ring_factor(world_size: int) -> float:
+    """Bytes each rank sends per byte of message in a ring allreduce: ``2 (N - 1) / N``."""
+    return 0.0 if world_size <= 1 else 2.0 * (world_size - 1) / world_size
+
+
+def dense_grad_elements(model) -> int:
+    return int(sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+
+def powersgd_elements(model, rank: int = 1, min_compression_rate: float = 2.0) -> int:
+    """Elements PowerSGD reduces per step for ``model`` (same per-tensor test as ``powerSGD_hook``)."""
+    total = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        n = p.shape[0] if p.dim() > 0 else 1
+        m = p.numel() // max(n, 1)
+        rr = min(n, m, rank)
+        total += (n + m) * rr if (n + m) * rr * min_compression_rate < n * m else n * m
+    return total
+
+
+def analytic_bytes_per_step(spec: MethodSpec, world_size: int, num_params: int,
+                            powersgd_elements_per_step: float | None = None) -> float:
+    """Modelled bytes one rank sends per step for a torch baseline (see the module docstring)."""
+    if spec.gc:
+        raise MethodError(f"no analytic byte model for {spec.label!r}; its engine counts the bytes")
+    f = ring_factor(world_size)
+    if spec.name == "ddp":
+        return f * 4 * num_params
+    if spec.name == "fp16":
+        return f * 2 * num_params
+    if spec.name == "powersgd":
+        if powersgd_elements_per_step is None:
+            raise MethodError("powersgd: the reduced element count is needed (from PowerSGDState or powersgd_elements)")
+        return f * 4 * powersgd_elements_per_step
+    raise MethodError(f"no analytic byte model for {spec.name!r}")
+
+
+def hook_marker(spec: MethodSpec) -> str | None:
+    """Substring expected in DDP's logged ``comm_hook`` for the torch baselines."""
+    if spec.gc:
+        return None
+    return {"fp16": "fp16_compress_hook", "powersgd": "powerSGD_hook"}.get(spec.name)

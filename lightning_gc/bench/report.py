@@ -1,0 +1,313 @@
+"""Outputs of ``lightning-gc bench``: the JSON document, a Markdown table and PNG plots.
+
+``--json FILE`` writes the document (schema in ``docs/bench.md``); ``--out DIR`` writes
+``DIR/bench.json``, ``DIR/bench.md`` and, when matplotlib is installed, ``DIR/step_time.png``
+(stacked compute + exposed communication per method with the IQR and the physical floor),
+``DIR/bytes.png`` (engine vs wire bytes per rank per step), ``DIR/step_trace.png`` (every step's
+time over the run, with the warm-up and schedule phases marked) and ``DIR/metric.png`` (task metric
+against training time, with the target).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from lightning_gc.bench.schedule import format_rate
+
+__all__ = ["validate_document", "write_json", "markdown", "write_plots", "write_outputs", "REQUIRED_RESULT_KEYS"]
+
+REQUIRED_RESULT_KEYS = (
+    "method", "label", "status", "error", "step_time_s", "step_time_iqr_s", "compute_time_s", "comm_exposed_s",
+    "bytes_per_step", "wire_bytes_per_step", "final_metric", "time_to_target_s", "floor_s", "ratio_vs_ddp",
+    "time_to_target_ratio_vs_ddp",
+)
+
+
+def validate_document(doc: Any) -> None:
+    """Raise ``ValueError`` naming the first field that does not follow the documented schema."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"bench document must be an object, got {type(doc).__name__}")
+    for key, typ in (("config", dict), ("emulated", bool), ("results", list)):
+        if not isinstance(doc.get(key), typ):
+            raise ValueError(f"bench document: top-level {key!r} must be a {typ.__name__}, got {doc.get(key)!r:.80}")
+    num = (int, float)
+    for i, res in enumerate(doc["results"]):
+        where = f"results[{i}] ({res.get('label', '?')})"
+        missing = [k for k in REQUIRED_RESULT_KEYS if k not in res]
+        if missing:
+            raise ValueError(f"{where}: missing keys {missing}")
+        if res["status"] not in ("ok", "error"):
+            raise ValueError(f"{where}: status {res['status']!r} is not 'ok' or 'error'")
+        nullable_num = ["time_to_target_s", "ratio_vs_ddp", "time_to_target_ratio_vs_ddp", "final_metric",
+                        "wire_bytes_per_step", "bytes_per_step", "compute_time_s", "floor_s", "comm_exposed_s"]
+        if res["status"] == "ok":
+            for k in ("step_time_s", "step_time_iqr_s"):
+                if not isinstance(res[k], num) or res[k] < 0:
+                    raise ValueError(f"{where}: {k} must be a number >= 0, got {res[k]!r}")
+        else:
+            nullable_num += ["step_time_s", "step_time_iqr_s"]
+            if not isinstance(res["error"], str):
+                raise ValueError(f"{where}: a failed result needs an 'error' string")
+        for k in nullable_num:
+            if res[k] is not None and (not isinstance(res[k], num) or isinstance(res[k], bool)):
+                raise ValueError(f"{where}: {k} must be a number or null, got {res[k]!r}")
+        real_nic = (doc.get("network") or {}).get("mode") == "cluster"
+        if not doc["emulated"] and not real_nic and res["wire_bytes_per_step"] is not None:
+            raise ValueError(f"{where}: wire_bytes_per_step must be null when emulated is false (loopback)")
+
+
+def write_json(doc: dict, path: str) -> str:
+    validate_document(doc)
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(doc, fh, indent=2, sort_keys=False)
+        fh.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+# --------------------------------------------------------------------------- Markdown
+
+
+def _s(x: float | None) -> str:
+    if x is None:
+        return "–"
+    if x >= 10:
+        return f"{x:.1f} s"
+    if x >= 1:
+        return f"{x:.2f} s"
+    return f"{x * 1000:.1f} ms"
+
+
+def _b(x: float | None) -> str:
+    if x is None:
+        return "–"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.0f} B"
+
+
+def _r(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3g}×"
+
+
+def _v(x: float | None) -> str:
+    return "–" if x is None else f"{x:.4g}"
+
+
+def _p(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def _network_line(doc: dict) -> str:
+    c, net = doc["config"], doc.get("network", {})
+    if net.get("mode") == "cluster":
+        return (f"**Network: real cluster** — {c['hosts']} nodes × {c['procs_per_host']} process(es), launched "
+                f"externally; nominal link {c.get('bandwidth') or 'unknown'}; wire bytes: "
+                f"{net.get('wire_counter') or 'not counted'}.")
+    if doc["emulated"]:
+        if c.get("schedule"):
+            rates = ", ".join(f"{p['rate']} from {p['at']:.0%}" for p in c["schedule"])
+            shaping = f"links shaped with tc {net.get('shaper')} to {rates}"
+        else:
+            shaping = "links not shaped"
+        return (f"**Network: emulated** — {c['hosts']} host namespaces × {c['procs_per_host']} process(es) on a "
+                f"bridge, {shaping}; no latency emulation.")
+    return (f"**Network: loopback, NOT emulated** ({net.get('reason', '')}) — no shaping; wire bytes unavailable; "
+            f"floors use the nominal rate.")
+
+
+def markdown(doc: dict) -> str:
+    c = doc["config"]
+    metric = c.get("metric") or "metric"
+    target = c.get("target")
+    varying = len(c.get("schedule") or []) > 1  # a schedule: floor_s is a mean, so show the mean step too
+    lines = [
+        f"# lightning-gc bench — preset `{c['preset']}`, {c['ranks']} ranks",
+        "",
+        _network_line(doc),
+        "",
+        f"{c['steps']} steps per method, first {c['warmup']} not timed; compute time from {c['compute_steps']} "
+        f"replayed steps without gradient sync. Bytes are per rank per step. Ratios are against `ddp` in this run.",
+        "",
+        f"| method | step (median) | IQR |{' step (mean) |' if varying else ''} compute | exposed comm | "
+        f"{'floor (mean)' if varying else 'floor'} | step / DDP | engine bytes | wire bytes "
+        f"| link use | {metric} | time to {metric} {'≥' if c.get('mode') == 'max' else '≤'} {_v(target)} | TTT / DDP |",
+        "|---|---:|---:|" + ("---:|" if varying else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["results"]:
+        if r["status"] != "ok":
+            lines.append(f"| `{r['label']}` | failed |" + " |" * (12 if varying else 11))
+            continue
+        lines.append(
+            f"| `{r['label']}` | {_s(r['step_time_s'])} | {_s(r['step_time_iqr_s'])} |"
+            + (f" {_s(r.get('step_time_mean_s'))} |" if varying else "")
+            + f" {_s(r['compute_time_s'])} "
+            f"| {_s(r['comm_exposed_s'])} | {_s(r['floor_s'])} | {_r(r['ratio_vs_ddp'])} | {_b(r['bytes_per_step'])} "
+            f"| {_b(r['wire_bytes_per_step'])} | {_p(r.get('link_utilization'))} | {_v(r['final_metric'])} "
+            f"| {_s(r['time_to_target_s']) if r['time_to_target_s'] is not None else 'not reached'} "
+            f"| {_r(r['time_to_target_ratio_vs_ddp'])} |"
+        )
+    errors = [r for r in doc["results"] if r["status"] != "ok"]
+    if errors:
+        lines += ["", "## Failed methods", ""]
+        for r in errors:
+            text = [ln.strip() for ln in (r["error"] or "").strip().splitlines() if ln.strip()]
+            summary = text[0] if text else ""
+            if len(text) > 1:
+                summary += f" … `{text[-1][:300]}`"
+            lines.append(f"- `{r['label']}`: {summary}")
+    lines += [
+        "",
+        "How to read it: *step* is the median wall time of a training step (slowest rank), *compute* the same "
+        "step without any communication, *exposed comm* their difference, *floor* max(compute, bytes on the "
+        "host's link / link rate) — no method can beat it on this link. *engine bytes* are what the method's "
+        "byte model counts (lightning_gc engine, or the analytic ring model for ddp/fp16/powersgd), *wire bytes* "
+        "what the host interface transmitted (headers included) divided by processes per host, *link use* the "
+        "fraction of the link's capacity the wire bytes filled during the measured steps. See docs/bench.md.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def write_plots(doc: dict, out_dir: str) -> list[str]:
+    """PNG plots into ``out_dir``; returns the paths (empty when matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    ok = [r for r in doc["results"] if r["status"] == "ok"]
+    if not ok:
+        return []
+    c = doc["config"]
+    net = {"netns": "emulated", "cluster": "real cluster"}.get((doc.get("network") or {}).get("mode"),
+                                                               "loopback (not emulated)")
+    if c.get("schedule"):
+        rate = " → ".join(p["rate"] for p in c["schedule"])
+    else:
+        rate = "unshaped"
+    title_tail = f"{c['preset']}, {c['ranks']} ranks / {c['hosts']} hosts, {rate}, {net}"
+    paths = []
+    labels = [r["label"] for r in ok]
+    y = list(range(len(ok)))
+
+    # 1. step time: compute + exposed comm, IQR, floor
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(ok) + 1.8))
+    comp = [r["compute_time_s"] or 0.0 for r in ok]
+    expo = [max(0.0, r["step_time_s"] - (r["compute_time_s"] or 0.0)) for r in ok]
+    ax.barh(y, comp, color="#4c72b0", label="compute")
+    ax.barh(y, expo, left=comp, color="#dd8452", label="exposed communication")
+    xerr = [[r["step_time_s"] - r["step_time_p25_s"] for r in ok], [r["step_time_p75_s"] - r["step_time_s"] for r in ok]]
+    ax.errorbar([r["step_time_s"] for r in ok], y, xerr=xerr, fmt="none", ecolor="black", capsize=3, label="IQR")
+    fl = [(r["floor_s"], i) for i, r in enumerate(ok) if r["floor_s"] is not None]
+    if fl:
+        ax.scatter([f for f, _ in fl], [i for _, i in fl], marker="|", s=300, color="red", zorder=5,
+                   label="physical floor")
+    for i, r in enumerate(ok):
+        if r["ratio_vs_ddp"] is not None:
+            ax.text(r["step_time_p75_s"], i, f"  {r['ratio_vs_ddp']:.2f}× DDP", va="center", fontsize=8)
+    ax.set_yticks(y, labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per training step (median)")
+    ax.set_title(f"Step time — {title_tail}", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_xlim(right=max(r["step_time_p75_s"] for r in ok) * 1.3)
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir, "step_time.png"))
+    plt.close(fig)
+
+    # 2. bytes: engine vs wire
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(ok) + 1.8))
+    h = 0.38
+    eng = [r["bytes_per_step"] or 0 for r in ok]
+    wire = [r["wire_bytes_per_step"] or 0 for r in ok]
+    ax.barh([i - h / 2 for i in y], eng, height=h, color="#55a868", label="engine / model count")
+    if any(wire):
+        ax.barh([i + h / 2 for i in y], wire, height=h, color="#8172b2", label="wire (interface tx)")
+    for i, (e, w_) in enumerate(zip(eng, wire)):
+        if e:
+            ax.text(e, i - h / 2, f" {_b(e)}", va="center", fontsize=7)
+        if w_:
+            ax.text(w_, i + h / 2, f" {_b(w_)}", va="center", fontsize=7)
+    dense = ok[0].get("dense_bytes_per_step")
+    if dense:
+        ax.axvline(dense, color="gray", ls="--", lw=1, label="dense ring allreduce")
+    ax.set_xscale("log")
+    ax.set_yticks(y, labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("bytes sent per rank per step (log)")
+    ax.set_title(f"Bytes — {title_tail}", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir, "bytes.png"))
+    plt.close(fig)
+
+    # 3. per-step trace
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for r in ok:
+        ax.plot(range(len(r["step_times_s"])), r["step_times_s"], marker=".", lw=1, label=r["label"])
+    ax.axvspan(-0.5, c["warmup"] - 0.5, color="gray", alpha=0.15, label="warm-up (not timed)")
+    for b in c.get("schedule_steps") or []:
+        if b["step"] > 0:
+            ax.axvline(b["step"] - 0.5, color="black", ls=":", lw=1)
+            ax.text(b["step"] - 0.4, ax.get_ylim()[1], format_rate(b["rate_bps"]), va="top", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("step time (s, slowest rank)")
+    ax.set_title(f"Step times over the run — {title_tail}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir, "step_trace.png"))
+    plt.close(fig)
+
+    # 4. metric vs training time
+    curves = [r for r in ok if r.get("metric_curve")]
+    if curves:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for r in curves:
+            pts = [(p["train_time_s"], p["value"]) for p in r["metric_curve"] if p["value"] is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=r["label"])
+        if c.get("target") is not None:
+            ax.axhline(c["target"], color="red", ls="--", lw=1, label=f"target {c['target']:g}")
+        ax.set_xlabel("training time (s, sum of step times)")
+        ax.set_ylabel(c.get("metric") or "metric")
+        ax.set_title(f"Task metric — {title_tail}", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(_save(fig, out_dir, "metric.png"))
+        plt.close(fig)
+    return paths
+
+
+def _save(fig, out_dir: str, name: str) -> str:
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def write_outputs(doc: dict, *, json_path: str | None = None, out_dir: str | None = None) -> list[str]:
+    """Write the requested outputs; returns every path written."""
+    written = []
+    if json_path:
+        written.append(write_json(doc, json_path))
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        written.append(write_json(doc, os.path.join(out_dir, "bench.json")))
+        md = os.path.join(out_dir, "bench.md")
+        with open(md, "w") as fh:
+            fh.write(markdown(doc))
+        written.append(md)
+        written += write_plots(doc, out_dir)
+    return written

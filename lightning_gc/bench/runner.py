@@ -1,0 +1,750 @@
+"""Orchestration of ``lightning-gc bench``: build the network, run every method, aggregate.
+
+For each method the runner starts ``ranks`` worker processes (:mod:`lightning_gc.bench.worker`),
+``procs_per_host = ranks / hosts`` per host, inside the host namespaces of an
+:class:`~lightning_gc.bench.netns.EmulatedCluster` (or on loopback when namespaces are not
+available), applies the bandwidth schedule when rank 0 reaches a phase boundary (rank 0 waits for
+the new rate before starting that step, the other ranks wait for rank 0 inside the allreduce),
+prints progress, and stops every rank as soon as one fails. All methods share one cluster and one
+schedule; the rate is reset to the first phase before each method.
+
+:func:`aggregate` turns the per-rank files into one result per method; see ``docs/bench.md`` for
+the definition of every field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightning_gc.bench import netns
+from lightning_gc.bench.methods import (
+    MethodSpec,
+    analytic_bytes_per_step,
+    hook_marker,
+    parse_methods,
+    ring_factor,
+)
+from lightning_gc.bench.schedule import Schedule, format_rate, parse_rate, parse_schedule
+
+__all__ = ["BenchConfig", "BenchError", "RankFailure", "run_bench", "aggregate", "prepare", "collect", "SCHEMA"]
+
+SCHEMA = "lightning_gc.bench/1"
+_STRIP_ENV_PREFIXES = ("SLURM_", "LSB_", "OMPI_", "PMI_", "TORCHELASTIC_", "PL_")
+_STRIP_ENV = {"RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK",
+              "LOCAL_RANK", "GLOBAL_RANK", "GLOO_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES"}
+
+
+class BenchError(RuntimeError):
+    """A benchmark that cannot run as configured; the message names the value, the reason and the fix."""
+
+
+class RankFailure(BenchError):
+    """A worker rank exited with an error (the other ranks were stopped)."""
+
+    def __init__(self, message: str, rank: int, exit_code: int | None, log_tail: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exit_code = exit_code
+        self.log_tail = log_tail
+
+
+@dataclass
+class BenchConfig:
+    preset: str = "mlp"
+    preset_args: dict = field(default_factory=dict)
+    ranks: int = 4
+    hosts: int | None = None  # default: one host per rank
+    bandwidth: str | None = None  # constant link rate, e.g. "100mbit"; None = unshaped
+    schedule: str | None = None  # spec or file, see schedule.py (exclusive with bandwidth)
+    methods: str = "ddp,powersgd,fp16,topk"
+    ratio: float | None = 0.01
+    steps: int = 20
+    warmup: int = 3
+    compute_steps: int = 5
+    eval_every: int | None = None  # default: steps // 4
+    val_batches: float = 8
+    target: float | None = None  # default: the preset's target
+    seed: int = 0
+    threads: int | None = None  # torch threads per rank; default cpu_count // ranks
+    shaper: str = "tbf"
+    shape_ingress: bool = True
+    network: str = "auto"  # auto | netns | loopback
+    timeout_s: float = 1800.0  # per method
+    logs_dir: str | None = None  # keep per-rank logs here (default: temporary, removed)
+    fail_rank: int | None = None  # test hook: this rank raises ...
+    fail_step: int | None = None  # ... at this step
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_int(name: str, value: Any, lo: int, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise BenchError(f"{name}={value!r} must be an integer >= {lo}; {hint}")
+    return value
+
+
+def resolve(cfg: BenchConfig) -> dict:
+    """Validate ``cfg``; returns the derived settings (method specs, schedule, layout)."""
+    ranks = _check_int("--ranks", cfg.ranks, 2, "one rank has no gradient exchange to measure; use --ranks 2 or more")
+    hosts = ranks if cfg.hosts is None else _check_int("--hosts", cfg.hosts, 1, "e.g. --hosts 2")
+    if ranks % hosts:
+        raise BenchError(
+            f"--ranks {ranks} is not divisible by --hosts {hosts}: every host runs the same number of processes; "
+            f"use e.g. --ranks {hosts * max(1, ranks // hosts)} --hosts {hosts}"
+        )
+    steps = _check_int("--steps", cfg.steps, 2, "e.g. --steps 20")
+    warmup = _check_int("--warmup", cfg.warmup, 1, "the first step includes DDP bucket setup; use --warmup 3")
+    if steps <= warmup:
+        raise BenchError(
+            f"--steps {steps} <= --warmup {warmup}: no step would be measured; use --steps {warmup + 10} or a "
+            f"smaller --warmup"
+        )
+    _check_int("--compute-steps", cfg.compute_steps, 1, "e.g. --compute-steps 5")
+    eval_every = cfg.eval_every if cfg.eval_every is not None else max(1, steps // 4)
+    _check_int("--eval-every", eval_every, 1, "e.g. --eval-every 10")
+    if cfg.ratio is not None and not (0 < float(cfg.ratio) <= 1):
+        raise BenchError(f"--ratio {cfg.ratio!r} must be in (0, 1] (fraction of gradient entries kept); e.g. 0.01")
+    if cfg.network not in ("auto", "netns", "loopback"):
+        raise BenchError(f"--network {cfg.network!r} is not one of auto, netns, loopback")
+    if cfg.shaper not in ("tbf", "htb"):
+        raise BenchError(f"--shaper {cfg.shaper!r} is not one of tbf, htb")
+    if cfg.bandwidth is not None and cfg.schedule is not None:
+        raise BenchError(
+            f"--bandwidth {cfg.bandwidth!r} and --schedule {cfg.schedule!r} both set the link rate; give one of them "
+            f"(a constant rate is the schedule '0:{cfg.bandwidth}')"
+        )
+    schedule: Schedule | None = None
+    if cfg.schedule is not None:
+        schedule = parse_schedule(cfg.schedule)
+    elif cfg.bandwidth is not None and str(cfg.bandwidth).lower() not in ("none", "unshaped", "unlimited"):
+        schedule = Schedule.constant(parse_rate(cfg.bandwidth, what="--bandwidth"))
+    boundaries = schedule.boundaries(steps) if schedule else []
+    specs = parse_methods(cfg.methods, default_ratio=cfg.ratio)
+    for s in specs:
+        if s.gc and int(s.options.get("warmup_steps", 1) or 0) > warmup:
+            raise BenchError(
+                f"method {s.label!r}: GCStrategy sends dense gradients for warmup_steps={s.options['warmup_steps']} "
+                f"steps but measurement starts at --warmup {warmup}, so dense steps would be timed; use --warmup "
+                f"{s.options['warmup_steps']} or a smaller warmup_steps"
+            )
+        if not s.gc and s.name == "powersgd" and int(s.options.get("start_iter", 2)) > warmup:
+            raise BenchError(
+                f"method {s.label!r}: PowerSGD starts compressing at step {s.options.get('start_iter')} but "
+                f"measurement starts at --warmup {warmup}, so dense steps would be timed; use --warmup "
+                f"{s.options.get('start_iter')} or a smaller start_iter"
+            )
+    threads = cfg.threads if cfg.threads is not None else max(1, (os.cpu_count() or 1) // ranks)
+    _check_int("--threads", threads, 1, "e.g. --threads 1")
+    return {
+        "ranks": ranks,
+        "hosts": hosts,
+        "procs_per_host": ranks // hosts,
+        "steps": steps,
+        "warmup": warmup,
+        "eval_every": eval_every,
+        "schedule": schedule,
+        "boundaries": boundaries,
+        "specs": specs,
+        "threads": threads,
+    }
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: str, n: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as fh:
+            return "".join(fh.readlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+    deadline = time.monotonic() + 5
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.05, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait()
+
+
+def _base_env(threads: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _STRIP_ENV and not k.startswith(_STRIP_ENV_PREFIXES)}
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    cwd = os.getcwd()  # 'module:factory' presets from the current directory keep working in the workers
+    env["PYTHONPATH"] = cwd + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def worker_config(spec: MethodSpec, cfg: BenchConfig, r: dict, run_dir: str, *, ifname: str | None,
+                  with_schedule: bool) -> dict:
+    """The JSON config one method's workers read (see :mod:`lightning_gc.bench.worker`)."""
+    return {
+        "method": {"name": spec.name, "options": spec.options, "gc": spec.gc},
+        "preset": cfg.preset,
+        "preset_args": cfg.preset_args,
+        "seed": cfg.seed,
+        "steps": r["steps"],
+        "warmup": r["warmup"],
+        "compute_steps": cfg.compute_steps,
+        "eval_every": r["eval_every"],
+        "val_batches": cfg.val_batches,
+        "hosts": r["hosts"],
+        "procs_per_host": r["procs_per_host"],
+        "threads": r["threads"],
+        "ifname": ifname,
+        "boundaries": [list(b) for b in r["boundaries"][1:]] if with_schedule else [],
+        "run_dir": run_dir,
+        "fail_rank": cfg.fail_rank,
+        "fail_step": cfg.fail_step,
+    }
+
+
+def run_method(
+    spec: MethodSpec,
+    index: int,
+    cfg: BenchConfig,
+    r: dict,
+    cluster: netns.EmulatedCluster | None,
+    run_dir: str,
+    log: Callable[[str], None],
+) -> list[dict]:
+    """Run one method on all ranks; returns the per-rank result dicts or raises :class:`RankFailure`."""
+    os.makedirs(run_dir, exist_ok=True)
+    ranks, pph = r["ranks"], r["procs_per_host"]
+    if cluster is not None:
+        master, port, ifname = cluster.host_ip(0), 29500 + index, netns.IFNAME
+    else:
+        master, port, ifname = "127.0.0.1", _free_port(), None
+    wcfg = worker_config(spec, cfg, r, run_dir, ifname=ifname, with_schedule=cluster is not None)
+    cfg_path = os.path.join(run_dir, "worker.json")
+    with open(cfg_path, "w") as fh:
+        json.dump(wcfg, fh, indent=1)
+    if cluster is not None and r["schedule"] is not None:
+        cluster.set_rate(r["schedule"].initial_rate_bps)
+
+    env0 = _base_env(r["threads"])
+    procs: list[subprocess.Popen] = []
+    logs: list[str] = []
+    handle = netns.register_cleanup(lambda: _kill(procs))
+    try:
+        for g in range(ranks):
+            h, local = divmod(g, pph)
+            env = dict(env0, MASTER_ADDR=master, MASTER_PORT=str(port), WORLD_SIZE=str(ranks), NODE_RANK=str(h),
+                       LOCAL_RANK=str(local), GLOBAL_RANK=str(g), GLOO_SOCKET_IFNAME=ifname or "lo")
+            cmd = [sys.executable, "-m", "lightning_gc.bench.worker", cfg_path]
+            if cluster is not None:
+                cmd = cluster.exec_prefix(h) + cmd
+            path = os.path.join(run_dir, f"rank{g}.log")
+            logs.append(path)
+            with open(path, "w") as out:
+                procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, start_new_session=True))
+        _monitor(spec, cfg, r, cluster, run_dir, procs, logs, log)
+    finally:
+        _kill(procs)
+        netns.unregister_cleanup(handle)
+    results = []
+    for g in range(ranks):
+        with open(os.path.join(run_dir, f"rank{g}.json")) as fh:
+            results.append(json.load(fh))
+    return results
+
+
+def _monitor(spec, cfg, r, cluster, run_dir, procs, logs, log) -> None:
+    steps = r["steps"]
+    progress = os.path.join(run_dir, "progress.jsonl")
+    offset = 0
+    times: list[float] = []
+    last_print = 0.0
+    printed_at = -1
+    start = time.monotonic()
+    pending = {k: rate for k, (_, rate) in enumerate(r["boundaries"][1:])} if cluster is not None else {}
+    label = spec.label
+    rate_now = r["schedule"].initial_rate_bps if r["schedule"] else None
+    while True:
+        if os.path.exists(progress):
+            with open(progress) as fh:
+                fh.seek(offset)
+                chunk = fh.read()
+            complete = chunk[: chunk.rfind("\n") + 1]
+            offset += len(complete)
+            for line in complete.splitlines():
+                ev = json.loads(line)
+                if "dt" in ev:
+                    times.append(ev["dt"])
+                elif "eval" in ev:
+                    v = ev["eval"]
+                    log(f"  [{label}] step {ev['step']}/{steps}: validation metric = "
+                        f"{'n/a' if v is None else f'{v:.4g}'}")
+                elif ev.get("phase") == "compute":
+                    log(f"  [{label}] training done; timing compute-only steps (no gradient sync)")
+        for k in sorted(pending):
+            if os.path.exists(os.path.join(run_dir, f"phase{k}.req")):
+                rate_now = pending.pop(k)
+                cluster.set_rate(rate_now)
+                with open(os.path.join(run_dir, f"phase{k}.ack"), "w") as fh:
+                    fh.write("ok")
+                log(f"  [{label}] step {r['boundaries'][k + 1][0]}/{steps}: link rate -> {format_rate(rate_now)}")
+        now = time.monotonic()
+        if times and (now - last_print > 2.0 or len(times) == steps) and len(times) != printed_at:
+            med = statistics.median(times[r["warmup"]:] or times)
+            log(f"  [{label}] step {len(times)}/{steps}  last {times[-1]:.3f}s  median {med:.3f}s"
+                + (f"  link {format_rate(rate_now)}" if cluster is not None and rate_now else ""))
+            last_print, printed_at = now, len(times)
+        codes = [p.poll() for p in procs]
+        bad = [(g, c) for g, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            g, c = bad[0]
+            _kill(procs)
+            tail = _tail(logs[g])
+            raise RankFailure(
+                f"method {label!r}: rank {g} exited with code {c}; the other ranks were stopped. Last lines of its "
+                f"log:\n{tail}",
+                g, c, tail,
+            )
+        if all(c == 0 for c in codes):
+            return
+        if now - start > cfg.timeout_s:
+            _kill(procs)
+            raise RankFailure(
+                f"method {label!r} did not finish within --timeout {cfg.timeout_s:.0f}s (at step {len(times)}/{steps}); "
+                f"all ranks were stopped. Raise --timeout, lower --steps or raise --bandwidth. Rank 0 log tail:\n"
+                f"{_tail(logs[0])}",
+                0, None, _tail(logs[0]),
+            )
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    ys = sorted(xs)
+    if len(ys) == 1:
+        return ys[0]
+    pos = q * (len(ys) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ys) - 1)
+    return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
+
+
+def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool, target: float | None) -> dict:
+    """One result dict from the per-rank dicts of a method (fields documented in docs/bench.md)."""
+    steps, warmup, pph, n = r["steps"], r["warmup"], r["procs_per_host"], r["ranks"]
+    per_step = [max(rk["step_times"][i] for rk in ranks) for i in range(min(len(rk["step_times"]) for rk in ranks))]
+    window = per_step[warmup:steps]
+    measured = len(window)
+    compute = [statistics.median(rk["compute_times"]) for rk in ranks if rk["compute_times"]]
+    compute_s = max(compute) if compute else None
+    step_s = statistics.median(window)
+    mean_s = statistics.fmean(window)
+
+    # bytes counted by the engine / modelled
+    eng = [rk["engine_window"] for rk in ranks if rk.get("engine_window")]
+    dense_per_step = ring_factor(n) * 4 * ranks[0]["num_params"]
+    extra: dict[str, Any] = {}
+    if spec.gc:
+        if eng and all("bytes_sent" in e for e in eng):
+            bytes_per_step = statistics.fmean(e["bytes_sent"] for e in eng) / measured
+            source = "engine"
+            for key, out in (("bytes_payload", "payload_bytes_per_step"), ("bytes_dense", "dense_bytes_per_step")):
+                if all(key in e for e in eng):
+                    extra[out] = statistics.fmean(e[key] for e in eng) / measured
+            if all("compress_time_s" in e for e in eng):
+                extra["compress_time_s"] = statistics.fmean(e["compress_time_s"] for e in eng) / measured
+            if all("steps" in e for e in eng):
+                extra["engine_steps"] = statistics.fmean(e["steps"] for e in eng)
+            if all("compressed_steps" in e for e in eng):
+                extra["engine_compressed_steps"] = min(e["compressed_steps"] for e in eng)
+        else:
+            bytes_per_step, source = None, "unavailable"
+    else:
+        psgd = ranks[0].get("powersgd_numel_window")
+        psgd_per_step = None
+        if spec.name == "powersgd":
+            psgd_per_step = psgd / measured if psgd else ranks[0].get("powersgd_model_elements")
+        bytes_per_step = analytic_bytes_per_step(spec, n, ranks[0]["num_params"], psgd_per_step)
+        source = "analytic"
+    extra.setdefault("dense_bytes_per_step", dense_per_step)
+
+    # bytes counted by the interfaces
+    host_tx = [rk["tx_window"] for rk in ranks if rk["local_rank"] == 0 and rk.get("tx_window") is not None]
+    counters = [{"host": rk["node_rank"], "tx_bytes": rk["tx_window"], "seconds": rk.get("tx_window_s"),
+                 "validation_tx_bytes_excluded": rk.get("tx_val_excluded")}
+                for rk in ranks if rk["local_rank"] == 0 and rk.get("tx_window") is not None]
+    if count_wire and len(host_tx) == r["hosts"]:
+        wire_host = statistics.fmean(host_tx) / measured
+        wire_rank = wire_host / pph
+    else:
+        wire_host = wire_rank = None
+
+    # link rate per measured step and the physical floor
+    sched: Schedule | None = r["schedule"]
+    rates = [sched.rate_at_step(i, steps) for i in range(warmup, steps)] if sched else None
+    if wire_host is not None:
+        host_bytes, basis = wire_host, "wire"
+    elif bytes_per_step is not None:
+        host_bytes, basis = bytes_per_step * pph, "engine"
+    else:
+        host_bytes, basis = None, "compute"
+    floor_s = None
+    if compute_s is not None:
+        if rates and host_bytes is not None:
+            floor_s = statistics.fmean(max(compute_s, host_bytes * 8 / rate) for rate in rates)
+        else:
+            floor_s, basis = compute_s, "compute"
+    achieved = util = None
+    if wire_host is not None:
+        achieved = wire_host * 8 / mean_s
+        if rates:
+            util = wire_host * 8 * measured / sum(rate * t for rate, t in zip(rates, window))
+
+    # task metric
+    evals = [rk["evals"] for rk in ranks]
+    curve = []
+    for j in range(min(len(e) for e in evals)):
+        vals = [e[j]["value"] for e in evals if e[j]["value"] is not None]
+        curve.append({
+            "step": evals[0][j]["step"],
+            "train_time_s": max(e[j]["train_time_s"] for e in evals),
+            "value": statistics.fmean(vals) if vals else None,
+        })
+    final_metric = curve[-1]["value"] if curve else None
+    mode = ranks[0]["mode"]
+    ttt = None
+    if target is not None:
+        for pt in curve:
+            v = pt["value"]
+            if v is not None and (v >= target if mode == "max" else v <= target):
+                ttt = pt["train_time_s"]
+                break
+
+    hook = ranks[0].get("comm_hook")
+    result = {
+        "method": spec.method,
+        "label": spec.label,
+        "options": dict(spec.options),
+        "status": "ok",
+        "error": None,
+        "measured_steps": measured,
+        "step_time_s": step_s,
+        "step_time_iqr_s": _quantile(window, 0.75) - _quantile(window, 0.25),
+        "step_time_p25_s": _quantile(window, 0.25),
+        "step_time_p75_s": _quantile(window, 0.75),
+        "step_time_mean_s": mean_s,
+        "compute_time_s": compute_s,
+        "comm_exposed_s": None if compute_s is None else max(0.0, step_s - compute_s),
+        "bytes_per_step": bytes_per_step,
+        "bytes_source": source,
+        "wire_bytes_per_step": wire_rank,
+        "wire_bytes_per_host_per_step": wire_host,
+        "wire_counters": counters if count_wire else None,
+        "achieved_bandwidth_bps": achieved,
+        "link_utilization": util,
+        "floor_s": floor_s,
+        "floor_basis": basis,
+        "metric": ranks[0]["metric"],
+        "mode": mode,
+        "final_metric": final_metric,
+        "target": target,
+        "time_to_target_s": ttt,
+        "ratio_vs_ddp": None,
+        "time_to_target_ratio_vs_ddp": None,
+        "comm_hook": hook,
+        "step_times_s": per_step,
+        "metric_curve": curve,
+        **extra,
+    }
+    marker = hook_marker(spec)
+    if marker is not None and (hook is None or marker not in str(hook)):
+        result["status"] = "error"
+        result["error"] = (f"the torch comm hook {marker} did not run (DDP reports comm_hook={hook!r}); the "
+                           f"measured numbers are plain DDP and must not be used")
+    return result
+
+
+def failed_result(spec: MethodSpec, error: str) -> dict:
+    keys = ["measured_steps", "step_time_s", "step_time_iqr_s", "step_time_p25_s", "step_time_p75_s",
+            "step_time_mean_s", "compute_time_s", "comm_exposed_s", "bytes_per_step", "bytes_source",
+            "wire_bytes_per_step", "wire_bytes_per_host_per_step", "wire_counters", "achieved_bandwidth_bps", "link_utilization",
+            "floor_s", "floor_basis", "metric", "mode", "final_metric", "target", "time_to_target_s", "ratio_vs_ddp",
+            "time_to_target_ratio_vs_ddp", "comm_hook"]
+    out = {"method": spec.method, "label": spec.label, "options": dict(spec.options), "status": "error",
+           "error": error}
+    out.update(dict.fromkeys(keys))
+    out.update(step_times_s=[], metric_curve=[])
+    return out
+
+
+def add_ratios(results: list[dict]) -> None:
+    ddp = next((x for x in results if x["method"] == "ddp" and x["status"] == "ok"), None)
+    if ddp is None:
+        return
+    for x in results:
+        if x["status"] != "ok":
+            continue
+        if ddp["step_time_s"]:
+            x["ratio_vs_ddp"] = x["step_time_s"] / ddp["step_time_s"]
+        if ddp.get("step_time_mean_s") and x.get("step_time_mean_s") is not None:
+            x["mean_ratio_vs_ddp"] = x["step_time_mean_s"] / ddp["step_time_mean_s"]
+        if x["time_to_target_s"] is not None and ddp["time_to_target_s"]:
+            x["time_to_target_ratio_vs_ddp"] = x["time_to_target_s"] / ddp["time_to_target_s"]
+
+
+# --------------------------------------------------------------------------- the whole benchmark
+
+
+def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
+    """Run the benchmark described by ``cfg`` and return the JSON document (see docs/bench.md)."""
+    r = resolve(cfg)
+    specs: list[MethodSpec] = r["specs"]
+    if not any(s.method == "ddp" for s in specs):
+        log("note: 'ddp' is not in --methods, so ratio_vs_ddp will be null; add it to compare against dense DDP")
+
+    emulated, reason = False, ""
+    if cfg.network in ("auto", "netns"):
+        ok, reason = netns.namespaces_available()
+        if not ok and cfg.network == "netns":
+            raise BenchError(f"--network netns: cannot build an emulated cluster: {reason}; run as root with "
+                             f"iproute2, or use --network loopback")
+        emulated = ok
+    else:
+        reason = "--network loopback requested"
+
+    restore_signals = netns.install_signal_handlers()
+    cluster: netns.EmulatedCluster | None = None
+    tmp_root = None
+    results: list[dict] = []
+    started = time.time()
+    try:
+        if emulated:
+            cluster = netns.EmulatedCluster(hosts=r["hosts"], shaper=cfg.shaper, shape_ingress=cfg.shape_ingress,
+                                            log=log)
+            cluster.create()
+            shaped = (f"links shaped with tc {cfg.shaper} to {r['schedule'].describe()}" if r["schedule"]
+                      else "links NOT shaped (no --bandwidth/--schedule)")
+            log(f"network: EMULATED - {r['hosts']} host namespaces ({cluster.prefix}-h*) on a bridge, "
+                f"{r['procs_per_host']} process(es) per host, {shaped}; no latency emulation (netem unavailable)")
+        else:
+            log(f"network: LOOPBACK - NOT emulated ({reason}). All ranks talk over 127.0.0.1 without shaping; "
+                f"wire_bytes_per_step is null and any --bandwidth/--schedule is only used for floor_s")
+        if cfg.logs_dir:
+            base = cfg.logs_dir
+            os.makedirs(base, exist_ok=True)
+        else:
+            tmp_root = base = tempfile.mkdtemp(prefix="lgc-bench-")
+        for i, spec in enumerate(specs):
+            log(f"[{i + 1}/{len(specs)}] {spec.label}: {r['ranks']} ranks on {r['hosts']} host(s), "
+                f"{r['steps']} steps ({r['warmup']} warm-up), preset {cfg.preset}")
+            t0 = time.monotonic()
+            run_dir = os.path.join(base, f"{i:02d}-{spec.label.replace(':', '_').replace('=', '-')}")
+            try:
+                rank_results = run_method(spec, i, cfg, r, cluster, run_dir, log)
+            except RankFailure as exc:
+                log(f"  [{spec.label}] FAILED: {exc}")
+                results.append(failed_result(spec, str(exc)))
+                continue
+            target = cfg.target if cfg.target is not None else rank_results[0]["target"]
+            res = aggregate(spec, rank_results, r, count_wire=emulated, target=target)
+            res["wall_time_s"] = time.monotonic() - t0
+            results.append(res)
+            if res["status"] != "ok":
+                log(f"  [{spec.label}] INVALID: {res['error']}")
+            else:
+                log(f"  [{spec.label}] done in {res['wall_time_s']:.0f}s: step {res['step_time_s']:.3f}s "
+                    f"(IQR {res['step_time_iqr_s']:.3f}), compute {_fmt_s(res['compute_time_s'])}, "
+                    f"engine {_fmt_b(res['bytes_per_step'])}/step, wire {_fmt_b(res['wire_bytes_per_step'])}/step, "
+                    f"{res['metric']} {_fmt_v(res['final_metric'])}")
+    finally:
+        if cluster is not None:
+            cluster.destroy()
+            log(f"network: removed namespaces {cluster.prefix}-*")
+        if tmp_root:
+            shutil.rmtree(tmp_root, ignore_errors=True)
+        restore_signals()
+    network = {
+        "mode": "netns" if emulated else "loopback",
+        "reason": reason,
+        "shaped": bool(emulated and r["schedule"]),
+        "shaper": cfg.shaper if emulated and r["schedule"] else None,
+        "shape_ingress": bool(emulated and r["schedule"] and cfg.shape_ingress),
+        "latency_emulation": False,
+        "wire_counter": "tx_bytes of the host interface (Ethernet+IP+TCP headers included)" if emulated else None,
+    }
+    return build_document(cfg, r, results, network, started)
+
+
+def build_document(cfg: BenchConfig, r: dict, results: list[dict], network: dict, started: float) -> dict:
+    """The JSON document (schema in docs/bench.md) from the aggregated results."""
+    add_ratios(results)
+    first_ok = next((x for x in results if x["status"] == "ok"), None)
+    sched = r["schedule"]
+    config = {
+        **{k: v for k, v in asdict(cfg).items() if k not in ("fail_rank", "fail_step", "logs_dir", "schedule")},
+        "schedule_spec": cfg.schedule,
+        "hosts": r["hosts"],
+        "procs_per_host": r["procs_per_host"],
+        "num_nodes": r["hosts"],
+        "eval_every": r["eval_every"],
+        "threads": r["threads"],
+        "bandwidth_bps": sched.initial_rate_bps if sched and sched.is_constant else None,
+        "schedule": sched.to_json() if sched else None,
+        "schedule_steps": [{"step": s, "rate_bps": b} for s, b in r["boundaries"]] if sched else None,
+        "methods": [s.to_json() for s in r["specs"]],
+        "metric": first_ok["metric"] if first_ok else None,
+        "mode": first_ok["mode"] if first_ok else None,
+        "target": first_ok["target"] if first_ok else cfg.target,
+        "versions": _versions(),
+        "started_unix": started,
+    }
+    return {
+        "schema": SCHEMA,
+        "config": config,
+        "emulated": network["mode"] == "netns",
+        "network": network,
+        "results": results,
+    }
+
+
+# --------------------------------------------------------------------------- real clusters
+
+PLAN_FILE = "plan.json"
+
+
+def prepare(cfg: BenchConfig, plan_dir: str, *, ifname: str | None = None, master_addr: str = "NODE0_ADDRESS",
+            master_port: int = 29500, log: Callable[[str], None] = print) -> list[str]:
+    """Write worker configs for a real cluster and return the launch command of every method.
+
+    Every node runs each command (with its own ``--node-rank``), method after method; ``plan_dir``
+    must be on a file system all nodes share (or be copied to every node and the ``rank*.json``
+    files gathered back into it) before :func:`collect` builds the report.
+    """
+    if cfg.schedule is not None:
+        raise BenchError(
+            f"--schedule {cfg.schedule!r} cannot be applied on a real cluster (no tc shaping there); drop it, or run "
+            f"the emulated cluster instead"
+        )
+    r = resolve(cfg)
+    plan_dir = os.path.abspath(plan_dir)
+    os.makedirs(plan_dir, exist_ok=True)
+    commands, run_dirs = [], []
+    for i, spec in enumerate(r["specs"]):
+        run_dir = os.path.join(plan_dir, f"{i:02d}-{spec.label.replace(':', '_').replace('=', '-')}")
+        os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(run_dir, "worker.json")
+        with open(path, "w") as fh:
+            json.dump(worker_config(spec, cfg, r, run_dir, ifname=ifname, with_schedule=False), fh, indent=1)
+        run_dirs.append(os.path.basename(run_dir))
+        commands.append(
+            f"torchrun --nnodes {r['hosts']} --nproc-per-node {r['procs_per_host']} --node-rank $NODE_RANK "
+            f"--master-addr {master_addr} --master-port {master_port} -m lightning_gc.bench.worker {path}"
+        )
+    with open(os.path.join(plan_dir, PLAN_FILE), "w") as fh:
+        json.dump({"schema": SCHEMA, "config": {k: v for k, v in asdict(cfg).items() if k != "logs_dir"},
+                   "ifname": ifname, "run_dirs": run_dirs}, fh, indent=1)
+    log(f"wrote {len(commands)} method config(s) under {plan_dir}; on every node (NODE_RANK = 0..{r['hosts'] - 1}, "
+        f"node 0 reachable at {master_addr}) run, one after another:")
+    for c in commands:
+        log("  " + c)
+    log(f"then: lightning-gc bench --collect {plan_dir} --out REPORT_DIR")
+    return commands
+
+
+def collect(plan_dir: str, log: Callable[[str], None] = print) -> dict:
+    """Aggregate the rank files of a run set up by :func:`prepare` into the JSON document."""
+    path = os.path.join(plan_dir, PLAN_FILE)
+    try:
+        with open(path) as fh:
+            plan = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"--collect {plan_dir!r}: cannot read {PLAN_FILE} ({exc}); point it at a directory written "
+                         f"by 'lightning-gc bench --prepare'") from exc
+    cfg = BenchConfig(**plan["config"])
+    r = resolve(cfg)
+    ifname = plan.get("ifname")
+    results = []
+    for spec, sub in zip(r["specs"], plan["run_dirs"]):
+        run_dir = os.path.join(plan_dir, sub)
+        files = [os.path.join(run_dir, f"rank{g}.json") for g in range(r["ranks"])]
+        missing = [os.path.basename(f) for f in files if not os.path.exists(f)]
+        if missing:
+            results.append(failed_result(spec, f"method {spec.label!r}: missing {missing} in {run_dir}; the run did not "
+                                               f"finish on every rank, or the files were not gathered there"))
+            log(f"[{spec.label}] incomplete: missing {missing}")
+            continue
+        ranks = []
+        for f in files:
+            with open(f) as fh:
+                ranks.append(json.load(fh))
+        target = cfg.target if cfg.target is not None else ranks[0]["target"]
+        results.append(aggregate(spec, ranks, r, count_wire=ifname is not None, target=target))
+        log(f"[{spec.label}] collected {len(files)} rank files")
+    network = {
+        "mode": "cluster",
+        "reason": "ranks launched externally (torchrun) on real hosts",
+        "shaped": False,
+        "shaper": None,
+        "shape_ingress": False,
+        "latency_emulation": False,
+        "wire_counter": (f"tx_bytes of {ifname} on each node: ALL traffic of that NIC, not only training"
+                         if ifname else None),
+    }
+    return build_document(cfg, r, results, network, os.path.getmtime(path))
+
+
+def _versions() -> dict:
+    out = {"python": sys.version.split()[0]}
+    for mod in ("torch", "lightning"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            out[mod] = None
+    return out
+
+
+def _fmt_s(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}s"
+
+
+def _fmt_b(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _fmt_v(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4g}"

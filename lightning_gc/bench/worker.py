@@ -1,0 +1,342 @@
+"""One benchmark rank: ``python -m lightning_gc.bench.worker CONFIG.json``.
+
+Started by :mod:`lightning_gc.bench.runner` (inside a host namespace via ``ip netns exec`` when the
+cluster is emulated) with ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``NODE_RANK``,
+``LOCAL_RANK`` and ``GLOBAL_RANK`` set, so Lightning treats the processes as externally launched and
+runs ``Trainer(num_nodes=hosts, devices=procs_per_host, accelerator="cpu")``. On a real cluster the
+same module is started by ``torchrun`` (``RANK``/``GROUP_RANK`` are accepted for
+``GLOBAL_RANK``/``NODE_RANK``) with a config written by ``lightning-gc bench --prepare``.
+
+What it measures (written to ``<run_dir>/rank<G>.json``):
+
+* ``step_times``: wall time of every training step on this rank, from ``on_train_batch_start`` to
+  ``on_train_batch_end`` (forward, backward with the gradient synchronisation, optimizer step; the
+  data loader and validation are outside). The runner skips the first ``warmup`` steps.
+* ``compute_times``: after training, every rank replays a few of the batches it trained on through
+  ``training_step`` + ``backward`` + ``optimizer.step`` on the *unwrapped* LightningModule (no DDP
+  reducer, no comm hook, so no communication at all), all ranks at once after a barrier so the CPU
+  contention is the same as during training. The model is not used afterwards.
+* ``tx_window``: on local rank 0 of an emulated host, the host interface's transmit counter over the
+  measured steps (validation traffic inside the window subtracted); ``tx_window_s`` the wall time
+  between the two counter reads.
+* ``engine_window``: the change of ``strategy.engine.totals()`` over the measured steps (lightning_gc
+  methods), ``powersgd_numel_window``: the change of PowerSGD's reduced element count.
+* ``evals``: the task metric after each validation, with the training time (sum of step times) at
+  that point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _set_parent_death_signal() -> None:
+    """Die with the runner even if it is SIGKILLed (Linux only; best effort)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh)
+    os.replace(tmp, path)
+
+
+def _metric_value(trainer, name: str) -> float | None:
+    v = trainer.callback_metrics.get(name)
+    if v is None:
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _make_callback(cfg: dict, global_rank: int, local_rank: int):
+    import lightning as L
+
+    from lightning_gc.bench.netns import read_tx_bytes
+
+    class BenchCallback(L.Callback):
+        def __init__(self) -> None:
+            self.step = 0
+            self.t0 = 0.0
+            self.train_time = 0.0
+            self.step_times: list[float] = []
+            self.evals: list[dict] = []
+            self.cache: list[Any] = []
+            self.boundaries = {int(s): (k, int(r)) for k, (s, r) in enumerate(cfg["boundaries"])}
+            self.ifname = cfg.get("ifname") if local_rank == 0 else None
+            self.window_open = False
+            self.tx_start = self.tx_end = None
+            self.tx_t0 = self.tx_t1 = None
+            self.tx_val = 0
+            self.tx_val_start = None
+            self.engine_start = self.engine_end = None
+            self.psgd_start = self.psgd_end = None
+            self.comm_hook = None
+            self.progress = os.path.join(cfg["run_dir"], "progress.jsonl") if global_rank == 0 else None
+
+        # helpers ------------------------------------------------------------
+        def _note(self, **kw) -> None:
+            if self.progress:
+                with open(self.progress, "a") as fh:
+                    fh.write(json.dumps(kw) + "\n")
+
+        def _tx(self):
+            return read_tx_bytes(self.ifname) if self.ifname else None
+
+        @staticmethod
+        def _engine(trainer):
+            engine = getattr(trainer.strategy, "engine", None)
+            if engine is None or not hasattr(engine, "totals"):
+                return None
+            return {k: float(v) for k, v in engine.totals().items() if isinstance(v, (int, float))}
+
+        @staticmethod
+        def _psgd(trainer):
+            state = getattr(trainer.strategy, "hook_state", None)
+            return None if state is None else float(getattr(state, "total_numel_after_compression", 0))
+
+        def _wait_for_rate(self, k: int, rate: int) -> None:
+            req = os.path.join(cfg["run_dir"], f"phase{k}.req")
+            ack = os.path.join(cfg["run_dir"], f"phase{k}.ack")
+            with open(req, "w") as fh:
+                fh.write(str(rate))
+            deadline = time.monotonic() + float(cfg.get("sync_timeout", 120))
+            while not os.path.exists(ack):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"rate change {k} (to {rate} bit/s) at step {self.step} was not acknowledged by the runner "
+                        f"within {cfg.get('sync_timeout', 120)}s"
+                    )
+                time.sleep(0.002)
+
+        # hooks --------------------------------------------------------------
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            s = self.step
+            if s in self.boundaries and global_rank == 0:
+                self._wait_for_rate(*self.boundaries[s])
+            if cfg.get("fail_rank") == global_rank and s == int(cfg.get("fail_step") or 0):
+                raise RuntimeError(f"injected failure on rank {global_rank} at step {s} (fail_rank test hook)")
+            if s == cfg["warmup"]:
+                self.window_open = True
+                self.tx_start = self._tx()
+                self.tx_t0 = time.monotonic()
+                self.engine_start = self._engine(trainer)
+                self.psgd_start = self._psgd(trainer)
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            dt = time.perf_counter() - self.t0
+            self.step_times.append(dt)
+            self.train_time += dt
+            if self.window_open and len(self.cache) < max(1, int(cfg["compute_steps"])):
+                self.cache.append(batch)
+            self.step += 1
+            if self.step == cfg["steps"] and self.window_open:
+                self.window_open = False
+                self.tx_end = self._tx()
+                self.tx_t1 = time.monotonic()
+                self.engine_end = self._engine(trainer)
+                self.psgd_end = self._psgd(trainer)
+            self._note(step=self.step, dt=dt)
+
+        def on_validation_start(self, trainer, pl_module) -> None:
+            if self.window_open:
+                self.tx_val_start = self._tx()
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            if self.window_open and self.tx_val_start is not None:
+                self.tx_val += (self._tx() or 0) - self.tx_val_start
+            self.tx_val_start = None
+            value = _metric_value(trainer, cfg["metric"])
+            self.evals.append({"step": self.step, "train_time_s": self.train_time, "value": value})
+            self._note(eval=value, step=self.step)
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            model = trainer.strategy.model
+            getter = getattr(model, "_get_ddp_logging_data", None)
+            if getter is not None:
+                try:
+                    self.comm_hook = getter().get("comm_hook")
+                except Exception:  # noqa: BLE001
+                    self.comm_hook = None
+
+    return BenchCallback()
+
+
+def _compute_phase(model, trainer, cache: list, n: int) -> list[float]:
+    """Time ``training_step`` + backward + optimizer step without any gradient synchronisation."""
+    import torch
+
+    if not cache or n <= 0 or not getattr(model, "automatic_optimization", True):
+        return []
+    opts = trainer.optimizers
+    if opts:
+        opt = opts[0]
+    else:
+        conf = model.configure_optimizers()
+        opt = conf["optimizer"] if isinstance(conf, dict) else (conf[0] if isinstance(conf, (list, tuple)) else conf)
+        if isinstance(opt, (list, tuple)):
+            opt = opt[0]
+    model.log = lambda *a, **k: None  # training_step may log; there is no loop to log into here
+    model.log_dict = lambda *a, **k: None
+    model.train()
+    times = []
+    for i in range(n + 1):  # first replay is a warm-up
+        batch = cache[i % len(cache)]
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        out = model.training_step(batch, i)
+        loss = out["loss"] if isinstance(out, dict) else out
+        loss.backward()
+        opt.step()
+        dt = time.perf_counter() - t0
+        if i > 0:
+            times.append(dt)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return times
+
+
+def _ranks() -> tuple[int, int, int]:
+    env = os.environ
+    try:
+        g = int(env.get("GLOBAL_RANK", env.get("RANK", "")))
+        local = int(env["LOCAL_RANK"])
+        node = int(env.get("NODE_RANK", env.get("GROUP_RANK", "")))
+    except (KeyError, ValueError) as exc:
+        raise RuntimeError(
+            "the bench worker needs LOCAL_RANK plus GLOBAL_RANK (or RANK) and NODE_RANK (or GROUP_RANK) in the "
+            f"environment ({exc}); start it through 'lightning-gc bench' or torchrun"
+        ) from exc
+    return g, local, node
+
+
+def run(cfg: dict) -> dict:
+    import lightning as L
+    import torch
+
+    from lightning_gc.bench.methods import MethodSpec, build_strategy, dense_grad_elements, powersgd_elements
+    from lightning_gc.bench.workloads import resolve_preset
+
+    global_rank, local_rank, node_rank = _ranks()
+    torch.set_num_threads(max(1, int(cfg["threads"])))
+    L.seed_everything(int(cfg["seed"]), workers=True, verbose=False)
+
+    preset = resolve_preset(cfg["preset"], seed=int(cfg["seed"]), **cfg.get("preset_args", {}))
+    cfg["metric"] = preset.metric
+    m = cfg["method"]
+    spec = MethodSpec(m["name"], dict(m["options"]), gc=bool(m["gc"]))
+    strategy = build_strategy(spec)
+    cb = _make_callback(cfg, global_rank, local_rank)
+    eval_every = int(cfg["eval_every"])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(cfg["procs_per_host"]),
+        num_nodes=int(cfg["hosts"]),
+        strategy=strategy,
+        max_steps=int(cfg["steps"]),
+        max_epochs=-1,
+        val_check_interval=eval_every,
+        check_val_every_n_epoch=None,
+        limit_val_batches=cfg["val_batches"],
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+    )
+    trainer.fit(preset.model, datamodule=preset.datamodule)
+    if not cb.evals or cb.evals[-1]["step"] != cb.step:
+        trainer.validate(preset.model, datamodule=preset.datamodule, verbose=False)
+    if global_rank == 0:
+        cb._note(phase="compute")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    compute_times = _compute_phase(preset.model, trainer, cb.cache, int(cfg["compute_steps"]))
+
+    def delta(a, b):
+        if a is None or b is None:
+            return None
+        return {k: b[k] - a.get(k, 0.0) for k in b} if isinstance(b, dict) else b - a
+
+    tx = None
+    if cb.tx_start is not None and cb.tx_end is not None:
+        tx = cb.tx_end - cb.tx_start - cb.tx_val
+    engine = getattr(strategy, "engine", None)
+    return {
+        "global_rank": global_rank,
+        "node_rank": node_rank,
+        "local_rank": local_rank,
+        "steps_done": cb.step,
+        "step_times": cb.step_times,
+        "compute_times": compute_times,
+        "tx_window": tx,
+        "tx_val_excluded": cb.tx_val,
+        "tx_window_s": None if cb.tx_t0 is None or cb.tx_t1 is None else cb.tx_t1 - cb.tx_t0,
+        "engine_window": delta(cb.engine_start, cb.engine_end),
+        "engine_totals": _engine_totals(engine),
+        "powersgd_numel_window": delta(cb.psgd_start, cb.psgd_end),
+        "evals": cb.evals,
+        "comm_hook": cb.comm_hook,
+        "num_params": dense_grad_elements(preset.model),
+        "powersgd_model_elements": (
+            powersgd_elements(preset.model, int(spec.options.get("rank", 1)),
+                              float(spec.options.get("min_compression_rate", 2)))
+            if (not spec.gc and spec.name == "powersgd") else None
+        ),
+        "metric": preset.metric,
+        "mode": preset.mode,
+        "target": preset.target,
+        "batch_size": preset.batch_size,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _engine_totals(engine) -> dict | None:
+    if engine is None or not hasattr(engine, "totals"):
+        return None
+    try:
+        return {k: float(v) for k, v in engine.totals().items() if isinstance(v, (int, float))}
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m lightning_gc.bench.worker CONFIG.json (started by 'lightning-gc bench')",
+              file=sys.stderr)
+        return 2
+    _set_parent_death_signal()
+    with open(argv[0]) as fh:
+        cfg = json.load(fh)
+    rank = os.environ.get("GLOBAL_RANK", os.environ.get("RANK", "?"))
+    try:
+        result = run(cfg)
+    except BaseException:  # noqa: BLE001 - reported to the runner through the log and exit code
+        traceback.print_exc()
+        sys.stderr.flush()
+        return 1
+    _write_json(os.path.join(cfg["run_dir"], f"rank{rank}.json"), result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

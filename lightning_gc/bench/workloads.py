@@ -1,0 +1,128 @@
+"""Workloads for the benchmark: the package presets, a built-in ``probe`` and user presets.
+
+``--preset`` accepts
+
+* a preset name of :func:`lightning_gc.examples.presets.get_preset` (``mlp``, ``cnn``, ``lm``,
+  ``quickstart``);
+* ``probe``: a single dense layer (``width`` x ``width`` weights, 512 -> 262,656 parameters, 1 MiB of
+  fp32 gradient) on a random linear-regression task. It needs nothing but torch and spends almost
+  all of its step in communication, which makes it the workload for checking the emulated network
+  itself (the shaped-rate test uses it);
+* ``package.module:factory``: any callable ``factory(seed=..., **preset_args)`` returning an object
+  with the attributes ``model``, ``datamodule``, ``metric`` (name of a logged validation metric),
+  ``mode`` (``"max"``/``"min"``), ``target`` (float or ``None``) and ``batch_size``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["WorkloadError", "Workload", "resolve_preset"]
+
+_REQUIRED = ("model", "datamodule", "metric", "mode", "target", "batch_size")
+
+
+class WorkloadError(ValueError):
+    """A preset that cannot be built; the message names it, the reason and the fix."""
+
+
+@dataclass
+class Workload:
+    name: str
+    model: Any
+    datamodule: Any
+    metric: str
+    mode: str
+    target: float | None
+    batch_size: int
+
+
+def _probe(seed: int = 0, width: int = 512, batch_size: int = 32, lr: float = 0.01, samples: int = 2048):
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    width, batch_size, samples = int(width), int(batch_size), int(samples)
+    if width < 1 or batch_size < 1 or samples < batch_size:
+        raise WorkloadError(
+            f"probe preset: width={width}, batch_size={batch_size}, samples={samples} must be positive with "
+            f"samples >= batch_size; e.g. --preset-arg width=512"
+        )
+
+    class ProbeModel(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(width, width)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return ((self.net(x) - y) ** 2).sum(dim=1).mean()  # summed over outputs: learns in ~40 steps
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", F.mse_loss(self.net(x), y), on_epoch=True, sync_dist=True)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=lr)
+
+    class ProbeData(L.LightningDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            g = torch.Generator().manual_seed(seed)
+            teacher = torch.randn(width, width, generator=g) / width**0.5
+            x = torch.randn(samples, width, generator=g)
+            xv = torch.randn(max(batch_size, samples // 8), width, generator=g)
+            self.train_set = TensorDataset(x, x @ teacher.T)
+            self.val_set = TensorDataset(xv, xv @ teacher.T)
+
+        def train_dataloader(self):
+            return DataLoader(self.train_set, batch_size=batch_size, shuffle=True, drop_last=True,
+                              generator=torch.Generator().manual_seed(seed + 1))
+
+        def val_dataloader(self):
+            return DataLoader(self.val_set, batch_size=batch_size)
+
+    torch.manual_seed(seed)
+    # val_loss (per-element MSE) starts near 1.75 and crosses 0.5 after ~35 steps at the default lr
+    return Workload("probe", ProbeModel(), ProbeData(), "val_loss", "min", 0.5, batch_size)
+
+
+def resolve_preset(name: str, seed: int = 0, **overrides: Any):
+    """Build the workload ``name`` (see the module docstring)."""
+    if name == "probe":
+        preset = _probe(seed=seed, **overrides)
+    elif ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise WorkloadError(
+                f"preset {name!r}: cannot import {attr!r} from module {module_name!r} ({exc}); make the module "
+                f"importable (PYTHONPATH) or use a built-in preset"
+            ) from exc
+        preset = factory(seed=seed, **overrides)
+    else:
+        try:
+            from lightning_gc.examples.presets import get_preset
+        except ImportError as exc:
+            raise WorkloadError(
+                f"preset {name!r} needs lightning_gc.examples.presets, which is not importable ({exc}); "
+                f"use --preset probe or a 'module:factory' preset"
+            ) from exc
+        try:
+            preset = get_preset(name, seed=seed, **overrides)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise WorkloadError(f"preset {name!r} with arguments {overrides}: {exc}") from exc
+    missing = [a for a in _REQUIRED if not hasattr(preset, a)]
+    if missing:
+        raise WorkloadError(
+            f"preset {name!r} returned a {type(preset).__name__} without attribute(s) {missing}; a preset needs "
+            f"{', '.join(_REQUIRED)}"
+        )
+    if preset.mode not in ("max", "min"):
+        raise WorkloadError(f"preset {name!r} has mode={preset.mode!r}; it must be 'max' or 'min'")
+    return preset

@@ -1,0 +1,105 @@
+"""``lightning-gc bench`` command line: arguments, errors and a real (loopback) run end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_gc.bench import report
+from lightning_gc.bench.cli import main
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--ranks", "3", "--hosts", "2", "--methods", "ddp"], "not divisible by --hosts 2"),
+        (["--bandwidth", "100mbps", "--methods", "ddp"], "byte unit"),
+        (["--schedule", "0.5:1gbit", "--methods", "ddp"], "add a first entry at 0"),
+        (["--methods", "ddp,nosuch"], "unknown method 'nosuch'"),
+        (["--steps", "2", "--warmup", "3", "--methods", "ddp"], "no step would be measured"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_useful_message(argv, fragment, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "lightning-gc bench: error:" in err and fragment in err
+
+
+def test_usage_errors_and_help_return_codes(capsys):
+    assert main(["--val-batches", "zero"]) == 2
+    assert "is not a number" in capsys.readouterr().err
+    assert main(["--preset-arg", "novalue"]) == 2
+    assert main(["--help"]) == 0
+    assert "--schedule" in capsys.readouterr().out
+
+
+def test_list_methods(capsys):
+    assert main(["--list-methods"]) == 0
+    out = capsys.readouterr().out
+    assert "ddp, powersgd, fp16" in out
+
+
+@pytest.mark.slow
+def test_loopback_run_end_to_end_writes_a_valid_document(tmp_path, capsys):
+    js, out = tmp_path / "out.json", tmp_path / "report"
+    argv = ["--preset", "probe", "--preset-arg", "width=128", "--ranks", "2", "--methods", "ddp,fp16,powersgd:rank=2",
+            "--steps", "6", "--warmup", "2", "--compute-steps", "2", "--eval-every", "3", "--val-batches", "2",
+            "--network", "loopback", "--bandwidth", "100mbit", "--threads", "1", "--json", str(js), "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "LOOPBACK - NOT emulated" in printed  # said clearly in the output ...
+    assert "[ddp] step" in printed and "validation metric" in printed  # ... with progress while running
+    doc = json.loads(js.read_text())
+    report.validate_document(doc)
+    assert doc["emulated"] is False and doc["network"]["mode"] == "loopback"  # ... and in the JSON
+    assert doc["config"]["ranks"] == 2 and doc["config"]["bandwidth"] == "100mbit"
+    assert doc["config"]["command"].startswith("lightning-gc bench --preset probe")
+    by = {r["method"]: r for r in doc["results"]}
+    assert set(by) == {"ddp", "fp16", "powersgd"} and all(r["status"] == "ok" for r in by.values())
+    d = 128 * 128 + 128
+    assert by["ddp"]["bytes_per_step"] == 4 * d  # ring factor 2(N-1)/N = 1 for N = 2
+    assert by["fp16"]["bytes_per_step"] == 2 * d
+    assert by["powersgd"]["bytes_per_step"] == 4 * (2 * (128 + 128) + 128)  # P, Q at rank 2 + the bias
+    assert by["fp16"]["comm_hook"] == "fp16_compress_hook"  # the torch hook really ran on CPU
+    assert "powerSGD_hook" in by["powersgd"]["comm_hook"]
+    assert by["ddp"]["ratio_vs_ddp"] == 1.0
+    for r in by.values():
+        assert r["wire_bytes_per_step"] is None
+        assert r["measured_steps"] == 4 and len(r["step_times_s"]) == 6
+        assert [p["step"] for p in r["metric_curve"]] == [3, 6]
+        assert r["final_metric"] == r["metric_curve"][-1]["value"]
+        assert r["floor_s"] >= r["compute_time_s"] > 0
+    assert (out / "bench.md").read_text().count("| `") == 3
+    assert json.loads((out / "bench.json").read_text())["results"][0]["method"] == "ddp"
+
+
+@pytest.mark.slow
+def test_real_cluster_path_prepare_torchrun_collect(tmp_path, capsys):
+    """--prepare writes configs and torchrun commands; running them (one node here) and --collect gives a report."""
+    import os
+    import subprocess
+    import sys
+
+    from dist_harness import free_port
+
+    plan = tmp_path / "plan"
+    port = free_port()
+    assert main(["--prepare", str(plan), "--preset", "probe", "--preset-arg", "width=64", "--ranks", "2", "--hosts", "1",
+                 "--methods", "ddp,fp16", "--steps", "5", "--warmup", "2", "--compute-steps", "2", "--val-batches", "1",
+                 "--threads", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]) == 0
+    commands = [line.strip() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("torchrun ")]
+    assert len(commands) == 2 and "--nnodes 1 --nproc-per-node 2" in commands[0]
+    # run the first method as a node would; leave the second one unrun to check incomplete runs are reported
+    args = commands[0].replace("$NODE_RANK", "0").split()[1:]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], check=True, timeout=300, env=env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    js = tmp_path / "out.json"
+    assert main(["--collect", str(plan), "--json", str(js)]) == 1  # one method incomplete
+    doc = json.loads(js.read_text())
+    report.validate_document(doc)
+    assert doc["emulated"] is False and doc["network"]["mode"] == "cluster"
+    ddp, fp16 = doc["results"]
+    assert ddp["status"] == "ok" and ddp["bytes_per_step"] == 4 * (64 * 64 + 64) and ddp["measured_steps"] == 3
+    assert fp16["status"] == "error" and "missing ['rank0.json', 'rank1.json']" in fp16["error"]

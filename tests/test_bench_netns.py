@@ -1,0 +1,210 @@
+"""The emulated cluster: namespaces, shaping, counters and cleanup.
+
+Everything that needs network namespaces is skipped where they cannot be created (not root, no
+iproute2, no namespace support). All addresses used live inside the namespaces these tests create.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lightning_gc.bench import netns
+from lightning_gc.bench.runner import BenchConfig, run_bench
+
+_OK, _WHY = netns.namespaces_available()
+needs_netns = pytest.mark.skipif(not _OK, reason=f"network namespaces unavailable: {_WHY}")
+
+_SERVER = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 5999)); s.listen(1); print("ready", flush=True)
+c, _ = s.accept(); n = 0
+while True:
+    d = c.recv(65536)
+    if not d: break
+    n += len(d)
+c.sendall(str(n).encode()); c.close()
+"""
+_CLIENT = """
+import socket, sys
+c = socket.create_connection((sys.argv[1], 5999), timeout=20)
+c.sendall(b"x" * int(sys.argv[2])); c.shutdown(socket.SHUT_WR); print(c.recv(64).decode())
+"""
+
+
+def _transfer(cluster: netns.EmulatedCluster, nbytes: int) -> int:
+    """Send ``nbytes`` from host 0 to host 1 over the emulated link; returns what host 1 received."""
+    server = subprocess.Popen(cluster.exec_prefix(1) + [sys.executable, "-c", _SERVER, cluster.host_ip(1)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        out = subprocess.run(cluster.exec_prefix(0) + [sys.executable, "-c", _CLIENT, cluster.host_ip(1), str(nbytes)],
+                             capture_output=True, text=True, timeout=60, check=True)
+        return int(out.stdout.strip())
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _prefix_from(lines: list[str]) -> str:
+    for line in lines:
+        m = re.search(r"(lgcb-\d+-[0-9a-f]{4})", line)
+        if m:
+            return m.group(1)
+    raise AssertionError("no namespace prefix in the log:\n" + "\n".join(lines))
+
+
+def _assert_no_leftovers(prefix: str | None, marker: str) -> None:
+    if prefix is not None:
+        left = [n for n in netns.list_own_namespaces() if n.startswith(prefix + "-")]
+        assert left == [], f"namespaces left behind: {left}"
+    procs = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd and "lightning_gc.bench.worker" in cmd:
+            procs.append((pid, cmd))
+    assert procs == [], f"worker processes left behind: {procs}"
+
+
+@needs_netns
+@pytest.mark.netns
+def test_two_clusters_at_once_with_identical_addresses_do_not_collide():
+    a = netns.EmulatedCluster(hosts=2, subnet=77)
+    b = netns.EmulatedCluster(hosts=2, subnet=77, shaper="htb")
+    with a, b:
+        assert a.prefix != b.prefix
+        assert a.host_ip(1) == b.host_ip(1)  # same addresses, separate L2 segments
+        assert set(a.namespaces).isdisjoint(b.namespaces)
+        a.set_rate(200_000_000)
+        b.set_rate(100_000_000)
+        b.set_rate(300_000_000)  # change in place
+        tx_a, tx_b = a.tx_bytes(0), b.tx_bytes(0)
+        assert _transfer(a, 300_000) == 300_000
+        assert _transfer(b, 100_000) == 100_000
+        # each transfer is counted by its own cluster's interface only (payload + headers)
+        assert a.tx_bytes(0) - tx_a >= 300_000
+        assert 100_000 <= b.tx_bytes(0) - tx_b < 300_000
+        assert "htb" in b.qdisc_stats(0) and "tbf" in a.qdisc_stats(0)
+        names = set(a.namespaces) | set(b.namespaces)
+    assert names.isdisjoint(netns.list_own_namespaces())
+
+
+@needs_netns
+@pytest.mark.netns
+def test_cluster_creation_failure_removes_what_was_created(monkeypatch):
+    cluster = netns.EmulatedCluster(hosts=3)
+    real_run = netns._run
+
+    def failing(cmd, **kw):
+        if cmd[:3] == ["ip", "netns", "add"] and cmd[3].endswith("-h2"):
+            raise netns.NetnsError("simulated failure creating host 2")
+        return real_run(cmd, **kw)
+
+    monkeypatch.setattr(netns, "_run", failing)
+    with pytest.raises(netns.NetnsError, match="simulated"):
+        cluster.create()
+    monkeypatch.setattr(netns, "_run", real_run)
+    assert [n for n in netns.list_own_namespaces() if n.startswith(cluster.prefix)] == []
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.slow
+def test_shaped_dense_run_respects_the_link_rate(tmp_path):
+    rate = 10_000_000  # 10 Mbit/s; probe width 256 -> 263 kB of fp32 gradient per step
+    lines: list[str] = []
+    doc = run_bench(
+        BenchConfig(preset="probe", preset_args={"width": 256}, ranks=2, hosts=2, bandwidth="10mbit", methods="ddp",
+                    steps=8, warmup=2, compute_steps=2, eval_every=8, val_batches=1, network="netns", threads=1,
+                    timeout_s=300, logs_dir=str(tmp_path)),
+        log=lines.append,
+    )
+    assert doc["emulated"] is True and doc["network"]["mode"] == "netns" and doc["network"]["shaped"]
+    (res,) = doc["results"]
+    assert res["status"] == "ok", res["error"]
+    dense_bytes = 4 * (256 * 256 + 256)
+    burst = netns.tc_burst_bytes(rate)
+    assert len(res["wire_counters"]) == 2
+    for c in res["wire_counters"]:
+        # physical upper bound of a token bucket: rate * time + bucket depth (+ one GSO super-packet)
+        assert c["tx_bytes"] <= rate / 8 * c["seconds"] * 1.01 + burst + 65536, c
+        # information lower bound for 2 hosts: each host must send its whole fp32 gradient every step
+        assert c["tx_bytes"] >= dense_bytes * res["measured_steps"], c
+    assert res["link_utilization"] <= 1.01 + (burst + 65536) * 8 / (rate * sum(res["step_times_s"][2:]))
+    assert res["wire_bytes_per_step"] >= res["bytes_per_step"] == pytest.approx(dense_bytes)
+    _assert_no_leftovers(_prefix_from(lines), str(tmp_path))
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.slow
+def test_failing_rank_stops_the_others_and_removes_the_namespaces(tmp_path):
+    lines: list[str] = []
+    doc = run_bench(
+        BenchConfig(preset="probe", preset_args={"width": 64}, ranks=2, hosts=2, bandwidth="100mbit", methods="ddp",
+                    steps=6, warmup=2, network="netns", threads=1, timeout_s=300, logs_dir=str(tmp_path),
+                    fail_rank=1, fail_step=3),
+        log=lines.append,
+    )
+    (res,) = doc["results"]
+    assert res["status"] == "error"
+    assert "rank 1 exited with code 1" in res["error"] and "injected failure on rank 1 at step 3" in res["error"]
+    assert res["step_time_s"] is None and res["ratio_vs_ddp"] is None
+    assert any("FAILED" in line for line in lines)
+    _assert_no_leftovers(_prefix_from(lines), str(tmp_path))
+
+
+@pytest.mark.slow
+def test_failing_rank_on_loopback_stops_the_others(tmp_path):
+    lines: list[str] = []
+    doc = run_bench(
+        BenchConfig(preset="probe", preset_args={"width": 64}, ranks=2, methods="ddp", steps=6, warmup=2,
+                    network="loopback", threads=1, timeout_s=300, logs_dir=str(tmp_path), fail_rank=0, fail_step=2),
+        log=lines.append,
+    )
+    assert doc["emulated"] is False
+    assert any("LOOPBACK - NOT emulated" in line for line in lines)
+    (res,) = doc["results"]
+    assert res["status"] == "error" and "injected failure on rank 0 at step 2" in res["error"]
+    _assert_no_leftovers(None, str(tmp_path))
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.slow
+def test_ctrl_c_removes_namespaces_and_workers(tmp_path):
+    out = tmp_path / "stdout.txt"
+    cmd = [sys.executable, "-m", "lightning_gc.bench", "--preset", "probe", "--preset-arg", "width=64", "--ranks", "2",
+           "--methods", "ddp", "--steps", "100000", "--bandwidth", "100mbit", "--network", "netns", "--threads", "1",
+           "--logs", str(tmp_path / "logs")]
+    with open(out, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while "[ddp] step" not in out.read_text():  # training is running on both ranks
+            assert proc.poll() is None, out.read_text()
+            assert time.monotonic() < deadline, out.read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = out.read_text()
+    assert rc == 130, text
+    assert "interrupted" in text and "removed namespaces" in text
+    _assert_no_leftovers(_prefix_from(text.splitlines()), str(tmp_path))

@@ -1,0 +1,193 @@
+"""The bench JSON schema, the aggregation of per-rank measurements, Markdown and plots."""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+
+import pytest
+
+from lightning_gc.bench import report
+from lightning_gc.bench.methods import MethodSpec, ring_factor
+from lightning_gc.bench.runner import (
+    SCHEMA,
+    BenchConfig,
+    BenchError,
+    add_ratios,
+    aggregate,
+    failed_result,
+    resolve,
+)
+from lightning_gc.bench.schedule import parse_schedule
+
+
+def _rank(g, pph, step_times, compute, tx=None, tx_s=None, evals=None, engine=None, num_params=1000, psgd=None):
+    return {
+        "global_rank": g, "node_rank": g // pph, "local_rank": g % pph, "steps_done": len(step_times),
+        "step_times": step_times, "compute_times": compute, "tx_window": tx, "tx_window_s": tx_s,
+        "tx_val_excluded": 0, "engine_window": engine, "engine_totals": None, "powersgd_numel_window": psgd,
+        "powersgd_model_elements": None,
+        "evals": evals or [], "comm_hook": None, "num_params": num_params, "metric": "val_acc", "mode": "max",
+        "target": 0.8, "batch_size": 32, "threads": 1,
+    }
+
+
+def _layout(steps=6, warmup=2, ranks=4, hosts=2, schedule=None):
+    sched = parse_schedule(schedule) if schedule else None
+    return {"steps": steps, "warmup": warmup, "ranks": ranks, "hosts": hosts, "procs_per_host": ranks // hosts,
+            "schedule": sched, "boundaries": sched.boundaries(steps) if sched else []}
+
+
+EVALS_SLOW = [{"step": 3, "train_time_s": 3.0, "value": 0.5}, {"step": 6, "train_time_s": 6.0, "value": 0.9}]
+EVALS_FAST = [{"step": 3, "train_time_s": 1.0, "value": 0.85}, {"step": 6, "train_time_s": 2.0, "value": 0.9}]
+
+
+def test_aggregate_dense_baseline_on_two_hosts_with_a_schedule():
+    # 0:100mbit for steps 0-2, 10mbit for steps 3-5; the window is steps 2..5
+    r = _layout(schedule="0:100mbit,0.5:10mbit")
+    times = [[5.0, 5.0, 1.0, 2.0, 3.0, 4.0], [5.0, 5.0, 1.5, 1.0, 3.0, 9.0]]
+    ranks = [
+        _rank(0, 2, times[0], [0.2, 0.3], tx=4_000_000, tx_s=10.0, evals=EVALS_SLOW),
+        _rank(1, 2, times[1], [0.4, 0.4], evals=EVALS_SLOW),
+        _rank(2, 2, times[0], [0.1], tx=2_000_000, tx_s=10.0, evals=EVALS_SLOW),
+        _rank(3, 2, times[0], [0.1], evals=EVALS_SLOW),
+    ]
+    res = aggregate(MethodSpec("ddp"), ranks, r, count_wire=True, target=0.8)
+    window = [1.5, 2.0, 3.0, 9.0]  # slowest rank per step
+    assert res["measured_steps"] == 4
+    assert res["step_times_s"] == [5.0, 5.0, 1.5, 2.0, 3.0, 9.0]
+    assert res["step_time_s"] == pytest.approx(statistics.median(window))
+    assert res["step_time_iqr_s"] == pytest.approx(4.5 - 1.875)  # linear-interpolated quartiles
+    assert res["step_time_mean_s"] == pytest.approx(statistics.fmean(window))
+    assert res["compute_time_s"] == pytest.approx(0.4)  # slowest rank's median
+    assert res["comm_exposed_s"] == pytest.approx(res["step_time_s"] - 0.4)
+    assert res["bytes_per_step"] == pytest.approx(ring_factor(4) * 4 * 1000)
+    assert res["bytes_source"] == "analytic"
+    wire_host = (4_000_000 + 2_000_000) / 2 / 4
+    assert res["wire_bytes_per_host_per_step"] == pytest.approx(wire_host)
+    assert res["wire_bytes_per_step"] == pytest.approx(wire_host / 2)
+    rates = [100e6, 10e6, 10e6, 10e6]  # window steps 2, 3, 4, 5
+    assert res["floor_s"] == pytest.approx(statistics.fmean(max(0.4, wire_host * 8 / x) for x in rates))
+    assert res["floor_basis"] == "wire"
+    assert res["link_utilization"] == pytest.approx(wire_host * 8 * 4 / sum(x * t for x, t in zip(rates, window)))
+    assert res["achieved_bandwidth_bps"] == pytest.approx(wire_host * 8 / statistics.fmean(window))
+    assert res["final_metric"] == pytest.approx(0.9)
+    assert res["time_to_target_s"] == pytest.approx(6.0)
+    assert res["wire_counters"][0] == {"host": 0, "tx_bytes": 4_000_000, "seconds": 10.0,
+                                       "validation_tx_bytes_excluded": 0}
+
+
+def test_aggregate_engine_counts_loopback_and_ratios():
+    r = _layout(steps=5, warmup=1, ranks=2, hosts=2, schedule="0:100mbit")
+    eng = {"steps": 4.0, "bytes_sent": 4000.0, "bytes_payload": 3000.0, "bytes_dense": 16000.0,
+           "compress_time_s": 0.04, "comm_time_s": 0.1}
+    ranks = [_rank(g, 1, [1.0, 0.5, 0.5, 0.5, 0.5], [0.1], engine=eng, evals=EVALS_FAST) for g in range(2)]
+    gc = aggregate(MethodSpec("topk", {"ratio": 0.01}, gc=True), ranks, r, count_wire=False, target=0.8)
+    assert gc["bytes_per_step"] == 1000.0 and gc["bytes_source"] == "engine"
+    assert gc["payload_bytes_per_step"] == 750.0 and gc["dense_bytes_per_step"] == 4000.0
+    assert gc["compress_time_s"] == pytest.approx(0.01)
+    assert gc["wire_bytes_per_step"] is None and gc["wire_counters"] is None  # loopback: no wire counts
+    assert gc["floor_basis"] == "engine"  # nominal rate x engine bytes x procs per host
+    assert gc["floor_s"] == pytest.approx(max(0.1, 1000 * 8 / 100e6))
+    assert gc["time_to_target_s"] == pytest.approx(1.0)
+
+    dense_ranks = [_rank(g, 1, [1.0, 1.0, 1.0, 1.0, 1.0], [0.1], evals=EVALS_SLOW) for g in range(2)]
+    ddp = aggregate(MethodSpec("ddp"), dense_ranks, r, count_wire=False, target=0.8)
+    broken = failed_result(MethodSpec("qsgd", gc=True), "rank 1 exited with code 1")
+    results = [ddp, gc, broken]
+    add_ratios(results)
+    assert ddp["ratio_vs_ddp"] == 1.0
+    assert gc["ratio_vs_ddp"] == pytest.approx(0.5)
+    assert gc["time_to_target_ratio_vs_ddp"] == pytest.approx(1.0 / 6.0)
+    assert broken["ratio_vs_ddp"] is None
+
+    doc = {"schema": SCHEMA, "config": {"preset": "probe", "ranks": 2, "hosts": 2, "procs_per_host": 1,
+                                        "steps": 5, "warmup": 1, "compute_steps": 5, "metric": "val_acc",
+                                        "mode": "max", "target": 0.8, "schedule": None, "schedule_steps": None},
+           "emulated": False, "network": {"mode": "loopback", "reason": "test"}, "results": results}
+    report.validate_document(doc)
+    json.loads(json.dumps(doc))  # plain JSON types only
+    md = report.markdown(doc)
+    assert "NOT emulated" in md and "`topk:ratio=0.01`" in md and "0.5×" in md and "failed" in md
+
+
+def test_aggregate_flags_a_torch_hook_that_did_not_run():
+    r = _layout(steps=4, warmup=1, ranks=2, hosts=2)
+    ranks = [_rank(g, 1, [1.0, 1.0, 1.0, 1.0], [0.1]) for g in range(2)]
+    res = aggregate(MethodSpec("fp16"), ranks, r, count_wire=False, target=None)
+    assert res["status"] == "error" and "fp16_compress_hook did not run" in res["error"]
+    ranks[0]["comm_hook"] = "fp16_compress_hook"
+    assert aggregate(MethodSpec("fp16"), ranks, r, count_wire=False, target=None)["status"] == "ok"
+
+
+def _valid_doc():
+    r = _layout(steps=4, warmup=1, ranks=2, hosts=2)
+    ranks = [_rank(g, 1, [1.0, 1.0, 1.0, 1.0], [0.1], tx=100, tx_s=1.0, evals=EVALS_FAST) for g in range(2)]
+    res = aggregate(MethodSpec("ddp"), ranks, r, count_wire=True, target=0.8)
+    add_ratios([res])
+    return {"schema": SCHEMA, "config": {"preset": "probe"}, "emulated": True, "results": [res]}
+
+
+@pytest.mark.parametrize(
+    "mutate, fragment",
+    [
+        (lambda d: d.pop("emulated"), "'emulated' must be a bool"),
+        (lambda d: d.__setitem__("results", {}), "'results' must be a list"),
+        (lambda d: d["results"][0].pop("floor_s"), "missing keys ['floor_s']"),
+        (lambda d: d["results"][0].__setitem__("step_time_s", None), "step_time_s must be a number"),
+        (lambda d: d["results"][0].__setitem__("ratio_vs_ddp", "1.0"), "ratio_vs_ddp must be a number or null"),
+        (lambda d: d["results"][0].__setitem__("status", "meh"), "status 'meh'"),
+        (lambda d: d.__setitem__("emulated", False), "wire_bytes_per_step must be null"),
+    ],
+)
+def test_schema_validation_names_the_bad_field(mutate, fragment):
+    doc = _valid_doc()
+    report.validate_document(copy.deepcopy(doc))
+    mutate(doc)
+    with pytest.raises(ValueError) as exc:
+        report.validate_document(doc)
+    assert fragment in str(exc.value)
+
+
+def test_outputs_json_markdown_and_plots(tmp_path):
+    doc = _valid_doc()
+    doc["config"].update(ranks=2, hosts=2, procs_per_host=1, steps=4, warmup=1, compute_steps=5, metric="val_acc",
+                         mode="max", target=0.8, schedule=[{"at": 0.0, "rate": "100mbit", "rate_bps": 10**8}],
+                         schedule_steps=[{"step": 0, "rate_bps": 10**8}])
+    doc["network"] = {"mode": "netns", "shaper": "tbf"}
+    paths = report.write_outputs(doc, json_path=str(tmp_path / "a" / "out.json"), out_dir=str(tmp_path / "o"))
+    names = sorted(p.rsplit("/", 1)[-1] for p in paths)
+    assert "out.json" in names and "bench.json" in names and "bench.md" in names
+    assert json.loads((tmp_path / "a" / "out.json").read_text())["results"][0]["method"] == "ddp"
+    assert "**Network: emulated**" in (tmp_path / "o" / "bench.md").read_text()
+    pytest.importorskip("matplotlib")
+    for png in ("step_time.png", "bytes.png", "step_trace.png", "metric.png"):
+        data = (tmp_path / "o" / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"ranks": 1}, "--ranks=1"),
+        ({"ranks": 4, "hosts": 3}, "not divisible by --hosts 3"),
+        ({"steps": 3, "warmup": 3}, "no step would be measured"),
+        ({"bandwidth": "1gbit", "schedule": "0:1gbit"}, "give one of them"),
+        ({"network": "wifi"}, "--network 'wifi'"),
+        ({"ratio": 0.0}, "--ratio 0.0"),
+        ({"methods": "powersgd:start_iter=5", "warmup": 3}, "use --warmup 5"),
+    ],
+)
+def test_config_errors_name_value_reason_and_fix(kwargs, fragment):
+    with pytest.raises(BenchError) as exc:
+        resolve(BenchConfig(**{"methods": "ddp", **kwargs}))
+    assert fragment in str(exc.value)
+
+
+def test_resolve_defaults_to_one_host_per_rank():
+    r = resolve(BenchConfig(methods="ddp", ranks=4, bandwidth="100mbit", steps=12))
+    assert r["hosts"] == 4 and r["procs_per_host"] == 1 and r["boundaries"] == [(0, 100_000_000)]
+    r = resolve(BenchConfig(methods="ddp", ranks=4, hosts=2, schedule="0:1gbit,0.5:50mbit", steps=12))
+    assert r["procs_per_host"] == 2 and r["boundaries"] == [(0, 10**9), (6, 50 * 10**6)]
+    assert resolve(BenchConfig(methods="ddp", bandwidth="unshaped"))["schedule"] is None
