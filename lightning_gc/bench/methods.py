@@ -13,7 +13,9 @@ Method list syntax (``--methods``): comma-separated entries ``NAME[:KEY=VALUE[:K
   Where a compressor shares its name with a torch baseline (``fp16``), the bare name is the torch
   baseline and ``gc_fp16`` is lightning_gc's compressor; ``gc_NAME`` is accepted for every compressor.
   ``ratio`` defaults to ``--ratio`` for compressors that take one; ``plan``, ``warmup_steps``,
-  ``error_feedback`` and ``monitor`` go to ``GCStrategy``; any other key goes to ``compressor_args``.
+  ``error_feedback``, ``monitor``, ``collective`` (e.g. ``star_topk:collective=art_ring``), the
+  network-model keys (``network_alpha_s``, ``network_beta_s_per_byte``, ``probe_*``) and the other
+  GCStrategy engine keys go to ``GCStrategy``; any other key goes to ``compressor_args``.
 
 The same method may appear several times with different options; each entry is labelled by its
 full spec (``topk:ratio=0.001``), with the default ratio made explicit.
@@ -61,7 +63,11 @@ __all__ = [
 BASELINES = ("ddp", "powersgd", "fp16")
 SINGLE_BUCKET_MB = 1_000_000  # larger than any model: DDP puts every gradient into one bucket
 _POWERSGD_KEYS = {"rank", "start_iter", "min_compression_rate", "error_feedback", "warm_start"}
-_GC_STRATEGY_KEYS = {"ratio", "plan", "warmup_steps", "error_feedback", "monitor"}
+_GC_STRATEGY_KEYS = {
+    "ratio", "plan", "plan_threshold", "min_compress_numel", "warmup_steps", "error_feedback", "monitor",
+    "collective", "check_finite", "seed", "network_alpha_s", "network_beta_s_per_byte", "probe_every",
+    "probe_drift", "probe_patience",
+}
 
 
 class MethodError(ValueError):

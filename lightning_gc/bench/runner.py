@@ -387,6 +387,16 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
                 extra["engine_steps"] = statistics.fmean(e["steps"] for e in eng)
             if all("compressed_steps" in e for e in eng):
                 extra["engine_compressed_steps"] = min(e["compressed_steps"] for e in eng)
+            if all("comm_time_s" in e for e in eng):  # time inside the engine's collectives
+                extra["comm_time_s"] = statistics.fmean(e["comm_time_s"] for e in eng) / measured
+            if all(e.get("predicted_comm_s") for e in eng):  # model-chosen collectives (artopk_auto)
+                extra["predicted_comm_s"] = statistics.fmean(e["predicted_comm_s"] for e in eng) / measured
+                extra["exchange_comm_s"] = statistics.fmean(e["exchange_comm_s"] for e in eng) / measured
+                extra["collective_choices"] = {
+                    name: int(eng[0].get(f"chose_{name}", 0)) for name in ("allgather", "art_ring", "art_tree")
+                }
+        if ranks[0].get("network_model"):
+            extra["network_model"] = ranks[0]["network_model"]
         else:
             bytes_per_step, source = None, "unavailable"
     else:

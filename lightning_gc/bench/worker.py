@@ -292,6 +292,7 @@ def run(cfg: dict) -> dict:
         "tx_window_s": None if cb.tx_t0 is None or cb.tx_t1 is None else cb.tx_t1 - cb.tx_t0,
         "engine_window": delta(cb.engine_start, cb.engine_end),
         "engine_totals": _engine_totals(engine),
+        "network_model": _network_model(engine),
         "powersgd_numel_window": delta(cb.psgd_start, cb.psgd_end),
         "evals": cb.evals,
         "comm_hook": cb.comm_hook,
@@ -307,6 +308,15 @@ def run(cfg: dict) -> dict:
         "batch_size": preset.batch_size,
         "threads": torch.get_num_threads(),
     }
+
+
+def _network_model(engine) -> dict | None:
+    """The alpha-beta model the engine ended with (probed or pinned), if it used one."""
+    net = getattr(getattr(engine, "network", None), "model", None)
+    if net is None:
+        return None
+    return {"alpha_s": float(net.alpha_s), "beta_s_per_byte": float(net.beta_s_per_byte),
+            "pinned": bool(engine.network.pinned), "probes": int(engine.network.probes)}
 
 
 def _engine_totals(engine) -> dict | None:

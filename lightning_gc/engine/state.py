@@ -47,6 +47,12 @@ class Totals:
     compress_time_s: float = 0.0
     comm_time_s: float = 0.0
     probes: int = 0
+    # model-chosen collectives (artopk_auto): predicted vs measured time, and how often each won
+    predicted_comm_s: float = 0.0
+    exchange_comm_s: float = 0.0
+    chose_allgather: int = 0
+    chose_art_ring: int = 0
+    chose_art_tree: int = 0
 
     def add(self, s: StepStats) -> None:
         self.steps += 1
@@ -58,6 +64,12 @@ class Totals:
         self.compress_time_s += s.compress_time_s
         self.comm_time_s += s.comm_time_s
         self.probes += int(s.probe_s > 0)
+        if s.predicted_comm_s is not None:
+            self.predicted_comm_s += s.predicted_comm_s
+            self.exchange_comm_s += s.exchange_comm_s
+        for name in (s.collective or "").split("+"):
+            if name in ("allgather", "art_ring", "art_tree"):
+                setattr(self, f"chose_{name}", getattr(self, f"chose_{name}") + 1)
 
     def as_dict(self) -> dict:
         return asdict(self)
