@@ -395,10 +395,10 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
                 extra["collective_choices"] = {
                     name: int(eng[0].get(f"chose_{name}", 0)) for name in ("allgather", "art_ring", "art_tree")
                 }
-        if ranks[0].get("network_model"):
-            extra["network_model"] = ranks[0]["network_model"]
         else:
             bytes_per_step, source = None, "unavailable"
+        if ranks[0].get("network_model"):
+            extra["network_model"] = ranks[0]["network_model"]
     else:
         psgd = ranks[0].get("powersgd_numel_window")
         psgd_per_step = None
