@@ -248,3 +248,26 @@ def test_mstopk_bad_rounds():
 def test_sign_bad_scale():
     with pytest.raises(ValueError, match="scale='l2'"):
         build_compressor("signsgd", args={"scale": "l2"})
+
+
+@pytest.mark.parametrize("layout", ["normal", "heavy_tail", "spikes_off_stride", "constant"])
+def test_sampled_threshold_topk_selects_exactly_what_torch_topk_selects(layout):
+    from lightning_gc.compressors.sparse import topk_indices
+
+    n, k = 600_001, 3000
+    g = torch.Generator().manual_seed(3)
+    if layout == "normal":
+        x = torch.randn(n, generator=g)
+    elif layout == "heavy_tail":
+        x = torch.randn(n, generator=g) ** 5
+    elif layout == "spikes_off_stride":  # the big values sit where a strided sample never looks
+        x = torch.randn(n, generator=g) * 1e-3
+        x[1::7][:k] = 100.0 + torch.rand(k, generator=g)
+    else:
+        x = torch.ones(n)
+    idx = topk_indices(x, k)
+    assert idx.numel() == k and idx.unique().numel() == k
+    ref_vals = torch.topk(x.abs(), k).values
+    assert torch.equal(x.abs()[idx].sort(descending=True).values, ref_vals)  # same multiset of magnitudes
+    if layout != "constant":  # without ties the index set itself is unique
+        assert set(idx.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())

@@ -17,7 +17,7 @@ from ..compressors.base import GroupContext, ratio_to_k
 from ..compressors.sparse import scatter_sparse
 from .collectives import allgather_bytes, ring_allreduce_bytes
 from .cost_model import NetworkModel
-from .exchange import AllgatherExchange, Exchange, Timer
+from .exchange import AllgatherExchange, Exchange, SparseSent, Timer
 from .p2p_allreduce import ring_allreduce, tree_allreduce
 
 
@@ -57,7 +57,7 @@ class ARTopkExchange(Exchange):
         self._energy = e
         return select_source("var", ctx, e)
 
-    def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor]:
+    def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor | SparseSent]:
         c = self.compressor
         k = ratio_to_k(c.ratio, ctx.numel)
         local = timer.run("compress", lambda: c.compress(p, ctx))
@@ -74,7 +74,6 @@ class ARTopkExchange(Exchange):
         timer.times.bytes_payload += 4 * k + p.element_size() * k
         idx_long = idx.long()
         values = timer.run("compress", lambda: p[idx_long].contiguous())
-        sent = timer.run("compress", lambda: scatter_sparse(values, idx, ctx.numel))
         summed = values.clone()
         if self.reduce == "allreduce":
             timer.run("comm", lambda: dist.all_reduce(summed, group=self.group))
@@ -84,7 +83,7 @@ class ARTopkExchange(Exchange):
             stats = timer.run("comm", lambda: fn(summed, group=self.group))
             timer.times.bytes_sent += stats.bytes_sent
         mean = timer.run("compress", lambda: scatter_sparse(summed.div_(ctx.world_size), idx, ctx.numel))
-        return mean, sent
+        return mean, SparseSent(values, idx)
 
 
 class AutoSparseExchange(Exchange):
@@ -118,7 +117,7 @@ class AutoSparseExchange(Exchange):
         choice = model.choose_sparse_collective(M, ctx.world_size, self.compressor.ratio)
         return choice, costs[choice]
 
-    def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor]:
+    def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor | SparseSent]:
         choice, predicted = self.choose(ctx, p.element_size())
         self.last_choice, self.last_predicted_s = choice, predicted
         timer.times.extra.setdefault("choices", []).append(choice)

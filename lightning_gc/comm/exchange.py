@@ -25,6 +25,18 @@ from .collectives import allgather_payload, allreduce
 
 
 @dataclass
+class SparseSent:
+    """What a rank contributed, when it is exactly its input at ``indices`` (sparse formats).
+
+    Lets the engine update error memory in place (zero those positions) and get ‖sent‖² from the
+    k values, instead of materialising and subtracting a dense tensor.
+    """
+
+    values: Tensor
+    indices: Tensor
+
+
+@dataclass
 class ExchangeTimes:
     """Wall-clock split of one exchange plus the bytes it moved (this rank)."""
 
@@ -71,8 +83,8 @@ class Exchange(ABC):
         self.group = group
 
     @abstractmethod
-    def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor]:
-        """Return (mean over ranks, this rank's decompressed contribution)."""
+    def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor | SparseSent]:
+        """Return (mean over ranks, this rank's contribution: dense, or :class:`SparseSent`)."""
 
 
 class AllreduceExchange(Exchange):
@@ -114,8 +126,10 @@ class AllgatherExchange(Exchange):
         )
         timer.times.bytes_sent += nbytes
         timer.times.bytes_payload += payload_bytes
-        sent = timer.run("compress", lambda: c.decompress(comp.payload, comp.meta, ctx))
         mean = timer.run("compress", lambda: c.aggregate_gathered(payloads, comp.meta, ctx))
+        if getattr(c, "sends_exact_subset", False):
+            return mean, SparseSent(comp.payload[0], comp.payload[1])
+        sent = timer.run("compress", lambda: c.decompress(comp.payload, comp.meta, ctx))
         return mean, sent
 
 

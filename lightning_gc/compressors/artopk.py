@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from .base import Compressed, GroupContext, validate_ratio
+from .sparse import topk_indices
 from .topk import SparseCompressor
 
 
@@ -67,8 +68,7 @@ class ARTopKCompressor(SparseCompressor):
         super().__init__(self.config.ratio)
 
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
-        k = self.num_kept(ctx)
-        _, idx = torch.topk(x.abs(), k, sorted=False)
+        idx = topk_indices(x, self.num_kept(ctx))
         return Compressed((x[idx], idx.to(torch.int32)))
 
     def describe(self) -> str:

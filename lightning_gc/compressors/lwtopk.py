@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .base import Compressed, GroupContext, ratio_to_k, validate_ratio
+from .sparse import topk_indices
 from .topk import SparseCompressor
 
 
@@ -46,7 +47,7 @@ class LWTopKCompressor(SparseCompressor):
             if n == 0:
                 continue
             seg = x[offset:offset + n]
-            _, idx = torch.topk(seg.abs(), ratio_to_k(self._ratio, n), sorted=False)
+            idx = topk_indices(seg, ratio_to_k(self._ratio, n))
             values.append(seg[idx])
             indices.append(idx + offset)
             offset += n

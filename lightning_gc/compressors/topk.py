@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .base import Compressed, Compressor, GroupContext, ratio_to_k, validate_ratio
-from .sparse import gather_sparse_mean, scatter_sparse
+from .sparse import gather_sparse_mean, scatter_sparse, topk_indices
 
 
 @dataclass(frozen=True)
@@ -35,10 +35,15 @@ class TopKConfig:
 
 
 class SparseCompressor(Compressor):
-    """Common decompress/aggregate for formats whose payload is (values, int32 indices)."""
+    """Common decompress/aggregate for formats whose payload is (values, int32 indices).
+
+    ``sends_exact_subset``: the payload values are exactly the input at the indices, so error
+    feedback can zero those positions in place instead of subtracting a dense tensor.
+    """
 
     wire_format = "allgather"
     default_error_feedback = True
+    sends_exact_subset = True
 
     def __init__(self, ratio: float) -> None:
         self._ratio = ratio
@@ -69,6 +74,5 @@ class TopKCompressor(SparseCompressor):
         super().__init__(self.config.ratio)
 
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
-        k = self.num_kept(ctx)
-        _, idx = torch.topk(x.abs(), k, sorted=False)
+        idx = topk_indices(x, self.num_kept(ctx))
         return Compressed((x[idx], idx.to(torch.int32)))

@@ -36,7 +36,7 @@ from torch import Tensor
 from ..comm.artopk import NetworkState
 from ..comm.collectives import ring_allreduce_bytes
 from ..comm.cost_model import NetworkModel
-from ..comm.exchange import AllreduceExchange, ExchangeTimes, Timer, make_exchange
+from ..comm.exchange import AllreduceExchange, ExchangeTimes, SparseSent, Timer, make_exchange
 from ..comm.probe import ProbeConfig, ProbePolicy, probe_network
 from ..compressors.base import Compressor, GroupContext
 from ..compressors.dense import DenseCompressor
@@ -283,7 +283,8 @@ class GCEngine:
         if self.config.check_finite or self.probe_policy is not None:
             carry = self._carry if first else None
             meas = self._meas_carry if first else None
-            local_bad = 0.0 if bool(torch.isfinite(p).all()) else 1.0
+            p2 = float(p.float().pow(2).sum())  # needed for the gain anyway; NaN/inf propagate
+            local_bad = 0.0 if math.isfinite(p2) or bool(torch.isfinite(p).all()) else 1.0
             stats = torch.tensor(
                 [local_bad, float(carry is not None), *(carry or (0.0, 0.0)),
                  float(meas is not None), *(meas or (0.0, 0.0))],
@@ -306,13 +307,21 @@ class GCEngine:
             if float(stats[0]) > 0:
                 self._nonfinite = True
                 return torch.full_like(flat, float("nan"))
+        else:
+            p2 = float(p.float().pow(2).sum())
         c0 = self._times.comm_s
         mean, sent = self.exchange.run(p, ctx, timer)
         self._exchange_comm_s += self._times.comm_s - c0
-        if self.error_feedback:
-            self.memory[gid] = p - sent
-        self._step_sent2 += float(sent.float().pow(2).sum())
-        self._step_p2 += float(p.float().pow(2).sum())
+        self._step_p2 += p2
+        if isinstance(sent, SparseSent):  # sent == p at these indices: residual = p with them zeroed
+            self._step_sent2 += float(sent.values.float().pow(2).sum())
+            if self.error_feedback:
+                # p is a fresh tensor (torch.cat / the sum above always allocate): reuse it in place
+                self.memory[gid] = p.index_fill_(0, sent.indices.long(), 0)
+        else:
+            self._step_sent2 += float(sent.float().pow(2).sum())
+            if self.error_feedback:
+                self.memory[gid] = p - sent
         return mean
 
     def _run_probe(self) -> None:
