@@ -39,9 +39,17 @@ def _compressed_numel(preset: str, min_numel: int = 1024) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad and p.numel() >= min_numel)
 
 
-def _find(results: list[dict], prefix: str) -> dict | None:
+def _parse_label(label: str) -> tuple[str, dict[str, str]]:
+    name, *opts = label.split(":")
+    return name, dict(o.split("=", 1) for o in opts if "=" in o)
+
+
+def _find(results: list[dict], spec: str) -> dict | None:
+    """The successful result whose method name and options include those of ``spec``."""
+    want_name, want_opts = _parse_label(spec)
     for r in results:
-        if r["label"].startswith(prefix) and r.get("status") == "ok":
+        name, opts = _parse_label(r["label"])
+        if name == want_name and all(opts.get(k) == v for k, v in want_opts.items()) and r.get("status") == "ok":
             return r
     return None
 
