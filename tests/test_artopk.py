@@ -131,13 +131,6 @@ def test_star_var_match_reference_and_auto_choice_is_the_models(ws):
             assert results[0][key]["predicted"] > 0
 
 
-def test_ring_tree_and_native_reductions_give_the_same_training():
-    """The three value reductions differ in algorithm, not in result (sums in float, small N)."""
-    res = run_distributed(_cases, 3, [("star_topk", "art_allreduce"), ("star_topk", "art_ring"), ("star_topk", "art_tree")])
-    for r in range(3):
-        assert all(v["grad"] < 1e-5 for v in res[r].values())
-
-
 def _probe_case(rank: int, ws: int) -> dict:
     once = _run(rank, ws, "artopk_auto", "auto")
     again = _run(rank, ws, "artopk_auto", "auto", probe_drift=1e-9, probe_patience=1)
