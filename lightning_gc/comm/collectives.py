@@ -7,6 +7,8 @@ Byte counts are *modelled* per rank for the algorithms gloo and NCCL use for the
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -53,24 +55,18 @@ def unpack_payload(buf: Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]
     out = []
     off = 0
     for shape, dtype in specs:
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        nbytes = _part_nbytes(shape, dtype)
         out.append(buf[off:off + nbytes].view(dtype).reshape(shape))
         off += nbytes + (-nbytes) % _ALIGN
     return tuple(out)
 
 
 def packed_nbytes(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
-    total = 0
-    for shape, dtype in specs:
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        total += nbytes + (-nbytes) % _ALIGN
-    return total
+    return sum(n + (-n) % _ALIGN for n in (_part_nbytes(shape, dtype) for shape, dtype in specs))
+
+
+def _part_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def allgather_payload(payload: tuple[Tensor, ...], specs, group=None) -> tuple[list[tuple[Tensor, ...]], int, int]:

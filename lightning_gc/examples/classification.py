@@ -45,6 +45,19 @@ def stream_generator(seed: int, stream: str) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(mixed)
 
 
+def train_loader(dataset, batch_size: int, generator: torch.Generator, num_workers: int) -> DataLoader:
+    """Shuffled training loader. The explicit generator makes single-process shuffling
+    reproducible; under DDP Lightning swaps in a DistributedSampler and the generator is unused."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=generator,
+                      num_workers=num_workers, persistent_workers=num_workers > 0)
+
+
+def val_loader(dataset, batch_size: int, num_workers: int) -> DataLoader:
+    """Validation loader in dataset order."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False,
+                      num_workers=num_workers, persistent_workers=num_workers > 0)
+
+
 def validate_optimizer_args(optimizer: str, lr: float, momentum: float, weight_decay: float) -> str:
     """Check optimizer arguments at construction time and return the normalised optimizer name.
 
@@ -207,25 +220,10 @@ class TeacherClassificationData(L.LightningDataModule):
             self.val_set = TensorDataset(*self.generate("val"))
 
     def train_dataloader(self) -> DataLoader:
-        # The explicit generator makes single-process shuffling reproducible; under DDP Lightning
-        # swaps in a DistributedSampler (seeded by Lightning) and this generator is unused.
-        return DataLoader(
-            self.train_set,
-            batch_size=self.hparams.batch_size,
-            shuffle=True,
-            generator=stream_generator(self.hparams.seed, "shuffle"),
-            num_workers=self.hparams.num_workers,
-            persistent_workers=self.hparams.num_workers > 0,
-        )
+        return train_loader(self.train_set, self.hparams.batch_size, stream_generator(self.hparams.seed, "shuffle"), self.hparams.num_workers)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.val_set,
-            batch_size=max(self.hparams.batch_size, 256),
-            shuffle=False,
-            num_workers=self.hparams.num_workers,
-            persistent_workers=self.hparams.num_workers > 0,
-        )
+        return val_loader(self.val_set, max(self.hparams.batch_size, 256), self.hparams.num_workers)
 
 
 # --------------------------------------------------------------------------------------------

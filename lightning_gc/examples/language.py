@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .classification import _check_positive, build_optimizer, stream_generator, validate_optimizer_args
+from .classification import (
+    _check_positive,
+    build_optimizer,
+    stream_generator,
+    train_loader,
+    val_loader,
+    validate_optimizer_args,
+)
 
 __all__ = ["StdlibTextData", "ByteLM", "stdlib_source_files", "load_stdlib_corpus"]
 
@@ -211,23 +218,10 @@ class StdlibTextData(L.LightningDataModule):
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_set,
-            batch_size=self.hparams.batch_size,
-            shuffle=True,
-            generator=self._generator("shuffle"),
-            num_workers=self.hparams.num_workers,
-            persistent_workers=self.hparams.num_workers > 0,
-        )
+        return train_loader(self.train_set, self.hparams.batch_size, self._generator("shuffle"), self.hparams.num_workers)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.val_set,
-            batch_size=max(self.hparams.batch_size, 64),
-            shuffle=False,
-            num_workers=self.hparams.num_workers,
-            persistent_workers=self.hparams.num_workers > 0,
-        )
+        return val_loader(self.val_set, max(self.hparams.batch_size, 64), self.hparams.num_workers)
 
 
 class ByteLM(L.LightningModule):

@@ -16,7 +16,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from .classification import _check_positive, build_optimizer, stream_generator, validate_optimizer_args
+from .classification import (
+    _check_positive,
+    build_optimizer,
+    stream_generator,
+    train_loader,
+    val_loader,
+    validate_optimizer_args,
+)
 
 __all__ = ["SyntheticImageData", "ResNet18Classifier"]
 
@@ -114,23 +121,10 @@ class SyntheticImageData(L.LightningDataModule):
             self.val_set = TensorDataset(*self.generate("val"))
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_set,
-            batch_size=self.hparams.batch_size,
-            shuffle=True,
-            generator=stream_generator(self.hparams.seed, "shuffle"),
-            num_workers=self.hparams.num_workers,
-            persistent_workers=self.hparams.num_workers > 0,
-        )
+        return train_loader(self.train_set, self.hparams.batch_size, stream_generator(self.hparams.seed, "shuffle"), self.hparams.num_workers)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.val_set,
-            batch_size=max(self.hparams.batch_size, 64),
-            shuffle=False,
-            num_workers=self.hparams.num_workers,
-            persistent_workers=self.hparams.num_workers > 0,
-        )
+        return val_loader(self.val_set, max(self.hparams.batch_size, 64), self.hparams.num_workers)
 
 
 class BasicBlock(nn.Module):
