@@ -13,9 +13,10 @@ predicts for each collective with the α/β the automatic run measured in-band:
     python -m lightning_gc.bench.artopk_validation --presets mlp,cnn --ratios 0.1,0.01,0.001 \\
         --bandwidths 1gbit,100mbit --ranks 4 --out bench_out/artopk
 
-Measured communication time is the engine's time inside its collectives per step (for AG and the
-fixed AR-Topk runs this includes the 3-float stats allreduce, one extra α); the prediction uses
-the formulas of docs/cost_model.md with M = 4 bytes × the compressed elements of the model.
+Measured communication time is the engine's time inside the compressed exchange's collectives per
+step, taken after the small stats allreduce that lines the ranks up (so it excludes most of the
+wait for slower ranks); the prediction uses the formulas of docs/cost_model.md with
+M = 4 bytes × the compressed elements of the model.
 """
 
 from __future__ import annotations
@@ -95,7 +96,11 @@ def _analyse(doc: dict, preset: str, bw: str, ratio: float, numel: int, n: int) 
         r = _find(res, label)
         if r is None:
             continue
-        entry = {"step_s": r["step_time_s"], "comm_s": r.get("comm_time_s")}
+        # prefer the exchange's own time (after the stats allreduce lines the ranks up); older
+        # results only have the engine's total time in collectives
+        comm = r.get("exchange_comm_s") or r.get("comm_time_s")
+        entry = {"step_s": r["step_time_s"], "comm_s": comm,
+                 "comm_source": "exchange" if r.get("exchange_comm_s") else "engine_total"}
         if model is not None:
             entry["predicted_s"] = model.sparse_costs(M, n, ratio)[coll]
         measured[coll] = entry

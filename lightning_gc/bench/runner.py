@@ -389,9 +389,10 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
                 extra["engine_compressed_steps"] = min(e["compressed_steps"] for e in eng)
             if all("comm_time_s" in e for e in eng):  # time inside the engine's collectives
                 extra["comm_time_s"] = statistics.fmean(e["comm_time_s"] for e in eng) / measured
+            if all("exchange_comm_s" in e for e in eng):  # compressed exchanges only, ranks lined up
+                extra["exchange_comm_s"] = statistics.fmean(e["exchange_comm_s"] for e in eng) / measured
             if all(e.get("predicted_comm_s") for e in eng):  # model-chosen collectives (artopk_auto)
                 extra["predicted_comm_s"] = statistics.fmean(e["predicted_comm_s"] for e in eng) / measured
-                extra["exchange_comm_s"] = statistics.fmean(e["exchange_comm_s"] for e in eng) / measured
                 extra["collective_choices"] = {
                     name: int(eng[0].get(f"chose_{name}", 0)) for name in ("allgather", "art_ring", "art_tree")
                 }

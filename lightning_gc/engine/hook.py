@@ -355,11 +355,11 @@ class GCEngine:
                 self._carry = (self._step_sent2, self._step_p2)
             if not self.config.check_finite and self._step_p2 > 0:
                 self._record_gain(self._step_sent2, self._step_p2)  # local estimate only
+        s.exchange_comm_s = self._exchange_comm_s
         choices = self._times.extra.get("choices")
         if choices:
             s.collective = "+".join(sorted(set(choices)))
             s.predicted_comm_s = self._times.extra.get("predicted_comm_s")
-            s.exchange_comm_s = self._exchange_comm_s
             if s.predicted_comm_s is not None and not s.nonfinite:
                 self._meas_carry = (self._exchange_comm_s, s.predicted_comm_s)
         if self.network.model is not None:

@@ -27,7 +27,8 @@ class StepStats:
     gain_ewma: float | None = None
     collective: str | None = None  # model-chosen collective(s) of the step, e.g. "art_ring"
     predicted_comm_s: float | None = None  # alpha-beta prediction for the chosen collectives
-    exchange_comm_s: float = 0.0  # measured time of those exchanges (what the prediction is for)
+    exchange_comm_s: float = 0.0  # time inside the compressed exchanges' collectives (after the stats
+    # allreduce, which lines the ranks up, so it excludes most of the wait for slower ranks)
     alpha_s: float | None = None  # network model in force
     beta_s_per_byte: float | None = None
     probe_s: float = 0.0  # time spent probing the network during this step
@@ -64,9 +65,9 @@ class Totals:
         self.compress_time_s += s.compress_time_s
         self.comm_time_s += s.comm_time_s
         self.probes += int(s.probe_s > 0)
+        self.exchange_comm_s += s.exchange_comm_s
         if s.predicted_comm_s is not None:
             self.predicted_comm_s += s.predicted_comm_s
-            self.exchange_comm_s += s.exchange_comm_s
         for name in (s.collective or "").split("+"):
             if name in ("allgather", "art_ring", "art_tree"):
                 setattr(self, f"chose_{name}", getattr(self, f"chose_{name}") + 1)
