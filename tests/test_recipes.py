@@ -59,10 +59,10 @@ def test_strategy_block_drops_into_a_user_config(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_quickstart_command_trains_and_writes_tensorboard(tmp_path):
-    """The README's main command, shortened to one small epoch."""
+    """The README's main command, shortened to one epoch (the full run's accuracy is in CHANGELOG)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "lightning_gc.cli", "fit", "--config", str(REPO / "recipes" / "quickstart.yaml"),
-           "--trainer.max_epochs=1", "--data.num_train=4096", "--trainer.enable_progress_bar=false"]
+           "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=5"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -73,6 +73,8 @@ def test_quickstart_command_trains_and_writes_tensorboard(tmp_path):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"val_acc", "gc/bytes_sent", "gc/gain"} <= tags
-    assert acc.Scalars("val_acc")[-1].value > 0.3  # 10 classes: chance is 0.1
+    assert acc.Scalars("val_acc")[-1].value > 0.2  # 10 balanced classes: chance is 0.1
+    losses = [e.value for e in acc.Scalars("train_loss")]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5  # it learns
     ratios = [e.value for e in acc.Scalars("gc/bytes_ratio")]
     assert ratios[-1] < 0.1  # Top-k at 1%: far below dense
