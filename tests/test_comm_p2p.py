@@ -15,6 +15,7 @@ import torch.distributed as dist
 from dist_harness import run_distributed
 
 from lightning_gc.comm.p2p_allreduce import (
+    binomial_broadcast,
     ring_allreduce,
     ring_bytes_sent,
     tree_allreduce,
@@ -143,6 +144,24 @@ SUBGROUPS = {2: [1, 3], 3: [0, 2, 4], 4: [1, 2, 3, 4]}
 WORLD = 5
 
 
+def _broadcast_check(errors: list, n: int, group) -> None:
+    """binomial_broadcast equals dist.broadcast from every source; the source sends ceil(log2 N) copies."""
+    import math
+
+    rank = dist.get_rank(group)
+    for src in range(n):
+        mine = torch.arange(7, dtype=torch.int64) * (rank + 1) + 1000 * src
+        ref = mine.clone()
+        glob_src = dist.get_global_rank(group, src) if group is not None else src
+        dist.broadcast(ref, glob_src, group=group)
+        got = mine.clone()
+        sent = binomial_broadcast(got, src, group)
+        if not torch.equal(got, ref):
+            errors.append(f"N={n} src={src}: binomial_broadcast differs from dist.broadcast")
+        if rank == src and sent != math.ceil(math.log2(n)) * got.numel() * 8:
+            errors.append(f"N={n} src={src}: source sent {sent} bytes, expected ceil(log2 N) copies")
+
+
 def _worker(rank: int, world_size: int) -> dict:
     errors: list[str] = []
     digests: dict = {}
@@ -158,6 +177,7 @@ def _worker(rank: int, world_size: int) -> dict:
         for numel in (1, 4 * n + 1):
             _hop_check(errors, f"N={n}", group, numel)
         _custom_combine_check(errors, group)
+        _broadcast_check(errors, n, group)
 
     # 2-D contiguous input is reduced element-wise through its flat view
     x2 = _input("float32", 15, rank).view(3, 5)

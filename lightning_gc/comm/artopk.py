@@ -1,8 +1,10 @@
 """AR-Topk exchanges: broadcast the source's indices, allreduce every rank's values there.
 
 Three reductions for the values, so that ring vs tree is a real choice on any backend:
-``"allreduce"`` (the backend's own), ``"ring"`` and ``"tree"`` (our P2P implementations in
-:mod:`lightning_gc.comm.p2p_allreduce`). :class:`AutoSparseExchange` picks per group and step among
+``"allreduce"`` (the backend's own broadcast and allreduce), ``"ring"`` and ``"tree"`` (our P2P
+implementations in :mod:`lightning_gc.comm.p2p_allreduce`, with the indices broadcast along a P2P
+binomial tree — the ``log N`` broadcast the cost model assumes; gloo's own broadcast is flat and
+pushes N−1 copies through the source's link). :class:`AutoSparseExchange` picks per group and step among
 Top-k allgather (AG), ART-Ring and ART-Tree from the alpha-beta model.
 """
 
@@ -18,7 +20,7 @@ from ..compressors.sparse import scatter_sparse
 from .collectives import allgather_bytes, ring_allreduce_bytes
 from .cost_model import NetworkModel
 from .exchange import AllgatherExchange, Exchange, SparseSent, Timer
-from .p2p_allreduce import ring_allreduce, tree_allreduce
+from .p2p_allreduce import binomial_broadcast, ring_allreduce, tree_allreduce
 
 
 class NetworkState:
@@ -68,9 +70,12 @@ class ARTopkExchange(Exchange):
         self.last_source = src
         idx = local.payload[1] if ctx.rank == src else torch.empty(k, dtype=torch.int32, device=p.device)
         idx = idx.contiguous()
-        timer.run("comm", lambda: dist.broadcast(idx, src=self._global(src), group=self.group))
-        if ctx.rank == src:
-            timer.times.bytes_sent += (ctx.world_size - 1) * 4 * k
+        if self.reduce == "allreduce":  # fully native: the backend's broadcast (flat on gloo)
+            timer.run("comm", lambda: dist.broadcast(idx, src=self._global(src), group=self.group))
+            if ctx.rank == src:
+                timer.times.bytes_sent += (ctx.world_size - 1) * 4 * k
+        else:  # P2P binomial tree: the log N broadcast of the cost model
+            timer.times.bytes_sent += timer.run("comm", lambda: binomial_broadcast(idx, src, self.group))
         timer.times.bytes_payload += 4 * k + p.element_size() * k
         idx_long = idx.long()
         values = timer.run("compress", lambda: p[idx_long].contiguous())
