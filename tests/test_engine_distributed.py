@@ -96,7 +96,7 @@ def _check_compressor(rank: int, ws: int, name: str, ratio, ef: bool, warmup: in
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     names = [n for n, _ in model.named_parameters()]
     ref_mem = {}  # (rank, gid) -> tensor, for all ranks
-    worst_grad, worst_mem = 0.0, 0.0
+    worst_grad, worst_mem, worst_norm = 0.0, 0.0, 0.0
     for step in range(STEPS):
         replica.load_state_dict(model.state_dict())
         x, y = _batch(rank, step)
@@ -126,7 +126,9 @@ def _check_compressor(rank: int, ws: int, name: str, ratio, ef: bool, warmup: in
         opt.step()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         assert all(torch.equal(flat, o) for o in _gather(flat, ws)), f"{name}: ranks diverged at step {step}"
-    return {"grad": worst_grad, "mem": worst_mem, "steps": engine.step, "calls": engine.hook_calls}
+        true_norm = sum(float(m.double().pow(2).sum()) for m in engine.memory.values()) ** 0.5
+        worst_norm = max(worst_norm, abs(engine.last_step.error_norm - true_norm) / (true_norm + 1e-12))
+    return {"grad": worst_grad, "mem": worst_mem, "norm": worst_norm, "steps": engine.step, "calls": engine.hook_calls}
 
 
 CASES = [
@@ -149,6 +151,7 @@ def test_aggregate_and_error_memory_match_reference(ws, cases):
             tol = 1e-2 if key.startswith(("fp16", "bf16")) else 1e-5
             assert res["grad"] <= tol, f"{key} rank {r}: relative gradient error {res['grad']:.3g}"
             assert res["mem"] <= 1e-5, f"{key} rank {r}: error-memory mismatch {res['mem']:.3g}"
+            assert res["norm"] <= 1e-3, f"{key} rank {r}: logged error norm off by {res['norm']:.3g}"
             assert res["steps"] == STEPS and res["calls"] > STEPS  # several buckets per step
 
 

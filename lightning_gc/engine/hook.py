@@ -115,6 +115,7 @@ class GCEngine:
         self.probe_config = ProbeConfig(sizes_bytes=(64, 65536, 1048576), warmup=2, repeats=7)
         self._meas_carry: tuple[float, float] | None = None  # (exchange comm s, predicted s), prev step
         self.memory: dict[int, Tensor] = {}
+        self._mem_sq: dict[int, float] = {}  # ‖e‖² per group, maintained with the memory
         self.step = 0
         self.gain_ewma: float | None = None
         self.last_step: StepStats | None = None
@@ -157,9 +158,11 @@ class GCEngine:
         return self.all_exact or self.world_size == 1 or self.step < self.config.warmup_steps
 
     def error_norm(self) -> float:
-        if not self.memory:
-            return 0.0
-        return math.sqrt(sum(float(m.float().pow(2).sum()) for m in self.memory.values()))
+        """‖e‖₂ over all groups' error memory (kept up to date per group, no extra pass)."""
+        for gid, m in self.memory.items():
+            if gid not in self._mem_sq:  # e.g. restored from a checkpoint
+                self._mem_sq[gid] = float(m.float().pow(2).sum())
+        return math.sqrt(sum(self._mem_sq[g] for g in self.memory))
 
     # ------------------------------------------------------------------ the hook
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -314,14 +317,17 @@ class GCEngine:
         self._exchange_comm_s += self._times.comm_s - c0
         self._step_p2 += p2
         if isinstance(sent, SparseSent):  # sent == p at these indices: residual = p with them zeroed
-            self._step_sent2 += float(sent.values.float().pow(2).sum())
+            sent2 = float(sent.values.float().pow(2).sum())
             if self.error_feedback:
                 # p is a fresh tensor (torch.cat / the sum above always allocate): reuse it in place
                 self.memory[gid] = p.index_fill_(0, sent.indices.long(), 0)
+                self._mem_sq[gid] = max(p2 - sent2, 0.0)  # ‖e‖² exactly, without another pass
         else:
-            self._step_sent2 += float(sent.float().pow(2).sum())
+            sent2 = float(sent.float().pow(2).sum())
             if self.error_feedback:
                 self.memory[gid] = p - sent
+                self._mem_sq[gid] = float(self.memory[gid].float().pow(2).sum())
+        self._step_sent2 += sent2
         return mean
 
     def _run_probe(self) -> None:
@@ -423,6 +429,7 @@ class GCEngine:
         self._meas_carry = tuple(meas) if meas is not None else None  # type: ignore[assignment]
         missing: list[str] = []
         self.memory = {}
+        self._mem_sq = {}
         if not restore_memory:
             return missing
         saved = state.get("memory", {})
