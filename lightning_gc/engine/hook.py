@@ -83,7 +83,6 @@ class GCEngine:
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.rank = dist.get_rank(process_group) if self.distributed else 0
         self.device = self.params[0].device
-        self.dtype_size = self.params[0].element_size()
         self.plan: Plan = build_plan(
             self.names,
             [p.numel() for p in self.params],
