@@ -111,7 +111,7 @@ class GCEngine:
             ProbePolicy(config.probe_every, config.probe_drift, config.probe_patience, probe_at_start=True)
             if needs_probe else None
         )
-        self.probe_config = ProbeConfig(sizes_bytes=(64, 65536, 1048576), warmup=2, repeats=7)
+        self.probe_config = ProbeConfig(sizes_bytes=(64, 65536, 1048576, 4194304), warmup=2, repeats=7)
         self._meas_carry: tuple[float, float] | None = None  # (exchange comm s, predicted s), prev step
         self.memory: dict[int, Tensor] = {}
         self._mem_sq: dict[int, float] = {}  # ‖e‖² per group, maintained with the memory
