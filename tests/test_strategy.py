@@ -105,30 +105,34 @@ SCRIPT = textwrap.dedent(
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(TinyClassifier(), make_loader())
     s = trainer.strategy
-    print("RESULT", type(s).__name__, s.compressor_name, s.engine.world_size, s.engine.step, trainer.global_rank)
+    # one file per rank: two processes printing to one stdout can interleave their lines
+    with open(f"result_rank{{trainer.global_rank}}.txt", "w") as fh:
+        fh.write(" ".join(map(str, ["RESULT", type(s).__name__, s.compressor_name, s.engine.world_size,
+                                    s.engine.step, trainer.global_rank])))
     """
 )
 
 
-def _run_script(tmp_path, devices: int, alias: str) -> subprocess.CompletedProcess:
+def _run_script(tmp_path, devices: int, alias: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(tests=str(REPO / "tests")))
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
-    return subprocess.run([sys.executable, str(script), str(devices), alias], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, str(script), str(devices), alias], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=240)
+    results = sorted(p.read_text() for p in tmp_path.glob("result_rank*.txt"))
+    return proc, results
 
 
 def test_string_alias_trains_with_two_processes(tmp_path):
-    proc = _run_script(tmp_path, 2, "gc_lwtopk")
+    proc, results = _run_script(tmp_path, 2, "gc_lwtopk")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = sorted(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
     assert results == ["RESULT GCStrategy lwtopk 2 4 0", "RESULT GCStrategy lwtopk 2 4 1"], proc.stdout[-2000:]
 
 
 def test_world_size_one_trains_without_communication_and_says_so_once(tmp_path):
-    proc = _run_script(tmp_path, 1, "gc_topk")
+    proc, results = _run_script(tmp_path, 1, "gc_topk")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "RESULT GCStrategy topk 1 4 0" in proc.stdout
+    assert results == ["RESULT GCStrategy topk 1 4 0"]
     assert (proc.stdout + proc.stderr).count("world size is 1") == 1
 
 
