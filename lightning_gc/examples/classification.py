@@ -58,6 +58,31 @@ def val_loader(dataset, batch_size: int, num_workers: int) -> DataLoader:
                       num_workers=num_workers, persistent_workers=num_workers > 0)
 
 
+class GeneratedTensorData(L.LightningDataModule):
+    """Plumbing shared by the generated data sets: subclasses implement ``generate(split)``
+    returning ``(inputs, targets)`` tensors for ``"train"`` and ``"val"`` and store ``seed``,
+    ``batch_size`` and ``num_workers`` as hyperparameters."""
+
+    #: validation batches are at least this large (validation needs no gradients)
+    min_val_batch_size = 64
+
+    def generate(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if getattr(self, "train_set", None) is None:
+            self.train_set = TensorDataset(*self.generate("train"))
+            self.val_set = TensorDataset(*self.generate("val"))
+
+    def train_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        return train_loader(self.train_set, hp.batch_size, stream_generator(hp.seed, "shuffle"), hp.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        return val_loader(self.val_set, max(hp.batch_size, self.min_val_batch_size), hp.num_workers)
+
+
 def validate_optimizer_args(optimizer: str, lr: float, momentum: float, weight_decay: float) -> str:
     """Check optimizer arguments at construction time and return the normalised optimizer name.
 
@@ -103,7 +128,7 @@ def _check_positive(name: str, value: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-class TeacherClassificationData(L.LightningDataModule):
+class TeacherClassificationData(GeneratedTensorData):
     """Gaussian inputs labelled by a fixed, seeded random 2-layer "teacher" MLP.
 
     Generation (all from ``torch.Generator`` streams derived from ``seed``):
@@ -123,6 +148,8 @@ class TeacherClassificationData(L.LightningDataModule):
     Every rank generates the identical full dataset; Lightning's ``DistributedSampler`` gives each
     rank its shard, so nothing here knows about ranks.
     """
+
+    min_val_batch_size = 256
 
     def __init__(
         self,
@@ -214,16 +241,6 @@ class TeacherClassificationData(L.LightningDataModule):
             y = torch.where(flip, random_labels, y)
         return x, y
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is None:
-            self.train_set = TensorDataset(*self.generate("train"))
-            self.val_set = TensorDataset(*self.generate("val"))
-
-    def train_dataloader(self) -> DataLoader:
-        return train_loader(self.train_set, self.hparams.batch_size, stream_generator(self.hparams.seed, "shuffle"), self.hparams.num_workers)
-
-    def val_dataloader(self) -> DataLoader:
-        return val_loader(self.val_set, max(self.hparams.batch_size, 256), self.hparams.num_workers)
 
 
 # --------------------------------------------------------------------------------------------

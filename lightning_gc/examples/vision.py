@@ -13,15 +13,14 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from .classification import (
+    GeneratedTensorData,
     _check_positive,
     build_optimizer,
     stream_generator,
-    train_loader,
-    val_loader,
     validate_optimizer_args,
 )
 
@@ -34,7 +33,7 @@ def _low_frequency(n: int, channels: int, size: int, grid: int, generator: torch
     return F.interpolate(coarse, size=(size, size), mode="bilinear", align_corners=False)
 
 
-class SyntheticImageData(L.LightningDataModule):
+class SyntheticImageData(GeneratedTensorData):
     """Seeded 3x``image_size``x``image_size`` images whose class is a shifted low-frequency template.
 
     Each class ``c`` owns a fixed smooth colour pattern ``T_c`` (a 4x4 Gaussian field upsampled,
@@ -115,16 +114,6 @@ class SyntheticImageData(L.LightningDataModule):
             x[start:stop] = contrast * shifted + hp.nuisance_std * background + hp.noise_std * noise
         return x, y
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is None:
-            self.train_set = TensorDataset(*self.generate("train"))
-            self.val_set = TensorDataset(*self.generate("val"))
-
-    def train_dataloader(self) -> DataLoader:
-        return train_loader(self.train_set, self.hparams.batch_size, stream_generator(self.hparams.seed, "shuffle"), self.hparams.num_workers)
-
-    def val_dataloader(self) -> DataLoader:
-        return val_loader(self.val_set, max(self.hparams.batch_size, 64), self.hparams.num_workers)
 
 
 class BasicBlock(nn.Module):
