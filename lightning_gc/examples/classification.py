@@ -243,12 +243,36 @@ class TeacherClassificationData(GeneratedTensorData):
 
 
 
+class ClassifierModule(L.LightningModule):
+    """Training, validation and optimizer shared by the example classifiers: cross-entropy,
+    ``train_loss`` per step, ``val_loss`` / ``val_acc`` per epoch (reduced across ranks).
+    Subclasses define ``forward``, ``self.val_acc`` and the hyperparameters ``optimizer``, ``lr``,
+    ``momentum``, ``weight_decay``."""
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y), on_epoch=True, sync_dist=True)
+        self.val_acc.update(logits, y)
+        self.log("val_acc", self.val_acc, on_epoch=True, prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        return build_optimizer(self.parameters(), hp.optimizer, hp.lr, hp.momentum, hp.weight_decay)
+
+
 # --------------------------------------------------------------------------------------------
 # Model
 # --------------------------------------------------------------------------------------------
 
 
-class MLPClassifier(L.LightningModule):
+class MLPClassifier(ClassifierModule):
     """A ReLU MLP classifier: ``num_features -> hidden[0] -> ... -> hidden[-1] -> num_classes``.
 
     Small enough to train on CPUs in a minute, yet with several weight matrices of different
@@ -296,19 +320,3 @@ class MLPClassifier(L.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        x, y = batch
-        logits = self(x)
-        self.log("val_loss", F.cross_entropy(logits, y), on_epoch=True, sync_dist=True)
-        self.val_acc.update(logits, y)
-        self.log("val_acc", self.val_acc, on_epoch=True, prog_bar=True, sync_dist=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        hp = self.hparams
-        return build_optimizer(self.parameters(), hp.optimizer, hp.lr, hp.momentum, hp.weight_decay)

@@ -9,7 +9,6 @@ experiments is the gradient structure of the network, not the pixels.
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,9 +16,9 @@ from torch.utils.data import TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from .classification import (
+    ClassifierModule,
     GeneratedTensorData,
     _check_positive,
-    build_optimizer,
     stream_generator,
     validate_optimizer_args,
 )
@@ -137,7 +136,7 @@ class BasicBlock(nn.Module):
         return F.relu(out + self.shortcut(x))
 
 
-class ResNet18Classifier(L.LightningModule):
+class ResNet18Classifier(ClassifierModule):
     """CIFAR-style ResNet-18: 3x3 stem (no max-pool), BasicBlock x [2, 2, 2, 2], global average pool.
 
     Stage widths are ``width * (1, 2, 4, 8)``; ``width=64`` is the standard network with
@@ -180,19 +179,3 @@ class ResNet18Classifier(L.LightningModule):
         out = F.adaptive_avg_pool2d(out, 1).flatten(1)
         return self.fc(out)
 
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        x, y = batch
-        logits = self(x)
-        self.log("val_loss", F.cross_entropy(logits, y), on_epoch=True, sync_dist=True)
-        self.val_acc.update(logits, y)
-        self.log("val_acc", self.val_acc, on_epoch=True, prog_bar=True, sync_dist=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        hp = self.hparams
-        return build_optimizer(self.parameters(), hp.optimizer, hp.lr, hp.momentum, hp.weight_decay)
