@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from .comm.exchange import validate_collective
+from .comm.registry import validate_collective
 from .compressors import available_compressors, build_config, get_entry
 from .compressors.base import Compressor
 from .engine import EngineConfig, GCEngine, gc_comm_hook
@@ -76,6 +76,9 @@ class GCStrategy(DDPStrategy):
         probe_every, probe_drift, probe_patience: when ``artopk_auto`` re-measures the network:
             every ``probe_every`` steps, or after ``probe_patience`` consecutive steps whose measured
             communication time differs from the model's prediction by more than ``probe_drift``.
+        overlap: run compressed exchanges on the engine's worker thread, overlapped with the rest
+            of backward (default). ``False`` runs them synchronously inside DDP's hook: the same
+            results bit for bit, slower; the oracle and a debugging aid.
         process_group_backend, timeout, start_method: as in ``DDPStrategy``.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (e.g. ``bucket_cap_mb``,
             ``find_unused_parameters``).
@@ -103,6 +106,7 @@ class GCStrategy(DDPStrategy):
         probe_every: int = 1000,
         probe_drift: float = 0.5,
         probe_patience: int = 5,
+        overlap: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -146,6 +150,7 @@ class GCStrategy(DDPStrategy):
             probe_every=probe_every,
             probe_drift=probe_drift,
             probe_patience=probe_patience,
+            overlap=overlap,
         )
         self._compressor_name = compressor
         self._nonfinite = nonfinite
@@ -214,6 +219,12 @@ class GCStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = self._optimizer_step(optimizer, closure, model, **kwargs)
+        if self._engine is not None:
+            self._engine.after_optimizer_step()
+        return out
+
+    def _optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         scaler = getattr(self.precision_plugin, "scaler", None) if isinstance(self.precision_plugin, MixedPrecision) else None
         if self._nonfinite != "skip" or scaler is not None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -221,7 +232,7 @@ class GCStrategy(DDPStrategy):
         def closure_then_skip() -> Any:
             out = closure()
             engine = self._engine
-            if engine is not None and engine.last_step_nonfinite:
+            if engine is not None and engine.before_optimizer_step():
                 # Optimizers skip parameters without a gradient: no update, no momentum, no decay.
                 for group in optimizer.param_groups:
                     for p in group["params"]:
@@ -234,6 +245,14 @@ class GCStrategy(DDPStrategy):
             return out
 
         return super().optimizer_step(optimizer, closure_then_skip, model, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        # stop the exchange worker and release its process group before DDP and the default
+        # process group go away: an orderly exit instead of threads dying with the interpreter
+        if self._engine is not None:
+            self._engine.close()
+        super().teardown()
 
     # ------------------------------------------------------------------ checkpoints
     @override

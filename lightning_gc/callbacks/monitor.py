@@ -11,7 +11,7 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 ``gc/compress_ms``     time spent compressing, decompressing and aggregating (ms)
 ``gc/comm_ms``         wall time inside collectives (ms)
 ``gc/error_norm``      ‖e‖₂ of this rank's error memory after the step
-``gc/gain``            compression gain Σ_r‖g_c‖² / Σ_r‖g_e‖² of the previous compressed step (all ranks)
+``gc/gain``            compression gain Σ_r‖g_c‖² / Σ_r‖g_e‖² of this step over all ranks (compressed steps)
 ``gc/gain_ewma``       exponentially smoothed gain (all ranks)
 ``gc/nonfinite``       1 if the step's gradient was non-finite on some rank (all ranks)
 ``gc/collective``      model-chosen collective (artopk_auto): 0 allgather, 1 ART-Ring, 2 ART-Tree

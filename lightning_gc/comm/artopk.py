@@ -18,22 +18,16 @@ from ..compressors.artopk import ARTopKCompressor, select_source
 from ..compressors.base import GroupContext, ratio_to_k
 from ..compressors.sparse import scatter_sparse
 from .collectives import allgather_bytes, ring_allreduce_bytes
-from .cost_model import NetworkModel
 from .exchange import AllgatherExchange, Exchange, SparseSent, Timer
+from .network import NetworkState
 from .p2p_allreduce import binomial_broadcast, ring_allreduce, tree_allreduce
-
-
-class NetworkState:
-    """The network model the engine currently believes (probed or pinned), shared with exchanges."""
-
-    def __init__(self, model: NetworkModel | None = None, pinned: bool = False) -> None:
-        self.model = model
-        self.pinned = pinned
-        self.probes = 0
 
 
 class ARTopkExchange(Exchange):
     """Broadcast source indices, then reduce values with ``reduce`` ∈ {allreduce, ring, tree}."""
+
+    formats = frozenset({"artopk"})
+    summable = True
 
     def __init__(self, compressor: ARTopKCompressor, group=None, reduce: str = "allreduce") -> None:
         super().__init__(compressor, group)
@@ -100,14 +94,15 @@ class AutoSparseExchange(Exchange):
     allgather.
     """
 
-    name = "auto"
+    name = "auto_sparse"
+    formats = frozenset({"artopk_auto"})
+    needs_network = True
 
     def __init__(self, compressor: ARTopKCompressor, group=None, network: NetworkState | None = None) -> None:
-        super().__init__(compressor, group)
-        self.network = network or NetworkState()
-        from ..compressors.topk import TopKCompressor, TopKConfig
-
-        self._ag = AllgatherExchange(TopKCompressor(TopKConfig(ratio=compressor.ratio)), group)
+        super().__init__(compressor, group, network)
+        # the AR-Topk compressor's local selection is Top-k's: the allgather candidate reuses it, so
+        # the ratio lives in one place (the compressor's config)
+        self._ag = AllgatherExchange(compressor, group)
         self._ring = ARTopkExchange(compressor, group, "ring")
         self._tree = ARTopkExchange(compressor, group, "tree")
         self.last_choice: str | None = None

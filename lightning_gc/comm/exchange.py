@@ -4,10 +4,24 @@ An exchange takes the error-fed flat gradient ``p`` of one group on every rank a
 
 * ``mean``  — the aggregated gradient (identical on every rank), and
 * ``sent``  — what *this* rank's contribution stood for, decompressed (error feedback keeps
-  ``p − sent``).
+  ``p − sent``), or a :class:`SparseSent` when that is exactly ``p`` at some indices.
 
-Which exchanges a compressor may use follows from its wire format; anything else is refused at
-construction (:func:`make_exchange`) with a message naming the valid choices.
+Threading contract (engine v2): the engine calls :meth:`Exchange.run` on exactly one thread per
+process group — its ordered worker thread, or the hook's thread when ``overlap=False`` — in the
+same order on every rank. ``run`` may issue any number of blocking collectives or P2P operations
+on ``self.group`` (the engine's dedicated exchange group), but it must issue the same sequence,
+with the same sizes, on every rank: every size must follow from replicated values (the group
+size, the ratio, the step, an agreed network model).
+
+Capabilities are declared on the classes (never discovered with ``hasattr``):
+
+``formats``        the compressor wire formats this exchange can carry (see compressors/base.py)
+``needs_network``  it takes decisions from the alpha-beta network model; the engine hands it the
+                   shared :class:`~lightning_gc.comm.network.NetworkState` and keeps it probed
+``summable``       payloads are combined by element-wise summation
+``ring_combinable`` payloads are combined hop by hop along our P2P ring (pluggable combine)
+
+The registry of names users pass as ``collective=`` lives in :mod:`lightning_gc.comm.registry`.
 """
 
 from __future__ import annotations
@@ -16,12 +30,14 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from ..compressors.base import Compressor, GroupContext
 from .collectives import allgather_payload, allreduce
+from .network import NetworkState
 
 
 @dataclass
@@ -38,7 +54,7 @@ class SparseSent:
 
 @dataclass
 class ExchangeTimes:
-    """Wall-clock split of one exchange plus the bytes it moved (this rank)."""
+    """Wall-clock split of one step's exchanges plus the bytes they moved (this rank)."""
 
     compress_s: float = 0.0
     comm_s: float = 0.0
@@ -47,59 +63,92 @@ class ExchangeTimes:
     extra: dict = field(default_factory=dict)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Timer:
-    """Accumulates compute and communication wall time; synchronises CUDA so times are real."""
+    """Accumulates compute and communication time into an :class:`ExchangeTimes`.
+
+    On CPU it reads the wall clock around each call. On CUDA it records a pair of events on the
+    current stream instead of synchronising the device (no ``torch.cuda.synchronize`` on the hot
+    path); :meth:`resolve` turns the recorded pairs into seconds once the step's work is done.
+    """
 
     def __init__(self, device: torch.device, times: ExchangeTimes) -> None:
         self.device = device
         self.times = times
+        self._events: list[tuple[str, Any, Any]] = []
 
-    def run(self, kind: str, fn: Callable):
-        _sync(self.device)
-        t0 = time.perf_counter()
-        out = fn()
-        _sync(self.device)
-        dt = time.perf_counter() - t0
+    def _add(self, kind: str, dt: float) -> None:
         if kind == "comm":
             self.times.comm_s += dt
         else:
             self.times.compress_s += dt
+
+    def run(self, kind: str, fn: Callable):
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            self._events.append((kind, start, end))
+            return out
+        t0 = time.perf_counter()
+        out = fn()
+        self._add(kind, time.perf_counter() - t0)
         return out
+
+    def resolve(self) -> None:
+        """Fold recorded CUDA event pairs into the times (waits for those events only)."""
+        for kind, start, end in self._events:
+            end.synchronize()
+            self._add(kind, start.elapsed_time(end) / 1e3)
+        self._events.clear()
 
 
 class Exchange(ABC):
-    """One way of moving a compressor's payload."""
+    """One way of moving a compressor's payload. Subclasses declare their capabilities."""
 
-    #: name users pass as ``collective=...``
+    #: name users pass as ``collective=...`` (set by the registry for parameterised classes)
     name: str = ""
+    #: compressor wire formats this exchange carries
+    formats: ClassVar[frozenset[str]] = frozenset()
+    #: takes decisions from the network model (the engine probes it and shares the state)
+    needs_network: ClassVar[bool] = False
+    #: payloads are combined by element-wise sums
+    summable: ClassVar[bool] = False
+    #: payloads are combined hop by hop along our P2P ring
+    ring_combinable: ClassVar[bool] = False
 
-    def __init__(self, compressor: Compressor, group=None) -> None:
+    def __init__(self, compressor: Compressor, group=None, network: NetworkState | None = None) -> None:
         self.compressor = compressor
         self.group = group
+        self.network = network if network is not None else NetworkState()
 
     @abstractmethod
     def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor | SparseSent]:
         """Return (mean over ranks, this rank's contribution: dense, or :class:`SparseSent`)."""
 
+    def describe(self) -> str:
+        """Name and options; part of the cross-rank signature."""
+        return self.name
+
+    def state_dict(self) -> dict:
+        """Replicated state that must survive a checkpoint (none by default)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        return None
+
 
 class AllreduceExchange(Exchange):
-    """Linear payloads summed by the backend's allreduce (or a P2P ring/tree via ``reduce_fn``)."""
+    """Linear payloads summed by the backend's allreduce (:meth:`_reduce` may be overridden)."""
 
     name = "allreduce"
-
-    def __init__(self, compressor: Compressor, group=None, reduce_fn: Callable | None = None) -> None:
-        super().__init__(compressor, group)
-        self.reduce_fn = reduce_fn
+    formats = frozenset({"allreduce"})
+    summable = True
 
     def _reduce(self, tensors: list[Tensor]) -> int:
-        if self.reduce_fn is None:
-            return allreduce(tensors, self.group)
-        return sum(int(self.reduce_fn(t, self.group)) for t in tensors)
+        """Sum-allreduce each tensor in place; returns the bytes this rank sent."""
+        return allreduce(tensors, self.group)
 
     def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor]:
         c = self.compressor
@@ -112,12 +161,36 @@ class AllreduceExchange(Exchange):
         return mean, sent
 
 
+class RingAllreduceExchange(AllreduceExchange):
+    """Summable payloads over our P2P ring allreduce (a schedule we know and can model)."""
+
+    name = "ring"
+    ring_combinable = True
+
+    def _reduce(self, tensors: list[Tensor]) -> int:
+        from .p2p_allreduce import ring_allreduce
+
+        return sum(ring_allreduce(t, group=self.group).bytes_sent for t in tensors)
+
+
+class TreeAllreduceExchange(AllreduceExchange):
+    """Summable payloads over our P2P tree allreduce."""
+
+    name = "tree"
+
+    def _reduce(self, tensors: list[Tensor]) -> int:
+        from .p2p_allreduce import tree_allreduce
+
+        return sum(tree_allreduce(t, group=self.group).bytes_sent for t in tensors)
+
+
 class AllgatherExchange(Exchange):
     """Fixed-size payloads gathered from every rank in one allgather of a byte buffer."""
 
     name = "allgather"
+    formats = frozenset({"allgather"})
 
-    def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor]:
+    def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor | SparseSent]:
         c = self.compressor
         comp = timer.run("compress", lambda: c.compress(p, ctx))
         specs = c.payload_specs(ctx, p.dtype)
@@ -127,94 +200,7 @@ class AllgatherExchange(Exchange):
         timer.times.bytes_sent += nbytes
         timer.times.bytes_payload += payload_bytes
         mean = timer.run("compress", lambda: c.aggregate_gathered(payloads, comp.meta, ctx))
-        if getattr(c, "sends_exact_subset", False):
+        if c.sends_exact_subset:
             return mean, SparseSent(comp.payload[0], comp.payload[1])
         sent = timer.run("compress", lambda: c.decompress(comp.payload, comp.meta, ctx))
         return mean, sent
-
-
-def _p2p(reduce: str) -> Callable[..., Exchange]:
-    def factory(compressor: Compressor, group=None) -> Exchange:
-        from .p2p_allreduce import ring_allreduce, tree_allreduce
-
-        fn = ring_allreduce if reduce == "ring" else tree_allreduce
-        ex = AllreduceExchange(compressor, group, reduce_fn=lambda t, g: fn(t, group=g).bytes_sent)
-        ex.name = reduce
-        return ex
-
-    return factory
-
-
-def _art(reduce: str) -> Callable[..., Exchange]:
-    def factory(compressor: Compressor, group=None) -> Exchange:
-        from .artopk import ARTopkExchange
-
-        return ARTopkExchange(compressor, group, reduce)  # type: ignore[arg-type]
-
-    return factory
-
-
-def _auto_sparse(compressor: Compressor, group=None) -> Exchange:
-    from .artopk import AutoSparseExchange
-
-    return AutoSparseExchange(compressor, group)  # type: ignore[arg-type]
-
-
-# name -> (exchange factory, wire formats it can carry)
-_EXCHANGES: dict[str, tuple[Callable[..., Exchange], frozenset[str]]] = {
-    "allreduce": (AllreduceExchange, frozenset({"allreduce"})),
-    "ring": (_p2p("ring"), frozenset({"allreduce"})),
-    "tree": (_p2p("tree"), frozenset({"allreduce"})),
-    "allgather": (AllgatherExchange, frozenset({"allgather"})),
-    "art_allreduce": (_art("allreduce"), frozenset({"artopk"})),
-    "art_ring": (_art("ring"), frozenset({"artopk"})),
-    "art_tree": (_art("tree"), frozenset({"artopk"})),
-    "auto_sparse": (_auto_sparse, frozenset({"artopk_auto"})),
-}
-# what collective="auto" means for each wire format
-_DEFAULT_FOR_FORMAT = {
-    "allreduce": "allreduce",
-    "allgather": "allgather",
-    "artopk": "art_allreduce",
-    "artopk_auto": "auto_sparse",
-}
-
-
-def register_exchange(name: str, factory: Callable[..., Exchange], formats: frozenset[str]) -> None:
-    """Add a collective choice (e.g. P2P ring/tree allreduce, AR-Topk)."""
-    _EXCHANGES[name] = (factory, formats)
-
-
-def compatible_collectives(compressor: Compressor) -> list[str]:
-    fmt = compressor.wire_format
-    return [n for n, (_, fmts) in _EXCHANGES.items() if fmt in fmts]
-
-
-def validate_collective(compressor: Compressor, collective: str) -> str:
-    """Resolve ``"auto"`` and refuse incompatible pairs with a helpful message."""
-    valid = compatible_collectives(compressor)
-    if collective == "auto":
-        return _DEFAULT_FOR_FORMAT[compressor.wire_format]
-    if collective not in _EXCHANGES:
-        raise ValueError(
-            f"unknown collective {collective!r}; valid collectives: {['auto', *_EXCHANGES]}."
-        )
-    if collective not in valid:
-        hint = (
-            " Its (values, indices) payloads from different ranks cannot be summed element-wise;"
-            " for an allreduce-friendly sparse format use compressor='star_topk' (AR-Topk) or 'randomk'."
-            if compressor.wire_format == "allgather"
-            else ""
-        )
-        raise ValueError(
-            f"compressor {compressor.name!r} cannot travel by collective={collective!r}: its wire format is "
-            f"{compressor.wire_format!r}.{hint} Valid collectives for {compressor.name!r}: {valid} "
-            "(or 'auto')."
-        )
-    return collective
-
-
-def make_exchange(compressor: Compressor, collective: str = "auto", group=None) -> Exchange:
-    name = validate_collective(compressor, collective)
-    factory, _ = _EXCHANGES[name]
-    return factory(compressor, group)

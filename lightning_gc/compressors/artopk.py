@@ -65,14 +65,10 @@ class ARTopKCompressor(SparseCompressor):
 
     def __init__(self, config: ARTopKConfig | None = None) -> None:
         self.config = config or ARTopKConfig()
-        super().__init__(self.config.ratio)
 
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
         idx = topk_indices(x, self.num_kept(ctx))
         return Compressed((x[idx], idx.to(torch.int32)))
-
-    def describe(self) -> str:
-        return f"{self.name}({self.config.selection})"
 
 
 class STARTopKCompressor(ARTopKCompressor):

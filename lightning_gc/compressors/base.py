@@ -26,6 +26,7 @@ resumed from a checkpoint draws exactly the numbers the uninterrupted run drew.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -129,11 +130,35 @@ class Compressor(ABC):
     lossy: ClassVar[bool] = True
     #: error feedback on by default?
     default_error_feedback: ClassVar[bool] = True
+    #: the payload is exactly the input at some indices: ``payload = (values, int32 indices)``
+    sends_exact_subset: ClassVar[bool] = False
 
     @property
     def ratio(self) -> float:
-        """Fraction of dense fp32 bytes the payload occupies, roughly (for monitoring only)."""
+        """The fraction of elements kept (compressors with a ``ratio`` option); otherwise the
+        fraction of dense fp32 bytes the payload occupies, roughly (for monitoring only)."""
+        config = getattr(self, "config", None)
+        if self.has_ratio_option(config):
+            return float(config.ratio)
         return 1.0
+
+    @staticmethod
+    def has_ratio_option(config: Any) -> bool:
+        return dataclasses.is_dataclass(config) and "ratio" in {f.name for f in dataclasses.fields(config)}
+
+    def set_ratio(self, ratio: float) -> None:
+        """Replace the ratio (validated by the config). The ratio lives in ``self.config`` only.
+
+        Do not call this on a running engine: use ``GCEngine.set_ratio``, which checks that every
+        rank asks for the same value and applies it at a step boundary.
+        """
+        config = getattr(self, "config", None)
+        if not self.has_ratio_option(config):
+            raise ValueError(
+                f"compressor {self.name!r} has no ratio option, so ratio={ratio!r} cannot be applied; "
+                "use a Top-k family compressor or RandomK."
+            )
+        self.config = dataclasses.replace(config, ratio=ratio)
 
     @abstractmethod
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
@@ -163,4 +188,7 @@ class Compressor(ABC):
         return [(tuple(t.shape), t.dtype) for t in probe.payload]
 
     def describe(self) -> str:
-        return self.name
+        """Name and full configuration; part of the cross-rank signature (a rank-dependent option
+        such as ``ratio`` is detected at setup instead of deadlocking a collective)."""
+        config = getattr(self, "config", None)
+        return f"{self.name}({config!r})" if config is not None else self.name

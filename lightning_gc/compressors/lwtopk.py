@@ -35,10 +35,9 @@ class LWTopKCompressor(SparseCompressor):
 
     def __init__(self, config: LWTopKConfig | None = None) -> None:
         self.config = config or LWTopKConfig()
-        super().__init__(self.config.ratio)
 
     def num_kept(self, ctx: GroupContext) -> int:
-        return sum(ratio_to_k(self._ratio, n) for n in ctx.segments if n > 0)
+        return sum(ratio_to_k(self.ratio, n) for n in ctx.segments if n > 0)
 
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
         values, indices = [], []
@@ -47,7 +46,7 @@ class LWTopKCompressor(SparseCompressor):
             if n == 0:
                 continue
             seg = x[offset:offset + n]
-            idx = topk_indices(seg, ratio_to_k(self._ratio, n))
+            idx = topk_indices(seg, ratio_to_k(self.ratio, n))
             values.append(seg[idx])
             indices.append(idx + offset)
             offset += n

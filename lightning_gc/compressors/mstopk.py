@@ -63,7 +63,6 @@ class MSTopKCompressor(SparseCompressor):
 
     def __init__(self, config: MSTopKConfig | None = None) -> None:
         self.config = config or MSTopKConfig()
-        super().__init__(self.config.ratio)
 
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
         idx = threshold_topk_indices(x, self.num_kept(ctx), self.config.search_rounds)

@@ -45,13 +45,6 @@ class SparseCompressor(Compressor):
     default_error_feedback = True
     sends_exact_subset = True
 
-    def __init__(self, ratio: float) -> None:
-        self._ratio = ratio
-
-    @property
-    def ratio(self) -> float:
-        return self._ratio
-
     def decompress(self, payload: tuple[Tensor, ...], meta: Any, ctx: GroupContext) -> Tensor:
         return scatter_sparse(payload[0], payload[1], ctx.numel)
 
@@ -63,7 +56,7 @@ class SparseCompressor(Compressor):
         return [((k,), dtype), ((k,), torch.int32)]
 
     def num_kept(self, ctx: GroupContext) -> int:
-        return ratio_to_k(self._ratio, ctx.numel)
+        return ratio_to_k(self.ratio, ctx.numel)
 
 
 class TopKCompressor(SparseCompressor):
@@ -71,7 +64,6 @@ class TopKCompressor(SparseCompressor):
 
     def __init__(self, config: TopKConfig | None = None) -> None:
         self.config = config or TopKConfig()
-        super().__init__(self.config.ratio)
 
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
         idx = topk_indices(x, self.num_kept(ctx))

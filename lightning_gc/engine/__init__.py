@@ -1,8 +1,9 @@
 """The engine that runs inside DDP's communication hook."""
 
+from ..plans import Group, Plan, available_planners, build_plan
 from .config import EngineConfig
 from .hook import GCEngine, gc_comm_hook
-from .plans import PLAN_KINDS, Group, Plan, build_plan
-from .state import StepStats, Totals
+from .stats import StepStats, Totals
 
-__all__ = ["EngineConfig", "GCEngine", "Group", "PLAN_KINDS", "Plan", "StepStats", "Totals", "build_plan", "gc_comm_hook"]
+__all__ = ["EngineConfig", "GCEngine", "Group", "Plan", "StepStats", "Totals", "available_planners", "build_plan",
+           "gc_comm_hook"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .plans import PLAN_KINDS
+from ..plans import available_planners
 
 
 def _int(name: str, value: object, minimum: int, hint: str) -> None:
@@ -25,8 +25,9 @@ class EngineConfig:
         warmup_steps: optimizer steps sent dense before compression starts. The default 1 covers
             DDP's bucket rebuild after the first iteration; DGC-style schedules use a few hundred.
         error_feedback: keep what was not sent and add it to the next step's gradient.
-        check_finite: agree across ranks, per group and step, whether any rank's gradient is
-            non-finite (one 3-float allreduce per compressed group). On a non-finite step error
+        check_finite: agree across ranks, once per compressed step, whether any rank's gradient
+            is non-finite (it travels in the step's closing statistics allreduce). On a non-finite
+            step error
             memory is left untouched and every rank gets a non-finite gradient (or, with
             ``nonfinite="skip"`` in the strategy, the optimizer step is skipped on all ranks).
         seed: seed of all compressor randomness (shared and private streams derive from it).
@@ -38,6 +39,10 @@ class EngineConfig:
         probe_drift: re-probe when the measured communication time of the model-chosen
             collectives differs from the prediction by more than this fraction ...
         probe_patience: ... for this many consecutive steps.
+        overlap: run compressed exchanges on the engine's ordered worker thread so that
+            communication overlaps the rest of backward (default). ``False`` runs the same work
+            inside the hook, synchronously: bit-identical results, kept as the oracle and for
+            debugging.
     """
 
     plan: str = "model"
@@ -54,6 +59,7 @@ class EngineConfig:
     probe_every: int = 1000
     probe_drift: float = 0.5
     probe_patience: int = 5
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         pinned = (self.network_alpha_s, self.network_beta_s_per_byte)
@@ -69,10 +75,15 @@ class EngineConfig:
         _int("probe_patience", self.probe_patience, 1, "Use e.g. 5 consecutive drifted steps.")
         if not isinstance(self.probe_drift, (int, float)) or not self.probe_drift > 0:
             raise ValueError(f"probe_drift={self.probe_drift!r} must be a fraction > 0, e.g. 0.5 (50%).")
-        if self.plan not in PLAN_KINDS:
+        if self.plan not in available_planners():
             raise ValueError(
-                f"plan={self.plan!r} is not a plan kind: use one of {list(PLAN_KINDS)} "
+                f"plan={self.plan!r} is not a plan kind: use one of {available_planners()} "
                 "('model' = whole model in one group)."
+            )
+        if not isinstance(self.overlap, bool):
+            raise ValueError(
+                f"overlap={self.overlap!r} must be True or False: True runs compressed exchanges on the "
+                "engine's worker thread, overlapped with backward; False runs them inside the hook."
             )
         _int("plan_threshold", self.plan_threshold, 1, "Use e.g. 8192 elements per merged group.")
         _int("min_compress_numel", self.min_compress_numel, 0, "Use 0 to compress every tensor.")

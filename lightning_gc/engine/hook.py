@@ -1,67 +1,92 @@
-"""The engine: what runs inside DDP's communication hook on every optimizer step.
+"""The engine: the step lifecycle that runs inside DDP's communication hook.
 
-Per step, DDP hands us its gradient buckets one at a time, in bucket order, identically on every
-rank. For each bucket the engine records which parameters' gradients have arrived; as soon as
-every parameter of a plan group has arrived it runs, for that group,
+Per step, DDP hands the hook its gradient buckets one at a time, in bucket order, identically on
+every rank. The hook itself does almost nothing: it records which parameters have arrived
+(:mod:`.readiness`), and *submits* jobs to the engine's runner — the ordered worker thread
+(``overlap=True``, the default) or the hook's own thread (``overlap=False``, the synchronous
+oracle) — then returns a Future for the bucket. In submission order, identical on every rank:
 
-    p = g + e                               (error feedback; e starts at zero)
-    [nonfinite?, carried stats] ← allreduce (tiny; rank agreement on non-finite gradients)
-    mean, sent = exchange(p)                (compress → collective → decompress → mean)
-    e ← p − sent
+1. **open**: the opening check (:mod:`.agreement`: every rank is about to do the same thing), and
+   on compressed steps a network probe if the tracker's policy asks for one;
+2. **one job per plan group**, submitted as soon as the group is complete:
+   ``p = g + e`` (error feedback), ``mean, sent = exchange(p)``, ``e' = p − sent`` staged, ``mean``
+   written back into the gradients' slots of their buckets;
+   on dense steps (warm-up, lossless compressor) one job per bucket instead: DDP's own
+   ``allreduce(bucket / N)``, asynchronous, completing the bucket's Future from its callback;
+3. **close**: the closing report (non-finite agreement, gain sums, exchange time), then error
+   memory is committed (or discarded on a non-finite step), statistics are finalised and the
+   bucket Futures complete.
 
-writes ``mean`` into the gradients' slots of their buckets, and completes every bucket Future
-whose groups are all done. The last bucket of a step closes the step (statistics, step counter).
+So the hook returns without waiting for the network: while group *i* is being compressed and
+sent, backward keeps computing the gradients of the groups after it. DDP waits for the bucket
+Futures at the end of backward, by which time statistics are final.
 
-Dense steps (warm-up, the dense compressor, plans with nothing to compress) take a fast path that
-is DDP's own hook: per-bucket asynchronous allreduce of ``bucket / N``, overlapping with the rest
-of backward exactly like DDP. Compressed groups run their collectives synchronously inside the
-hook (the caller is the autograd thread); a group's communication therefore overlaps only with
-the gradients computed *before* it is complete, not after. This is documented in docs/concepts.md.
-
-Every decision that changes communication — dense vs compressed step, plan, k, randomness — is a
-function of replicated values (the step counter, the plan built from identical parameter lists,
-all-reduced flags), so all ranks issue the same collectives in the same order with the same sizes.
+Every decision that changes communication — dense vs compressed step, plan, k, randomness,
+collective — is a function of replicated values (the step counter, the plan built from identical
+parameter lists, the agreed network model), and the opening check verifies it every step.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm.artopk import NetworkState
 from ..comm.collectives import ring_allreduce_bytes
-from ..comm.cost_model import NetworkModel
-from ..comm.exchange import AllreduceExchange, ExchangeTimes, SparseSent, Timer, make_exchange
-from ..comm.probe import ProbeConfig, ProbePolicy, probe_network
+from ..comm.exchange import AllreduceExchange, Exchange, ExchangeTimes, SparseSent, Timer
+from ..comm.registry import make_exchange
+from ..comm.worker import InlineRunner, OrderedWorker
 from ..compressors.base import Compressor, GroupContext
 from ..compressors.dense import DenseCompressor
+from ..plans import Plan, build_plan
+from . import checkpoint
+from .agreement import StepReport, agree, check_descriptor
 from .config import EngineConfig
-from .plans import Plan, build_plan
-from .state import StepStats, Totals
+from .memory import ErrorMemory
+from .network import NetworkTracker
+from .readiness import Readiness, new_future
+from .stats import StepStats, Totals
 
-STATE_VERSION = 1
 
+@dataclass
+class _StepWork:
+    """One step's shared state between the hook thread, the runner and backend callbacks."""
 
-class _PendingBucket:
-    __slots__ = ("future", "buffer", "groups")
-
-    def __init__(self, future: torch.futures.Future, buffer: Tensor, groups: set[int]) -> None:
-        self.future = future
-        self.buffer = buffer
-        self.groups = groups
+    step: int
+    dense: bool
+    stats: StepStats
+    times: ExchangeTimes
+    timer: Timer
+    futures: list[tuple[torch.futures.Future, Tensor]] = field(default_factory=list)
+    written: list[list[Tensor]] = field(default_factory=list)  # lossy groups' views, for NaN on a bad step
+    report: StepReport = field(default_factory=StepReport)
+    control_comm_s: float = 0.0
+    error: BaseException | None = None
+    closed: bool = False
+    dense_pending: int = 0
+    finished: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class GCEngine:
-    """State of the communication hook: plan, compressor, error memory, counters, statistics.
+    """State and lifecycle of the communication hook.
 
     Build it after DDP has wrapped the module (parameters must not move afterwards) and register it
     with :func:`gc_comm_hook`. All ranks must build it with identical arguments; the constructor
-    verifies the plan is the same everywhere and fails fast naming the ranks that differ.
+    verifies the full configuration (plan, compressor options, collective, engine options) is the
+    same everywhere and fails fast naming the ranks that differ. It creates a process group of its
+    own for the exchanges (a collective call: every rank constructs engines in the same order).
+
+    Lifecycle calls for the training loop (the strategy makes them): :meth:`before_optimizer_step`
+    (waits until the step's communication is final; returns whether it was non-finite),
+    :meth:`after_optimizer_step`, :meth:`set_ratio` and :meth:`replace_plan` (between steps, on
+    every rank), :meth:`close` (teardown).
     """
 
     def __init__(
@@ -83,57 +108,49 @@ class GCEngine:
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.rank = dist.get_rank(process_group) if self.distributed else 0
         self.device = self.params[0].device
-        self.plan: Plan = build_plan(
-            self.names,
-            [p.numel() for p in self.params],
-            kind=config.plan,
-            threshold=config.plan_threshold,
-            min_compress_numel=config.min_compress_numel,
-            compress=compressor.lossy,
-        )
-        self._group_of = self.plan.group_of()
-        self._pid_of_ptr = {p.data_ptr(): i for i, p in enumerate(self.params)}
-        self.exchange = make_exchange(compressor, config.collective, process_group)
-        self.exact_exchange = AllreduceExchange(DenseCompressor(), process_group)
-        self.all_exact = all(g.exact for g in self.plan.groups)
         self.error_feedback = bool(config.error_feedback) and compressor.lossy
-        # network model: pinned by the user, or measured in-band by the probe when an exchange
-        # needs it (the model-chosen collective). Replicated: pinned values are arguments every
-        # rank receives, probed values are agreed by the probe (MAX over ranks).
-        pinned = config.network_alpha_s is not None
-        self.network = NetworkState(
-            NetworkModel(config.network_alpha_s, config.network_beta_s_per_byte) if pinned else None, pinned
+        self.plan: Plan = build_plan(
+            self.names, [p.numel() for p in self.params], kind=config.plan, threshold=config.plan_threshold,
+            min_compress_numel=config.min_compress_numel, compress=compressor.lossy,
         )
-        if hasattr(self.exchange, "network"):
-            self.exchange.network = self.network
-        needs_probe = hasattr(self.exchange, "network") and not pinned and self.world_size > 1
-        self.probe_policy = (
-            ProbePolicy(config.probe_every, config.probe_drift, config.probe_patience, probe_at_start=True)
-            if needs_probe else None
-        )
-        self.probe_config = ProbeConfig(sizes_bytes=(64, 65536, 1048576, 4194304), warmup=2, repeats=7)
-        self._meas_carry: tuple[float, float] | None = None  # (exchange comm s, predicted s), prev step
-        self.memory: dict[int, Tensor] = {}
-        self._mem_sq: dict[int, float] = {}  # ‖e‖² per group, maintained with the memory
+        self._readiness = Readiness(self.plan, self.params)
+        self._memory = ErrorMemory()
+        # the engine's own process group: the only one its runner issues collectives on
+        self.exchange_group = None
+        if self.world_size > 1:
+            ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+            self.exchange_group = dist.new_group(ranks=ranks, backend=dist.get_backend(process_group))
+        self.exchange: Exchange = make_exchange(compressor, config.collective, self.exchange_group)
+        self.exact_exchange = AllreduceExchange(DenseCompressor(), self.exchange_group)
+        self.tracker = NetworkTracker(config, type(self.exchange).needs_network, self.world_size)
+        self.exchange.network = self.tracker.state
+        self.all_exact = all(g.exact for g in self.plan.groups)
         self.step = 0
         self.gain_ewma: float | None = None
         self.last_step: StepStats | None = None
         self.last_step_nonfinite = False
         self._totals = Totals()
         self.hook_calls = 0
-        # (Σ‖sent‖², Σ‖p‖²) of the previous compressed step on this rank; travels with the next
-        # step's stats allreduce so the gain is averaged over ranks without a collective of its own
-        self._carry: tuple[float, float] | None = None
-        self._step_open = False
+        self._work: _StepWork | None = None  # the open step (hook thread)
+        self._last_work: _StepWork | None = None
+        self._failure: BaseException | None = None
+        self._stats_lock = threading.Lock()
         self._dense_bytes_per_step = ring_allreduce_bytes(
             sum(p.numel() * p.element_size() for p in self.params), self.world_size
         )
+        self._runner: OrderedWorker | InlineRunner
+        if config.overlap and self.world_size > 1:
+            self._runner = OrderedWorker(device=self.device)
+        else:
+            self._runner = InlineRunner()
         if verify_plan and self.world_size > 1:
             self._verify_identical(self.signature())
 
     # ------------------------------------------------------------------ setup helpers
     def signature(self) -> str:
-        return f"{self.plan.signature()}|{self.compressor.describe()}|{self.exchange.name}|{self.config}"
+        """Everything that fixes the sequence and sizes of collectives (identical on all ranks)."""
+        return (f"{self.plan.signature()}|{self.compressor.describe()}|{self.exchange.describe()}"
+                f"|ef={self.error_feedback}|{self.config}")
 
     def _verify_identical(self, sig: str) -> None:
         sigs: list[Any] = [None] * self.world_size
@@ -142,15 +159,32 @@ class GCEngine:
             by_sig: dict[str, list[int]] = {}
             for r, s in enumerate(sigs):
                 by_sig.setdefault(s, []).append(r)
+            detail = "; ".join(f"ranks {ranks}: {s}" for s, ranks in by_sig.items())
             raise RuntimeError(
-                "lightning_gc: ranks built different communication plans and would deadlock. Ranks "
-                f"grouped by plan: {list(by_sig.values())}. Every rank must construct the same model "
-                "(same parameter names, shapes and requires_grad) and the same GCStrategy arguments."
+                "lightning_gc: ranks built different communication setups and would deadlock. Ranks "
+                f"grouped by setup: {list(by_sig.values())} ({detail}). Every rank must construct the "
+                "same model (same parameter names, shapes and requires_grad) and the same GCStrategy "
+                "arguments (compressor options such as ratio included)."
             )
 
     # ------------------------------------------------------------------ public API
+    @property
+    def memory(self) -> dict[int, Tensor]:
+        """Committed error memory per plan group id (flat tensors)."""
+        return dict(self._memory.groups)
+
+    @property
+    def network(self):
+        """The network model in force (:class:`~lightning_gc.comm.network.NetworkState`)."""
+        return self.tracker.state
+
+    @property
+    def overlap(self) -> bool:
+        return isinstance(self._runner, OrderedWorker)
+
     def totals(self) -> dict:
         """Cumulative per-rank counters since the start of training (snapshot)."""
+        self.synchronize()
         return self._totals.as_dict()
 
     def step_is_dense(self) -> bool:
@@ -158,294 +192,348 @@ class GCEngine:
 
     def error_norm(self) -> float:
         """‖e‖₂ over all groups' error memory (kept up to date per group, no extra pass)."""
-        for gid, m in self.memory.items():
-            if gid not in self._mem_sq:  # e.g. restored from a checkpoint
-                self._mem_sq[gid] = float(m.float().pow(2).sum())
-        return math.sqrt(sum(self._mem_sq[g] for g in self.memory))
+        return self._memory.norm()
 
-    # ------------------------------------------------------------------ the hook
+    def synchronize(self) -> None:
+        """Wait until every submitted job has run (the last step's communication is final)."""
+        self._runner.drain()
+        work = self._last_work
+        if work is not None and work.closed:
+            work.finished.wait()
+
+    def before_optimizer_step(self) -> bool:
+        """Called by the strategy before the optimizer step: returns whether the step's aggregated
+        gradient is non-finite on some rank (identical on every rank)."""
+        self.synchronize()
+        return self.last_step_nonfinite
+
+    def after_optimizer_step(self) -> None:
+        """Called by the strategy after the optimizer step (a hook point for two-stage schedules)."""
+
+    def set_ratio(self, ratio: float) -> None:
+        """Change the compression ratio from the next step on, identically on every rank.
+
+        Call it between steps on every rank with the same value (e.g. from a Callback). The value is
+        validated by the compressor's config, then compared across ranks: a rank-dependent value
+        raises on every rank, naming the values, instead of deadlocking the next exchange.
+        """
+        import dataclasses
+
+        config = getattr(self.compressor, "config", None)
+        if not self.compressor.has_ratio_option(config):
+            raise ValueError(
+                f"compressor {self.compressor.name!r} has no ratio option, so set_ratio({ratio!r}) cannot "
+                "apply; use a Top-k family compressor or RandomK."
+            )
+        dataclasses.replace(config, ratio=ratio)  # validates before anything is changed
+        self.synchronize()
+        if self.world_size > 1:
+            mine = torch.tensor([float(ratio)], dtype=torch.float64)
+            if self.device.type == "cuda":
+                mine = mine.to(self.device)
+            all_r = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(all_r, mine, group=self.process_group)
+            values = [float(t.item()) for t in all_r]
+            if len(set(values)) > 1:
+                raise RuntimeError(
+                    f"lightning_gc: set_ratio was called with different ratios on different ranks "
+                    f"(rank → ratio: {dict(enumerate(values))}); every rank must apply the same ratio, "
+                    "computed from replicated values (e.g. all-reduced statistics) or broadcast from rank 0."
+                )
+        self.compressor.set_ratio(ratio)
+
+    def replace_plan(self, plan: Plan) -> list[str]:
+        """Switch to another plan between steps; error memory is remapped by parameter name.
+
+        The new plan's signature is compared across ranks first. Returns the names whose memory
+        could not be carried over (they start at zero).
+        """
+        self.synchronize()
+        if self.world_size > 1:
+            self._verify_identical(f"plan {plan.signature()}")
+        dtypes = [p.dtype for p in self.params]
+        missing = self._memory.remap(self.plan, plan, dtypes, self.device)
+        self.plan = plan
+        self._readiness = Readiness(plan, self.params)
+        self.all_exact = all(g.exact for g in plan.groups)
+        return missing
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish queued work, stop the worker and release the exchange process group."""
+        stopped = self._runner.close(timeout)
+        group, self.exchange_group = self.exchange_group, None
+        if group is not None and stopped and dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError):  # already gone with the default group
+                pass
+
+    # ------------------------------------------------------------------ the hook (autograd thread)
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         self.hook_calls += 1
-        if not self._step_open:
-            self._begin_step()
+        if self._failure is not None:
+            raise RuntimeError(
+                f"lightning_gc: an earlier exchange failed on this rank ({self._failure!r}); training "
+                "cannot continue with this engine."
+            ) from self._failure
         buffer = bucket.buffer()
+        if self._work is None:
+            self._open_step()
+        work = self._work
+        assert work is not None
+        fut = new_future(buffer)
+        with work.lock:
+            work.futures.append((fut, buffer))
+            failed = work.error
+        if failed is not None:  # the step already failed on the runner: fail this bucket too
+            fut.set_exception(failed)
+            return fut
         if self.world_size == 1:
-            fut = self._completed(buffer)
-        elif self._dense_step:
-            fut = self._dense_bucket(buffer)
+            pass
+        elif work.dense:
+            with work.lock:
+                work.dense_pending += 1
+            ready_event = self._ready_event(buffer)
+            self._runner.submit(lambda: self._guard(work, self._job_dense_bucket, work, buffer, fut, ready_event))
         else:
-            fut = self._compressed_bucket(bucket, buffer)
+            ready_event = self._ready_event(buffer)
+            for gid in self._readiness.add_bucket(bucket):
+                views = self._readiness.take_views(gid)
+                self._runner.submit(lambda g=gid, v=views: self._guard(work, self._job_group, work, g, v, ready_event))
         if bucket.is_last():
-            self._end_step()
+            self._close_step()
         return fut
 
-    def _completed(self, buffer: Tensor) -> torch.futures.Future:
-        fut = self._new_future(buffer)
-        fut.set_result(buffer)
-        return fut
+    def _ready_event(self, buffer: Tensor):
+        if not buffer.is_cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
 
-    def _new_future(self, buffer: Tensor) -> torch.futures.Future:
-        if buffer.is_cuda:
-            return torch.futures.Future(devices=[buffer.device])
-        return torch.futures.Future()
+    def _open_step(self) -> None:
+        dense = self.step_is_dense()
+        stats = StepStats(step=self.step, dense=dense, ratio=1.0 if dense else float(self.compressor.ratio))
+        times = ExchangeTimes()
+        work = _StepWork(self.step, dense, stats, times, Timer(self.device, times))
+        self._work = work
+        self._readiness.begin()
+        if self.world_size > 1:
+            descriptor = self._descriptor(work)
+            self._runner.submit(lambda: self._guard(work, self._job_open, work, descriptor))
 
-    def _begin_step(self) -> None:
-        self._step_open = True
-        self._dense_step = self.step_is_dense()
-        self._stats = StepStats(step=self.step, dense=self._dense_step,
-                                ratio=1.0 if self._dense_step else float(self.compressor.ratio))
-        self._times = ExchangeTimes()
-        self._nonfinite = False
-        self._views: dict[int, Tensor] = {}
-        self._remaining = {g.gid: len(g.param_ids) for g in self.plan.groups}
-        self._done: set[int] = set()
-        self._pending: list[_PendingBucket] = []
-        self._first_stats_sent = False
-        self._step_sent2 = 0.0
-        self._step_p2 = 0.0
-        self._exchange_comm_s = 0.0
+    def _descriptor(self, work: _StepWork) -> str:
+        if work.dense:
+            return f"step={work.step} dense plan={self.plan.signature()}"
+        net = self.tracker.describe() if type(self.exchange).needs_network else "-"
+        return (f"step={work.step} compressed plan={self.plan.signature()} compressor={self.compressor.describe()} "
+                f"collective={self.exchange.describe()} net={net}")
 
-    def _dense_bucket(self, buffer: Tensor) -> torch.futures.Future:
+    def _close_step(self) -> None:
+        work = self._work
+        assert work is not None
+        self._work = None
+        self._last_work = work
+        self.step += 1
+        if self.world_size == 1:
+            self._finish(work)
+            return
+        incomplete = self._readiness.incomplete() if not work.dense else []
+        if incomplete:
+            err = RuntimeError(
+                f"lightning_gc: step {work.step} ended with plan groups {incomplete} incomplete; some "
+                "parameters' gradients never reached the hook. This happens when parameters are "
+                "unused in forward: pass find_unused_parameters=True to the strategy."
+            )
+            self._fail(work, err)
+            raise err
+        self._runner.submit(lambda: self._guard(work, self._job_close, work))
+
+    # ------------------------------------------------------------------ jobs (runner thread)
+    def _guard(self, work: _StepWork, job, *args) -> None:
+        if work.error is not None:
+            return
+        try:
+            job(*args)
+        except BaseException as e:  # noqa: BLE001 - every Future of the step must learn about it
+            self._fail(work, e)
+
+    def _fail(self, work: _StepWork, error: BaseException) -> None:
+        with work.lock:
+            if work.error is None:
+                work.error = error
+            futures = list(work.futures)
+        self._failure = self._failure or error
+        for fut, _ in futures:
+            if not fut.done():
+                try:
+                    fut.set_exception(error)
+                except RuntimeError:  # completed concurrently
+                    pass
+        work.finished.set()
+
+    def _job_open(self, work: _StepWork, descriptor: str) -> None:
+        t0 = time.perf_counter()
+        work.times.bytes_sent += check_descriptor(descriptor, work.step, self.exchange_group,
+                                                  self.world_size, self.device)
+        work.control_comm_s += time.perf_counter() - t0
+        if not work.dense:
+            work.stats.probe_s += self.tracker.maybe_probe(work.step, self.exchange_group, self.device)
+
+    def _job_dense_bucket(self, work: _StepWork, buffer: Tensor, fut: torch.futures.Future, ready_event) -> None:
         """DDP's own hook: async allreduce of bucket / N (same numerics as DDP without a hook)."""
+        if ready_event is not None:
+            torch.cuda.current_stream().wait_event(ready_event)
         t0 = time.perf_counter()
         nbytes = buffer.numel() * buffer.element_size()
-        self._times.bytes_sent += ring_allreduce_bytes(nbytes, self.world_size)
-        self._times.bytes_payload += nbytes
+        with work.lock:
+            work.times.bytes_sent += ring_allreduce_bytes(nbytes, self.world_size)
+            work.times.bytes_payload += nbytes
         buffer.div_(self.world_size)
-        fut = dist.all_reduce(buffer, group=self.process_group, async_op=True).get_future()
-        stats = self._stats
+        reduced = dist.all_reduce(buffer, group=self.exchange_group, async_op=True).get_future()
 
-        totals = self._totals
+        def done(f: torch.futures.Future) -> None:
+            try:
+                out = f.value()[0]
+                bad = not bool(torch.isfinite(out).all())
+            except BaseException as e:  # noqa: BLE001
+                self._fail(work, e)
+                return
+            with work.lock:
+                work.times.comm_s += time.perf_counter() - t0
+                work.stats.nonfinite = work.stats.nonfinite or bad
+                work.dense_pending -= 1
+                last = work.closed and work.dense_pending == 0
+            if last:
+                self._finish(work)
+            fut.set_result(out)
 
-        def done(f: torch.futures.Future) -> Tensor:
-            out = f.value()[0]
-            dt = time.perf_counter() - t0
-            stats.comm_time_s += dt  # the step was closed at the last bucket's call; keep both current
-            totals.comm_time_s += dt
-            if not bool(torch.isfinite(out).all()):
-                stats.nonfinite = True
-                self.last_step_nonfinite = True
-            return out
+        reduced.add_done_callback(done)
 
-        return fut.then(done)
-
-    def _compressed_bucket(self, bucket: dist.GradBucket, buffer: Tensor) -> torch.futures.Future:
-        fut = self._new_future(buffer)
-        pending = _PendingBucket(fut, buffer, set())
-        ready = []
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
-            pid = self._pid_of_ptr.get(p.data_ptr())
-            if pid is None:
-                raise RuntimeError(
-                    "lightning_gc: DDP handed the hook a parameter the engine does not know (shape "
-                    f"{tuple(p.shape)}). Parameters must not be added, re-created or moved after the "
-                    "strategy has set up the model."
-                )
-            self._views[pid] = g
-            gid = self._group_of[pid]
-            pending.groups.add(gid)
-            self._remaining[gid] -= 1
-            if self._remaining[gid] == 0:
-                ready.append(gid)
-        self._pending.append(pending)
-        for gid in sorted(ready):
-            self._process_group(gid)
-        still = []
-        for pb in self._pending:
-            if pb.groups <= self._done:
-                pb.future.set_result(pb.buffer)
-            else:
-                still.append(pb)
-        self._pending = still
-        return fut
-
-    def _process_group(self, gid: int) -> None:
+    def _job_group(self, work: _StepWork, gid: int, views: list[Tensor], ready_event) -> None:
+        if ready_event is not None:
+            torch.cuda.current_stream().wait_event(ready_event)
         group = self.plan.groups[gid]
-        views = [self._views.pop(pid) for pid in group.param_ids]
-        flat = torch.cat([v.reshape(-1) for v in views])
-        ctx = GroupContext(step=self.step, rank=self.rank, world_size=self.world_size,
-                           segments=group.numels, group_id=gid, seed=self.config.seed, device=flat.device)
-        timer = Timer(flat.device, self._times)
+        timer = work.timer
+        flat = timer.run("compress", lambda: torch.cat([v.reshape(-1) for v in views]))
+        ctx = GroupContext(step=work.step, rank=self.rank, world_size=self.world_size, segments=group.numels,
+                           group_id=gid, seed=self.config.seed, device=flat.device)
         if group.exact:
             mean, _ = self.exact_exchange.run(flat, ctx, timer)
             if not bool(torch.isfinite(mean).all()):  # identical on all ranks after the sum
-                self._nonfinite = True
+                work.report.nonfinite_ranks = 1.0
         else:
-            mean = self._process_lossy(gid, flat, ctx, timer)
+            mean = self._exchange_lossy(work, gid, flat, ctx, timer)
+            work.written.append(views)
         offset = 0
         for v, n in zip(views, group.numels):
             v.copy_(mean[offset:offset + n].view_as(v))
             offset += n
-        self._done.add(gid)
 
-    def _process_lossy(self, gid: int, flat: Tensor, ctx: GroupContext, timer: Timer) -> Tensor:
-        mem = self.memory.get(gid)
+    def _exchange_lossy(self, work: _StepWork, gid: int, flat: Tensor, ctx: GroupContext, timer: Timer) -> Tensor:
+        mem = self._memory.get(gid)
         p = flat + mem if (self.error_feedback and mem is not None) else flat
-        first = not self._first_stats_sent
-        if self.config.check_finite or self.probe_policy is not None:
-            carry = self._carry if first else None
-            meas = self._meas_carry if first else None
-            p2 = float(p.float().pow(2).sum())  # needed for the gain anyway; NaN/inf propagate
-            local_bad = 0.0 if math.isfinite(p2) or bool(torch.isfinite(p).all()) else 1.0
-            stats = torch.tensor(
-                [local_bad, float(carry is not None), *(carry or (0.0, 0.0)),
-                 float(meas is not None), *(meas or (0.0, 0.0))],
-                dtype=torch.float64, device=flat.device,
-            )
-            timer.run("comm", lambda: dist.all_reduce(stats, group=self.process_group))
-            self._times.bytes_sent += ring_allreduce_bytes(stats.numel() * 8, self.world_size)
-            if first:
-                self._first_stats_sent = True
-                self._carry = None
-                self._meas_carry = None
-                if float(stats[1]) > 0:  # carried values are identical in presence on all ranks
-                    self._record_gain(float(stats[2]), float(stats[3]))
-                if self.probe_policy is not None:
-                    has = float(stats[4]) > 0
-                    measured = float(stats[5]) / self.world_size if has else None  # mean over ranks
-                    predicted = float(stats[6]) / self.world_size if has else None  # replicated anyway
-                    if self.probe_policy.update(self.step, measured, predicted):
-                        self._run_probe()
-            if float(stats[0]) > 0:
-                self._nonfinite = True
-                return torch.full_like(flat, float("nan"))
-        else:
-            p2 = float(p.float().pow(2).sum())
-        c0 = self._times.comm_s
+        p2 = float(p.float().pow(2).sum())  # the gain needs it; a NaN/inf anywhere shows here
+        if not math.isfinite(p2) and not bool(torch.isfinite(p).all()):  # p2 may overflow on finite p
+            work.report.nonfinite_ranks = 1.0
         mean, sent = self.exchange.run(p, ctx, timer)
-        self._exchange_comm_s += self._times.comm_s - c0
-        self._step_p2 += p2
+        work.report.p2 += p2
         if isinstance(sent, SparseSent):  # sent == p at these indices: residual = p with them zeroed
             sent2 = float(sent.values.float().pow(2).sum())
             if self.error_feedback:
                 # p is a fresh tensor (torch.cat / the sum above always allocate): reuse it in place
-                self.memory[gid] = p.index_fill_(0, sent.indices.long(), 0)
-                self._mem_sq[gid] = max(p2 - sent2, 0.0)  # ‖e‖² exactly, without another pass
+                self._memory.stage(gid, p.index_fill_(0, sent.indices.long(), 0), max(p2 - sent2, 0.0))
         else:
             sent2 = float(sent.float().pow(2).sum())
             if self.error_feedback:
-                self.memory[gid] = p - sent
-                self._mem_sq[gid] = float(self.memory[gid].float().pow(2).sum())
-        self._step_sent2 += sent2
+                self._memory.stage(gid, p - sent)
+        work.report.sent2 += sent2
         return mean
 
-    def _run_probe(self) -> None:
-        """Measure alpha/beta in-band (a collective: every rank decided identically to call it)."""
+    def _job_close(self, work: _StepWork) -> None:
+        if work.dense:
+            with work.lock:
+                work.closed = True
+                last = work.dense_pending == 0
+            if last:
+                self._finish(work)
+            return
+        work.timer.resolve()
+        choices = work.times.extra.get("choices")
+        predicted = work.times.extra.get("predicted_comm_s") if choices else None
+        work.report.exchange_comm_s = work.times.comm_s
+        if predicted is not None:
+            work.report.predicted_comm_s, work.report.has_prediction = float(predicted), 1.0
         t0 = time.perf_counter()
-        result = probe_network(self.process_group, self.probe_config, device=self.device)
-        self.network.model = result.network
-        self.network.probes += 1
-        self._stats.probe_s += time.perf_counter() - t0
-
-    def _record_gain(self, sent2: float, p2: float) -> None:
-        gain = sent2 / p2 if p2 > 0 else 1.0
-        self._stats.gain = gain
-        b = self.config.gain_ewma_beta
-        self.gain_ewma = gain if self.gain_ewma is None else b * self.gain_ewma + (1 - b) * gain
-        self._stats.gain_ewma = self.gain_ewma
-
-    def _end_step(self) -> None:
-        if self._pending:
-            missing = sorted(set().union(*(pb.groups for pb in self._pending)) - self._done)
-            raise RuntimeError(
-                f"lightning_gc: step {self.step} ended with plan groups {missing} incomplete; some "
-                "parameters' gradients never reached the hook. This happens when parameters are "
-                "unused in forward: pass find_unused_parameters=True to the strategy."
-            )
-        s = self._stats
-        s.nonfinite = s.nonfinite or self._nonfinite
-        self.last_step_nonfinite = s.nonfinite
-        if not self._dense_step:
-            if self._step_p2 > 0 and not s.nonfinite:
-                self._carry = (self._step_sent2, self._step_p2)
-            if not self.config.check_finite and self._step_p2 > 0:
-                self._record_gain(self._step_sent2, self._step_p2)  # local estimate only
-        s.exchange_comm_s = self._exchange_comm_s
-        choices = self._times.extra.get("choices")
+        total, nbytes = agree(work.report, self.exchange_group, self.world_size, self.device)
+        work.control_comm_s += time.perf_counter() - t0
+        work.times.bytes_sent += nbytes
+        s = work.stats
+        s.exchange_comm_s = work.times.comm_s
+        bad = total.nonfinite_ranks > 0
+        if bad and self.config.check_finite:
+            s.nonfinite = True
+            self._memory.discard()
+            for views in work.written:
+                for v in views:
+                    v.fill_(float("nan"))
+        else:
+            s.nonfinite = bad
+            self._memory.commit()
+            if total.p2 > 0 and not bad:
+                self._record_gain(s, total.sent2, total.p2)
         if choices:
             s.collective = "+".join(sorted(set(choices)))
-            s.predicted_comm_s = self._times.extra.get("predicted_comm_s")
-            if s.predicted_comm_s is not None and not s.nonfinite:
-                self._meas_carry = (self._exchange_comm_s, s.predicted_comm_s)
-        if self.network.model is not None:
-            s.alpha_s = self.network.model.alpha_s
-            s.beta_s_per_byte = self.network.model.beta_s_per_byte
-        s.bytes_sent += self._times.bytes_sent
-        s.bytes_payload += self._times.bytes_payload
+            s.predicted_comm_s = predicted
+            if total.has_prediction > 0 and not bad:
+                n = self.world_size
+                self.tracker.last_measurement = (total.exchange_comm_s / n, total.predicted_comm_s / n)
+        with work.lock:
+            work.closed = True
+        self._finish(work)
+
+    def _record_gain(self, s: StepStats, sent2: float, p2: float) -> None:
+        gain = sent2 / p2
+        b = self.config.gain_ewma_beta
+        self.gain_ewma = gain if self.gain_ewma is None else b * self.gain_ewma + (1 - b) * gain
+        s.gain, s.gain_ewma = gain, self.gain_ewma
+
+    def _finish(self, work: _StepWork) -> None:
+        """Finalise the step's statistics, then complete every bucket Future of the step."""
+        s = work.stats
+        model = self.tracker.state.model
+        if model is not None:
+            s.alpha_s, s.beta_s_per_byte = model.alpha_s, model.beta_s_per_byte
+        s.bytes_sent += work.times.bytes_sent
+        s.bytes_payload += work.times.bytes_payload
         s.bytes_dense = self._dense_bytes_per_step if self.world_size > 1 else 0
-        s.compress_time_s += self._times.compress_s
-        s.comm_time_s += self._times.comm_s
+        s.compress_time_s += work.times.compress_s
+        s.comm_time_s += work.times.comm_s + work.control_comm_s
         s.error_norm = self.error_norm() if self.error_feedback else 0.0
         if s.gain_ewma is None:
             s.gain_ewma = self.gain_ewma
-        self.last_step = s
-        self._totals.add(s)
-        self.step += 1
-        self._step_open = False
+        with self._stats_lock:
+            self.last_step = s
+            self.last_step_nonfinite = s.nonfinite
+            self._totals.add(s)
+        if not work.dense:
+            for fut, buffer in work.futures:
+                fut.set_result(buffer)
+        elif self.world_size == 1:
+            for fut, buffer in work.futures:
+                fut.set_result(buffer)
+        work.finished.set()
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict:
         """This rank's state; error memory keyed by parameter name (CPU tensors)."""
-        memory: dict[str, Tensor] = {}
-        for gid, mem in self.memory.items():
-            g = self.plan.groups[gid]
-            off = 0
-            for name, n in zip(g.names, g.numels):
-                memory[name] = mem[off:off + n].detach().cpu().clone()
-                off += n
-        return {
-            "version": STATE_VERSION,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "step": self.step,
-            "memory": memory,
-            "gain_ewma": self.gain_ewma,
-            "carry": self._carry,
-            "totals": self._totals.as_dict(),
-            "plan": self.plan.signature(),
-            "seed": self.config.seed,
-            "network": None if self.network.model is None or self.network.pinned
-            else (self.network.model.alpha_s, self.network.model.beta_s_per_byte),
-            "probe_policy": self.probe_policy.state_dict() if self.probe_policy is not None else None,
-            "meas_carry": self._meas_carry,
-        }
+        self.synchronize()
+        return checkpoint.engine_state(self)
 
     def load_state_dict(self, state: dict, restore_memory: bool = True) -> list[str]:
         """Restore from :meth:`state_dict`. Returns names whose memory was missing (reset to 0)."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported lightning_gc state version {state.get('version')!r}")
-        self.step = int(state["step"])
-        self.gain_ewma = state.get("gain_ewma")
-        carry = state.get("carry")
-        self._carry = tuple(carry) if carry is not None else None  # type: ignore[assignment]
-        self._totals = Totals(**state.get("totals", {}))
-        net = state.get("network")
-        if net is not None and not self.network.pinned:
-            self.network.model = NetworkModel(*net)
-        if self.probe_policy is not None and state.get("probe_policy") is not None:
-            self.probe_policy.load_state_dict(state["probe_policy"])
-        meas = state.get("meas_carry")
-        self._meas_carry = tuple(meas) if meas is not None else None  # type: ignore[assignment]
-        missing: list[str] = []
-        self.memory = {}
-        self._mem_sq = {}
-        if not restore_memory:
-            return missing
-        saved = state.get("memory", {})
-        if not saved:  # nothing compressed yet when the checkpoint was written
-            return missing
-        for g in self.plan.groups:
-            if g.exact:
-                continue
-            parts = []
-            for name, n, pid in zip(g.names, g.numels, g.param_ids):
-                t = saved.get(name)
-                if t is None or t.numel() != n:
-                    missing.append(name)
-                    t = torch.zeros(n, dtype=self.params[pid].dtype)
-                parts.append(t.to(dtype=self.params[pid].dtype))
-            self.memory[g.gid] = torch.cat(parts).to(self.device)
-        return missing
+        self.synchronize()
+        return checkpoint.load_engine_state(self, state, restore_memory)
 
 
 def gc_comm_hook(engine: GCEngine, bucket: dist.GradBucket) -> torch.futures.Future:

@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass
 class StepStats:
     """What one optimizer step's communication did on this rank.
 
-    ``gain`` is the compression gain of the *previous* compressed step, averaged over ranks
-    (it travels in the next step's small stats allreduce), ``None`` until known.
+    ``gain`` is this step's compression gain Σ_r‖sent_r‖² / Σ_r‖p_r‖² over all ranks (the sums
+    travel in the step's closing report), ``None`` on dense and non-finite steps.
     """
 
     step: int = 0
@@ -27,8 +27,8 @@ class StepStats:
     gain_ewma: float | None = None
     collective: str | None = None  # model-chosen collective(s) of the step, e.g. "art_ring"
     predicted_comm_s: float | None = None  # alpha-beta prediction for the chosen collectives
-    exchange_comm_s: float = 0.0  # time inside the compressed exchanges' collectives (after the stats
-    # allreduce, which lines the ranks up, so it excludes most of the wait for slower ranks)
+    exchange_comm_s: float = 0.0  # time inside the compressed exchanges' collectives (after the opening
+    # check, which lines the ranks up, so it excludes most of the wait for slower ranks)
     alpha_s: float | None = None  # network model in force
     beta_s_per_byte: float | None = None
     probe_s: float = 0.0  # time spent probing the network during this step

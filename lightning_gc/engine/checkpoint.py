@@ -1,0 +1,63 @@
+"""What of the engine goes into a checkpoint, per rank, and how it comes back.
+
+Per-rank state (error memory keyed by parameter name, the step counter, statistics, the network
+tracker, exchange state such as smoothed VAR energies) is gathered from every rank by the strategy
+into ``checkpoint["lightning_gc"]``. On resume each rank takes its own entry; on a world-size
+change the strategy keeps the replicated parts and resets memory (see strategy.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .stats import Totals
+
+if TYPE_CHECKING:
+    from .hook import GCEngine
+
+STATE_VERSION = 2
+
+
+def engine_state(engine: GCEngine) -> dict:
+    return {
+        "version": STATE_VERSION,
+        "world_size": engine.world_size,
+        "rank": engine.rank,
+        "step": engine.step,
+        "memory": engine._memory.by_name(engine.plan),
+        "gain_ewma": engine.gain_ewma,
+        "totals": engine._totals.as_dict(),
+        "plan": engine.plan.signature(),
+        "ratio": float(engine.compressor.ratio),
+        "seed": engine.config.seed,
+        "network": engine.tracker.state_dict(),
+        "exchange": engine.exchange.state_dict(),
+    }
+
+
+def load_engine_state(engine: GCEngine, state: dict, restore_memory: bool = True) -> list[str]:
+    """Restore ``engine`` from :func:`engine_state`. Returns names whose memory was missing."""
+    version = state.get("version")
+    if version == 1:  # lightning_gc 0.1: same memory layout, network state in flat keys
+        state = dict(state, version=STATE_VERSION, exchange={},
+                     network={"network": state.get("network"), "probe_policy": state.get("probe_policy"),
+                              "last_measurement": state.get("meas_carry")})
+        version = STATE_VERSION
+    if version != STATE_VERSION:
+        raise ValueError(
+            f"unsupported lightning_gc state version {version!r} (this version reads {STATE_VERSION}); "
+            "resume with the lightning_gc version that wrote the checkpoint, or start without it."
+        )
+    engine.step = int(state["step"])
+    engine.gain_ewma = state.get("gain_ewma")
+    engine._totals = Totals(**state.get("totals", {}))
+    ratio = state.get("ratio")
+    if ratio is not None and engine.compressor.has_ratio_option(getattr(engine.compressor, "config", None)):
+        engine.compressor.set_ratio(ratio)  # replicated: every rank's saved state holds the same ratio
+    engine.tracker.load_state_dict(state.get("network") or {})
+    engine.exchange.load_state_dict(state.get("exchange") or {})
+    if not restore_memory:
+        engine._memory.clear()
+        return []
+    dtypes = [p.dtype for p in engine.params]
+    return engine._memory.load_by_name(engine.plan, state.get("memory", {}), dtypes, engine.device)

@@ -1,0 +1,225 @@
+"""Engine v2: the overlapped engine against the synchronous one, and its safety nets.
+
+* Stress: ``plan="layer"`` on a 40-tensor model, 3 spawned gloo ranks, 50 steps, every compressor
+  with every collective it can travel by. Each rank trains two replicas on the same rank-dependent
+  data, one with ``overlap=True`` (exchanges on the worker thread) and one with ``overlap=False``
+  (exchanges inside the hook). After every step the gradients must be bit-identical between the
+  two, and parameters identical across ranks. The exchanges must really have run on the worker
+  thread (recorded thread ids), not on the hook's.
+* Fail fast: ranks about to issue different exchange sequences (a ratio changed behind the
+  engine's back on one rank; a step counter that differs) raise a clear error on every rank
+  within seconds instead of hanging or aborting in C++.
+* set_ratio: a rank-dependent ratio is refused on every rank; an agreed one changes k from the next
+  step on.
+* Setup signature: a rank-dependent compressor option is detected when the engine is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_harness import run_distributed
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_gc.comm.registry import compatible_collectives
+from lightning_gc.compressors import available_compressors, build_compressor, takes_ratio
+from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
+
+STEPS = 50
+LAYERS = 20  # 20 Linear layers = 40 parameter tensors
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(LAYERS):
+        layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(7919 * rank + step)
+    # rank-dependent data whose scale does not grow with the rank: no rank dominates every measure
+    scale = (1.0, 0.3, 2.0, 0.7)[rank % 4]
+    x = torch.randn(8, 16, generator=g) * scale
+    y = torch.randn(8, 16, generator=g)
+    return x, y
+
+
+def _pairs() -> list[tuple[str, str]]:
+    out = []
+    for name in available_compressors():
+        comp = build_compressor(name)
+        for coll in compatible_collectives(comp):
+            out.append((name, coll))
+    return out
+
+
+def _engine(model, name: str, coll: str, overlap: bool) -> GCEngine:
+    comp = build_compressor(name, ratio=0.25 if takes_ratio(name) else None)
+    cfg = EngineConfig(plan="layer", min_compress_numel=0, warmup_steps=1, seed=3, collective=coll,
+                       overlap=overlap, network_alpha_s=1e-4, network_beta_s_per_byte=8e-8)
+    return GCEngine(comp, cfg, list(model.named_parameters()))
+
+
+def _stress(rank: int, ws: int, pairs) -> dict:
+    out = {}
+    for name, coll in pairs:
+        models = [_model(), _model()]
+        ddps = [DDP(m, bucket_cap_mb=0.002) for m in models]  # several buckets: groups span buckets
+        engines = [_engine(m, name, coll, overlap) for m, overlap in zip(models, (True, False))]
+        threads: list[set[int]] = [set(), set()]
+        for eng, seen in zip(engines, threads):
+            run = eng.exchange.run
+
+            def traced(p, ctx, timer, _run=run, _seen=seen):
+                _seen.add(threading.get_ident())
+                return _run(p, ctx, timer)
+
+            eng.exchange.run = traced
+        for d, e in zip(ddps, engines):
+            d.register_comm_hook(e, gc_comm_hook)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+        mismatch, diverged = [], []
+        for step in range(STEPS):
+            x, y = _batch(rank, step)
+            for d, o in zip(ddps, opts):
+                o.zero_grad()
+                torch.nn.functional.mse_loss(d(x), y).backward()
+            for e in engines:
+                e.before_optimizer_step()
+            for (na, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+                if not torch.equal(a.grad, b.grad):
+                    mismatch.append((step, na, float((a.grad - b.grad).abs().max())))
+            for o in opts:
+                o.step()
+            flat = torch.cat([p.detach().reshape(-1) for p in models[0].parameters()])
+            gathered = [torch.empty_like(flat) for _ in range(ws)]
+            dist.all_gather(gathered, flat)
+            if not all(torch.equal(flat, g) for g in gathered):
+                diverged.append(step)
+        totals = [e.totals() for e in engines]
+        main = threading.get_ident()
+        out[f"{name}/{coll}"] = {
+            "mismatch": mismatch[:3], "diverged": diverged[:3],
+            "compressed": [t["compressed_steps"] for t in totals],
+            "bytes": [t["bytes_sent"] for t in totals],
+            "worker_only": bool(threads[0]) and main not in threads[0],
+            "inline_only": threads[1] == {main} or name == "dense",
+        }
+        for e in engines:
+            e.close()
+    return out
+
+
+PAIRS = _pairs()
+
+
+def test_pairs_cover_every_compressor_and_collective():
+    names = {n for n, _ in PAIRS}
+    colls = {c for _, c in PAIRS}
+    assert names == set(available_compressors())
+    assert {"allreduce", "ring", "tree", "allgather", "art_allreduce", "art_ring", "art_tree", "auto_sparse"} <= colls
+
+
+@pytest.mark.slow
+def test_overlapped_engine_equals_synchronous_engine_under_stress():
+    results = run_distributed(_stress, 3, PAIRS, timeout=900)
+    for key in results[0]:
+        for r, res in enumerate(results):
+            got = res[key]
+            assert not got["mismatch"], f"{key} rank {r}: overlapped != synchronous at {got['mismatch']}"
+            assert not got["diverged"], f"{key} rank {r}: ranks diverged at steps {got['diverged']}"
+            assert got["compressed"][0] == got["compressed"][1]
+            assert got["bytes"][0] == got["bytes"][1], f"{key}: different bytes {got['bytes']}"
+            if not key.startswith("dense/"):
+                assert got["compressed"][0] == STEPS - 1, f"{key}: {got['compressed']}"
+                assert got["worker_only"], f"{key}: exchanges did not run on the worker thread"
+                assert got["inline_only"], f"{key}: synchronous engine ran exchanges off the hook thread"
+
+
+def _mismatch(rank: int, ws: int, how: str) -> str:
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.002)
+    engine = GCEngine(build_compressor("topk", ratio=0.1),
+                      EngineConfig(plan="layer", min_compress_numel=0, warmup_steps=1), list(model.named_parameters()))
+    ddp.register_comm_hook(engine, gc_comm_hook)
+    try:
+        for step in range(4):
+            if step == 2 and rank == 1:
+                if how == "ratio":  # behind the engine's back: bypasses set_ratio's agreement
+                    engine.compressor.config = dataclasses.replace(engine.compressor.config, ratio=0.3)
+                else:  # a rank that believes it is at another step (dense warm-up vs compressed)
+                    engine.step = 0
+            x, y = _batch(rank, step)
+            ddp.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("how", ["ratio", "step"])
+def test_different_exchange_sequences_fail_fast_on_every_rank(how):
+    results = run_distributed(_mismatch, 2, how, timeout=300)
+    for msg in results:
+        assert "about to issue different exchanges" in msg, msg
+        assert "[[0], [1]]" in msg, msg
+
+
+def _set_ratio(rank: int, ws: int, same: bool) -> dict:
+    model = _model()
+    ddp = DDP(model)
+    engine = GCEngine(build_compressor("topk", ratio=0.1),
+                      EngineConfig(plan="model", min_compress_numel=0, warmup_steps=0), list(model.named_parameters()))
+    ddp.register_comm_hook(engine, gc_comm_hook)
+    payload = []
+    error = None
+    for step in range(3):
+        if step == 1:
+            try:
+                engine.set_ratio(0.5 if same else 0.5 + 0.1 * rank)
+            except RuntimeError as e:
+                error = str(e)
+                break
+        x, y = _batch(rank, step)
+        ddp.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        engine.before_optimizer_step()
+        payload.append(engine.last_step.bytes_payload)
+    engine.close()
+    return {"payload": payload, "error": error, "numel": sum(p.numel() for p in model.parameters())}
+
+
+def test_set_ratio_agreed_changes_k_and_disagreement_is_refused():
+    for res in run_distributed(_set_ratio, 2, True):
+        n = res["numel"]
+        k = [-(-n // 10), -(-n // 2)]  # ceil(0.1 n), ceil(0.5 n)
+        # payload = k fp32 values + k int32 indices (allgather format, 8-byte aligned parts)
+        assert res["payload"] == [8 * k[0], 8 * k[1], 8 * k[1]], res
+        assert res["error"] is None
+    for res in run_distributed(_set_ratio, 2, False):
+        assert res["error"] is not None and "different ratios" in res["error"], res
+    with pytest.raises(ValueError, match="must lie in"):
+        build_compressor("topk", ratio=0.1).set_ratio(1.5)
+
+
+def _rank_dependent_ratio(rank: int, ws: int) -> str:
+    model = _model()
+    try:
+        GCEngine(build_compressor("topk", ratio=0.01 * (1 + rank)), EngineConfig(), list(model.named_parameters()))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_rank_dependent_compressor_option_detected_at_setup():
+    for msg in run_distributed(_rank_dependent_ratio, 2):
+        assert "ranks built different communication setups" in msg and "[[0], [1]]" in msg, msg
+        assert "ratio=0.01" in msg and "ratio=0.02" in msg, msg
