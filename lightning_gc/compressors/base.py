@@ -133,18 +133,19 @@ class Compressor(ABC):
     #: the payload is exactly the input at some indices: ``payload = (values, int32 indices)``
     sends_exact_subset: ClassVar[bool] = False
 
+    #: the typed, validated options (a frozen dataclass); the single home of the ratio
+    config: Any = None
+
+    @property
+    def has_ratio(self) -> bool:
+        """Whether the compressor has a ``ratio`` option (Top-k family, RandomK)."""
+        return dataclasses.is_dataclass(self.config) and "ratio" in {f.name for f in dataclasses.fields(self.config)}
+
     @property
     def ratio(self) -> float:
         """The fraction of elements kept (compressors with a ``ratio`` option); otherwise the
         fraction of dense fp32 bytes the payload occupies, roughly (for monitoring only)."""
-        config = getattr(self, "config", None)
-        if self.has_ratio_option(config):
-            return float(config.ratio)
-        return 1.0
-
-    @staticmethod
-    def has_ratio_option(config: Any) -> bool:
-        return dataclasses.is_dataclass(config) and "ratio" in {f.name for f in dataclasses.fields(config)}
+        return float(self.config.ratio) if self.has_ratio else 1.0
 
     def set_ratio(self, ratio: float) -> None:
         """Replace the ratio (validated by the config). The ratio lives in ``self.config`` only.
@@ -152,13 +153,12 @@ class Compressor(ABC):
         Do not call this on a running engine: use ``GCEngine.set_ratio``, which checks that every
         rank asks for the same value and applies it at a step boundary.
         """
-        config = getattr(self, "config", None)
-        if not self.has_ratio_option(config):
+        if not self.has_ratio:
             raise ValueError(
                 f"compressor {self.name!r} has no ratio option, so ratio={ratio!r} cannot be applied; "
                 "use a Top-k family compressor or RandomK."
             )
-        self.config = dataclasses.replace(config, ratio=ratio)
+        self.config = dataclasses.replace(self.config, ratio=ratio)
 
     @abstractmethod
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
@@ -190,5 +190,4 @@ class Compressor(ABC):
     def describe(self) -> str:
         """Name and full configuration; part of the cross-rank signature (a rank-dependent option
         such as ``ratio`` is detected at setup instead of deadlocking a collective)."""
-        config = getattr(self, "config", None)
-        return f"{self.name}({config!r})" if config is not None else self.name
+        return f"{self.name}({self.config!r})" if self.config is not None else self.name

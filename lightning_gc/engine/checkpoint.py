@@ -52,7 +52,7 @@ def load_engine_state(engine: GCEngine, state: dict, restore_memory: bool = True
     engine.gain_ewma = state.get("gain_ewma")
     engine._totals = Totals(**state.get("totals", {}))
     ratio = state.get("ratio")
-    if ratio is not None and engine.compressor.has_ratio_option(getattr(engine.compressor, "config", None)):
+    if ratio is not None and engine.compressor.has_ratio:
         engine.compressor.set_ratio(ratio)  # replicated: every rank's saved state holds the same ratio
     engine.tracker.load_state_dict(state.get("network") or {})
     engine.exchange.load_state_dict(state.get("exchange") or {})

@@ -28,6 +28,7 @@ parameter lists, the agreed network model), and the opening check verifies it ev
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -217,15 +218,12 @@ class GCEngine:
         validated by the compressor's config, then compared across ranks: a rank-dependent value
         raises on every rank, naming the values, instead of deadlocking the next exchange.
         """
-        import dataclasses
-
-        config = getattr(self.compressor, "config", None)
-        if not self.compressor.has_ratio_option(config):
+        if not self.compressor.has_ratio:
             raise ValueError(
                 f"compressor {self.compressor.name!r} has no ratio option, so set_ratio({ratio!r}) cannot "
                 "apply; use a Top-k family compressor or RandomK."
             )
-        dataclasses.replace(config, ratio=ratio)  # validates before anything is changed
+        dataclasses.replace(self.compressor.config, ratio=ratio)  # validates before anything changes
         self.synchronize()
         if self.world_size > 1:
             mine = torch.tensor([float(ratio)], dtype=torch.float64)
