@@ -223,3 +223,31 @@ def test_rank_dependent_compressor_option_detected_at_setup():
     for msg in run_distributed(_rank_dependent_ratio, 2):
         assert "ranks built different communication setups" in msg and "[[0], [1]]" in msg, msg
         assert "ratio=0.01" in msg and "ratio=0.02" in msg, msg
+
+
+def _nonfinite_dense(rank: int, ws: int, overlap: bool) -> dict:
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.002)
+    engine = GCEngine(build_compressor("topk", ratio=0.1),
+                      EngineConfig(warmup_steps=3, min_compress_numel=0, overlap=overlap), list(model.named_parameters()))
+    ddp.register_comm_hook(engine, gc_comm_hook)
+    flags = []
+    for step in range(5):  # steps 0-2 dense (warm-up), 3-4 compressed; NaN at 1 (dense) and 4 (compressed)
+        x, y = _batch(rank, step)
+        if step in (1, 4) and rank == 1:
+            x[0, 0] = float("nan")
+        ddp.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        flags.append((engine.before_optimizer_step(), engine.last_step.dense, engine.last_step.nonfinite))
+    totals = engine.totals()
+    engine.close()
+    return {"flags": flags, "nonfinite_steps": totals["nonfinite_steps"], "steps": totals["steps"]}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_nonfinite_counted_on_dense_and_compressed_steps(overlap):
+    for res in run_distributed(_nonfinite_dense, 2, overlap, timeout=300):
+        assert [f[0] for f in res["flags"]] == [False, True, False, False, True], res
+        assert [f[1] for f in res["flags"]] == [True, True, True, False, False], res
+        assert [f[2] for f in res["flags"]] == [f[0] for f in res["flags"]], res
+        assert res["nonfinite_steps"] == 2 and res["steps"] == 5, res

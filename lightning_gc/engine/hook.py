@@ -67,7 +67,8 @@ class _StepWork:
     futures: list[tuple[torch.futures.Future, Tensor]] = field(default_factory=list)
     written: list[list[Tensor]] = field(default_factory=list)  # lossy groups' views, for NaN on a bad step
     report: StepReport = field(default_factory=StepReport)
-    control_comm_s: float = 0.0
+    control_comm_s: float = 0.0  # opening check + closing report
+    exchange_comm_s: float = 0.0  # inside the compressed groups' exchanges (what the cost model predicts)
     error: BaseException | None = None
     closed: bool = False
     dense_pending: int = 0
@@ -128,8 +129,8 @@ class GCEngine:
         self.all_exact = all(g.exact for g in self.plan.groups)
         self.step = 0
         self.gain_ewma: float | None = None
-        self.last_step: StepStats | None = None
-        self.last_step_nonfinite = False
+        self._last_stats: StepStats | None = None
+        self._last_nonfinite = False
         self._totals = Totals()
         self.hook_calls = 0
         self._work: _StepWork | None = None  # the open step (hook thread)
@@ -183,6 +184,18 @@ class GCEngine:
     def overlap(self) -> bool:
         return isinstance(self._runner, OrderedWorker)
 
+    @property
+    def last_step(self) -> StepStats | None:
+        """Statistics of the last finished step (waits for its communication to be final)."""
+        self.synchronize()
+        return self._last_stats
+
+    @property
+    def last_step_nonfinite(self) -> bool:
+        """Whether the last finished step's gradient was non-finite on some rank."""
+        self.synchronize()
+        return self._last_nonfinite
+
     def totals(self) -> dict:
         """Cumulative per-rank counters since the start of training (snapshot)."""
         self.synchronize()
@@ -205,7 +218,6 @@ class GCEngine:
     def before_optimizer_step(self) -> bool:
         """Called by the strategy before the optimizer step: returns whether the step's aggregated
         gradient is non-finite on some rank (identical on every rank)."""
-        self.synchronize()
         return self.last_step_nonfinite
 
     def after_optimizer_step(self) -> None:
@@ -434,7 +446,11 @@ class GCEngine:
         p2 = float(p.float().pow(2).sum())  # the gain needs it; a NaN/inf anywhere shows here
         if not math.isfinite(p2) and not bool(torch.isfinite(p).all()):  # p2 may overflow on finite p
             work.report.nonfinite_ranks = 1.0
+        timer.resolve()
+        c0 = work.times.comm_s
         mean, sent = self.exchange.run(p, ctx, timer)
+        timer.resolve()  # CUDA: wait for this exchange's events (worker thread only)
+        work.exchange_comm_s += work.times.comm_s - c0
         work.report.p2 += p2
         if isinstance(sent, SparseSent):  # sent == p at these indices: residual = p with them zeroed
             sent2 = float(sent.values.float().pow(2).sum())
@@ -459,7 +475,7 @@ class GCEngine:
         work.timer.resolve()
         choices = work.times.extra.get("choices")
         predicted = work.times.extra.get("predicted_comm_s") if choices else None
-        work.report.exchange_comm_s = work.times.comm_s
+        work.report.exchange_comm_s = work.exchange_comm_s
         if predicted is not None:
             work.report.predicted_comm_s, work.report.has_prediction = float(predicted), 1.0
         t0 = time.perf_counter()
@@ -467,7 +483,7 @@ class GCEngine:
         work.control_comm_s += time.perf_counter() - t0
         work.times.bytes_sent += nbytes
         s = work.stats
-        s.exchange_comm_s = work.times.comm_s
+        s.exchange_comm_s = work.exchange_comm_s
         bad = total.nonfinite_ranks > 0
         if bad and self.config.check_finite:
             s.nonfinite = True
@@ -511,8 +527,8 @@ class GCEngine:
         if s.gain_ewma is None:
             s.gain_ewma = self.gain_ewma
         with self._stats_lock:
-            self.last_step = s
-            self.last_step_nonfinite = s.nonfinite
+            self._last_stats = s
+            self._last_nonfinite = s.nonfinite
             self._totals.add(s)
         if not work.dense:
             for fut, buffer in work.futures:
