@@ -171,6 +171,13 @@ _EXCHANGES: dict[str, tuple[Callable[..., Exchange], frozenset[str]]] = {
     "art_tree": (_art("tree"), frozenset({"artopk"})),
     "auto_sparse": (_auto_sparse, frozenset({"artopk_auto"})),
 }
+# what each wire format's collectives need, in words (for refusals)
+_FORMAT_WORDS = {
+    "allreduce": "payloads that add up element-wise across ranks",
+    "allgather": "fixed-size payloads gathered from every rank and combined after the gather",
+    "artopk": "AR-Topk payloads (one source rank's indices, values summed at them)",
+    "artopk_auto": "AR-Topk payloads on a collective chosen by the cost model",
+}
 # what collective="auto" means for each wire format
 _DEFAULT_FOR_FORMAT = {
     "allreduce": "allreduce",
@@ -200,15 +207,16 @@ def validate_collective(compressor: Compressor, collective: str) -> str:
             f"unknown collective {collective!r}; valid collectives: {['auto', *_EXCHANGES]}."
         )
     if collective not in valid:
+        carries = " and ".join(_FORMAT_WORDS.get(f, f) for f in sorted(_EXCHANGES[collective][1]))
         hint = (
-            " Its (values, indices) payloads from different ranks cannot be summed element-wise;"
-            " for an allreduce-friendly sparse format use compressor='star_topk' (AR-Topk) or 'randomk'."
-            if compressor.wire_format == "allgather"
+            " For an allreduce-friendly sparse format use compressor='star_topk' (AR-Topk) or 'randomk'."
+            if getattr(compressor, "sends_exact_subset", False) and compressor.wire_format == "allgather"
             else ""
         )
         raise ValueError(
-            f"compressor {compressor.name!r} cannot travel by collective={collective!r}: its wire format is "
-            f"{compressor.wire_format!r}.{hint} Valid collectives for {compressor.name!r}: {valid} "
+            f"compressor {compressor.name!r} cannot travel by collective={collective!r}: it sends "
+            f"{compressor.wire_description} (wire format {compressor.wire_format!r}), while "
+            f"{collective!r} carries {carries}.{hint} Valid collectives for {compressor.name!r}: {valid} "
             "(or 'auto')."
         )
     return collective

@@ -129,6 +129,8 @@ class Compressor(ABC):
     lossy: ClassVar[bool] = True
     #: error feedback on by default?
     default_error_feedback: ClassVar[bool] = True
+    #: what travels, in words (used in messages, e.g. when a collective is refused)
+    wire_description: ClassVar[str] = "its compressed payload"
 
     @property
     def ratio(self) -> float:

@@ -44,6 +44,7 @@ class SparseCompressor(Compressor):
     wire_format = "allgather"
     default_error_feedback = True
     sends_exact_subset = True
+    wire_description = "k selected values with their int32 indices, different on every rank"
 
     def __init__(self, ratio: float) -> None:
         self._ratio = ratio

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._validation import check_bool
 from .plans import PLAN_KINDS
 
 
@@ -56,6 +57,8 @@ class EngineConfig:
     probe_patience: int = 5
 
     def __post_init__(self) -> None:
+        check_bool("error_feedback", self.error_feedback, "Error feedback keeps what was not sent for the next step.")
+        check_bool("check_finite", self.check_finite, "It makes ranks agree on non-finite gradients.")
         pinned = (self.network_alpha_s, self.network_beta_s_per_byte)
         if (pinned[0] is None) != (pinned[1] is None):
             raise ValueError(
