@@ -61,7 +61,8 @@ class GCSummary:
         if self.world_size <= 1:
             traffic = "nothing communicated (world size 1)"
         else:
-            saving = f"{1 / self.bytes_ratio:.1f}x less" if self.bytes_ratio > 0 else "nothing sent"
+            saving = (f"{1 / self.bytes_ratio:.1f}x less" if 0 < self.bytes_ratio < 1
+                      else "nothing sent" if self.bytes_ratio <= 0 else "no saving")
             traffic = (f"{_fmt_bytes(self.bytes_sent)} sent vs {_fmt_bytes(self.bytes_dense)} dense fp32 ring "
                        f"allreduce (ratio {self.bytes_ratio:.4f}, {saving})")
         return "\n".join([
