@@ -82,16 +82,19 @@ def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
         )
 
 
-_UNUSED_HELP = (
-    "lightning_gc: some parameters of the LightningModule were not used in producing the loss returned by "
-    "training_step, so their gradients never reached DDP's communication hook. If this is intentional, "
-    "enable DDP's detection of unused parameters ON THE GCStrategy (Lightning's "
-    "'ddp_find_unused_parameters_true' / DDPStrategy(find_unused_parameters=True) would drop compression): "
-    "GCStrategy(compressor=..., find_unused_parameters=True), or the alias "
-    "strategy='gc_<compressor>_find_unused_parameters_true' (e.g. 'gc_topk_find_unused_parameters_true'), "
-    "or in a LightningCLI recipe: strategy: {class_path: lightning_gc.GCStrategy, init_args: "
-    "{compressor: topk, find_unused_parameters: true}}."
-)
+def _unused_help(compressor: str) -> str:
+    return (
+        "lightning_gc: some parameters of the LightningModule were not used to produce the loss returned by "
+        "training_step, so their gradients never reached DDP's communication hook. If this is intentional, "
+        "enable DDP's unused-parameter detection on the GCStrategy itself: "
+        f"GCStrategy(compressor={compressor!r}, find_unused_parameters=True), or the alias "
+        f"strategy='gc_{compressor}_find_unused_parameters_true', or in a LightningCLI config "
+        f"strategy: {{class_path: lightning_gc.GCStrategy, init_args: {{compressor: {compressor}, "
+        "find_unused_parameters: true}}. (Lightning's usual advice, 'ddp_find_unused_parameters_true' or "
+        "DDPStrategy(find_unused_parameters=True), would replace GCStrategy by plain DDP and drop compression.)"
+    )
+
+
 # DDP's own message (Lightning rewrites it in DDPStrategy.on_exception) and the engine's
 _UNUSED_PATTERNS = (
     ".*Expected to have finished reduction in the prior iteration.*",
@@ -316,7 +319,7 @@ class GCStrategy(DDPStrategy):
         # Lightning's DDPStrategy suggests ddp_find_unused_parameters_true / DDPStrategy(...), which
         # would silently replace lightning_gc by plain DDP: say how to do it with GCStrategy instead.
         for pattern in _UNUSED_PATTERNS:
-            _augment_message(exception, pattern=pattern, new_message=_UNUSED_HELP)
+            _augment_message(exception, pattern=pattern, new_message=_unused_help(self._compressor_name))
 
     # ------------------------------------------------------------------ checkpoints
     @override

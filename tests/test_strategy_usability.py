@@ -57,7 +57,7 @@ def test_unused_parameters_error_says_how_to_fix_it_with_gcstrategy(tmp_path):
     proc, results = _run_unused(tmp_path / "a", "gc_topk")
     assert proc.returncode != 0 and results == []
     err = proc.stderr
-    assert "GCStrategy(compressor=..., find_unused_parameters=True)" in err, err[-3000:]
+    assert "GCStrategy(compressor='topk', find_unused_parameters=True)" in err, err[-3000:]
     assert "gc_topk_find_unused_parameters_true" in err
     assert "find_unused_parameters: true" in err  # the recipe (YAML) form
     # Lightning's own advice would replace GCStrategy by plain DDP without compression
