@@ -20,7 +20,10 @@ warning and keeps the step counter.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -28,29 +31,89 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from ._validation import check_bool
 from .comm.registry import validate_collective
 from .compressors import available_compressors, build_config, get_entry
 from .compressors.base import Compressor
 from .engine import EngineConfig, GCEngine, gc_comm_hook
+from .summary import GCSummary, summarize
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "lightning_gc"
-_FORBIDDEN_DDP_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+UNUSED_PARAMETERS_SUFFIX = "_find_unused_parameters_true"
 try:  # the default timeout of torch.distributed
     from torch.distributed.constants import default_pg_timeout
 except ImportError:  # pragma: no cover
     default_pg_timeout = timedelta(minutes=30)
 
 
+def _ddp_keywords() -> list[str]:
+    """Keyword arguments Lightning may pass on to DistributedDataParallel (``module`` and
+    ``device_ids`` are Lightning's own: it sets them from the model and ``devices=``)."""
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return [n for n, p in params.items() if n not in ("self", "module", "device_ids")
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
+    """Refuse a DDP keyword DDP does not take now, not in every process after launch."""
+    valid = _ddp_keywords()
+    own = [n for n, p in inspect.signature(GCStrategy.__init__).parameters.items()
+           if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self"]
+    for key in kwargs:
+        if key in valid:
+            continue
+        if key == "device_ids":
+            raise ValueError(
+                "device_ids= cannot be passed to GCStrategy: Lightning sets DDP's device_ids from the "
+                "Trainer's devices= argument. Use Trainer(devices=[...]) instead."
+            )
+        close = difflib.get_close_matches(key, valid + own, n=1, cutoff=0.6)
+        suggestion = f" Did you mean {close[0]}=?" if close else ""
+        raise ValueError(
+            f"GCStrategy got an unknown keyword argument {key}={kwargs[key]!r}: it is neither a GCStrategy "
+            f"argument nor one of torch.nn.parallel.DistributedDataParallel's ({', '.join(valid)}).{suggestion}"
+        )
+
+
+def _unused_help(compressor: str) -> str:
+    return (
+        "lightning_gc: some parameters of the LightningModule were not used to produce the loss returned by "
+        "training_step, so their gradients never reached DDP's communication hook. If this is intentional, "
+        "enable DDP's unused-parameter detection on the GCStrategy itself: "
+        f"GCStrategy(compressor={compressor!r}, find_unused_parameters=True), or the alias "
+        f"strategy='gc_{compressor}_find_unused_parameters_true', or in a LightningCLI config "
+        f"strategy: {{class_path: lightning_gc.GCStrategy, init_args: {{compressor: {compressor}, "
+        "find_unused_parameters: true}}. (Lightning's usual advice, 'ddp_find_unused_parameters_true' or "
+        "DDPStrategy(find_unused_parameters=True), would replace GCStrategy by plain DDP and drop compression.)"
+    )
+
+
+# DDP's own message (Lightning rewrites it in DDPStrategy.on_exception) and the engine's
+_UNUSED_PATTERNS = (
+    ".*Expected to have finished reduction in the prior iteration.*",
+    ".*It looks like your LightningModule has parameters that were not used.*",
+    ".*lightning_gc: step .* ended with plan groups .* incomplete.*",
+)
+
+
 class GCStrategy(DDPStrategy):
     """Data-parallel training with compressed gradient communication.
 
-    Args:
+    A drop-in for :class:`~lightning.pytorch.strategies.DDPStrategy`: the positional arguments are
+    DDPStrategy's, in DDPStrategy's order (``accelerator, parallel_devices, cluster_environment,
+    checkpoint_io, precision_plugin, ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper,
+    model_averaging_period, process_group_backend, timeout, start_method``); the four comm-hook
+    arguments must stay ``None`` because the engine is the hook. Everything specific to
+    lightning_gc is keyword-only.
+
+    Keyword-only args:
         compressor: algorithm name; one of :func:`lightning_gc.compressors.available_compressors`
             (``dense``, ``fp16``, ``bf16``, ``topk``, ``lwtopk``, ``mstopk``, ``randomk``, ``qsgd``,
             ``signsgd``, ``efsignsgd``, ...). See docs/compressors.md.
@@ -81,13 +144,28 @@ class GCStrategy(DDPStrategy):
             results bit for bit, slower; the oracle and a debugging aid.
         process_group_backend, timeout, start_method: as in ``DDPStrategy``.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (e.g. ``bucket_cap_mb``,
-            ``find_unused_parameters``).
+            ``find_unused_parameters``); a name DDP does not take is refused here, naming the
+            closest valid one. Models with parameters unused in ``training_step`` need
+            ``find_unused_parameters=True`` (or the alias ``gc_<compressor>_find_unused_parameters_true``).
     """
 
     strategy_name = "gc"
 
     def __init__(
         self,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        *,
         compressor: str = "topk",
         ratio: float | None = None,
         compressor_args: dict[str, Any] | None = None,
@@ -107,35 +185,27 @@ class GCStrategy(DDPStrategy):
         probe_drift: float = 0.5,
         probe_patience: int = 5,
         overlap: bool = True,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        # LightningCLI fills every inherited keyword with its default (None for these); drop them
-        for key in _FORBIDDEN_DDP_ARGS:
-            if key in kwargs and kwargs[key] is None:
-                del kwargs[key]
-        for key in _FORBIDDEN_DDP_ARGS:
-            if kwargs.get(key) is not None:
+        forbidden = {"ddp_comm_state": ddp_comm_state, "ddp_comm_hook": ddp_comm_hook,
+                     "ddp_comm_wrapper": ddp_comm_wrapper, "model_averaging_period": model_averaging_period}
+        for key, value in forbidden.items():
+            if value is not None:
                 raise ValueError(
                     f"GCStrategy installs its own DDP communication hook, so {key}= cannot be used. "
                     "Use lightning's DDPStrategy for a custom hook, or pick a lightning_gc compressor."
                 )
+        _check_ddp_kwargs(kwargs)
+        check_bool("error_feedback", error_feedback, "None uses the compressor's default.", allow_none=True)
+        check_bool("check_finite", check_finite, "True makes ranks agree on non-finite gradients.")
+        check_bool("monitor", monitor, "True adds a GCMonitor callback if the Trainer has none.")
         entry = get_entry(compressor)
         self._compressor_config = build_config(compressor, ratio, compressor_args)
         probe: Compressor = entry.compressor_cls(self._compressor_config)
         self._collective = validate_collective(probe, collective)
         if nonfinite not in ("skip", "propagate"):
             raise ValueError(f"nonfinite={nonfinite!r} is invalid: use 'skip' or 'propagate'.")
-        if not isinstance(monitor, bool):
-            raise ValueError(f"monitor={monitor!r} must be True or False.")
-        ef = probe.default_error_feedback if error_feedback is None else bool(error_feedback)
+        ef = probe.default_error_feedback if error_feedback is None else error_feedback
         self._engine_config = EngineConfig(
             plan=plan,
             plan_threshold=plan_threshold,
@@ -183,6 +253,16 @@ class GCStrategy(DDPStrategy):
     @property
     def engine_config(self) -> EngineConfig:
         return self._engine_config
+
+    def summary(self) -> GCSummary | None:
+        """What compression did in this process so far (``None`` before the model is wrapped).
+
+        Computed from :meth:`GCEngine.totals` (this rank's counters) and ``skipped_steps``; the
+        :class:`~lightning_gc.callbacks.GCMonitor` prints it on rank zero at the end of ``fit``.
+        """
+        if self._engine is None:
+            return None
+        return summarize(self._engine, self._compressor_name, self.skipped_steps)
 
     # ------------------------------------------------------------------ lifecycle
     @override
@@ -254,6 +334,13 @@ class GCStrategy(DDPStrategy):
             self._engine.close()
         super().teardown()
 
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Lightning's DDPStrategy suggests ddp_find_unused_parameters_true / DDPStrategy(...), which
+        # would silently replace lightning_gc by plain DDP: say how to do it with GCStrategy instead.
+        for pattern in _UNUSED_PATTERNS:
+            _augment_message(exception, pattern=pattern, new_message=_unused_help(self._compressor_name))
+
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -310,14 +397,22 @@ class GCStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         for name in available_compressors():
             alias = f"gc_{name}"
-            if alias in strategy_registry:
-                continue
-            strategy_registry.register(
-                alias,
-                cls,
-                description=f"lightning_gc: {get_entry(name).summary}",
-                compressor=name,
-            )
+            if alias not in strategy_registry:
+                strategy_registry.register(
+                    alias,
+                    cls,
+                    description=f"lightning_gc: {get_entry(name).summary}",
+                    compressor=name,
+                )
+            alias_unused = alias + UNUSED_PARAMETERS_SUFFIX
+            if alias_unused not in strategy_registry:
+                strategy_registry.register(
+                    alias_unused,
+                    cls,
+                    description=f"lightning_gc: {get_entry(name).summary}; find_unused_parameters=True",
+                    compressor=name,
+                    find_unused_parameters=True,
+                )
 
 
 def register_aliases() -> None:

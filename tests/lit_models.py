@@ -70,6 +70,7 @@ class ReportCallback(L.Callback):
             "totals": engine.totals() if engine else None,
             "comm_hook": ddp._get_ddp_logging_data().get("comm_hook") if hasattr(ddp, "_get_ddp_logging_data") else None,
             "skipped": getattr(strategy, "skipped_steps", None),
+            "summary": strategy.summary().as_dict() if hasattr(strategy, "summary") and engine else None,
             "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
             "memory": engine.state_dict()["memory"] if engine else None,
             "finite_after_each_step": self.steps_seen,

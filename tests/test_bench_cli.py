@@ -37,7 +37,8 @@ def test_usage_errors_and_help_return_codes(capsys):
 def test_list_methods(capsys):
     assert main(["--list-methods"]) == 0
     out = capsys.readouterr().out
-    assert "ddp, powersgd, fp16" in out
+    names = [ln.split()[0] for ln in out.splitlines() if ln.startswith("  ")]
+    assert names[:3] == ["ddp", "powersgd", "fp16"] and "gc_fp16" in names and "gc_topk" in names
 
 
 @pytest.mark.slow

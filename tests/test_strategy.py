@@ -74,6 +74,10 @@ def test_nonfinite_step_skipped_on_all_ranks_and_monitor_writes_tensorboard(tmp_
                    log_every_n_steps=1, max_epochs=1)
     for rep in reports:
         assert rep["skipped"] == 1 and rep["totals"]["nonfinite_steps"] == 1
+        # the end-of-fit summary: one NaN injected (step 5, rank 1) -> one skipped step on every rank
+        s = rep["summary"]
+        assert (s["skipped_steps"], s["nonfinite_steps"]) == (1, 1)
+        assert s["steps"] == rep["global_step"] == 8 and s["compressed_steps"] == 7  # 1 warm-up step
         assert all(rep["finite_after_each_step"])
         assert all(torch.isfinite(v).all() for v in rep["params"].values())
     for k in reports[0]["params"]:

@@ -9,7 +9,14 @@ import torch
 
 from lightning_gc.comm.worker import InlineRunner, OrderedWorker
 from lightning_gc.engine.memory import ErrorMemory
-from lightning_gc.plans import ParamFacts, PlanRequest, available_planners, build_plan, get_planner, register_planner
+from lightning_gc.plans import (
+    ParamFacts,
+    PlanRequest,
+    available_planners,
+    build_plan,
+    get_planner,
+    register_planner,
+)
 
 
 def test_worker_runs_jobs_in_submission_order_on_one_other_thread():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_gc.bench.methods import MethodError, available_methods
+from lightning_gc.bench.methods import MethodError
 from lightning_gc.bench.schedule import ScheduleError
 from lightning_gc.bench.workloads import WorkloadError
 
@@ -98,6 +98,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_BASELINE_LINES = {
+    "ddp": "Lightning's DDPStrategy: dense fp32 allreduce (the baseline of every ratio)",
+    "powersgd": "torch's powerSGD_hook (options: rank, start_iter, min_compression_rate, error_feedback, warm_start)",
+    "fp16": "torch's fp16_compress_hook",
+}
+
+
+def list_methods_text() -> str:
+    """One line per method name: the torch baselines, then every lightning_gc compressor as gc_NAME."""
+    from lightning_gc.bench.methods import BASELINES, _gc_compressors
+
+    lines = ["torch baselines (DDP with a torch communication hook):"]
+    lines += [f"  {name:<16}{_BASELINE_LINES.get(name, '')}".rstrip() for name in BASELINES]
+    names, why = _gc_compressors()
+    if names is None:
+        lines.append(f"lightning_gc compressors: unavailable ({why})")
+        return "\n".join(lines)
+    from lightning_gc.compressors import get_entry
+
+    clash = [n for n in names if n in BASELINES]
+    lines.append("lightning_gc compressors (GCStrategy(compressor=NAME); the gc_ prefix may be dropped"
+                 + (f" except for {', '.join('gc_' + n for n in clash)}, whose bare name is the torch baseline"
+                    if clash else "") + "):")
+    lines += [f"  {'gc_' + name:<16}{get_entry(name).summary}" for name in names]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
@@ -107,15 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
 
     if args.list_methods:
-        from lightning_gc.bench.methods import _gc_compressors
-
-        names, why = _gc_compressors()
-        print("torch baselines: ddp, powersgd, fp16")
-        if names is None:
-            print(f"lightning_gc compressors: unavailable ({why})")
-        else:
-            print("lightning_gc compressors: " + ", ".join(m for m in available_methods() if m not in
-                                                            ("ddp", "powersgd", "fp16")))
+        print(list_methods_text())
         return 0
     if args.cleanup_stale:
         from lightning_gc.bench.netns import sweep_stale

@@ -1,4 +1,4 @@
-"""Callbacks: monitoring (and, later, controllers)."""
+"""Callbacks: monitoring and the end-of-fit summary."""
 
 from .monitor import GCMonitor
 

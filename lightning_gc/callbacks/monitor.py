@@ -21,6 +21,15 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 ``gc/net_bandwidth_mbit`` network bandwidth in force, 8/β (Mbit/s)
 ``gc/probe_ms``        time spent probing the network during the step (ms)
 ====================  ========================================================================
+
+Logging frequency follows the Trainer's ``log_every_n_steps``, with one exception: the step where
+communication changes mode (the first step, the first compressed step after warm-up, and any
+later switch between dense and compressed) is always written, so the end of warm-up is visible in
+TensorBoard whatever ``log_every_n_steps`` is.
+
+At the end of ``fit`` rank zero prints the strategy's :meth:`~lightning_gc.GCStrategy.summary`
+(compressor and collective, compressed vs dense steps, bytes vs the dense equivalent, time in
+compression and communication, skipped steps); ``GCMonitor(summary=False)`` turns it off.
 """
 
 from __future__ import annotations
@@ -28,6 +37,9 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from .._validation import check_bool
 
 _COLLECTIVE_CODES = {"allgather": 0, "art_ring": 1, "art_tree": 2}
 
@@ -36,14 +48,23 @@ class GCMonitor(Callback):
     """Log lightning_gc engine statistics after every optimizer step.
 
     Args:
-        prog_bar: also show ``gc/bytes_ratio`` and ``gc/gain_ewma`` in the progress bar.
+        prog_bar: also show ``gc/bytes_ratio`` and ``gc/gain_ewma`` in the progress bar
+            (``Trainer(callbacks=[GCMonitor(prog_bar=True)])``; the strategy then adds no second one).
+        summary: print the end-of-fit summary on rank zero.
 
-    Logging frequency follows the Trainer's ``log_every_n_steps``.
+    Logging frequency follows the Trainer's ``log_every_n_steps``; steps where communication
+    switches between dense and compressed are always logged.
     """
 
-    def __init__(self, prog_bar: bool = False) -> None:
+    def __init__(self, prog_bar: bool = False, summary: bool = True) -> None:
+        check_bool("prog_bar", prog_bar, "True also shows gc/bytes_ratio and gc/gain_ewma in the progress bar.")
+        check_bool("summary", summary, "True prints the end-of-fit summary on rank zero.")
         self.prog_bar = prog_bar
+        self.summary = summary
         self._last_step = -1
+        self._last_dense: bool | None = None
+        #: optimizer steps (engine numbering) written outside the log_every_n_steps schedule
+        self.forced_steps: list[int] = []
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         engine = getattr(trainer.strategy, "engine", None)
@@ -53,6 +74,8 @@ class GCMonitor(Callback):
         if s.step == self._last_step:  # accumulation micro-batch: no new optimizer step
             return
         self._last_step = s.step
+        mode_changed = self._last_dense is None or s.dense != self._last_dense
+        self._last_dense = s.dense
         metrics = {
             "gc/ratio": float(s.ratio),
             "gc/dense_step": float(s.dense),
@@ -78,6 +101,14 @@ class GCMonitor(Callback):
             metrics["gc/net_bandwidth_mbit"] = 8e-6 / s.beta_s_per_byte if s.beta_s_per_byte > 0 else float("inf")
         if s.probe_s > 0:
             metrics["gc/probe_ms"] = 1e3 * s.probe_s
+        if mode_changed and not trainer._logger_connector.should_update_logs:
+            # Lightning would not write this step: write it to the loggers directly, at the step
+            # Lightning uses for this batch's metrics (rank zero only, like self.log(rank_zero_only)).
+            if trainer.is_global_zero and trainer.loggers:
+                step = trainer.fit_loop.epoch_loop._batches_that_stepped
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=step)
+                self.forced_steps.append(s.step)
         for key, value in metrics.items():
             pl_module.log(
                 key,
@@ -88,3 +119,11 @@ class GCMonitor(Callback):
                 batch_size=1,
                 prog_bar=self.prog_bar and key in ("gc/bytes_ratio", "gc/gain_ewma"),
             )
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        summary = getattr(trainer.strategy, "summary", None)
+        if not self.summary or summary is None:
+            return
+        result = summary()
+        if result is not None:
+            rank_zero_info(result.format())

@@ -47,6 +47,13 @@ def _art(reduce: str) -> ExchangeFactory:
 
 
 _EXCHANGES: dict[str, ExchangeEntry] = {}
+# what each wire format's collectives carry, in words (for refusals)
+_FORMAT_WORDS = {
+    "allreduce": "payloads that add up element-wise across ranks",
+    "allgather": "fixed-size payloads gathered from every rank and combined after the gather",
+    "artopk": "AR-Topk payloads (one source rank's indices, values summed at them)",
+    "artopk_auto": "AR-Topk payloads on a collective chosen by the cost model",
+}
 # what collective="auto" means for each wire format
 _DEFAULT_FOR_FORMAT: dict[str, str] = {}
 
@@ -62,21 +69,19 @@ def register_exchange(entry: ExchangeEntry, default_for: tuple[str, ...] = ()) -
 
 for _entry, _default in [
     (ExchangeEntry("allreduce", AllreduceExchange, _plain(AllreduceExchange),
-                   "the backend's allreduce of summable payloads"), ("allreduce",)),
+                   "the backend's allreduce of summable payloads (dense, fp16/bf16, RandomK)"), ("allreduce",)),
     (ExchangeEntry("ring", RingAllreduceExchange, _plain(RingAllreduceExchange),
-                   "our P2P ring allreduce of summable payloads"), ()),
+                   "lightning_gc's point-to-point ring allreduce of summable payloads"), ()),
     (ExchangeEntry("tree", TreeAllreduceExchange, _plain(TreeAllreduceExchange),
-                   "our P2P tree allreduce of summable payloads"), ()),
+                   "lightning_gc's point-to-point tree allreduce of summable payloads"), ()),
     (ExchangeEntry("allgather", AllgatherExchange, _plain(AllgatherExchange),
-                   "one allgather of every rank's fixed-size packed payload"), ("allgather",)),
+                   "one allgather of every rank's fixed-size packed payload (Top-k family, QSGD, signSGD)"), ("allgather",)),
     (ExchangeEntry("art_allreduce", ARTopkExchange, _art("allreduce"),
-                   "AR-Topk: backend broadcast of the source's indices, backend allreduce of values"), ("artopk",)),
-    (ExchangeEntry("art_ring", ARTopkExchange, _art("ring"),
-                   "AR-Topk: binomial broadcast of indices, P2P ring allreduce of values"), ()),
-    (ExchangeEntry("art_tree", ARTopkExchange, _art("tree"),
-                   "AR-Topk: binomial broadcast of indices, P2P tree allreduce of values"), ()),
+                   "AR-Topk: source rank broadcasts its indices, values summed by the backend's allreduce"), ("artopk",)),
+    (ExchangeEntry("art_ring", ARTopkExchange, _art("ring"), "AR-Topk: index broadcast, values summed by the P2P ring (ART-Ring)"), ()),
+    (ExchangeEntry("art_tree", ARTopkExchange, _art("tree"), "AR-Topk: index broadcast, values summed by the P2P tree (ART-Tree)"), ()),
     (ExchangeEntry("auto_sparse", AutoSparseExchange, _plain(AutoSparseExchange),
-                   "per group and step, Top-k allgather, ART-Ring or ART-Tree as the alpha-beta model predicts"),
+                   "artopk_auto: Top-k allgather, ART-Ring or ART-Tree per step, chosen by the alpha-beta model"),
      ("artopk_auto",)),
 ]:
     register_exchange(_entry, _default)
@@ -102,15 +107,16 @@ def validate_collective(compressor: Compressor, collective: str) -> str:
             f"unknown collective {collective!r}; valid collectives: {['auto', *_EXCHANGES]}."
         )
     if collective not in valid:
+        carries = " and ".join(_FORMAT_WORDS.get(f, f) for f in sorted(_EXCHANGES[collective].formats))
         hint = (
-            " Its (values, indices) payloads from different ranks cannot be summed element-wise;"
-            " for an allreduce-friendly sparse format use compressor='star_topk' (AR-Topk) or 'randomk'."
-            if compressor.wire_format == "allgather"
+            " For an allreduce-friendly sparse format use compressor='star_topk' (AR-Topk) or 'randomk'."
+            if compressor.sends_exact_subset and compressor.wire_format == "allgather"
             else ""
         )
         raise ValueError(
-            f"compressor {compressor.name!r} cannot travel by collective={collective!r}: its wire format is "
-            f"{compressor.wire_format!r}.{hint} Valid collectives for {compressor.name!r}: {valid} "
+            f"compressor {compressor.name!r} cannot travel by collective={collective!r}: it sends "
+            f"{compressor.wire_description} (wire format {compressor.wire_format!r}), while "
+            f"{collective!r} carries {carries}.{hint} Valid collectives for {compressor.name!r}: {valid} "
             "(or 'auto')."
         )
     return collective

@@ -62,6 +62,7 @@ class ARTopKCompressor(SparseCompressor):
 
     name = "star_topk"
     wire_format = "artopk"
+    wire_description = "k values at the indices one source rank broadcasts each step"
 
     def __init__(self, config: ARTopKConfig | None = None) -> None:
         self.config = config or ARTopKConfig()

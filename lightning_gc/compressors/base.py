@@ -130,6 +130,8 @@ class Compressor(ABC):
     lossy: ClassVar[bool] = True
     #: error feedback on by default?
     default_error_feedback: ClassVar[bool] = True
+    #: what travels, in words (used in messages, e.g. when a collective is refused)
+    wire_description: ClassVar[str] = "its compressed payload"
     #: the payload is exactly the input at some indices: ``payload = (values, int32 indices)``
     sends_exact_subset: ClassVar[bool] = False
 

@@ -45,6 +45,7 @@ class CastCompressor(Compressor):
 
     wire_format = "allreduce"
     default_error_feedback = False
+    wire_description = "every gradient element cast to 16 bits"
 
     def __init__(self, config: CastConfig | None = None) -> None:
         self.config = config or CastConfig()
@@ -67,6 +68,7 @@ class CastCompressor(Compressor):
 
 class FP16Compressor(CastCompressor):
     name = "fp16"
+    wire_description = "every gradient element cast to fp16"
 
     def __init__(self, config: CastConfig | None = None) -> None:
         super().__init__(config or CastConfig("fp16"))
@@ -74,6 +76,7 @@ class FP16Compressor(CastCompressor):
 
 class BF16Compressor(CastCompressor):
     name = "bf16"
+    wire_description = "every gradient element cast to bf16"
 
     def __init__(self, config: CastConfig | None = None) -> None:
         super().__init__(config or CastConfig("bf16"))

@@ -26,6 +26,7 @@ class DenseCompressor(Compressor):
     wire_format = "allreduce"
     lossy = False
     default_error_feedback = False
+    wire_description = "every gradient element in the gradient's own dtype"
 
     def __init__(self, config: DenseConfig | None = None) -> None:
         self.config = config or DenseConfig()

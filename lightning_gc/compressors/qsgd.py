@@ -47,6 +47,7 @@ class QSGDConfig:
 class QSGDCompressor(Compressor):
     name = "qsgd"
     wire_format = "allgather"
+    wire_description = "one fp32 norm per bucket and a packed signed quantisation level per element"
     default_error_feedback = False
 
     def __init__(self, config: QSGDConfig | None = None) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._validation import check_bool
 from .base import Compressed, Compressor, GroupContext, ratio_to_k, validate_ratio
 from .sparse import scatter_sparse
 
@@ -32,12 +33,14 @@ class RandomKConfig:
 
     def __post_init__(self) -> None:
         validate_ratio(self.ratio, "randomk")
+        check_bool("unbiased", self.unbiased, "unbiased=True scales kept values by n/k.")
 
 
 class RandomKCompressor(Compressor):
     name = "randomk"
     wire_format = "allreduce"
     default_error_feedback = False
+    wire_description = "k values at positions every rank draws identically (no indices)"
 
     def __init__(self, config: RandomKConfig | None = None) -> None:
         self.config = config or RandomKConfig()

@@ -44,6 +44,7 @@ class SignConfig:
 
 class _SignBase(Compressor):
     wire_format = "allgather"
+    wire_description = "packed sign bits (1 bit per element) and one fp32 scale"
 
     def __init__(self, config: SignConfig | None = None) -> None:
         self.config = config or SignConfig()

@@ -44,6 +44,7 @@ class SparseCompressor(Compressor):
     wire_format = "allgather"
     default_error_feedback = True
     sends_exact_subset = True
+    wire_description = "k selected values with their int32 indices, different on every rank"
 
     def decompress(self, payload: tuple[Tensor, ...], meta: Any, ctx: GroupContext) -> Tensor:
         return scatter_sparse(payload[0], payload[1], ctx.numel)

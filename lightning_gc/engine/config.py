@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._validation import check_bool
 from ..plans import available_planners
 
 
@@ -62,6 +63,8 @@ class EngineConfig:
     overlap: bool = True
 
     def __post_init__(self) -> None:
+        check_bool("error_feedback", self.error_feedback, "Error feedback keeps what was not sent for the next step.")
+        check_bool("check_finite", self.check_finite, "It makes ranks agree on non-finite gradients.")
         pinned = (self.network_alpha_s, self.network_beta_s_per_byte)
         if (pinned[0] is None) != (pinned[1] is None):
             raise ValueError(
@@ -80,11 +83,8 @@ class EngineConfig:
                 f"plan={self.plan!r} is not a plan kind: use one of {available_planners()} "
                 "('model' = whole model in one group)."
             )
-        if not isinstance(self.overlap, bool):
-            raise ValueError(
-                f"overlap={self.overlap!r} must be True or False: True runs compressed exchanges on the "
-                "engine's worker thread, overlapped with backward; False runs them inside the hook."
-            )
+        check_bool("overlap", self.overlap, "True runs compressed exchanges on the engine's worker thread, "
+                   "overlapped with backward; False runs them inside the hook.")
         _int("plan_threshold", self.plan_threshold, 1, "Use e.g. 8192 elements per merged group.")
         _int("min_compress_numel", self.min_compress_numel, 0, "Use 0 to compress every tensor.")
         _int("warmup_steps", self.warmup_steps, 0, "Use 0 for no dense warm-up.")

@@ -10,6 +10,7 @@ from .base import (
     available_planners,
     build_plan,
     get_planner,
+    planner_summaries,
     register_planner,
 )
 
@@ -22,5 +23,6 @@ __all__ = [
     "available_planners",
     "build_plan",
     "get_planner",
+    "planner_summaries",
     "register_planner",
 ]

@@ -119,17 +119,24 @@ class Planner(Protocol):
 
 
 _PLANNERS: dict[str, Callable[[PlanRequest], Plan]] = {}
+_SUMMARIES: dict[str, str] = {}
 
 
-def register_planner(name: str, planner: Callable[[PlanRequest], Plan]) -> None:
-    """Make ``plan=name`` available to GCStrategy / EngineConfig."""
+def register_planner(name: str, planner: Callable[[PlanRequest], Plan], summary: str = "") -> None:
+    """Make ``plan=name`` available to GCStrategy / EngineConfig (``summary``: one line for listings)."""
     if name in _PLANNERS and _PLANNERS[name] is not planner:
         raise ValueError(f"a planner named {name!r} is already registered")
     _PLANNERS[name] = planner
+    _SUMMARIES[name] = summary
 
 
 def available_planners() -> list[str]:
     return list(_PLANNERS)
+
+
+def planner_summaries() -> dict[str, str]:
+    """name → one-line summary."""
+    return dict(_SUMMARIES)
 
 
 def get_planner(name: str) -> Callable[[PlanRequest], Plan]:

@@ -37,6 +37,6 @@ def threshold_plan(request: PlanRequest) -> Plan:
     return assemble_plan("threshold", chunks, small)
 
 
-register_planner("model", model_plan)
-register_planner("layer", layer_plan)
-register_planner("threshold", threshold_plan)
+register_planner("model", model_plan, "every compressible tensor in one group: global selection (default)")
+register_planner("layer", layer_plan, "one group per tensor: layer-wise selection")
+register_planner("threshold", threshold_plan, "consecutive tensors merged up to plan_threshold elements per group")

@@ -1,0 +1,166 @@
+"""What a Lightning user sees during and after a 2-process run: unused parameters, the end-of-fit
+summary, and warm-up visible in TensorBoard."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lit_models import TinyClassifier, make_loader
+
+from lightning_gc import GCMonitor, GCStrategy
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------- 3. unused parameters
+UNUSED_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, lightning as L
+    sys.path.insert(0, {tests!r})
+    import lightning_gc
+    from lit_models import TinyClassifier, make_loader
+
+    class WithUnused(TinyClassifier):
+        def __init__(self):
+            super().__init__()
+            self.unused = torch.nn.Linear(40, 40)  # never called in forward: no gradient
+
+    trainer = L.Trainer(strategy=sys.argv[1], accelerator="cpu", devices=2, max_steps=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(WithUnused(), make_loader())
+    s = trainer.strategy
+    with open(f"result_rank{{trainer.global_rank}}.txt", "w") as fh:
+        t = s.engine.totals()
+        fh.write(f"{{type(s).__name__}} {{s.compressor_name}} {{s.engine.step}} {{t['compressed_steps']}}")
+    """
+)
+
+
+def _run_unused(tmp_path: Path, strategy: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    tmp_path.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(UNUSED_SCRIPT.format(tests=str(REPO / "tests")))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(script), strategy], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=240)
+    return proc, sorted(p.read_text() for p in tmp_path.glob("result_rank*.txt"))
+
+
+def test_unused_parameters_error_says_how_to_fix_it_with_gcstrategy(tmp_path):
+    proc, results = _run_unused(tmp_path / "a", "gc_topk")
+    assert proc.returncode != 0 and results == []
+    err = proc.stderr
+    assert "GCStrategy(compressor='topk', find_unused_parameters=True)" in err, err[-3000:]
+    assert "gc_topk_find_unused_parameters_true" in err
+    assert "find_unused_parameters: true" in err  # the recipe (YAML) form
+    # Lightning's own advice would replace GCStrategy by plain DDP without compression
+    assert "strategy='ddp_find_unused_parameters_true'`" not in err
+    assert "DDPStrategy(find_unused_parameters=True)`" not in err
+    # ... and the advice works: the alias trains with compression
+    proc, results = _run_unused(tmp_path / "b", "gc_topk_find_unused_parameters_true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert results == ["GCStrategy topk 4 3", "GCStrategy topk 4 3"]  # 4 steps, 1 dense warm-up
+
+
+# ---------------------------------------------------------------- 7 + 9. summary and visible warm-up
+class SummaryProbe(L.Callback):
+    """Writes each rank's ``strategy.summary()`` and the trainer's own step count at the end of fit."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_fit_end(self, trainer, pl_module):
+        s = trainer.strategy.summary()
+        torch.save({"summary": s.as_dict(), "global_step": trainer.global_step,
+                    "numel": sum(p.numel() for p in pl_module.parameters())},
+                   os.path.join(self.out_dir, f"summary{trainer.global_rank}.pt"))
+
+
+WARMUP = 3
+EPOCHS = 2
+
+
+@pytest.fixture(scope="module")
+def fp16_run(tmp_path_factory):
+    """fp16 on every tensor (min_compress_numel=0), no stats allreduce: bytes are computable by hand."""
+    tmp = tmp_path_factory.mktemp("fp16run")
+    logger = L.pytorch.loggers.TensorBoardLogger(str(tmp), name="tb")
+    strategy = GCStrategy(compressor="fp16", min_compress_numel=0, check_finite=False, warmup_steps=WARMUP,
+                          start_method="spawn")
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=logger, max_epochs=EPOCHS,
+                        log_every_n_steps=50, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[GCMonitor(), SummaryProbe(str(tmp))])
+    trainer.fit(TinyClassifier(), make_loader())
+    return tmp, [torch.load(tmp / f"summary{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_end_of_fit_summary_matches_an_independent_count(fp16_run):
+    tmp, reports = fp16_run
+    n = 256 // 2 // 16 * EPOCHS  # samples / ranks / batch size × epochs = optimizer steps
+    numel = 16 * 96 + 96 + 96 * 4 + 4  # TinyClassifier: Linear(16, 96) + Linear(96, 4)
+    dense_step = 2 * (2 - 1) / 2 * 4 * numel  # ring allreduce of fp32 gradients, 2 ranks
+    fp16_step = 2 * (2 - 1) / 2 * 2 * numel  # the same in fp16
+    for r, rep in enumerate(reports):
+        s = rep["summary"]
+        assert rep["numel"] == numel and rep["global_step"] == n
+        assert (s["compressor"], s["collective"], s["world_size"], s["rank"]) == ("fp16", "allreduce", 2, r)
+        assert (s["steps"], s["compressed_steps"], s["dense_steps"]) == (n, n - WARMUP, WARMUP)
+        assert s["bytes_dense"] == n * dense_step
+        assert s["bytes_sent"] == WARMUP * dense_step + (n - WARMUP) * fp16_step
+        assert s["bytes_ratio"] == pytest.approx((WARMUP * dense_step + (n - WARMUP) * fp16_step) / (n * dense_step))
+        assert s["nonfinite_steps"] == 0 and s["skipped_steps"] == 0
+        assert s["compress_time_s"] > 0 and s["comm_time_s"] > 0
+
+
+def test_summary_text_states_the_counts(fp16_run):
+    from lightning_gc.summary import GCSummary
+
+    _, reports = fp16_run
+    text = GCSummary(**reports[0]["summary"]).format()
+    assert "optimizer steps: 16 (13 compressed, 3 dense)" in text
+    assert "ratio 0.5938" in text and "1.7x less" in text  # (3 + 13/2) / 16 = 0.59375
+
+
+def test_summary_printed_once_at_end_of_fit(tmp_path):
+    """The GCMonitor prints the block on rank zero only (2 processes share this stderr)."""
+    script = tmp_path / "fit.py"
+    script.write_text(textwrap.dedent(
+        f"""
+        import sys, lightning as L
+        sys.path.insert(0, {str(REPO / 'tests')!r})
+        import lightning_gc
+        from lit_models import TinyClassifier, make_loader
+        trainer = L.Trainer(strategy="gc_fp16", accelerator="cpu", devices=2, max_steps=3, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(TinyClassifier(), make_loader())
+        """))
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert out.count("lightning_gc summary (rank 0 of 2): compressor=fp16 collective=allreduce") == 1, out[-3000:]
+    assert "rank 1 of 2" not in out
+    assert "optimizer steps: 3 (2 compressed, 1 dense)" in out
+
+
+def test_warmup_end_visible_in_tensorboard_with_sparse_logging(fp16_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tmp, _ = fp16_run
+    runs = list((tmp / "tb").glob("version_*"))
+    assert len(runs) == 1
+    acc = EventAccumulator(str(runs[0]))
+    acc.Reload()
+    dense = {e.step: e.value for e in acc.Scalars("gc/dense_step")}
+    # log_every_n_steps=50 and 16 steps: Lightning itself would write no training step at all;
+    # the steps where the mode changes are written anyway: the first (dense) and the first compressed
+    assert dense == {0: 1.0, WARMUP: 0.0}, dense
+    ratios = {e.step: e.value for e in acc.Scalars("gc/bytes_ratio")}
+    assert ratios == {0: 1.0, WARMUP: 0.5}
