@@ -41,8 +41,25 @@ class ARTopkExchange(Exchange):
             raise ValueError(f"reduce={reduce!r} must be 'allreduce', 'ring' or 'tree'")
         self.reduce = reduce
         self.name = {"allreduce": "art_allreduce", "ring": "art_ring", "tree": "art_tree"}[reduce]
-        self._energy: Tensor | None = None  # VAR's smoothed per-rank energies (replicated)
+        # VAR's smoothed per-rank energies, one vector per plan group (keyed by ctx.group_id):
+        # replicated on every rank (built from all-gathered values) and saved in checkpoints
+        self._energy: dict[int, Tensor] = {}
         self.last_source = -1
+
+    def state_dict(self) -> dict:
+        """VAR's smoothed energies per plan group (CPU float64), for checkpoints."""
+        return {"var_energy": {int(g): e.detach().cpu().clone() for g, e in self._energy.items()}}
+
+    def load_state_dict(self, state: dict, world_size: int | None = None) -> None:
+        """Restore :meth:`state_dict`. Vectors whose length is not ``world_size`` (the job was
+        resumed on another number of ranks) are dropped: smoothing restarts from the next step's
+        energies for those groups, which is what a fresh run does."""
+        energy = state.get("var_energy") or {}
+        self._energy = {
+            int(g): torch.as_tensor(e, dtype=torch.float64).clone()
+            for g, e in energy.items()
+            if world_size is None or torch.as_tensor(e).numel() == world_size
+        }
 
     def _global(self, r: int) -> int:
         return dist.get_global_rank(self.group, r) if self.group is not None else r
@@ -54,9 +71,11 @@ class ARTopkExchange(Exchange):
         timer.run("comm", lambda: dist.all_gather(gathered, energy, group=self.group))
         timer.times.bytes_sent += allgather_bytes(8, ctx.world_size)
         e = torch.cat(gathered).cpu()
-        if cfg.var_smoothing > 0 and self._energy is not None:
-            e = cfg.var_smoothing * self._energy + (1 - cfg.var_smoothing) * e
-        self._energy = e
+        if cfg.var_smoothing > 0:
+            prev = self._energy.get(ctx.group_id)
+            if prev is not None and prev.numel() == e.numel():
+                e = cfg.var_smoothing * prev + (1 - cfg.var_smoothing) * e
+            self._energy[ctx.group_id] = e
         return select_source("var", ctx, e)
 
     def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor | SparseSent]:

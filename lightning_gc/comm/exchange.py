@@ -86,6 +86,14 @@ class Exchange(ABC):
     def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor | SparseSent]:
         """Return (mean over ranks, this rank's contribution: dense, or :class:`SparseSent`)."""
 
+    def state_dict(self) -> dict:
+        """State that must survive a checkpoint (e.g. AR-Topk VAR's smoothed energies); none here."""
+        return {}
+
+    def load_state_dict(self, state: dict, world_size: int | None = None) -> None:
+        """Restore :meth:`state_dict`; ``world_size`` is the current group size (state written on
+        another number of ranks may not apply)."""
+
 
 class AllreduceExchange(Exchange):
     """Linear payloads summed by the backend's allreduce (or a P2P ring/tree via ``reduce_fn``)."""

@@ -408,6 +408,7 @@ class GCEngine:
             else (self.network.model.alpha_s, self.network.model.beta_s_per_byte),
             "probe_policy": self.probe_policy.state_dict() if self.probe_policy is not None else None,
             "meas_carry": self._meas_carry,
+            "exchange": self.exchange.state_dict(),
         }
 
     def load_state_dict(self, state: dict, restore_memory: bool = True) -> list[str]:
@@ -426,6 +427,7 @@ class GCEngine:
             self.probe_policy.load_state_dict(state["probe_policy"])
         meas = state.get("meas_carry")
         self._meas_carry = tuple(meas) if meas is not None else None  # type: ignore[assignment]
+        self.exchange.load_state_dict(state.get("exchange") or {}, world_size=self.world_size)
         missing: list[str] = []
         self.memory = {}
         self._mem_sq = {}
