@@ -3,7 +3,7 @@
 Three reductions for the values, so that ring vs tree is a real choice on any backend:
 ``"allreduce"`` (the backend's own broadcast and allreduce), ``"ring"`` and ``"tree"`` (our P2P
 implementations in :mod:`lightning_gc.comm.p2p_allreduce`, with the indices broadcast along a P2P
-binomial tree — the ``log N`` broadcast the cost model assumes; gloo's own broadcast is flat and
+binomial tree — the ``ceil(log2 N)``-round broadcast the cost model assumes; gloo's own broadcast is flat and
 pushes N−1 copies through the source's link). :class:`AutoSparseExchange` picks per group and step among
 Top-k allgather (AG), ART-Ring and ART-Tree from the alpha-beta model.
 """
@@ -93,7 +93,7 @@ class ARTopkExchange(Exchange):
             timer.run("comm", lambda: dist.broadcast(idx, src=self._global(src), group=self.group))
             if ctx.rank == src:
                 timer.times.bytes_sent += (ctx.world_size - 1) * 4 * k
-        else:  # P2P binomial tree: the log N broadcast of the cost model
+        else:  # P2P binomial tree: the ceil(log2 N)-round broadcast of the cost model
             timer.times.bytes_sent += timer.run("comm", lambda: binomial_broadcast(idx, src, self.group))
         timer.times.bytes_payload += 4 * k + p.element_size() * k
         idx_long = idx.long()
@@ -133,12 +133,18 @@ class AutoSparseExchange(Exchange):
         self.last_predicted_s: float | None = None
 
     def choose(self, ctx: GroupContext, element_size: int = 4) -> tuple[str, float | None]:
+        """The collective and its predicted seconds for a group of ``ctx.numel`` elements whose
+        values are ``element_size`` bytes each (the gradient's dtype; indices are always int32).
+
+        Units as in docs/cost_model.md: ``M = 4 * numel`` (so ``M*c`` = index bytes) and
+        ``value_bytes = element_size`` (values take ``M*c*element_size/4`` bytes).
+        """
         model = self.network.model
         if model is None or ctx.world_size == 1:
             return "allgather", None
-        M = ctx.numel * element_size
-        costs = model.sparse_costs(M, ctx.world_size, self.compressor.ratio)
-        choice = model.choose_sparse_collective(M, ctx.world_size, self.compressor.ratio)
+        M = 4 * ctx.numel
+        costs = model.sparse_costs(M, ctx.world_size, self.compressor.ratio, value_bytes=element_size)
+        choice = model.choose_sparse_collective(M, ctx.world_size, self.compressor.ratio, value_bytes=element_size)
         return choice, costs[choice]
 
     def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor | SparseSent]:

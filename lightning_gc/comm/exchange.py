@@ -93,6 +93,7 @@ class Exchange(ABC):
     def load_state_dict(self, state: dict, world_size: int | None = None) -> None:
         """Restore :meth:`state_dict`; ``world_size`` is the current group size (state written on
         another number of ranks may not apply)."""
+        return None
 
 
 class AllreduceExchange(Exchange):
