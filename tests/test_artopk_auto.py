@@ -75,8 +75,8 @@ def _worker(rank: int, ws: int, alphas: list[float]) -> list[dict]:
         ex = AutoSparseExchange(comp, None, NetworkState(NetworkModel(alpha, BETA), pinned=True))
         ran: list[str] = []
         for label, sub in (("allgather", ex._ag), ("art_ring", ex._ring), ("art_tree", ex._tree)):
-            def wrapped(*a, _run=sub.run, _label=label, **kw):
-                ran.append(_label)
+            def wrapped(*a, _run=sub.run, _label=label, _ran=ran, **kw):
+                _ran.append(_label)
                 return _run(*a, **kw)
             sub.run = wrapped
         worst = 0.0
