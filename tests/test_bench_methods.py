@@ -22,14 +22,6 @@ from lightning_gc.bench.methods import (
 )
 
 
-def _gc_available() -> bool:
-    try:
-        from lightning_gc.compressors import available_compressors  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return False
-    return True
-
-
 def test_baselines_parse_with_options_and_labels():
     specs = parse_methods("ddp, powersgd:rank=4:start_iter=3, fp16", default_ratio=0.01)
     assert [s.label for s in specs] == ["ddp", "powersgd:rank=4:start_iter=3", "fp16"]
@@ -64,7 +56,6 @@ def test_unknown_method_lists_the_valid_ones():
         assert name in msg
 
 
-@pytest.mark.skipif(not _gc_available(), reason="lightning_gc.compressors not importable")
 def test_gc_methods_get_the_default_ratio_and_fp16_clash_is_resolved():
     from lightning_gc.compressors import available_compressors, takes_ratio
 

@@ -8,6 +8,7 @@ parent asserts, so a failing case never leaves the other ranks hanging in a late
 from __future__ import annotations
 
 import hashlib
+import math
 
 import pytest
 import torch
@@ -38,18 +39,30 @@ def _oracle_ring_bytes(numel: int, esize: int, n: int, r: int) -> int:
     return (2 * sum(sizes) - sizes[(r + 1) % n] - sizes[(r + 2) % n]) * esize
 
 
+# The binomial tree rooted at 0, stated independently: the parent of d is d with its lowest set
+# bit cleared (bit tricks written out with a loop, not the library's helpers).
+def _oracle_parent(d: int) -> int:
+    bit = 1
+    while not d & bit:
+        bit <<= 1
+    return d - bit
+
+
+def _oracle_children(r: int, n: int) -> list[int]:
+    return sorted(d for d in range(1, n) if _oracle_parent(d) == r)
+
+
 def _oracle_tree_bytes(numel: int, esize: int, n: int, r: int) -> int:
-    n_children = sum(1 for c in (2 * r + 1, 2 * r + 2) if c < n)
-    return ((r != 0) + n_children) * numel * esize if n > 1 else 0
+    return ((r != 0) + len(_oracle_children(r, n))) * numel * esize if n > 1 else 0
 
 
 def _oracle_subtree(c: int, n: int) -> int:
-    # ranks whose chain of parents (d-1)//2 passes through c
+    # ranks whose chain of parents passes through c
     count = 0
     for d in range(n):
         x = d
         while x > c:
-            x = (x - 1) // 2
+            x = _oracle_parent(x)
         count += x == c
     return count
 
@@ -113,7 +126,15 @@ def _hop_check(errors: list, tag: str, group, numel: int) -> None:
         if algo == "ring":
             want = list(range(1, n))
         else:
-            want = [_oracle_subtree(c, n) for c in (2 * r + 1, 2 * r + 2) if c < n]
+            # children in round order (rank+1, rank+2, rank+4, ...), hop = the child's subtree size
+            want = [_oracle_subtree(c, n) for c in _oracle_children(r, n)]
+            # one full message per round: the root receives one message in each of the
+            # ceil(log2 N) rounds (the L of the cost model), every other rank at most one per round
+            nb = numel * x.element_size()
+            if stats.messages_sent != (r != 0) + len(_oracle_children(r, n)):
+                errors.append(f"{tag} tree: rank {r} sent {stats.messages_sent} messages")
+            if r == 0 and stats.bytes_received != math.ceil(math.log2(n)) * nb:
+                errors.append(f"{tag} tree: root received {stats.bytes_received} B, want ceil(log2 N) messages")
         if calls != want:
             errors.append(f"{tag} {algo} numel={numel}: combine hops {calls}, want {want}")
         if stats.combine_calls != len(want):
@@ -146,8 +167,6 @@ WORLD = 5
 
 def _broadcast_check(errors: list, n: int, group) -> None:
     """binomial_broadcast equals dist.broadcast from every source; the source sends ceil(log2 N) copies."""
-    import math
-
     rank = dist.get_rank(group)
     for src in range(n):
         mine = torch.arange(7, dtype=torch.int64) * (rank + 1) + 1000 * src
@@ -232,5 +251,6 @@ def test_ring_bytes_approach_model() -> None:
         numel = 24 * n
         for r in range(n):
             assert ring_bytes_sent(numel, 4, n, r) == 2 * (n - 1) * (numel // n) * 4
-    # tree: leaves send once, inner nodes 1 + children, root only to children
-    assert [tree_bytes_sent(10, 4, 5, r) for r in range(5)] == [80, 120, 40, 40, 40]
+    # binomial tree over 5 ranks: 0 -> {1, 2, 4}, 2 -> {3}; leaves send once, inner nodes
+    # 1 + children, the root only to its ceil(log2 5) = 3 children
+    assert [tree_bytes_sent(10, 4, 5, r) for r in range(5)] == [120, 40, 80, 40, 40]

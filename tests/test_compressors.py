@@ -271,3 +271,106 @@ def test_sampled_threshold_topk_selects_exactly_what_torch_topk_selects(layout):
     assert torch.equal(x.abs()[idx].sort(descending=True).values, ref_vals)  # same multiset of magnitudes
     if layout != "constant":  # without ties the index set itself is unique
         assert set(idx.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+
+
+# ------------------------------------------------------------------------------------------
+# QSGD decoded by hand from the wire format; its rounding noise; majority vote by counting
+# ------------------------------------------------------------------------------------------
+def _unpack_nibbles(packed: torch.Tensor, n: int) -> list[int]:
+    """4-bit fields, element 2j in the low nibble of byte j (the documented packing), by hand."""
+    out = []
+    for b in packed.tolist():
+        out += [b & 0xF, b >> 4]
+    return out[:n]
+
+
+def test_qsgd_payload_decoded_by_hand_rounds_to_adjacent_levels():
+    s, bs, n = 7, 64, 200  # 4 buckets, the last one partial
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3), dtype=torch.float64).float()
+    comp = build_compressor("qsgd", args={"levels": s, "bucket_size": bs})
+    c = ctx(n, step=5)
+    norms, packed = comp.compress(x, c).payload
+    levels = [q - s for q in _unpack_nibbles(packed, n)]
+    moved_up = 0
+    for i in range(n):
+        b = i // bs
+        norm = math.sqrt(sum(float(v) ** 2 for v in x[b * bs:(b + 1) * bs]))
+        assert float(norms[b]) == pytest.approx(norm, rel=1e-6)
+        scaled = s * abs(float(x[i])) / norm
+        lvl = abs(levels[i])
+        assert lvl in (math.floor(scaled), math.ceil(scaled)), (i, scaled, levels[i])
+        if lvl:
+            assert (levels[i] > 0) == (float(x[i]) > 0)
+        moved_up += lvl == math.ceil(scaled) != math.floor(scaled)
+    assert 0 < moved_up < n  # random rounding, not a fixed rule
+    dec = comp.decompress((norms, packed), None, c)
+    hand = torch.tensor([levels[i] * float(norms[i // bs]) / s for i in range(n)])
+    assert torch.allclose(dec, hand, rtol=1e-6, atol=1e-7)
+
+
+def test_qsgd_noise_variance_is_stochastic_roundings_and_independent_across_ranks():
+    """Per element the rounding noise has variance (norm/s)²·f(1−f), f = frac(s|x|/norm) — the
+    exact variance of unbiased stochastic rounding to adjacent levels (below QSGD's
+    min(n/s², √n/s)·‖x‖² bound). Ranks draw independently: the mean of 4 ranks' quantisations of the
+    same x has a quarter of one rank's noise power, and two ranks' noises are uncorrelated."""
+    s, n, trials, ws = 3, 256, 400, 4
+    x = torch.randn(n, generator=torch.Generator().manual_seed(11))
+    comp = build_compressor("qsgd", args={"levels": s, "bucket_size": n})
+    norm = float(x.double().norm())
+    f = (s * x.double().abs() / norm) % 1
+    exact = float(((norm / s) ** 2 * f * (1 - f)).sum())
+    assert exact <= min(n / s**2, math.sqrt(n) / s) * norm**2
+    one, avg, cross = 0.0, 0.0, 0.0
+    for t in range(trials):
+        noise = []
+        for r in range(ws):
+            c = ctx(n, step=t, rank=r, world_size=ws)
+            out = comp.compress(x, c)
+            noise.append(comp.decompress(out.payload, out.meta, c).double() - x.double())
+        one += float(noise[0].pow(2).sum()) / trials
+        avg += float((sum(noise) / ws).pow(2).sum()) / trials
+        cross += float((noise[0] * noise[1]).sum()) / trials
+    assert one == pytest.approx(exact, rel=0.1)
+    assert avg == pytest.approx(exact / ws, rel=0.15)  # shared noise would give ≈ exact
+    assert abs(cross) < 0.1 * exact
+
+
+@pytest.mark.parametrize("ws", [3, 4, 5])
+def test_signsgd_majority_vote_counts_votes(ws):
+    """Majority vote by counting: +1 where more than half the ranks are non-negative, −1 where
+    fewer, 0 on a tie (even ws); times the mean scale. Vote sums range over ±1, ±3, … (odd ws) or
+    0, ±2, ±4 (even ws), so a mean of signs or a plain sum of signs would not pass."""
+    n = 400
+    g = torch.Generator().manual_seed(ws)
+    xs = [torch.randn(n, generator=g) * (0.5 + r) for r in range(ws)]
+    comp = build_compressor("signsgd")
+    c = ctx(n, world_size=ws)
+    out = comp.aggregate_gathered([comp.compress(x, c).payload for x in xs], torch.float32, c)
+    scale = sum(float(x.abs().mean()) for x in xs) / ws
+    for i in range(n):
+        pos = sum(float(x[i]) >= 0 for x in xs)
+        want = 1.0 if 2 * pos > ws else -1.0 if 2 * pos < ws else 0.0
+        assert float(out[i]) == pytest.approx(want * scale, rel=1e-6), (i, pos)
+    votes = [sum(1 if float(x[i]) >= 0 else -1 for x in xs) for i in range(n)]
+    assert {abs(v) for v in votes} - {0, 1}, "every vote sum is 0 or ±1: the data does not test the sign"
+
+
+def test_randomk_values_are_p_times_n_over_k_at_k_shared_positions():
+    n, ratio = 1000, 0.03
+    k = math.ceil(ratio * n)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    comp = build_compressor("randomk", ratio=ratio)
+    seen = set()
+    for step in range(3):
+        decs = []
+        for r in range(3):
+            c = ctx(n, step=step, rank=r, world_size=3)
+            out = comp.compress(x * (r + 1), c)
+            decs.append(comp.decompress(out.payload, out.meta, c))
+        support = torch.nonzero(decs[0]).flatten()
+        assert support.numel() == k
+        for r, d in enumerate(decs):
+            assert torch.equal(torch.nonzero(d).flatten(), support)  # the same positions on every rank
+            assert torch.allclose(d[support], x[support] * (r + 1) * (n / k))
+        seen.add(tuple(support.tolist()))
+    assert len(seen) == 3  # fresh positions every step

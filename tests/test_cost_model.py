@@ -11,18 +11,23 @@ from lightning_gc.comm import cost_model as cm
 from lightning_gc.comm.cost_model import NetworkModel
 
 
-# Independent re-statement of the paper's formulas (Table I, Sec. 3-D, Eq. 4a/4b), log base 2.
+# Independent re-statement of the paper's formulas (Table I, Sec. 3-D, Eq. 4a/4b) with
+# L = ceil(log2 N), the rounds of the binomial trees that run (log2 N at powers of two).
+def _L(N):
+    return math.ceil(math.log2(N)) if N > 1 else 0
+
+
 def _ag(a, b, M, N, c):
-    return a * math.log2(N) + 2 * M * c * b * (N - 1)
+    return a * _L(N) + 2 * M * c * b * (N - 1)
 
 
 def _ring(a, b, M, N, c):
-    L = math.log2(N)
+    L = _L(N)
     return a * (2 * (N - 1) + L) + M * c * b * (2 * (N - 1) / N + L)
 
 
 def _tree(a, b, M, N, c):
-    L = math.log2(N)
+    L = _L(N)
     return 3 * a * L + 3 * M * c * b * L
 
 
@@ -109,18 +114,20 @@ def test_rules_agree_with_direct_comparison_over_grid() -> None:
 
 
 def test_closed_form_coefficients_match_paper_expressions() -> None:
-    for N in range(3, 65):
-        L = math.log2(N)
+    for N in range(4, 65):
+        L = _L(N)
         assert cm.rule_5a_coefficient(N) == pytest.approx((L - (N - 1) / N) / (N - 1 - L))
         assert cm.rule_5b_coefficient(N) == pytest.approx(1 - 1 / N - L / (2 * (N - 1)))
         assert cm.rule_5c_coefficient(N) == pytest.approx((N - 1) / L - 1.5)
         assert cm.rule_5a_coefficient(N) > 0 and cm.rule_5b_coefficient(N) > 0
-    # degenerate denominators / signs, as documented
-    assert cm.rule_5a_coefficient(2) == math.inf
+    # degenerate denominators / signs, as documented: at N = 2 and 3 the alpha terms of 4a and 4b
+    # are equal (2(N-1) + L == 3L), so the ring wins whenever anything is sent
+    assert cm.rule_5a_coefficient(2) == cm.rule_5a_coefficient(3) == math.inf
+    assert cm.rule_5c_coefficient(5) < 0 < cm.rule_5c_coefficient(6)
     assert all(math.isnan(f(1)) for f in (cm.rule_5a_coefficient, cm.rule_5b_coefficient, cm.rule_5c_coefficient))
     assert cm.rule_5b_coefficient(2) == 0.0
     assert cm.rule_5c_coefficient(2) < 0 and cm.rule_5c_coefficient(3) < 0 and cm.rule_5c_coefficient(4) == 0.0
-    assert cm.rule_5c_coefficient(5) > 0
+    assert cm.rule_5c_coefficient(5) < 0  # L = 3 at N = 5: (5-1)/3 - 3/2 < 0
 
 
 def test_exact_ties_and_degenerate_settings() -> None:
@@ -185,3 +192,48 @@ def test_invalid_inputs_are_named(kwargs: dict, match: str) -> None:
     args = {"alpha": 1e-4, "beta": 1e-9, "M": 4e6, "N": 4, "c": 0.01, **kwargs}
     with pytest.raises(ValueError, match=match):
         cm.choose_sparse_collective(**args)
+
+
+def test_rounds_are_ceil_log2_between_powers_of_two() -> None:
+    # what runs: a binomial tree over N ranks has ceil(log2 N) rounds (counted by hand here)
+    for N, rounds in [(1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (8, 3), (9, 4), (17, 5)]:
+        assert cm.tree_rounds(N) == rounds
+    # N = 5: broadcast 3 rounds, tree allreduce 2 * 3 rounds of the full message
+    assert cm.broadcast_cost(1.0, 0.5, 8.0, 5) == 3 * (1 + 8 * 0.5)
+    assert cm.tree_allreduce_cost(1.0, 0.5, 8.0, 5) == 6 * (1 + 8 * 0.5)
+
+
+def test_fp16_values_with_int32_indices_hand_computed() -> None:
+    # numel = 1000 fp16 elements, c = 0.1: k = 100, index bytes I = 4*100 = 400, value bytes
+    # V = 2*100 = 200; alpha = 1e-3, beta = 1e-6, N = 4 (L = 2)
+    a, b, N, c = 1e-3, 1e-6, 4, 0.1
+    M = 4 * 1000
+    idx_b, val_b = 400.0, 200.0
+    ag = a * 2 + (idx_b + val_b) * b * 3
+    ring = a * (2 * 3 + 2) + b * (idx_b * 2 + val_b * 2 * 3 / 4)
+    tree = 3 * a * 2 + b * 2 * (idx_b + 2 * val_b)
+    got = cm.sparse_collective_costs(a, b, M, N, c, value_bytes=2)
+    assert got == pytest.approx({"allgather": ag, "art_ring": ring, "art_tree": tree}, rel=1e-12)
+    # the fp16 allgather moves 600 bytes per rank, not 400 (M = numel * element_size undercounted
+    # the indices) and not 800 (fp32 values)
+    assert got["allgather"] - a * 2 == pytest.approx(600 * b * 3)
+    with pytest.raises(ValueError, match="value_bytes"):
+        cm.sparse_allgather_cost(a, b, M, N, c, value_bytes=0)
+
+
+def test_auto_exchange_predicts_fp16_cost_by_hand() -> None:
+    from lightning_gc.comm.artopk import AutoSparseExchange, NetworkState
+    from lightning_gc.compressors import GroupContext, build_compressor
+
+    a, b, N, c, numel = 1e-3, 1e-6, 4, 0.1, 1000
+    ex = AutoSparseExchange(build_compressor("artopk_auto", ratio=c), None, NetworkState(NetworkModel(a, b), True))
+    ctx = GroupContext(step=3, rank=0, world_size=N, segments=(numel,), group_id=0, seed=0)
+    choice, predicted = ex.choose(ctx, element_size=2)
+    by_hand = {"allgather": a * 2 + (400 + 200) * b * 3,
+               "art_ring": a * 8 + b * (400 * 2 + 200 * 1.5),
+               "art_tree": 6 * a + b * 2 * (400 + 400)}
+    assert choice == min(by_hand, key=by_hand.get) == "allgather"
+    assert predicted == pytest.approx(by_hand["allgather"], rel=1e-12)
+    # fp32 gradient of the same numel: values 400 bytes
+    _, predicted32 = ex.choose(ctx, element_size=4)
+    assert predicted32 == pytest.approx(a * 2 + 800 * b * 3, rel=1e-12)

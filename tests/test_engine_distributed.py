@@ -37,7 +37,9 @@ def _model() -> torch.nn.Module:
 
 def _batch(rank: int, step: int):
     g = torch.Generator().manual_seed(1000 * rank + step)
-    x = torch.randn(16, 24, generator=g) * (1 + rank)  # rank-dependent scale: a missing mean shows
+    # rank-dependent scale, so a missing mean shows; it changes with the step so that no rank (in
+    # particular not the last one) has the largest gradients at every step, at 2 ranks too
+    x = torch.randn(16, 24, generator=g) * (1.0, 2.5, 0.7, 1.6, 1.2)[(rank + step) % 5]
     y = torch.randint(0, 5, (16,), generator=g)
     return x, y
 
@@ -52,11 +54,13 @@ def _gather(t: torch.Tensor, ws: int) -> list[torch.Tensor]:
     return out
 
 
-def _reference_mean(name: str, comp, ps: list[torch.Tensor], ctxs: list[GroupContext], ratio):
-    """Mean of the ranks' compressed contributions, computed without the engine's exchange."""
+def _reference_mean(name: str, ps: list[torch.Tensor], ctxs: list[GroupContext], ratio, got: torch.Tensor):
+    """Mean of the ranks' compressed contributions and each rank's contribution, computed without
+    the compressor or the exchange (``got``, the engine's mean, is used only where the algorithm
+    is random: RandomK's index set is read from it and then checked, QSGD's mean is bounded)."""
     ws = len(ps)
     n = ps[0].numel()
-    if name in ("topk", "lwtopk"):
+    if name in ("topk", "lwtopk", "mstopk"):  # MSTopk: exactly torch.topk's set on tie-free data
         outs = []
         for p, c in zip(ps, ctxs):
             d = torch.zeros_like(p)
@@ -77,12 +81,38 @@ def _reference_mean(name: str, comp, ps: list[torch.Tensor], ctxs: list[GroupCon
     if name == "efsignsgd":
         own = [torch.where(p >= 0, 1.0, -1.0) * p.abs().mean() for p in ps]
         return sum(own) / ws, own
-    # randomized / search-based: the compressor's own selection, independent aggregation
-    own = []
-    for p, c in zip(ps, ctxs):
-        out = comp.compress(p, c)
-        own.append(comp.decompress(out.payload, out.meta, c))
-    return sum(own) / ws, own
+    if name == "randomk":
+        # the support of the mean is the shared random index set: exactly k positions, and the
+        # values there are the hand average of every rank's p scaled by n/k (unbiased). A rank
+        # using other indices would be missing from these values (and its error memory, checked
+        # by the caller, would be wrong).
+        k = ratio_to_k(ratio, n)
+        support = torch.nonzero(got, as_tuple=False).flatten()
+        assert support.numel() == k, f"randomk: {support.numel()} non-zero elements, want k={k}"
+        own = []
+        for p in ps:
+            d = torch.zeros_like(p)
+            d[support] = p[support] * (n / k)
+            own.append(d)
+        return sum(own) / ws, own
+    if name == "qsgd":
+        # every rank's value is its p rounded to one of the two adjacent levels of norm/s (s = 7,
+        # bucket 512): the mean is within the mean of the level spacings of the true mean
+        s, bs = 7, 512
+        bound = torch.zeros(n)
+        for p in ps:
+            for b0 in range(0, n, bs):
+                bound[b0:b0 + bs] += float(p[b0:b0 + bs].double().norm()) / s / ws
+        true = sum(ps) / ws
+        err = (got - true).abs()
+        assert bool((err <= bound * (1 + 1e-5) + 1e-7).all()), f"qsgd: error {float((err - bound).max()):.3g} over bound"
+        assert float(err.max()) > 0, "qsgd: the mean is exact, nothing was quantised"
+        return got, None
+    if name in ("fp16", "bf16"):  # every element rounded to the half-precision type
+        dtype = torch.float16 if name == "fp16" else torch.bfloat16
+        own = [p.to(dtype).float() for p in ps]
+        return sum(own) / ws, own
+    raise AssertionError(f"no reference for {name}")
 
 
 def _check_compressor(rank: int, ws: int, name: str, ratio, ef: bool, warmup: int) -> dict:
@@ -97,6 +127,8 @@ def _check_compressor(rank: int, ws: int, name: str, ratio, ef: bool, warmup: in
     names = [n for n, _ in model.named_parameters()]
     ref_mem = {}  # (rank, gid) -> tensor, for all ranks
     worst_grad, worst_mem, worst_norm = 0.0, 0.0, 0.0
+    gains: list[tuple] = []  # (step, engine's gain, engine's ewma, reference of the previous compressed step)
+    prev_ref_gain, ewma = None, None
     for step in range(STEPS):
         replica.load_state_dict(model.state_dict())
         x, y = _batch(rank, step)
@@ -108,6 +140,7 @@ def _check_compressor(rank: int, ws: int, name: str, ratio, ef: bool, warmup: in
         _loss(ddp, x, y).backward()
         got = {n: p.grad.detach().reshape(-1).clone() for n, p in model.named_parameters()}
         dense_step = step < warmup
+        sent2 = p2 = 0.0  # Σ over ranks and lossy groups of ‖C(p_r)‖² and ‖p_r‖² (this step)
         for g in engine.plan.groups:
             gs = [torch.cat([all_local[n][r] for n in g.names]) for r in range(ws)]
             got_flat = torch.cat([got[n] for n in g.names])
@@ -117,18 +150,30 @@ def _check_compressor(rank: int, ws: int, name: str, ratio, ef: bool, warmup: in
                 ps = [gs[r] + ref_mem.get((r, g.gid), 0) if ef else gs[r] for r in range(ws)]
                 ctxs = [GroupContext(step=step, rank=r, world_size=ws, segments=g.numels, group_id=g.gid, seed=5)
                         for r in range(ws)]
-                ref, own = _reference_mean(name, comp, ps, ctxs, ratio)
+                ref, own = _reference_mean(name, ps, ctxs, ratio, got_flat)
+                if own is not None:
+                    sent2 += sum(float(o.double().pow(2).sum()) for o in own)
+                    p2 += sum(float(p.double().pow(2).sum()) for p in ps)
                 if ef:
                     for r in range(ws):
                         ref_mem[(r, g.gid)] = ps[r] - own[r]
                     worst_mem = max(worst_mem, float((engine.memory[g.gid] - ref_mem[(rank, g.gid)]).abs().max()))
             worst_grad = max(worst_grad, float((got_flat - ref).abs().max() / (ref.abs().max() + 1e-12)))
+        if not dense_step and p2 > 0:
+            # the gain the engine reports at this step describes the previous compressed step
+            # (it travels with this step's stats allreduce); the EWMA is updated when it arrives
+            if prev_ref_gain is not None:
+                b = cfg.gain_ewma_beta
+                ewma = prev_ref_gain if ewma is None else b * ewma + (1 - b) * prev_ref_gain
+            gains.append((step, engine.last_step.gain, engine.last_step.gain_ewma, prev_ref_gain, ewma))
+            prev_ref_gain = sent2 / p2
         opt.step()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         assert all(torch.equal(flat, o) for o in _gather(flat, ws)), f"{name}: ranks diverged at step {step}"
         true_norm = sum(float(m.double().pow(2).sum()) for m in engine.memory.values()) ** 0.5
         worst_norm = max(worst_norm, abs(engine.last_step.error_norm - true_norm) / (true_norm + 1e-12))
-    return {"grad": worst_grad, "mem": worst_mem, "norm": worst_norm, "steps": engine.step, "calls": engine.hook_calls}
+    return {"grad": worst_grad, "mem": worst_mem, "norm": worst_norm, "steps": engine.step, "calls": engine.hook_calls,
+            "gains": gains}
 
 
 CASES = [
@@ -153,6 +198,19 @@ def test_aggregate_and_error_memory_match_reference(ws, cases):
             assert res["mem"] <= 1e-5, f"{key} rank {r}: error-memory mismatch {res['mem']:.3g}"
             assert res["norm"] <= 1e-3, f"{key} rank {r}: logged error norm off by {res['norm']:.3g}"
             assert res["steps"] == STEPS and res["calls"] > STEPS  # several buckets per step
+            if key.startswith(("topk", "lwtopk", "mstopk", "randomk", "signsgd", "efsignsgd")):
+                _check_gains(key, r, res["gains"])
+
+
+def _check_gains(key: str, rank: int, gains: list[tuple]) -> None:
+    """gain = Σ_r‖C(p_r)‖² / Σ_r‖p_r‖² of the previous compressed step, identical on all ranks."""
+    assert len(gains) == STEPS - 1, gains  # warm-up 1
+    first = gains[0]
+    assert first[1] is None and first[3] is None, f"{key}: a gain before any compressed step: {first}"
+    for step, gain, ewma, want, want_ewma in gains[1:]:
+        assert gain == pytest.approx(want, rel=1e-5), f"{key} rank {rank} step {step}: gain {gain} != {want}"
+        assert ewma == pytest.approx(want_ewma, rel=1e-5), f"{key} rank {rank} step {step}: ewma {ewma} != {want_ewma}"
+    assert all(g[1] > 0 for g in gains[1:]) and any(abs(g[1] - 1) > 1e-3 for g in gains[1:]), gains
 
 
 def _parity_with_ddp(rank: int, ws: int) -> dict:

@@ -3,7 +3,7 @@
 Three reductions for the values, so that ring vs tree is a real choice on any backend:
 ``"allreduce"`` (the backend's own broadcast and allreduce), ``"ring"`` and ``"tree"`` (our P2P
 implementations in :mod:`lightning_gc.comm.p2p_allreduce`, with the indices broadcast along a P2P
-binomial tree — the ``log N`` broadcast the cost model assumes; gloo's own broadcast is flat and
+binomial tree — the ``ceil(log2 N)``-round broadcast the cost model assumes; gloo's own broadcast is flat and
 pushes N−1 copies through the source's link). :class:`AutoSparseExchange` picks per group and step among
 Top-k allgather (AG), ART-Ring and ART-Tree from the alpha-beta model.
 """
@@ -35,8 +35,25 @@ class ARTopkExchange(Exchange):
             raise ValueError(f"reduce={reduce!r} must be 'allreduce', 'ring' or 'tree'")
         self.reduce = reduce
         self.name = {"allreduce": "art_allreduce", "ring": "art_ring", "tree": "art_tree"}[reduce]
-        self._energy: Tensor | None = None  # VAR's smoothed per-rank energies (replicated)
+        # VAR's smoothed per-rank energies, one vector per plan group (keyed by ctx.group_id):
+        # replicated on every rank (built from all-gathered values) and saved in checkpoints
+        self._energy: dict[int, Tensor] = {}
         self.last_source = -1
+
+    def state_dict(self) -> dict:
+        """VAR's smoothed energies per plan group (CPU float64), for checkpoints."""
+        return {"var_energy": {int(g): e.detach().cpu().clone() for g, e in self._energy.items()}}
+
+    def load_state_dict(self, state: dict, world_size: int | None = None) -> None:
+        """Restore :meth:`state_dict`. Vectors whose length is not ``world_size`` (the job was
+        resumed on another number of ranks) are dropped: smoothing restarts from the next step's
+        energies for those groups, which is what a fresh run does."""
+        energy = state.get("var_energy") or {}
+        self._energy = {
+            int(g): torch.as_tensor(e, dtype=torch.float64).clone()
+            for g, e in energy.items()
+            if world_size is None or torch.as_tensor(e).numel() == world_size
+        }
 
     def _global(self, r: int) -> int:
         return dist.get_global_rank(self.group, r) if self.group is not None else r
@@ -48,9 +65,11 @@ class ARTopkExchange(Exchange):
         timer.run("comm", lambda: dist.all_gather(gathered, energy, group=self.group))
         timer.times.bytes_sent += allgather_bytes(8, ctx.world_size)
         e = torch.cat(gathered).cpu()
-        if cfg.var_smoothing > 0 and self._energy is not None:
-            e = cfg.var_smoothing * self._energy + (1 - cfg.var_smoothing) * e
-        self._energy = e
+        if cfg.var_smoothing > 0:
+            prev = self._energy.get(ctx.group_id)
+            if prev is not None and prev.numel() == e.numel():
+                e = cfg.var_smoothing * prev + (1 - cfg.var_smoothing) * e
+            self._energy[ctx.group_id] = e
         return select_source("var", ctx, e)
 
     def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor | SparseSent]:
@@ -68,7 +87,7 @@ class ARTopkExchange(Exchange):
             timer.run("comm", lambda: dist.broadcast(idx, src=self._global(src), group=self.group))
             if ctx.rank == src:
                 timer.times.bytes_sent += (ctx.world_size - 1) * 4 * k
-        else:  # P2P binomial tree: the log N broadcast of the cost model
+        else:  # P2P binomial tree: the ceil(log2 N)-round broadcast of the cost model
             timer.times.bytes_sent += timer.run("comm", lambda: binomial_broadcast(idx, src, self.group))
         timer.times.bytes_payload += 4 * k + p.element_size() * k
         idx_long = idx.long()
@@ -109,12 +128,18 @@ class AutoSparseExchange(Exchange):
         self.last_predicted_s: float | None = None
 
     def choose(self, ctx: GroupContext, element_size: int = 4) -> tuple[str, float | None]:
+        """The collective and its predicted seconds for a group of ``ctx.numel`` elements whose
+        values are ``element_size`` bytes each (the gradient's dtype; indices are always int32).
+
+        Units as in docs/cost_model.md: ``M = 4 * numel`` (so ``M*c`` = index bytes) and
+        ``value_bytes = element_size`` (values take ``M*c*element_size/4`` bytes).
+        """
         model = self.network.model
         if model is None or ctx.world_size == 1:
             return "allgather", None
-        M = ctx.numel * element_size
-        costs = model.sparse_costs(M, ctx.world_size, self.compressor.ratio)
-        choice = model.choose_sparse_collective(M, ctx.world_size, self.compressor.ratio)
+        M = 4 * ctx.numel
+        costs = model.sparse_costs(M, ctx.world_size, self.compressor.ratio, value_bytes=element_size)
+        choice = model.choose_sparse_collective(M, ctx.world_size, self.compressor.ratio, value_bytes=element_size)
         return choice, costs[choice]
 
     def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor | SparseSent]:

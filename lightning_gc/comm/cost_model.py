@@ -11,23 +11,27 @@ for each step of a collective's schedule. All functions take
 
 * ``alpha`` -- seconds per message, ``>= 0``;
 * ``beta`` -- seconds per byte, ``>= 0`` (``8 / bits_per_second``);
-* ``M`` -- bytes of the *dense fp32* message (``4 * numel``), ``>= 0``;
+* ``M`` -- bytes of the message: for the dense collectives the bytes each rank contributes; for
+  the sparse collectives ``4 * numel`` of the group, whatever the gradient's dtype (so ``M * c``
+  is the byte size of the kept int32 indices, ``k = ceil(c * numel)``); ``>= 0``;
 * ``N`` -- number of ranks, an integer ``>= 1``;
-* ``c`` -- compression ratio, the fraction of elements kept, ``0 <= c <= 1`` (top-k keeps
-  ``k = ceil(c * numel)`` elements; ``M * c`` is then the byte size of the kept fp32 values and,
-  because indices are int32, also of the kept indices).
+* ``c`` -- compression ratio, the fraction of elements kept, ``0 <= c <= 1``;
+* ``value_bytes`` (sparse collectives only, default 4) -- bytes per kept *value*: 4 for fp32,
+  2 for fp16/bf16 gradients. Values then take ``M * c * value_bytes / 4`` bytes while the int32
+  indices take ``M * c``; with the default both are ``M * c`` and the formulas are the paper's.
 
-and return seconds. **Logarithms are base 2** (``log2 N``): the tree and broadcast terms count the
-depth of a binary tree and the allgather latency term counts the rounds of recursive doubling.
-The paper writes ``log(N)`` without a base; base 2 is the one under which its own Table VI numbers
-and the usual derivations of these formulas hold.
+and return seconds. **Logarithms**: ``L = ceil(log2 N)`` (:func:`tree_rounds`), the number of
+rounds of a binomial tree or of recursive doubling, which is what runs
+(:func:`lightning_gc.comm.p2p_allreduce.tree_allreduce` and ``binomial_broadcast`` take exactly
+``ceil(log2 N)`` rounds per phase). For powers of two ``L = log2 N``, the paper's ``log(N)``;
+in between the paper's real-valued logarithm would under-count a round that does run.
 
-At ``N == 1`` every cost is exactly 0 (``N - 1 == 0`` and ``log2 1 == 0``): nothing is sent.
+At ``N == 1`` every cost is exactly 0 (``N - 1 == 0`` and ``L == 0``): nothing is sent.
 
 Selection among the sparse collectives (a top-k gradient of ``M * c`` value bytes):
 
 * ``allgather`` -- every rank gathers every rank's values and int32 indices,
-  ``alpha*log2 N + 2*M*c*beta*(N-1)``;
+  ``alpha*L + 2*M*c*beta*(N-1)``;
 * ``art_ring`` -- AR-Topk with a ring allreduce: broadcast the source rank's indices, then a ring
   allreduce of the values, Eq. 4a;
 * ``art_tree`` -- AR-Topk with a tree allreduce, Eq. 4b.
@@ -54,6 +58,7 @@ __all__ = [
     "SparseCollective",
     "SPARSE_COLLECTIVE_TIE_ORDER",
     "log2n",
+    "tree_rounds",
     "parameter_server_cost",
     "ring_allreduce_cost",
     "tree_allreduce_cost",
@@ -127,8 +132,21 @@ def _check_common(alpha: float, beta: float, M: float, N: int) -> tuple[float, f
 
 
 def log2n(N: int) -> float:
-    """``log2(N)``, exact for powers of two (this is the only logarithm the model uses)."""
+    """``log2(N)`` (real-valued). The formulas use :func:`tree_rounds` = ``ceil(log2 N)``."""
     return math.log2(_check_n(N))
+
+
+def tree_rounds(N: int) -> int:
+    """``L = ceil(log2 N)``: rounds of a binomial tree (reduce, broadcast) or of recursive
+    doubling over ``N`` ranks; 0 at ``N == 1``. The only logarithm the formulas use."""
+    return (_check_n(N) - 1).bit_length()
+
+
+def _check_vb(value_bytes: float) -> float:
+    v = _check_nonneg("value_bytes", value_bytes, "pass the bytes per kept value: 4 for fp32, 2 for fp16/bf16")
+    if v == 0:
+        raise ValueError(f"value_bytes={value_bytes!r} must be > 0: pass 4 for fp32, 2 for fp16/bf16")
+    return v
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,66 +170,77 @@ def ring_allreduce_cost(alpha: float, beta: float, M: float, N: int) -> float:
 
 
 def tree_allreduce_cost(alpha: float, beta: float, M: float, N: int) -> float:
-    """Tree allreduce (reduce then broadcast): ``2*alpha*log2 N + 2*log2 N*M*beta`` (Table I)."""
+    """Tree allreduce (binomial reduce then broadcast): ``2*alpha*L + 2*L*M*beta`` (Table I),
+    ``L = ceil(log2 N)``: each phase is ``L`` rounds of one full ``M``-byte message."""
     a, b, m, n = _check_common(alpha, beta, M, N)
-    lg = math.log2(n)
+    lg = tree_rounds(n)
     return 2 * a * lg + 2 * lg * m * b
 
 
 def broadcast_cost(alpha: float, beta: float, M: float, N: int) -> float:
-    """Binomial-tree broadcast: ``alpha*log2 N + log2 N*M*beta`` (Table I)."""
+    """Binomial-tree broadcast: ``alpha*L + L*M*beta`` (Table I), ``L = ceil(log2 N)`` rounds."""
     a, b, m, n = _check_common(alpha, beta, M, N)
-    lg = math.log2(n)
+    lg = tree_rounds(n)
     return a * lg + lg * m * b
 
 
 def allgather_cost(alpha: float, beta: float, M: float, N: int) -> float:
-    """Allgather of ``M`` bytes per rank: ``alpha*log2 N + (N-1)*M*beta`` (Table I)."""
+    """Allgather of ``M`` bytes per rank: ``alpha*L + (N-1)*M*beta`` (Table I), ``L = ceil(log2 N)``."""
     a, b, m, n = _check_common(alpha, beta, M, N)
-    return a * math.log2(n) + (n - 1) * m * b
+    return a * tree_rounds(n) + (n - 1) * m * b
 
 
 # --------------------------------------------------------------------------------------------
 # sparse collectives (Section 3-D)
 # --------------------------------------------------------------------------------------------
-def sparse_allgather_cost(alpha: float, beta: float, M: float, N: int, c: float) -> float:
-    """Allgather of top-k values + int32 indices: ``alpha*log2 N + 2*M*c*beta*(N-1)``.
+def _sparse_bytes(M: float, c: float, value_bytes: float) -> tuple[float, float]:
+    """(index bytes, value bytes) of a top-k message: ``M*c`` and ``M*c*value_bytes/4``."""
+    idx = M * c
+    return idx, idx * value_bytes / 4
 
-    The factor 2 is exact because fp32 values and int32 indices have the same width.
+
+def sparse_allgather_cost(alpha: float, beta: float, M: float, N: int, c: float, value_bytes: float = 4) -> float:
+    """Allgather of top-k values + int32 indices: ``alpha*L + (I + V)*beta*(N-1)``.
+
+    ``I = M*c`` index bytes, ``V = M*c*value_bytes/4`` value bytes; with fp32 values
+    (``value_bytes = 4``) this is the paper's ``alpha*L + 2*M*c*beta*(N-1)``.
     """
     a, b, m, n = _check_common(alpha, beta, M, N)
-    cc = _check_c(c)
-    return a * math.log2(n) + 2 * m * cc * b * (n - 1)
+    idx, val = _sparse_bytes(m, _check_c(c), _check_vb(value_bytes))
+    return a * tree_rounds(n) + (idx + val) * b * (n - 1)
 
 
-def art_ring_cost(alpha: float, beta: float, M: float, N: int, c: float) -> float:
-    """AR-Topk with ring allreduce, Eq. 4a.
-
-    ``alpha*[2(N-1) + log2 N] + M*c*beta*[2(N-1)/N + log2 N]`` = broadcast of ``M*c`` index bytes
-    + ring allreduce of ``M*c`` value bytes.
+def art_ring_cost(alpha: float, beta: float, M: float, N: int, c: float, value_bytes: float = 4) -> float:
+    """AR-Topk with ring allreduce, Eq. 4a: binomial broadcast of the ``I`` index bytes + ring
+    allreduce of the ``V`` value bytes,
+    ``alpha*[2(N-1) + L] + beta*[I*L + V*2(N-1)/N]``; with fp32 values
+    ``alpha*[2(N-1) + L] + M*c*beta*[2(N-1)/N + L]``.
     """
     a, b, m, n = _check_common(alpha, beta, M, N)
-    cc = _check_c(c)
-    lg = math.log2(n)
-    return a * (2 * (n - 1) + lg) + m * cc * b * (2 * (n - 1) / n + lg)
+    idx, val = _sparse_bytes(m, _check_c(c), _check_vb(value_bytes))
+    lg = tree_rounds(n)
+    return a * (2 * (n - 1) + lg) + b * (idx * lg + val * 2 * (n - 1) / n)
 
 
-def art_tree_cost(alpha: float, beta: float, M: float, N: int, c: float) -> float:
-    """AR-Topk with tree allreduce, Eq. 4b: ``3*alpha*log2 N + 3*M*c*beta*log2 N``."""
+def art_tree_cost(alpha: float, beta: float, M: float, N: int, c: float, value_bytes: float = 4) -> float:
+    """AR-Topk with tree allreduce, Eq. 4b: binomial broadcast of ``I`` index bytes + binomial tree
+    allreduce of ``V`` value bytes, ``3*alpha*L + beta*L*(I + 2*V)``; with fp32 values
+    ``3*alpha*L + 3*M*c*beta*L``.
+    """
     a, b, m, n = _check_common(alpha, beta, M, N)
-    cc = _check_c(c)
-    lg = math.log2(n)
-    return 3 * a * lg + 3 * m * cc * b * lg
+    idx, val = _sparse_bytes(m, _check_c(c), _check_vb(value_bytes))
+    lg = tree_rounds(n)
+    return 3 * a * lg + b * lg * (idx + 2 * val)
 
 
 def sparse_collective_costs(
-    alpha: float, beta: float, M: float, N: int, c: float
+    alpha: float, beta: float, M: float, N: int, c: float, value_bytes: float = 4
 ) -> dict[SparseCollective, float]:
-    """Predicted seconds of the three sparse collectives, keyed by name."""
+    """Predicted seconds of the three sparse collectives, keyed by name (``M = 4 * numel``)."""
     return {
-        "allgather": sparse_allgather_cost(alpha, beta, M, N, c),
-        "art_ring": art_ring_cost(alpha, beta, M, N, c),
-        "art_tree": art_tree_cost(alpha, beta, M, N, c),
+        "allgather": sparse_allgather_cost(alpha, beta, M, N, c, value_bytes),
+        "art_ring": art_ring_cost(alpha, beta, M, N, c, value_bytes),
+        "art_tree": art_tree_cost(alpha, beta, M, N, c, value_bytes),
     }
 
 
@@ -221,43 +250,45 @@ def sparse_collective_costs(
 def rule_5a_coefficient(N: int) -> float:
     """``K`` of rule 5a: ART-Ring beats ART-Tree iff ``alpha/beta < K * M * c``.
 
-    ``K = (log2 N - (N-1)/N) / (N - 1 - log2 N)``. The denominator vanishes at ``N == 2``
-    (``1 - log2 2 == 0``) while the numerator is ``1/2 > 0``: the ring then wins for *every*
-    ``alpha`` as soon as ``M*c*beta > 0`` (Eq. 4a minus 4b is ``-M*c*beta``), so ``K = inf``.
-    At ``N == 1`` both numerator and denominator are 0 and nothing is sent: ``K = nan`` (the rule
-    never fires). For ``N >= 3`` the denominator is positive and ``K`` is finite and positive.
+    ``K = (L - (N-1)/N) / (N - 1 - L)`` with ``L = ceil(log2 N)``. The denominator vanishes at
+    ``N == 2`` and ``N == 3`` (``L == N - 1``) while the numerator is positive: the alpha terms of
+    Eq. 4a and 4b are then equal and the ring wins for *every* ``alpha`` as soon as
+    ``M*c*beta > 0``, so ``K = inf``. At ``N == 1`` both numerator and denominator are 0 and
+    nothing is sent: ``K = nan`` (the rule never fires). For ``N >= 4`` the denominator is
+    positive and ``K`` is finite and positive.
     """
     n = _check_n(N)
     if n == 1:
         return math.nan
-    if n == 2:
+    lg = tree_rounds(n)
+    if n - 1 - lg == 0:
         return math.inf
-    lg = math.log2(n)
     return (lg - (n - 1) / n) / (n - 1 - lg)
 
 
 def rule_5b_coefficient(N: int) -> float:
     """``K`` of rule 5b: ART-Ring beats allgather iff ``alpha/beta < K * M * c``.
 
-    ``K = 1 - 1/N - log2 N / (2(N-1))``. ``K == 0`` at ``N == 2`` (the ring can at best tie
-    allgather, when ``alpha == 0``); ``nan`` at ``N == 1`` (rule never fires).
+    ``K = 1 - 1/N - L / (2(N-1))``, ``L = ceil(log2 N)``. ``K == 0`` at ``N == 2`` (the ring can
+    at best tie allgather, when ``alpha == 0``); ``nan`` at ``N == 1`` (rule never fires).
     """
     n = _check_n(N)
     if n == 1:
         return math.nan
-    return 1 - 1 / n - math.log2(n) / (2 * (n - 1))
+    return 1 - 1 / n - tree_rounds(n) / (2 * (n - 1))
 
 
 def rule_5c_coefficient(N: int) -> float:
     """``K`` of rule 5c: ART-Tree beats allgather iff ``alpha/beta < K * M * c``.
 
-    ``K = (N-1)/log2 N - 3/2``: negative at ``N in (2, 3)``, zero at ``N == 4``, positive from 5
-    on -- so with ``alpha >= 0`` ART-Tree never beats allgather below 5 ranks. ``nan`` at ``N == 1``.
+    ``K = (N-1)/L - 3/2``, ``L = ceil(log2 N)``: negative at ``N`` = 2, 3 and 5, zero at
+    ``N == 4``, positive from 6 on -- so with ``alpha >= 0`` ART-Tree never beats allgather below
+    6 ranks. ``nan`` at ``N == 1``.
     """
     n = _check_n(N)
     if n == 1:
         return math.nan
-    return (n - 1) / math.log2(n) - 1.5
+    return (n - 1) / tree_rounds(n) - 1.5
 
 
 def _rule(alpha: float, beta: float, M: float, N: int, c: float, coeff: Callable[[int], float]) -> bool:
@@ -275,28 +306,30 @@ def _rule(alpha: float, beta: float, M: float, N: int, c: float, coeff: Callable
 def rule_5a_ring_over_tree(alpha: float, beta: float, M: float, N: int, c: float) -> bool:
     """Rule 5a: True iff ART-Ring is strictly cheaper than ART-Tree.
 
-    Closed form ``alpha/beta < (log2 N - (N-1)/N)/(N-1-log2 N) * M*c``, evaluated multiplied out
-    (``alpha < K*M*c*beta``). ``N == 2``: True iff ``M*c*beta > 0`` (see :func:`rule_5a_coefficient`).
+    Closed form ``alpha/beta < (L - (N-1)/N)/(N-1-L) * M*c``, evaluated multiplied out
+    (``alpha < K*M*c*beta``). ``N`` = 2, 3: True iff ``M*c*beta > 0`` (see :func:`rule_5a_coefficient`).
     """
     return _rule(alpha, beta, M, N, c, rule_5a_coefficient)
 
 
 def rule_5b_ring_over_allgather(alpha: float, beta: float, M: float, N: int, c: float) -> bool:
     """Rule 5b: True iff ART-Ring is strictly cheaper than allgather,
-    ``alpha/beta < (1 - 1/N - log2 N/(2(N-1))) * M*c``."""
+    ``alpha/beta < (1 - 1/N - L/(2(N-1))) * M*c``."""
     return _rule(alpha, beta, M, N, c, rule_5b_coefficient)
 
 
 def rule_5c_tree_over_allgather(alpha: float, beta: float, M: float, N: int, c: float) -> bool:
     """Rule 5c: True iff ART-Tree is strictly cheaper than allgather,
-    ``alpha/beta < ((N-1)/log2 N - 3/2) * M*c``."""
+    ``alpha/beta < ((N-1)/L - 3/2) * M*c``."""
     return _rule(alpha, beta, M, N, c, rule_5c_coefficient)
 
 
 def choose_sparse_collective_by_rules(
     alpha: float, beta: float, M: float, N: int, c: float
 ) -> SparseCollective:
-    """The paper's decision procedure from the closed forms only.
+    """The paper's decision procedure from the closed forms only (fp32 values: the closed forms
+    assume values and indices of the same width; :func:`choose_sparse_collective` takes
+    ``value_bytes``).
 
     Rule 5a picks the AR-Topk flavour; rule 5b (ring) or 5c (tree) then decides whether it beats
     allgather. Agrees with :func:`choose_sparse_collective` (same tie order) up to floating-point
@@ -307,7 +340,9 @@ def choose_sparse_collective_by_rules(
     return "art_tree" if rule_5c_tree_over_allgather(alpha, beta, M, N, c) else "allgather"
 
 
-def choose_sparse_collective(alpha: float, beta: float, M: float, N: int, c: float) -> SparseCollective:
+def choose_sparse_collective(
+    alpha: float, beta: float, M: float, N: int, c: float, value_bytes: float = 4
+) -> SparseCollective:
     """Pick the cheapest of allgather / ART-Ring / ART-Tree by comparing the cost formulas.
 
     Ties (equal predicted seconds, which happens in degenerate settings: ``N == 1``, ``M*c == 0``,
@@ -316,7 +351,7 @@ def choose_sparse_collective(alpha: float, beta: float, M: float, N: int, c: flo
     strict inequalities of rules 5a-5c imply. The inputs must be replicated across ranks (e.g. a
     probed, agreed :class:`NetworkModel`), otherwise ranks pick different collectives and hang.
     """
-    costs = sparse_collective_costs(alpha, beta, M, N, c)
+    costs = sparse_collective_costs(alpha, beta, M, N, c, value_bytes)
     best = SPARSE_COLLECTIVE_TIE_ORDER[0]
     for name in SPARSE_COLLECTIVE_TIE_ORDER[1:]:
         if costs[name] < costs[best]:
@@ -388,8 +423,9 @@ class NetworkModel:
     def parameter_server(self, M: float, N: int) -> float:
         return parameter_server_cost(self.alpha_s, self.beta_s_per_byte, M, N)
 
-    def sparse_costs(self, M: float, N: int, c: float) -> dict[SparseCollective, float]:
-        return sparse_collective_costs(self.alpha_s, self.beta_s_per_byte, M, N, c)
+    def sparse_costs(self, M: float, N: int, c: float, value_bytes: float = 4) -> dict[SparseCollective, float]:
+        """Sparse costs with ``M = 4 * numel`` and ``value_bytes`` per kept value."""
+        return sparse_collective_costs(self.alpha_s, self.beta_s_per_byte, M, N, c, value_bytes)
 
-    def choose_sparse_collective(self, M: float, N: int, c: float) -> SparseCollective:
-        return choose_sparse_collective(self.alpha_s, self.beta_s_per_byte, M, N, c)
+    def choose_sparse_collective(self, M: float, N: int, c: float, value_bytes: float = 4) -> SparseCollective:
+        return choose_sparse_collective(self.alpha_s, self.beta_s_per_byte, M, N, c, value_bytes)

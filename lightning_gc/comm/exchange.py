@@ -132,10 +132,12 @@ class Exchange(ABC):
         return self.name
 
     def state_dict(self) -> dict:
-        """Replicated state that must survive a checkpoint (none by default)."""
+        """State that must survive a checkpoint (e.g. AR-Topk VAR's smoothed energies); none here."""
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, world_size: int | None = None) -> None:
+        """Restore :meth:`state_dict`; ``world_size`` is the current group size (state written on
+        another number of ranks may not apply)."""
         return None
 
 

@@ -1,4 +1,4 @@
-"""Ring and binary-tree allreduce built from ``torch.distributed`` point-to-point operations.
+"""Ring and binomial-tree allreduce built from ``torch.distributed`` point-to-point operations.
 
 Why not ``dist.all_reduce``? Two reasons:
 
@@ -59,7 +59,9 @@ __all__ = [
     "ring_bytes_sent",
     "tree_bytes_sent",
     "tree_children",
+    "tree_depth",
     "tree_parent",
+    "tree_subtree_size",
 ]
 
 Combine = Callable[[torch.Tensor, torch.Tensor, int], "torch.Tensor | None"]
@@ -232,20 +234,36 @@ def ring_allreduce(
 # --------------------------------------------------------------------------------------------
 # tree
 # --------------------------------------------------------------------------------------------
+def tree_depth(world_size: int) -> int:
+    """Rounds of each phase of :func:`tree_allreduce` (and of :func:`binomial_broadcast`):
+    ``ceil(log2 N)``, 0 for ``N == 1``."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be >= 1")
+    return (world_size - 1).bit_length()
+
+
 def tree_parent(rank: int) -> int | None:
-    """Parent of group rank ``rank`` in the binary tree rooted at 0 (``None`` for the root)."""
-    return None if rank == 0 else (rank - 1) // 2
+    """Parent of group rank ``rank`` in the binomial tree rooted at 0 (``None`` for the root):
+    ``rank`` minus its lowest set bit (e.g. 6 -> 4, 5 -> 4, 4 -> 0)."""
+    return None if rank == 0 else rank - (rank & -rank)
 
 
 def tree_children(rank: int, world_size: int) -> list[int]:
-    """Children ``2r+1`` and ``2r+2`` of group rank ``rank`` that exist in a group of ``world_size``."""
-    return [c for c in (2 * rank + 1, 2 * rank + 2) if c < world_size]
+    """Children of group rank ``rank`` in the binomial tree, in the order of the reduce rounds.
+
+    Child ``rank + 2**j`` for every ``j`` below the position of ``rank``'s lowest set bit (every
+    ``j`` for the root) with ``rank + 2**j < world_size``; in round ``j`` of the reduce, child
+    ``rank + 2**j`` sends to ``rank``.
+    """
+    limit = tree_depth(world_size) if rank == 0 else (rank & -rank).bit_length() - 1
+    return [rank + (1 << j) for j in range(limit) if rank + (1 << j) < world_size]
 
 
-def _subtree_size(rank: int, world_size: int) -> int:
-    if rank >= world_size:
-        return 0
-    return 1 + _subtree_size(2 * rank + 1, world_size) + _subtree_size(2 * rank + 2, world_size)
+def tree_subtree_size(rank: int, world_size: int) -> int:
+    """Ranks in the subtree of ``rank`` (itself included): ``min(lowbit(rank), N - rank)``, N for the root."""
+    if rank == 0:
+        return world_size
+    return min(rank & -rank, world_size - rank)
 
 
 def tree_bytes_sent(numel: int, element_size: int, world_size: int, rank: int) -> int:
@@ -265,18 +283,24 @@ def tree_allreduce(
     group: dist.ProcessGroup | None = None,
     combine: Combine | None = None,
 ) -> P2PAllreduceStats:
-    """Binary-tree allreduce of ``tensor`` in place: reduce up to group rank 0, broadcast down.
+    """Binomial-tree allreduce of ``tensor`` in place: reduce to group rank 0, broadcast back.
 
-    Group rank ``r`` has children ``2r+1`` and ``2r+2`` (those ``< N``). Reduce phase: a rank
-    receives the partial results of its children (both posted at once), combines them into its own
-    data in child order (``2r+1`` first) with ``hop`` = the child's subtree size, and sends the
-    result to its parent. Broadcast phase: the root's result travels down the same tree.
+    The tree (see :func:`tree_parent`, :func:`tree_children`) is the binomial tree rooted at 0.
+    Reduce phase, rounds ``j = 0 .. L-1`` with ``L = ceil(log2 N)`` (:func:`tree_depth`): the ranks
+    whose lowest set bit is ``2**j`` send their partial result to ``rank - 2**j``, which combines it
+    into its own data with ``hop`` = the sender's subtree size. Broadcast phase: the same tree in
+    reverse, ``L`` rounds, the root's result overwriting everyone's data.
 
-    ``combine`` is called once per child (0, 1 or 2 times per rank); hops are subtree sizes, so
-    ranks deeper in the tree see smaller hops. The full message moves on every edge twice, so the
-    depth is ``floor(log2 N)`` levels each way -- the Tree-AR row of Table I models this as
-    ``2*log2 N`` message times. Bytes sent per rank depend on its position:
+    Every rank sends and receives at most one full message per round, so each phase takes ``L``
+    message times of ``M`` bytes: ``2*L*(alpha + M*beta)`` in all, the Tree-AR row of Table I with
+    ``L = ceil(log2 N)`` (``log2 N`` for powers of two). The root receives ``L`` messages and sends
+    ``L``; a leaf sends one and receives one. Bytes sent per rank:
     ``(has_parent + n_children) * numel * element_size`` (see :func:`tree_bytes_sent`).
+
+    ``combine`` is called once per child, children in round order (``rank + 1`` first, then
+    ``rank + 2``, ``rank + 4``, ...), with ``hop`` = the child's subtree size
+    (:func:`tree_subtree_size`), so a rank's accumulator after its last combine aggregates its
+    whole subtree and the root's aggregates all ``N`` ranks.
 
     Empty tensors return immediately (nothing to reduce, ``combine`` is not called) on every rank.
     Uses plain ``isend``/``irecv`` pairs: each transfer involves only two ranks, and a rank never
@@ -295,17 +319,15 @@ def tree_allreduce(
     parent = tree_parent(rank)
     sent = received = msgs = calls = 0
 
-    # reduce up
+    # reduce up: one child per round, in round order
     if children:
-        bufs = [torch.empty_like(flat) for _ in children]
-        works = [dist.irecv(buf, glob(ch), group) for buf, ch in zip(bufs, children)]
-        for work in works:
-            work.wait()
-        received += nbytes * len(children)
-        for buf, ch in zip(bufs, children):
-            _apply_combine(combine, flat, buf, _subtree_size(ch, n))
+        buf = torch.empty_like(flat)
+        for ch in children:
+            dist.irecv(buf, glob(ch), group).wait()
+            received += nbytes
+            _apply_combine(combine, flat, buf, tree_subtree_size(ch, n))
             calls += 1
-        del bufs
+        del buf
     if parent is not None:
         dist.isend(flat, glob(parent), group).wait()
         sent += nbytes
@@ -313,12 +335,11 @@ def tree_allreduce(
         # broadcast down: receive the final result from the parent
         dist.irecv(flat, glob(parent), group).wait()
         received += nbytes
-    if children:
-        works = [dist.isend(flat, glob(ch), group) for ch in children]
-        for work in works:
-            work.wait()
-        sent += nbytes * len(children)
-        msgs += len(children)
+    # broadcast down: the child of the highest round first (it has the deepest subtree)
+    for ch in reversed(children):
+        dist.isend(flat, glob(ch), group).wait()
+        sent += nbytes
+        msgs += 1
     return P2PAllreduceStats("tree", n, sent, received, msgs, calls)
 
 

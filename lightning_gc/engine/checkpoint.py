@@ -55,7 +55,7 @@ def load_engine_state(engine: GCEngine, state: dict, restore_memory: bool = True
     if ratio is not None and engine.compressor.has_ratio:
         engine.compressor.set_ratio(ratio)  # replicated: every rank's saved state holds the same ratio
     engine.tracker.load_state_dict(state.get("network") or {})
-    engine.exchange.load_state_dict(state.get("exchange") or {})
+    engine.exchange.load_state_dict(state.get("exchange") or {}, world_size=engine.world_size)
     if not restore_memory:
         engine._memory.clear()
         return []
