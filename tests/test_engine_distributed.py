@@ -127,8 +127,8 @@ def _check_compressor(rank: int, ws: int, name: str, ratio, ef: bool, warmup: in
     names = [n for n, _ in model.named_parameters()]
     ref_mem = {}  # (rank, gid) -> tensor, for all ranks
     worst_grad, worst_mem, worst_norm = 0.0, 0.0, 0.0
-    gains: list[tuple] = []  # (step, engine's gain, engine's ewma, reference of the previous compressed step)
-    prev_ref_gain, ewma = None, None
+    gains: list[tuple] = []  # (step, engine's gain, engine's ewma, reference gain, reference ewma)
+    ewma = None
     for step in range(STEPS):
         replica.load_state_dict(model.state_dict())
         x, y = _batch(rank, step)
@@ -160,13 +160,12 @@ def _check_compressor(rank: int, ws: int, name: str, ratio, ef: bool, warmup: in
                     worst_mem = max(worst_mem, float((engine.memory[g.gid] - ref_mem[(rank, g.gid)]).abs().max()))
             worst_grad = max(worst_grad, float((got_flat - ref).abs().max() / (ref.abs().max() + 1e-12)))
         if not dense_step and p2 > 0:
-            # the gain the engine reports at this step describes the previous compressed step
-            # (it travels with this step's stats allreduce); the EWMA is updated when it arrives
-            if prev_ref_gain is not None:
-                b = cfg.gain_ewma_beta
-                ewma = prev_ref_gain if ewma is None else b * ewma + (1 - b) * prev_ref_gain
-            gains.append((step, engine.last_step.gain, engine.last_step.gain_ewma, prev_ref_gain, ewma))
-            prev_ref_gain = sent2 / p2
+            # the gain the engine reports at this step describes this step (its sums travel in the
+            # step's closing report); the EWMA is updated with it
+            ref_gain = sent2 / p2
+            b = cfg.gain_ewma_beta
+            ewma = ref_gain if ewma is None else b * ewma + (1 - b) * ref_gain
+            gains.append((step, engine.last_step.gain, engine.last_step.gain_ewma, ref_gain, ewma))
         opt.step()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         assert all(torch.equal(flat, o) for o in _gather(flat, ws)), f"{name}: ranks diverged at step {step}"
@@ -203,14 +202,12 @@ def test_aggregate_and_error_memory_match_reference(ws, cases):
 
 
 def _check_gains(key: str, rank: int, gains: list[tuple]) -> None:
-    """gain = Σ_r‖C(p_r)‖² / Σ_r‖p_r‖² of the previous compressed step, identical on all ranks."""
+    """gain = Σ_r‖C(p_r)‖² / Σ_r‖p_r‖² of the same compressed step, identical on all ranks."""
     assert len(gains) == STEPS - 1, gains  # warm-up 1
-    first = gains[0]
-    assert first[1] is None and first[3] is None, f"{key}: a gain before any compressed step: {first}"
-    for step, gain, ewma, want, want_ewma in gains[1:]:
+    for step, gain, ewma, want, want_ewma in gains:
         assert gain == pytest.approx(want, rel=1e-5), f"{key} rank {rank} step {step}: gain {gain} != {want}"
         assert ewma == pytest.approx(want_ewma, rel=1e-5), f"{key} rank {rank} step {step}: ewma {ewma} != {want_ewma}"
-    assert all(g[1] > 0 for g in gains[1:]) and any(abs(g[1] - 1) > 1e-3 for g in gains[1:]), gains
+    assert all(g[1] > 0 for g in gains) and any(abs(g[1] - 1) > 1e-3 for g in gains), gains
 
 
 def _parity_with_ddp(rank: int, ws: int) -> dict:
