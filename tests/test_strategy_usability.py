@@ -89,7 +89,7 @@ EPOCHS = 2
 
 @pytest.fixture(scope="module")
 def fp16_run(tmp_path_factory):
-    """fp16 on every tensor (min_compress_numel=0), no stats allreduce: bytes are computable by hand."""
+    """fp16 on every tensor (min_compress_numel=0): bytes are computable by hand."""
     tmp = tmp_path_factory.mktemp("fp16run")
     logger = L.pytorch.loggers.TensorBoardLogger(str(tmp), name="tb")
     strategy = GCStrategy(compressor="fp16", min_compress_numel=0, check_finite=False, warmup_steps=WARMUP,
@@ -107,14 +107,19 @@ def test_end_of_fit_summary_matches_an_independent_count(fp16_run):
     numel = 16 * 96 + 96 + 96 * 4 + 4  # TinyClassifier: Linear(16, 96) + Linear(96, 4)
     dense_step = 2 * (2 - 1) / 2 * 4 * numel  # ring allreduce of fp32 gradients, 2 ranks
     fp16_step = 2 * (2 - 1) / 2 * 2 * numel  # the same in fp16
+    # the engine's per-step agreement: the opening check all-gathers 8 bytes per rank every step,
+    # the closing report sum-allreduces 6 float64 values on compressed steps (docs/concepts.md)
+    opening, closing = (2 - 1) * 8, 2 * (2 - 1) / 2 * 6 * 8
+    dense_step_sent, fp16_step_sent = dense_step + opening, fp16_step + opening + closing
     for r, rep in enumerate(reports):
         s = rep["summary"]
         assert rep["numel"] == numel and rep["global_step"] == n
         assert (s["compressor"], s["collective"], s["world_size"], s["rank"]) == ("fp16", "allreduce", 2, r)
         assert (s["steps"], s["compressed_steps"], s["dense_steps"]) == (n, n - WARMUP, WARMUP)
         assert s["bytes_dense"] == n * dense_step
-        assert s["bytes_sent"] == WARMUP * dense_step + (n - WARMUP) * fp16_step
-        assert s["bytes_ratio"] == pytest.approx((WARMUP * dense_step + (n - WARMUP) * fp16_step) / (n * dense_step))
+        assert s["bytes_sent"] == WARMUP * dense_step_sent + (n - WARMUP) * fp16_step_sent
+        assert s["bytes_ratio"] == pytest.approx((WARMUP * dense_step_sent + (n - WARMUP) * fp16_step_sent)
+                                                 / (n * dense_step))
         assert s["nonfinite_steps"] == 0 and s["skipped_steps"] == 0
         assert s["compress_time_s"] > 0 and s["comm_time_s"] > 0
 
@@ -125,7 +130,9 @@ def test_summary_text_states_the_counts(fp16_run):
     _, reports = fp16_run
     text = GCSummary(**reports[0]["summary"]).format()
     assert "optimizer steps: 16 (13 compressed, 3 dense)" in text
-    assert "ratio 0.5938" in text and "1.7x less" in text  # (3 + 13/2) / 16 = 0.59375
+    # (3·(8080 + 8) + 13·(4040 + 8 + 48)) / (16·8080) = 0.59957: fp16 halves the 13 compressed steps,
+    # the engine's per-step agreement adds 8 and 48 bytes
+    assert "ratio 0.5996" in text and "1.7x less" in text
 
 
 def test_summary_printed_once_at_end_of_fit(tmp_path):
@@ -163,4 +170,6 @@ def test_warmup_end_visible_in_tensorboard_with_sparse_logging(fp16_run):
     # the steps where the mode changes are written anyway: the first (dense) and the first compressed
     assert dense == {0: 1.0, WARMUP: 0.0}, dense
     ratios = {e.step: e.value for e in acc.Scalars("gc/bytes_ratio")}
-    assert ratios == {0: 1.0, WARMUP: 0.5}
+    # fp32 ring allreduce = 8080 bytes; + 8 (opening check); fp16 step + 8 + 48 (closing report)
+    assert sorted(ratios) == [0, WARMUP]
+    assert ratios[0] == pytest.approx(8088 / 8080) and ratios[WARMUP] == pytest.approx(4096 / 8080)
