@@ -50,3 +50,18 @@ def test_summary_counts_and_median_error():
     assert s["auto_vs_fastest_max"] == pytest.approx(2.5)
     assert s["median_relative_comm_error"] is not None and s["median_relative_comm_error"] > 0
     assert "| mlp | 1gbit | 0.1 |" in markdown(rows, s)
+
+
+def test_predicted_over_measured_per_collective_by_hand():
+    # alpha 1 ms, beta 8e-8 s/B, numel 1e6 (M*c = 40 kB at c = 0.01), N = 4 (L = 2):
+    # AG = 2e-3 + 2*40e3*8e-8*3 = 0.0212 s against 0.05 s measured;
+    # ring = 1e-3*(6+2) + 40e3*8e-8*(1.5+2) = 0.0192 s against 0.04 s;
+    # tree = 3e-3*2 + 3*40e3*8e-8*2 = 0.0252 s against 0.06 s
+    row = _analyse(_doc(0.5, 0.3, 0.4, 0.33, {"art_ring": 5}), "mlp", "100mbit", 0.01, 1_000_000, 4)
+    got = {c: row["collectives"][c]["predicted_over_measured"] for c in ("allgather", "art_ring", "art_tree")}
+    assert got == pytest.approx({"allgather": 0.0212 / 0.05, "art_ring": 0.0192 / 0.04, "art_tree": 0.0252 / 0.06})
+    other = _analyse(_doc(0.5, 0.3, 0.4, 0.33, {"art_ring": 5}, comm=(0.1, 0.02, 0.03)), "mlp", "100mbit", 0.01,
+                     1_000_000, 4)
+    med = summarise([row, other])["median_predicted_over_measured"]
+    assert med["allgather"] == pytest.approx((0.0212 / 0.05 + 0.0212 / 0.1) / 2)
+    assert med["art_tree"] == pytest.approx((0.0252 / 0.06 + 0.0252 / 0.03) / 2)

@@ -7,7 +7,8 @@ predicts for each collective with the α/β the automatic run measured in-band:
 
 * how often the automatic choice is the measured-fastest collective, and its step time relative
   to the fastest (the target is ≤ 1.25×);
-* the median of |predicted − measured| / measured communication time over all sparse runs;
+* the median of |predicted − measured| / measured communication time over all sparse runs, and
+  per collective the median of predicted / measured;
 * STAR-Topk vs dense DDP step time.
 
     python -m lightning_gc.bench.artopk_validation --presets mlp,cnn --ratios 0.1,0.01,0.001 \\
@@ -103,6 +104,8 @@ def _analyse(doc: dict, preset: str, bw: str, ratio: float, numel: int, n: int) 
                  "comm_source": "exchange" if r.get("exchange_comm_s") else "engine_total"}
         if model is not None:
             entry["predicted_s"] = model.sparse_costs(M, n, ratio)[coll]
+            if comm:
+                entry["predicted_over_measured"] = entry["predicted_s"] / comm
         measured[coll] = entry
     row["collectives"] = measured
     if model is not None:
@@ -134,8 +137,14 @@ def summarise(rows: list[dict]) -> dict:
     with_auto = [r for r in rows if "auto_is_fastest" in r]
     errors = [abs(c["predicted_s"] - c["comm_s"]) / c["comm_s"]
               for r in rows for c in r.get("collectives", {}).values() if c.get("comm_s") and "predicted_s" in c]
+    per_coll: dict[str, list[float]] = {}
+    for r in rows:
+        for coll, c in r.get("collectives", {}).items():
+            if "predicted_over_measured" in c:
+                per_coll.setdefault(coll, []).append(c["predicted_over_measured"])
     return {
         "configurations": len(rows),
+        "median_predicted_over_measured": {k: statistics.median(v) for k, v in sorted(per_coll.items())},
         "auto_fastest_fraction": (sum(r["auto_is_fastest"] for r in with_auto) / len(with_auto)) if with_auto else None,
         "auto_vs_fastest_max": max((r["auto_vs_fastest"] for r in with_auto), default=None),
         "median_relative_comm_error": statistics.median(errors) if errors else None,
