@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .base import Compressed, Compressor, GroupContext
+from .workspace import scratch
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -56,7 +57,10 @@ class CastCompressor(Compressor):
         return 0.5
 
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
-        return Compressed((x.div(ctx.world_size).to(self._dtype),), meta=x.dtype)
+        # divide into a reused buffer (a fresh group-sized tensor costs more in page faults than
+        # the division), then cast: same values as x.div(N).to(dtype)
+        tmp = torch.div(x, ctx.world_size, out=scratch("cast.div", x.numel(), x.dtype, x.device).view_as(x))
+        return Compressed((tmp.to(self._dtype),), meta=x.dtype)
 
     def decompress(self, payload: tuple[Tensor, ...], meta: Any, ctx: GroupContext) -> Tensor:
         return payload[0].to(meta).mul_(ctx.world_size)

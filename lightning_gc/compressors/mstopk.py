@@ -41,17 +41,41 @@ class MSTopKConfig:
 
 
 def threshold_topk_indices(x: Tensor, k: int, rounds: int) -> Tensor:
-    """Indices of exactly ``k`` large-magnitude elements found by threshold bisection."""
-    a = x.abs()
+    """Indices of exactly ``k`` large-magnitude elements found by threshold bisection.
+
+    On CPU the bisection counts only the elements still inside the bracket ``[lo, hi)`` (plus a
+    running count of those ``≥ hi``), so after the first rounds each round touches a small
+    fraction of the group; the thresholds, and therefore the selection, are exactly those of
+    counting over the whole tensor every round. On accelerators every round counts over the
+    whole tensor without a host synchronisation.
+    """
+    a = x.reshape(-1).abs()
     if a.dtype not in (torch.float32, torch.float64):
         a = a.float()
     lo = torch.zeros((), dtype=a.dtype, device=a.device)
     hi = torch.nextafter(a.max(), torch.tensor(float("inf"), dtype=a.dtype, device=a.device))
-    for _ in range(rounds):
-        mid = (lo + hi) / 2
-        enough = (a >= mid).sum() >= k
-        lo = torch.where(enough, mid, lo)
-        hi = torch.where(enough, hi, mid)
+    if a.device.type == "cpu":
+        # inside holds every element in [lo, hi) and possibly some ≥ hi (``extra`` of them, all
+        # also counted in ``above`` = count(|x| ≥ hi)); it is only copied when lo rises
+        inside = a
+        above = 0
+        extra = 0
+        for _ in range(rounds):
+            mid = (lo + hi) / 2
+            upper = inside >= mid
+            in_upper = int(upper.sum())
+            c = above + in_upper - extra  # = count(|x| ≥ mid)
+            if c >= k:
+                lo = mid
+                inside = inside[upper]
+            else:
+                hi, above, extra = mid, c, in_upper
+    else:
+        for _ in range(rounds):
+            mid = (lo + hi) / 2
+            enough = (a >= mid).sum() >= k
+            lo = torch.where(enough, mid, lo)
+            hi = torch.where(enough, hi, mid)
     sure = torch.nonzero(a >= hi, as_tuple=False).flatten()
     need = k - sure.numel()
     fill = torch.nonzero((a >= lo) & (a < hi), as_tuple=False).flatten()[:need]
