@@ -122,6 +122,11 @@ def _timing(runs: list[float], n: int, ref_s: float) -> dict:
                          vs_add=s / ref_s if ref_s > 0 else float("nan"), runs=runs))
 
 
+def _reference_add(a: torch.Tensor, b: torch.Tensor, repeats: int) -> list[float]:
+    c = torch.empty_like(a)
+    return _time(lambda: torch.add(a, b, out=c), repeats)
+
+
 def _segments(n: int, parts: int) -> list[int]:
     """Uneven split of ``n`` into ``parts`` sizes (big conv weights and small biases, like a model)."""
     parts = max(1, min(parts, n))
@@ -239,8 +244,7 @@ def run_codec_bench(cfg: CodecBenchConfig, log: Callable[[str], None] | None = N
             gen = torch.Generator().manual_seed(cfg.seed + n)
             # rank-dependent scales so no rank dominates every coordinate by construction
             xs = [torch.randn(n, generator=gen) * (1.0 + 0.25 * r) for r in range(cfg.world_size)]
-            a, b, c = xs[0], xs[-1], torch.empty(n)
-            ref_runs = _time(lambda: torch.add(a, b, out=c), cfg.repeats)
+            ref_runs = _reference_add(xs[0], xs[-1], cfg.repeats)
             ref_s = statistics.median(ref_runs)
             entry = {
                 "numel": n,
@@ -249,7 +253,6 @@ def run_codec_bench(cfg: CodecBenchConfig, log: Callable[[str], None] | None = N
                 "engine": _engine_passes(n, cfg, ref_s, xs[0]),
                 "compressors": {},
             }
-            del c
             log(f"size {n}: add {ref_s * 1e3:.2f} ms ({12 * n / ref_s / 1e9:.2f} GB/s)")
             for name in names:
                 t0 = time.perf_counter()

@@ -87,8 +87,12 @@ class _SignBase(Compressor):
 
     def decompress(self, payload: tuple[Tensor, ...], meta: Any, ctx: GroupContext) -> Tensor:
         scale, packed = payload
-        table = self._code_signs(1, packed.device)[:, 0] * scale.reshape(()).float()
-        return self._table_decode([payload], ctx.numel, table, meta)
+        s = scale.reshape(()).float()
+        bits = spread_bits(packed).view(torch.uint8)[:ctx.numel]
+        # b·2s − s is exactly (2b − 1)·s: ±s (2s is exact, and so is 2s − s)
+        out = torch.empty(ctx.numel, dtype=torch.float32, device=packed.device).copy_(bits)
+        out.mul_(2 * s).sub_(s)
+        return out if out.dtype == meta else out.to(meta)
 
     def payload_specs(self, ctx: GroupContext, dtype: torch.dtype):
         return [((1,), torch.float32), (((ctx.numel + 7) // 8,), torch.uint8)]
@@ -119,8 +123,8 @@ class SignSGDCompressor(_SignBase):
             vote.sub_(torch.lt(c, voters // 2).view(torch.int8))
         else:  # no ties: −1 wherever not +1
             vote.mul_(2).sub_(1)
-        out = torch.empty(n, dtype=torch.float32, device=c.device)
-        torch.mul(vote, scale.float(), out=out)
+        # int8 → float copy, then the scale (a mixed-dtype multiply is ~8× slower on CPU)
+        out = torch.empty(n, dtype=torch.float32, device=c.device).copy_(vote).mul_(scale.float())
         return out if out.dtype == meta else out.to(meta)
 
 

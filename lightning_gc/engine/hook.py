@@ -47,6 +47,11 @@ from .state import StepStats, Totals
 STATE_VERSION = 1
 
 
+def _sq_norm(t: Tensor) -> float:
+    """‖t‖² in fp32 without materialising t² (pow(2).sum() allocates a group-sized temporary)."""
+    return float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
+
+
 class _PendingBucket:
     __slots__ = ("future", "buffer", "groups")
 
@@ -280,12 +285,14 @@ class GCEngine:
 
     def _process_lossy(self, gid: int, flat: Tensor, ctx: GroupContext, timer: Timer) -> Tensor:
         mem = self.memory.get(gid)
-        p = flat + mem if (self.error_feedback and mem is not None) else flat
+        # flat is a fresh tensor (torch.cat always allocates): add the memory in place instead of
+        # allocating p (a fresh group-sized tensor costs several streaming passes in page faults)
+        p = flat.add_(mem) if (self.error_feedback and mem is not None) else flat
         first = not self._first_stats_sent
         if self.config.check_finite or self.probe_policy is not None:
             carry = self._carry if first else None
             meas = self._meas_carry if first else None
-            p2 = float(p.float().pow(2).sum())  # needed for the gain anyway; NaN/inf propagate
+            p2 = _sq_norm(p)  # needed for the gain anyway; NaN/inf propagate
             local_bad = 0.0 if math.isfinite(p2) or bool(torch.isfinite(p).all()) else 1.0
             stats = torch.tensor(
                 [local_bad, float(carry is not None), *(carry or (0.0, 0.0)),
@@ -310,7 +317,7 @@ class GCEngine:
                 self._nonfinite = True
                 return torch.full_like(flat, float("nan"))
         else:
-            p2 = float(p.float().pow(2).sum())
+            p2 = _sq_norm(p)
         c0 = self._times.comm_s
         mean, sent = self.exchange.run(p, ctx, timer)
         self._exchange_comm_s += self._times.comm_s - c0
@@ -322,10 +329,10 @@ class GCEngine:
                 self.memory[gid] = p.index_fill_(0, sent.indices.long(), 0)
                 self._mem_sq[gid] = max(p2 - sent2, 0.0)  # ‖e‖² exactly, without another pass
         else:
-            sent2 = float(sent.float().pow(2).sum())
+            sent2 = _sq_norm(sent)
             if self.error_feedback:
                 self.memory[gid] = p - sent
-                self._mem_sq[gid] = float(self.memory[gid].float().pow(2).sum())
+                self._mem_sq[gid] = _sq_norm(self.memory[gid])
         self._step_sent2 += sent2
         return mean
 
