@@ -70,6 +70,8 @@ class CodecBenchConfig:
         compressors: names to time; ``None`` = every registered compressor.
         threads: torch intra-op threads during the run.
         seed: seed of the synthetic gradients.
+        keep_allocations: call :func:`lightning_gc.compressors.workspace.keep_large_allocations_cached`
+            first (process-wide) to see what page faults on fresh large tensors cost.
     """
 
     sizes: tuple[int, ...] = (1_000_000, 11_000_000)
@@ -80,6 +82,7 @@ class CodecBenchConfig:
     compressors: tuple[str, ...] | None = None
     threads: int = 1
     seed: int = 0
+    keep_allocations: bool = False
 
     def __post_init__(self) -> None:
         if not self.sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in self.sizes):
@@ -230,6 +233,11 @@ def run_codec_bench(cfg: CodecBenchConfig, log: Callable[[str], None] | None = N
 
     log = log or (lambda _m: None)
     names = list(cfg.compressors) if cfg.compressors is not None else available_compressors()
+    if cfg.keep_allocations:
+        from lightning_gc.compressors.workspace import keep_large_allocations_cached
+
+        if not keep_large_allocations_cached():
+            log("note: could not tune the allocator (not glibc); timings are with the default")
     old_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     doc: dict = {
@@ -279,7 +287,8 @@ def markdown(doc: dict) -> str:
     cfg = doc["config"]
     lines = [
         f"# Codec micro-benchmark (torch {doc['machine']['torch']}, {doc['machine']['threads']} thread(s), "
-        f"N = {cfg['world_size']}, ratio {cfg['ratio']})",
+        f"N = {cfg['world_size']}, ratio {cfg['ratio']}"
+        f"{', large allocations kept by malloc' if cfg.get('keep_allocations') else ''})",
         "",
         "Rates in M elements/s; in brackets the time as a multiple of one `torch.add` pass over the "
         "same elements (the memory-bandwidth reference). `engine codec` = what the engine's compress "
@@ -337,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compressors", default=None, help="comma-separated names (default: all)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-allocations", action="store_true",
+                   help="let glibc keep freed large blocks (process-wide mallopt) to measure page-fault costs")
     p.add_argument("--json", default=None, metavar="FILE", help="write the result document here")
     p.add_argument("--md", default=None, metavar="FILE", help="write the Markdown tables here")
     return p
@@ -354,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             sizes=tuple(parse_size(s) for s in args.sizes.split(",") if s.strip()),
             world_size=args.world_size, ratio=args.ratio, repeats=args.repeats, segments=args.segments,
             compressors=tuple(c.strip() for c in args.compressors.split(",") if c.strip()) if args.compressors else None,
-            threads=args.threads, seed=args.seed,
+            threads=args.threads, seed=args.seed, keep_allocations=args.keep_allocations,
         )
     except ValueError as exc:
         print(f"codec bench: error: {exc}", file=sys.stderr)

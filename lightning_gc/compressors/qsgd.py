@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .base import Compressed, Compressor, GroupContext
-from .packing import pack_uint, pack_uint8_codes, packed_uint_nbytes, uint_width, unpack_uint8_codes
+from .packing import pack_uint, pack_uint8_codes, packed_uint_nbytes, uint_width
 from .workspace import scratch
 
 _U_ONE = float(1 << 15)  # the dither's unit: u = r·2^-15
@@ -55,6 +55,7 @@ class QSGDCompressor(Compressor):
     def __init__(self, config: QSGDConfig | None = None) -> None:
         self.config = config or QSGDConfig()
         self.width = uint_width(2 * self.config.levels)
+        self._tables: dict = {}
 
     @property
     def ratio(self) -> float:
@@ -108,7 +109,8 @@ class QSGDCompressor(Compressor):
         bs = self.config.bucket_size
         full, tail = divmod(n, bs)
         out = torch.empty(n, dtype=torch.float32, device=device)
-        lv = scratch("qsgd.dec", n, torch.float32, device)
+        per = 8 // self.width if self.width < 8 else 1
+        lv = scratch("qsgd.dec", -(-n // per) * per, torch.float32, device)
         for i, (norms, packed) in enumerate(payloads):
             c = norms.float() * (weight / s)  # per-bucket factor
             self._levels_into(packed, n, lv)
@@ -123,18 +125,43 @@ class QSGDCompressor(Compressor):
                     dst.addcmul_(src, cb.unsqueeze(1))
         return out
 
+    def _levels_table(self, device) -> Tensor:
+        """For widths 2/4: row ``b`` = the signed levels (q − s) of the 8/w codes packed in byte ``b``."""
+        key = (str(device),)
+        tab = self._tables.get(key)
+        if tab is None:
+            w = self.width
+            per = 8 // w
+            b = torch.arange(256, device=device).unsqueeze(1)
+            tab = ((b >> (torch.arange(per, device=device) * w)) & ((1 << w) - 1)).float().sub_(self.config.levels)
+            self._tables[key] = tab = tab.contiguous()
+        return tab
+
     def _levels_into(self, packed: Tensor, n: int, out: Tensor) -> None:
-        """Signed levels q − s of one payload as float32 into ``out`` (n elements)."""
+        """Signed levels q − s of one payload as float32 into ``out[:n]``.
+
+        ``out`` must hold ``packed.numel()·8/width`` elements for widths 2 and 4: each byte is
+        looked up in a 256-row table of its 8/w levels (one gather of 8/16-byte rows, no unpacked
+        codes and no int64 per element).
+        """
         s = self.config.levels
         w = self.width
         if w == 16:
-            out.copy_(packed.view(torch.int16)[:n].to(torch.int32).bitwise_and_(0xFFFF).sub_(s))
+            out[:n].copy_(packed.view(torch.int16)[:n].to(torch.int32).bitwise_and_(0xFFFF).sub_(s))
             return
-        codes = unpack_uint8_codes(packed, w, n)  # 0..2s, fresh
-        if s <= 127:  # q − s fits int8: subtract in bytes (wraps), one int8 → float pass
-            out.copy_(codes.sub_(s).view(torch.int8))
+        if w == 8:
+            out[:n].copy_(packed[:n].sub(s).view(torch.int8))  # 2s ≤ 254: q − s fits int8 after the wrap
+            return
+        per = 8 // w
+        m = packed.numel()
+        idx = scratch("qsgd.idx", m, torch.int32, packed.device)
+        idx.copy_(packed)
+        tab = self._levels_table(packed.device)
+        rows = out[:m * per].view(m, per)
+        if per == 2:  # two fp32 levels = one 64-bit row
+            torch.index_select(tab.view(torch.int64).view(-1), 0, idx, out=rows.view(torch.int64).view(-1))
         else:
-            out.copy_(codes).sub_(s)
+            torch.index_select(tab, 0, idx, out=rows)
 
     def decompress(self, payload: tuple[Tensor, ...], meta: Any, ctx: GroupContext) -> Tensor:
         out = self._accumulate([payload], ctx.numel, 1.0, payload[1].device)

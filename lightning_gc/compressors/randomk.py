@@ -76,7 +76,7 @@ class RandomKCompressor(Compressor):
 
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
         idx = self.indices(ctx)
-        values = x[idx]
+        values = torch.index_select(x.reshape(-1), 0, idx)
         if self.config.unbiased:
             values = values * (x.numel() / idx.numel())
         return Compressed((values,), meta=idx)

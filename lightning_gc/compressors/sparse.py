@@ -61,5 +61,5 @@ def topk_indices(x: Tensor, k: int) -> Tensor:
     cand = torch.nonzero(a >= t, as_tuple=False).flatten()
     if cand.numel() < k:
         return torch.topk(a, k, sorted=False).indices
-    sub = torch.topk(a[cand], k, sorted=False).indices
-    return cand[sub]
+    sub = torch.topk(torch.index_select(a, 0, cand), k, sorted=False).indices
+    return torch.index_select(cand, 0, sub)
