@@ -56,8 +56,9 @@ class _SignBase(Compressor):
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
         xf = x.reshape(-1)
         if self.config.scale == "l1":
-            # ‖x‖₁/n in one reduction (no |x| temporary); fp32 like the rest of the format
-            scale = (torch.linalg.vector_norm(xf, ord=1, dtype=torch.float32) / xf.numel()).reshape(1)
+            # ‖x‖₁/n: |x| into a reused buffer, then a sum (vector_norm(ord=1) is ~2× slower on CPU)
+            absx = torch.abs(xf, out=scratch("sign.abs", xf.numel(), xf.dtype, xf.device))
+            scale = (absx.sum(dtype=torch.float32) / xf.numel()).reshape(1)
         else:
             scale = torch.ones(1, dtype=torch.float32, device=x.device)
         work = scratch("sign.bits", (xf.numel() + 7) // 8 * 8, torch.uint8, x.device)
