@@ -45,7 +45,7 @@ def test_micro_benchmark_reports_every_compressor_with_consistent_fields():
         assert ref["seconds"] > 0 and ref["vs_add"] == pytest.approx(1.0)
         assert ref["elements_per_s"] == pytest.approx(n / ref["seconds"])
         assert ref["bytes_per_s"] == pytest.approx(12 * n / ref["seconds"])
-        assert set(s["engine"]) == {"flatten", "ef_add", "ef_residual", "norm2", "writeback"}
+        assert set(s["engine"]) == {"flatten", "flatten_hugepages", "ef_add", "ef_residual", "norm2", "writeback"}
         assert set(s["compressors"]) == set(available_compressors())
         for name, r in s["compressors"].items():
             for key in ("compress", "aggregate", "decompress"):

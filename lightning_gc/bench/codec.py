@@ -144,7 +144,10 @@ def _segments(n: int, parts: int) -> list[int]:
 
 
 def _engine_passes(n: int, cfg: CodecBenchConfig, ref_s: float, g: torch.Tensor) -> dict:
-    """The engine's own passes as engine/hook.py runs them today."""
+    """The engine's own passes as engine/hook.py runs them today (plus flatten into a huge-page
+    backed output, :func:`lightning_gc.compressors.workspace.empty_output`, for comparison)."""
+    from lightning_gc.compressors.workspace import empty_output
+
     segs = _segments(n, cfg.segments)
     bucket = g.clone()
     views, off = [], 0
@@ -157,6 +160,9 @@ def _engine_passes(n: int, cfg: CodecBenchConfig, ref_s: float, g: torch.Tensor)
     p = g + e
     out = {
         "flatten": _time(lambda: torch.cat([v.reshape(-1) for v in views]), cfg.repeats),
+        "flatten_hugepages": _time(
+            lambda: torch.cat([v.reshape(-1) for v in views], out=empty_output(n, g.dtype, g.device)), cfg.repeats
+        ),
         "ef_add": _time(lambda: g + e, cfg.repeats),
         "ef_residual": _time(lambda: p - sent, cfg.repeats),
         "norm2": _time(lambda: float(p.float().pow(2).sum()), cfg.repeats),
@@ -306,7 +312,8 @@ def markdown(doc: dict) -> str:
             "| engine pass | M elem/s (× add) |",
             "|---|---|",
         ]
-        for k, label in (("flatten", "flatten (torch.cat of views)"), ("ef_add", "error feedback p = g + e"),
+        for k, label in (("flatten", "flatten (torch.cat of views)"),
+                         ("flatten_hugepages", "flatten into a huge-page output (workspace.empty_output)"), ("ef_add", "error feedback p = g + e"),
                          ("ef_residual", "error feedback e = p − sent (dense)"), ("norm2", "‖p‖² statistic"),
                          ("writeback", "write-back into views")):
             lines.append(f"| {label} | {_fmt_rate(s['engine'][k])} |")

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .base import Compressed, Compressor, GroupContext
 from .packing import pack_uint, pack_uint8_codes, packed_uint_nbytes, uint_width
-from .workspace import scratch
+from .workspace import empty_output, scratch
 
 _U_ONE = float(1 << 15)  # the dither's unit: u = r·2^-15
 
@@ -108,7 +108,7 @@ class QSGDCompressor(Compressor):
         s = self.config.levels
         bs = self.config.bucket_size
         full, tail = divmod(n, bs)
-        out = torch.empty(n, dtype=torch.float32, device=device)
+        out = empty_output(n, torch.float32, device)
         per = 8 // self.width if self.width < 8 else 1
         lv = scratch("qsgd.dec", -(-n // per) * per, torch.float32, device)
         for i, (norms, packed) in enumerate(payloads):

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .base import Compressed, Compressor, GroupContext
 from .packing import pack_ge_zero, spread_bits, unpack_bits
-from .workspace import scratch
+from .workspace import empty_output, scratch
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class _SignBase(Compressor):
             code.add_(spread_bits(p[1]).bitwise_left_shift_(r))  # lanes stay < 2^8: no carries
         idx = scratch("sign.idx", n, torch.int32, code.device)
         idx.copy_(code.view(torch.uint8)[:n])
-        out = torch.empty(n, dtype=table.dtype, device=code.device)
+        out = empty_output(n, table.dtype, code.device)
         torch.index_select(table, 0, idx, out=out)
         return out if dtype == out.dtype else out.to(dtype)
 
@@ -91,7 +91,7 @@ class _SignBase(Compressor):
         s = scale.reshape(()).float()
         bits = spread_bits(packed).view(torch.uint8)[:ctx.numel]
         # b·2s − s is exactly (2b − 1)·s: ±s (2s is exact, and so is 2s − s)
-        out = torch.empty(ctx.numel, dtype=torch.float32, device=packed.device).copy_(bits)
+        out = empty_output(ctx.numel, torch.float32, packed.device).copy_(bits)
         out.mul_(2 * s).sub_(s)
         return out if out.dtype == meta else out.to(meta)
 
@@ -125,7 +125,7 @@ class SignSGDCompressor(_SignBase):
         else:  # no ties: −1 wherever not +1
             vote.mul_(2).sub_(1)
         # int8 → float copy, then the scale (a mixed-dtype multiply is ~8× slower on CPU)
-        out = torch.empty(n, dtype=torch.float32, device=c.device).copy_(vote).mul_(scale.float())
+        out = empty_output(n, torch.float32, c.device).copy_(vote).mul_(scale.float())
         return out if out.dtype == meta else out.to(meta)
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .workspace import scratch
+from .workspace import empty_output, scratch
 
 
 def scatter_sparse(values: Tensor, indices: Tensor, numel: int) -> Tensor:
     """Dense tensor with ``values`` added at ``indices``; duplicates add (``index_add_``)."""
-    out = values.new_zeros(numel)
+    out = empty_output(numel, values.dtype, values.device).zero_()
     out.index_add_(0, indices.long(), values)
     return out
 

@@ -44,6 +44,54 @@ def scratch(tag: str, numel: int, dtype: torch.dtype, device: torch.device | str
     return buf[:numel]
 
 
+_HUGE = 1 << 21  # x86-64 / arm64 transparent huge page size
+_MADV_HUGEPAGE = 14
+_madvise = None
+
+
+def _get_madvise():
+    global _madvise
+    if _madvise is None:
+        _madvise = False
+        try:
+            import ctypes
+            import ctypes.util
+            import sys
+
+            if sys.platform.startswith("linux"):
+                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+                fn = libc.madvise
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                fn.restype = ctypes.c_int
+                _madvise = fn
+        except (OSError, AttributeError):
+            _madvise = False
+    return _madvise
+
+
+def empty_output(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
+    """``torch.empty`` for a large *result* tensor, asking Linux to back it with huge pages.
+
+    A fresh group-sized result is mapped from the kernel and faults in 4 KiB pages on first write
+    (measured 40–145 ms for 44 MB on the loaded 2-core development machine, against ~10 ms for
+    one ``torch.add`` pass into an existing tensor); with ``MADV_HUGEPAGE`` on the still-untouched
+    mapping it faults in 2 MiB pages, 3–4× cheaper. Only the tensor's own page-aligned interior is
+    advised, nothing process-wide changes, and where the call is
+    unavailable (not Linux, transparent huge pages off) it is a plain ``torch.empty``.
+    """
+    out = torch.empty(numel, dtype=dtype, device=device)
+    nbytes = numel * out.element_size()
+    if out.device.type == "cpu" and nbytes >= 4 * _HUGE:
+        fn = _get_madvise()
+        if fn:
+            ptr = out.data_ptr()
+            start = (ptr + _HUGE - 1) & ~(_HUGE - 1)
+            end = (ptr + nbytes) & ~(_HUGE - 1)
+            if end > start:
+                fn(start, end - start, _MADV_HUGEPAGE)  # advisory: failure changes nothing
+    return out
+
+
 def release() -> None:
     """Free this thread's cached buffers."""
     _local.bufs = {}
