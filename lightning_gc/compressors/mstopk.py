@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .base import Compressed, GroupContext, validate_ratio
 from .topk import SparseCompressor
+from .workspace import scratch
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,10 @@ def threshold_topk_indices(x: Tensor, k: int, rounds: int) -> Tensor:
     counting over the whole tensor every round. On accelerators every round counts over the
     whole tensor without a host synchronisation.
     """
-    a = x.reshape(-1).abs()
-    if a.dtype not in (torch.float32, torch.float64):
-        a = a.float()
+    xf = x.reshape(-1)
+    if xf.dtype not in (torch.float32, torch.float64):
+        xf = xf.float()
+    a = torch.abs(xf, out=scratch("mstopk.abs", xf.numel(), xf.dtype, xf.device))
     lo = torch.zeros((), dtype=a.dtype, device=a.device)
     hi = torch.nextafter(a.max(), torch.tensor(float("inf"), dtype=a.dtype, device=a.device))
     if a.device.type == "cpu":
@@ -63,7 +65,7 @@ def threshold_topk_indices(x: Tensor, k: int, rounds: int) -> Tensor:
         for _ in range(rounds):
             mid = (lo + hi) / 2
             upper = inside >= mid
-            in_upper = int(upper.sum())
+            in_upper = int(torch.count_nonzero(upper))  # (a bool .sum() widens to int64 first)
             c = above + in_upper - extra  # = count(|x| ≥ mid)
             if c >= k:
                 lo = mid
@@ -76,9 +78,13 @@ def threshold_topk_indices(x: Tensor, k: int, rounds: int) -> Tensor:
             enough = (a >= mid).sum() >= k
             lo = torch.where(enough, mid, lo)
             hi = torch.where(enough, hi, mid)
-    sure = torch.nonzero(a >= hi, as_tuple=False).flatten()
-    need = k - sure.numel()
-    fill = torch.nonzero((a >= lo) & (a < hi), as_tuple=False).flatten()[:need]
+    # every element ≥ hi, then the first (in index order) of those in [lo, hi) up to exactly k:
+    # one pass for the candidates ≥ lo (≥ k of them, few more after enough rounds), then small work
+    cand = torch.nonzero(a >= lo, as_tuple=False).flatten()
+    vals = torch.index_select(a, 0, cand)
+    top = vals >= hi
+    sure = cand[top]
+    fill = cand[~top][:k - sure.numel()]
     return torch.cat([sure, fill])
 
 
