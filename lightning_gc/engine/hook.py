@@ -337,7 +337,8 @@ class GCEngine:
         else:
             sent2 = _sq_norm(sent)
             if self.error_feedback:
-                self.memory[gid] = p - sent
+                # p is this step's own fresh tensor: keep the residual in it (no new allocation)
+                self.memory[gid] = p.sub_(sent) if sent.data_ptr() != p.data_ptr() else p - sent
                 self._mem_sq[gid] = _sq_norm(self.memory[gid])
         self._step_sent2 += sent2
         return mean
