@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ifname", default=None, help="with --prepare: NIC whose tx counter gives wire bytes, e.g. eth0")
     c.add_argument("--master-addr", default="NODE0_ADDRESS", help="with --prepare: address of node 0")
     c.add_argument("--master-port", type=int, default=29500, help="with --prepare: rendezvous port on node 0")
+    p.add_argument("--codec", action="store_true",
+                   help="run the codec micro-benchmark instead (single process, no network); the other options "
+                        "are those of `python -m lightning_gc.bench.codec --help` (docs/bench.md)")
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, metavar="FILE", help="write the result document here")
     o.add_argument("--out", default=None, metavar="DIR", help="write bench.json, bench.md and PNG plots here")
@@ -127,6 +130,10 @@ def list_methods_text() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--codec" in argv:  # the codec micro-benchmark has its own options
+        from lightning_gc.bench.codec import main as codec_main
+
+        return codec_main([a for a in argv if a != "--codec"])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

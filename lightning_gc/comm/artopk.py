@@ -91,7 +91,7 @@ class ARTopkExchange(Exchange):
             timer.times.bytes_sent += timer.run("comm", lambda: binomial_broadcast(idx, src, self.group))
         timer.times.bytes_payload += 4 * k + p.element_size() * k
         idx_long = idx.long()
-        values = timer.run("compress", lambda: p[idx_long].contiguous())
+        values = timer.run("compress", lambda: torch.index_select(p, 0, idx_long))
         summed = values.clone()
         if self.reduce == "allreduce":
             timer.run("comm", lambda: dist.all_reduce(summed, group=self.group))

@@ -39,15 +39,24 @@ def allreduce(tensors: list[Tensor], group=None) -> int:
 
 
 def pack_payload(tensors: tuple[Tensor, ...]) -> Tensor:
-    """Concatenate tensors into one uint8 buffer, each part padded to 8-byte alignment."""
-    parts = []
-    for t in tensors:
-        b = t.contiguous().reshape(-1).view(torch.uint8)
-        pad = (-b.numel()) % _ALIGN
-        parts.append(b)
+    """Concatenate tensors into one uint8 buffer, each part padded to 8-byte alignment.
+
+    Each part is copied once, straight into its slot of the buffer (no intermediate list of
+    byte views and padding tensors for ``torch.cat``); padding bytes are zero.
+    """
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    total = sum(n + (-n) % _ALIGN for n in sizes)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    buf = torch.empty(total, dtype=torch.uint8, device=device)
+    off = 0
+    for t, n in zip(tensors, sizes):
+        if n:
+            buf[off:off + n].view(t.dtype).view(t.shape).copy_(t)
+        pad = (-n) % _ALIGN
         if pad:
-            parts.append(b.new_zeros(pad))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+            buf[off + n:off + n + pad].zero_()
+        off += n + pad
+    return buf
 
 
 def unpack_payload(buf: Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[Tensor, ...]:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .base import Compressed, Compressor, GroupContext
+from .workspace import empty_output, scratch
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -33,6 +34,11 @@ class CastConfig:
             raise ValueError(
                 f"dtype={self.dtype!r} is not a supported cast: use one of {sorted(_DTYPES)}."
             )
+
+
+def _widen(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)`` into a huge-page backed result (cheaper first-touch page faults on CPU)."""
+    return empty_output(t.numel(), dtype, t.device).view(t.shape).copy_(t)
 
 
 class CastCompressor(Compressor):
@@ -57,13 +63,16 @@ class CastCompressor(Compressor):
         return 0.5
 
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
-        return Compressed((x.div(ctx.world_size).to(self._dtype),), meta=x.dtype)
+        # divide into a reused buffer (a fresh group-sized tensor costs more in page faults than
+        # the division), then cast: same values as x.div(N).to(dtype)
+        tmp = torch.div(x, ctx.world_size, out=scratch("cast.div", x.numel(), x.dtype, x.device).view_as(x))
+        return Compressed((tmp.to(self._dtype),), meta=x.dtype)
 
     def decompress(self, payload: tuple[Tensor, ...], meta: Any, ctx: GroupContext) -> Tensor:
-        return payload[0].to(meta).mul_(ctx.world_size)
+        return _widen(payload[0], meta).mul_(ctx.world_size)
 
     def aggregate_summed(self, summed: tuple[Tensor, ...], meta: Any, ctx: GroupContext) -> Tensor:
-        return summed[0].to(meta)
+        return _widen(summed[0], meta)
 
 
 class FP16Compressor(CastCompressor):

@@ -47,7 +47,7 @@ class LWTopKCompressor(SparseCompressor):
                 continue
             seg = x[offset:offset + n]
             idx = topk_indices(seg, ratio_to_k(self.ratio, n))
-            values.append(seg[idx])
+            values.append(torch.index_select(seg, 0, idx))
             indices.append(idx + offset)
             offset += n
         return Compressed((torch.cat(values), torch.cat(indices).to(torch.int32)))

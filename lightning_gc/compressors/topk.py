@@ -68,4 +68,5 @@ class TopKCompressor(SparseCompressor):
 
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
         idx = topk_indices(x, self.num_kept(ctx))
-        return Compressed((x[idx], idx.to(torch.int32)))
+        # index_select, not x[idx]: advanced indexing is ~10× slower on CPU for 1e5 indices
+        return Compressed((torch.index_select(x.reshape(-1), 0, idx), idx.to(torch.int32)))
