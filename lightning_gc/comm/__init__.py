@@ -1,5 +1,8 @@
 """Collectives and the network model: P2P ring/tree allreduce, the alpha-beta cost model, the probe."""
 
+# importing these registers the "marsit" and "marsit_cascade" exchanges
+from lightning_gc.comm import marsit as _marsit  # noqa: F401
+from lightning_gc.comm import ssdm_cascade as _ssdm_cascade  # noqa: F401
 from lightning_gc.comm.cost_model import (
     NetworkModel,
     SparseCollective,

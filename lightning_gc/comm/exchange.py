@@ -180,9 +180,16 @@ _DEFAULT_FOR_FORMAT = {
 }
 
 
-def register_exchange(name: str, factory: Callable[..., Exchange], formats: frozenset[str]) -> None:
-    """Add a collective choice (e.g. P2P ring/tree allreduce, AR-Topk)."""
+def register_exchange(
+    name: str, factory: Callable[..., Exchange], formats: frozenset[str], default_for: frozenset[str] = frozenset()
+) -> None:
+    """Add a collective choice (e.g. P2P ring/tree allreduce, AR-Topk, Marsit).
+
+    ``default_for``: wire formats for which this exchange is what ``collective="auto"`` means.
+    """
     _EXCHANGES[name] = (factory, formats)
+    for fmt in default_for:
+        _DEFAULT_FOR_FORMAT[fmt] = name
 
 
 def compatible_collectives(compressor: Compressor) -> list[str]:

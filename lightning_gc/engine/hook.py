@@ -361,6 +361,7 @@ class GCEngine:
             if not self.config.check_finite and self._step_p2 > 0:
                 self._record_gain(self._step_sent2, self._step_p2)  # local estimate only
         s.exchange_comm_s = self._exchange_comm_s
+        s.full_precision = self._times.extra.get("full_precision")
         choices = self._times.extra.get("choices")
         if choices:
             s.collective = "+".join(sorted(set(choices)))
