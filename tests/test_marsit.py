@@ -374,3 +374,39 @@ def test_bench_spellings_build_marsit_and_its_cascading_foil():
     assert f._compressor_config.full_precision_every == 0 and f._collective == "marsit_cascade"
     with pytest.raises(MethodError, match="cascade='yes please' must be true or false"):
         build_strategy(parse_methods("marsit:cascade=yes please", default_ratio=None)[0])
+
+
+@pytest.mark.slow
+def test_lightning_training_logs_full_precision_flag_and_compensation_norm(tmp_path):
+    """Real Lightning fit on 2 ranks: the tags carry the schedule (step % K == 0) and ‖c‖ (0 after a
+    full-precision round, > 0 after a one-bit round); both ranks end with identical parameters."""
+    import lightning as L
+    from lit_models import ReportCallback, TinyClassifier, make_loader
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = L.pytorch.loggers.TensorBoardLogger(str(tmp_path), name="tb")
+    out = tmp_path / "report"
+    out.mkdir()
+    trainer = L.Trainer(
+        strategy=GCStrategy(compressor="marsit", compressor_args={"full_precision_every": 3}, start_method="spawn"),
+        accelerator="cpu", devices=2, logger=logger, log_every_n_steps=1, max_epochs=1, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+        callbacks=[ReportCallback(str(out))],
+    )
+    trainer.fit(TinyClassifier(), make_loader())  # 8 optimizer steps per rank
+    reports = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for k in reports[0]["params"]:
+        assert torch.equal(reports[0]["params"][k], reports[1]["params"][k])
+    acc = EventAccumulator(str(next((tmp_path / "tb").rglob("events.out.tfevents.*")).parent))
+    acc.Reload()
+    flags = {e.step: e.value for e in acc.Scalars("gc/full_precision")}
+    norms = {e.step: e.value for e in acc.Scalars("gc/compensation_norm")}
+    errs = {e.step: e.value for e in acc.Scalars("gc/error_norm")}
+    # step 0 is the dense warm-up (no Marsit exchange, no tag); Lightning logs optimizer step s at s
+    assert sorted(flags) == list(range(1, 8)) or sorted(flags) == list(range(0, 7)), sorted(flags)
+    shift = min(flags) - 1  # tag step of optimizer step 1 minus 1
+    for tag_step, flag in flags.items():
+        step = tag_step - shift
+        assert flag == float(step % 3 == 0), (step, flag)
+        assert norms[tag_step] == errs[tag_step]
+        assert (norms[tag_step] == 0.0) == (step % 3 == 0), (step, norms[tag_step])
