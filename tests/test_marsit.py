@@ -34,7 +34,7 @@ from lightning_gc import GCStrategy
 from lightning_gc.comm.exchange import ExchangeTimes, Timer, make_exchange, validate_collective
 from lightning_gc.comm.marsit import MarsitExchange
 from lightning_gc.compressors import GroupContext, build_compressor
-from lightning_gc.compressors.marsit import MarsitCompressor, MarsitConfig, merge_packed
+from lightning_gc.compressors.marsit import MarsitCompressor, MarsitConfig, merge_packed, transient_bits
 from lightning_gc.compressors.packing import pack_bits, unpack_bits
 from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
 
@@ -124,6 +124,19 @@ def test_merge_rule_is_unbiased_hop_by_hop(n):
                 f"n={n} {cls}: worst |mean - k/n| = {float(err.max()):.4f} > 5 SE")
 
 
+@pytest.mark.parametrize("m", [2, 3, 7])
+def test_transient_bits_follow_eq_2(m):
+    """P(v = 1) = (m−1)/m where the local bit is 0 and 1/m where it is 1 (5 standard errors)."""
+    n = 200_000
+    local = torch.arange(n) % 2 == 1
+    v = transient_bits(local, m, torch.Generator().manual_seed(m)).float()
+    for bit, want in ((False, (m - 1) / m), (True, 1 / m)):
+        got = float(v[local == bit].mean())
+        assert abs(got - want) <= 5 * math.sqrt(want * (1 - want) / (n / 2)), (m, bit, got, want)
+    with pytest.raises(ValueError, match="hop m=1 is invalid"):
+        transient_bits(local, 1, torch.Generator())
+
+
 def test_merge_draws_only_from_the_given_generator():
     a = pack_bits(torch.rand(800, generator=torch.Generator().manual_seed(1)) < 0.5)
     b = pack_bits(torch.rand(800, generator=torch.Generator().manual_seed(2)) < 0.5)
@@ -169,7 +182,8 @@ def _replay(ps: list[torch.Tensor], step: int, group_id: int, seed: int):
             ctx = GroupContext(step=step, rank=r, world_size=n, segments=(d,), group_id=group_id, seed=seed)
             u = torch.rand(hi - lo, generator=ctx.private_generator(salt=hop))
             m = hop + 1
-            v = torch.where(b, u < 1 / m, u < (m - 1) / m)
+            # Eq. 2 with the module's draw convention: P(v=1) = (m-1)/m for b = 0, 1/m for b = 1
+            v = torch.where(b, u >= (m - 1) / m, u < (m - 1) / m)
             a = torch.where(a == b, a, v)
         merged[lo:hi] = a
     signs = merged[:d].double() * 2 - 1

@@ -108,29 +108,32 @@ class MarsitConfig:
 def transient_bits(local_bits: Tensor, m: int, generator: torch.Generator) -> Tensor:
     """Eq. 2: Bernoulli bits with P(1) = (m−1)/m where the local bit is 0 and 1/m where it is 1.
 
-    ``local_bits`` is a bool tensor; one float32 uniform is drawn per bit from ``generator``
-    (``torch.rand(n, generator=generator)``, in bit order) and compared with the probability.
+    Drawn as ``v = b XOR W`` with ``W = [u < (m−1)/m]``, one float32 uniform ``u`` per bit from
+    ``generator`` (``torch.rand(n, generator=generator)``, in bit order): where ``b = 0``,
+    ``v = W`` is 1 with probability (m−1)/m; where ``b = 1``, ``v = NOT W`` is 1 with probability
+    1/m. ``W`` does not depend on the bits, so the merge needs no unpacking of the local bits.
     """
+    return local_bits ^ _keep_incoming(local_bits.numel(), m, generator, local_bits.device)
+
+
+def _keep_incoming(n: int, m: int, generator: torch.Generator, device: torch.device) -> Tensor:
     if m < 2:
         raise ValueError(f"hop m={m} is invalid: the first merge happens at m = 2 (incoming data of 1 rank)")
-    u = torch.rand(local_bits.numel(), generator=generator, device=local_bits.device, dtype=torch.float32)
-    p_one = torch.where(local_bits, torch.tensor(1.0 / m, device=u.device),
-                        torch.tensor((m - 1) / m, device=u.device))
-    return u < p_one
+    return torch.rand(n, generator=generator, device=device, dtype=torch.float32) < (m - 1) / m
 
 
 def merge_packed(incoming: Tensor, local: Tensor, m: int, generator: torch.Generator) -> Tensor:
     """The ⊙ operator on packed bits: ``(a AND b) OR ((a XOR b) AND v)``, ``v`` from Eq. 2.
 
     ``incoming`` (a) aggregates ``m − 1`` ranks, ``local`` (b) is this rank's bits; both uint8 of the
-    same length (whole bytes, 8 bits each). Unbiasedness: let k = number of ones among the m − 1
-    ranks and P(a = 1) = k/(m−1). If b = 1 the result is 1 unless a = 0 and v = 0:
-    P = k/(m−1) + (1 − k/(m−1))·1/m = (k+1)/m. If b = 0 the result is 1 only when a = 1 and v = 1:
-    P = k/(m−1)·(m−1)/m = k/m. Either way P(result = 1) = (ones among the m ranks)/m, because v is
-    drawn independently of a.
+    same length (whole bytes, 8 bits each); ``v`` as drawn by :func:`transient_bits`. Unbiasedness:
+    let k = number of ones among the m − 1 ranks and P(a = 1) = k/(m−1). If b = 1 the result is 1
+    unless a = 0 and v = 0: P = k/(m−1) + (1 − k/(m−1))·1/m = (k+1)/m. If b = 0 the result is 1
+    only when a = 1 and v = 1: P = k/(m−1)·(m−1)/m = k/m. Either way P(result = 1) = (ones among
+    the m ranks)/m, because v is drawn independently of a. (Equivalently: where the bits differ,
+    the incoming bit wins with probability (m−1)/m, the local one with 1/m.)
     """
-    local_bits = unpack_bits(local, local.numel() * 8)
-    v = pack_bits(transient_bits(local_bits, m, generator))
+    v = local ^ pack_bits(_keep_incoming(local.numel() * 8, m, generator, local.device))
     return (incoming & local) | ((incoming ^ local) & v)
 
 
