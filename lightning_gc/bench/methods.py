@@ -17,6 +17,12 @@ Method list syntax (``--methods``): comma-separated entries ``NAME[:KEY=VALUE[:K
   network-model keys (``network_alpha_s``, ``network_beta_s_per_byte``, ``probe_*``) and the other
   GCStrategy engine keys go to ``GCStrategy``; any other key goes to ``compressor_args``.
 
+``marsit`` (Marsit's one-bit ring) takes two short options besides its compressor options:
+``K`` (= ``full_precision_every``, the period of full-precision rounds, 0 = never) and
+``cascade=true``, which runs the paper's foil instead — SSDM re-compression at every ring hop
+(``collective=marsit_cascade``) with the same schedule and compensation, e.g.
+``marsit:K=0,marsit:K=100,marsit:K=0:cascade=true``.
+
 The same method may appear several times with different options; each entry is labelled by its
 full spec (``topk:ratio=0.001``), with the default ratio made explicit.
 
@@ -68,6 +74,10 @@ _GC_STRATEGY_KEYS = {
     "collective", "check_finite", "seed", "network_alpha_s", "network_beta_s_per_byte", "probe_every",
     "probe_drift", "probe_patience", "overlap",
 }
+
+
+# short bench spellings of compressor options, per compressor
+_OPTION_ALIASES = {"marsit": {"K": "full_precision_every"}}
 
 
 class MethodError(ValueError):
@@ -262,7 +272,16 @@ def build_strategy(spec: MethodSpec, **ddp_kwargs: Any):
         ) from exc
     kwargs: dict[str, Any] = {}
     compressor_args: dict[str, Any] = {}
-    for k, v in spec.options.items():
+    options = dict(spec.options)
+    if spec.name == "marsit" and "cascade" in options:
+        cascade = options.pop("cascade")
+        if not isinstance(cascade, bool):
+            raise MethodError(f"method {spec.label!r}: cascade={cascade!r} must be true or false")
+        if cascade:
+            options["collective"] = "marsit_cascade"
+    aliases = _OPTION_ALIASES.get(spec.name, {})
+    for k, v in options.items():
+        k = aliases.get(k, k)
         (kwargs if k in _GC_STRATEGY_KEYS else compressor_args)[k] = v
     if compressor_args:
         kwargs["compressor_args"] = compressor_args

@@ -20,6 +20,8 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 ``gc/net_alpha_us``    network latency per message in force (µs; probed or pinned)
 ``gc/net_bandwidth_mbit`` network bandwidth in force, 8/β (Mbit/s)
 ``gc/probe_ms``        time spent probing the network during the step (ms)
+``gc/full_precision``  Marsit: 1 on a full-precision round (compensation reset), 0 on a one-bit round
+``gc/compensation_norm`` Marsit: ‖c‖₂ of this rank's global compensation after the step (= error memory)
 ====================  ========================================================================
 
 Logging frequency follows the Trainer's ``log_every_n_steps``, with one exception: the step where
@@ -99,6 +101,9 @@ class GCMonitor(Callback):
         if s.alpha_s is not None and s.beta_s_per_byte is not None:
             metrics["gc/net_alpha_us"] = 1e6 * s.alpha_s
             metrics["gc/net_bandwidth_mbit"] = 8e-6 / s.beta_s_per_byte if s.beta_s_per_byte > 0 else float("inf")
+        if s.full_precision is not None:
+            metrics["gc/full_precision"] = float(s.full_precision)
+            metrics["gc/compensation_norm"] = float(s.error_norm)
         if s.probe_s > 0:
             metrics["gc/probe_ms"] = 1e3 * s.probe_s
         if mode_changed and not trainer._logger_connector.should_update_logs:

@@ -19,7 +19,9 @@ from .exchange import (
     RingAllreduceExchange,
     TreeAllreduceExchange,
 )
+from .marsit import MarsitExchange
 from .network import NetworkState
+from .ssdm_cascade import SSDMCascadeExchange
 
 ExchangeFactory = Callable[[Compressor, object, NetworkState], Exchange]
 
@@ -53,6 +55,7 @@ _FORMAT_WORDS = {
     "allgather": "fixed-size payloads gathered from every rank and combined after the gather",
     "artopk": "AR-Topk payloads (one source rank's indices, values summed at them)",
     "artopk_auto": "AR-Topk payloads on a collective chosen by the cost model",
+    "marsit": "packed sign bits merged hop by hop along a ring",
 }
 # what collective="auto" means for each wire format
 _DEFAULT_FOR_FORMAT: dict[str, str] = {}
@@ -83,6 +86,11 @@ for _entry, _default in [
     (ExchangeEntry("auto_sparse", AutoSparseExchange, _plain(AutoSparseExchange),
                    "artopk_auto: Top-k allgather, ART-Ring or ART-Tree per step, chosen by the alpha-beta model"),
      ("artopk_auto",)),
+    (ExchangeEntry("marsit", MarsitExchange, _plain(MarsitExchange),
+                   "Marsit: one-bit ring allreduce, signs merged without bias at every hop (P2P ring)"), ("marsit",)),
+    (ExchangeEntry("marsit_cascade", SSDMCascadeExchange, _plain(SSDMCascadeExchange),
+                   "Marsit's schedule with SSDM re-compression at every hop (the paper's biased foil; bench baseline)"),
+     ()),
 ]:
     register_exchange(_entry, _default)
 

@@ -17,6 +17,10 @@ Two wire formats exist, and each compressor declares which one it speaks:
     levels, packed sign bits). Every rank receives every other rank's payload through one
     ``all_gather`` of a byte buffer and :meth:`Compressor.aggregate_gathered` combines them.
 
+Other formats name an exchange family that needs more than one collective (``"artopk"``,
+``"artopk_auto"``: broadcast of indices, then allreduce; ``"marsit"``: a P2P ring that merges sign
+bits hop by hop, :mod:`lightning_gc.comm.marsit`); only their own exchanges can carry them.
+
 Randomness: ``ctx.shared_generator()`` returns a generator whose state is a pure function of
 ``(seed, step, group)`` and therefore identical on every rank (RandomK's indices);
 ``ctx.private_generator()`` additionally mixes in the rank (QSGD's stochastic rounding). No
@@ -35,7 +39,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-WireFormat = Literal["allreduce", "allgather"]
+WireFormat = Literal["allreduce", "allgather", "artopk", "artopk_auto", "marsit"]
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant for seed mixing
 

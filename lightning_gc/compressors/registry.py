@@ -16,6 +16,7 @@ from .base import Compressor
 from .cast import BF16Compressor, CastConfig, FP16Compressor
 from .dense import DenseCompressor, DenseConfig
 from .lwtopk import LWTopKCompressor, LWTopKConfig
+from .marsit import MarsitCompressor, MarsitConfig
 from .mstopk import MSTopKCompressor, MSTopKConfig
 from .qsgd import QSGDCompressor, QSGDConfig
 from .randomk import RandomKCompressor, RandomKConfig
@@ -47,6 +48,8 @@ _ENTRIES = [
     CompressorEntry("qsgd", QSGDConfig, QSGDCompressor, "stochastic s-level quantisation, allgather"),
     CompressorEntry("signsgd", SignConfig, SignSGDCompressor, "1-bit signs, majority vote"),
     CompressorEntry("efsignsgd", SignConfig, EFSignSGDCompressor, "1-bit scaled signs with error feedback"),
+    CompressorEntry("marsit", MarsitConfig, MarsitCompressor,
+                    "1-bit signs merged without bias along a P2P ring, global compensation, full precision every K"),
     CompressorEntry("star_topk", ARTopKConfig, STARTopKCompressor,
                     "AR-Topk, round-robin source broadcasts indices, values by allreduce", (("selection", "star"),)),
     CompressorEntry("var_topk", ARTopKConfig, VARTopKCompressor,

@@ -498,6 +498,7 @@ class GCEngine:
         work.times.bytes_sent += nbytes
         s = work.stats
         s.exchange_comm_s = work.exchange_comm_s
+        s.full_precision = work.times.extra.get("full_precision")
         bad = total.nonfinite_ranks > 0
         if bad and self.config.check_finite:
             s.nonfinite = True

@@ -32,6 +32,8 @@ class StepStats:
     alpha_s: float | None = None  # network model in force
     beta_s_per_byte: float | None = None
     probe_s: float = 0.0  # time spent probing the network during this step
+    full_precision: bool | None = None  # Marsit: True on a full-precision round, False on a one-bit
+    # round, None when the step ran no Marsit exchange (exchanges report it in ExchangeTimes.extra)
 
     def as_dict(self) -> dict:
         return asdict(self)
