@@ -46,6 +46,8 @@ from .summary import GCSummary, summarize
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "lightning_gc"
+#: DDP bucket size used with plans other than "model" unless bucket_cap_mb is given (see __init__)
+PIPELINED_BUCKET_CAP_MB = 1.0
 UNUSED_PARAMETERS_SUFFIX = "_find_unused_parameters_true"
 try:  # the default timeout of torch.distributed
     from torch.distributed.constants import default_pg_timeout
@@ -143,7 +145,9 @@ class GCStrategy(DDPStrategy):
             of backward (default). ``False`` runs them synchronously inside DDP's hook: the same
             results bit for bit, slower; the oracle and a debugging aid.
         process_group_backend, timeout, start_method: as in ``DDPStrategy``.
-        **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (e.g. ``bucket_cap_mb``,
+        **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (e.g. ``bucket_cap_mb``;
+            with a plan other than ``"model"`` it defaults to 1 MB instead of DDP's 25 MB, so that
+            groups complete, and their exchanges start, while backward is still running;
             ``find_unused_parameters``); a name DDP does not take is refused here, naming the
             closest valid one. Models with parameters unused in ``training_step`` need
             ``find_unused_parameters=True`` (or the alias ``gc_<compressor>_find_unused_parameters_true``).
@@ -196,6 +200,11 @@ class GCStrategy(DDPStrategy):
                     "Use lightning's DDPStrategy for a custom hook, or pick a lightning_gc compressor."
                 )
         _check_ddp_kwargs(kwargs)
+        if plan != "model" and "bucket_cap_mb" not in kwargs:
+            # DDP hands the hook a bucket only when every gradient in it is ready; with its default
+            # 25 MB buckets a ResNet-18 step has two or three buckets, so per-layer groups could not
+            # start before half of backward was over. Small buckets let pipelined plans overlap.
+            kwargs["bucket_cap_mb"] = PIPELINED_BUCKET_CAP_MB
         check_bool("error_feedback", error_feedback, "None uses the compressor's default.", allow_none=True)
         check_bool("check_finite", check_finite, "True makes ranks agree on non-finite gradients.")
         check_bool("monitor", monitor, "True adds a GCMonitor callback if the Trainer has none.")

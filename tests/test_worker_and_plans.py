@@ -102,3 +102,13 @@ def test_memory_remap_keeps_every_parameter_element():
     mem.stage(0, torch.zeros(3))
     mem.discard()
     assert mem.get(0).numel() == new.groups[0].numel  # discarded stage did not replace memory
+
+
+def test_pipelined_plans_get_small_ddp_buckets_unless_given():
+    from lightning_gc import GCStrategy
+    from lightning_gc.strategy import PIPELINED_BUCKET_CAP_MB
+
+    assert GCStrategy(plan="layer")._ddp_kwargs["bucket_cap_mb"] == PIPELINED_BUCKET_CAP_MB == 1.0
+    assert GCStrategy(plan="threshold")._ddp_kwargs["bucket_cap_mb"] == 1.0
+    assert "bucket_cap_mb" not in GCStrategy(plan="model")._ddp_kwargs  # DDP's own default
+    assert GCStrategy(plan="layer", bucket_cap_mb=25)._ddp_kwargs["bucket_cap_mb"] == 25
