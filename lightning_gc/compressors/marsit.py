@@ -148,6 +148,8 @@ class MarsitCompressor(Compressor):
 
     name = "marsit"
     wire_format = "marsit"
+    wire_description = ("packed sign bits (1 bit per element) merged hop by hop along a ring, one fp32 scale, "
+                        "and a full-precision round every K steps")
     default_error_feedback = True  # the engine's error memory is Marsit's global compensation
 
     def __init__(self, config: MarsitConfig | None = None) -> None:
