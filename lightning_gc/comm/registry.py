@@ -130,10 +130,6 @@ def validate_collective(compressor: Compressor, collective: str) -> str:
     return collective
 
 
-def exchange_entry(name: str) -> ExchangeEntry:
-    return _EXCHANGES[name]
-
-
 def make_exchange(compressor: Compressor, collective: str = "auto", group=None,
                   network: NetworkState | None = None) -> Exchange:
     name = validate_collective(compressor, collective)

@@ -48,11 +48,6 @@ class OrderedWorker:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    @property
-    def stream(self):
-        """The CUDA side stream the jobs run on (``None`` on CPU)."""
-        return self._stream
-
     def submit(self, job: Callable[[], None]) -> None:
         with self._cond:
             if self._closed:
@@ -100,8 +95,6 @@ class OrderedWorker:
 
 class InlineRunner:
     """The synchronous schedule: jobs run at once on the caller's thread (``overlap=False``)."""
-
-    stream = None
 
     def submit(self, job: Callable[[], None]) -> None:
         job()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -112,10 +112,6 @@ class PlanRequest:
         big = [p for p in order if self.compress and p.numel >= self.min_compress_numel]
         big_ids = {p.pid for p in big}
         return big, [p for p in order if p.pid not in big_ids]
-
-
-class Planner(Protocol):
-    def __call__(self, request: PlanRequest) -> Plan: ...
 
 
 _PLANNERS: dict[str, Callable[[PlanRequest], Plan]] = {}
