@@ -208,3 +208,15 @@ def test_ctrl_c_removes_namespaces_and_workers(tmp_path):
     assert rc == 130, text
     assert "interrupted" in text and "removed namespaces" in text
     _assert_no_leftovers(_prefix_from(text.splitlines()), str(tmp_path))
+
+
+def test_root_cause_prefers_the_rank_that_raised_over_one_aborted_by_its_peer():
+    """A bystander killed by a signal must not be blamed even when it is seen exiting first."""
+    from lightning_gc.bench.runner import _root_cause
+
+    aborted = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGABRT)"])
+    aborted.wait()
+    raised = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(1)"])
+    assert _root_cause([aborted, raised]) == (1, 1)
+    # Only signals: the first seen is reported.
+    assert _root_cause([aborted]) == (0, -signal.SIGABRT)

@@ -325,7 +325,7 @@ def _monitor(spec, cfg, r, cluster, run_dir, procs, logs, log) -> None:
         codes = [p.poll() for p in procs]
         bad = [(g, c) for g, c in enumerate(codes) if c not in (None, 0)]
         if bad:
-            g, c = bad[0]
+            g, c = _root_cause(procs)
             _kill(procs)
             tail = _tail(logs[g])
             raise RankFailure(
@@ -344,6 +344,30 @@ def _monitor(spec, cfg, r, cluster, run_dir, procs, logs, log) -> None:
                 0, None, _tail(logs[0]),
             )
         time.sleep(0.05)
+
+
+def _root_cause(procs, grace_s: float = 3.0) -> tuple[int, int]:
+    """Pick the rank whose failure to report once one rank has exited non-zero.
+
+    When one rank raises, its peers usually die a moment later inside a collective, often aborted by
+    gloo (a negative exit code: a signal). Which of them the monitor sees first is a matter of
+    scheduling, so reporting the first non-zero code seen would sometimes blame a bystander. Give the
+    others ``grace_s`` to exit, then prefer a rank that exited with a positive code (a Python
+    exception, whose log holds the real traceback) over one killed by a signal; among those, the one
+    seen exiting first (ties: the lowest rank).
+    """
+    order: list[int] = []
+    deadline = time.monotonic() + grace_s
+    while True:
+        for g, p in enumerate(procs):
+            if g not in order and p.poll() is not None:
+                order.append(g)
+        if len(order) == len(procs) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    bad = [(g, procs[g].returncode) for g in order if procs[g].returncode != 0]
+    raised = [(g, c) for g, c in bad if c > 0]
+    return (raised or bad)[0]
 
 
 # --------------------------------------------------------------------------- aggregation
