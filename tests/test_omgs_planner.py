@@ -11,6 +11,7 @@ import time
 import pytest
 
 from lightning_gc.plans import build_plan
+from lightning_gc.plans.base import ParamFacts, PlanRequest
 from lightning_gc.plans.omgs import (
     OMGSCost,
     find_merged_layers,
@@ -20,7 +21,6 @@ from lightning_gc.plans.omgs import (
     predict_plan,
     timeline,
 )
-from lightning_gc.plans.base import ParamFacts, PlanRequest
 
 
 def all_partitions(n: int):
