@@ -453,6 +453,11 @@ class GCStrategy(DDPStrategy):
                     compressor=name,
                     find_unused_parameters=True,
                 )
+        if "gc_omgs" not in strategy_registry:  # a plan, not a compressor: Top-k with the OMGS merge plan
+            strategy_registry.register(
+                "gc_omgs", cls, description="lightning_gc: Top-k with the OMGS merge plan (docs/omgs.md)",
+                compressor="topk", plan="omgs",
+            )
 
 
 def register_aliases() -> None:

@@ -152,3 +152,26 @@ def test_provisional_without_profile():
     plan = build_plan(["a", "b"], [5000, 5000], kind="omgs")
     assert plan.kind == "omgs:provisional"
     assert [g.numel for g in plan.groups] == [10000]  # the MGS threshold plan (8192 elements)
+
+
+def test_plan_figure_draws_every_tensor_and_group():
+    pytest.importorskip("matplotlib")
+    from lightning_gc.callbacks.omgs_figure import plan_figure
+    from lightning_gc.engine.omgs import OMGSState
+
+    names = [f"w{i}" for i in range(5)]
+    numels = [4000, 3000, 8000, 2000, 5000]
+    ready = [0.005, 0.004, 0.003, 0.002, 0.001]
+    cost = OMGSCost(gamma_s=1e-9, ratio=0.01, alpha_s=1e-3, beta_s_per_byte=1e-8, payload_bytes_per_element=0.08)
+    plan = build_plan(names, numels, kind="omgs", backward_s=ready, cost=cost)
+    request = PlanRequest(tuple(ParamFacts(i, n, k, r) for i, (n, k, r) in enumerate(zip(names, numels, ready))),
+                          cost=cost)
+    predicted, tl = predict_plan(plan, request)
+    ordered, _ = partition_from_plan(plan, request)
+    state = OMGSState(plan=plan, predicted_s=predicted, timeline=tl, predictions={"omgs": predicted},
+                      ordered=[(p.name, p.numel, p.backward_s) for p in ordered])
+    fig = plan_figure(state)
+    ax = fig.axes[0]
+    # one bar collection per tensor (backward lane) + two per group (sparsify, communicate)
+    assert len(ax.collections) == len(names) + 2 * len(tl)
+    assert len(ax.lines) == len(tl)  # one boundary per group

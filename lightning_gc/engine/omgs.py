@@ -41,12 +41,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from ..comm.exchange import ExchangeTimes, Timer
 from ..compressors.base import GroupContext
 from ..plans import ParamFacts, Plan, PlanRequest, get_planner
-from ..plans.omgs import GroupTimes, OMGSCost, is_provisional, predict_plan
+from ..plans.omgs import GroupTimes, OMGSCost, is_provisional, partition_from_plan, predict_plan
 from ..plans.omgs_fit import LineFit, SparsifyFit, fit_comm, fit_line, fit_sparsify
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class OMGSState:
     plan: Plan | None = None
     predicted_s: float | None = None  # model's backward-window time of the plan in force
     timeline: list[GroupTimes] = field(default_factory=list)
+    ordered: list[tuple[str, int, float]] = field(default_factory=list)  # (name, numel, ready s), ready order
     predictions: dict[str, float] = field(default_factory=dict)  # the static baselines' predictions
     measured_s: list[float] = field(default_factory=list)  # this rank's measured windows, compressed steps
     last_measured_s: float | None = None
@@ -274,8 +276,8 @@ class OMGSController:
         self._handles = self._handles[-1:]
         medians = [statistics.median(col) for col in zip(*self._profile)]
         self.backward_s = self._agree_max([max(m, 0.0) for m in medians])
-        log.info("lightning_gc OMGS: profiled %d dense steps; backward %.2f ms (MAX over ranks), %d tensors",
-                 len(self._profile), 1e3 * max(self.backward_s, default=0.0), len(self.backward_s))
+        rank_zero_info(f"lightning_gc OMGS: profiled {len(self._profile)} dense steps; backward "
+                       f"{1e3 * max(self.backward_s, default=0.0):.2f} ms (MAX over ranks), {len(self.backward_s)} tensors")
 
     def _request(self, cost: OMGSCost) -> PlanRequest:
         cfg = self.engine.config
@@ -303,6 +305,7 @@ class OMGSController:
         predicted, tl = predict_plan(plan, request)
         s = self.state
         s.plan, s.predicted_s, s.timeline, s.calibration = plan, predicted, tl, cal
+        s.ordered = [(p.name, p.numel, float(p.backward_s or 0.0)) for p in partition_from_plan(plan, request)[0]]
         s.predictions = {}
         for kind in ("model", "layer", "threshold", "omgs", "omgs_paper"):
             try:
@@ -311,15 +314,14 @@ class OMGSController:
                 pass
         s.plan_version += 1
         s.replans += int(reason != "profiled")
-        log.info(
-            "lightning_gc OMGS (%s): t_s = %.3g s + %.3g s·ρ·D·lnD (ρ=%g; rel. residuals max %.0f%%), "
-            "t_c = %.3g s + %.3g s/B·bytes (max %.0f%%), exact %.3g s, overhead %.3g s; plan %s: %d groups, "
-            "predicted %.2f ms (model %.2f, layer %.2f, threshold %.2f, omgs %.2f)",
-            reason, cal.sparsify.intercept_s, cal.sparsify.gamma_s, cost.ratio,
-            100 * max(abs(r) for r in cal.sparsify.residuals), cal.comm.intercept, cal.comm.slope,
-            100 * cal.comm.max_abs_residual, cal.exact_s, cal.overhead_s, plan.kind,
-            sum(1 for g in plan.groups if not g.exact), 1e3 * predicted,
-            *(1e3 * s.predictions.get(k, math.nan) for k in ("model", "layer", "threshold", "omgs")),
+        pr = {k: 1e3 * s.predictions.get(k, math.nan) for k in ("model", "layer", "threshold", "omgs")}
+        rank_zero_info(
+            f"lightning_gc OMGS ({reason}): t_s = {cal.sparsify.intercept_s:.3g} s + {cal.sparsify.gamma_s:.3g} s·ρ·D·lnD "
+            f"(ρ={cost.ratio:g}; rel. residuals max {100 * max(abs(r) for r in cal.sparsify.residuals):.0f}%), "
+            f"t_c = {cal.comm.intercept:.3g} s + {cal.comm.slope:.3g} s/B·bytes (max {100 * cal.comm.max_abs_residual:.0f}%), "
+            f"exact {cal.exact_s:.3g} s, overhead {cal.overhead_s:.3g} s; plan {plan.kind}: "
+            f"{sum(1 for g in plan.groups if not g.exact)} groups, predicted {1e3 * predicted:.2f} ms (model "
+            f"{pr['model']:.2f}, layer {pr['layer']:.2f}, threshold {pr['threshold']:.2f}, omgs {pr['omgs']:.2f})"
         )
 
     def calibration_sizes(self) -> list[int]:
