@@ -11,12 +11,14 @@
    ``warmup_steps`` to cover the profile. Per parameter the median over the profiled steps is
    taken, then the **MAX over ranks** (one float64 allreduce), so every rank plans from the same
    numbers; the result fills :class:`~lightning_gc.plans.ParamFacts` ``backward_s``.
-2. **Fit** (at the step boundary after the profile, on every rank at once): the active exchange
-   (compressor + collective) is run on random groups of geometrically spaced sizes; its own timer
-   splits each run into selection (``compress``) and communication (``comm``) seconds. Medians
-   per size, MAX over ranks, then Eq. 10 and Eq. 11 are fitted
-   (:mod:`lightning_gc.plans.omgs_fit`); the exact group's allreduce and the per-step open/close
-   collectives are timed too. Fits and residuals are logged.
+2. **Fit** (at the step boundary after the profile, on every rank at once): the worker's group
+   job — copy, error feedback, ‖p‖², the active exchange (compressor + collective), residual,
+   write-back — is run on random groups of geometrically spaced sizes. The exchange's own timer
+   gives the seconds inside the collectives (``t_c``); the rest of the job is ``t_s`` (selection
+   plus the memory-bound work around it, all of which occupies the worker). Medians per size, MAX
+   over ranks, then Eq. 10 and Eq. 11 are fitted (:mod:`lightning_gc.plans.omgs_fit`); the exact
+   group's allreduce and the per-step open/close collectives are timed too. Fits and residuals
+   are logged.
 3. **Plan**: the planner named by ``plan`` runs on the agreed facts (identical on every rank), and
    :meth:`GCEngine.replace_plan` installs it (error memory remapped by name, signature verified).
 4. **Watch and re-plan**: every compressed step's measured time from the start of backward until
@@ -44,7 +46,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from ..comm.exchange import ExchangeTimes, Timer
+from ..comm.exchange import ExchangeTimes, SparseSent, Timer
 from ..compressors.base import GroupContext
 from ..plans import ParamFacts, Plan, PlanRequest, get_planner
 from ..plans.omgs import GroupTimes, OMGSCost, is_provisional, partition_from_plan, predict_plan
@@ -332,6 +334,33 @@ class OMGSController:
         n = self.config.calibration_sizes
         return sorted({int(round(lo * (hi / lo) ** (i / (n - 1)))) for i in range(n)})
 
+    def _time_group_job(self, src: Tensor, mem: Tensor, out: Tensor, ctx: GroupContext) -> tuple[float, float]:
+        """One group job as the engine's worker runs it (flatten, error feedback, ‖p‖², exchange,
+        residual, write-back): (seconds outside the collectives, seconds inside them)."""
+        engine = self.engine
+        cuda = src.is_cuda
+        if cuda:
+            torch.cuda.synchronize(src.device)
+        t0 = time.perf_counter()
+        p = src.clone()
+        if engine.error_feedback:
+            p.add_(mem)
+        float(torch.linalg.vector_norm(p, dtype=torch.float32))
+        times = ExchangeTimes()
+        timer = Timer(src.device, times)
+        mean, sent = engine.exchange.run(p, ctx, timer)
+        if engine.error_feedback:
+            if isinstance(sent, SparseSent):
+                p.index_fill_(0, sent.indices.long(), 0)
+            else:
+                p.sub_(sent)
+        out.copy_(mean)
+        if cuda:
+            torch.cuda.synchronize(src.device)
+        total = time.perf_counter() - t0
+        timer.resolve()
+        return max(total - times.comm_s, 0.0), times.comm_s
+
     def calibrate(self) -> Calibration:
         """Time the active exchange over sizes (on every rank, between steps) and fit Eq. 10-11."""
         engine = self.engine
@@ -346,15 +375,14 @@ class OMGSController:
             nbytes.append(float(sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
                                     for shape, dt in engine.compressor.payload_specs(ctx, dtype))))
             ts, tc = [], []
+            src = torch.randn(d, generator=gen, dtype=torch.float32).to(device=dev, dtype=dtype)
+            mem = torch.randn(d, generator=gen, dtype=torch.float32).to(device=dev, dtype=dtype).mul_(0.1)
+            out = torch.empty_like(src)
             for r in range(self.config.calibration_repeats + 1):
-                p = torch.randn(d, generator=gen, dtype=torch.float32).to(device=dev, dtype=dtype)
-                times = ExchangeTimes()
-                timer = Timer(dev, times)
-                engine.exchange.run(p, ctx, timer)
-                timer.resolve()
+                ts_r, tc_r = self._time_group_job(src, mem, out, ctx)
                 if r > 0:
-                    ts.append(times.compress_s)
-                    tc.append(times.comm_s)
+                    ts.append(ts_r)
+                    tc.append(tc_r)
             local_s.append(statistics.median(ts))
             local_c.append(statistics.median(tc))
         exact = [g for g in engine.plan.groups if g.exact]
