@@ -41,6 +41,7 @@ from .comm.registry import validate_collective
 from .compressors import available_compressors, build_config, get_entry
 from .compressors.base import Compressor
 from .engine import EngineConfig, GCEngine, gc_comm_hook
+from .engine.omgs import OMGS_PLANS, OMGSConfig, OMGSController
 from .summary import GCSummary, summarize
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,10 @@ class GCStrategy(DDPStrategy):
         compressor_args: further options of the compressor, e.g. ``{"levels": 15}`` for QSGD.
         collective: ``"auto"`` (the compressor's natural collective) or an explicit one; an
             incompatible pair is refused here with the valid alternatives.
-        plan: ``"model"``, ``"layer"`` or ``"threshold"`` grouping (docs/concepts.md).
+        plan: ``"model"``, ``"layer"`` or ``"threshold"`` grouping (docs/concepts.md), or
+            ``"omgs"`` — the merge that minimises the modelled iteration time, from a backward
+            profile and cost models measured on this job (docs/omgs.md); ``"omgs_paper"`` is the
+            paper's Algorithm 1, for comparison.
         plan_threshold: elements per merged group for ``plan="threshold"``.
         min_compress_numel: tensors smaller than this are sent exactly.
         warmup_steps: dense optimizer steps before compression starts (≥ 1 recommended).
@@ -141,6 +145,11 @@ class GCStrategy(DDPStrategy):
         probe_every, probe_drift, probe_patience: when ``artopk_auto`` re-measures the network:
             every ``probe_every`` steps, or after ``probe_patience`` consecutive steps whose measured
             communication time differs from the model's prediction by more than ``probe_drift``.
+        omgs: options of the OMGS profiler/planner (:class:`~lightning_gc.engine.omgs.OMGSConfig` or a
+            dict of its fields). With ``plan="omgs"``/``"omgs_paper"`` the defaults apply when
+            omitted; given with another plan, the job is profiled and the plan's predicted step
+            time logged next to the measured one, without changing the plan. Profiling needs
+            dense steps: ``warmup_steps`` is raised to ``OMGSConfig.dense_steps_needed`` if smaller.
         overlap: run compressed exchanges on the engine's worker thread, overlapped with the rest
             of backward (default). ``False`` runs them synchronously inside DDP's hook: the same
             results bit for bit, slower; the oracle and a debugging aid.
@@ -189,6 +198,7 @@ class GCStrategy(DDPStrategy):
         probe_drift: float = 0.5,
         probe_patience: int = 5,
         overlap: bool = True,
+        omgs: OMGSConfig | dict | None = None,
         **kwargs: Any,
     ) -> None:
         forbidden = {"ddp_comm_state": ddp_comm_state, "ddp_comm_hook": ddp_comm_hook,
@@ -215,6 +225,13 @@ class GCStrategy(DDPStrategy):
         if nonfinite not in ("skip", "propagate"):
             raise ValueError(f"nonfinite={nonfinite!r} is invalid: use 'skip' or 'propagate'.")
         ef = probe.default_error_feedback if error_feedback is None else error_feedback
+        self._omgs_config = OMGSConfig.coerce(omgs) if (omgs is not None or plan in OMGS_PLANS) else None
+        if self._omgs_config is not None and warmup_steps < self._omgs_config.dense_steps_needed:
+            rank_zero_info(
+                f"lightning_gc: OMGS profiles backward on dense steps, so warmup_steps={warmup_steps} is raised to "
+                f"{self._omgs_config.dense_steps_needed} (1 + profile_skip_steps + profile_steps of OMGSConfig)."
+            )
+            warmup_steps = self._omgs_config.dense_steps_needed
         self._engine_config = EngineConfig(
             plan=plan,
             plan_threshold=plan_threshold,
@@ -235,6 +252,7 @@ class GCStrategy(DDPStrategy):
         self._nonfinite = nonfinite
         self._monitor = monitor
         self._engine: GCEngine | None = None
+        self._omgs: OMGSController | None = None
         self._pending_state: dict | None = None
         self.skipped_steps = 0
         super().__init__(
@@ -254,6 +272,11 @@ class GCStrategy(DDPStrategy):
     def engine(self) -> GCEngine | None:
         """The communication engine (``None`` before the model is wrapped)."""
         return self._engine
+
+    @property
+    def omgs(self) -> OMGSController | None:
+        """The OMGS profiler/planner (``None`` unless ``plan="omgs"``/``"omgs_paper"`` or ``omgs=`` given)."""
+        return self._omgs
 
     @property
     def compressor_name(self) -> str:
@@ -301,6 +324,8 @@ class GCStrategy(DDPStrategy):
                 f"plan={self._engine_config.plan} groups={len(self._engine.plan.groups)} "
                 f"warmup_steps={self._engine_config.warmup_steps} error_feedback={self._engine.error_feedback}"
             )
+        if self._omgs_config is not None and self._engine.world_size > 1:
+            self._omgs = OMGSController(self._engine, self._omgs_config, self.model, named, self._engine_config.plan)
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
             self._pending_state = None
@@ -308,9 +333,13 @@ class GCStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._omgs is not None:
+            closure = self._omgs.wrap_closure(closure)
         out = self._optimizer_step(optimizer, closure, model, **kwargs)
         if self._engine is not None:
             self._engine.after_optimizer_step()
+        if self._omgs is not None:
+            self._omgs.after_step()
         return out
 
     def _optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -339,6 +368,8 @@ class GCStrategy(DDPStrategy):
     def teardown(self) -> None:
         # stop the exchange worker and release its process group before DDP and the default
         # process group go away: an orderly exit instead of threads dying with the interpreter
+        if self._omgs is not None:
+            self._omgs.detach()
         if self._engine is not None:
             self._engine.close()
         super().teardown()
@@ -422,6 +453,11 @@ class GCStrategy(DDPStrategy):
                     compressor=name,
                     find_unused_parameters=True,
                 )
+        if "gc_omgs" not in strategy_registry:  # a plan, not a compressor: Top-k with the OMGS merge plan
+            strategy_registry.register(
+                "gc_omgs", cls, description="lightning_gc: Top-k with the OMGS merge plan (docs/omgs.md)",
+                compressor="topk", plan="omgs",
+            )
 
 
 def register_aliases() -> None:

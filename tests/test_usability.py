@@ -202,7 +202,8 @@ def test_list_has_one_line_per_compressor_collective_plan_and_alias(capsys):
     aliases = [n for n, e in StrategyRegistry.items() if e["strategy"] is GCStrategy]
     expected = [*COMPRESSORS, *available_collectives(), *available_planners(), *aliases]
     assert items == expected
-    assert len(aliases) == 2 * len(COMPRESSORS)
+    assert len(aliases) == 2 * len(COMPRESSORS) + 1  # + gc_omgs (Top-k with the OMGS plan)
+    assert StrategyRegistry["gc_omgs"]["init_params"] == {"compressor": "topk", "plan": "omgs"}
     by_name = {ln.split()[0]: ln for ln in lines if ln.startswith("  ")}
     assert by_name["qsgd"].endswith("[allgather]") and by_name["star_topk"].endswith("[art_allreduce]")
     assert "find_unused_parameters=True" in by_name["gc_topk_find_unused_parameters_true"]

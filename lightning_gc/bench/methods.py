@@ -15,7 +15,10 @@ Method list syntax (``--methods``): comma-separated entries ``NAME[:KEY=VALUE[:K
   ``ratio`` defaults to ``--ratio`` for compressors that take one; ``plan``, ``warmup_steps``,
   ``error_feedback``, ``monitor``, ``collective`` (e.g. ``star_topk:collective=art_ring``), the
   network-model keys (``network_alpha_s``, ``network_beta_s_per_byte``, ``probe_*``) and the other
-  GCStrategy engine keys go to ``GCStrategy``; any other key goes to ``compressor_args``.
+  GCStrategy engine keys go to ``GCStrategy``; ``omgs_<field>`` keys go to ``GCStrategy(omgs={field: ...})``
+  (:class:`~lightning_gc.engine.omgs.OMGSConfig`, e.g. ``topk:plan=omgs:omgs_profile_steps=5``; given with
+  another plan they make the run profile and predict without changing its plan); any other key goes to
+  ``compressor_args``.
 
 ``marsit`` (Marsit's one-bit ring) takes two short options besides its compressor options:
 ``K`` (= ``full_precision_every``, the period of full-precision rounds, 0 = never) and
@@ -280,9 +283,15 @@ def build_strategy(spec: MethodSpec, **ddp_kwargs: Any):
         if cascade:
             options["collective"] = "marsit_cascade"
     aliases = _OPTION_ALIASES.get(spec.name, {})
+    omgs: dict[str, Any] = {}
     for k, v in options.items():
         k = aliases.get(k, k)
+        if k.startswith("omgs_"):  # OMGSConfig fields, e.g. topk:plan=omgs:omgs_profile_steps=5
+            omgs[k[len("omgs_"):]] = v
+            continue
         (kwargs if k in _GC_STRATEGY_KEYS else compressor_args)[k] = v
+    if omgs:
+        kwargs["omgs"] = omgs
     if compressor_args:
         kwargs["compressor_args"] = compressor_args
     return GCStrategy(compressor=spec.name, **kwargs, **ddp_kwargs)

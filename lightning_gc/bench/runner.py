@@ -424,6 +424,13 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
             bytes_per_step, source = None, "unavailable"
         if ranks[0].get("network_model"):
             extra["network_model"] = ranks[0]["network_model"]
+        if ranks[0].get("omgs"):  # OMGS: predicted backward window vs measured (median over the timed steps)
+            om = dict(ranks[0]["omgs"])
+            per_rank = [rk["omgs"]["measured_s"] for rk in ranks if rk.get("omgs")]
+            tail = [max(v) for v in zip(*per_rank)][-measured:] if per_rank else []
+            om["measured_median_s"] = statistics.median(tail) if tail else None
+            om.pop("measured_s", None)
+            extra["omgs"] = om
     else:
         psgd = ranks[0].get("powersgd_numel_window")
         psgd_per_step = None

@@ -293,6 +293,7 @@ def run(cfg: dict) -> dict:
         "engine_window": delta(cb.engine_start, cb.engine_end),
         "engine_totals": _engine_totals(engine),
         "network_model": _network_model(engine),
+        "omgs": _omgs_state(strategy),
         "powersgd_numel_window": delta(cb.psgd_start, cb.psgd_end),
         "evals": cb.evals,
         "comm_hook": cb.comm_hook,
@@ -307,6 +308,26 @@ def run(cfg: dict) -> dict:
         "target": preset.target,
         "batch_size": preset.batch_size,
         "threads": torch.get_num_threads(),
+    }
+
+
+def _omgs_state(strategy) -> dict | None:
+    """OMGS: the plan's predicted backward-window time, the measured windows, and the fits."""
+    ctl = getattr(strategy, "omgs", None)
+    if ctl is None or ctl.state.plan is None:
+        return None
+    s = ctl.state
+    cal = s.calibration
+    return {
+        "plan": s.plan.kind, "groups": sum(1 for g in s.plan.groups if not g.exact),
+        "predicted_s": s.predicted_s, "measured_s": list(s.measured_s), "predictions": dict(s.predictions),
+        "replans": s.replans, "backward_s": max(ctl.backward_s or [0.0]),
+        "fit": None if cal is None else {
+            "gamma_s": cal.sparsify.gamma_s, "sparsify_intercept_s": cal.sparsify.intercept_s,
+            "sparsify_residuals": list(cal.sparsify.residuals), "alpha_s": cal.comm.intercept,
+            "beta_s_per_byte": cal.comm.slope, "comm_residuals": list(cal.comm.residuals),
+            "exact_s": cal.exact_s, "overhead_s": cal.overhead_s,
+        },
     }
 
 

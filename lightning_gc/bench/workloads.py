@@ -8,6 +8,10 @@
   fp32 gradient) on a random linear-regression task. It needs nothing but torch and spends almost
   all of its step in communication, which makes it the workload for checking the emulated network
   itself (the shaped-rate test uses it);
+* ``deep``: the ResNet-50 layer layout (bottleneck blocks ``[3, 4, 6, 3]``, 161 parameter tensors)
+  at width 8 (0.38M parameters) on synthetic 3x16x16 template images, batch 16: many tensors of
+  uneven sizes, the workload for merge plans (``topk:plan=omgs`` against ``plan=model/layer/threshold``).
+  ``--preset-arg`` keys: ``width``, ``image_size``, ``batch_size``, ``lr``, ``num_train``;
 * ``package.module:factory``: any callable ``factory(seed=..., **preset_args)`` returning an object
   with the attributes ``model``, ``datamodule``, ``metric`` (name of a logged validation metric),
   ``mode`` (``"max"``/``"min"``), ``target`` (float or ``None``) and ``batch_size``.
@@ -91,10 +95,36 @@ def _probe(seed: int = 0, width: int = 512, batch_size: int = 32, lr: float = 0.
     return Workload("probe", ProbeModel(), ProbeData(), "val_loss", "min", 0.5, batch_size)
 
 
+def _deep(seed: int = 0, width: int = 8, image_size: int = 16, batch_size: int = 16, lr: float = 0.05,
+          num_train: int = 4096):
+    import torch
+
+    from lightning_gc.examples.deep import DeepResNetClassifier
+    from lightning_gc.examples.vision import SyntheticImageData
+
+    width, image_size, batch_size, num_train = int(width), int(image_size), int(batch_size), int(num_train)
+    if width < 1 or image_size < 4 or batch_size < 1 or num_train < batch_size:
+        raise WorkloadError(
+            f"deep preset: width={width}, image_size={image_size}, batch_size={batch_size}, num_train={num_train} "
+            "must be positive with image_size >= 4 and num_train >= batch_size; e.g. --preset-arg width=8"
+        )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = DeepResNetClassifier(num_classes=10, width=width, lr=float(lr))
+    data = SyntheticImageData(num_classes=10, num_train=num_train, num_val=512, image_size=image_size,
+                              max_shift=image_size // 2, template_grid=4, batch_size=batch_size, seed=seed)
+    return Workload("deep", model, data, "val_acc", "max", 0.6, batch_size)
+
+
 def resolve_preset(name: str, seed: int = 0, **overrides: Any):
     """Build the workload ``name`` (see the module docstring)."""
     if name == "probe":
         preset = _probe(seed=seed, **overrides)
+    elif name == "deep":
+        try:
+            preset = _deep(seed=seed, **overrides)
+        except TypeError as exc:
+            raise WorkloadError(f"preset 'deep' with arguments {overrides}: {exc}") from exc
     elif ":" in name:
         module_name, _, attr = name.partition(":")
         try:

@@ -22,6 +22,10 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 ``gc/probe_ms``        time spent probing the network during the step (ms)
 ``gc/full_precision``  Marsit: 1 on a full-precision round (compensation reset), 0 on a one-bit round
 ``gc/compensation_norm`` Marsit: ‖c‖₂ of this rank's global compensation after the step (= error memory)
+``gc/omgs_predicted_ms`` OMGS: the timeline model's backward-window time of the plan in force (ms, all ranks)
+``gc/omgs_measured_ms``  OMGS: measured time from the start of backward until it returned (ms, rank 0)
+``gc/omgs_plan``       OMGS (figure, TensorBoard only, needs matplotlib): the plan and its predicted
+                       timeline, written whenever a plan is installed (docs/omgs.md)
 ====================  ========================================================================
 
 Logging frequency follows the Trainer's ``log_every_n_steps``, with one exception: the step where
@@ -67,6 +71,24 @@ class GCMonitor(Callback):
         self._last_dense: bool | None = None
         #: optimizer steps (engine numbering) written outside the log_every_n_steps schedule
         self.forced_steps: list[int] = []
+        self._omgs_figure_version = 0
+        #: OMGS plan figures written (plan versions), for tests
+        self.omgs_figures: list[int] = []
+
+    def _log_plan_figure(self, trainer: Any, state: Any) -> None:
+        if not trainer.is_global_zero:
+            return
+        from .omgs_figure import plan_figure
+
+        fig = plan_figure(state)
+        if fig is None:
+            return
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        for logger in trainer.loggers:
+            add_figure = getattr(getattr(logger, "experiment", None), "add_figure", None)
+            if add_figure is not None:  # TensorBoard's SummaryWriter
+                add_figure("gc/omgs_plan", fig, global_step=step)
+                self.omgs_figures.append(state.plan_version)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         engine = getattr(trainer.strategy, "engine", None)
@@ -106,6 +128,14 @@ class GCMonitor(Callback):
             metrics["gc/compensation_norm"] = float(s.error_norm)
         if s.probe_s > 0:
             metrics["gc/probe_ms"] = 1e3 * s.probe_s
+        omgs = getattr(trainer.strategy, "omgs", None)
+        if omgs is not None and not s.dense and omgs.state.predicted_s is not None:
+            metrics["gc/omgs_predicted_ms"] = 1e3 * omgs.state.predicted_s
+            if omgs.state.last_measured_s is not None:
+                metrics["gc/omgs_measured_ms"] = 1e3 * omgs.state.last_measured_s
+            if omgs.state.plan_version != self._omgs_figure_version:
+                self._omgs_figure_version = omgs.state.plan_version
+                self._log_plan_figure(trainer, omgs.state)
         if mode_changed and not trainer._logger_connector.should_update_logs:
             # Lightning would not write this step: write it to the loggers directly, at the step
             # Lightning uses for this batch's metrics (rank zero only, like self.log(rank_zero_only)).

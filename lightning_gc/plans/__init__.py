@@ -1,6 +1,6 @@
 """Merge plans and the planner registry (which parameters are compressed and sent together)."""
 
-from . import static  # noqa: F401  (registers the static planners)
+from . import omgs, static  # noqa: F401  (register the planners)
 from .base import (
     Group,
     ParamFacts,

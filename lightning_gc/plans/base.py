@@ -94,6 +94,7 @@ class PlanRequest:
         min_compress_numel: tensors smaller than this go to the exact group.
         compress: False puts everything into the exact group (lossless compressor).
         network: the network model in force (``NetworkModel`` or ``None``), for cost-based planners.
+        cost: a fitted cost model for cost-based planners (``OMGSCost`` for ``"omgs"``), or ``None``.
     """
 
     params: tuple[ParamFacts, ...]
@@ -101,6 +102,7 @@ class PlanRequest:
     min_compress_numel: int = 1024
     compress: bool = True
     network: Any = None
+    cost: Any = None
 
     def backward_order(self) -> list[ParamFacts]:
         """Parameters in (approximate) gradient-ready order: reverse registration order."""
@@ -164,11 +166,12 @@ def build_plan(
     compress: bool = True,
     backward_s: list[float] | None = None,
     network: Any = None,
+    cost: Any = None,
 ) -> Plan:
     """Build a plan over parameters given in *registration order* with the planner ``kind``."""
     params = tuple(
         ParamFacts(i, n, k, None if backward_s is None else backward_s[i]) for i, (n, k) in enumerate(zip(names, numels))
     )
     request = PlanRequest(params, threshold=threshold, min_compress_numel=min_compress_numel,
-                          compress=compress, network=network)
+                          compress=compress, network=network, cost=cost)
     return get_planner(kind)(request)
