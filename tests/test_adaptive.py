@@ -17,7 +17,6 @@ import os
 import types
 
 import lightning as L
-
 import numpy as np
 import pytest
 import torch
