@@ -347,3 +347,31 @@ def test_lightning_rollback_leaves_no_trace_shadow_logs_and_resume_keeps_c(tmp_p
     assert [e.value for e in acc.Scalars("adaptive/decision_c")] == pytest.approx([c])
     assert ratios[max(ratios)] == pytest.approx(c) and cs[max(cs)] == pytest.approx(c)  # in force after the decision
     assert ratios[min(ratios)] == 1.0  # dense warm-up
+
+
+# ---------------------------------------------------------------------------------------------- reach
+def test_bench_method_option_adds_the_controller_and_recipe_builds_it(tmp_path, monkeypatch):
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_gc.bench.methods import MethodError, build_callbacks, build_strategy, parse_methods
+
+    spec, = parse_methods("topk:adaptive=rollback:adaptive_min_interval=30:adaptive_weights=x", default_ratio=0.01)
+    with pytest.raises(MethodError, match=r"weights='x' must be three numbers"):
+        build_callbacks(spec)
+    spec, = parse_methods("topk:adaptive=rollback:adaptive_min_interval=30", default_ratio=0.01)
+    cb, = build_callbacks(spec)
+    assert cb.config.mode == "rollback" and cb.config.min_interval == 30
+    strategy = build_strategy(spec)  # the controller's keys do not reach GCStrategy
+    assert strategy.compressor_name == "topk" and strategy._compressor_config.ratio == 0.01
+    assert build_callbacks(parse_methods("topk", default_ratio=0.01)[0]) == []
+    with pytest.raises(MethodError, match=r"adaptive='shadow' needs a lightning_gc compressor that takes a ratio"):
+        build_callbacks(parse_methods("qsgd:adaptive=shadow", default_ratio=0.01)[0])
+    with pytest.raises(MethodError, match=r"mode='explore' is not an exploration mode"):
+        build_callbacks(parse_methods("topk:adaptive=explore", default_ratio=0.01)[0])
+
+    monkeypatch.chdir(tmp_path)
+    cli = LightningCLI(args=["--config", os.path.join(os.path.dirname(__file__), "..", "recipes", "adaptive.yaml")],
+                       run=False)
+    cb, = [c for c in cli.trainer.callbacks if isinstance(c, AdaptiveRatio)]
+    assert cb.config.mode == "shadow" and cb.config.weights == pytest.approx((0.3, 0.3, 0.4))
+    assert cli.trainer.strategy.compressor_name == "artopk_auto"

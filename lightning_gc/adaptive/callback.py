@@ -102,7 +102,7 @@ class AdaptiveRatio(Callback):
     ) -> None:
         self.config = AdaptiveConfig(
             mode=mode, c_min=c_min, c_max=c_max, factor=factor, shadow_steps=shadow_steps,  # type: ignore[arg-type]
-            steps_per_candidate=steps_per_candidate, weights=tuple(weights), rule=rule,  # type: ignore[arg-type]
+            steps_per_candidate=steps_per_candidate, weights=weights, rule=rule,  # type: ignore[arg-type]
             pop_size=pop_size, n_gen=n_gen, seed=seed, warmup_steps=warmup_steps, gain_threshold=gain_threshold,
             network_threshold=network_threshold, probe_every=probe_every, min_interval=min_interval,
             settle_steps=settle_steps, calibrate=calibrate,

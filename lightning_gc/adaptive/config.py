@@ -151,7 +151,7 @@ class AdaptiveConfig:
             raise ValueError(f"factor={self.factor!r} must be > 1 (candidates are c_max, c_max/factor, …); use 3.")
         _int("shadow_steps", self.shadow_steps, 1, "Use e.g. 3 live steps to score candidates on.")
         _int("steps_per_candidate", self.steps_per_candidate, 1, "Use e.g. 5 (the paper: 10).")
-        w = tuple(self.weights)
+        w = tuple(self.weights) if isinstance(self.weights, (list, tuple)) else ()
         if len(w) != 3 or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) for x in w):
             raise ValueError(
                 f"weights={self.weights!r} must be three numbers: (compression time, communication time, 1/gain); "

@@ -424,6 +424,8 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
             bytes_per_step, source = None, "unavailable"
         if ranks[0].get("network_model"):
             extra["network_model"] = ranks[0]["network_model"]
+        if ranks[0].get("adaptive"):  # the controller's decisions: step, trigger, c, collective, overhead
+            extra["adaptive"] = ranks[0]["adaptive"]
     else:
         psgd = ranks[0].get("powersgd_numel_window")
         psgd_per_step = None
