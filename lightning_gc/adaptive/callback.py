@@ -124,7 +124,6 @@ class AdaptiveRatio(Callback):
         self._shadow: ShadowScorer | None = None
         self._shadow_comm: list[float] = []
         self._shadow_trigger: str | None = None
-        self._shadow_t0 = 0.0
         self._last_seen = -1
         self._batches: deque = deque(maxlen=self.config.steps_per_candidate)
         self._loaded: dict | None = None
@@ -253,7 +252,6 @@ class AdaptiveRatio(Callback):
             self._shadow = ShadowScorer(engine.compressor, self.config.candidates)
             self._shadow_comm = []
             self._shadow_trigger = trigger
-            self._shadow_t0 = time.perf_counter()
             engine.group_observer = self._shadow
             return
         t0 = time.perf_counter()
@@ -268,9 +266,11 @@ class AdaptiveRatio(Callback):
         engine.group_observer = None
         results = scorer.results(engine.process_group, engine.device)
         live_comm = agree([sum(self._shadow_comm) / len(self._shadow_comm)], engine.process_group, engine.device)[0]
+        # the extra work shadow mode did: the candidates' compressions (mean over ranks); the live
+        # steps themselves were training steps
         self._decide(trainer, engine, step, self._shadow_trigger, results,
                      measured_live=(float(engine.compressor.ratio), live_comm),
-                     overhead_s=time.perf_counter() - self._shadow_t0)
+                     overhead_s=sum(r.t_comp_s * r.steps for r in results))
 
     def _rollback(self, trainer: Any, pl_module: Any, engine: Any) -> list[CandidateResult]:
         if not self._batches:
