@@ -4,6 +4,7 @@ Importing the package registers the ``gc_<compressor>`` strategy aliases with Li
 ``Trainer(strategy="gc_topk")`` works after ``import lightning_gc``.
 """
 
+from .adaptive import AdaptiveRatio
 from .callbacks import GCMonitor
 from .compressors import available_compressors, build_compressor
 from .engine import EngineConfig, GCEngine
@@ -13,4 +14,4 @@ __version__ = "0.1.0"
 
 register_aliases()
 
-__all__ = ["EngineConfig", "GCEngine", "GCMonitor", "GCStrategy", "available_compressors", "build_compressor", "__version__"]
+__all__ = ["AdaptiveRatio", "EngineConfig", "GCEngine", "GCMonitor", "GCStrategy", "available_compressors", "build_compressor", "__version__"]

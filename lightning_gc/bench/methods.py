@@ -20,6 +20,12 @@ Method list syntax (``--methods``): comma-separated entries ``NAME[:KEY=VALUE[:K
   another plan they make the run profile and predict without changing its plan); any other key goes to
   ``compressor_args``.
 
+``adaptive=shadow`` or ``adaptive=rollback`` on any compressor that takes a ratio adds the
+adaptive-ratio controller (:class:`lightning_gc.AdaptiveRatio`, docs/adaptive.md) in that mode;
+``adaptive_KEY=VALUE`` passes ``KEY`` to it, e.g.
+``artopk_auto:adaptive=shadow,topk:adaptive=rollback:adaptive_steps_per_candidate=3``. The
+method's ``ratio`` is then only the ratio in force until the first decision.
+
 ``marsit`` (Marsit's one-bit ring) takes two short options besides its compressor options:
 ``K`` (= ``full_precision_every``, the period of full-precision rounds, 0 = never) and
 ``cascade=true``, which runs the paper's foil instead — SSDM re-compression at every ring hop
@@ -61,6 +67,7 @@ __all__ = [
     "parse_methods",
     "available_methods",
     "build_strategy",
+    "build_callbacks",
     "TorchHookDDPStrategy",
     "ring_factor",
     "dense_grad_elements",
@@ -282,6 +289,8 @@ def build_strategy(spec: MethodSpec, **ddp_kwargs: Any):
             raise MethodError(f"method {spec.label!r}: cascade={cascade!r} must be true or false")
         if cascade:
             options["collective"] = "marsit_cascade"
+    for k in [k for k in options if k == "adaptive" or k.startswith("adaptive_")]:
+        options.pop(k)  # the controller's options: see build_callbacks
     aliases = _OPTION_ALIASES.get(spec.name, {})
     omgs: dict[str, Any] = {}
     for k, v in options.items():
@@ -295,6 +304,28 @@ def build_strategy(spec: MethodSpec, **ddp_kwargs: Any):
     if compressor_args:
         kwargs["compressor_args"] = compressor_args
     return GCStrategy(compressor=spec.name, **kwargs, **ddp_kwargs)
+
+
+def build_callbacks(spec: MethodSpec) -> list:
+    """Callbacks the method needs besides its strategy: the adaptive-ratio controller for
+    ``adaptive=shadow|rollback`` (its own options as ``adaptive_KEY=VALUE``)."""
+    mode = spec.options.get("adaptive")
+    extra = {k[len("adaptive_"):]: v for k, v in spec.options.items() if k.startswith("adaptive_")}
+    if mode is None:
+        if extra:
+            raise MethodError(f"method {spec.label!r}: {sorted(extra)} need adaptive=shadow or adaptive=rollback")
+        return []
+    if not spec.gc or not _takes_ratio(spec.name):
+        raise MethodError(
+            f"method {spec.label!r}: adaptive={mode!r} needs a lightning_gc compressor that takes a ratio "
+            "(topk, lwtopk, mstopk, randomk, star_topk, var_topk, artopk_auto)"
+        )
+    from lightning_gc.adaptive import AdaptiveRatio
+
+    try:
+        return [AdaptiveRatio(mode=mode, **extra)]
+    except (TypeError, ValueError) as exc:
+        raise MethodError(f"method {spec.label!r}: {exc}") from exc
 
 
 def ring_factor(world_size: int) -> float:

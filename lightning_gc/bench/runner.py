@@ -431,6 +431,8 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
             om["measured_median_s"] = statistics.median(tail) if tail else None
             om.pop("measured_s", None)
             extra["omgs"] = om
+        if ranks[0].get("adaptive"):  # the controller's decisions: step, trigger, c, collective, overhead
+            extra["adaptive"] = ranks[0]["adaptive"]
     else:
         psgd = ranks[0].get("powersgd_numel_window")
         psgd_per_step = None

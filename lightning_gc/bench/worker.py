@@ -231,7 +231,13 @@ def run(cfg: dict) -> dict:
     import lightning as L
     import torch
 
-    from lightning_gc.bench.methods import MethodSpec, build_strategy, dense_grad_elements, powersgd_elements
+    from lightning_gc.bench.methods import (
+        MethodSpec,
+        build_callbacks,
+        build_strategy,
+        dense_grad_elements,
+        powersgd_elements,
+    )
     from lightning_gc.bench.workloads import resolve_preset
 
     global_rank, local_rank, node_rank = _ranks()
@@ -244,6 +250,8 @@ def run(cfg: dict) -> dict:
     spec = MethodSpec(m["name"], dict(m["options"]), gc=bool(m["gc"]))
     strategy = build_strategy(spec)
     cb = _make_callback(cfg, global_rank, local_rank)
+    # before the bench callback: a controller's exploration at a step's end counts in that step's time
+    extra_callbacks = build_callbacks(spec)
     eval_every = int(cfg["eval_every"])
     trainer = L.Trainer(
         accelerator="cpu",
@@ -260,7 +268,7 @@ def run(cfg: dict) -> dict:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[cb],
+        callbacks=[*extra_callbacks, cb],
     )
     trainer.fit(preset.model, datamodule=preset.datamodule)
     if not cb.evals or cb.evals[-1]["step"] != cb.step:
@@ -303,6 +311,10 @@ def run(cfg: dict) -> dict:
                               float(spec.options.get("min_compression_rate", 2)))
             if (not spec.gc and spec.name == "powersgd") else None
         ),
+        "adaptive": [
+            {k: h[k] for k in ("step", "trigger", "mode", "c", "collective", "overhead_s")}
+            for c in extra_callbacks for h in getattr(c, "history", [])
+        ] or None,
         "metric": preset.metric,
         "mode": preset.mode,
         "target": preset.target,

@@ -32,6 +32,7 @@ import dataclasses
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +140,10 @@ class GCEngine:
         self._last_nonfinite = False
         self._totals = Totals()
         self.hook_calls = 0
+        #: optional ``fn(gid, p, ctx)`` called on the runner thread with each lossy group's error-fed
+        #: gradient ``p = g + e`` just before its exchange (read-only: must not modify ``p``); the
+        #: adaptive-ratio controller's shadow mode scores candidate ratios with it. Set between steps.
+        self.group_observer: Callable[[int, Tensor, GroupContext], None] | None = None
         self._work: _StepWork | None = None  # the open step (hook thread)
         self._last_work: _StepWork | None = None
         self._failure: BaseException | None = None
@@ -459,6 +464,8 @@ class GCEngine:
         p2 = _sq_norm(p)  # the gain needs it; a NaN/inf anywhere shows here
         if not math.isfinite(p2) and not bool(torch.isfinite(p).all()):  # p2 may overflow on finite p
             work.report.nonfinite_ranks = 1.0
+        if self.group_observer is not None:
+            self.group_observer(gid, p, ctx)
         timer.resolve()
         c0 = work.times.comm_s
         mean, sent = self.exchange.run(p, ctx, timer)
