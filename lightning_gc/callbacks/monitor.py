@@ -22,6 +22,9 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 ``gc/probe_ms``        time spent probing the network during the step (ms)
 ``gc/full_precision``  Marsit: 1 on a full-precision round (compensation reset), 0 on a one-bit round
 ``gc/compensation_norm`` Marsit: ‖c‖₂ of this rank's global compensation after the step (= error memory)
+``gc/<compressor>/...`` compressor-specific values (``StepStats.compressor_metrics``), e.g. GradiVeQ's
+                       ``gc/gradiveq/phase`` (0 warm-up, 1 sample, 2 compressed), ``gc/gradiveq/loss``
+                       (mean relative Eq. 7 loss over ranks), ``gc/gradiveq/d/<parameter>``
 ====================  ========================================================================
 
 Logging frequency follows the Trainer's ``log_every_n_steps``, with one exception: the step where
@@ -104,6 +107,8 @@ class GCMonitor(Callback):
         if s.full_precision is not None:
             metrics["gc/full_precision"] = float(s.full_precision)
             metrics["gc/compensation_norm"] = float(s.error_norm)
+        for key, value in (s.compressor_metrics or {}).items():
+            metrics[f"gc/{key}"] = float(value)
         if s.probe_s > 0:
             metrics["gc/probe_ms"] = 1e3 * s.probe_s
         if mode_changed and not trainer._logger_connector.should_update_logs:
