@@ -422,3 +422,29 @@ def test_engine_gradient_and_error_feedback_match_their_definitions(all_results)
         assert 0 < last["gradiveq/ratio"] < 1
         assert abs(last["gradiveq/loss"] - res["loss"]) <= 1e-5 * res["loss"]  # Eq. 7, mean over ranks
         assert 1 <= last["gradiveq/d/0.weight"] < 64 and 1 <= last["gradiveq/d/3.weight"] < 64
+
+
+def test_checkpoint_state_restores_schedule_and_basis_exactly():
+    """A basis fitted in process (world size 1 context), saved and loaded: same phases, same z."""
+    cfg = GradiVeQConfig(max_slice=96, warmup=1, sample_steps=3, compress_steps=4, pca_slices=2)
+    comp = GradiVeQCompressor(cfg)
+    for step in range(4):
+        assert comp.phase(step) == ("warmup" if step == 0 else "sample")
+        if step:
+            comp.add_sample(_grad(0, 1, step), _ctx(0, 1, step))
+    assert comp.phase(4) == "compress"
+    basis = comp.fit(_ctx(0, 1, 4), torch.float32)
+    assert basis is not None and comp.ratio < 1
+    state = comp.state_dict()
+    twin = GradiVeQCompressor(cfg)
+    twin.load_state_dict(copy.deepcopy(state))
+    assert not twin.needs_fit(0) and twin.bases[0].digest == basis.digest
+    x = _grad(1, 3, 9)
+    assert torch.equal(twin.compress(x, _ctx(0, 3, 5)).payload[0], comp.compress(x, _ctx(0, 3, 5)).payload[0])
+    assert [twin.phase(s) for s in range(5, 10)] == [comp.phase(s) for s in range(5, 10)]
+    # saved mid-sample: the restored run samples afresh from its next step
+    comp2 = GradiVeQCompressor(cfg)
+    comp2.phase(0), comp2.phase(1), comp2.phase(2)
+    twin2 = GradiVeQCompressor(cfg)
+    twin2.load_state_dict(comp2.state_dict())
+    assert [twin2.phase(s) for s in (3, 4, 5, 6)] == ["sample", "sample", "sample", "compress"]

@@ -238,6 +238,8 @@ class GradiVeQExchange(Exchange):
                     self._check_digest(basis, ctx, timer)
             else:
                 basis = comp.bases.get(ctx.group_id)
+                if basis is not None and basis.blocks and basis.blocks[0].U.device != p.device:
+                    basis = comp.move_basis(ctx.group_id, p.device)  # restored from a checkpoint on CPU
         if basis is None:  # sample phase, or no basis could be fitted: uncompressed, collect a sample
             metrics["gradiveq/phase"] = 1.0
             return self._sample(p, ctx, timer)
@@ -306,6 +308,13 @@ class GradiVeQExchange(Exchange):
 
     def describe(self) -> str:
         return self.name
+
+    def state_dict(self) -> dict:
+        """The compressor's schedule and bases (identical on every rank), for checkpoints."""
+        return {"gradiveq": self.compressor.state_dict()}
+
+    def load_state_dict(self, state: dict, world_size: int | None = None) -> None:
+        self.compressor.load_state_dict(state.get("gradiveq") or {})
 
 
 class GradiVeQRingExchange(GradiVeQExchange):

@@ -418,6 +418,52 @@ class GradiVeQCompressor(Compressor):
             h.update(basis.mu[k].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]
 
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """Schedule and fitted bases (replicated on every rank; plain types and CPU tensors).
+
+        Samples of an unfinished sample phase are not saved: a run resumed in a sample phase
+        starts a fresh one at the resume step.
+        """
+        bases = {}
+        for gid, b in self.bases.items():
+            bases[gid] = {
+                "layers": [(L.index, L.name, L.offset, L.numel, L.shape, L.exact, L.F, L.D, L.P, L.K) for L in b.layers],
+                "blocks": [(k.layer, k.r0, k.r1, k.U.detach().cpu(), k.eigvals.detach().cpu()) for k in b.blocks],
+                "mu": {i: m.detach().cpu() for i, m in b.mu.items()},
+                "digest": b.digest,
+                "epoch": self._basis_epoch.get(gid),
+            }
+        return {"phase": self._phase, "phase_start": self._phase_start, "sched_step": self._sched_step,
+                "stop_votes": self._stop_votes, "epoch": self.epoch, "ratio": self._ratio, "bases": bases}
+
+    def load_state_dict(self, state: dict, device: torch.device | None = None) -> None:
+        if not state:
+            return
+        self.samples.clear()
+        self.bases.clear()
+        self._basis_epoch.clear()
+        self.epoch = int(state["epoch"])
+        self._phase, self._phase_start = state["phase"], int(state["phase_start"])
+        self._sched_step, self._stop_votes = int(state["sched_step"]), bool(state["stop_votes"])
+        self._ratio = float(state.get("ratio", 1.0))
+        if self._phase == "sample":  # its samples were not saved: sample afresh from the next step
+            self._phase, self._sched_step = None, -1
+        for gid, b in state.get("bases", {}).items():
+            layers = [LayerSlicing(*t) for t in b["layers"]]
+            blocks = [Block(layer, r0, r1, U.to(device) if device else U, ev) for layer, r0, r1, U, ev in b["blocks"]]
+            mu = {int(i): (m.to(device) if device else m) for i, m in b["mu"].items()}
+            self.bases[int(gid)] = GroupBasis(layers, blocks, mu, b["digest"])
+            if b.get("epoch") is not None:
+                self._basis_epoch[int(gid)] = int(b["epoch"])
+
+    def move_basis(self, gid: int, device: torch.device) -> GroupBasis:
+        b = self.bases[gid]
+        for k in b.blocks:
+            k.U = k.U.to(device)
+        b.mu = {i: m.to(device) for i, m in b.mu.items()}
+        return b
+
     # ------------------------------------------------------------------ whole-group transforms
     def _basis(self, ctx: GroupContext) -> GroupBasis:
         basis = self.bases.get(ctx.group_id)
