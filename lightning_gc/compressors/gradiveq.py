@@ -293,8 +293,8 @@ class GradiVeQCompressor(Compressor):
     The exchanges (the ring of Algorithm 1 and the simple allreduce path) are in
     :mod:`lightning_gc.comm.gradiveq`; all schedule and basis methods are called from the engine's
     ordered worker thread only. ``compress``/``decompress`` are the whole-group transforms of a
-    compressed step (``payload = (z,)`` with the exact tensors' values appended) and need a fitted
-    basis for ``ctx.group_id``.
+    compressed step (``payload = (z,)`` with the exact tensors' values appended); before a basis
+    is fitted for ``ctx.group_id`` they are the identity.
     """
 
     name = "gradiveq"
@@ -465,17 +465,13 @@ class GradiVeQCompressor(Compressor):
         return b
 
     # ------------------------------------------------------------------ whole-group transforms
-    def _basis(self, ctx: GroupContext) -> GroupBasis:
+    def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
+        """``(z,)``: every block's coefficients, then the exact tensors' values. Without a fitted
+        basis for the group (before the first compressed phase) the payload is ``x`` itself — the
+        exchanges never send that; it keeps the transform total and linear."""
         basis = self.bases.get(ctx.group_id)
         if basis is None:
-            raise RuntimeError(
-                f"GradiVeQ has no fitted basis for group {ctx.group_id} at step {ctx.step}; compressed steps "
-                "follow sample steps (see the schedule in the module docstring)."
-            )
-        return basis
-
-    def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
-        basis = self._basis(ctx)
+            return Compressed((x.clone(),), meta=None)
         parts = []
         packed: dict[int, Tensor] = {}
         for b in basis.blocks:
@@ -490,7 +486,9 @@ class GradiVeQCompressor(Compressor):
 
     def _expand(self, z: Tensor, ctx: GroupContext, scale: float, mu_weight: float) -> Tensor:
         """``U·z·scale + μ̄·mu_weight`` per slice, exact values ``·scale``, in the group's layout."""
-        basis = self._basis(ctx)
+        basis = self.bases.get(ctx.group_id)
+        if basis is None:  # identity payload (see compress)
+            return z.mul(scale)
         out = torch.empty(ctx.numel, dtype=z.dtype, device=z.device)
         off = 0
         packed: dict[int, Tensor] = {}
@@ -518,7 +516,8 @@ class GradiVeQCompressor(Compressor):
         return self._expand(summed[0], ctx, 1.0 / ctx.world_size, 1.0)
 
     def payload_specs(self, ctx: GroupContext, dtype: torch.dtype):
-        return [((self._basis(ctx).z_numel,), dtype)]
+        basis = self.bases.get(ctx.group_id)
+        return [((basis.z_numel if basis is not None else ctx.numel,), dtype)]
 
     def describe(self) -> str:
         c = self.config
