@@ -204,7 +204,7 @@ def _compressor_passes(name: str, xs: list[torch.Tensor], cfg: CodecBenchConfig,
         payloads = [unpack_payload(b, specs) for b in bufs]
         timings["aggregate"] = _time(lambda: comp.aggregate_gathered(payloads, outs[0].meta, c0), cfg.repeats)
         needs_sent = not getattr(comp, "sends_exact_subset", False)
-    elif fmt == "allreduce":
+    elif fmt in ("allreduce", "gradiveq"):  # gradiveq: coefficients add up (identity before a basis is fitted)
         summed = tuple(sum(o.payload[i] for o in outs) for i in range(len(outs[0].payload)))
         # aggregate_summed may work in place on the summed buffers (it owns them in the exchange)
         timings["aggregate"] = _time(

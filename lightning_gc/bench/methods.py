@@ -32,6 +32,10 @@ method's ``ratio`` is then only the ratio in force until the first decision.
 (``collective=marsit_cascade``) with the same schedule and compensation, e.g.
 ``marsit:K=0,marsit:K=100,marsit:K=0:cascade=true``.
 
+``gradiveq`` takes ``Lt`` (= ``sample_steps``) and ``Lc`` (= ``compress_steps``) besides its
+compressor options, e.g. ``gradiveq:warmup=10:Lt=10:Lc=80``; ``collective=gradiveq_allreduce``
+runs the simple compress–allreduce–decompress path instead of the ring of Algorithm 1.
+
 The same method may appear several times with different options; each entry is labelled by its
 full spec (``topk:ratio=0.001``), with the default ratio made explicit.
 
@@ -87,7 +91,8 @@ _GC_STRATEGY_KEYS = {
 
 
 # short bench spellings of compressor options, per compressor
-_OPTION_ALIASES = {"marsit": {"K": "full_precision_every"}}
+_OPTION_ALIASES = {"marsit": {"K": "full_precision_every"},
+                   "gradiveq": {"Lt": "sample_steps", "Lc": "compress_steps"}}
 
 
 class MethodError(ValueError):

@@ -26,6 +26,9 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 ``gc/omgs_measured_ms``  OMGS: measured time from the start of backward until it returned (ms, rank 0)
 ``gc/omgs_plan``       OMGS (figure, TensorBoard only, needs matplotlib): the plan and its predicted
                        timeline, written whenever a plan is installed (docs/omgs.md)
+``gc/<compressor>/...`` compressor-specific values (``StepStats.compressor_metrics``), e.g. GradiVeQ's
+                       ``gc/gradiveq/phase`` (0 warm-up, 1 sample, 2 compressed), ``gc/gradiveq/loss``
+                       (mean relative Eq. 7 loss over ranks), ``gc/gradiveq/d/<parameter>``
 ====================  ========================================================================
 
 Logging frequency follows the Trainer's ``log_every_n_steps``, with one exception: the step where
@@ -126,6 +129,8 @@ class GCMonitor(Callback):
         if s.full_precision is not None:
             metrics["gc/full_precision"] = float(s.full_precision)
             metrics["gc/compensation_norm"] = float(s.error_norm)
+        for key, value in (s.compressor_metrics or {}).items():
+            metrics[f"gc/{key}"] = float(value)
         if s.probe_s > 0:
             metrics["gc/probe_ms"] = 1e3 * s.probe_s
         omgs = getattr(trainer.strategy, "omgs", None)

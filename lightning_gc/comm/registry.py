@@ -19,6 +19,7 @@ from .exchange import (
     RingAllreduceExchange,
     TreeAllreduceExchange,
 )
+from .gradiveq import GradiVeQExchange, GradiVeQRingExchange
 from .marsit import MarsitExchange
 from .network import NetworkState
 from .ssdm_cascade import SSDMCascadeExchange
@@ -56,6 +57,7 @@ _FORMAT_WORDS = {
     "artopk": "AR-Topk payloads (one source rank's indices, values summed at them)",
     "artopk_auto": "AR-Topk payloads on a collective chosen by the cost model",
     "marsit": "packed sign bits merged hop by hop along a ring",
+    "gradiveq": "GradiVeQ PCA coefficients summed in the compressed domain (QSGD on sample steps)",
 }
 # what collective="auto" means for each wire format
 _DEFAULT_FOR_FORMAT: dict[str, str] = {}
@@ -91,6 +93,11 @@ for _entry, _default in [
     (ExchangeEntry("marsit_cascade", SSDMCascadeExchange, _plain(SSDMCascadeExchange),
                    "Marsit's schedule with SSDM re-compression at every hop (the paper's biased foil; bench baseline)"),
      ()),
+    (ExchangeEntry("gradiveq_ring", GradiVeQRingExchange, _plain(GradiVeQRingExchange),
+                   "GradiVeQ, Algorithm 1: P2P ring that compresses the next segment while the previous one travels"),
+     ("gradiveq",)),
+    (ExchangeEntry("gradiveq_allreduce", GradiVeQExchange, _plain(GradiVeQExchange),
+                   "GradiVeQ, simple path: compress all, backend allreduce of the coefficients, decompress"), ()),
 ]:
     register_exchange(_entry, _default)
 

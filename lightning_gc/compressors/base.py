@@ -39,7 +39,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-WireFormat = Literal["allreduce", "allgather", "artopk", "artopk_auto", "marsit"]
+WireFormat = Literal["allreduce", "allgather", "artopk", "artopk_auto", "marsit", "gradiveq"]
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant for seed mixing
 
@@ -66,6 +66,9 @@ class GroupContext:
         group_id: index of the group in the merge plan.
         seed: the strategy's seed.
         device: device of the gradients.
+        shapes: shape of each parameter tensor of the group, in order (empty when unknown;
+            compressors that slice by layer structure, such as GradiVeQ, read them).
+        names: parameter name of each tensor of the group, in order (empty when unknown).
     """
 
     step: int
@@ -75,6 +78,8 @@ class GroupContext:
     group_id: int = 0
     seed: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    shapes: tuple[tuple[int, ...], ...] = ()
+    names: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:

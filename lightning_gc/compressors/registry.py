@@ -15,6 +15,7 @@ from .artopk import ARTopKConfig, AutoARTopKCompressor, STARTopKCompressor, VART
 from .base import Compressor
 from .cast import BF16Compressor, CastConfig, FP16Compressor
 from .dense import DenseCompressor, DenseConfig
+from .gradiveq import GradiVeQCompressor, GradiVeQConfig
 from .lwtopk import LWTopKCompressor, LWTopKConfig
 from .marsit import MarsitCompressor, MarsitConfig
 from .mstopk import MSTopKCompressor, MSTopKConfig
@@ -50,6 +51,8 @@ _ENTRIES = [
     CompressorEntry("efsignsgd", SignConfig, EFSignSGDCompressor, "1-bit scaled signs with error feedback"),
     CompressorEntry("marsit", MarsitConfig, MarsitCompressor,
                     "1-bit signs merged without bias along a P2P ring, global compensation, full precision every K"),
+    CompressorEntry("gradiveq", GradiVeQConfig, GradiVeQCompressor,
+                    "PCA per slice (GradiVeQ), coefficients summed in the compressed domain along a ring"),
     CompressorEntry("star_topk", ARTopKConfig, STARTopKCompressor,
                     "AR-Topk, round-robin source broadcasts indices, values by allreduce", (("selection", "star"),)),
     CompressorEntry("var_topk", ARTopKConfig, VARTopKCompressor,

@@ -111,6 +111,7 @@ class GCEngine:
         self.process_group = process_group
         self.names = [n for n, _ in named_parameters]
         self.params = [p for _, p in named_parameters]
+        self._shapes = {n: tuple(p.shape) for n, p in named_parameters}
         if not self.params:
             raise ValueError("the model has no trainable parameters; there is nothing to communicate")
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -444,7 +445,8 @@ class GCEngine:
         flat = timer.run("compress", lambda: torch.cat(
             [v.reshape(-1) for v in views], out=empty_output(group.numel, dtype, views[0].device)))
         ctx = GroupContext(step=work.step, rank=self.rank, world_size=self.world_size, segments=group.numels,
-                           group_id=gid, seed=self.config.seed, device=flat.device)
+                           group_id=gid, seed=self.config.seed, device=flat.device,
+                           shapes=tuple(self._shapes[n] for n in group.names), names=group.names)
         if group.exact:
             mean, _ = self.exact_exchange.run(flat, ctx, timer)
             if not bool(torch.isfinite(mean).all()):  # identical on all ranks after the sum
@@ -506,6 +508,7 @@ class GCEngine:
         s = work.stats
         s.exchange_comm_s = work.exchange_comm_s
         s.full_precision = work.times.extra.get("full_precision")
+        s.compressor_metrics = work.times.extra.get("metrics")
         bad = total.nonfinite_ranks > 0
         if bad and self.config.check_finite:
             s.nonfinite = True

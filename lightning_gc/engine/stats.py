@@ -34,6 +34,8 @@ class StepStats:
     probe_s: float = 0.0  # time spent probing the network during this step
     full_precision: bool | None = None  # Marsit: True on a full-precision round, False on a one-bit
     # round, None when the step ran no Marsit exchange (exchanges report it in ExchangeTimes.extra)
+    compressor_metrics: dict | None = None  # compressor-specific values of the step, logged as
+    # gc/<key> (e.g. GradiVeQ's phase, d per tensor, compression loss; ExchangeTimes.extra["metrics"])
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -1,0 +1,527 @@
+"""GradiVeQ: a PCA compressor that commutes with summation (Yu et al., NeurIPS 2018).
+
+What it does. Every weight tensor of a group is *packed* so that the gradients of one layer's
+F filters at the same (input channel, kernel position) sit next to each other, then cut into
+slices of K elements. Slice m of rank r is sent as ``z = Uᵀ(x − μ̄_m)`` (d numbers, d < K), with
+a K×d orthonormal basis ``U`` and a whitening vector ``μ̄_m``. Because this is *linear*,
+
+    Σ_r z_r = Uᵀ(Σ_r x_r − N·μ̄_m)                                    (Eq. 4)
+
+so compressed slices add up on the wire (any allreduce, or the ring of Algorithm 1 that compresses
+the next segment while the previous one travels), and one decompression per slice gives the mean
+
+    x̂ = U·(Σ_r z_r)/N + μ̄_m = P·x̄ + (I − P)·μ̄_m,   P = U Uᵀ             (Eq. 5, divided by N)
+
+i.e. the projection of the true mean ``x̄`` onto span(U) plus the part of μ̄ outside span(U). (The
+paper's μ is the mean of the *summed* gradients; here ``μ̄ = μ/N`` is kept in mean units, so
+``z = Uᵀ(x − μ/N)`` is exactly Eq. 3.)
+
+Packing and the slice size K (the paper's §3 "Parameter selection"). A weight of shape
+``(F, D, *kernel)`` (a convolution: F filters of depth D; P = prod(kernel) positions) is laid out
+as ``(P, D, F)``: the F collocated gradients first, then depth, then position (Fig. 3a). The unit
+of correlation is ``F·D``; K is the largest multiple ``F·D·m`` (m divides P) that is at most
+``max_slice``. When ``F·D`` itself exceeds ``max_slice`` (deep layers) the unit falls back to F
+(the F filters at one (depth, position)): ``K = F·m`` with m dividing ``D·P``; when even F exceeds
+it, K is the largest divisor of the tensor's size not above ``max_slice``. A linear layer
+``(out, in)`` is a 1×1 convolution on one pixel (F = out, D = in, P = 1), so the same rule gives
+``K = F·D`` for small layers and ``K = out·m`` for larger ones. The paper applies GradiVeQ to
+convolutions only; here linear layers are compressed too (set ``compress_linear=False`` to keep
+them exact). Tensors with fewer than two dimensions (biases, norms) or fewer than ``min_numel``
+elements stay exact: their values travel, summed, in the same message.
+
+The basis (Eq. 6). During the ``sample_steps`` (L_t) uncompressed steps the exchange records the
+*aggregated* mean gradient (identical on every rank). For each block of ``reuse`` (s) consecutive
+slices of a tensor (``reuse=0``: one basis per tensor, the paper's s = ∞) the covariance of the
+sampled slices around their own slice means is eigen-decomposed with ``torch.linalg.eigh`` (float64)
+and d is the smallest dimension whose eigenvalue share reaches ``1 − lam`` (λ = 0.01 by default).
+Samples per step and block: up to ``pca_slices`` evenly spaced slices of the block (the paper uses
+the first slice only, which caps the covariance rank at L_t − 1; several slices give a usable
+covariance from a short L_t). ``μ̄_m`` is the sample mean of slice m. U, μ̄ and d are computed from
+replicated values by the same deterministic code on every rank, so they are bit-identical; the
+exchange checks this with an 8-byte digest allgather after every fit.
+
+Schedule (§3 "System overview"), by optimizer step (replicated):
+
+* steps ``< warmup``: exact allreduce (the paper warms up 2,500 steps);
+* then alternating: ``sample_steps`` (L_t) steps exchanged uncompressed — QSGD-quantised
+  (``sample_levels`` levels, 7 = 4 bits as in the paper; 0 = exact fp32) — whose aggregated
+  gradients are the PCA samples, then up to ``compress_steps`` (L_c) GradiVeQ steps;
+* the compressed phase ends early when a majority of ranks report a local compression loss
+  (Eq. 7, relative: ``‖x − (U z + μ̄)‖² / ‖x‖²`` over the compressed tensors) above
+  ``loss_threshold``; the counts are summed by one 16-byte allreduce per compressed step, so every
+  rank switches at the same step (the next one).
+
+Defaults are scaled to short runs: warm-up 50, L_t = 20, L_c = 80, so compression starts at step
+70 (the paper: 2,500 / 100 / 400 on 45,000-step runs). Tuning: smaller ``lam`` keeps more
+dimensions (better accuracy, less compression); larger ``max_slice`` can find more correlation
+(higher K/d) but costs O(K³) per basis fit and O(K·d) per slice per step; a longer L_t gives a
+steadier basis but more uncompressed steps; L_c as long as the loss stays low.
+
+Bytes per element on compressed steps: ``4·d/K`` for the compressed tensors (fp32 z), 4 for the
+exact ones, times the ring's ``2(N−1)/N``; on sample steps those of QSGD (≈0.51 for 4 bits).
+Error feedback is off by default (the paper has none); with it, the memory keeps
+``p − (U z + μ̄)`` (the part outside span(U)) on compressed steps and QSGD's residual on sample
+steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .base import Compressed, Compressor, GroupContext
+
+PHASES = ("warmup", "sample", "compress")
+
+
+def _int(name: str, value: object, minimum: int, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} is invalid: it must be an integer ≥ {minimum}. {hint}")
+
+
+@dataclass(frozen=True)
+class GradiVeQConfig:
+    """Attributes (see the module docstring for the algorithm and tuning):
+    lam: λ, loss threshold of Eq. 6 — d is the smallest dimension keeping a 1 − λ share of the
+        sampled variance (0 ≤ λ < 1; 0.01 as in the paper).
+    max_slice: upper bound of the slice size K (K = F·D·m, F·m or a divisor of the tensor size).
+    reuse: s, consecutive slices sharing one basis; 0 = one basis per tensor (the paper's s = ∞).
+    pca_slices: slices per basis block sampled at every sample step (evenly spaced; 1 = the
+        paper's first slice only).
+    warmup: optimizer steps exchanged exactly before the first sample step.
+    sample_steps: L_t, uncompressed steps collecting PCA samples before each compressed phase.
+    compress_steps: L_c, the longest compressed phase (it ends earlier on a high loss).
+    loss_threshold: relative local loss (Eq. 7) above which a rank votes to end the compressed
+        phase; the phase ends when more than half of the ranks vote. ``None`` disables.
+    sample_levels: QSGD levels on sample steps (7 → 4 bits, as the paper); 0 = exact fp32.
+    sample_bucket: QSGD bucket size on sample steps.
+    min_numel: tensors with fewer elements stay exact.
+    compress_linear: compress 2-D (linear) weights too; False keeps them exact (the paper).
+    dim: fix d (capped at K) instead of choosing it by λ — for ablations and the d = K oracle.
+    """
+
+    lam: float = 0.01
+    max_slice: int = 1024
+    reuse: int = 0
+    pca_slices: int = 32
+    warmup: int = 50
+    sample_steps: int = 20
+    compress_steps: int = 80
+    loss_threshold: float | None = 0.9
+    sample_levels: int = 7
+    sample_bucket: int = 512
+    min_numel: int = 256
+    compress_linear: bool = True
+    dim: int | None = None
+
+    def __post_init__(self) -> None:
+        lam = self.lam
+        if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not (0.0 <= float(lam) < 1.0):
+            raise ValueError(
+                f"lam={lam!r} is invalid: λ is the share of sampled gradient variance GradiVeQ may drop "
+                "(Eq. 6) and must lie in [0, 1). Use 0.01 (the paper), smaller for more accuracy."
+            )
+        _int("max_slice", self.max_slice, 2, "K is at most this; use e.g. 1024 (the paper: 768 for a 3x3x16x16 layer).")
+        _int("reuse", self.reuse, 0, "Use 0 for one basis per tensor (the paper's s = ∞).")
+        _int("pca_slices", self.pca_slices, 1, "Use e.g. 32 (1 = the paper's first slice only).")
+        _int("warmup", self.warmup, 0, "Use e.g. 50 (the paper: 2500).")
+        _int("sample_steps", self.sample_steps, 2, "L_t needs ≥ 2 samples for a covariance; use e.g. 20.")
+        _int("compress_steps", self.compress_steps, 1, "Use e.g. 80 (the paper: 400).")
+        t = self.loss_threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ValueError(
+                f"loss_threshold={t!r} is invalid: it is the relative compression loss ‖x − x̂‖²/‖x‖² above "
+                "which a rank votes to stop compressing, a number > 0 (e.g. 0.9), or None to disable."
+            )
+        _int("sample_levels", self.sample_levels, 0, "Use 7 (4-bit QSGD, the paper) or 0 for exact samples.")
+        _int("sample_bucket", self.sample_bucket, 1, "Use 512.")
+        _int("min_numel", self.min_numel, 0, "Use e.g. 256.")
+        if not isinstance(self.compress_linear, bool):
+            raise ValueError(f"compress_linear={self.compress_linear!r} must be True or False.")
+        if self.dim is not None:
+            _int("dim", self.dim, 1, "Use None to choose d by λ.")
+
+
+# ----------------------------------------------------------------------------- slicing
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    best = 1
+    for m in range(1, min(n, cap) + 1):
+        if n % m == 0:
+            best = m
+    return best
+
+
+@dataclass(frozen=True)
+class LayerSlicing:
+    """How one tensor of a group is packed and sliced.
+
+    ``offset``/``numel``: its place in the flat group; ``shape``: its shape. For compressed
+    tensors ``F, D, P`` (filters, depth, positions), ``K`` (slice size) and ``rows = numel / K``;
+    ``exact`` tensors travel as raw values.
+    """
+
+    index: int
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+    exact: bool
+    F: int = 0
+    D: int = 0
+    P: int = 0
+    K: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.numel // self.K if self.K else 0
+
+    def pack(self, flat: Tensor) -> Tensor:
+        """``(rows, K)`` view-or-copy of this tensor's part of ``flat``, in (P, D, F) order."""
+        x = flat.narrow(0, self.offset, self.numel).view(self.F, self.D, self.P)
+        return x.permute(2, 1, 0).reshape(self.rows, self.K)
+
+    def unpack_into(self, packed: Tensor, flat: Tensor) -> None:
+        """Write ``packed`` (rows, K) back into ``flat`` in the parameter's own layout."""
+        dst = flat.narrow(0, self.offset, self.numel).view(self.F, self.D, self.P)
+        dst.copy_(packed.reshape(self.P, self.D, self.F).permute(2, 1, 0))
+
+
+def slice_rule(shape: tuple[int, ...], max_slice: int) -> tuple[int, int, int, int]:
+    """``(F, D, P, K)`` for a weight of ``shape`` (≥ 2 dims) under the documented K rule."""
+    F, D = int(shape[0]), int(shape[1])
+    P = int(math.prod(shape[2:])) if len(shape) > 2 else 1
+    n = F * D * P
+    if F * D <= max_slice:
+        K = F * D * _largest_divisor_at_most(P, max_slice // (F * D))
+    elif F <= max_slice:
+        K = F * _largest_divisor_at_most(D * P, max_slice // F)
+    else:
+        K = _largest_divisor_at_most(n, max_slice)
+    return F, D, P, K
+
+
+def layout(ctx: GroupContext, config: GradiVeQConfig) -> list[LayerSlicing]:
+    """Slicing of every tensor of the group (shapes from ``ctx.shapes``; 1-D when absent)."""
+    shapes = ctx.shapes if ctx.shapes else tuple((n,) for n in ctx.segments)
+    names = ctx.names if ctx.names else tuple(f"t{i}" for i in range(len(ctx.segments)))
+    out: list[LayerSlicing] = []
+    offset = 0
+    for i, (n, shape) in enumerate(zip(ctx.segments, shapes)):
+        shape = tuple(int(s) for s in shape)
+        exact = (len(shape) < 2 or n < config.min_numel or n < 2
+                 or (len(shape) == 2 and not config.compress_linear))
+        if not exact:
+            F, D, P, K = slice_rule(shape, config.max_slice)
+            exact = K < 2
+        if exact:
+            out.append(LayerSlicing(i, names[i], offset, n, shape, True))
+        else:
+            out.append(LayerSlicing(i, names[i], offset, n, shape, False, F, D, P, K))
+        offset += n
+    return out
+
+
+# ----------------------------------------------------------------------------- basis
+@dataclass
+class Block:
+    """One basis: slices ``[r0, r1)`` of tensor ``layer`` share ``U`` (K×d)."""
+
+    layer: int
+    r0: int
+    r1: int
+    U: Tensor
+    eigvals: Tensor  # descending, float64 (for monitoring / tests)
+
+    @property
+    def d(self) -> int:
+        return int(self.U.shape[1])
+
+
+@dataclass
+class GroupBasis:
+    """The fitted compressor of one group: blocks per tensor and μ̄ per compressed tensor."""
+
+    layers: list[LayerSlicing]
+    blocks: list[Block]
+    mu: dict[int, Tensor]  # layer index -> (rows, K) whitening vectors μ̄ (mean units)
+    digest: str = ""
+
+    @property
+    def z_numel(self) -> int:
+        return sum((b.r1 - b.r0) * b.d for b in self.blocks) + sum(L.numel for L in self.layers if L.exact)
+
+
+@dataclass
+class _Samples:
+    """Sufficient statistics of the sampled aggregated gradients of one group."""
+
+    count: int = 0
+    sums: dict[int, Tensor] = field(default_factory=dict)  # layer -> Σ_t X_t (rows, K) float64
+    grams: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (layer, block) -> Σ x xᵀ
+    row_sums: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (layer, block) -> Σ_t sampled rows
+
+
+def block_ranges(rows: int, reuse: int) -> list[tuple[int, int]]:
+    s = rows if reuse == 0 else reuse
+    return [(r, min(r + s, rows)) for r in range(0, rows, s)]
+
+
+def sampled_rows(r0: int, r1: int, pca_slices: int) -> Tensor:
+    m = min(pca_slices, r1 - r0)
+    return r0 + (torch.arange(m) * (r1 - r0)) // m
+
+
+def choose_dim(eigvals_desc: Tensor, lam: float) -> int:
+    """Eq. 6: smallest d with Σ_{k<d} s_k / Σ_k s_k ≥ 1 − λ (eigenvalues clamped at 0)."""
+    s = eigvals_desc.clamp_min(0)
+    total = float(s.sum())
+    if not total > 0:
+        return 1
+    share = torch.cumsum(s, 0) / total
+    hit = torch.nonzero(share >= 1.0 - lam)
+    return int(hit[0]) + 1 if hit.numel() else int(s.numel())
+
+
+class GradiVeQCompressor(Compressor):
+    """Local half of GradiVeQ: slicing, sample statistics, the basis fit, projection and schedule.
+
+    The exchanges (the ring of Algorithm 1 and the simple allreduce path) are in
+    :mod:`lightning_gc.comm.gradiveq`; all schedule and basis methods are called from the engine's
+    ordered worker thread only. ``compress``/``decompress`` are the whole-group transforms of a
+    compressed step (``payload = (z,)`` with the exact tensors' values appended); before a basis
+    is fitted for ``ctx.group_id`` they are the identity.
+    """
+
+    name = "gradiveq"
+    wire_format = "gradiveq"
+    wire_description = ("PCA coefficients z = Uᵀ(x − μ̄) per slice (fp32, d per K elements) that sum across "
+                        "ranks, QSGD-quantised gradients on the PCA sample steps")
+    default_error_feedback = False
+
+    def __init__(self, config: GradiVeQConfig | None = None) -> None:
+        self.config = config or GradiVeQConfig()
+        self._phase: str | None = None
+        self._phase_start = 0
+        self._sched_step = -1
+        self._stop_votes = False
+        self.epoch = 0  # number of sample phases begun: a basis is fitted once per epoch
+        self.samples: dict[int, _Samples] = {}
+        self.bases: dict[int, GroupBasis] = {}
+        self._basis_epoch: dict[int, int] = {}
+        self._ratio = 1.0
+
+    # ------------------------------------------------------------------ schedule
+    def phase(self, step: int) -> str:
+        """Phase of optimizer step ``step`` (replicated inputs only; advance once per step)."""
+        c = self.config
+        if step < c.warmup:
+            return "warmup"
+        if step != self._sched_step:
+            self._sched_step = step
+            if self._phase is None:
+                self._start("sample", step)
+            elif self._phase == "sample" and step - self._phase_start >= c.sample_steps:
+                self._start("compress", step)
+            elif self._phase == "compress" and (step - self._phase_start >= c.compress_steps or self._stop_votes):
+                self._start("sample", step)
+        return self._phase  # type: ignore[return-value]
+
+    def _start(self, phase: str, step: int) -> None:
+        self._phase, self._phase_start, self._stop_votes = phase, step, False
+        if phase == "sample":
+            self.epoch += 1
+            self.samples.clear()
+
+    def vote(self, voters: float, world_size: int) -> bool:
+        """Record the summed stop votes of a compressed step; True if the phase ends after it."""
+        if voters * 2 > world_size:
+            self._stop_votes = True
+        return self._stop_votes
+
+    @property
+    def ratio(self) -> float:
+        """Fraction of dense fp32 bytes of the latest fitted basis (1.0 before the first fit)."""
+        return self._ratio
+
+    # ------------------------------------------------------------------ samples and fit
+    def add_sample(self, mean: Tensor, ctx: GroupContext) -> bool:
+        """Record the aggregated mean of a sample step (identical on all ranks). False if non-finite."""
+        if not bool(torch.isfinite(mean).all()):
+            return False
+        st = self.samples.setdefault(ctx.group_id, _Samples())
+        for L in layout(ctx, self.config):
+            if L.exact:
+                continue
+            X = L.pack(mean).to(torch.float64)
+            st.sums[L.index] = st.sums[L.index] + X if L.index in st.sums else X.clone()
+            for b, (r0, r1) in enumerate(block_ranges(L.rows, self.config.reuse)):
+                rows = X[sampled_rows(r0, r1, self.config.pca_slices)]
+                key = (L.index, b)
+                g = rows.T @ rows
+                st.grams[key] = st.grams[key] + g if key in st.grams else g
+                st.row_sums[key] = st.row_sums[key] + rows if key in st.row_sums else rows.clone()
+        st.count += 1
+        return True
+
+    def needs_fit(self, gid: int) -> bool:
+        return self._basis_epoch.get(gid) != self.epoch
+
+    def fit(self, ctx: GroupContext, dtype: torch.dtype) -> GroupBasis | None:
+        """Fit U, μ̄, d of group ``ctx.group_id`` from this epoch's samples (None: too few samples)."""
+        gid = ctx.group_id
+        self._basis_epoch[gid] = self.epoch
+        st = self.samples.get(gid)
+        layers = layout(ctx, self.config)
+        if st is None or st.count < 2:
+            self.bases.pop(gid, None)
+            return None
+        n = st.count
+        blocks: list[Block] = []
+        mu: dict[int, Tensor] = {}
+        for L in layers:
+            if L.exact:
+                continue
+            mu[L.index] = (st.sums[L.index] / n).to(dtype).contiguous()
+            for b, (r0, r1) in enumerate(block_ranges(L.rows, self.config.reuse)):
+                key = (L.index, b)
+                rs = st.row_sums[key]  # Σ_t x_tm for the sampled rows m
+                # Σ_t Σ_m (x_tm − μ_m)(x_tm − μ_m)ᵀ = Σ x xᵀ − Σ_m (Σ_t x_tm)(Σ_t x_tm)ᵀ / n
+                cov = st.grams[key] - (rs.T @ rs) / n
+                cov = (cov + cov.T) / 2
+                evals, evecs = torch.linalg.eigh(cov)
+                evals, evecs = evals.flip(0), evecs.flip(1)
+                d = choose_dim(evals, self.config.lam)
+                if self.config.dim is not None:
+                    d = min(self.config.dim, L.K)
+                blocks.append(Block(L.index, r0, r1, evecs[:, :d].to(dtype).contiguous(), evals))
+        basis = GroupBasis(layers, blocks, mu)
+        basis.digest = self.digest(basis)
+        self.bases[gid] = basis
+        self.samples.pop(gid, None)
+        dense = sum(L.numel for L in layers)
+        self._ratio = basis.z_numel / dense if dense else 1.0
+        return basis
+
+    @staticmethod
+    def digest(basis: GroupBasis) -> str:
+        """Hash of every U, μ̄ and d (bit-level): equal on all ranks or the basis diverged."""
+        h = hashlib.sha256()
+        for b in basis.blocks:
+            h.update(repr((b.layer, b.r0, b.r1, b.d)).encode())
+            h.update(b.U.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        for k in sorted(basis.mu):
+            h.update(basis.mu[k].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """Schedule and fitted bases (replicated on every rank; plain types and CPU tensors).
+
+        Samples of an unfinished sample phase are not saved: a run resumed in a sample phase
+        starts a fresh one at the resume step.
+        """
+        bases = {}
+        for gid, b in self.bases.items():
+            bases[gid] = {
+                "layers": [(L.index, L.name, L.offset, L.numel, L.shape, L.exact, L.F, L.D, L.P, L.K) for L in b.layers],
+                "blocks": [(k.layer, k.r0, k.r1, k.U.detach().cpu(), k.eigvals.detach().cpu()) for k in b.blocks],
+                "mu": {i: m.detach().cpu() for i, m in b.mu.items()},
+                "digest": b.digest,
+                "epoch": self._basis_epoch.get(gid),
+            }
+        return {"phase": self._phase, "phase_start": self._phase_start, "sched_step": self._sched_step,
+                "stop_votes": self._stop_votes, "epoch": self.epoch, "ratio": self._ratio, "bases": bases}
+
+    def load_state_dict(self, state: dict, device: torch.device | None = None) -> None:
+        if not state:
+            return
+        self.samples.clear()
+        self.bases.clear()
+        self._basis_epoch.clear()
+        self.epoch = int(state["epoch"])
+        self._phase, self._phase_start = state["phase"], int(state["phase_start"])
+        self._sched_step, self._stop_votes = int(state["sched_step"]), bool(state["stop_votes"])
+        self._ratio = float(state.get("ratio", 1.0))
+        if self._phase == "sample":  # its samples were not saved: sample afresh from the next step
+            self._phase, self._sched_step = None, -1
+        for gid, b in state.get("bases", {}).items():
+            layers = [LayerSlicing(*t) for t in b["layers"]]
+            blocks = [Block(layer, r0, r1, U.to(device) if device else U, ev) for layer, r0, r1, U, ev in b["blocks"]]
+            mu = {int(i): (m.to(device) if device else m) for i, m in b["mu"].items()}
+            self.bases[int(gid)] = GroupBasis(layers, blocks, mu, b["digest"])
+            if b.get("epoch") is not None:
+                self._basis_epoch[int(gid)] = int(b["epoch"])
+
+    def move_basis(self, gid: int, device: torch.device) -> GroupBasis:
+        b = self.bases[gid]
+        for k in b.blocks:
+            k.U = k.U.to(device)
+        b.mu = {i: m.to(device) for i, m in b.mu.items()}
+        return b
+
+    # ------------------------------------------------------------------ whole-group transforms
+    def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
+        """``(z,)``: every block's coefficients, then the exact tensors' values. Without a fitted
+        basis for the group (before the first compressed phase) the payload is ``x`` itself — the
+        exchanges never send that; it keeps the transform total and linear."""
+        basis = self.bases.get(ctx.group_id)
+        if basis is None:
+            return Compressed((x.clone(),), meta=None)
+        parts = []
+        packed: dict[int, Tensor] = {}
+        for b in basis.blocks:
+            L = basis.layers[b.layer]
+            X = packed.setdefault(b.layer, L.pack(x))
+            parts.append(((X[b.r0:b.r1] - basis.mu[b.layer][b.r0:b.r1]) @ b.U).reshape(-1))
+        for L in basis.layers:
+            if L.exact:
+                parts.append(x.narrow(0, L.offset, L.numel))
+        z = torch.cat(parts) if parts else x.new_zeros(0)
+        return Compressed((z,), meta=None)
+
+    def _expand(self, z: Tensor, ctx: GroupContext, scale: float, mu_weight: float) -> Tensor:
+        """``U·z·scale + μ̄·mu_weight`` per slice, exact values ``·scale``, in the group's layout."""
+        basis = self.bases.get(ctx.group_id)
+        if basis is None:  # identity payload (see compress)
+            return z.mul(scale)
+        out = torch.empty(ctx.numel, dtype=z.dtype, device=z.device)
+        off = 0
+        packed: dict[int, Tensor] = {}
+        for b in basis.blocks:
+            L = basis.layers[b.layer]
+            buf = packed.setdefault(b.layer, torch.empty(L.rows, L.K, dtype=z.dtype, device=z.device))
+            k = (b.r1 - b.r0) * b.d
+            zb = z[off:off + k].view(b.r1 - b.r0, b.d)
+            torch.addmm(basis.mu[b.layer][b.r0:b.r1], zb, b.U.T, beta=mu_weight, alpha=scale, out=buf[b.r0:b.r1])
+            off += k
+        for idx, buf in packed.items():
+            basis.layers[idx].unpack_into(buf, out)
+        for L in basis.layers:
+            if L.exact:
+                out.narrow(0, L.offset, L.numel).copy_(z[off:off + L.numel]).mul_(scale)
+                off += L.numel
+        return out
+
+    def decompress(self, payload: tuple[Tensor, ...], meta: Any, ctx: GroupContext) -> Tensor:
+        """One rank's contribution ``U z + μ̄`` (exact tensors: their values)."""
+        return self._expand(payload[0], ctx, 1.0, 1.0)
+
+    def aggregate_summed(self, summed: tuple[Tensor, ...], meta: Any, ctx: GroupContext) -> Tensor:
+        """Mean from the sum of payloads: ``U (Σz)/N + μ̄`` (Eq. 5 divided by N)."""
+        return self._expand(summed[0], ctx, 1.0 / ctx.world_size, 1.0)
+
+    def payload_specs(self, ctx: GroupContext, dtype: torch.dtype):
+        basis = self.bases.get(ctx.group_id)
+        return [((basis.z_numel if basis is not None else ctx.numel,), dtype)]
+
+    def describe(self) -> str:
+        c = self.config
+        return (f"{self.name}(lam={c.lam},max_slice={c.max_slice},reuse={c.reuse},pca_slices={c.pca_slices},"
+                f"warmup={c.warmup},Lt={c.sample_steps},Lc={c.compress_steps},loss_threshold={c.loss_threshold},"
+                f"sample_levels={c.sample_levels},sample_bucket={c.sample_bucket},min_numel={c.min_numel},"
+                f"compress_linear={c.compress_linear},dim={c.dim})")
