@@ -155,6 +155,23 @@ def _reference(batches, hyper, budget_of_step):
     return after_correction, splits, P
 
 
+def _all_scenarios(rank: int, ws: int):
+    """Every distributed scenario in one spawn (spawned ranks spend most of their time importing)."""
+    out = {case: _run_osp(rank, ws, h, f, mf, "dense", 0.0001) for case, (h, f, mf) in CASES.items()}
+    out["ddp"] = _run_ddp(rank, ws, ALL_RS_HYPER)
+    out["all_rs"] = _run_all_rs(rank, ws, ALL_RS_HYPER)
+    out["nan"] = _run_nan(rank, ws)
+    out["topk"] = _run_topk(rank, ws)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(_all_scenarios, 2)
+
+
+ALL_RS_HYPER = dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0)
+
 CASES = {
     "all_ics_sgd": (dict(lr=0.1, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0), 1.0, 1.0),
     "all_ics_momentum": (dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0), 1.0, 1.0),
@@ -164,9 +181,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_osp_matches_delayed_correction_reference_and_ranks_agree(case):
+def test_osp_matches_delayed_correction_reference_and_ranks_agree(runs, case):
     hyper, fraction, max_fraction = CASES[case]
-    res = run_distributed(_run_osp, 2, hyper, fraction, max_fraction, "dense", 0.0001)
+    res = [r[case] for r in runs]
     total = sum(p.numel() for p in _model().parameters())
     budget = (lambda t: 0 if t == 0 else math.floor(fraction * total))
     ref_after, ref_splits, ref_final = _reference(res[0]["batches"], hyper, budget)
@@ -211,10 +228,9 @@ def _run_all_rs(rank: int, ws: int, hyper: dict):
     return out["after_correction"][1:] + [out["final"]], out["deferred"]
 
 
-def test_all_routine_is_bit_identical_to_ddp():
-    hyper = dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0)
-    ddp = run_distributed(_run_ddp, 2, hyper)
-    osp = run_distributed(_run_all_rs, 2, hyper)
+def test_all_routine_is_bit_identical_to_ddp(runs):
+    ddp = [r["ddp"] for r in runs]
+    osp = [r["all_rs"] for r in runs]
     for r in (0, 1):
         assert all(d == [] for d in osp[r][1])
         for t in range(STEPS):
@@ -227,8 +243,8 @@ def _run_nan(rank: int, ws: int):
     return _run_osp(rank, ws, hyper, 1.0, 1.0, "dense", 0.0001, nan_at=2)
 
 
-def test_nonfinite_ics_data_on_one_rank_is_agreed_and_the_step_skipped():
-    res = run_distributed(_run_nan, 2)
+def test_nonfinite_ics_data_on_one_rank_is_agreed_and_the_step_skipped(runs):
+    res = [r["nan"] for r in runs]
     assert res[0]["bad"] == res[1]["bad"] == [False, False, True, False, False]
     for r in (0, 1):  # the skipped step left every parameter as it was
         for n, v in res[r]["after_correction"][2].items():
@@ -244,8 +260,8 @@ def _run_topk(rank: int, ws: int):
     return out["final"], out["deferred"]
 
 
-def test_routine_layers_compose_with_topk_and_ranks_agree():
-    res = run_distributed(_run_topk, 2)
+def test_routine_layers_compose_with_topk_and_ranks_agree(runs):
+    res = [r["topk"] for r in runs]
     assert any(d for d in res[0][1]) and res[0][1] == res[1][1]
     for n, v in res[0][0].items():
         assert torch.isfinite(v).all() and torch.equal(v, res[1][0][n])
