@@ -319,11 +319,17 @@ class GCStrategy(DDPStrategy):
     def _check_osp_setup(self, trainer: Any) -> None:
         for optimizer in self.optimizers:
             check_optimizer(optimizer)
-        if trainer.gradient_clip_val:
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        clip = trainer.gradient_clip_val
+        if clip or is_overridden("configure_gradient_clipping", self.lightning_module):
+            where = (f"gradient_clip_val={clip!r}" if clip else
+                     f"{type(self.lightning_module).__name__}.configure_gradient_clipping")
             raise ValueError(
-                f"GCStrategy(sync='osp') with gradient_clip_val={trainer.gradient_clip_val!r}: clipping would "
-                "scale a gradient that mixes global (routine) and local (deferred) parts by a rank-dependent "
-                "factor, and the replicas would diverge. Train without gradient clipping, or use sync='bsp'."
+                f"GCStrategy(sync='osp') with {where}: clipping would scale a gradient that mixes global "
+                "(routine) and local (deferred) parts by a rank-dependent factor, and the replicas would "
+                "diverge. Train without gradient clipping (no gradient_clip_val, no configure_gradient_clipping "
+                "override), or use sync='bsp'."
             )
         if isinstance(self.precision_plugin, MixedPrecision) and getattr(self.precision_plugin, "scaler", None):
             raise ValueError(
@@ -515,6 +521,19 @@ class GCStrategy(DDPStrategy):
                     description=f"lightning_gc: {get_entry(name).summary}; find_unused_parameters=True",
                     compressor=name,
                     find_unused_parameters=True,
+                )
+
+
+        # OSP two-stage synchronisation: gc_osp (dense routine stage) and gc_<compressor>_osp
+        osp_aliases = {"gc_osp": "dense", **{f"gc_{name}_osp": name for name in available_compressors()}}
+        for alias, name in osp_aliases.items():
+            if alias not in strategy_registry:
+                strategy_registry.register(
+                    alias,
+                    cls,
+                    description=f"lightning_gc: OSP two-stage synchronisation, routine layers with {name}",
+                    compressor=name,
+                    sync="osp",
                 )
 
 

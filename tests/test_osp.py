@@ -30,7 +30,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gc.compressors import build_compressor
 from lightning_gc.engine import EngineConfig, GCEngine
-from lightning_gc.sync import DeferredSchedule, OSPConfig, OSPSync, check_optimizer, osp_comm_hook, rank_split, ring_umax
+from lightning_gc.sync import (
+    DeferredSchedule,
+    OSPConfig,
+    OSPSync,
+    check_optimizer,
+    osp_comm_hook,
+    rank_split,
+    ring_umax,
+)
 
 STEPS = 5
 
@@ -185,14 +193,17 @@ def test_osp_matches_delayed_correction_reference_and_ranks_agree(runs, case):
     hyper, fraction, max_fraction = CASES[case]
     res = [r[case] for r in runs]
     total = sum(p.numel() for p in _model().parameters())
-    budget = (lambda t: 0 if t == 0 else math.floor(fraction * total))
+
+    def budget(t):
+        return 0 if t == 0 else math.floor(fraction * total)
+
     ref_after, ref_splits, ref_final = _reference(res[0]["batches"], hyper, budget)
     for r in (0, 1):
         assert res[r]["deferred"] == ref_splits, (res[r]["deferred"], ref_splits)
         for t in range(STEPS):
             for n, v in ref_after[t].items():
                 torch.testing.assert_close(res[r]["after_correction"][t][n], v, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"rank {r} step {t} {n}: {m}")
+                                           msg=lambda m, r=r, t=t, n=n: f"rank {r} step {t} {n}: {m}")
         for n, v in ref_final.items():
             torch.testing.assert_close(res[r]["final"][n], v, rtol=1e-5, atol=1e-6)
     for t in range(STEPS):  # replicas bit-identical after every correction
