@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..comm.collectives import ring_allreduce_bytes
 from ..comm.worker import InlineRunner, OrderedWorker
 from ..plans import Group, Plan
 from .importance import layer_importance, rank_split
@@ -164,6 +165,8 @@ class OSPSync:
         self.deferred: frozenset[int] = frozenset()
         self.threshold = -1.0
         self._captured: dict[int, Tensor] = {}
+        self._carry: dict[int, Tensor] = {}  # routine error memory of layers that just became deferred
+        self._carry_used: dict[int, Tensor] = {}  # ... added to this step's deferred data
         self._snapshot: LGPSnapshot | None = None
         self._pending: _Pending | None = None
         self._round = _Round()
@@ -180,7 +183,12 @@ class OSPSync:
                 pid = self._pid_of_ptr.get(p.data_ptr())
                 if pid in self.deferred:
                     # the collective must own its data: DDP reuses the bucket buffer
-                    self._captured[pid] = g.detach().clone()
+                    carry = self._carry.pop(pid, None)
+                    if carry is None:
+                        self._captured[pid] = g.detach().clone()
+                    else:
+                        self._carry_used[pid] = carry
+                        self._captured[pid] = g.detach() + carry
         if bucket.is_last():
             self._t_backward_end = time.perf_counter()
         return self.engine.on_bucket(bucket)
@@ -230,6 +238,8 @@ class OSPSync:
 
     def skip_step(self) -> None:
         """The optimizer step is skipped on every rank (non-finite): nothing to send or correct."""
+        self._carry.update(self._carry_used)  # carried error memory waits for the next send
+        self._carry_used = {}
         self._captured.clear()
         self._snapshot = None
 
@@ -245,7 +255,10 @@ class OSPSync:
                 pending.event = ev
             self._pending = pending
             self._runner.submit(lambda: self._job_ics(pending))
+            nbytes = flat.numel() * flat.element_size()
+            self.engine.add_deferred_traffic(ring_allreduce_bytes(nbytes, self.world_size), nbytes)
         self._captured.clear()
+        self._carry_used = {}
         self._snapshot = None
         s = self._stats
         s.deferred_layers = len(self.deferred)
@@ -347,9 +360,22 @@ class OSPSync:
         budget = self.schedule.budget_for_step(self.step) if self.world_size > 1 else 0
         deferred, self.threshold = rank_split(self.importance, self.numels, budget)
         if deferred != self.deferred:
+            self._carry_memory(deferred - self.deferred)
             self.deferred = deferred
             keep = frozenset(range(len(self.params))) - deferred
             self.engine.replace_plan(filter_plan(self.base_plan, keep), verify=False)
+
+    def _carry_memory(self, joining: frozenset[int]) -> None:
+        """A layer leaving the routine stage takes its error memory (what the compressor has not
+        sent yet) into its next deferred allreduce instead of dropping it: the global gradient then
+        includes it, exactly as a dense send of ``g + e`` under error feedback would."""
+        if not joining or not self.engine.error_feedback:
+            return
+        memory = self.engine._memory.by_name(self.engine.plan)  # per-name CPU copies
+        for pid in joining:
+            e = memory.get(self.names[pid])
+            if e is not None:
+                self._carry[pid] = e.to(self.params[pid].device).view_as(self.params[pid])
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict:
@@ -363,6 +389,7 @@ class OSPSync:
             "schedule": self.schedule.state_dict(),
             "round_losses": list(self._round.losses),
             "round_tc": list(self._round.tc),
+            "carry": {self.names[pid]: t.detach().cpu().clone() for pid, t in self._carry.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -379,6 +406,8 @@ class OSPSync:
         self.schedule.load_state_dict(state.get("schedule") or {})
         self._round = _Round(list(state.get("round_losses", [])), list(state.get("round_tc", [])))
         index = {n: i for i, n in enumerate(self.names)}
+        self._carry = {index[n]: t.to(self.params[index[n]].device).view_as(self.params[index[n]])
+                       for n, t in (state.get("carry") or {}).items()}
         deferred = frozenset(index[n] for n in state.get("deferred", []))
         self.deferred = deferred
         keep = frozenset(range(len(self.params))) - deferred
