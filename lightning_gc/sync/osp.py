@@ -175,6 +175,7 @@ class OSPSync:
         self._stats = OSPStats(step=0)
         self.last_stats: OSPStats | None = None
         self.probed_network: Any = None
+        self.carried_layers = 0  # layers whose error memory moved into the deferred stage (total)
 
     # ------------------------------------------------------------------ hook (autograd thread)
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -376,6 +377,7 @@ class OSPSync:
             e = memory.get(self.names[pid])
             if e is not None:
                 self._carry[pid] = e.to(self.params[pid].device).view_as(self.params[pid])
+                self.carried_layers += 1
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict:
