@@ -43,6 +43,7 @@ from .compressors.base import Compressor
 from .engine import EngineConfig, GCEngine, gc_comm_hook
 from .engine.omgs import OMGS_PLANS, OMGSConfig, OMGSController
 from .summary import GCSummary, summarize
+from .sync import OSPConfig, OSPSync, check_optimizer, osp_comm_hook
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,14 @@ class GCStrategy(DDPStrategy):
         overlap: run compressed exchanges on the engine's worker thread, overlapped with the rest
             of backward (default). ``False`` runs them synchronously inside DDP's hook: the same
             results bit for bit, slower; the oracle and a debugging aid.
+        sync: ``"bsp"`` (default): every layer is synchronised before the optimizer step.
+            ``"osp"``: two-stage synchronisation (docs/osp.md): the least important layers are
+            updated with the local gradient and all-reduced while the next step computes, then
+            corrected (LGP). Requires ``torch.optim.SGD`` (any momentum / Nesterov / weight decay).
+        osp_deferred_fraction: with ``sync="osp"``: ``None`` follows the S(Gu) schedule; a number in
+            [0, 0.8] pins the fraction of the model's elements deferred per step.
+        osp_round_steps: with ``sync="osp"`` and the schedule: optimizer steps per round (round 1
+            is synchronous and measures the reference loss).
         process_group_backend, timeout, start_method: as in ``DDPStrategy``.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (e.g. ``bucket_cap_mb``;
             with a plan other than ``"model"`` it defaults to 1 MB instead of DDP's 25 MB, so that
@@ -199,6 +208,9 @@ class GCStrategy(DDPStrategy):
         probe_patience: int = 5,
         overlap: bool = True,
         omgs: OMGSConfig | dict | None = None,
+        sync: Literal["bsp", "osp"] = "bsp",
+        osp_deferred_fraction: float | None = None,
+        osp_round_steps: int = 50,
         **kwargs: Any,
     ) -> None:
         forbidden = {"ddp_comm_state": ddp_comm_state, "ddp_comm_hook": ddp_comm_hook,
@@ -248,6 +260,15 @@ class GCStrategy(DDPStrategy):
             probe_patience=probe_patience,
             overlap=overlap,
         )
+        if sync not in ("bsp", "osp"):
+            raise ValueError(f"sync={sync!r} is invalid: use 'bsp' (synchronise every layer before the step) "
+                             "or 'osp' (two-stage synchronisation, docs/osp.md).")
+        self._osp_config = OSPConfig(deferred_fraction=osp_deferred_fraction, round_steps=osp_round_steps)
+        if sync == "bsp" and osp_deferred_fraction is not None:
+            raise ValueError(f"osp_deferred_fraction={osp_deferred_fraction!r} only applies with sync='osp'; "
+                             "pass sync='osp' too, or drop it.")
+        self._sync = sync
+        self._osp: OSPSync | None = None
         self._compressor_name = compressor
         self._nonfinite = nonfinite
         self._monitor = monitor
@@ -277,6 +298,9 @@ class GCStrategy(DDPStrategy):
     def omgs(self) -> OMGSController | None:
         """The OMGS profiler/planner (``None`` unless ``plan="omgs"``/``"omgs_paper"`` or ``omgs=`` given)."""
         return self._omgs
+    def osp(self) -> OSPSync | None:
+        """The two-stage synchroniser with ``sync="osp"`` (``None`` before setup or with BSP)."""
+        return self._osp
 
     @property
     def compressor_name(self) -> str:
@@ -304,7 +328,40 @@ class GCStrategy(DDPStrategy):
 
             if not any(isinstance(cb, GCMonitor) for cb in trainer.callbacks):
                 trainer.callbacks.append(GCMonitor())
+        if self._sync == "osp":
+            from .callbacks.osp_drain import OSPDrain
+
+            if not any(isinstance(cb, OSPDrain) for cb in trainer.callbacks):
+                trainer.callbacks.insert(0, OSPDrain())  # before every callback that reads the model
         super().setup(trainer)
+        if self._sync == "osp":
+            self._check_osp_setup(trainer)
+
+    def _check_osp_setup(self, trainer: Any) -> None:
+        for optimizer in self.optimizers:
+            check_optimizer(optimizer)
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        clip = trainer.gradient_clip_val
+        if clip or is_overridden("configure_gradient_clipping", self.lightning_module):
+            where = (f"gradient_clip_val={clip!r}" if clip else
+                     f"{type(self.lightning_module).__name__}.configure_gradient_clipping")
+            raise ValueError(
+                f"GCStrategy(sync='osp') with {where}: clipping would scale a gradient that mixes global "
+                "(routine) and local (deferred) parts by a rank-dependent factor, and the replicas would "
+                "diverge. Train without gradient clipping (no gradient_clip_val, no configure_gradient_clipping "
+                "override), or use sync='bsp'."
+            )
+        if isinstance(self.precision_plugin, MixedPrecision) and getattr(self.precision_plugin, "scaler", None):
+            raise ValueError(
+                "GCStrategy(sync='osp') with fp16 mixed precision: the GradScaler unscales and may skip steps "
+                "outside OSP's correction. Use precision='bf16-mixed' or '32', or sync='bsp'."
+            )
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError(
+                "GCStrategy(sync='osp') needs automatic optimization (the loss steers the S(Gu) schedule and "
+                "the correction runs around optimizer.step()). Use sync='bsp' with manual optimization."
+            )
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -326,10 +383,15 @@ class GCStrategy(DDPStrategy):
             )
         if self._omgs_config is not None and self._engine.world_size > 1:
             self._omgs = OMGSController(self._engine, self._omgs_config, self.model, named, self._engine_config.plan)
+        if self._sync == "osp":
+            self._osp = OSPSync(self._engine, self._osp_config)
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
             self._pending_state = None
-        self.model.register_comm_hook(self._engine, gc_comm_hook)
+        if self._osp is not None:
+            self.model.register_comm_hook(self._osp, osp_comm_hook)
+        else:
+            self.model.register_comm_hook(self._engine, gc_comm_hook)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -340,17 +402,28 @@ class GCStrategy(DDPStrategy):
             self._engine.after_optimizer_step()
         if self._omgs is not None:
             self._omgs.after_step()
+        if self._osp is not None:
+            self._osp.after_optimizer_step()
         return out
 
     def _optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         scaler = getattr(self.precision_plugin, "scaler", None) if isinstance(self.precision_plugin, MixedPrecision) else None
-        if self._nonfinite != "skip" or scaler is not None:
+        osp = self._osp
+        if osp is None and (self._nonfinite != "skip" or scaler is not None):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_skip() -> Any:
             out = closure()
             engine = self._engine
-            if engine is not None and engine.before_optimizer_step():
+            bad = osp.before_optimizer_step(out) if osp is not None else False
+            bad = (engine is not None and engine.before_optimizer_step()) or bad
+            if not (bad and self._nonfinite == "skip"):
+                if osp is not None:
+                    osp.prepare_step(optimizer)
+                return out
+            if osp is not None:
+                osp.skip_step()
+            if engine is not None:
                 # Optimizers skip parameters without a gradient: no update, no momentum, no decay.
                 for group in optimizer.param_groups:
                     for p in group["params"]:
@@ -370,12 +443,31 @@ class GCStrategy(DDPStrategy):
         # process group go away: an orderly exit instead of threads dying with the interpreter
         if self._omgs is not None:
             self._omgs.detach()
+        if self._osp is not None:
+            self._osp.drain(timeout=60.0)
+            self._osp.close()
         if self._engine is not None:
             self._engine.close()
         super().teardown()
 
+    # OSP: nothing in flight when parameters are read or written outside a training step
+    def _drain_osp(self) -> None:
+        if self._osp is not None:
+            self._osp.drain()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Lightning reads the model and optimizer state for a checkpoint before save_checkpoint
+        self._drain_osp()
+        return super().lightning_module_state_dict()
+
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self._osp is not None:
+            try:  # peers may be gone: wait a bounded time, never hang the error path
+                self._osp.drain(timeout=30.0)
+            except Exception as e:  # noqa: BLE001 - the original exception matters more
+                log.warning("lightning_gc OSP: pending deferred synchronisation lost on exception: %r", e)
         # Lightning's DDPStrategy suggests ddp_find_unused_parameters_true / DDPStrategy(...), which
         # would silently replace lightning_gc by plain DDP: say how to do it with GCStrategy instead.
         for pattern in _UNUSED_PATTERNS:
@@ -403,6 +495,9 @@ class GCStrategy(DDPStrategy):
         engine = self._engine
         assert engine is not None
         local = engine.state_dict()
+        if self._osp is not None:
+            self._osp.drain()
+            local["osp"] = self._osp.state_dict()
         if engine.world_size > 1:
             states: list[Any] = [None] * engine.world_size
             dist.all_gather_object(states, local, group=engine.process_group)
@@ -424,7 +519,10 @@ class GCStrategy(DDPStrategy):
             if ranks:
                 engine.load_state_dict(ranks[0], restore_memory=False)
             return
-        missing = engine.load_state_dict(ranks[engine.rank])
+        own = ranks[engine.rank]
+        if self._osp is not None and own.get("osp") is not None:
+            self._osp.load_state_dict(own["osp"])  # first: it sets the plan the memory is keyed by
+        missing = engine.load_state_dict(own)
         if missing:
             rank_zero_warn(
                 f"lightning_gc: error memory for {len(missing)} parameter(s) was not in the checkpoint "
@@ -458,6 +556,17 @@ class GCStrategy(DDPStrategy):
                 "gc_omgs", cls, description="lightning_gc: Top-k with the OMGS merge plan (docs/omgs.md)",
                 compressor="topk", plan="omgs",
             )
+        # OSP two-stage synchronisation: gc_osp (dense routine stage) and gc_<compressor>_osp
+        osp_aliases = {"gc_osp": "dense", **{f"gc_{name}_osp": name for name in available_compressors()}}
+        for alias, name in osp_aliases.items():
+            if alias not in strategy_registry:
+                strategy_registry.register(
+                    alias,
+                    cls,
+                    description=f"lightning_gc: OSP two-stage synchronisation, routine layers with {name}",
+                    compressor=name,
+                    sync="osp",
+                )
 
 
 def register_aliases() -> None:

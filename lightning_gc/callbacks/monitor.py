@@ -29,6 +29,13 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 ``gc/<compressor>/...`` compressor-specific values (``StepStats.compressor_metrics``), e.g. GradiVeQ's
                        ``gc/gradiveq/phase`` (0 warm-up, 1 sample, 2 compressed), ``gc/gradiveq/loss``
                        (mean relative Eq. 7 loss over ranks), ``gc/gradiveq/d/<parameter>``
+``gc/osp_ics_fraction`` sync="osp": fraction of the model's elements deferred to ICS at this step
+``gc/osp_ics_layers``   sync="osp": number of deferred parameter tensors at this step
+``gc/osp_importance_threshold`` sync="osp": largest PGP importance Σ|g·p| deferred (−1: none)
+``gc/osp_correction_norm`` sync="osp": ‖p_corrected − p_local‖₂ of the LGP correction applied before this step
+``gc/osp_ics_wait_ms``  sync="osp": time the step waited for the previous step's ICS (exposed ICS time)
+``gc/osp_ics_comm_ms``  sync="osp": duration of the previous step's ICS allreduce
+``gc/osp_umax_fraction`` sync="osp" schedule: the bound Umax as a fraction of the model (after round 1)
 ====================  ========================================================================
 
 Logging frequency follows the Trainer's ``log_every_n_steps``, with one exception: the step where
@@ -141,6 +148,17 @@ class GCMonitor(Callback):
             if omgs.state.plan_version != self._omgs_figure_version:
                 self._omgs_figure_version = omgs.state.plan_version
                 self._log_plan_figure(trainer, omgs.state)
+        osp = getattr(trainer.strategy, "osp", None)
+        o = osp.last_stats if osp is not None else None
+        if o is not None:  # sync="osp": what the two-stage synchronisation did at this step
+            metrics["gc/osp_ics_fraction"] = float(o.deferred_fraction)
+            metrics["gc/osp_ics_layers"] = float(o.deferred_layers)
+            metrics["gc/osp_importance_threshold"] = float(o.threshold)
+            metrics["gc/osp_correction_norm"] = float(o.correction_norm)
+            metrics["gc/osp_ics_wait_ms"] = 1e3 * o.ics_wait_s
+            metrics["gc/osp_ics_comm_ms"] = 1e3 * o.ics_comm_s
+            if o.umax is not None:
+                metrics["gc/osp_umax_fraction"] = float(o.umax) / max(osp.total_numel, 1)
         if mode_changed and not trainer._logger_connector.should_update_logs:
             # Lightning would not write this step: write it to the loggers directly, at the step
             # Lightning uses for this batch's metrics (rank zero only, like self.log(rank_zero_only)).

@@ -135,6 +135,7 @@ class GCEngine:
         self.tracker = NetworkTracker(config, type(self.exchange).needs_network, self.world_size)
         self.exchange.network = self.tracker.state
         self.all_exact = all(g.exact for g in self.plan.groups)
+        self._planned = frozenset(self.plan.group_of())  # param ids the plan sends (OSP may defer others)
         self.step = 0
         self.gain_ewma: float | None = None
         self._last_stats: StepStats | None = None
@@ -235,6 +236,16 @@ class GCEngine:
     def after_optimizer_step(self) -> None:
         """Called by the strategy after the optimizer step (a hook point for two-stage schedules)."""
 
+    def add_deferred_traffic(self, bytes_sent: int, bytes_payload: int) -> None:
+        """Count gradient bytes a two-stage schedule sent on its own process group (OSP's deferred
+        allreduce) in the last step's statistics and the totals, so byte counts cover the step."""
+        with self._stats_lock:
+            self._totals.bytes_sent += bytes_sent
+            self._totals.bytes_payload += bytes_payload
+            if self._last_stats is not None:
+                self._last_stats.bytes_sent += bytes_sent
+                self._last_stats.bytes_payload += bytes_payload
+
     def set_ratio(self, ratio: float) -> None:
         """Change the compression ratio from the next step on, identically on every rank.
 
@@ -264,20 +275,24 @@ class GCEngine:
                 )
         self.compressor.set_ratio(ratio)
 
-    def replace_plan(self, plan: Plan) -> list[str]:
+    def replace_plan(self, plan: Plan, verify: bool = True) -> list[str]:
         """Switch to another plan between steps; error memory is remapped by parameter name.
 
-        The new plan's signature is compared across ranks first. Returns the names whose memory
-        could not be carried over (they start at zero).
+        The new plan's signature is compared across ranks first (``verify=False`` skips that
+        collective for callers that change the plan every step from replicated values; the per-step
+        opening check still compares the plan signature). A plan may leave parameters out: their
+        gradients are neither sent nor changed (two-stage synchronisation defers them). Returns the
+        names whose memory could not be carried over (they start at zero).
         """
         self.synchronize()
-        if self.world_size > 1:
+        if verify and self.world_size > 1:
             self._verify_identical(f"plan {plan.signature()}")
         dtypes = [p.dtype for p in self.params]
         missing = self._memory.remap(self.plan, plan, dtypes, self.device)
         self.plan = plan
         self._readiness = Readiness(plan, self.params)
         self.all_exact = all(g.exact for g in plan.groups)
+        self._planned = frozenset(plan.group_of())
         return missing
 
     def close(self, timeout: float = 60.0) -> None:
@@ -316,7 +331,8 @@ class GCEngine:
             with work.lock:
                 work.dense_pending += 1
             ready_event = self._ready_event(buffer)
-            self._runner.submit(lambda: self._guard(work, self._job_dense_bucket, work, buffer, fut, ready_event))
+            views = self._planned_views(bucket)
+            self._runner.submit(lambda: self._guard(work, self._job_dense_bucket, work, buffer, fut, ready_event, views))
         else:
             ready_event = self._ready_event(buffer)
             for gid in self._readiness.add_bucket(bucket):
@@ -325,6 +341,13 @@ class GCEngine:
         if bucket.is_last():
             self._close_step()
         return fut
+
+    def _planned_views(self, bucket: dist.GradBucket) -> list[Tensor] | None:
+        """None if the plan sends the whole bucket, else the gradient views it sends (OSP)."""
+        if len(self._planned) == len(self.params):
+            return None
+        pids = [self._readiness.pid_of(p) for p in bucket.parameters()]
+        return [g for pid, g in zip(pids, bucket.gradients()) if pid in self._planned]
 
     def _ready_event(self, buffer: Tensor):
         if not buffer.is_cuda:
@@ -402,22 +425,41 @@ class GCEngine:
         if not work.dense:
             work.stats.probe_s += self.tracker.maybe_probe(work.step, self.exchange_group, self.device)
 
-    def _job_dense_bucket(self, work: _StepWork, buffer: Tensor, fut: torch.futures.Future, ready_event) -> None:
-        """DDP's own hook: async allreduce of bucket / N (same numerics as DDP without a hook)."""
+    def _job_dense_bucket(self, work: _StepWork, buffer: Tensor, fut: torch.futures.Future, ready_event,
+                          views: list[Tensor] | None = None) -> None:
+        """DDP's own hook: async allreduce of bucket / N (same numerics as DDP without a hook).
+
+        ``views``: when the plan leaves some of the bucket's parameters out (OSP defers them), only
+        these gradient views are averaged, through a copy; the others keep the local gradient."""
         if ready_event is not None:
             torch.cuda.current_stream().wait_event(ready_event)
         t0 = time.perf_counter()
-        nbytes = buffer.numel() * buffer.element_size()
+        if views is not None and not views:  # nothing of this bucket is sent this step
+            with work.lock:
+                work.dense_pending -= 1
+                last = work.closed and work.dense_pending == 0
+            if last:
+                self._finish(work)
+            fut.set_result(buffer)
+            return
+        data = buffer if views is None else torch.cat([v.reshape(-1) for v in views])
+        nbytes = data.numel() * data.element_size()
         with work.lock:
             work.times.bytes_sent += ring_allreduce_bytes(nbytes, self.world_size)
             work.times.bytes_payload += nbytes
-        buffer.div_(self.world_size)
-        reduced = dist.all_reduce(buffer, group=self.exchange_group, async_op=True).get_future()
+        data.div_(self.world_size)
+        reduced = dist.all_reduce(data, group=self.exchange_group, async_op=True).get_future()
 
         def done(f: torch.futures.Future) -> None:
             try:
                 out = f.value()[0]
                 bad = not bool(torch.isfinite(out).all())
+                if views is not None:
+                    offset = 0
+                    for v in views:
+                        v.copy_(out[offset:offset + v.numel()].view_as(v))
+                        offset += v.numel()
+                    out = buffer
             except BaseException as e:  # noqa: BLE001
                 self._fail(work, e)
                 return

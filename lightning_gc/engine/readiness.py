@@ -31,19 +31,26 @@ class Readiness:
         """Record a bucket's gradients; return the ids of the groups it completed, in gid order."""
         ready = []
         for p, g in zip(bucket.parameters(), bucket.gradients()):
-            pid = self._pid_of_ptr.get(p.data_ptr())
-            if pid is None:
-                raise RuntimeError(
-                    "lightning_gc: DDP handed the hook a parameter the engine does not know (shape "
-                    f"{tuple(p.shape)}). Parameters must not be added, re-created or moved after the "
-                    "strategy has set up the model."
-                )
+            pid = self.pid_of(p)
+            gid = self._group_of.get(pid)
+            if gid is None:  # left out of the plan this step (OSP defers it): not sent, not changed
+                continue
             self._views[pid] = g
-            gid = self._group_of[pid]
             self._remaining[gid] -= 1
             if self._remaining[gid] == 0:
                 ready.append(gid)
         return sorted(ready)
+
+    def pid_of(self, p: Tensor) -> int:
+        """The engine's index of parameter ``p`` (DDP hands parameters, not indices)."""
+        pid = self._pid_of_ptr.get(p.data_ptr())
+        if pid is None:
+            raise RuntimeError(
+                "lightning_gc: DDP handed the hook a parameter the engine does not know (shape "
+                f"{tuple(p.shape)}). Parameters must not be added, re-created or moved after the "
+                "strategy has set up the model."
+            )
+        return pid
 
     def take_views(self, gid: int) -> list[Tensor]:
         """The gradient views (into DDP's bucket buffers) of group ``gid``, in flattening order."""

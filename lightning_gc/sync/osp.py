@@ -1,0 +1,428 @@
+"""OSP two-stage synchronisation on collectives (Chen et al., ICPP 2023), inside DDP's comm hook.
+
+Each optimizer step splits the model's layers (parameter tensors) in two:
+
+* **Routine synchronisation (RS)**: the important layers go through the engine exactly as under
+  BSP — with the configured compressor, plan and collective — and are in the gradient the
+  optimizer sees. With nothing deferred, a step *is* a BSP step, bit for bit.
+* **In-computation synchronisation (ICS)**: the unimportant layers are left out of the engine's
+  plan for this step, so DDP hands the optimizer their *local* gradient. The hook copies it (the
+  collective must own its data: DDP reuses the bucket) and, right after the optimizer step, a
+  dense allreduce of the copies starts on OSP's own worker thread and process group, overlapping
+  the next step's forward and backward. Before the next optimizer step the global gradient is
+  waited for and the parameters (and momentum buffers) are corrected by LGP (:mod:`.lgp`).
+
+Which layers are deferred: the least important by PGP importance ``Σ|g ⊙ p|`` of the previous
+step's aggregated gradient (:mod:`.importance`), up to an element budget from the ``S(Gu)``
+schedule or a pinned fraction (:mod:`.schedule`). All inputs are replicated, so every rank picks
+the same split without exchanging it; the engine's per-step opening check compares the plan
+signature (which lists the routine layers) anyway.
+
+Everything is keyed by parameter (DDP rebuilds its buckets after step 0). Pending ICS work is
+drained and its correction applied before a checkpoint is written, before validation, test and
+predict, at the end of fit and on an exception (:meth:`OSPSync.drain`). A non-finite local
+gradient in ICS data on any rank is agreed before the optimizer step (one 8-byte allreduce on
+steps that defer something) and the step is then handled like any non-finite step.
+
+Collectives on OSP's process group: the ICS allreduce (worker thread) and, on the main thread
+while the worker is idle, the per-step agreement and, at the end of each schedule round, the
+round's loss and compute-time sums (and one network probe if the engine has no network model).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..comm.collectives import ring_allreduce_bytes
+from ..comm.worker import InlineRunner, OrderedWorker
+from ..plans import Group, Plan
+from .importance import layer_importance, rank_split
+from .lgp import LGPSnapshot
+from .schedule import DeferredSchedule, ring_umax
+
+
+@dataclass(frozen=True)
+class OSPConfig:
+    """Options of two-stage synchronisation.
+
+    Attributes:
+        deferred_fraction: ``None`` (default) follows the ``S(Gu)`` schedule; a number in
+            ``[0, 0.8]`` pins the fraction of the model's elements deferred to ICS from step 1 on
+            (0 = BSP). Larger values hide more communication behind compute and make LGP's
+            staleness larger; the paper caps it at 0.8.
+        round_steps: optimizer steps per schedule round (the paper's epoch). Round 1 defers
+            nothing and measures the reference loss; make it long enough for the loss to move
+            (tens to hundreds of steps).
+        max_fraction: the cap of ``Umax`` as a fraction of the model (paper: 0.8).
+    """
+
+    deferred_fraction: float | None = None
+    round_steps: int = 50
+    max_fraction: float = 0.8
+
+    def __post_init__(self) -> None:
+        mf = self.max_fraction
+        if isinstance(mf, bool) or not isinstance(mf, (int, float)) or not (0.0 < mf <= 1.0):
+            raise ValueError(f"osp max_fraction={mf!r} must lie in (0, 1]; the paper uses 0.8.")
+        f = self.deferred_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not (0.0 <= f <= mf)):
+            raise ValueError(
+                f"osp_deferred_fraction={f!r} is invalid: it is the fraction of the model's elements whose "
+                f"synchronisation is deferred, a number in [0, {mf}] (beyond {mf} OSP degenerates into "
+                "asynchronous training), or None to follow the S(Gu) schedule. E.g. 0.5."
+            )
+        rs = self.round_steps
+        if isinstance(rs, bool) or not isinstance(rs, int) or rs < 2:
+            raise ValueError(
+                f"osp_round_steps={rs!r} must be an integer ≥ 2 (optimizer steps per S(Gu) round; "
+                "the first round is synchronous). E.g. 50."
+            )
+
+
+@dataclass
+class OSPStats:
+    """What OSP did at one optimizer step (for :class:`~lightning_gc.callbacks.GCMonitor`)."""
+
+    step: int
+    deferred_fraction: float = 0.0  # elements deferred to ICS at this step / model elements
+    deferred_layers: int = 0
+    threshold: float = -1.0  # largest importance deferred at this step (-1: none)
+    correction_norm: float = 0.0  # ‖p_corrected − p_local‖ of the correction applied before this step
+    ics_wait_s: float = 0.0  # time the correction waited for the previous step's ICS (exposed comm)
+    ics_comm_s: float = 0.0  # duration of the previous step's ICS allreduce on the worker
+    budget: int = 0  # element budget in force
+    umax: float | None = None
+
+
+@dataclass
+class _Pending:
+    step: int
+    pids: list[int]
+    snapshot: LGPSnapshot
+    flat: Tensor
+    comm_s: float = 0.0
+    error: BaseException | None = None
+    event: Any = None
+
+
+def filter_plan(plan: Plan, keep: frozenset[int] | set[int]) -> Plan:
+    """``plan`` restricted to the parameter ids in ``keep`` (empty groups dropped, renumbered)."""
+    groups: list[Group] = []
+    for g in plan.groups:
+        idx = [i for i, pid in enumerate(g.param_ids) if pid in keep]
+        if not idx:
+            continue
+        groups.append(Group(len(groups), tuple(g.param_ids[i] for i in idx), tuple(g.names[i] for i in idx),
+                            tuple(g.numels[i] for i in idx), exact=g.exact))
+    return Plan(plan.kind, tuple(groups))
+
+
+@dataclass
+class _Round:
+    losses: list[float] = field(default_factory=list)
+    tc: list[float] = field(default_factory=list)
+
+
+class OSPSync:
+    """Two-stage synchronisation around a :class:`~lightning_gc.engine.GCEngine`.
+
+    Build it right after the engine, on every rank, in the same order (it creates a process group).
+    Register :func:`osp_comm_hook` with it instead of the engine's hook. Lifecycle, from the
+    training loop, every optimizer step: :meth:`before_optimizer_step` (after backward; returns
+    whether ICS data was non-finite on some rank), then either :meth:`prepare_step` (the step will
+    be taken) or :meth:`skip_step`, then ``optimizer.step()``, then :meth:`after_optimizer_step`.
+    """
+
+    def __init__(self, engine: Any, config: OSPConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.params: list[Tensor] = list(engine.params)
+        self.names: list[str] = list(engine.names)
+        self.numels = [p.numel() for p in self.params]
+        self.total_numel = sum(self.numels)
+        self.base_plan: Plan = engine.plan
+        self.world_size: int = engine.world_size
+        self.device = engine.device
+        self._pid_of_ptr = {p.data_ptr(): i for i, p in enumerate(self.params)}
+        self.group = None
+        if self.world_size > 1:
+            pg = engine.process_group
+            ranks = dist.get_process_group_ranks(pg) if pg is not None else None
+            self.group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
+        self._runner: OrderedWorker | InlineRunner = (
+            OrderedWorker(name="lightning_gc-osp", device=self.device) if self.world_size > 1 else InlineRunner())
+        self.schedule = DeferredSchedule(self.total_numel, config.round_steps, config.deferred_fraction,
+                                         config.max_fraction)
+        self.importance: list[float] = [math.inf] * len(self.params)  # unknown ranks as most important
+        self.step = 0
+        self.deferred: frozenset[int] = frozenset()
+        self.threshold = -1.0
+        self._captured: dict[int, Tensor] = {}
+        self._carry: dict[int, Tensor] = {}  # routine error memory of layers that just became deferred
+        self._carry_used: dict[int, Tensor] = {}  # ... added to this step's deferred data
+        self._snapshot: LGPSnapshot | None = None
+        self._pending: _Pending | None = None
+        self._round = _Round()
+        self._t_opt_end: float | None = None
+        self._t_backward_end: float | None = None
+        self._stats = OSPStats(step=0)
+        self.last_stats: OSPStats | None = None
+        self.probed_network: Any = None
+        self.carried_layers = 0  # layers whose error memory moved into the deferred stage (total)
+
+    # ------------------------------------------------------------------ hook (autograd thread)
+    def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        if self.deferred:
+            for p, g in zip(bucket.parameters(), bucket.gradients()):
+                pid = self._pid_of_ptr.get(p.data_ptr())
+                if pid in self.deferred:
+                    # the collective must own its data: DDP reuses the bucket buffer
+                    carry = self._carry.pop(pid, None)
+                    if carry is None:
+                        self._captured[pid] = g.detach().clone()
+                    else:
+                        self._carry_used[pid] = carry
+                        self._captured[pid] = g.detach() + carry
+        if bucket.is_last():
+            self._t_backward_end = time.perf_counter()
+        return self.engine.on_bucket(bucket)
+
+    # ------------------------------------------------------------------ lifecycle (main thread)
+    def before_optimizer_step(self, loss: Any = None) -> bool:
+        """After backward: apply the previous step's correction, agree on non-finite ICS data and,
+        at a round's end, on the round's statistics. Returns whether ICS data was non-finite on
+        some rank (identical on every rank)."""
+        self._stats = OSPStats(step=self.step, budget=self.schedule.budget_for_step(self.step),
+                               umax=self.schedule.umax)
+        self._apply_pending()
+        if loss is not None:
+            value = float(loss.detach()) if isinstance(loss, Tensor) else float(loss)
+            self._round.losses.append(value)
+        if self._t_opt_end is not None and self._t_backward_end is not None:
+            self._round.tc.append(max(self._t_backward_end - self._t_opt_end, 0.0))
+        round_end = self.schedule.round_ends_after(self.step)
+        if self.world_size == 1 or (not self.deferred and not round_end):
+            if round_end:
+                self._end_round(self._round_sums())
+            return False
+        local_bad = any(not bool(torch.isfinite(t).all()) for t in self._captured.values())
+        fields = [1.0 if local_bad else 0.0] + (self._round_sums() if round_end else [])
+        t = torch.tensor(fields, dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(t, group=self.group)  # the worker is idle: _apply_pending drained it
+        values = t.cpu().tolist()
+        if round_end:
+            self._end_round(values[1:])
+        return values[0] > 0
+
+    def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer step will be taken: record the importance of the routine layers (their
+        gradient is the aggregated one) and snapshot the deferred layers' optimizer state."""
+        with torch.no_grad():
+            for pid, p in enumerate(self.params):
+                if pid not in self.deferred and p.grad is not None:
+                    self.importance[pid] = layer_importance(p.grad, p)
+        if self.deferred:
+            missing = sorted(self.deferred - set(self._captured))
+            if missing:
+                raise RuntimeError(
+                    f"lightning_gc OSP: deferred parameters {[self.names[i] for i in missing][:5]} never "
+                    "reached the comm hook this step; with unused parameters pass find_unused_parameters=True."
+                )
+            self._snapshot = LGPSnapshot(optimizer, [self.params[pid] for pid in sorted(self.deferred)])
+
+    def skip_step(self) -> None:
+        """The optimizer step is skipped on every rank (non-finite): nothing to send or correct."""
+        self._carry.update(self._carry_used)  # carried error memory waits for the next send
+        self._carry_used = {}
+        self._captured.clear()
+        self._snapshot = None
+
+    def after_optimizer_step(self) -> None:
+        """Start this step's ICS allreduce, then choose the next step's split."""
+        if self._snapshot is not None:
+            pids = sorted(self.deferred)
+            flat = torch.cat([self._captured[pid].reshape(-1) for pid in pids])
+            pending = _Pending(self.step, pids, self._snapshot, flat)
+            if flat.is_cuda:
+                ev = torch.cuda.Event()
+                ev.record()
+                pending.event = ev
+            self._pending = pending
+            self._runner.submit(lambda: self._job_ics(pending))
+            nbytes = flat.numel() * flat.element_size()
+            self.engine.add_deferred_traffic(ring_allreduce_bytes(nbytes, self.world_size), nbytes)
+        self._captured.clear()
+        self._carry_used = {}
+        self._snapshot = None
+        s = self._stats
+        s.deferred_layers = len(self.deferred)
+        s.deferred_fraction = sum(self.numels[i] for i in self.deferred) / self.total_numel
+        s.threshold = self.threshold
+        self.last_stats = s
+        self.step += 1
+        self._choose_split()
+        self._t_opt_end = time.perf_counter()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for pending ICS work and apply its correction (before checkpoints, validation, the
+        end of fit, on exceptions). Returns False if it did not finish within ``timeout``."""
+        return self._apply_pending(timeout)
+
+    def close(self, timeout: float = 60.0) -> None:
+        stopped = self._runner.close(timeout)
+        group, self.group = self.group, None
+        if group is not None and stopped and dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError):
+                pass
+
+    # ------------------------------------------------------------------ internals
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def _job_ics(self, pending: _Pending) -> None:
+        try:
+            if pending.event is not None:
+                torch.cuda.current_stream().wait_event(pending.event)
+            t0 = time.perf_counter()
+            pending.flat.div_(self.world_size)  # DDP's numerics: mean = sum of (g / N)
+            dist.all_reduce(pending.flat, group=self.group)
+            if pending.flat.is_cuda:
+                ev = torch.cuda.Event()
+                ev.record()
+                pending.event = ev
+                ev.synchronize()
+            pending.comm_s = time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - surfaced on the main thread by _apply_pending
+            pending.error = e
+
+    def _apply_pending(self, timeout: float | None = None) -> bool:
+        pending = self._pending
+        if pending is None:
+            return True
+        t0 = time.perf_counter()
+        if not self._runner.drain(timeout):
+            return False
+        self._pending = None
+        self._stats.ics_wait_s = time.perf_counter() - t0
+        self._stats.ics_comm_s = pending.comm_s
+        if pending.error is not None:
+            raise RuntimeError(
+                f"lightning_gc OSP: the deferred (ICS) allreduce of step {pending.step} failed on this rank "
+                f"({pending.error!r}); the deferred layers cannot be corrected."
+            ) from pending.error
+        grads, offset = [], 0
+        for pid in pending.pids:
+            grads.append(pending.flat[offset:offset + self.numels[pid]].view_as(self.params[pid]))
+            offset += self.numels[pid]
+        self._stats.correction_norm = pending.snapshot.replay(grads)
+        for pid, e, g in zip(pending.pids, pending.snapshot.entries, grads):
+            if e is not None:
+                self.importance[pid] = layer_importance(g, e.p0)
+        return True
+
+    def _round_sums(self) -> list[float]:
+        losses, tc = self._round.losses, self._round.tc
+        half = losses[len(losses) // 2:]
+        return [sum(losses), float(len(losses)), sum(half), float(len(half)), sum(tc), float(len(tc))]
+
+    def _end_round(self, sums: list[float]) -> None:
+        loss_sum, n_loss, recent_sum, n_recent, tc_sum, n_tc = sums
+        self._round = _Round()
+        mean = loss_sum / n_loss if n_loss else math.nan
+        recent = recent_sum / n_recent if n_recent else math.nan
+        tc = tc_sum / n_tc if n_tc else 0.0
+        net = self._network_model()
+        elem = self.params[0].element_size()
+        umax = ring_umax(tc, net.alpha_s, net.beta_s_per_byte, self.world_size, elem) if net is not None else 0.0
+        self.schedule.end_round(mean, recent, umax)
+
+    def _network_model(self) -> Any:
+        model = self.engine.network.model
+        if model is not None:
+            return model
+        if self.probed_network is None and self.world_size > 1:
+            from ..comm.probe import ProbeConfig, probe_network
+
+            # small messages: a probe of the default 4 MB would take seconds on a slow link
+            cfg = ProbeConfig(sizes_bytes=(64, 64 * 1024, 256 * 1024), repeats=5)
+            self.probed_network = probe_network(self.group, cfg, device=self._comm_device()).network
+        return self.probed_network
+
+    def _choose_split(self) -> None:
+        budget = self.schedule.budget_for_step(self.step) if self.world_size > 1 else 0
+        deferred, self.threshold = rank_split(self.importance, self.numels, budget)
+        if deferred != self.deferred:
+            self._carry_memory(deferred - self.deferred)
+            self.deferred = deferred
+            keep = frozenset(range(len(self.params))) - deferred
+            self.engine.replace_plan(filter_plan(self.base_plan, keep), verify=False)
+
+    def _carry_memory(self, joining: frozenset[int]) -> None:
+        """A layer leaving the routine stage takes its error memory (what the compressor has not
+        sent yet) into its next deferred allreduce instead of dropping it: the global gradient then
+        includes it, exactly as a dense send of ``g + e`` under error feedback would."""
+        if not joining or not self.engine.error_feedback:
+            return
+        memory = self.engine._memory.by_name(self.engine.plan)  # per-name CPU copies
+        for pid in joining:
+            e = memory.get(self.names[pid])
+            if e is not None:
+                self._carry[pid] = e.to(self.params[pid].device).view_as(self.params[pid])
+                self.carried_layers += 1
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict:
+        """This rank's OSP state (call after :meth:`drain`: nothing is in flight)."""
+        return {
+            "version": 1,
+            "step": self.step,
+            "importance": list(self.importance),
+            "deferred": [self.names[i] for i in sorted(self.deferred)],
+            "threshold": self.threshold,
+            "schedule": self.schedule.state_dict(),
+            "round_losses": list(self._round.losses),
+            "round_tc": list(self._round.tc),
+            "carry": {self.names[pid]: t.detach().cpu().clone() for pid, t in self._carry.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported OSP state version {state.get('version')!r} (this version reads 1)")
+        if len(state["importance"]) != len(self.params):
+            raise ValueError(
+                f"the checkpoint's OSP state has {len(state['importance'])} layers, the model {len(self.params)}: "
+                "resume with the same model."
+            )
+        self.step = int(state["step"])
+        self.importance = [float(v) for v in state["importance"]]
+        self.threshold = float(state.get("threshold", -1.0))
+        self.schedule.load_state_dict(state.get("schedule") or {})
+        self._round = _Round(list(state.get("round_losses", [])), list(state.get("round_tc", [])))
+        index = {n: i for i, n in enumerate(self.names)}
+        self._carry = {index[n]: t.to(self.params[index[n]].device).view_as(self.params[index[n]])
+                       for n, t in (state.get("carry") or {}).items()}
+        deferred = frozenset(index[n] for n in state.get("deferred", []))
+        self.deferred = deferred
+        keep = frozenset(range(len(self.params))) - deferred
+        self.engine.replace_plan(filter_plan(self.base_plan, keep), verify=False)
+
+
+def osp_comm_hook(osp: OSPSync, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP communication hook: ``ddp_model.register_comm_hook(osp, osp_comm_hook)``."""
+    return osp.on_bucket(bucket)
+
+
+osp_comm_hook.__annotations__ = {
+    "osp": OSPSync,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}

@@ -1,0 +1,85 @@
+"""OSP inside real Lightning training (2 spawned CPU/gloo ranks): checkpoint mid-run resumes
+exactly, ranks end identical, the statistics reach the logger, the setup refusals fire."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lit_models import ReportCallback, TinyClassifier, make_loader
+
+from lightning_gc import GCStrategy
+
+pytestmark = pytest.mark.slow
+
+
+class _OSPReport(ReportCallback):
+    """Also records, per optimizer step, the deferred fraction OSP used."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__(out_dir)
+        self.fractions: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.fractions.append(trainer.strategy.osp.last_stats.deferred_fraction)
+
+    def on_train_end(self, trainer, pl_module):
+        super().on_train_end(trainer, pl_module)
+        import os
+
+        info = torch.load(os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"), weights_only=False)
+        info["fractions"] = self.fractions
+        info["osp_step"] = trainer.strategy.osp.step
+        torch.save(info, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+def _fit(tmp, ckpt_path=None, callbacks=(), **trainer_kw):
+    out = tmp / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    strategy = GCStrategy(compressor="dense", sync="osp", osp_deferred_fraction=0.6, start_method="spawn")
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp),
+                        callbacks=[_OSPReport(str(out)), *callbacks], **{"max_epochs": 3, **trainer_kw})
+    trainer.fit(TinyClassifier(), make_loader(n=128), ckpt_path=ckpt_path)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_osp_checkpoint_mid_run_resumes_exactly_and_ranks_agree(tmp_path):
+    ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
+    full = _fit(tmp_path / "a", callbacks=[ckpt_cb], enable_checkpointing=True)
+    assert full[0]["fractions"][0] == 0.0 and max(full[0]["fractions"]) > 0.2  # step 0 BSP, then deferred (1536-element layer does not fit)
+    for k, v in full[0]["params"].items():  # after the final drain the replicas are identical
+        assert torch.equal(v, full[1]["params"][k]), k
+    ckpt = sorted((tmp_path / "ckpt").glob("epoch=0*.ckpt"))[0]
+    saved = torch.load(ckpt, weights_only=False)["lightning_gc"]["ranks"]
+    assert saved[0]["osp"]["deferred"] and saved[0]["osp"]["deferred"] == saved[1]["osp"]["deferred"]
+    resumed = _fit(tmp_path / "b", ckpt_path=str(ckpt))
+    for r in range(2):
+        assert resumed[r]["osp_step"] == full[r]["osp_step"] == full[r]["global_step"]
+        for k, v in full[r]["params"].items():
+            assert torch.equal(v, resumed[r]["params"][k]), f"rank {r} {k} differs after resume"
+
+
+class _AdamModel(TinyClassifier):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_osp_refuses_adam_at_setup(tmp_path):
+    trainer = L.Trainer(strategy=GCStrategy(compressor="dense", sync="osp"), accelerator="cpu", devices=1,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, max_steps=1,
+                        default_root_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="cannot train with optimizer Adam"):
+        trainer.fit(_AdamModel(), make_loader(n=32))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(sync="ssp"), "sync='ssp' is invalid"),
+    (dict(osp_deferred_fraction=0.5), "only applies with sync='osp'"),
+    (dict(sync="osp", osp_deferred_fraction=0.95), "osp_deferred_fraction=0.95 is invalid"),
+    (dict(sync="osp", osp_round_steps=0), "osp_round_steps=0"),
+])
+def test_osp_arguments_refused_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GCStrategy(**kwargs)
