@@ -448,3 +448,17 @@ def test_checkpoint_state_restores_schedule_and_basis_exactly():
     twin2 = GradiVeQCompressor(cfg)
     twin2.load_state_dict(comp2.state_dict())
     assert [twin2.phase(s) for s in (3, 4, 5, 6)] == ["sample", "sample", "sample", "compress"]
+
+
+def test_a_replaced_plan_drops_a_stale_basis_and_its_samples():
+    cfg = GradiVeQConfig(max_slice=96, warmup=0, sample_steps=2, compress_steps=4, pca_slices=2)
+    comp = GradiVeQCompressor(cfg)
+    for step in range(2):
+        comp.phase(step)
+        comp.add_sample(_grad(0, 1, step), _ctx(0, 1, step))
+    assert comp.phase(2) == "compress" and comp.fit(_ctx(0, 1, 2), torch.float32) is not None
+    assert comp.basis_for(_ctx(0, 1, 3)) is not None
+    other = GroupContext(step=3, rank=0, world_size=1, segments=(768, 12), shapes=((12, 64), (12,)))
+    assert comp.basis_for(other) is None and 0 not in comp.bases
+    comp.add_sample(torch.randn(780), other)  # statistics of another layout restart instead of failing
+    assert comp.samples[0].count == 1

@@ -238,7 +238,7 @@ class GradiVeQExchange(Exchange):
                 if basis is not None:
                     self._check_digest(basis, ctx, timer)
             else:
-                basis = comp.bases.get(ctx.group_id)
+                basis = comp.basis_for(ctx)
                 if basis is not None and basis.blocks and basis.blocks[0].U.device != p.device:
                     basis = comp.move_basis(ctx.group_id, p.device)  # restored from a checkpoint on CPU
         if basis is None:  # sample phase, or no basis could be fitted: uncompressed, collect a sample

@@ -260,10 +260,15 @@ class GroupBasis:
 class _Samples:
     """Sufficient statistics of the sampled aggregated gradients of one group."""
 
+    key: tuple = ()  # the group's (numels, shapes): a replaced plan starts the statistics afresh
     count: int = 0
     sums: dict[int, Tensor] = field(default_factory=dict)  # layer -> Σ_t X_t (rows, K) float64
     grams: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (layer, block) -> Σ x xᵀ
     row_sums: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (layer, block) -> Σ_t sampled rows
+
+
+def _group_key(ctx: GroupContext) -> tuple:
+    return (tuple(ctx.segments), tuple(tuple(s) for s in ctx.shapes))
 
 
 def block_ranges(rows: int, reuse: int) -> list[tuple[int, int]]:
@@ -353,7 +358,10 @@ class GradiVeQCompressor(Compressor):
         """Record the aggregated mean of a sample step (identical on all ranks). False if non-finite."""
         if not bool(torch.isfinite(mean).all()):
             return False
-        st = self.samples.setdefault(ctx.group_id, _Samples())
+        key = _group_key(ctx)
+        st = self.samples.get(ctx.group_id)
+        if st is None or st.key != key:
+            st = self.samples[ctx.group_id] = _Samples(key)
         for L in layout(ctx, self.config):
             if L.exact:
                 continue
@@ -371,13 +379,23 @@ class GradiVeQCompressor(Compressor):
     def needs_fit(self, gid: int) -> bool:
         return self._basis_epoch.get(gid) != self.epoch
 
+    def basis_for(self, ctx: GroupContext) -> GroupBasis | None:
+        """The fitted basis of ``ctx``'s group, or None (also when the plan changed the group since)."""
+        basis = self.bases.get(ctx.group_id)
+        if basis is None:
+            return None
+        if tuple((L.numel, L.shape) for L in basis.layers) != tuple((L.numel, L.shape) for L in layout(ctx, self.config)):
+            del self.bases[ctx.group_id]
+            return None
+        return basis
+
     def fit(self, ctx: GroupContext, dtype: torch.dtype) -> GroupBasis | None:
         """Fit U, μ̄, d of group ``ctx.group_id`` from this epoch's samples (None: too few samples)."""
         gid = ctx.group_id
         self._basis_epoch[gid] = self.epoch
         st = self.samples.get(gid)
         layers = layout(ctx, self.config)
-        if st is None or st.count < 2:
+        if st is None or st.count < 2 or st.key != _group_key(ctx):
             self.bases.pop(gid, None)
             return None
         n = st.count
