@@ -503,11 +503,16 @@ class GCStrategy(DDPStrategy):
             dist.all_gather_object(states, local, group=engine.process_group)
         else:
             states = [local]
-        return {"world_size": engine.world_size, "ranks": states, "compressor": self._compressor_name}
+        out = {"world_size": engine.world_size, "ranks": states, "compressor": self._compressor_name}
+        if self._omgs is not None:
+            out["omgs"] = self._omgs.state_dict()  # agreed over ranks: one copy
+        return out
 
     def _apply_state(self, state: dict[str, Any]) -> None:
         engine = self._engine
         assert engine is not None
+        if self._omgs is not None and state.get("omgs"):
+            self._omgs.load_state_dict(state["omgs"])
         saved_ws = int(state.get("world_size", -1))
         ranks = state.get("ranks") or []
         if saved_ws != engine.world_size or len(ranks) != saved_ws:

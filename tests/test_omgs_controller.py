@@ -88,7 +88,26 @@ def _run(rank: int, ws: int, replan_drift: float, steps: int) -> dict:
         "gamma": ctl.state.calibration.sparsify.gamma_s, "alpha": ctl.state.calibration.comm.intercept,
         "params": [p.detach().clone() for p in model.parameters()],
     }
+    saved = ctl.state_dict()
     engine.close()
+    ctl.detach()
+    # resume: a fresh engine starts from the provisional plan; the restored profile is planned
+    # from at the first step boundary, without profiling again
+    engine2 = GCEngine(build_compressor("topk", ratio=0.05),
+                       EngineConfig(plan="omgs", min_compress_numel=1024, warmup_steps=0),
+                       list(model.named_parameters()))
+    ddp2 = DDP(model, bucket_cap_mb=0.001)
+    ddp2.register_comm_hook(engine2, gc_comm_hook)
+    ctl2 = OMGSController(engine2, cfg_o, ddp2, list(model.named_parameters()), "omgs")
+    ctl2.load_state_dict(saved)
+    before = engine2.plan.kind
+    x = torch.randn(16, 48)
+    ctl2.wrap_closure(lambda: torch.nn.functional.mse_loss(ddp2(x), x).backward())()
+    engine2.before_optimizer_step()
+    ctl2.after_step()
+    out["resume"] = {"before": before, "after": engine2.plan.kind, "profile": ctl2.backward_s,
+                     "sig": engine2.plan.signature()}
+    engine2.close()
     return out
 
 
@@ -126,6 +145,10 @@ def test_profile_agreed_by_max_and_plans_identical(runs):
     assert all(p["omgs"] <= p[k] * (1 + 1e-12) for k in ("model", "layer", "threshold", "omgs_paper"))
     assert r0["gamma"] == r1["gamma"] and r0["alpha"] == r1["alpha"]
     assert len(r0["measured"]) == 12 - need
+    for r in (r0, r1):  # resume from the saved profile: planned at the first boundary, no re-profiling
+        assert r["resume"]["before"] == "omgs:provisional" and r["resume"]["after"] == "omgs"
+        assert r["resume"]["profile"] == r0["agreed"]
+    assert r0["resume"]["sig"] == r1["resume"]["sig"]
     for a, b in zip(r0["params"], r1["params"]):  # replicas stay identical through the plan switch
         assert torch.equal(a, b)
 

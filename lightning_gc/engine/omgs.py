@@ -216,6 +216,24 @@ class OMGSController:
             h.remove()
         self._handles = []
 
+    def state_dict(self) -> dict:
+        """The agreed backward profile (identical on all ranks), for checkpoints."""
+        return {"backward_s": None if self.backward_s is None else list(self.backward_s), "names": list(self.names)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the profile; the cost models are re-fitted and the plan rebuilt at the next step
+        boundary (the network and the machine may have changed since the checkpoint)."""
+        prof = state.get("backward_s")
+        if prof is None or list(state.get("names", [])) != self.names:
+            return  # saved before profiling finished, or another model: profile again
+        self.backward_s = [float(x) for x in prof]
+        if self._profiling:
+            self._profiling = False
+            for h in self._handles[:-1]:
+                h.remove()
+            self._handles = self._handles[-1:]
+        self._replan_requested = True
+
     def request_replan(self) -> None:
         """Re-fit and re-plan at the next step boundary (call on every rank)."""
         self._replan_requested = True
@@ -242,16 +260,16 @@ class OMGSController:
                 log.warning("lightning_gc OMGS: no dense step was profiled (warmup_steps too small); the plan "
                             "stays %s.", engine.plan.kind)
             return
-        if stats.dense or engine.world_size == 1:
-            return
-        self.state.last_measured_s = window
-        self.state.measured_s.append(window)
-        self._window.append(window)
         if self._replan_requested:
             self._replan_requested = False
             self._window = []
             self._plan_now("requested")
             return
+        if stats.dense or engine.world_size == 1:
+            return
+        self.state.last_measured_s = window
+        self.state.measured_s.append(window)
+        self._window.append(window)
         if self.config.replan_drift > 0 and len(self._window) >= self.config.replan_window:
             measured = self._agree_max([statistics.median(self._window)])[0]
             self._window = []
