@@ -215,13 +215,14 @@ def _run_conservation(rank: int, ws: int):
     return out, stats
 
 
-def _run_schedule(rank: int, ws: int):
-    """S(Gu) schedule with 3-step rounds: losses, the agreed budget and the splits per step."""
+def _run_schedule(rank: int, ws: int, pinned: bool = True):
+    """S(Gu) schedule with 3-step rounds: losses, the agreed budget and the splits per step
+    (``pinned=False``: no network model in the engine, so OSP probes its own group once)."""
     model = _model()
     ddp = DDP(model, bucket_cap_mb=0.0001)
     named = list(model.named_parameters())
-    engine = GCEngine(build_compressor("dense"), EngineConfig(network_alpha_s=1e-4, network_beta_s_per_byte=1e-9),
-                      named)
+    net = dict(network_alpha_s=1e-4, network_beta_s_per_byte=1e-9) if pinned else {}
+    engine = GCEngine(build_compressor("dense"), EngineConfig(**net), named)
     osp = OSPSync(engine, OSPConfig(round_steps=3))
     ddp.register_comm_hook(osp, osp_comm_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -241,9 +242,10 @@ def _run_schedule(rank: int, ws: int):
         osp.after_optimizer_step()
         budgets.append((osp.schedule.budget, osp.schedule.umax))
     osp.drain()
+    probed = osp.probed_network
     osp.close()
     engine.close()
-    return losses, budgets, splits
+    return (losses, budgets, splits) if pinned else (probed, budgets, splits)
 
 
 def _all_scenarios(rank: int, ws: int):
@@ -255,6 +257,7 @@ def _all_scenarios(rank: int, ws: int):
     out["topk"] = _run_topk(rank, ws)
     out["conservation"] = _run_conservation(rank, ws)
     out["schedule"] = _run_schedule(rank, ws)
+    out["schedule_probed"] = _run_schedule(rank, ws, False)
     return out
 
 
@@ -441,3 +444,9 @@ def test_schedule_budget_follows_the_rank_averaged_loss(runs):
         recent = sum(mean[end - 1:end + 1]) / 2  # second half of a 3-step round: its last 2 steps
         assert budget == math.floor(min(max(1 - recent / first, 0.0), 1.0) * umax)
     assert b0[5][0] > 0 and any(s0[6:])  # the falling loss made the schedule defer something
+
+
+def test_schedule_without_a_network_model_probes_once_and_ranks_agree(runs):
+    (net0, b0, s0), (net1, b1, s1) = runs[0]["schedule_probed"], runs[1]["schedule_probed"]
+    assert net0 is not None and net0 == net1  # the probe's model is agreed across ranks
+    assert b0 == b1 and s0 == s1 and all(u is not None for _, u in b0[2:])
