@@ -215,6 +215,39 @@ def _run_conservation(rank: int, ws: int):
     return out, stats
 
 
+def _run_schedule(rank: int, ws: int, pinned: bool = True):
+    """S(Gu) schedule with 3-step rounds: losses, the agreed budget and the splits per step
+    (``pinned=False``: no network model in the engine, so OSP probes its own group once)."""
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.0001)
+    named = list(model.named_parameters())
+    net = dict(network_alpha_s=1e-4, network_beta_s_per_byte=1e-9) if pinned else {}
+    engine = GCEngine(build_compressor("dense"), EngineConfig(**net), named)
+    osp = OSPSync(engine, OSPConfig(round_steps=3))
+    ddp.register_comm_hook(osp, osp_comm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, budgets, splits = [], [], []
+    for t in range(9):
+        x, y = _batch(rank, t % 2)  # two batches again and again: the loss falls
+        opt.zero_grad()
+        loss = _loss(ddp, x, y)
+        loss.backward()
+        losses.append(float(loss))
+        splits.append(sorted(osp.deferred))
+        assert not osp.before_optimizer_step(loss)
+        engine.before_optimizer_step()
+        osp.prepare_step(opt)
+        opt.step()
+        engine.after_optimizer_step()
+        osp.after_optimizer_step()
+        budgets.append((osp.schedule.budget, osp.schedule.umax))
+    osp.drain()
+    probed = osp.probed_network
+    osp.close()
+    engine.close()
+    return (losses, budgets, splits) if pinned else (probed, budgets, splits)
+
+
 def _all_scenarios(rank: int, ws: int):
     """Every distributed scenario in one spawn (spawned ranks spend most of their time importing)."""
     out = {case: _run_osp(rank, ws, h, f, mf, "dense", 0.0001) for case, (h, f, mf) in CASES.items()}
@@ -223,6 +256,8 @@ def _all_scenarios(rank: int, ws: int):
     out["nan"] = _run_nan(rank, ws)
     out["topk"] = _run_topk(rank, ws)
     out["conservation"] = _run_conservation(rank, ws)
+    out["schedule"] = _run_schedule(rank, ws)
+    out["schedule_probed"] = _run_schedule(rank, ws, False)
     return out
 
 
@@ -391,3 +426,27 @@ def test_error_memory_moving_into_the_deferred_stage_is_not_lost(runs):
         assert carried > 0, "the scenario never moved a layer with error memory into the deferred stage"
         for n, (applied, expected) in out.items():
             torch.testing.assert_close(applied, expected, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_schedule_budget_follows_the_rank_averaged_loss(runs):
+    """Round 1 (steps 0-2) defers nothing; after each round the budget is
+    floor(clip(1 − loss_i/L, 0, 1)·Umax) with L the first round's mean loss and loss_i the mean of
+    the round's second half, both averaged over ranks (computed here from both ranks' losses)."""
+    (l0, b0, s0), (l1, b1, s1) = runs[0]["schedule"], runs[1]["schedule"]
+    assert b0 == b1 and s0 == s1
+    assert s0[:3] == [[], [], []]
+    mean = [(a + b) / 2 for a, b in zip(l0, l1)]
+    first = sum(mean[0:3]) / 3
+    total = sum(p.numel() for p in _model().parameters())
+    for end in (2, 5, 8):  # last step of each round
+        budget, umax = b0[end]
+        assert 0 < umax <= 0.8 * total
+        recent = sum(mean[end - 1:end + 1]) / 2  # second half of a 3-step round: its last 2 steps
+        assert budget == math.floor(min(max(1 - recent / first, 0.0), 1.0) * umax)
+    assert b0[5][0] > 0 and any(s0[6:])  # the falling loss made the schedule defer something
+
+
+def test_schedule_without_a_network_model_probes_once_and_ranks_agree(runs):
+    (net0, b0, s0), (net1, b1, s1) = runs[0]["schedule_probed"], runs[1]["schedule_probed"]
+    assert net0 is not None and net0 == net1  # the probe's model is agreed across ranks
+    assert b0 == b1 and s0 == s1 and all(u is not None for _, u in b0[2:])
