@@ -267,6 +267,12 @@ class GCStrategy(DDPStrategy):
         if sync == "bsp" and osp_deferred_fraction is not None:
             raise ValueError(f"osp_deferred_fraction={osp_deferred_fraction!r} only applies with sync='osp'; "
                              "pass sync='osp' too, or drop it.")
+        if sync == "osp" and self._omgs_config is not None:
+            raise ValueError(
+                f"sync='osp' with plan={plan!r} (OMGS) is not supported: OSP re-plans every step to leave the "
+                "deferred layers out, OMGS installs its own merge plan. Use one of them: sync='osp' with "
+                "plan='model'/'layer'/'threshold', or plan='omgs' with sync='bsp'."
+            )
         self._sync = sync
         self._osp: OSPSync | None = None
         self._compressor_name = compressor
@@ -298,6 +304,8 @@ class GCStrategy(DDPStrategy):
     def omgs(self) -> OMGSController | None:
         """The OMGS profiler/planner (``None`` unless ``plan="omgs"``/``"omgs_paper"`` or ``omgs=`` given)."""
         return self._omgs
+
+    @property
     def osp(self) -> OSPSync | None:
         """The two-stage synchroniser with ``sync="osp"`` (``None`` before setup or with BSP)."""
         return self._osp

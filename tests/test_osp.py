@@ -450,3 +450,10 @@ def test_schedule_without_a_network_model_probes_once_and_ranks_agree(runs):
     (net0, b0, s0), (net1, b1, s1) = runs[0]["schedule_probed"], runs[1]["schedule_probed"]
     assert net0 is not None and net0 == net1  # the probe's model is agreed across ranks
     assert b0 == b1 and s0 == s1 and all(u is not None for _, u in b0[2:])
+
+
+def test_osp_with_an_omgs_plan_is_refused_with_the_fix():
+    from lightning_gc import GCStrategy
+
+    with pytest.raises(ValueError, match=r"sync='osp' with plan='omgs'.*Use one of them"):
+        GCStrategy(compressor="topk", plan="omgs", sync="osp")
