@@ -202,8 +202,11 @@ def test_list_has_one_line_per_compressor_collective_plan_and_alias(capsys):
     aliases = [n for n, e in StrategyRegistry.items() if e["strategy"] is GCStrategy]
     expected = [*COMPRESSORS, *available_collectives(), *available_planners(), *aliases]
     assert items == expected
-    assert len(aliases) == 2 * len(COMPRESSORS) + 1  # + gc_omgs (Top-k with the OMGS plan)
+    # gc_<c>, gc_<c>_find_unused_parameters_true, gc_<c>_osp, plus gc_omgs and gc_osp
+    assert len(aliases) == 3 * len(COMPRESSORS) + 2
     assert StrategyRegistry["gc_omgs"]["init_params"] == {"compressor": "topk", "plan": "omgs"}
+    assert StrategyRegistry["gc_osp"]["init_params"] == {"compressor": "dense", "sync": "osp"}
+    assert StrategyRegistry["gc_qsgd_osp"]["init_params"] == {"compressor": "qsgd", "sync": "osp"}
     by_name = {ln.split()[0]: ln for ln in lines if ln.startswith("  ")}
     assert by_name["qsgd"].endswith("[allgather]") and by_name["star_topk"].endswith("[art_allreduce]")
     assert "find_unused_parameters=True" in by_name["gc_topk_find_unused_parameters_true"]
