@@ -6,6 +6,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from dist_harness import run_distributed
 from lit_models import ReportCallback, TinyClassifier, make_loader
 
 from lightning_gc import GCStrategy
@@ -66,12 +67,22 @@ class _AdamModel(TinyClassifier):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-def test_osp_refuses_adam_at_setup(tmp_path):
+def _adam_refusal(rank: int, world_size: int, tmp: str) -> str:
     trainer = L.Trainer(strategy=GCStrategy(compressor="dense", sync="osp"), accelerator="cpu", devices=1,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, max_steps=1,
-                        default_root_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="cannot train with optimizer Adam"):
+                        default_root_dir=tmp)
+    try:
         trainer.fit(_AdamModel(), make_loader(n=32))
+    except ValueError as e:
+        return str(e)
+    return "not refused"
+
+
+def test_osp_refuses_adam_at_setup(tmp_path):
+    # in a spawned process: the refusal comes after DDP set up its process group, whose store would
+    # otherwise stay bound to MASTER_PORT in the pytest process and break later Lightning tests
+    (msg,) = run_distributed(_adam_refusal, 1, str(tmp_path), timeout=120)
+    assert "cannot train with optimizer Adam" in msg
 
 
 @pytest.mark.parametrize("kwargs, match", [
