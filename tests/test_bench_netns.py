@@ -199,7 +199,10 @@ def test_ctrl_c_removes_namespaces_and_workers(tmp_path):
             assert time.monotonic() < deadline, out.read_text()
             time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=60)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the bench did not exit within 60 s of SIGINT; its output so far:\n{out.read_text()[-4000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
