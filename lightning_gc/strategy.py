@@ -351,15 +351,12 @@ class GCStrategy(DDPStrategy):
         from lightning.pytorch.utilities.model_helpers import is_overridden
 
         clip = trainer.gradient_clip_val
-        if clip or is_overridden("configure_gradient_clipping", self.lightning_module):
-            where = (f"gradient_clip_val={clip!r}" if clip else
-                     f"{type(self.lightning_module).__name__}.configure_gradient_clipping")
-            raise ValueError(
-                f"GCStrategy(sync='osp') with {where}: clipping would scale a gradient that mixes global "
-                "(routine) and local (deferred) parts by a rank-dependent factor, and the replicas would "
-                "diverge. Train without gradient clipping (no gradient_clip_val, no configure_gradient_clipping "
-                "override), or use sync='bsp'."
-            )
+        if clip:
+            raise ValueError(_osp_clipping_refusal(f"gradient_clip_val={clip!r}"))
+        if is_overridden("configure_gradient_clipping", self.lightning_module):
+            # The override may or may not clip (e.g. a module whose clip value is a hyperparameter that
+            # can be 0), so refuse at the first call that would actually change the gradient.
+            self._guard_osp_clipping(f"{type(self.lightning_module).__name__}.configure_gradient_clipping")
         if isinstance(self.precision_plugin, MixedPrecision) and getattr(self.precision_plugin, "scaler", None):
             raise ValueError(
                 "GCStrategy(sync='osp') with fp16 mixed precision: the GradScaler unscales and may skip steps "
@@ -370,6 +367,17 @@ class GCStrategy(DDPStrategy):
                 "GCStrategy(sync='osp') needs automatic optimization (the loss steers the S(Gu) schedule and "
                 "the correction runs around optimizer.step()). Use sync='bsp' with manual optimization."
             )
+
+    def _guard_osp_clipping(self, where: str) -> None:
+        plugin = self.precision_plugin
+        clip_gradients = plugin.clip_gradients
+
+        def refuse_clipping(optimizer: Any, clip_val: Any = 0.0, *args: Any, **kwargs: Any) -> None:
+            if clip_val and clip_val > 0:  # the plugin itself returns early for clip_val <= 0
+                raise ValueError(_osp_clipping_refusal(f"{where} (clip value {clip_val!r})"))
+            return clip_gradients(optimizer, clip_val, *args, **kwargs)
+
+        plugin.clip_gradients = refuse_clipping  # type: ignore[method-assign]
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -585,3 +593,12 @@ class GCStrategy(DDPStrategy):
 def register_aliases() -> None:
     """Register ``gc_<compressor>`` for every known compressor in Lightning's strategy registry."""
     GCStrategy.register_strategies(StrategyRegistry)
+
+
+def _osp_clipping_refusal(where: str) -> str:
+    return (
+        f"GCStrategy(sync='osp') with {where}: clipping would scale a gradient that mixes global "
+        "(routine) and local (deferred) parts by a rank-dependent factor, and the replicas would "
+        "diverge. Train without gradient clipping (no gradient_clip_val; a configure_gradient_clipping "
+        "override must not clip, e.g. grad_clip=0 for the example ByteLM), or use sync='bsp'."
+    )

@@ -85,6 +85,40 @@ def test_osp_refuses_adam_at_setup(tmp_path):
     assert "cannot train with optimizer Adam" in msg
 
 
+class _ClipModel(TinyClassifier):
+    """Overrides configure_gradient_clipping with a clip value that may be 0 (like the example ByteLM)."""
+
+    def __init__(self, clip: float) -> None:
+        super().__init__()
+        self.clip = clip
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+
+
+def _clipping_cases(rank: int, world_size: int, tmp: str) -> list[str]:
+    def fit(model, **kw):
+        trainer = L.Trainer(strategy=GCStrategy(compressor="dense", sync="osp"), accelerator="cpu", devices=1,
+                            logger=False, enable_progress_bar=False, enable_model_summary=False, max_steps=3,
+                            enable_checkpointing=False, default_root_dir=tmp, **kw)
+        try:
+            trainer.fit(model, make_loader(n=64))
+        except ValueError as e:
+            return str(e)
+        return f"trained {trainer.global_step} steps"
+
+    return [fit(_ClipModel(0.0)), fit(_ClipModel(0.5)), fit(TinyClassifier(), gradient_clip_val=1.0)]
+
+
+def test_osp_refuses_clipping_only_when_it_would_clip(tmp_path):
+    (result,) = run_distributed(_clipping_cases, 1, str(tmp_path), timeout=180)
+    override_off, override_on, trainer_clip = result
+    assert override_off == "trained 3 steps"  # an override that does not clip is fine
+    assert "_ClipModel.configure_gradient_clipping (clip value 0.5)" in override_on
+    assert "rank-dependent factor" in override_on
+    assert "gradient_clip_val=1.0" in trainer_clip
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(sync="ssp"), "sync='ssp' is invalid"),
     (dict(osp_deferred_fraction=0.5), "only applies with sync='osp'"),
