@@ -191,7 +191,11 @@ def test_ctrl_c_removes_namespaces_and_workers(tmp_path):
            "--methods", "ddp", "--steps", "100000", "--bandwidth", "100mbit", "--network", "netns", "--threads", "1",
            "--logs", str(tmp_path / "logs")]
     with open(out, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        # SIGINT at its default in the bench whatever this process inherited: a disposition of SIG_IGN
+        # survives exec, and a process started with SIGINT ignored (a background job of a shell, or a
+        # child of a process that Lightning left with SIG_IGN) rightly keeps ignoring it.
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         while "[ddp] step" not in out.read_text():  # training is running on both ranks
