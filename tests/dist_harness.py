@@ -91,3 +91,12 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def gather_all(t: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """Every rank's copy of ``t`` (``all_gather``), for oracles computed from all ranks' inputs."""
+    import torch.distributed as dist
+
+    out = [torch.empty_like(t) for _ in range(world_size)]
+    dist.all_gather(out, t.contiguous())
+    return out

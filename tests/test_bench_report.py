@@ -92,6 +92,11 @@ def test_aggregate_engine_counts_loopback_and_ratios():
     assert gc["floor_basis"] == "engine"  # nominal rate x engine bytes x procs per host
     assert gc["floor_s"] == pytest.approx(max(0.1, 1000 * 8 / 100e6))
     assert gc["time_to_target_s"] == pytest.approx(1.0)
+    assert "osp_deferred_fraction_mean" not in gc  # BSP: no OSP keys
+
+    osp_ranks = [dict(rk, osp_deferred_fractions=[0.0, 0.5, 0.7]) for rk in ranks]
+    osp = aggregate(MethodSpec("dense", {"sync": "osp"}, gc=True), osp_ranks, r, count_wire=False, target=0.8)
+    assert osp["osp_deferred_fraction_mean"] == pytest.approx(0.4) and osp["osp_deferred_fraction_max"] == 0.7
 
     dense_ranks = [_rank(g, 1, [1.0, 1.0, 1.0, 1.0, 1.0], [0.1], evals=EVALS_SLOW) for g in range(2)]
     ddp = aggregate(MethodSpec("ddp"), dense_ranks, r, count_wire=False, target=0.8)

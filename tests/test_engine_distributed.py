@@ -18,8 +18,7 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_harness import run_distributed
+from dist_harness import gather_all, run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gc.compressors import GroupContext, build_compressor, ratio_to_k, takes_ratio
@@ -47,11 +46,6 @@ def _batch(rank: int, step: int):
 def _loss(m, x, y):
     return torch.nn.functional.cross_entropy(m(x), y)
 
-
-def _gather(t: torch.Tensor, ws: int) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(ws)]
-    dist.all_gather(out, t.contiguous())
-    return out
 
 
 def _reference_mean(name: str, ps: list[torch.Tensor], ctxs: list[GroupContext], ratio, got: torch.Tensor):
@@ -135,7 +129,7 @@ def _check_compressor(rank: int, ws: int, name: str, ratio, ef: bool, warmup: in
         replica.zero_grad()
         _loss(replica, x, y).backward()
         local = {n: p.grad.detach().reshape(-1).clone() for n, p in replica.named_parameters()}
-        all_local = {n: _gather(local[n], ws) for n in names}
+        all_local = {n: gather_all(local[n], ws) for n in names}
         opt.zero_grad()
         _loss(ddp, x, y).backward()
         got = {n: p.grad.detach().reshape(-1).clone() for n, p in model.named_parameters()}
@@ -168,7 +162,7 @@ def _check_compressor(rank: int, ws: int, name: str, ratio, ef: bool, warmup: in
             gains.append((step, engine.last_step.gain, engine.last_step.gain_ewma, ref_gain, ewma))
         opt.step()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        assert all(torch.equal(flat, o) for o in _gather(flat, ws)), f"{name}: ranks diverged at step {step}"
+        assert all(torch.equal(flat, o) for o in gather_all(flat, ws)), f"{name}: ranks diverged at step {step}"
         true_norm = sum(float(m.double().pow(2).sum()) for m in engine.memory.values()) ** 0.5
         worst_norm = max(worst_norm, abs(engine.last_step.error_norm - true_norm) / (true_norm + 1e-12))
     return {"grad": worst_grad, "mem": worst_mem, "norm": worst_norm, "steps": engine.step, "calls": engine.hook_calls,

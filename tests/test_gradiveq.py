@@ -26,7 +26,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_distributed
+from dist_harness import gather_all, run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gc import GCStrategy
@@ -159,11 +159,6 @@ def _grad(rank: int, ws: int, step: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _gather(t: torch.Tensor, ws: int) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(ws)]
-    dist.all_gather(out, t.contiguous())
-    return out
-
 
 def _ctx(rank: int, ws: int, step: int) -> GroupContext:
     return GroupContext(step=step, rank=rank, world_size=ws, segments=SEGS, group_id=0, seed=1,
@@ -196,7 +191,7 @@ def _oracle_run(rank: int, ws: int) -> dict:
             continue
         comp = ring.compressor
         basis = comp.bases[0]
-        all_p = _gather(p, ws)
+        all_p = gather_all(p, ws)
         # linearity: Σ_r Q(g_r) by a real allreduce vs Uᵀ(Σ x − N μ̄) by hand
         z = comp.compress(p, ctx).payload[0].clone()
         dist.all_reduce(z)
@@ -232,7 +227,7 @@ def _oracle_run(rank: int, ws: int) -> dict:
             "full_vs_dense": float((results["full"][0] - dense).abs().max() / dense.abs().max()),
             "full_d": [b.d for b in full.compressor.bases[0].blocks],
             "proj_vs_dense": float((mean_ring - dense).abs().max() / dense.abs().max()),
-            "ranks_equal": all(torch.equal(a, mean_ring) for a in _gather(mean_ring, ws)),
+            "ranks_equal": all(torch.equal(a, mean_ring) for a in gather_all(mean_ring, ws)),
             "bytes_payload": t_ring.bytes_payload,
             "bytes_sent": t_ring.bytes_sent,
             "z_numel": basis.z_numel,
@@ -371,7 +366,7 @@ def _engine_run(rank: int, ws: int) -> dict:
         x, y = _batch(rank, step)
         replica.zero_grad()
         torch.nn.functional.cross_entropy(replica(x), y).backward()
-        local = {n: _gather(p.grad.detach().reshape(-1).clone(), ws) for n, p in replica.named_parameters()}
+        local = {n: gather_all(p.grad.detach().reshape(-1).clone(), ws) for n, p in replica.named_parameters()}
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         got = {n: p.grad.detach().reshape(-1).clone() for n, p in model.named_parameters()}

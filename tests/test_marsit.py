@@ -26,8 +26,7 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_harness import run_distributed
+from dist_harness import gather_all, run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gc import GCStrategy
@@ -312,11 +311,6 @@ def _batch(rank: int, step: int):
     return torch.randn(16, 24, generator=g) * (1 + rank), torch.randint(0, 5, (16,), generator=g)
 
 
-def _gather(t: torch.Tensor, ws: int) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(ws)]
-    dist.all_gather(out, t.contiguous())
-    return out
-
 
 def _engine_run(rank: int, ws: int) -> dict:
     model = _model()
@@ -335,7 +329,7 @@ def _engine_run(rank: int, ws: int) -> dict:
         x, y = _batch(rank, step)
         replica.zero_grad()
         torch.nn.functional.cross_entropy(replica(x), y).backward()
-        local = {n: _gather(p.grad.detach().reshape(-1).clone(), ws) for n, p in replica.named_parameters()}
+        local = {n: gather_all(p.grad.detach().reshape(-1).clone(), ws) for n, p in replica.named_parameters()}
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         got = {n: p.grad.detach().reshape(-1).clone() for n, p in model.named_parameters()}
@@ -361,7 +355,7 @@ def _engine_run(rank: int, ws: int) -> dict:
             worst_grad = max(worst_grad, float((got_flat - ref).abs().max() / (ref.abs().max() + 1e-12)))
         opt.step()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        assert all(torch.equal(flat, o) for o in _gather(flat, ws)), f"ranks diverged at step {step}"
+        assert all(torch.equal(flat, o) for o in gather_all(flat, ws)), f"ranks diverged at step {step}"
         flags.append(engine.last_step.full_precision)
         norms.append((engine.last_step.error_norm,
                       sum(float(m.double().pow(2).sum()) for m in engine.memory.values()) ** 0.5))

@@ -163,9 +163,7 @@ class AdaptiveRatio(Callback):
         if engine is None:
             return
         collective_choices(engine.exchange.name)  # refuses an exchange without a cost formula
-        if engine.config.warmup_steps < self.config.warmup_steps:
-            # identical on every rank (same Callback arguments), read by the engine at each step
-            engine.config = dataclasses.replace(engine.config, warmup_steps=self.config.warmup_steps)
+        engine.raise_warmup_steps(self.config.warmup_steps)  # same Callback arguments on every rank
         if self._loaded is not None:
             self._apply_loaded(engine)
 

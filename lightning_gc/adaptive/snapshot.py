@@ -76,7 +76,7 @@ class TrainingSnapshot:
         eng_state = eng_extra = None
         if engine is not None:
             eng_state = copy.deepcopy(engine.state_dict())
-            eng_extra = (engine._last_stats, engine._last_nonfinite, engine.hook_calls)
+            eng_extra = engine.reporting_state()
         return cls(
             module=module, optimizers=list(optimizers), schedulers=list(schedulers), engine=engine,
             tensors=tensors, grads=grads,
@@ -114,5 +114,5 @@ class TrainingSnapshot:
         if self.engine is not None and self.engine_state is not None:
             self.engine.load_state_dict(copy.deepcopy(self.engine_state))
             assert self.engine_extra is not None
-            self.engine._last_stats, self.engine._last_nonfinite, self.engine.hook_calls = self.engine_extra
+            self.engine.restore_reporting_state(self.engine_extra)
         _set_rng_state(self.rng)

@@ -431,6 +431,10 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
             om["measured_median_s"] = statistics.median(tail) if tail else None
             om.pop("measured_s", None)
             extra["omgs"] = om
+        fractions = ranks[0].get("osp_deferred_fractions")
+        if fractions:  # OSP: share of the model's elements deferred, over the measured steps
+            extra["osp_deferred_fraction_mean"] = statistics.fmean(fractions)
+            extra["osp_deferred_fraction_max"] = max(fractions)
         if ranks[0].get("adaptive"):  # the controller's decisions: step, trigger, c, collective, overhead
             extra["adaptive"] = ranks[0]["adaptive"]
     else:
@@ -629,7 +633,9 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
                 log(f"  [{spec.label}] done in {res['wall_time_s']:.0f}s: step {res['step_time_s']:.3f}s "
                     f"(IQR {res['step_time_iqr_s']:.3f}), compute {_fmt_s(res['compute_time_s'])}, "
                     f"engine {_fmt_b(res['bytes_per_step'])}/step, wire {_fmt_b(res['wire_bytes_per_step'])}/step, "
-                    f"{res['metric']} {_fmt_v(res['final_metric'])}")
+                    f"{res['metric']} {_fmt_v(res['final_metric'])}"
+                    + (f", OSP deferred {res['osp_deferred_fraction_mean']:.0%} of the model on average"
+                       if res.get("osp_deferred_fraction_mean") is not None else ""))
     finally:
         if cluster is not None:
             cluster.destroy()

@@ -88,6 +88,7 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             self.engine_start = self.engine_end = None
             self.psgd_start = self.psgd_end = None
             self.comm_hook = None
+            self.osp_fractions: list[float] = []  # OSP: deferred share of each measured step
             self.progress = os.path.join(cfg["run_dir"], "progress.jsonl") if global_rank == 0 else None
 
         # helpers ------------------------------------------------------------
@@ -143,6 +144,9 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             dt = time.perf_counter() - self.t0
             self.step_times.append(dt)
+            osp = getattr(trainer.strategy, "osp", None)
+            if self.window_open and osp is not None and osp.last_stats is not None:
+                self.osp_fractions.append(float(osp.last_stats.deferred_fraction))
             self.train_time += dt
             if self.window_open and len(self.cache) < max(1, int(cfg["compute_steps"])):
                 self.cache.append(batch)
@@ -302,6 +306,7 @@ def run(cfg: dict) -> dict:
         "engine_totals": _engine_totals(engine),
         "network_model": _network_model(engine),
         "omgs": _omgs_state(strategy),
+        "osp_deferred_fractions": cb.osp_fractions,
         "powersgd_numel_window": delta(cb.psgd_start, cb.psgd_end),
         "evals": cb.evals,
         "comm_hook": cb.comm_hook,

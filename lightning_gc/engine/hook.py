@@ -209,6 +209,27 @@ class GCEngine:
         self.synchronize()
         return self._last_nonfinite
 
+    def reporting_state(self) -> tuple[StepStats | None, bool, int]:
+        """What the engine reports but does not checkpoint (last step's statistics, its non-finite
+        flag, the hook-call count): a rollback (adaptive ratio controller) saves it with
+        :meth:`state_dict` and puts it back with :meth:`restore_reporting_state`."""
+        self.synchronize()
+        return self._last_stats, self._last_nonfinite, self.hook_calls
+
+    def restore_reporting_state(self, state: tuple[StepStats | None, bool, int]) -> None:
+        self.synchronize()
+        self._last_stats, self._last_nonfinite, self.hook_calls = state
+
+    def raise_warmup_steps(self, steps: int) -> None:
+        """Make the dense warm-up at least ``steps`` optimizer steps (never shortens it). Call with
+        the same value on every rank: the warm-up decides, per step, what every rank sends."""
+        if steps > self.config.warmup_steps:
+            self.config = dataclasses.replace(self.config, warmup_steps=int(steps))
+
+    def error_memory_by_name(self) -> dict[str, Tensor]:
+        """Per-parameter copies (CPU) of the error-feedback memory of the current plan."""
+        return self._memory.by_name(self.plan)
+
     def totals(self) -> dict:
         """Cumulative per-rank counters since the start of training (snapshot)."""
         self.synchronize()

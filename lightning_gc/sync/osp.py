@@ -372,7 +372,7 @@ class OSPSync:
         includes it, exactly as a dense send of ``g + e`` under error feedback would."""
         if not joining or not self.engine.error_feedback:
             return
-        memory = self.engine._memory.by_name(self.engine.plan)  # per-name CPU copies
+        memory = self.engine.error_memory_by_name()  # per-name CPU copies
         for pid in joining:
             e = memory.get(self.names[pid])
             if e is not None:
