@@ -419,3 +419,27 @@ def test_lightning_training_logs_full_precision_flag_and_compensation_norm(tmp_p
         assert flag == float(step % 3 == 0), (step, flag)
         assert norms[tag_step] == errs[tag_step]
         assert (norms[tag_step] == 0.0) == (step % 3 == 0), (step, norms[tag_step])
+
+
+def _momentum_warnings(rank: int, world_size: int, tmp: str) -> list[bool]:
+    import warnings
+
+    import lightning as L
+    from lit_models import TinyClassifier, make_loader
+
+    def warned(k: int, momentum: float) -> bool:
+        trainer = L.Trainer(strategy=GCStrategy(compressor="marsit", compressor_args={"full_precision_every": k}),
+                            accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, max_steps=1, default_root_dir=tmp)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(TinyClassifier(momentum=momentum), make_loader(n=32))
+        return any("amplifies" in str(w.message) and f"full_precision_every={k}" in str(w.message) for w in caught)
+
+    return [warned(3, 0.9), warned(3, 0.0), warned(0, 0.9)]
+
+
+def test_full_precision_rounds_with_momentum_warn_at_setup(tmp_path):
+    """K > 0 with a momentum optimizer warns (the release is amplified); momentum 0 or K = 0 do not."""
+    (result,) = run_distributed(_momentum_warnings, 1, str(tmp_path), timeout=180)
+    assert result == [True, False, False]
