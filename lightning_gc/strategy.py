@@ -162,6 +162,11 @@ class GCStrategy(DDPStrategy):
             [0, 0.8] pins the fraction of the model's elements deferred per step.
         osp_round_steps: with ``sync="osp"`` and the schedule: optimizer steps per round (round 1
             is synchronous and measures the reference loss).
+        osp_deferred_compressor: with ``sync="osp"``: how the deferred stage is sent, ``"dense"``
+            (default) or a compressor name (``"topk"``, ``"qsgd"``, ``"bf16"``, ...; error
+            feedback per layer where the compressor uses it). Compress it when the routine stage
+            is compressed: a dense deferred stage otherwise carries most of the bytes.
+        osp_deferred_ratio: the ratio of ``osp_deferred_compressor`` (``None``: its default).
         process_group_backend, timeout, start_method: as in ``DDPStrategy``.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (e.g. ``bucket_cap_mb``;
             with a plan other than ``"model"`` it defaults to 1 MB instead of DDP's 25 MB, so that
@@ -211,6 +216,8 @@ class GCStrategy(DDPStrategy):
         sync: Literal["bsp", "osp"] = "bsp",
         osp_deferred_fraction: float | None = None,
         osp_round_steps: int = 50,
+        osp_deferred_compressor: str = "dense",
+        osp_deferred_ratio: float | None = None,
         **kwargs: Any,
     ) -> None:
         forbidden = {"ddp_comm_state": ddp_comm_state, "ddp_comm_hook": ddp_comm_hook,
@@ -263,10 +270,13 @@ class GCStrategy(DDPStrategy):
         if sync not in ("bsp", "osp"):
             raise ValueError(f"sync={sync!r} is invalid: use 'bsp' (synchronise every layer before the step) "
                              "or 'osp' (two-stage synchronisation, docs/osp.md).")
-        self._osp_config = OSPConfig(deferred_fraction=osp_deferred_fraction, round_steps=osp_round_steps)
-        if sync == "bsp" and osp_deferred_fraction is not None:
-            raise ValueError(f"osp_deferred_fraction={osp_deferred_fraction!r} only applies with sync='osp'; "
-                             "pass sync='osp' too, or drop it.")
+        self._osp_config = OSPConfig(deferred_fraction=osp_deferred_fraction, round_steps=osp_round_steps,
+                                     deferred_compressor=osp_deferred_compressor, deferred_ratio=osp_deferred_ratio)
+        for name, value, default in (("osp_deferred_fraction", osp_deferred_fraction, None),
+                                     ("osp_deferred_compressor", osp_deferred_compressor, "dense"),
+                                     ("osp_deferred_ratio", osp_deferred_ratio, None)):
+            if sync == "bsp" and value != default:
+                raise ValueError(f"{name}={value!r} only applies with sync='osp'; pass sync='osp' too, or drop it.")
         if sync == "osp" and self._omgs_config is not None:
             raise ValueError(
                 f"sync='osp' with plan={plan!r} (OMGS) is not supported: OSP re-plans every step to leave the "

@@ -170,9 +170,10 @@ def _recording_hook(state, bucket):
     return osp_comm_hook(osp, bucket)
 
 
-def _run_conservation(rank: int, ws: int):
+def _run_conservation(rank: int, ws: int, ics_compressor: str = "dense"):
     """Top-k routine stage with error feedback, pinned split, plain SGD: what was applied must be
-    exactly the mean of all local gradients minus the mean of what is still held back."""
+    exactly the mean of all local gradients minus the mean of what is still held back (with a
+    compressed deferred stage, its residuals are held back too)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 30), torch.nn.Tanh(),
                                 torch.nn.Linear(30, 3))
@@ -180,7 +181,8 @@ def _run_conservation(rank: int, ws: int):
     ddp = DDP(model, bucket_cap_mb=0.0001)
     named = list(model.named_parameters())
     engine = GCEngine(build_compressor("topk", 0.05), EngineConfig(min_compress_numel=0, warmup_steps=0), named)
-    osp = OSPSync(engine, OSPConfig(deferred_fraction=0.5))
+    osp = OSPSync(engine, OSPConfig(deferred_fraction=0.5, deferred_compressor=ics_compressor,
+                                    deferred_ratio=0.1 if ics_compressor == "topk" else None))
     sums: dict = {}
     ddp.register_comm_hook((osp, sums), _recording_hook)
     lr = 0.1
@@ -209,7 +211,9 @@ def _run_conservation(rank: int, ws: int):
         dist.all_reduce(g)
         dist.all_reduce(e)
         out[n] = (p0[n] - p.detach().double(), lr * (g - e) / ws)
-    stats = (osp.carried_layers, [sorted(osp.deferred)])
+    stats = (osp.carried_layers, [sorted(osp.deferred)], engine.totals()["bytes_sent"],
+             sum(float(c.norm()) for c in osp.state_dict()["carry"].values()),
+             torch.cat([p.detach().reshape(-1) for _, p in named]))
     osp.close()
     engine.close()
     return out, stats
@@ -256,6 +260,7 @@ def _all_scenarios(rank: int, ws: int):
     out["nan"] = _run_nan(rank, ws)
     out["topk"] = _run_topk(rank, ws)
     out["conservation"] = _run_conservation(rank, ws)
+    out["conservation_ics_topk"] = _run_conservation(rank, ws, "topk")
     out["schedule"] = _run_schedule(rank, ws)
     out["schedule_probed"] = _run_schedule(rank, ws, False)
     return out
@@ -422,10 +427,24 @@ def test_error_memory_moving_into_the_deferred_stage_is_not_lost(runs):
     """Σ applied updates = lr·(Σ_t mean_r g_r,t − mean_r e_r,T): the error memory of layers that
     left the Top-k routine stage reached the optimizer through their deferred allreduce."""
     for r in (0, 1):
-        out, (carried, _) = runs[r]["conservation"]
+        out, (carried, *_) = runs[r]["conservation"]
         assert carried > 0, "the scenario never moved a layer with error memory into the deferred stage"
         for n, (applied, expected) in out.items():
             torch.testing.assert_close(applied, expected, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_compressed_deferred_stage_keeps_its_residual_and_sends_fewer_bytes(runs):
+    """Deferred stage through Top-k 10 % with error feedback: the same conservation identity holds
+    (what Top-k did not send is held back, per rank, and reaches a later deferred send), the bytes
+    drop, and the replicas stay identical."""
+    for r in (0, 1):
+        out, (carried, _, nbytes, held, final) = runs[r]["conservation_ics_topk"]
+        _, (_, _, dense_bytes, _, _) = runs[r]["conservation"]
+        assert carried > 0 and held > 0, "nothing was held back: the deferred stage did not compress"
+        assert nbytes < 0.8 * dense_bytes, (nbytes, dense_bytes)
+        for n, (applied, expected) in out.items():
+            torch.testing.assert_close(applied, expected, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+    assert torch.equal(runs[0]["conservation_ics_topk"][1][4], runs[1]["conservation_ics_topk"][1][4])
 
 
 def test_schedule_budget_follows_the_rank_averaged_loss(runs):

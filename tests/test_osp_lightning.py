@@ -124,6 +124,8 @@ def test_osp_refuses_clipping_only_when_it_would_clip(tmp_path):
     (dict(osp_deferred_fraction=0.5), "only applies with sync='osp'"),
     (dict(sync="osp", osp_deferred_fraction=0.95), "osp_deferred_fraction=0.95 is invalid"),
     (dict(sync="osp", osp_round_steps=0), "osp_round_steps=0"),
+    (dict(osp_deferred_compressor="topk"), "osp_deferred_compressor='topk' only applies with sync='osp'"),
+    (dict(sync="osp", osp_deferred_compressor="nope"), "osp_deferred_compressor='nope' .* cannot be built"),
 ])
 def test_osp_arguments_refused_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):

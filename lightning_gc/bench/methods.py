@@ -87,6 +87,7 @@ _GC_STRATEGY_KEYS = {
     "ratio", "plan", "plan_threshold", "min_compress_numel", "warmup_steps", "error_feedback", "monitor",
     "collective", "check_finite", "seed", "network_alpha_s", "network_beta_s_per_byte", "probe_every",
     "probe_drift", "probe_patience", "overlap", "bucket_cap_mb", "sync", "osp_deferred_fraction", "osp_round_steps",
+    "osp_deferred_compressor", "osp_deferred_ratio",
 }
 
 

@@ -47,6 +47,8 @@ from .importance import layer_importance, rank_split
 from .lgp import LGPSnapshot
 from .schedule import DeferredSchedule, ring_umax
 
+_ICS_GROUP_ID = 1 << 20  # GroupContext.group_id of the deferred stage: random draws differ from the plan's groups
+
 
 @dataclass(frozen=True)
 class OSPConfig:
@@ -61,11 +63,20 @@ class OSPConfig:
             nothing and measures the reference loss; make it long enough for the loss to move
             (tens to hundreds of steps).
         max_fraction: the cap of ``Umax`` as a fraction of the model (paper: 0.8).
+        deferred_compressor: how the deferred (ICS) stage is sent: ``"dense"`` (default: a dense
+            allreduce, DDP's numerics) or any registered compressor name (``"topk"``, ``"qsgd"``,
+            ``"bf16"``, ...), sent through that compressor's default collective on OSP's process
+            group. Compressors that use error feedback keep the residual per layer and add it to
+            the layer's next deferred send. Use a compressor when the routine stage is compressed
+            too: a dense deferred stage otherwise dominates the bytes.
+        deferred_ratio: the ratio of ``deferred_compressor`` when it takes one (``None``: its default).
     """
 
     deferred_fraction: float | None = None
     round_steps: int = 50
     max_fraction: float = 0.8
+    deferred_compressor: str = "dense"
+    deferred_ratio: float | None = None
 
     def __post_init__(self) -> None:
         mf = self.max_fraction
@@ -78,6 +89,19 @@ class OSPConfig:
                 f"synchronisation is deferred, a number in [0, {mf}] (beyond {mf} OSP degenerates into "
                 "asynchronous training), or None to follow the S(Gu) schedule. E.g. 0.5."
             )
+        if not isinstance(self.deferred_compressor, str):
+            raise ValueError(f"osp_deferred_compressor={self.deferred_compressor!r} must be a compressor name, "
+                             "e.g. 'dense' (default) or 'topk'.")
+        if self.deferred_compressor != "dense" or self.deferred_ratio is not None:
+            from ..compressors import build_compressor
+
+            try:
+                build_compressor(self.deferred_compressor, ratio=self.deferred_ratio)
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(
+                    f"osp_deferred_compressor={self.deferred_compressor!r} with osp_deferred_ratio="
+                    f"{self.deferred_ratio!r} cannot be built: {e}"
+                ) from e
         rs = self.round_steps
         if isinstance(rs, bool) or not isinstance(rs, int) or rs < 2:
             raise ValueError(
@@ -110,6 +134,9 @@ class _Pending:
     comm_s: float = 0.0
     error: BaseException | None = None
     event: Any = None
+    residual: Tensor | None = None  # compressed ICS with error feedback: what was not sent
+    bytes_sent: int = 0
+    bytes_payload: int = 0
 
 
 def filter_plan(plan: Plan, keep: frozenset[int] | set[int]) -> Plan:
@@ -156,6 +183,15 @@ class OSPSync:
             pg = engine.process_group
             ranks = dist.get_process_group_ranks(pg) if pg is not None else None
             self.group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
+        self._ics_exchange = None  # compressed deferred stage (None: dense allreduce)
+        self._ics_error_feedback = False
+        if self.world_size > 1 and config.deferred_compressor != "dense":
+            from ..comm.registry import make_exchange
+            from ..compressors import build_compressor
+
+            compressor = build_compressor(config.deferred_compressor, ratio=config.deferred_ratio)
+            self._ics_exchange = make_exchange(compressor, group=self.group)
+            self._ics_error_feedback = bool(compressor.default_error_feedback)
         self._runner: OrderedWorker | InlineRunner = (
             OrderedWorker(name="lightning_gc-osp", device=self.device) if self.world_size > 1 else InlineRunner())
         self.schedule = DeferredSchedule(self.total_numel, config.round_steps, config.deferred_fraction,
@@ -256,8 +292,9 @@ class OSPSync:
                 pending.event = ev
             self._pending = pending
             self._runner.submit(lambda: self._job_ics(pending))
-            nbytes = flat.numel() * flat.element_size()
-            self.engine.add_deferred_traffic(ring_allreduce_bytes(nbytes, self.world_size), nbytes)
+            if self._ics_exchange is None:  # compressed: counted when it completes (_apply_pending)
+                nbytes = flat.numel() * flat.element_size()
+                self.engine.add_deferred_traffic(ring_allreduce_bytes(nbytes, self.world_size), nbytes)
         self._captured.clear()
         self._carry_used = {}
         self._snapshot = None
@@ -293,8 +330,11 @@ class OSPSync:
             if pending.event is not None:
                 torch.cuda.current_stream().wait_event(pending.event)
             t0 = time.perf_counter()
-            pending.flat.div_(self.world_size)  # DDP's numerics: mean = sum of (g / N)
-            dist.all_reduce(pending.flat, group=self.group)
+            if self._ics_exchange is not None:
+                self._compressed_ics(pending)
+            else:
+                pending.flat.div_(self.world_size)  # DDP's numerics: mean = sum of (g / N)
+                dist.all_reduce(pending.flat, group=self.group)
             if pending.flat.is_cuda:
                 ev = torch.cuda.Event()
                 ev.record()
@@ -303,6 +343,31 @@ class OSPSync:
             pending.comm_s = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - surfaced on the main thread by _apply_pending
             pending.error = e
+
+    def _compressed_ics(self, pending: _Pending) -> None:
+        """Send the deferred data through the deferred compressor (worker thread): ``flat`` becomes
+        the mean of what the ranks sent (identical on every rank) and, with error feedback, the
+        residual ``flat − sent`` is kept for the layers' next deferred sends."""
+        from ..comm.exchange import ExchangeTimes, SparseSent, Timer
+        from ..compressors import GroupContext
+
+        ctx = GroupContext(
+            step=pending.step, rank=dist.get_rank(self.group), world_size=self.world_size,
+            segments=tuple(self.numels[pid] for pid in pending.pids), group_id=_ICS_GROUP_ID, seed=self.engine.config.seed,
+            device=pending.flat.device, shapes=tuple(tuple(self.params[pid].shape) for pid in pending.pids),
+            names=tuple(self.names[pid] for pid in pending.pids))
+        times = ExchangeTimes()
+        p = pending.flat
+        mean, sent = self._ics_exchange.run(p, ctx, Timer(p.device, times))
+        if self._ics_error_feedback:
+            if isinstance(sent, SparseSent):  # sent == p at these indices
+                residual = p.clone()
+                residual[sent.indices.long()] = 0
+            else:
+                residual = p - sent
+            pending.residual = residual
+        pending.flat = mean.to(p.dtype).reshape(-1)
+        pending.bytes_sent, pending.bytes_payload = int(times.bytes_sent), int(times.bytes_payload)
 
     def _apply_pending(self, timeout: float | None = None) -> bool:
         pending = self._pending
@@ -319,9 +384,14 @@ class OSPSync:
                 f"lightning_gc OSP: the deferred (ICS) allreduce of step {pending.step} failed on this rank "
                 f"({pending.error!r}); the deferred layers cannot be corrected."
             ) from pending.error
+        if self._ics_exchange is not None:
+            self.engine.add_deferred_traffic(pending.bytes_sent, pending.bytes_payload)
         grads, offset = [], 0
         for pid in pending.pids:
             grads.append(pending.flat[offset:offset + self.numels[pid]].view_as(self.params[pid]))
+            if pending.residual is not None:  # into the layer's next deferred send
+                r = pending.residual[offset:offset + self.numels[pid]].view_as(self.params[pid])
+                self._carry[pid] = self._carry[pid] + r if pid in self._carry else r.clone()
             offset += self.numels[pid]
         self._stats.correction_norm = pending.snapshot.replay(grads)
         for pid, e, g in zip(pending.pids, pending.snapshot.entries, grads):
@@ -376,7 +446,8 @@ class OSPSync:
         for pid in joining:
             e = memory.get(self.names[pid])
             if e is not None:
-                self._carry[pid] = e.to(self.params[pid].device).view_as(self.params[pid])
+                e = e.to(self.params[pid].device).view_as(self.params[pid])
+                self._carry[pid] = self._carry[pid] + e if pid in self._carry else e
                 self.carried_layers += 1
 
     # ------------------------------------------------------------------ checkpoint state
