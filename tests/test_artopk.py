@@ -12,9 +12,9 @@ import copy
 
 import pytest
 import torch
-from dist_harness import run_distributed
+from dist_harness import gather_all, run_distributed
 from test_artopk_auto import _costs
-from test_engine_distributed import _batch, _gather, _loss, _model
+from test_engine_distributed import _batch, _loss, _model
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gc.compressors import build_compressor, ratio_to_k
@@ -54,7 +54,7 @@ def _run(rank: int, ws: int, name: str, collective: str, pinned=None, smoothing:
         replica.zero_grad()
         _loss(replica, x, y).backward()
         local = {n: p.grad.detach().reshape(-1).clone() for n, p in replica.named_parameters()}
-        all_local = {n: _gather(local[n], ws) for n in names}
+        all_local = {n: gather_all(local[n], ws) for n in names}
         opt.zero_grad()
         _loss(ddp, x, y).backward()
         got = {n: p.grad.detach().reshape(-1).clone() for n, p in model.named_parameters()}
@@ -104,7 +104,7 @@ def _run(rank: int, ws: int, name: str, collective: str, pinned=None, smoothing:
             worst_grad = max(worst_grad, float((got_flat - ref).abs().max() / (ref.abs().max() + 1e-12)))
         opt.step()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        assert all(torch.equal(flat, o) for o in _gather(flat, ws)), f"ranks diverged at step {step}"
+        assert all(torch.equal(flat, o) for o in gather_all(flat, ws)), f"ranks diverged at step {step}"
     if smoothing:  # the engine's checkpoint carries each group's smoothed energies
         saved = engine.state_dict()["exchange"]["var_energy"]
         assert sorted(saved) == sorted(ewma), (sorted(saved), sorted(ewma))
