@@ -15,7 +15,8 @@ def _restore_sigint_disposition():
     Lightning sets SIGINT to ``SIG_IGN`` while it shuts down after a KeyboardInterrupt and while it
     destroys a process group (restoring ``SIG_DFL`` only if that succeeds). A disposition left at
     ``SIG_IGN`` in the pytest process is inherited by every subprocess started later, which then
-    ignores Ctrl-C: the bench's Ctrl-C test would wait for an exit that never comes.
+    ignores Ctrl-C (the bench's Ctrl-C test sets its child's disposition itself for that reason,
+    and because pytest run as a background job starts with SIGINT ignored).
     """
     before = signal.getsignal(signal.SIGINT)
     yield
