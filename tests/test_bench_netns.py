@@ -82,7 +82,7 @@ def _assert_no_leftovers(prefix: str | None, marker: str) -> None:
 @needs_netns
 @pytest.mark.netns
 def test_two_clusters_at_once_with_identical_addresses_do_not_collide():
-    a = netns.EmulatedCluster(hosts=2, subnet=77)
+    a = netns.EmulatedCluster(hosts=2, subnet=77, shaper="tbf")
     b = netns.EmulatedCluster(hosts=2, subnet=77, shaper="htb")
     with a, b:
         assert a.prefix != b.prefix

@@ -12,8 +12,8 @@ runs at once cannot collide: their namespaces have different names and their lin
 L2 segments with no route between them or to the outside. ``S`` (the /24) is drawn at random anyway,
 to keep addresses in logs distinguishable.
 
-Shaping: each host's egress (``gc0`` in the host namespace) gets a ``tc`` ``tbf`` (default) or
-``htb`` qdisc at the link rate; with ``shape_ingress`` (default) the switch port towards the host
+Shaping: each host's egress (``gc0`` in the host namespace) gets a ``tc`` ``htb`` (default) or
+``tbf`` qdisc at the link rate; with ``shape_ingress`` (default) the switch port towards the host
 (``pN`` in the switch namespace) is shaped the same way, so the rate holds in both directions like a
 full-duplex NIC and fan-in to one host cannot exceed it either. Rates change in place
 (``tc qdisc change`` / ``tc class change``) while training runs. There is no latency emulation
@@ -252,7 +252,7 @@ class EmulatedCluster:
     """``hosts`` namespaces on one bridge; see the module docstring. Use as a context manager."""
 
     hosts: int
-    shaper: str = "tbf"
+    shaper: str = "htb"
     shape_ingress: bool = True
     prefix: str = field(default_factory=_new_prefix)
     subnet: int = field(default_factory=lambda: 1 + secrets.randbelow(254))

@@ -78,7 +78,7 @@ class BenchConfig:
     target: float | None = None  # default: the preset's target
     seed: int = 0
     threads: int | None = None  # torch threads per rank; default cpu_count // ranks
-    shaper: str = "tbf"
+    shaper: str = "htb"
     shape_ingress: bool = True
     network: str = "auto"  # auto | netns | loopback
     timeout_s: float = 1800.0  # per method

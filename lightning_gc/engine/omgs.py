@@ -80,6 +80,10 @@ class OMGSConfig:
         replan_drift: re-fit and re-plan when the measured step time differs from the prediction
             by more than this fraction (0 disables).
         replan_window: compressed steps per drift check (one 8-byte allreduce per window).
+        tie_tolerance: ``plan="omgs"`` takes the plan with the fewest groups whose modelled
+            iteration time is within this fraction of the minimum (0.02 = 2 %; 0 = the minimum,
+            fewest groups only among exact ties). Per-message costs the model does not see make
+            fewer groups the safer choice when plans are this close (docs/omgs.md).
     """
 
     profile_skip_steps: int = 2
@@ -90,6 +94,7 @@ class OMGSConfig:
     calibration_max_numel: int = 1 << 22
     replan_drift: float = 0.3
     replan_window: int = 20
+    tie_tolerance: float = 0.02
 
     def __post_init__(self) -> None:
         _int("profile_skip_steps", self.profile_skip_steps, 0, "Use e.g. 2.")
@@ -105,6 +110,10 @@ class OMGSConfig:
                 or not self.replan_drift >= 0:
             raise ValueError(f"OMGSConfig.replan_drift={self.replan_drift!r} must be a fraction ≥ 0 "
                              "(e.g. 0.3 = 30%; 0 disables re-planning).")
+        if isinstance(self.tie_tolerance, bool) or not isinstance(self.tie_tolerance, (int, float)) \
+                or not 0 <= self.tie_tolerance < 1:
+            raise ValueError(f"OMGSConfig.tie_tolerance={self.tie_tolerance!r} must be a fraction in [0, 1) "
+                             "(e.g. 0.02 = within 2% of the modelled minimum; 0 = exact ties only).")
 
     @property
     def dense_steps_needed(self) -> int:
@@ -317,6 +326,7 @@ class OMGSController:
             payload_bytes_per_element=cal.payload.slope, payload_bytes_fixed=cal.payload.intercept,
             sparsify_intercept_s=cal.sparsify.intercept_s, exact_s=cal.exact_s, overhead_s=cal.overhead_s,
             sparsify_on=self.config.sparsify_on,  # type: ignore[arg-type]
+            tie_tolerance=float(self.config.tie_tolerance),
         )
         request = self._request(cost)
         plan = get_planner(self.plan_kind)(request) if self.replace else engine.plan

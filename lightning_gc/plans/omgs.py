@@ -37,6 +37,8 @@ Planners
                  never lead to a better plan: the programme returns the minimum of the model over
                  all 2^(L-1) partitions (tests check against brute force). With
                  ``sparsify_on="worker"`` the compute end is fixed and the set has one pair.
+                 Among the plans within ``tie_tolerance`` (default 2 %) of that minimum it then
+                 returns one with the fewest groups (:func:`fewest_groups_partition`, also exact).
 ``"omgs_paper"`` Algorithm 1 (FindMergedLayers) as published: one pass from the first tensor in
                  backward order, merging tensor *l* into the next one when the local conditions
                  Q3 ∧ Q5 hold. Its optimality proof only compares single flips, and it is not
@@ -68,6 +70,7 @@ __all__ = [
     "timeline",
     "modelled_iteration_time",
     "optimal_partition",
+    "fewest_groups_partition",
     "find_merged_layers",
     "partition_from_plan",
     "ready_order",
@@ -193,11 +196,23 @@ def optimal_partition(
     for b, d in zip(backward_s, numels):
         pb.append(pb[-1] + float(b))
         pd.append(pd[-1] + int(d))
+    # Bound: a pair (C, M) at prefix k ends no earlier than max(C + remaining backward,
+    # M + t_c(remaining elements)) (t_c is affine with α ≥ 0, so one group sends the rest fastest); pairs
+    # whose bound exceeds the better of one group and one group per tensor cannot lead to a better
+    # plan and are dropped (exactness is kept: the bound is a lower bound, and the two reference
+    # plans are returned when nothing beats them). Without it the compute-mode sets grow large.
+    refs = [[n], [1] * n]
+    if sparsify_on == "compute":  # the worker-model optimum is usually close: a much tighter bound
+        refs.append(optimal_partition(backward_s, numels, t_s, t_c, "worker")[0])
+    ref_times = [modelled_iteration_time(r, backward_s, t_s, t_c, numels, sparsify_on) for r in refs]
+    upper = min(ref_times) * (1 + 1e-12)
     # front[j]: list of (C, M, prev_j, prev_index) sorted by C ascending, M strictly descending
     front: list[list[tuple[float, float, int, int]]] = [[] for _ in range(n + 1)]
     front[0] = [(0.0, 0.0, -1, -1)]
     compute_mode = sparsify_on == "compute"
     for k in range(1, n + 1):
+        rest = pb[n] - pb[k]
+        rest_tc = t_c(pd[n] - pd[k]) if k < n else 0.0  # t_c is affine: one group sends the rest fastest
         cands: list[tuple[float, float, int, int]] = []
         for j in range(k):
             if not front[j]:
@@ -212,13 +227,17 @@ def optimal_partition(
                 else:
                     c2 = c + bsum
                     m2 = max(c2, m) + ts + tc
-                cands.append((c2, m2, j, idx))
+                if max(c2 + rest, m2 + rest_tc) <= upper:
+                    cands.append((c2, m2, j, idx))
         cands.sort(key=lambda x: (x[0], x[1]))
         kept: list[tuple[float, float, int, int]] = []
         for cand in cands:
             if not kept or cand[1] < kept[-1][1]:
                 kept.append(cand)
         front[k] = kept
+    if not front[n]:  # nothing beat the reference plans
+        r = min(range(len(refs)), key=lambda i: ref_times[i])
+        return list(refs[r]), ref_times[r]
     best_i = min(range(len(front[n])), key=lambda i: front[n][i][1])
     best = front[n][best_i][1]
     sizes: list[int] = []
@@ -311,6 +330,9 @@ class OMGSCost:
     rank's payload* at this world size, which for an allgather includes the (N-1) factor).
     ``exact_s``: the extra job of the small tensors sent exactly; ``overhead_s``: per-step fixed
     work on the worker (opening check and closing report). ``sparsify_on``: see the module docs.
+    ``tie_tolerance``: a planner setting carried with the model — ``plan="omgs"`` returns the plan
+    with the fewest groups whose modelled iteration time is within this fraction of the minimum
+    (0: only exact ties; see :func:`fewest_groups_partition`).
     """
 
     gamma_s: float
@@ -323,16 +345,20 @@ class OMGSCost:
     exact_s: float = 0.0
     overhead_s: float = 0.0
     sparsify_on: SparsifyOn = "worker"
+    tie_tolerance: float = 0.02
 
     def __post_init__(self) -> None:
         _check_sparsify_on(self.sparsify_on)
         for name in ("gamma_s", "alpha_s", "beta_s_per_byte", "payload_bytes_per_element", "payload_bytes_fixed",
-                     "sparsify_intercept_s", "exact_s", "overhead_s"):
+                     "sparsify_intercept_s", "exact_s", "overhead_s", "tie_tolerance"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"OMGSCost.{name}={v!r} must be a finite number ≥ 0 (a fitted time or size).")
         if not (0 < self.ratio <= 1):
             raise ValueError(f"OMGSCost.ratio={self.ratio!r} must lie in (0, 1] (fraction of elements kept).")
+        if self.tie_tolerance >= 1:
+            raise ValueError(f"OMGSCost.tie_tolerance={self.tie_tolerance!r} must lie in [0, 1) (a fraction of the "
+                             "modelled iteration time, e.g. 0.02).")
 
     def t_s(self, d: int) -> float:
         if d <= 1:
@@ -386,6 +412,133 @@ def partition_from_plan(plan: Plan, request: PlanRequest) -> tuple[list[ParamFac
     return ordered, sizes
 
 
+def fewest_groups_partition(
+    backward_s: Sequence[float],
+    numels: Sequence[int],
+    t_s: CostFn,
+    t_c: CostFn,
+    limit_s: float,
+    max_groups: int,
+    sparsify_on: SparsifyOn = "worker",
+) -> tuple[list[int], float] | None:
+    """The partition with the fewest groups (at most ``max_groups``) whose modelled iteration time
+    (:func:`modelled_iteration_time`) is ≤ ``limit_s``, and its time; ``None`` if there is none.
+
+    Why: the timeline model charges each message α and each selection its fitted cost, but a real
+    group also pays per-message costs the model does not see (hook and worker hand-offs, one more
+    Future, more variance). When several partitions tie — e.g. every plan whose exchanges end
+    before the small tensors' exact group is ready — or differ by less than the model's accuracy,
+    fewer groups is the safer choice. :func:`omgs_plan` calls this with the minimum time times
+    ``1 + tie_tolerance``.
+
+    How: a dynamic programme over (groups ``k``, prefix ``i``) keeping, per cell, the Pareto set
+    of (compute end, comm end) over the partitions of the prefix into exactly ``k`` groups, for
+    ``k = 1, 2, …`` until some partition of the whole sequence meets the limit. Pairs whose comm end
+    cannot meet the limit are dropped (``max(C + remaining backward, M + t_c(remaining elements))``
+    bounds the end of any completion from below), which keeps the sets small. Exact: brute force over all partitions agrees (tests).
+    """
+    _check_sparsify_on(sparsify_on)
+    n = len(backward_s)
+    if n != len(numels):
+        raise ValueError(f"{n} backward times but {len(numels)} sizes; give one of each per tensor.")
+    if n == 0:
+        return [], 0.0
+    pb = [0.0]
+    pd = [0]
+    for b, d in zip(backward_s, numels):
+        pb.append(pb[-1] + float(b))
+        pd.append(pd[-1] + int(d))
+    costs: dict[tuple[int, int], tuple[float, float]] = {}
+
+    def cost(j: int, i: int) -> tuple[float, float]:
+        c = costs.get((j, i))
+        if c is None:
+            dsz = pd[i] - pd[j]
+            c = costs[(j, i)] = (t_s(dsz), t_c(dsz))
+        return c
+
+    compute_mode = sparsify_on == "compute"
+    limit = float(limit_s) * (1 + 1e-12)
+    if not compute_mode:
+        return _fewest_groups_worker(pb, pd, cost, t_c, limit, max_groups)
+    # layers[k][i]: Pareto list of (C, M, prev_j, prev_index) for prefix i in exactly k groups
+    layers: list[list[list[tuple[float, float, int, int]]]] = [[[(0.0, 0.0, -1, -1)]] + [[] for _ in range(n)]]
+    for k in range(1, min(max_groups, n) + 1):
+        prev = layers[-1]
+        cur: list[list[tuple[float, float, int, int]]] = [[] for _ in range(n + 1)]
+        for i in range(k, n + 1):
+            rest = pb[n] - pb[i]
+            rest_tc = t_c(pd[n] - pd[i]) if i < n else 0.0
+            cands: list[tuple[float, float, int, int]] = []
+            for j in range(k - 1, i):
+                if not prev[j]:
+                    continue
+                ts, tc = cost(j, i)
+                bsum = pb[i] - pb[j]
+                for idx, (c, m, _, _) in enumerate(prev[j]):
+                    if compute_mode:
+                        c2 = c + bsum + ts
+                        m2 = max(c2, m) + tc
+                    else:
+                        c2 = c + bsum
+                        m2 = max(c2, m) + ts + tc
+                    if max(c2 + rest, m2 + rest_tc) <= limit:  # a lower bound of any completion's end
+                        cands.append((c2, m2, j, idx))
+            cands.sort(key=lambda x: (x[0], x[1]))
+            kept: list[tuple[float, float, int, int]] = []
+            for cand in cands:
+                if not kept or cand[1] < kept[-1][1]:
+                    kept.append(cand)
+            cur[i] = kept
+        layers.append(cur)
+        if cur[n]:
+            best_i = min(range(len(cur[n])), key=lambda x: cur[n][x][1])
+            best = cur[n][best_i][1]
+            sizes: list[int] = []
+            i, idx = n, best_i
+            for kk in range(k, 0, -1):
+                _, _, j, pidx = layers[kk][i][idx]
+                sizes.append(i - j)
+                i, idx = j, pidx
+            return sizes[::-1], best
+    return None
+
+
+def _fewest_groups_worker(pb: list[float], pd: list[int], cost: Callable[[int, int], tuple[float, float]],
+                          t_c: CostFn, limit: float, max_groups: int) -> tuple[list[int], float] | None:
+    """:func:`fewest_groups_partition` for ``sparsify_on="worker"``: the compute end of a prefix is
+    fixed (its backward), so each (groups, prefix) cell holds one number, the least comm end, and a
+    layer of the programme is one vectorised min over predecessors (O(L²) per layer)."""
+    import numpy as np
+
+    n = len(pb) - 1
+    ready = np.asarray(pb, dtype=np.float64)
+    work = np.full((n + 1, n + 1), np.inf)  # work[j, i]: t_s + t_c of the group [j, i)
+    for j in range(n):
+        for i in range(j + 1, n + 1):
+            ts, tc = cost(j, i)
+            work[j, i] = ts + tc
+    rest_tc = np.array([t_c(pd[n] - pd[i]) if i < n else 0.0 for i in range(n + 1)])
+    end = np.full(n + 1, np.inf)
+    end[0] = 0.0
+    back: list[np.ndarray] = []
+    for k in range(1, min(max_groups, n) + 1):
+        cand = np.maximum(ready[None, :], end[:, None]) + work  # [j, i]: the group [j, i) after prefix j
+        arg = np.argmin(cand, axis=0)
+        new = cand[arg, np.arange(n + 1)]
+        new[np.maximum(ready[n], new + rest_tc) > limit] = np.inf  # cannot meet the limit
+        back.append(arg)
+        end = new
+        if np.isfinite(end[n]):
+            sizes, i = [], n
+            for kk in range(k - 1, -1, -1):
+                j = int(back[kk][i])
+                sizes.append(i - j)
+                i = j
+            return sizes[::-1], float(end[n])
+    return None
+
+
 def _facts_ready(request: PlanRequest) -> bool:
     return request.cost is not None and all(p.backward_s is not None for p in request.params)
 
@@ -401,9 +554,30 @@ def omgs_plan(request: PlanRequest) -> Plan:
     cost: OMGSCost = request.cost
     big, small = request.split_small()
     ordered = ready_order(big)
-    sizes, _ = optimal_partition(_durations(ordered), [p.numel for p in ordered], cost.t_s, cost.t_c,
-                                 cost.sparsify_on)
+    durations, numels = _durations(ordered), [p.numel for p in ordered]
+    sizes, best = optimal_partition(durations, numels, cost.t_s, cost.t_c, cost.sparsify_on)
+    if len(sizes) > 1:
+        # Fewest groups within tie_tolerance of the minimum, judged on the whole modelled step
+        # (the small tensors' exact group included, as in predict_plan): M is acceptable when
+        # _full(M) ≤ (1 + tol)·_full(best).
+        floor, extra = _exact_floor(request)
+        limit_full = (max(best, floor) + extra) * (1 + cost.tie_tolerance)
+        fewer = fewest_groups_partition(durations, numels, cost.t_s, cost.t_c, limit_full - extra,
+                                        len(sizes) - 1, cost.sparsify_on)
+        if fewer is not None:
+            sizes = fewer[0]
     return _assemble("omgs", ordered, sizes, small)
+
+
+def _exact_floor(request: PlanRequest) -> tuple[float, float]:
+    """(floor, extra) of the whole-step model: a partition whose groups end at ``M`` is predicted
+    at ``max(M, floor) + extra`` (see :func:`predict_plan`)."""
+    cost: OMGSCost = request.cost
+    if cost.exact_s > 0:
+        small_ready = max((p.backward_s or 0.0 for p in request.params if p.numel < request.min_compress_numel),
+                          default=0.0)
+        return small_ready, cost.exact_s + cost.overhead_s
+    return 0.0, cost.overhead_s
 
 
 def omgs_paper_plan(request: PlanRequest) -> Plan:
@@ -435,12 +609,8 @@ def predict_plan(plan: Plan, request: PlanRequest) -> tuple[float, list[GroupTim
     if not ordered:
         return 0.0, []
     tl = timeline(sizes, _durations(ordered), [p.numel for p in ordered], cost.t_s, cost.t_c, cost.sparsify_on)
-    end = tl[-1].comm_end_s
-    small_ready = max((p.backward_s or 0.0 for p in request.params if p.numel < request.min_compress_numel),
-                      default=0.0)
-    if cost.exact_s > 0:
-        end = max(end, small_ready) + cost.exact_s
-    return end + cost.overhead_s, tl
+    floor, extra = _exact_floor(request)
+    return max(tl[-1].comm_end_s, floor) + extra, tl
 
 
 register_planner("omgs", omgs_plan,
