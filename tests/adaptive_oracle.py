@@ -56,9 +56,11 @@ def pareto_mask(F: np.ndarray) -> np.ndarray:
     return keep
 
 
-def choose(F: np.ndarray, weights, rule: str) -> int:
+def choose(F: np.ndarray, weights, rule: str, step_s: float | None = None) -> int:
     lo, hi = F.min(axis=0), F.max(axis=0)
     span = np.where(hi > lo, hi - lo, 1.0)
+    if step_s and rule == "asf":  # time objectives as fractions of a step, 1/gain by the front's range
+        span = np.array([step_s, step_s, span[2]])
     nF = (F - lo) / span
     w = np.asarray(weights) / np.sum(weights)
     if rule == "asf":
@@ -68,10 +70,11 @@ def choose(F: np.ndarray, weights, rule: str) -> int:
     return int(np.argmin(np.abs(pw - w).sum(axis=1)))
 
 
-def grid_decision(cands, colls, alpha, beta, numels, n, c_min, c_max, weights, rule="asf", calibration=1.0):
+def grid_decision(cands, colls, alpha, beta, numels, n, c_min, c_max, weights, rule="asf", calibration=1.0,
+                  step_s=None):
     cs, names, F = grid_points(cands, colls, alpha, beta, numels, n, c_min, c_max, calibration)
     m = pareto_mask(F)
     cs, F = cs[m], F[m]
     names = [x for x, k in zip(names, m) if k]
-    i = choose(F, weights, rule)
+    i = choose(F, weights, rule, step_s)
     return float(cs[i]), names[i], F

@@ -56,6 +56,7 @@ def test_default_candidates_are_the_papers():
     ({"weights": (0.5, 0.5)}, r"must be three numbers"),
     ({"mode": "explore"}, r"mode='explore' is not an exploration mode"),
     ({"rule": "knee"}, r"rule='knee' is unknown"),
+    ({"normalise": "range"}, r"normalise='range' is unknown"),
     ({"factor": 1.0}, r"factor=1.0 must be > 1"),
     ({"warmup_steps": 0}, r"warmup_steps=0 is invalid"),
 ])
@@ -114,6 +115,44 @@ def test_nsga2_pick_matches_exhaustive_grid_with_independent_rule(seed):
         assert not (F_grid * 1.01 < Fi).all(axis=1).any()
     # determinism: the same inputs give the same decision (what makes ranks agree)
     assert decide(data, cfg) == d
+
+
+@pytest.mark.parametrize("seed", range(10, 16))
+def test_step_normalised_asf_matches_exhaustive_grid(seed):
+    """normalise="step": the two time objectives are divided by the measured step, not by the front's
+    range; the independent grid + rule must pick the same c. The step is drawn around the front's
+    time spread, where the choice is interior and depends on the scale."""
+    _, data = _random_case(seed)
+    rng = np.random.default_rng(seed)
+    coll = data.collectives[0]
+    spread = data.t_sync_s(0.1, coll) - data.t_sync_s(0.001, coll)
+    data.step_s = float(spread * 10 ** rng.uniform(-0.3, 0.7))
+    cfg = AdaptiveConfig(weights=tuple(rng.uniform(0.1, 1.0, 3)), rule="asf", normalise="step")
+    d = decide(data, cfg)
+    raw = [(x.c, x.t_comp_s, x.gain) for x in data.candidates]
+    c_grid, coll_grid, _ = grid_decision(raw, data.collectives, data.alpha_s, data.beta_s_per_byte, data.numels,
+                                         data.world_size, cfg.c_min, cfg.c_max, cfg.weights, "asf",
+                                         data.calibration, step_s=data.step_s)
+    resolution = math.log(cfg.c_max / cfg.c_min) / cfg.pop_size
+    assert abs(math.log(d.c / c_grid)) <= 1.5 * resolution, (d.c, c_grid)
+    assert d.collective == coll_grid
+
+
+def test_step_normalisation_weighs_time_against_the_step():
+    """Analytic expectation: when every candidate's time is a negligible part of the step, the gain
+    decides (c_max, the largest gain); when the times dwarf the step, time decides (c_min).
+    Front normalisation ignores the step and picks the same interior point in both cases."""
+    cfg = AdaptiveConfig()
+    cands = [CandidateResult(c=c, t_comp_s=0.002, gain=min(1.0, 0.05 + 3 * c)) for c in cfg.candidates]
+    base = ObjectiveData(cands, ("allgather",), 1e-4, 8e-8, (2_000_000,), 4)  # t_sync(0.1) ≈ 0.1 s
+    resolution = math.log(cfg.c_max / cfg.c_min) / cfg.pop_size
+    long_step = decide(dataclasses.replace(base, step_s=1000.0), cfg).c
+    short_step = decide(dataclasses.replace(base, step_s=1e-4), cfg).c
+    assert abs(math.log(long_step / cfg.c_max)) <= 1.5 * resolution
+    assert abs(math.log(short_step / cfg.c_min)) <= 1.5 * resolution
+    front = AdaptiveConfig(normalise="front")
+    a, b = decide(dataclasses.replace(base, step_s=1000.0), front).c, decide(dataclasses.replace(base, step_s=1e-4), front).c
+    assert a == b and cfg.c_min * 1.5 < a < cfg.c_max / 1.5
 
 
 def test_weights_move_the_choice_the_documented_way():

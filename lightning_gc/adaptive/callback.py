@@ -19,7 +19,7 @@ Life of a run (all on every rank, at optimizer-step boundaries, from replicated 
 Logged (rank zero, through the Trainer's loggers): ``adaptive/c`` and ``adaptive/collective`` every
 logged step (next to GCMonitor's ``gc/ratio``), and at each decision ``adaptive/decision_c``,
 ``adaptive/decision_collective``, ``adaptive/trigger``, ``adaptive/explore_s``,
-``adaptive/calibration``, each candidate's ``adaptive/gain@c=…``, ``adaptive/t_comp_ms@c=…`` and
+``adaptive/calibration``, ``adaptive/step_ms``, each candidate's ``adaptive/gain@c=…``, ``adaptive/t_comp_ms@c=…`` and
 ``adaptive/t_sync_ms@c=…``, and — with a TensorBoard logger and matplotlib — a figure of the Pareto
 front (``adaptive/pareto_front``). See docs/adaptive.md.
 """
@@ -88,6 +88,7 @@ class AdaptiveRatio(Callback):
         steps_per_candidate: int = 5,
         weights: tuple[float, float, float] = (0.3, 0.3, 0.4),
         rule: str = "asf",
+        normalise: str = "step",
         pop_size: int = 40,
         n_gen: int = 40,
         seed: int = 0,
@@ -103,6 +104,7 @@ class AdaptiveRatio(Callback):
         self.config = AdaptiveConfig(
             mode=mode, c_min=c_min, c_max=c_max, factor=factor, shadow_steps=shadow_steps,  # type: ignore[arg-type]
             steps_per_candidate=steps_per_candidate, weights=weights, rule=rule,  # type: ignore[arg-type]
+            normalise=normalise,  # type: ignore[arg-type]
             pop_size=pop_size, n_gen=n_gen, seed=seed, warmup_steps=warmup_steps, gain_threshold=gain_threshold,
             network_threshold=network_threshold, probe_every=probe_every, min_interval=min_interval,
             settle_steps=settle_steps, calibrate=calibrate,
@@ -125,6 +127,8 @@ class AdaptiveRatio(Callback):
         self._shadow_comm: list[float] = []
         self._shadow_trigger: str | None = None
         self._last_seen = -1
+        self._step_end: float | None = None  # when the last optimizer step's hook finished
+        self._step_times: deque = deque(maxlen=20)  # recent training-step wall times (s), local
         self._batches: deque = deque(maxlen=self.config.steps_per_candidate)
         self._loaded: dict | None = None
 
@@ -187,6 +191,17 @@ class AdaptiveRatio(Callback):
         if s.step == self._last_seen:  # a gradient-accumulation micro-batch: no new optimizer step
             return
         self._last_seen = s.step
+        try:
+            self._on_step(trainer, pl_module, engine, s)
+        finally:
+            # the next step's wall time starts here: this hook's own work (an exploration,
+            # logging) is not part of a training step
+            self._step_end = time.perf_counter()
+
+    def _on_step(self, trainer: Any, pl_module: Any, engine: Any, s: Any) -> None:
+        now = time.perf_counter()
+        if self._step_end is not None:
+            self._step_times.append(now - self._step_end)
         step = engine.step  # optimizer steps completed
         if self._shadow is not None:
             self._shadow_comm.append(s.exchange_comm_s)
@@ -353,9 +368,14 @@ class AdaptiveRatio(Callback):
                 cal = min(max(t0 / pred, 0.1), 10.0) if pred > 0 and t0 > 0 else 1.0
             else:
                 cal = calibration(results, used)
+        # the step time that scales the time objectives (normalise="step"): median of this rank's
+        # recent steps (robust to a validation pass in between), mean over ranks
+        recent = sorted(self._step_times)
+        local = recent[len(recent) // 2] if recent else 0.0
+        step_s = agree([local], engine.process_group, engine.device)[0]
         data = ObjectiveData(candidates=results, collectives=choices, alpha_s=net.alpha_s,
                              beta_s_per_byte=net.beta_s_per_byte, numels=numels, world_size=n,
-                             value_bytes=value_bytes, calibration=cal)
+                             value_bytes=value_bytes, calibration=cal, step_s=step_s)
         try:
             decision = decide(data, self.config)
         except ValueError as e:
@@ -395,6 +415,7 @@ class AdaptiveRatio(Callback):
             "adaptive/trigger": float(TRIGGER_CODES[entry["trigger"]]),
             "adaptive/explore_s": entry["overhead_s"],
             "adaptive/calibration": data.calibration,
+            "adaptive/step_ms": 1e3 * data.step_s,
             "adaptive/net_alpha_us": 1e6 * data.alpha_s,
             "adaptive/net_bandwidth_mbit": 8e-6 / data.beta_s_per_byte if data.beta_s_per_byte > 0 else float("inf"),
         }

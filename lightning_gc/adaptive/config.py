@@ -15,6 +15,7 @@ from .._validation import check_bool
 
 Mode = Literal["shadow", "rollback"]
 Rule = Literal["asf", "pseudo_weights"]
+Normalise = Literal["step", "front"]
 
 #: what ``weights`` weigh, in order: the three objectives of Eq. 6 of the AR-Topk paper
 OBJECTIVES = ("t_comp_s", "t_sync_s", "inv_gain")
@@ -91,6 +92,13 @@ class AdaptiveConfig:
         rule: how one point of the Pareto front is chosen: ``"asf"`` (achievement scalarisation on
             the front normalised to [0, 1]: minimise ``max_i w_i·f̂_i``; the paper's) or
             ``"pseudo_weights"`` (the front point whose pseudo-weight vector is closest to ``weights``).
+        normalise: how ASF puts the objectives on one scale. ``"step"`` (default): each time
+            objective's distance from its best value on the front, divided by the measured step
+            time (agreed across ranks), so saving 5 ms of a 200 ms step counts as 0.025, however
+            small the front's range is; 1/gain by the front's range. ``"front"`` (the usual MCDM
+            normalisation, and the controller's only behaviour before this option): every objective by the
+            front's range, so the smallest time saving on offer weighs as much as the largest
+            accuracy loss. ``pseudo_weights`` always uses the front's range.
         pop_size, n_gen, seed: NSGA-II population, generations and seed (a fixed seed makes every
             rank find the same front from the same agreed inputs).
 
@@ -121,6 +129,7 @@ class AdaptiveConfig:
     steps_per_candidate: int = 5
     weights: tuple[float, float, float] = (0.3, 0.3, 0.4)
     rule: Rule = "asf"
+    normalise: Normalise = "step"
     pop_size: int = 40
     n_gen: int = 40
     seed: int = 0
@@ -165,6 +174,9 @@ class AdaptiveConfig:
         object.__setattr__(self, "weights", tuple(float(x) / sum(w) for x in w))
         if self.rule not in ("asf", "pseudo_weights"):
             raise ValueError(f"rule={self.rule!r} is unknown: use 'asf' (the paper's) or 'pseudo_weights'.")
+        if self.normalise not in ("step", "front"):
+            raise ValueError(f"normalise={self.normalise!r} is unknown: use 'step' (time objectives as fractions "
+                             "of the measured step) or 'front' (every objective by the front's range).")
         _int("pop_size", self.pop_size, 4, "Use e.g. 40.")
         _int("n_gen", self.n_gen, 1, "Use e.g. 40.")
         _int("seed", self.seed, 0, "Use any non-negative integer.")

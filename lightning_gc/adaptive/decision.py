@@ -10,8 +10,10 @@
    (``artopk_auto``), ``x1`` in ``[0, K)`` whose integer part indexes the collective: a discrete
    second variable. For a fixed ``c`` only ``t_sync`` depends on the collective, so the front
    holds the model's cheapest collective — which is what ``artopk_auto`` runs — except at exact ties.
-3. **One point.** The front is normalised to ``[0, 1]`` per objective (its ideal and nadir
-   points); then ``rule="asf"`` picks ``argmin max_i w_i·f̂_i`` (pymoo's ASF with weights
+3. **One point.** The front is normalised per objective: ``1/gain`` to ``[0, 1]`` by its ideal
+   and nadir points; the two times by the measured step time (``normalise="step"``, default: a
+   time objective counts as the fraction of a step it adds over its best value) or, like ``1/gain``,
+   by the front's range (``normalise="front"``); then ``rule="asf"`` picks ``argmin max_i w_i·f̂_i`` (pymoo's ASF with weights
    ``1/w``, as in pymoo's MCDM guide; the paper's rule), ``rule="pseudo_weights"`` the point whose
    pseudo-weights ``(f̂max_i − f̂_i)/Σ`` are closest to ``w`` (pymoo's PseudoWeights).
    Ties are broken by the smallest ``(c, collective)``: the front is sorted first.
@@ -84,10 +86,15 @@ def normalise(F: np.ndarray) -> np.ndarray:
     return (F - ideal) / span
 
 
-def pick(F: np.ndarray, weights: tuple[float, float, float], rule: str) -> int:
-    """Index of the chosen row of a Pareto front ``F`` (rows already in tie-break order)."""
+def pick(F: np.ndarray, weights: tuple[float, float, float], rule: str, time_scale_s: float | None = None) -> int:
+    """Index of the chosen row of a Pareto front ``F`` (rows already in tie-break order).
+
+    ``time_scale_s`` (ASF only): divide the two time objectives' distances from their best value by
+    this many seconds (the measured step) instead of by the front's range."""
     w = np.asarray(weights, dtype=np.float64)
     nF = normalise(F)
+    if time_scale_s is not None and time_scale_s > 0:
+        nF[:, :2] = (F[:, :2] - F[:, :2].min(axis=0)) / time_scale_s
     if rule == "asf":
         from pymoo.decomposition.asf import ASF
 
@@ -146,7 +153,8 @@ def decide(data: ObjectiveData, config: AdaptiveConfig) -> Decision:
     """NSGA-II over the objective data, then one point by ``config.rule`` and ``config.weights``."""
     obj = Objectives(data)
     c, colls, F = nsga2_front(obj, config.c_min, config.c_max, config.pop_size, config.n_gen, config.seed)
-    i = pick(F, config.weights, config.rule)
+    scale = data.step_s if config.normalise == "step" and data.step_s > 0 else None
+    i = pick(F, config.weights, config.rule, scale)
     front = [(float(c[j]), colls[j], *map(float, F[j])) for j in range(len(c))]
     return Decision(c=float(c[i]), collective=colls[i], objectives=tuple(map(float, F[i])),  # type: ignore[arg-type]
                     front=front, rule=config.rule, weights=config.weights)

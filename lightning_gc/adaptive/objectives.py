@@ -115,6 +115,7 @@ class ObjectiveData:
     world_size: int
     value_bytes: int = 4
     calibration: float = 1.0
+    step_s: float = 0.0  # measured wall time of a training step (median of recent steps, mean over ranks)
 
     @property
     def network(self) -> NetworkModel:
