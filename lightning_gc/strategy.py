@@ -355,6 +355,7 @@ class GCStrategy(DDPStrategy):
         if self._sync == "osp":
             self._check_osp_setup(trainer)
         self._warn_marsit_with_momentum()
+        self._warn_gradiveq_error_feedback()
 
     def _warn_marsit_with_momentum(self) -> None:
         """Marsit's full-precision rounds release the accumulated compensation in one update; a
@@ -375,6 +376,18 @@ class GCStrategy(DDPStrategy):
                     "with K > 0, or full_precision_every=0 (or efsignsgd) with momentum; see docs/compressors.md."
                 )
                 return
+
+    def _warn_gradiveq_error_feedback(self) -> None:
+        """GradiVeQ's compressed steps never send the part of the gradient outside span(U), so its
+        error memory grows until a sample step releases it at once (measured: the cnn example
+        fell to chance accuracy with error_feedback=True, and learned without it)."""
+        if self._compressor_name == "gradiveq" and self._engine is not None and self._engine.error_feedback:
+            rank_zero_warn(
+                "lightning_gc: compressor='gradiveq' with error_feedback=True: the compressed steps cannot send "
+                "the part of the gradient outside the PCA basis, so the error memory grows until a sample step "
+                "releases it in one update. On the cnn example this training fell to chance accuracy. Prefer "
+                "error_feedback=False (the default, as in the paper); see docs/compressors.md."
+            )
 
     def _check_osp_setup(self, trainer: Any) -> None:
         for optimizer in self.optimizers:

@@ -457,3 +457,27 @@ def test_a_replaced_plan_drops_a_stale_basis_and_its_samples():
     assert comp.basis_for(other) is None and 0 not in comp.bases
     comp.add_sample(torch.randn(780), other)  # statistics of another layout restart instead of failing
     assert comp.samples[0].count == 1
+
+
+def _ef_warnings(rank: int, world_size: int, tmp: str) -> list[bool]:
+    import warnings
+
+    import lightning as L
+    from lit_models import TinyClassifier, make_loader
+
+    def warned(ef: bool | None) -> bool:
+        trainer = L.Trainer(strategy=GCStrategy(compressor="gradiveq", error_feedback=ef), accelerator="cpu",
+                            devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False, max_steps=1, default_root_dir=tmp)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(TinyClassifier(), make_loader(n=32))
+        return any("gradiveq" in str(w.message) and "error_feedback=True" in str(w.message) for w in caught)
+
+    return [warned(True), warned(False), warned(None)]
+
+
+def test_error_feedback_warns_at_setup(tmp_path):
+    """error_feedback=True warns (measured to diverge); the default (off) and False do not."""
+    (result,) = run_distributed(_ef_warnings, 1, str(tmp_path), timeout=180)
+    assert result == [True, False, False]
