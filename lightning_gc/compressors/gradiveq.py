@@ -111,7 +111,7 @@ class GradiVeQConfig:
     pca_slices: int = 32
     warmup: int = 50
     sample_steps: int = 20
-    compress_steps: int = 80
+    compress_steps: int = 20
     loss_threshold: float | None = 0.9
     sample_levels: int = 7
     sample_bucket: int = 512
@@ -131,7 +131,7 @@ class GradiVeQConfig:
         _int("pca_slices", self.pca_slices, 1, "Use e.g. 32 (1 = the paper's first slice only).")
         _int("warmup", self.warmup, 0, "Use e.g. 50 (the paper: 2500).")
         _int("sample_steps", self.sample_steps, 2, "L_t needs ≥ 2 samples for a covariance; use e.g. 20.")
-        _int("compress_steps", self.compress_steps, 1, "Use e.g. 80 (the paper: 400).")
+        _int("compress_steps", self.compress_steps, 1, "Use e.g. 20 (the paper: 400).")
         t = self.loss_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
             raise ValueError(
