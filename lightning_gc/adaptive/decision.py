@@ -13,9 +13,10 @@
 3. **One point.** The front is normalised per objective: ``1/gain`` to ``[0, 1]`` by its ideal
    and nadir points; the two times by the measured step time (``normalise="step"``, default: a
    time objective counts as the fraction of a step it adds over its best value) or, like ``1/gain``,
-   by the front's range (``normalise="front"``); then ``rule="asf"`` picks ``argmin max_i w_i·f̂_i`` (pymoo's ASF with weights
-   ``1/w``, as in pymoo's MCDM guide; the paper's rule), ``rule="pseudo_weights"`` the point whose
-   pseudo-weights ``(f̂max_i − f̂_i)/Σ`` are closest to ``w`` (pymoo's PseudoWeights).
+   by the front's range (``normalise="front"``); then ``rule="asf"`` picks
+   ``argmin max_i w_i·f̂_i`` (pymoo's ASF with weights ``1/w``, as in pymoo's MCDM guide; the
+   paper's rule), ``rule="pseudo_weights"`` the point whose pseudo-weights ``(f̂max_i − f̂_i)/Σ``
+   are closest to ``w`` (pymoo's PseudoWeights, which always normalises by the front's range).
    Ties are broken by the smallest ``(c, collective)``: the front is sorted first.
 
 Determinism: the inputs are agreed across ranks (bit-identical), NSGA-II runs with a fixed seed,

@@ -435,7 +435,9 @@ def fewest_groups_partition(
     of (compute end, comm end) over the partitions of the prefix into exactly ``k`` groups, for
     ``k = 1, 2, …`` until some partition of the whole sequence meets the limit. Pairs whose comm end
     cannot meet the limit are dropped (``max(C + remaining backward, M + t_c(remaining elements))``
-    bounds the end of any completion from below), which keeps the sets small. Exact: brute force over all partitions agrees (tests).
+    bounds the end of any completion from below), which keeps the sets small. Exact: brute force
+    over all partitions agrees (tests). In ``"worker"`` mode each cell is one number and a layer
+    is one vectorised minimum.
     """
     _check_sparsify_on(sparsify_on)
     n = len(backward_s)
@@ -461,7 +463,7 @@ def fewest_groups_partition(
     limit = float(limit_s) * (1 + 1e-12)
     if not compute_mode:
         return _fewest_groups_worker(pb, pd, cost, t_c, limit, max_groups)
-    # layers[k][i]: Pareto list of (C, M, prev_j, prev_index) for prefix i in exactly k groups
+    # compute mode: layers[k][i]: Pareto list of (C, M, prev_j, prev_index) for prefix i in exactly k groups
     layers: list[list[list[tuple[float, float, int, int]]]] = [[[(0.0, 0.0, -1, -1)]] + [[] for _ in range(n)]]
     for k in range(1, min(max_groups, n) + 1):
         prev = layers[-1]
@@ -476,12 +478,8 @@ def fewest_groups_partition(
                 ts, tc = cost(j, i)
                 bsum = pb[i] - pb[j]
                 for idx, (c, m, _, _) in enumerate(prev[j]):
-                    if compute_mode:
-                        c2 = c + bsum + ts
-                        m2 = max(c2, m) + tc
-                    else:
-                        c2 = c + bsum
-                        m2 = max(c2, m) + ts + tc
+                    c2 = c + bsum + ts
+                    m2 = max(c2, m) + tc
                     if max(c2 + rest, m2 + rest_tc) <= limit:  # a lower bound of any completion's end
                         cands.append((c2, m2, j, idx))
             cands.sort(key=lambda x: (x[0], x[1]))
