@@ -170,6 +170,28 @@ def modelled_iteration_time(
     return timeline(partition, backward_s, numels, t_s, t_c, sparsify_on)[-1].comm_end_s
 
 
+def _prefix_sums(backward_s: Sequence[float], numels: Sequence[int]) -> tuple[list[float], list[int]]:
+    """Prefix sums of backward seconds and of elements (``pb[i]``, ``pd[i]``: tensors ``0..i-1``)."""
+    if len(backward_s) != len(numels):
+        raise ValueError(f"{len(backward_s)} backward times but {len(numels)} sizes; give one of each per tensor.")
+    pb, pd = [0.0], [0]
+    for b, d in zip(backward_s, numels):
+        pb.append(pb[-1] + float(b))
+        pd.append(pd[-1] + int(d))
+    return pb, pd
+
+
+def _pareto(cands: list[tuple[float, float, int, int]]) -> list[tuple[float, float, int, int]]:
+    """The non-dominated (compute end, comm end, …) entries, sorted by compute end ascending with
+    comm end strictly descending."""
+    cands.sort(key=lambda x: (x[0], x[1]))
+    kept: list[tuple[float, float, int, int]] = []
+    for cand in cands:
+        if not kept or cand[1] < kept[-1][1]:
+            kept.append(cand)
+    return kept
+
+
 def optimal_partition(
     backward_s: Sequence[float],
     numels: Sequence[int],
@@ -186,16 +208,10 @@ def optimal_partition(
     O(L² · |front|) cost evaluations; with ``"worker"`` |front| = 1. Returns (group sizes, time).
     """
     _check_sparsify_on(sparsify_on)
-    n = len(backward_s)
-    if n != len(numels):
-        raise ValueError(f"{n} backward times but {len(numels)} sizes; give one of each per tensor.")
+    pb, pd = _prefix_sums(backward_s, numels)
+    n = len(pb) - 1
     if n == 0:
         return [], 0.0
-    pb = [0.0]
-    pd = [0]
-    for b, d in zip(backward_s, numels):
-        pb.append(pb[-1] + float(b))
-        pd.append(pd[-1] + int(d))
     # Bound: a pair (C, M) at prefix k ends no earlier than max(C + remaining backward,
     # M + t_c(remaining elements)) (t_c is affine with α ≥ 0, so one group sends the rest fastest); pairs
     # whose bound exceeds the better of one group and one group per tensor cannot lead to a better
@@ -229,12 +245,7 @@ def optimal_partition(
                     m2 = max(c2, m) + ts + tc
                 if max(c2 + rest, m2 + rest_tc) <= upper:
                     cands.append((c2, m2, j, idx))
-        cands.sort(key=lambda x: (x[0], x[1]))
-        kept: list[tuple[float, float, int, int]] = []
-        for cand in cands:
-            if not kept or cand[1] < kept[-1][1]:
-                kept.append(cand)
-        front[k] = kept
+        front[k] = _pareto(cands)
     if not front[n]:  # nothing beat the reference plans
         r = min(range(len(refs)), key=lambda i: ref_times[i])
         return list(refs[r]), ref_times[r]
@@ -440,16 +451,10 @@ def fewest_groups_partition(
     is one vectorised minimum.
     """
     _check_sparsify_on(sparsify_on)
-    n = len(backward_s)
-    if n != len(numels):
-        raise ValueError(f"{n} backward times but {len(numels)} sizes; give one of each per tensor.")
+    pb, pd = _prefix_sums(backward_s, numels)
+    n = len(pb) - 1
     if n == 0:
         return [], 0.0
-    pb = [0.0]
-    pd = [0]
-    for b, d in zip(backward_s, numels):
-        pb.append(pb[-1] + float(b))
-        pd.append(pd[-1] + int(d))
     costs: dict[tuple[int, int], tuple[float, float]] = {}
 
     def cost(j: int, i: int) -> tuple[float, float]:
@@ -482,12 +487,7 @@ def fewest_groups_partition(
                     m2 = max(c2, m) + tc
                     if max(c2 + rest, m2 + rest_tc) <= limit:  # a lower bound of any completion's end
                         cands.append((c2, m2, j, idx))
-            cands.sort(key=lambda x: (x[0], x[1]))
-            kept: list[tuple[float, float, int, int]] = []
-            for cand in cands:
-                if not kept or cand[1] < kept[-1][1]:
-                    kept.append(cand)
-            cur[i] = kept
+            cur[i] = _pareto(cands)
         layers.append(cur)
         if cur[n]:
             best_i = min(range(len(cur[n])), key=lambda x: cur[n][x][1])
