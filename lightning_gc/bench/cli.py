@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--schedule", default=None,
                    help="rate schedule 'AT:RATE,...' (AT = fraction of steps), or a file with such entries")
     n.add_argument("--shaper", choices=("htb", "tbf"), default="htb",
-                   help="tc qdisc used for shaping (htb: steadier step times; see docs/bench.md)")
+                   help="tc qdisc used for shaping (see docs/bench.md)")
     n.add_argument("--no-shape-ingress", action="store_true",
                    help="shape only host egress (default: both directions, like a full-duplex NIC)")
     n.add_argument("--network", choices=("auto", "netns", "loopback"), default="auto",

@@ -213,10 +213,11 @@ def optimal_partition(
     if n == 0:
         return [], 0.0
     # Bound: a pair (C, M) at prefix k ends no earlier than max(C + remaining backward,
-    # M + t_c(remaining elements)) (t_c is affine with α ≥ 0, so one group sends the rest fastest); pairs
-    # whose bound exceeds the better of one group and one group per tensor cannot lead to a better
-    # plan and are dropped (exactness is kept: the bound is a lower bound, and the two reference
-    # plans are returned when nothing beats them). Without it the compute-mode sets grow large.
+    # M + t_c(remaining elements)) (t_c is affine with α ≥ 0, so one group sends the rest fastest).
+    # Pairs whose bound exceeds the best reference plan (one group; one group per tensor; in compute
+    # mode also the worker-mode optimum) cannot lead to a better plan and are dropped; exactness is
+    # kept (the bound is a lower bound, and the best reference is returned when nothing beats it).
+    # Without it the compute-mode sets grow large.
     refs = [[n], [1] * n]
     if sparsify_on == "compute":  # the worker-model optimum is usually close: a much tighter bound
         refs.append(optimal_partition(backward_s, numels, t_s, t_c, "worker")[0])
