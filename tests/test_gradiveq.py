@@ -50,6 +50,7 @@ from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
     ({"sample_levels": -1}, r"sample_levels=-1 is invalid"),
     ({"dim": 0}, r"dim=0 is invalid"),
     ({"compress_linear": 1}, r"compress_linear=1 must be True or False"),
+    ({"coef_dtype": "float16"}, r"coef_dtype='float16' is invalid.*'bfloat16'"),
 ])
 def test_config_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -167,17 +168,20 @@ def _ctx(rank: int, ws: int, step: int) -> GroupContext:
 
 def _oracle_run(rank: int, ws: int) -> dict:
     base = dict(max_slice=96, warmup=1, sample_steps=4, compress_steps=3, lam=LAM, pca_slices=2,
-                loss_threshold=None)
+                loss_threshold=None, coef_dtype="float32")
     ring = GradiVeQRingExchange(GradiVeQCompressor(GradiVeQConfig(**base)))
     simple = GradiVeQExchange(GradiVeQCompressor(GradiVeQConfig(**base)))
     full = GradiVeQRingExchange(GradiVeQCompressor(GradiVeQConfig(**dict(base, dim=10_000))))
     stopper = GradiVeQRingExchange(GradiVeQCompressor(GradiVeQConfig(**dict(base, loss_threshold=1e-9))))
+    ring16 = GradiVeQRingExchange(GradiVeQCompressor(GradiVeQConfig(**dict(base, coef_dtype="bfloat16"))))
+    simple16 = GradiVeQExchange(GradiVeQCompressor(GradiVeQConfig(**dict(base, coef_dtype="bfloat16"))))
     out: dict = {"samples": [], "checks": [], "stop_phases": []}
     for step in range(STEPS):
         p = _grad(rank, ws, step)
         ctx = _ctx(rank, ws, step)
         results = {}
-        for name, ex in (("ring", ring), ("simple", simple), ("full", full), ("stopper", stopper)):
+        for name, ex in (("ring", ring), ("simple", simple), ("full", full), ("stopper", stopper),
+                         ("ring16", ring16), ("simple16", simple16)):
             times = ExchangeTimes()
             mean, sent = ex.run(p.clone(), ctx, Timer(torch.device("cpu"), times))
             results[name] = (mean, sent, times)
@@ -209,21 +213,35 @@ def _oracle_run(rank: int, ws: int) -> dict:
         ref_mean[768:] = sum(q[768:] for q in all_p) / ws
         ref_z = torch.cat(ref_z)
         mean_ring, sent_ring, t_ring = results["ring"]
-        own = torch.empty(780)
-        for b in basis.blocks:
-            F, D, P, K = KS[b.layer]
-            L = basis.layers[b.layer]
-            x = _ref_pack(p[L.offset:L.offset + L.numel], F, D, P, K)
-            own[L.offset:L.offset + L.numel] = _ref_unpack((x - basis.mu[b.layer]) @ b.U @ b.U.T + basis.mu[b.layer],
-                                                           F, D, P)
-        own[768:] = p[768:]
+
+        def own_of(q: torch.Tensor) -> torch.Tensor:
+            o = torch.empty(780)
+            for b in basis.blocks:
+                F, D, P, K = KS[b.layer]
+                L = basis.layers[b.layer]
+                x = _ref_pack(q[L.offset:L.offset + L.numel], F, D, P, K)
+                o[L.offset:L.offset + L.numel] = _ref_unpack((x - basis.mu[b.layer]) @ b.U @ b.U.T + basis.mu[b.layer],
+                                                             F, D, P)
+            o[768:] = q[768:]
+            return o
+
+        own = own_of(p)
+        # Eq. 7 by its definition (expanded contributions), mean over ranks of the relative loss
+        ref_loss = sum(float((q[:768] - own_of(q)[:768]).pow(2).sum() / q[:768].pow(2).sum()) for q in all_p) / ws
         dense = sum(all_p) / ws
+        mean16, _, t16 = results["ring16"]
         out["checks"].append({
             "step": step,
             "lin": float((z - ref_z).abs().max() / ref_z.abs().max()),
             "mean": float((mean_ring - ref_mean).abs().max() / ref_mean.abs().max()),
             "ring_vs_simple": float((mean_ring - results["simple"][0]).abs().max() / ref_mean.abs().max()),
-            "sent": float((sent_ring - own).abs().max() / own.abs().max()),
+            "sent": float((sent_ring.materialise() - own).abs().max() / own.abs().max()),
+            "sent_norm": abs(sent_ring.sq_norm - float(own.double().pow(2).sum())) / float(own.double().pow(2).sum()),
+            "loss": abs(ring.last_loss[0] - ref_loss) / ref_loss,
+            "bf16_vs_ref": float((mean16 - ref_mean).abs().max() / ref_mean.abs().max()),
+            "bf16_ring_vs_simple": float((mean16 - results["simple16"][0]).abs().max() / ref_mean.abs().max()),
+            "bf16_ranks_equal": all(torch.equal(a, mean16) for a in gather_all(mean16, ws)),
+            "bf16_payload": t16.bytes_payload,
             "full_vs_dense": float((results["full"][0] - dense).abs().max() / dense.abs().max()),
             "full_d": [b.d for b in full.compressor.bases[0].blocks],
             "proj_vs_dense": float((mean_ring - dense).abs().max() / dense.abs().max()),
@@ -303,6 +321,13 @@ def test_linearity_projection_identity_and_ring_equals_allreduce(oracle_results)
             assert c["mean"] < 1e-5, (r, c)
             assert c["ring_vs_simple"] < 1e-5, (r, c)
             assert c["sent"] < 1e-5, (r, c)
+            assert c["sent_norm"] < 1e-5, (r, c)  # ‖U z + μ̄‖² from z alone
+            assert c["loss"] < 1e-5, (r, c)  # ‖x − μ̄‖² − ‖z‖² is Eq. 7
+            # bfloat16 coefficients: the same result up to bf16 rounding of the (partial) sums,
+            # identical on every rank, and half the payload
+            assert c["bf16_vs_ref"] < 2e-2 and c["bf16_ring_vs_simple"] < 2e-2, (r, c)
+            assert c["bf16_ranks_equal"], (r, c)
+            assert c["bf16_payload"] == 2 * c["z_numel"], (r, c)
             assert c["ranks_equal"], (r, c)
             assert c["proj_vs_dense"] > 1e-3  # the projection really drops something
             assert c["bytes_payload"] == 4 * c["z_numel"]
@@ -351,7 +376,8 @@ def _engine_run(rank: int, ws: int) -> dict:
     replica = copy.deepcopy(model)
     ddp = DDP(model, bucket_cap_mb=0.002)
     comp = build_compressor("gradiveq", args=dict(max_slice=64, min_numel=100, warmup=2, sample_steps=3, compress_steps=3,
-                                                  sample_levels=0, loss_threshold=None, pca_slices=4))
+                                                  sample_levels=0, loss_threshold=None, pca_slices=4,
+                                                  coef_dtype="float32"))
     engine = GCEngine(comp, EngineConfig(warmup_steps=1, min_compress_numel=100, seed=3, error_feedback=True),
                       list(model.named_parameters()))
     ddp.register_comm_hook(engine, gc_comm_hook)
@@ -361,6 +387,7 @@ def _engine_run(rank: int, ws: int) -> dict:
     compressed = 0
     metrics = []
     ref_loss = None
+    gains = []
     for step in range(8):
         replica.load_state_dict(model.state_dict())
         x, y = _batch(rank, step)
@@ -371,6 +398,7 @@ def _engine_run(rank: int, ws: int) -> dict:
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         got = {n: p.grad.detach().reshape(-1).clone() for n, p in model.named_parameters()}
         metrics.append(engine.last_step.compressor_metrics)
+        sent2 = p2 = 0.0
         for g in engine.plan.groups:
             gs = [torch.cat([local[n][r] for n in g.names]) for r in range(ws)]
             got_flat = torch.cat([got[n] for n in g.names])
@@ -398,12 +426,17 @@ def _engine_run(rank: int, ws: int) -> dict:
                     recon.append(out)
                 ref = sum(recon) / ws
                 ref_loss = sum(float((q - c).pow(2).sum() / q.pow(2).sum()) for q, c in zip(ps, recon)) / ws
+                sent2 += sum(float(c.double().pow(2).sum()) for c in recon)
+                p2 += sum(float(q.double().pow(2).sum()) for q in ps)
                 for r in range(ws):
                     mem[(r, g.gid)] = ps[r] - recon[r]
                 worst_mem = max(worst_mem, float((engine.memory[g.gid] - mem[(rank, g.gid)]).abs().max()))
             worst_grad = max(worst_grad, float((got_flat - ref).abs().max() / (ref.abs().max() + 1e-12)))
+        if p2 > 0:  # compression gain E‖sent‖²/E‖p‖² over ranks, ‖sent‖² from the coefficients
+            gains.append((engine.last_step.gain, sent2 / p2))
         opt.step()
-    return {"grad": worst_grad, "mem": worst_mem, "compressed": compressed, "metrics": metrics, "loss": ref_loss}
+    return {"grad": worst_grad, "mem": worst_mem, "compressed": compressed, "metrics": metrics, "loss": ref_loss,
+            "gains": gains}
 
 
 def test_engine_gradient_and_error_feedback_match_their_definitions(all_results):
@@ -416,6 +449,7 @@ def test_engine_gradient_and_error_feedback_match_their_definitions(all_results)
         last = m[-1]
         assert 0 < last["gradiveq/ratio"] < 1
         assert abs(last["gradiveq/loss"] - res["loss"]) <= 1e-5 * res["loss"]  # Eq. 7, mean over ranks
+        assert len(res["gains"]) == 3 and all(abs(g - ref) <= 1e-5 * ref for g, ref in res["gains"]), res["gains"]
         assert 1 <= last["gradiveq/d/0.weight"] < 64 and 1 <= last["gradiveq/d/3.weight"] < 64
 
 

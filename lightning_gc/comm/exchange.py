@@ -4,7 +4,8 @@ An exchange takes the error-fed flat gradient ``p`` of one group on every rank a
 
 * ``mean``  — the aggregated gradient (identical on every rank), and
 * ``sent``  — what *this* rank's contribution stood for, decompressed (error feedback keeps
-  ``p − sent``), or a :class:`SparseSent` when that is exactly ``p`` at some indices.
+  ``p − sent``), or a :class:`SparseSent` when that is exactly ``p`` at some indices, or a
+  :class:`LazySent` that knows ‖sent‖² and builds the dense tensor only when asked.
 
 Threading contract (engine v2): the engine calls :meth:`Exchange.run` on exactly one thread per
 process group — its ordered worker thread, or the hook's thread when ``overlap=False`` — in the
@@ -50,6 +51,23 @@ class SparseSent:
 
     values: Tensor
     indices: Tensor
+
+
+@dataclass
+class LazySent:
+    """What a rank contributed, known by its squared norm; the dense tensor is built on demand.
+
+    For formats whose decompression costs as much as their compression (GradiVeQ's ``U z + μ̄``,
+    a K×d product per slice), ‖sent‖² follows from the coefficients alone. The engine needs the
+    norm every step (compression gain) but the dense tensor only for error feedback, so without
+    error feedback the expansion is never computed. ``materialise`` must be called on the thread
+    that ran the exchange, before the exchange's next call.
+    """
+
+    sq_norm: float
+    materialise: Callable[[], Tensor]
+
+
 
 
 @dataclass
@@ -124,8 +142,8 @@ class Exchange(ABC):
         self.network = network if network is not None else NetworkState()
 
     @abstractmethod
-    def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor | SparseSent]:
-        """Return (mean over ranks, this rank's contribution: dense, or :class:`SparseSent`)."""
+    def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor | SparseSent | LazySent]:
+        """Return (mean over ranks, this rank's contribution: dense, :class:`SparseSent` or :class:`LazySent`)."""
 
     def describe(self) -> str:
         """Name and options; part of the cross-rank signature."""

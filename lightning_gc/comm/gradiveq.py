@@ -52,7 +52,7 @@ from ..compressors.base import GroupContext
 from ..compressors.gradiveq import GradiVeQCompressor, GroupBasis
 from ..compressors.qsgd import QSGDCompressor, QSGDConfig
 from .collectives import allgather_payload, ring_allreduce_bytes
-from .exchange import Exchange, Timer
+from .exchange import Exchange, LazySent, Timer
 from .network import NetworkState
 
 __all__ = ["GradiVeQExchange", "GradiVeQRingExchange", "Piece", "chunk_plan", "pieces_of"]
@@ -116,32 +116,44 @@ def chunk_plan(pieces: list[Piece], n: int) -> list[list[Piece]]:
     return chunks
 
 
+def _sq(t: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(t, dtype=torch.float64).square()
+
+
 class _Step:
-    """Per-call working state of a compressed step: packed inputs, z buffers, outputs."""
+    """Per-call working state of a compressed step: packed inputs, z buffers, the mean, norms.
+
+    ``z_own`` (this rank's coefficients) is in the gradient's dtype, ``z_sum`` (what travels and is
+    summed) in the wire dtype. This rank's own contribution ``U z + μ̄`` is *not* expanded: the
+    Eq. 7 loss and ‖sent‖² follow from norms gathered while compressing (U has orthonormal
+    columns and z = Uᵀ(x − μ̄)):
+
+        ‖x − (U z + μ̄)‖² = ‖x − μ̄‖² − ‖z‖²        ‖U z + μ̄‖² = ‖z‖² + 2 z·(Uᵀμ̄) + ‖μ̄‖²
+
+    and :meth:`sent` returns a :class:`LazySent` that expands only if error feedback asks.
+    """
 
     def __init__(self, comp: GradiVeQCompressor, basis: GroupBasis, p: Tensor, ctx: GroupContext) -> None:
         self.comp, self.basis, self.p, self.ctx = comp, basis, p, ctx
         self.pieces = pieces_of(basis)
         self.z_numel = sum(pc.numel for pc in self.pieces)
         self.z_own = torch.empty(self.z_numel, dtype=p.dtype, device=p.device)
-        self.z_sum = torch.empty_like(self.z_own)
+        self.z_sum = torch.empty(self.z_numel, dtype=comp.config.wire_dtype, device=p.device)
         self.mean = torch.empty_like(p)
-        self.sent = torch.empty_like(p)
         self._packed: dict[int, Tensor] = {}
         self._mean_packed: dict[int, Tensor] = {}
-        self._sent_packed: dict[int, Tensor] = {}
-        self.offsets: dict[tuple[int, int, int], int] = {}
+        self._terms: list[Tensor] = []  # per compressed piece: [‖x − μ̄‖², ‖z‖², z·Uᵀμ̄, ‖μ̄‖², ‖x‖²]
+        self._exact_sq: list[Tensor] = []
+        self.offsets: dict[tuple[int, int], tuple[int, int]] = {}
         off = 0
         for pc in self.pieces:
-            self.offsets[(pc.block, pc.layer, pc.a)] = off
+            self.offsets[(pc.block, pc.layer)] = (off, pc.a)
             off += pc.numel
 
     def _zoff(self, pc: Piece) -> int:
         """Offset of sub-piece ``pc`` in z (its parent piece's offset plus the rows before it)."""
-        for (blk, layer, a), off in self.offsets.items():
-            if blk == pc.block and layer == pc.layer:
-                return off + (pc.a - a) * pc.width
-        raise KeyError(pc)
+        off, a = self.offsets[(pc.block, pc.layer)]
+        return off + (pc.a - a) * pc.width
 
     def _packed_in(self, layer: int) -> Tensor:
         X = self._packed.get(layer)
@@ -149,56 +161,65 @@ class _Step:
             X = self._packed[layer] = self.basis.layers[layer].pack(self.p)
         return X
 
-    def _out(self, store: dict[int, Tensor], layer: int) -> Tensor:
-        buf = store.get(layer)
+    def _mean_out(self, layer: int) -> Tensor:
+        buf = self._mean_packed.get(layer)
         if buf is None:
             L = self.basis.layers[layer]
-            buf = store[layer] = torch.empty(L.rows, L.K, dtype=self.p.dtype, device=self.p.device)
+            buf = self._mean_packed[layer] = torch.empty(L.rows, L.K, dtype=self.p.dtype, device=self.p.device)
         return buf
 
     def compress(self, chunk: list[Piece]) -> None:
-        """Own z of the chunk's slices (Eq. 3) into ``z_own``."""
+        """Own z of the chunk's slices (Eq. 3) into ``z_own``, and the norms :meth:`finish` needs."""
         for pc in chunk:
             o = self._zoff(pc)
             dst = self.z_own[o:o + pc.numel]
             if pc.block < 0:
                 L = self.basis.layers[pc.layer]
-                dst.copy_(self.p[L.offset + pc.a:L.offset + pc.b])
+                src = self.p[L.offset + pc.a:L.offset + pc.b]
+                dst.copy_(src)
+                self._exact_sq.append(_sq(src))
                 continue
             blk = self.basis.blocks[pc.block]
             X = self._packed_in(pc.layer)[pc.a:pc.b]
-            torch.mm(X - self.basis.mu[pc.layer][pc.a:pc.b], blk.U, out=dst.view(pc.b - pc.a, pc.width))
+            diff = X - self.basis.mu[pc.layer][pc.a:pc.b]
+            z = dst.view(pc.b - pc.a, pc.width)
+            torch.mm(diff, blk.U, out=z)
+            mu_coef, mu_sq = self.basis.mu_terms(pc.block)
+            i0, i1 = pc.a - blk.r0, pc.b - blk.r0
+            self._terms.append(torch.stack([
+                _sq(diff), _sq(z), (z * mu_coef[i0:i1]).sum(dtype=torch.float64),
+                mu_sq[i0:i1].sum(dtype=torch.float64), _sq(X)]))
 
     def expand(self, chunk: list[Piece]) -> None:
-        """Mean (``U Σz / N + μ̄``) and own contribution (``U z + μ̄``) of the chunk's slices."""
+        """The mean ``U Σz / N + μ̄`` of the chunk's slices (exact tensors: ``Σ / N``)."""
         inv_n = 1.0 / self.ctx.world_size
         for pc in chunk:
             o = self._zoff(pc)
+            zs = self.z_sum[o:o + pc.numel]
             if pc.block < 0:
                 L = self.basis.layers[pc.layer]
-                torch.mul(self.z_sum[o:o + pc.numel], inv_n, out=self.mean[L.offset + pc.a:L.offset + pc.b])
-                self.sent[L.offset + pc.a:L.offset + pc.b].copy_(self.p[L.offset + pc.a:L.offset + pc.b])
+                torch.mul(zs, inv_n, out=self.mean[L.offset + pc.a:L.offset + pc.b])
                 continue
             blk = self.basis.blocks[pc.block]
-            mu = self.basis.mu[pc.layer][pc.a:pc.b]
             rows = pc.b - pc.a
-            torch.addmm(mu, self.z_sum[o:o + pc.numel].view(rows, pc.width), blk.U.T, alpha=inv_n,
-                        out=self._out(self._mean_packed, pc.layer)[pc.a:pc.b])
-            torch.addmm(mu, self.z_own[o:o + pc.numel].view(rows, pc.width), blk.U.T,
-                        out=self._out(self._sent_packed, pc.layer)[pc.a:pc.b])
+            torch.addmm(self.basis.mu[pc.layer][pc.a:pc.b], zs.view(rows, pc.width).to(blk.U.dtype), blk.U.T,
+                        alpha=inv_n, out=self._mean_out(pc.layer)[pc.a:pc.b])
 
-    def finish(self) -> tuple[float, float]:
-        """Unpack the outputs; return (‖x − (U z + μ̄)‖², ‖x‖²) over the compressed tensors (Eq. 7)."""
-        loss = norm = 0.0
+    def finish(self) -> tuple[float, float, float]:
+        """Unpack the mean; return (‖x − (U z + μ̄)‖², ‖x‖²) over the compressed tensors (Eq. 7)
+        and ‖sent‖² over the whole group."""
         for layer, buf in self._mean_packed.items():
             self.basis.layers[layer].unpack_into(buf, self.mean)
-        for layer, buf in self._sent_packed.items():
-            L = self.basis.layers[layer]
-            L.unpack_into(buf, self.sent)
-            x = self.p[L.offset:L.offset + L.numel]
-            loss += float(torch.linalg.vector_norm(x - self.sent[L.offset:L.offset + L.numel], dtype=torch.float64)) ** 2
-            norm += float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
-        return loss, norm
+        exact2 = float(torch.stack(self._exact_sq).sum()) if self._exact_sq else 0.0
+        if not self._terms:
+            return 0.0, 0.0, exact2
+        xm2, z2, zc, mu2, x2 = (float(v) for v in torch.stack(self._terms).sum(0).tolist())
+        return max(xm2 - z2, 0.0), x2, z2 + 2.0 * zc + mu2 + exact2
+
+    def sent(self, sq_norm: float) -> LazySent:
+        """This rank's contribution ``U z + μ̄`` (exact tensors: ``p``), expanded on demand."""
+        z_own, ctx, comp = self.z_own, self.ctx, self.comp
+        return LazySent(sq_norm, lambda: comp._expand(z_own, ctx, 1.0, 1.0))
 
 
 class GradiVeQExchange(Exchange):
@@ -297,15 +318,14 @@ class GradiVeQExchange(Exchange):
     # ------------------------------------------------------------------ compressed paths
     def _compressed(self, p: Tensor, ctx: GroupContext, basis: GroupBasis, timer: Timer):
         st = _Step(self.compressor, basis, p, ctx)
-        timer.run("compress", lambda: st.compress(st.pieces))
-        st.z_sum.copy_(st.z_own)
+        timer.run("compress", lambda: (st.compress(st.pieces), st.z_sum.copy_(st.z_own)))
         nbytes = st.z_numel * st.z_sum.element_size()
         timer.times.bytes_payload += nbytes
         timer.run("comm", lambda: dist.all_reduce(st.z_sum, group=self.group))
         timer.times.bytes_sent += ring_allreduce_bytes(nbytes, ctx.world_size)
         timer.run("compress", lambda: st.expand(st.pieces))
-        loss, norm = timer.run("compress", st.finish)
-        return st.mean, st.sent, loss, norm
+        loss, norm, sent2 = timer.run("compress", st.finish)
+        return st.mean, st.sent(sent2), loss, norm
 
     def describe(self) -> str:
         return self.name
@@ -338,7 +358,7 @@ class GradiVeQRingExchange(GradiVeQExchange):
         right = dist.get_global_rank(group, (rank + 1) % n) if group is not None else (rank + 1) % n
         left = dist.get_global_rank(group, (rank - 1) % n) if group is not None else (rank - 1) % n
         esize = st.z_sum.element_size()
-        recv_buf = torch.empty(max(s for _, s in spans) if spans else 0, dtype=p.dtype, device=p.device)
+        recv_buf = torch.empty(max(s for _, s in spans) if spans else 0, dtype=st.z_sum.dtype, device=p.device)
         overlapped = 0.0
         sent_bytes = 0
 
@@ -384,10 +404,10 @@ class GradiVeQRingExchange(GradiVeQExchange):
             hidden(st.expand, chunks[send_idx])
             timer.run("comm", lambda w=works: wait(w))
         timer.run("compress", lambda: st.expand(chunks[(rank + 2) % n]))
-        loss, norm = timer.run("compress", st.finish)
+        loss, norm, sent2 = timer.run("compress", st.finish)
         timer.times.bytes_payload += st.z_numel * esize
         timer.times.bytes_sent += sent_bytes
         timer.times.extra["overlapped_compress_s"] = timer.times.extra.get("overlapped_compress_s", 0.0) + overlapped
         metrics = timer.times.extra.setdefault("metrics", {})
         metrics["gradiveq/hidden_compress_ms"] = metrics.get("gradiveq/hidden_compress_ms", 0.0) + 1e3 * overlapped
-        return st.mean, st.sent, loss, norm
+        return st.mean, st.sent(sent2), loss, norm

@@ -77,6 +77,7 @@ from torch import Tensor
 from .base import Compressed, Compressor, GroupContext
 
 PHASES = ("warmup", "sample", "compress")
+COEF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _int(name: str, value: object, minimum: int, hint: str) -> None:
@@ -103,6 +104,9 @@ class GradiVeQConfig:
     min_numel: tensors with fewer elements stay exact.
     compress_linear: compress 2-D (linear) weights too; False keeps them exact (the paper).
     dim: fix d (capped at K) instead of choosing it by λ — for ablations and the d = K oracle.
+    coef_dtype: dtype of the coefficients on the wire, ``"bfloat16"`` (default: 2 bytes, fp32's
+        range, partial sums rounded to 8 significant bits at each ring hop) or ``"float32"`` (the
+        paper). Compression, the basis and decompression always run in the gradient's dtype.
     """
 
     lam: float = 0.01
@@ -118,6 +122,7 @@ class GradiVeQConfig:
     min_numel: int = 256
     compress_linear: bool = True
     dim: int | None = None
+    coef_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         lam = self.lam
@@ -145,6 +150,15 @@ class GradiVeQConfig:
             raise ValueError(f"compress_linear={self.compress_linear!r} must be True or False.")
         if self.dim is not None:
             _int("dim", self.dim, 1, "Use None to choose d by λ.")
+        if self.coef_dtype not in COEF_DTYPES:
+            raise ValueError(
+                f"coef_dtype={self.coef_dtype!r} is invalid: the coefficients travel as one of "
+                f"{sorted(COEF_DTYPES)}. Use 'bfloat16' (half the bytes) or 'float32' (the paper)."
+            )
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return COEF_DTYPES[self.coef_dtype]
 
 
 # ----------------------------------------------------------------------------- slicing
@@ -250,6 +264,20 @@ class GroupBasis:
     blocks: list[Block]
     mu: dict[int, Tensor]  # layer index -> (rows, K) whitening vectors μ̄ (mean units)
     digest: str = ""
+    _mu_terms: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+
+    def mu_terms(self, i: int) -> tuple[Tensor, Tensor]:
+        """``(μ̄·U, ‖μ̄‖²)`` per slice of block ``i`` (``(rows, d)`` and ``(rows,)``), cached.
+
+        They give a contribution's norm without expanding it: ‖U z + μ̄‖² = ‖z‖² + 2 z·(Uᵀμ̄) + ‖μ̄‖²
+        (U has orthonormal columns).
+        """
+        terms = self._mu_terms.get(i)
+        b = self.blocks[i]
+        if terms is None or terms[0].device != b.U.device:
+            mu = self.mu[b.layer][b.r0:b.r1]
+            terms = self._mu_terms[i] = (mu @ b.U, mu.square().sum(1))
+        return terms
 
     @property
     def z_numel(self) -> int:
@@ -263,8 +291,8 @@ class _Samples:
     key: tuple = ()  # the group's (numels, shapes): a replaced plan starts the statistics afresh
     count: int = 0
     sums: dict[int, Tensor] = field(default_factory=dict)  # layer -> Σ_t X_t (rows, K) float64
-    grams: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (layer, block) -> Σ x xᵀ
-    row_sums: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (layer, block) -> Σ_t sampled rows
+    #: (layer, block) -> the sampled rows of every sample step, each (m, K) float64
+    rows: dict[tuple[int, int], list[Tensor]] = field(default_factory=dict)
 
 
 def _group_key(ctx: GroupContext) -> tuple:
@@ -368,11 +396,7 @@ class GradiVeQCompressor(Compressor):
             X = L.pack(mean).to(torch.float64)
             st.sums[L.index] = st.sums[L.index] + X if L.index in st.sums else X.clone()
             for b, (r0, r1) in enumerate(block_ranges(L.rows, self.config.reuse)):
-                rows = X[sampled_rows(r0, r1, self.config.pca_slices)]
-                key = (L.index, b)
-                g = rows.T @ rows
-                st.grams[key] = st.grams[key] + g if key in st.grams else g
-                st.row_sums[key] = st.row_sums[key] + rows if key in st.row_sums else rows.clone()
+                st.rows.setdefault((L.index, b), []).append(X[sampled_rows(r0, r1, self.config.pca_slices)].clone())
         st.count += 1
         return True
 
@@ -406,17 +430,19 @@ class GradiVeQCompressor(Compressor):
                 continue
             mu[L.index] = (st.sums[L.index] / n).to(dtype).contiguous()
             for b, (r0, r1) in enumerate(block_ranges(L.rows, self.config.reuse)):
-                key = (L.index, b)
-                rs = st.row_sums[key]  # Σ_t x_tm for the sampled rows m
-                # Σ_t Σ_m (x_tm − μ_m)(x_tm − μ_m)ᵀ = Σ x xᵀ − Σ_m (Σ_t x_tm)(Σ_t x_tm)ᵀ / n
-                cov = st.grams[key] - (rs.T @ rs) / n
-                cov = (cov + cov.T) / 2
-                evals, evecs = torch.linalg.eigh(cov)
-                evals, evecs = evals.flip(0), evecs.flip(1)
+                Y = torch.stack(st.rows[(L.index, b)])  # (n steps, m sampled slices, K)
+                Y = (Y - Y.mean(0)).reshape(-1, L.K)  # each slice centred on its own mean
+                # The covariance YᵀY has rank ≤ n·m, usually far below K: its eigenvectors with
+                # non-zero eigenvalues are Y's right singular vectors, so a thin SVD of the
+                # (n·m)×K samples gives them at O(n·m·K·min(n·m, K)) instead of eigh's O(K³).
+                # A full basis (d above the rank, only with ``dim``) needs every vector.
+                full = self.config.dim is not None and min(self.config.dim, L.K) > min(Y.shape)
+                _, sv, vh = torch.linalg.svd(Y, full_matrices=full)
+                evals = sv.square()
                 d = choose_dim(evals, self.config.lam)
                 if self.config.dim is not None:
                     d = min(self.config.dim, L.K)
-                blocks.append(Block(L.index, r0, r1, evecs[:, :d].to(dtype).contiguous(), evals))
+                blocks.append(Block(L.index, r0, r1, vh[:d].T.to(dtype).contiguous(), evals))
         basis = GroupBasis(layers, blocks, mu)
         basis.digest = self.digest(basis)
         self.bases[gid] = basis
@@ -480,6 +506,7 @@ class GradiVeQCompressor(Compressor):
         for k in b.blocks:
             k.U = k.U.to(device)
         b.mu = {i: m.to(device) for i, m in b.mu.items()}
+        b._mu_terms.clear()
         return b
 
     # ------------------------------------------------------------------ whole-group transforms

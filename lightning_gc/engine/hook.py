@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.collectives import ring_allreduce_bytes
-from ..comm.exchange import AllreduceExchange, Exchange, ExchangeTimes, SparseSent, Timer
+from ..comm.exchange import AllreduceExchange, Exchange, ExchangeTimes, LazySent, SparseSent, Timer
 from ..comm.registry import make_exchange
 from ..comm.worker import InlineRunner, OrderedWorker
 from ..compressors.base import Compressor, GroupContext
@@ -542,6 +542,11 @@ class GCEngine:
             if self.error_feedback:
                 # p is a fresh tensor (torch.cat / the sum above always allocate): reuse it in place
                 self._memory.stage(gid, p.index_fill_(0, sent.indices.long(), 0), max(p2 - sent2, 0.0))
+        elif isinstance(sent, LazySent):  # the norm is known; expand only for error feedback
+            sent2 = sent.sq_norm
+            if self.error_feedback:
+                residual = p.sub_(sent.materialise())
+                self._memory.stage(gid, residual, _sq_norm(residual))
         else:
             sent2 = _sq_norm(sent)
             if self.error_feedback:

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from ..comm.exchange import ExchangeTimes, SparseSent, Timer
+from ..comm.exchange import ExchangeTimes, LazySent, SparseSent, Timer
 from ..compressors.base import GroupContext
 from ..plans import ParamFacts, Plan, PlanRequest, get_planner
 from ..plans.omgs import GroupTimes, OMGSCost, is_provisional, partition_from_plan, predict_plan
@@ -381,7 +381,7 @@ class OMGSController:
             if isinstance(sent, SparseSent):
                 p.index_fill_(0, sent.indices.long(), 0)
             else:
-                p.sub_(sent)
+                p.sub_(sent.materialise() if isinstance(sent, LazySent) else sent)
         out.copy_(mean)
         if cuda:
             torch.cuda.synchronize(src.device)

@@ -348,7 +348,7 @@ class OSPSync:
         """Send the deferred data through the deferred compressor (worker thread): ``flat`` becomes
         the mean of what the ranks sent (identical on every rank) and, with error feedback, the
         residual ``flat − sent`` is kept for the layers' next deferred sends."""
-        from ..comm.exchange import ExchangeTimes, SparseSent, Timer
+        from ..comm.exchange import ExchangeTimes, LazySent, SparseSent, Timer
         from ..compressors import GroupContext
 
         ctx = GroupContext(
@@ -364,7 +364,7 @@ class OSPSync:
                 residual = p.clone()
                 residual[sent.indices.long()] = 0
             else:
-                residual = p - sent
+                residual = p - (sent.materialise() if isinstance(sent, LazySent) else sent)
             pending.residual = residual
         pending.flat = mean.to(p.dtype).reshape(-1)
         pending.bytes_sent, pending.bytes_payload = int(times.bytes_sent), int(times.bytes_payload)
