@@ -20,15 +20,18 @@ compressed step
       the N − 1 hops it posts the send of the partial sum and the receive of chunk (r − s − 1),
       compresses *its own* slices of that chunk while the bytes travel, then adds and forwards.
       Decompression round: N − 1 hops pass the fully summed chunks on; while each transfer is in
-      flight the rank decompresses the chunk it just completed (``U Σz / N + μ̄``) and rebuilds its
-      own contribution ``U z + μ̄`` (error feedback and Eq. 7 need it). Only the first chunk's
-      compression and the last chunk's decompression are exposed.
+      flight the rank decompresses the chunk it just completed (``U Σz / N + μ̄``). Only the first
+      chunk's compression and the last chunk's decompression are exposed. The coefficients travel
+      as ``coef_dtype`` (bfloat16 by default): each hop adds the received partial sum to the
+      rank's own z in the gradient's dtype and rounds the result once.
     * ``gradiveq_allreduce`` (the simple path and the ring's oracle): compress everything, one
       backend allreduce of z, decompress everything.
 
     Then one float64 allreduce of ``[relative loss, stop vote]`` (16 bytes): the mean relative
     Eq. 7 loss goes to the monitor and a majority of votes ends the compressed phase after this
-    step. ``sent = U z + μ̄`` (exact tensors: ``p``).
+    step. ``sent = U z + μ̄`` (exact tensors: ``p``) is returned as a
+    :class:`~lightning_gc.comm.exchange.LazySent`: the loss and ‖sent‖² come from norms taken
+    while compressing, and the expansion is computed only when error feedback needs it.
 
 Monitoring: ``timer.times.extra["metrics"]`` carries ``gradiveq/phase`` (0 warm-up, 1 sample,
 2 compressed), ``gradiveq/loss`` (mean over ranks of the relative Eq. 7 loss), ``gradiveq/ratio``
@@ -143,7 +146,7 @@ class _Step:
         self._packed: dict[int, Tensor] = {}
         self._mean_packed: dict[int, Tensor] = {}
         self._terms: list[Tensor] = []  # per compressed piece: [‖x − μ̄‖², ‖z‖², z·Uᵀμ̄, ‖μ̄‖², ‖x‖²]
-        self._exact_sq: list[Tensor] = []
+        self.exact_start = sum(pc.numel for pc in self.pieces if pc.block >= 0)  # exact values: z's tail
         self.offsets: dict[tuple[int, int], tuple[int, int]] = {}
         off = 0
         for pc in self.pieces:
@@ -177,7 +180,6 @@ class _Step:
                 L = self.basis.layers[pc.layer]
                 src = self.p[L.offset + pc.a:L.offset + pc.b]
                 dst.copy_(src)
-                self._exact_sq.append(_sq(src))
                 continue
             blk = self.basis.blocks[pc.block]
             X = self._packed_in(pc.layer)[pc.a:pc.b]
@@ -210,7 +212,7 @@ class _Step:
         and ‖sent‖² over the whole group."""
         for layer, buf in self._mean_packed.items():
             self.basis.layers[layer].unpack_into(buf, self.mean)
-        exact2 = float(torch.stack(self._exact_sq).sum()) if self._exact_sq else 0.0
+        exact2 = float(_sq(self.z_own[self.exact_start:])) if self.exact_start < self.z_numel else 0.0
         if not self._terms:
             return 0.0, 0.0, exact2
         xm2, z2, zc, mu2, x2 = (float(v) for v in torch.stack(self._terms).sum(0).tolist())
