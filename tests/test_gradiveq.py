@@ -51,6 +51,7 @@ from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
     ({"dim": 0}, r"dim=0 is invalid"),
     ({"compress_linear": 1}, r"compress_linear=1 must be True or False"),
     ({"coef_dtype": "float16"}, r"coef_dtype='float16' is invalid.*'bfloat16'"),
+    ({"outside_span": "none"}, r"outside_span='none' is invalid.*'zero'"),
 ])
 def test_config_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -175,13 +176,14 @@ def _oracle_run(rank: int, ws: int) -> dict:
     stopper = GradiVeQRingExchange(GradiVeQCompressor(GradiVeQConfig(**dict(base, loss_threshold=1e-9))))
     ring16 = GradiVeQRingExchange(GradiVeQCompressor(GradiVeQConfig(**dict(base, coef_dtype="bfloat16"))))
     simple16 = GradiVeQExchange(GradiVeQCompressor(GradiVeQConfig(**dict(base, coef_dtype="bfloat16"))))
+    proj = GradiVeQRingExchange(GradiVeQCompressor(GradiVeQConfig(**dict(base, outside_span="zero"))))
     out: dict = {"samples": [], "checks": [], "stop_phases": []}
     for step in range(STEPS):
         p = _grad(rank, ws, step)
         ctx = _ctx(rank, ws, step)
         results = {}
         for name, ex in (("ring", ring), ("simple", simple), ("full", full), ("stopper", stopper),
-                         ("ring16", ring16), ("simple16", simple16)):
+                         ("ring16", ring16), ("simple16", simple16), ("proj", proj)):
             times = ExchangeTimes()
             mean, sent = ex.run(p.clone(), ctx, Timer(torch.device("cpu"), times))
             results[name] = (mean, sent, times)
@@ -230,6 +232,21 @@ def _oracle_run(rank: int, ws: int) -> dict:
         ref_loss = sum(float((q[:768] - own_of(q)[:768]).pow(2).sum() / q[:768].pow(2).sum()) for q in all_p) / ws
         dense = sum(all_p) / ws
         mean16, _, t16 = results["ring16"]
+        # outside_span="zero": the mean is P x̄ alone, a rank's contribution P x (by hand)
+        ref_proj, own_proj = torch.empty(780), torch.empty(780)
+        for b in basis.blocks:
+            F, D, P, K = KS[b.layer]
+            L = basis.layers[b.layer]
+            xs = [_ref_pack(q[L.offset:L.offset + L.numel], F, D, P, K) for q in all_p]
+            Pm = b.U @ b.U.T
+            ref_proj[L.offset:L.offset + L.numel] = _ref_unpack((sum(xs) / ws) @ Pm, F, D, P)
+            own_proj[L.offset:L.offset + L.numel] = _ref_unpack(_ref_pack(p[L.offset:L.offset + L.numel], F, D, P, K) @ Pm,
+                                                                F, D, P)
+        ref_proj[768:] = sum(q[768:] for q in all_p) / ws
+        own_proj[768:] = p[768:]
+        ref_proj_loss = sum(float((q[:768] - r[:768]).pow(2).sum() / q[:768].pow(2).sum())
+                            for q, r in zip(all_p, gather_all(own_proj, ws))) / ws
+        mean_p, sent_p, _ = results["proj"]
         out["checks"].append({
             "step": step,
             "lin": float((z - ref_z).abs().max() / ref_z.abs().max()),
@@ -242,6 +259,11 @@ def _oracle_run(rank: int, ws: int) -> dict:
             "bf16_ring_vs_simple": float((mean16 - results["simple16"][0]).abs().max() / ref_mean.abs().max()),
             "bf16_ranks_equal": all(torch.equal(a, mean16) for a in gather_all(mean16, ws)),
             "bf16_payload": t16.bytes_payload,
+            "proj_mean": float((mean_p - ref_proj).abs().max() / ref_proj.abs().max()),
+            "proj_sent": float((sent_p.materialise() - own_proj).abs().max() / own_proj.abs().max()),
+            "proj_sent_norm": abs(sent_p.sq_norm - float(own_proj.double().pow(2).sum())) / float(own_proj.double().pow(2).sum()),
+            "proj_loss": abs(proj.last_loss[0] - ref_proj_loss) / ref_proj_loss,
+            "proj_vs_mu": float((mean_p - mean_ring).abs().max() / ref_mean.abs().max()),
             "full_vs_dense": float((results["full"][0] - dense).abs().max() / dense.abs().max()),
             "full_d": [b.d for b in full.compressor.bases[0].blocks],
             "proj_vs_dense": float((mean_ring - dense).abs().max() / dense.abs().max()),
@@ -328,6 +350,10 @@ def test_linearity_projection_identity_and_ring_equals_allreduce(oracle_results)
             assert c["bf16_vs_ref"] < 2e-2 and c["bf16_ring_vs_simple"] < 2e-2, (r, c)
             assert c["bf16_ranks_equal"], (r, c)
             assert c["bf16_payload"] == 2 * c["z_numel"], (r, c)
+            # outside_span="zero": P x̄ and P x by hand, norms and Eq. 7 from z alone; differs from Eq. 5
+            for key in ("proj_mean", "proj_sent", "proj_sent_norm", "proj_loss"):
+                assert c[key] < 1e-5, (r, key, c)
+            assert c["proj_vs_mu"] > 1e-3, (r, c)
             assert c["ranks_equal"], (r, c)
             assert c["proj_vs_dense"] > 1e-3  # the projection really drops something
             assert c["bytes_payload"] == 4 * c["z_numel"]

@@ -145,7 +145,8 @@ class _Step:
         self.mean = torch.empty_like(p)
         self._packed: dict[int, Tensor] = {}
         self._mean_packed: dict[int, Tensor] = {}
-        self._terms: list[Tensor] = []  # per compressed piece: [‖x − μ̄‖², ‖z‖², z·Uᵀμ̄, ‖μ̄‖², ‖x‖²]
+        self._terms: list[Tensor] = []  # per compressed piece: [‖x − μ̄‖², ‖z‖², z·Uᵀμ̄, ‖μ̄‖², ‖x‖², ‖Uᵀμ̄‖²]
+        self.project_only = comp.config.outside_span == "zero"
         self.exact_start = sum(pc.numel for pc in self.pieces if pc.block >= 0)  # exact values: z's tail
         self.offsets: dict[tuple[int, int], tuple[int, int]] = {}
         off = 0
@@ -186,11 +187,11 @@ class _Step:
             diff = X - self.basis.mu[pc.layer][pc.a:pc.b]
             z = dst.view(pc.b - pc.a, pc.width)
             torch.mm(diff, blk.U, out=z)
-            mu_coef, mu_sq = self.basis.mu_terms(pc.block)
+            mu_coef, mu_sq, coef_sq = self.basis.mu_terms(pc.block)
             i0, i1 = pc.a - blk.r0, pc.b - blk.r0
             self._terms.append(torch.stack([
                 _sq(diff), _sq(z), (z * mu_coef[i0:i1]).sum(dtype=torch.float64),
-                mu_sq[i0:i1].sum(dtype=torch.float64), _sq(X)]))
+                mu_sq[i0:i1].sum(dtype=torch.float64), _sq(X), coef_sq[i0:i1].sum(dtype=torch.float64)]))
 
     def expand(self, chunk: list[Piece]) -> None:
         """The mean ``U Σz / N + μ̄`` of the chunk's slices (exact tensors: ``Σ / N``)."""
@@ -204,8 +205,13 @@ class _Step:
                 continue
             blk = self.basis.blocks[pc.block]
             rows = pc.b - pc.a
-            torch.addmm(self.basis.mu[pc.layer][pc.a:pc.b], zs.view(rows, pc.width).to(blk.U.dtype), blk.U.T,
-                        alpha=inv_n, out=self._mean_out(pc.layer)[pc.a:pc.b])
+            zs = zs.view(rows, pc.width).to(blk.U.dtype)
+            out = self._mean_out(pc.layer)[pc.a:pc.b]
+            if self.project_only:  # U (Σz/N + Uᵀμ̄) = P x̄
+                c = self.basis.mu_terms(pc.block)[0][pc.a - blk.r0:pc.b - blk.r0]
+                torch.mm(torch.add(c, zs, alpha=inv_n), blk.U.T, out=out)
+            else:  # U Σz/N + μ̄ (Eq. 5)
+                torch.addmm(self.basis.mu[pc.layer][pc.a:pc.b], zs, blk.U.T, alpha=inv_n, out=out)
 
     def finish(self) -> tuple[float, float, float]:
         """Unpack the mean; return (‖x − (U z + μ̄)‖², ‖x‖²) over the compressed tensors (Eq. 7)
@@ -215,13 +221,17 @@ class _Step:
         exact2 = float(_sq(self.z_own[self.exact_start:])) if self.exact_start < self.z_numel else 0.0
         if not self._terms:
             return 0.0, 0.0, exact2
-        xm2, z2, zc, mu2, x2 = (float(v) for v in torch.stack(self._terms).sum(0).tolist())
+        xm2, z2, zc, mu2, x2, c2 = (float(v) for v in torch.stack(self._terms).sum(0).tolist())
+        if self.project_only:  # sent = P x: ‖x − P x‖² = ‖x‖² − ‖Uᵀx‖², Uᵀx = z + Uᵀμ̄
+            px2 = z2 + 2.0 * zc + c2
+            return max(x2 - px2, 0.0), x2, px2 + exact2
         return max(xm2 - z2, 0.0), x2, z2 + 2.0 * zc + mu2 + exact2
 
     def sent(self, sq_norm: float) -> LazySent:
-        """This rank's contribution ``U z + μ̄`` (exact tensors: ``p``), expanded on demand."""
+        """This rank's contribution ``U z + μ̄`` (``outside_span="zero"``: ``P x``; exact tensors:
+        ``p``), expanded on demand."""
         z_own, ctx, comp = self.z_own, self.ctx, self.comp
-        return LazySent(sq_norm, lambda: comp._expand(z_own, ctx, 1.0, 1.0))
+        return LazySent(sq_norm, lambda: comp._expand(z_own, ctx, 1.0))
 
 
 class GradiVeQExchange(Exchange):

@@ -119,6 +119,9 @@ class GradiVeQConfig:
     coef_dtype: dtype of the coefficients on the wire, ``"bfloat16"`` (default: 2 bytes, fp32's
         range, partial sums rounded to 8 significant bits at each ring hop) or ``"float32"`` (the
         paper). Compression, the basis and decompression always run in the gradient's dtype.
+    outside_span: what the decompressed mean holds outside span(U): ``"mu"`` (the paper, Eq. 5:
+        ``U Σz/N + μ̄`` = ``P x̄ + (I − P) μ̄``, the sampled mean's part there) or ``"zero"``
+        (``U (Σz/N + Uᵀμ̄)`` = ``P x̄``, the projection of the true mean alone). Same bytes.
     """
 
     lam: float = 0.01
@@ -135,6 +138,7 @@ class GradiVeQConfig:
     compress_linear: bool = True
     dim: int | None = None
     coef_dtype: str = "bfloat16"
+    outside_span: str = "mu"
 
     def __post_init__(self) -> None:
         lam = self.lam
@@ -162,6 +166,11 @@ class GradiVeQConfig:
             raise ValueError(f"compress_linear={self.compress_linear!r} must be True or False.")
         if self.dim is not None:
             _int("dim", self.dim, 1, "Use None to choose d by λ.")
+        if self.outside_span not in ("mu", "zero"):
+            raise ValueError(
+                f"outside_span={self.outside_span!r} is invalid: use 'mu' (the paper: the sampled mean fills "
+                "the directions outside the basis) or 'zero' (the projection of the mean alone)."
+            )
         if self.coef_dtype not in COEF_DTYPES:
             raise ValueError(
                 f"coef_dtype={self.coef_dtype!r} is invalid: the coefficients travel as one of "
@@ -278,17 +287,18 @@ class GroupBasis:
     digest: str = ""
     _mu_terms: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
 
-    def mu_terms(self, i: int) -> tuple[Tensor, Tensor]:
-        """``(μ̄·U, ‖μ̄‖²)`` per slice of block ``i`` (``(rows, d)`` and ``(rows,)``), cached.
+    def mu_terms(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``(c = μ̄·U, ‖μ̄‖², ‖c‖²)`` per slice of block ``i`` (``(rows, d)``, ``(rows,)``, ``(rows,)``), cached.
 
-        They give a contribution's norm without expanding it: ‖U z + μ̄‖² = ‖z‖² + 2 z·(Uᵀμ̄) + ‖μ̄‖²
-        (U has orthonormal columns).
+        They give a contribution's norm without expanding it (U has orthonormal columns):
+        ‖U z + μ̄‖² = ‖z‖² + 2 z·c + ‖μ̄‖² and ‖U (z + c)‖² = ‖z‖² + 2 z·c + ‖c‖².
         """
         terms = self._mu_terms.get(i)
         b = self.blocks[i]
         if terms is None or terms[0].device != b.U.device:
             mu = self.mu[b.layer][b.r0:b.r1]
-            terms = self._mu_terms[i] = (mu @ b.U, mu.square().sum(1))
+            c = mu @ b.U
+            terms = self._mu_terms[i] = (c, mu.square().sum(1), c.square().sum(1))
         return terms
 
     @property
@@ -558,20 +568,24 @@ class GradiVeQCompressor(Compressor):
         z = torch.cat(parts) if parts else x.new_zeros(0)
         return Compressed((z,), meta=None)
 
-    def _expand(self, z: Tensor, ctx: GroupContext, scale: float, mu_weight: float) -> Tensor:
-        """``U·z·scale + μ̄·mu_weight`` per slice, exact values ``·scale``, in the group's layout."""
+    def _expand(self, z: Tensor, ctx: GroupContext, scale: float) -> Tensor:
+        """``U·z·scale + μ̄`` per slice (``outside_span="zero"``: ``U (z·scale + Uᵀμ̄)``), exact values
+        ``·scale``, in the group's layout."""
         basis = self.bases.get(ctx.group_id)
         if basis is None:  # identity payload (see compress)
             return z.mul(scale)
         out = torch.empty(ctx.numel, dtype=z.dtype, device=z.device)
         off = 0
         packed: dict[int, Tensor] = {}
-        for b in basis.blocks:
+        for i, b in enumerate(basis.blocks):
             L = basis.layers[b.layer]
             buf = packed.setdefault(b.layer, torch.empty(L.rows, L.K, dtype=z.dtype, device=z.device))
             k = (b.r1 - b.r0) * b.d
             zb = z[off:off + k].view(b.r1 - b.r0, b.d)
-            torch.addmm(basis.mu[b.layer][b.r0:b.r1], zb, b.U.T, beta=mu_weight, alpha=scale, out=buf[b.r0:b.r1])
+            if self.config.outside_span == "zero":
+                torch.mm(torch.add(basis.mu_terms(i)[0], zb, alpha=scale), b.U.T, out=buf[b.r0:b.r1])
+            else:
+                torch.addmm(basis.mu[b.layer][b.r0:b.r1], zb, b.U.T, alpha=scale, out=buf[b.r0:b.r1])
             off += k
         for idx, buf in packed.items():
             basis.layers[idx].unpack_into(buf, out)
@@ -582,12 +596,12 @@ class GradiVeQCompressor(Compressor):
         return out
 
     def decompress(self, payload: tuple[Tensor, ...], meta: Any, ctx: GroupContext) -> Tensor:
-        """One rank's contribution ``U z + μ̄`` (exact tensors: their values)."""
-        return self._expand(payload[0], ctx, 1.0, 1.0)
+        """One rank's contribution ``U z + μ̄`` (``outside_span="zero"``: ``P x``; exact tensors: their values)."""
+        return self._expand(payload[0], ctx, 1.0)
 
     def aggregate_summed(self, summed: tuple[Tensor, ...], meta: Any, ctx: GroupContext) -> Tensor:
-        """Mean from the sum of payloads: ``U (Σz)/N + μ̄`` (Eq. 5 divided by N)."""
-        return self._expand(summed[0], ctx, 1.0 / ctx.world_size, 1.0)
+        """Mean from the sum of payloads: ``U (Σz)/N + μ̄`` (Eq. 5 divided by N; ``"zero"``: ``P x̄``)."""
+        return self._expand(summed[0], ctx, 1.0 / ctx.world_size)
 
     def payload_specs(self, ctx: GroupContext, dtype: torch.dtype):
         basis = self.bases.get(ctx.group_id)
@@ -598,4 +612,5 @@ class GradiVeQCompressor(Compressor):
         return (f"{self.name}(lam={c.lam},max_slice={c.max_slice},reuse={c.reuse},pca_slices={c.pca_slices},"
                 f"warmup={c.warmup},Lt={c.sample_steps},Lc={c.compress_steps},loss_threshold={c.loss_threshold},"
                 f"sample_levels={c.sample_levels},sample_bucket={c.sample_bucket},min_numel={c.min_numel},"
-                f"compress_linear={c.compress_linear},dim={c.dim},coef_dtype={c.coef_dtype})")
+                f"compress_linear={c.compress_linear},dim={c.dim},coef_dtype={c.coef_dtype},"
+                f"outside_span={c.outside_span})")
