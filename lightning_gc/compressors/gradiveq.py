@@ -14,7 +14,10 @@ the next segment while the previous one travels), and one decompression per slic
 
 i.e. the projection of the true mean ``x̄`` onto span(U) plus the part of μ̄ outside span(U). (The
 paper's μ is the mean of the *summed* gradients; here ``μ̄ = μ/N`` is kept in mean units, so
-``z = Uᵀ(x − μ/N)`` is exactly Eq. 3.)
+``z = Uᵀ(x − μ/N)`` is exactly Eq. 3.) That is ``outside_span="mu"``. The default,
+``outside_span="zero"``, decompresses to ``U (Σz/N + Uᵀμ̄) = P·x̄``: outside span(U) the paper's
+form re-applies the sampled mean μ̄ — a gradient from the sample phase — at every compressed step,
+and on the ``cnn`` preset that cost 0.11 of final val_acc (docs/compressors.md).
 
 Packing and the slice size K (the paper's §3 "Parameter selection"). A weight of shape
 ``(F, D, *kernel)`` (a convolution: F filters of depth D; P = prod(kernel) positions) is laid out
@@ -55,12 +58,15 @@ Schedule (§3 "System overview"), by optimizer step (replicated):
   (``sample_levels`` levels, 7 = 4 bits as in the paper; 0 = exact fp32) — whose aggregated
   gradients are the PCA samples, then up to ``compress_steps`` (L_c) GradiVeQ steps;
 * the compressed phase ends early when a majority of ranks report a local compression loss
-  (Eq. 7, relative: ``‖x − (U z + μ̄)‖² / ‖x‖²`` over the compressed tensors) above
+  (Eq. 7, relative: ``‖x − x̂‖² / ‖x‖²`` over the compressed tensors, x̂ = ``P x`` or, with
+  ``outside_span="mu"``, ``U z + μ̄``) above
   ``loss_threshold``; the counts are summed by one 16-byte allreduce per compressed step, so every
   rank switches at the same step (the next one).
 
-Defaults are scaled to short runs: warm-up 50, L_t = 20, L_c = 80, so compression starts at step
-70 (the paper: 2,500 / 100 / 400 on 45,000-step runs). Tuning: smaller ``lam`` keeps more
+Defaults are scaled to short runs: warm-up 50, L_t = 10, L_c = 20, so compression starts at step
+60 (the paper: 2,500 / 100 / 400 on 45,000-step runs); both L_t = 10 (over 20) and
+``outside_span="zero"`` (over the paper's Eq. 5) were chosen by measured accuracy
+(docs/compressors.md). Tuning: smaller ``lam`` keeps more
 dimensions (better accuracy, less compression); larger ``max_slice`` can find more correlation
 (higher K/d) but costs O(K³) per basis fit and O(K·d) per slice per step; a longer L_t gives a
 steadier basis but more uncompressed steps; L_c as long as the loss stays low.
@@ -119,9 +125,10 @@ class GradiVeQConfig:
     coef_dtype: dtype of the coefficients on the wire, ``"bfloat16"`` (default: 2 bytes, fp32's
         range, partial sums rounded to 8 significant bits at each ring hop) or ``"float32"`` (the
         paper). Compression, the basis and decompression always run in the gradient's dtype.
-    outside_span: what the decompressed mean holds outside span(U): ``"mu"`` (the paper, Eq. 5:
-        ``U Σz/N + μ̄`` = ``P x̄ + (I − P) μ̄``, the sampled mean's part there) or ``"zero"``
-        (``U (Σz/N + Uᵀμ̄)`` = ``P x̄``, the projection of the true mean alone). Same bytes.
+    outside_span: what the decompressed mean holds outside span(U): ``"zero"`` (default:
+        ``U (Σz/N + Uᵀμ̄)`` = ``P x̄``, the projection of the true mean alone) or ``"mu"`` (the
+        paper, Eq. 5: ``U Σz/N + μ̄`` = ``P x̄ + (I − P) μ̄``, the sampled mean's part there, which
+        re-applies a stale gradient at every compressed step). Same bytes and cost.
     """
 
     lam: float = 0.01
@@ -129,7 +136,7 @@ class GradiVeQConfig:
     reuse: int = 0
     pca_slices: int = 32
     warmup: int = 50
-    sample_steps: int = 20
+    sample_steps: int = 10
     compress_steps: int = 20
     loss_threshold: float | None = 0.9
     sample_levels: int = 7
@@ -138,7 +145,7 @@ class GradiVeQConfig:
     compress_linear: bool = True
     dim: int | None = None
     coef_dtype: str = "bfloat16"
-    outside_span: str = "mu"
+    outside_span: str = "zero"
 
     def __post_init__(self) -> None:
         lam = self.lam
@@ -151,7 +158,7 @@ class GradiVeQConfig:
         _int("reuse", self.reuse, 0, "Use 0 for one basis per tensor (the paper's s = ∞).")
         _int("pca_slices", self.pca_slices, 1, "Use e.g. 32 (1 = the paper's first slice only).")
         _int("warmup", self.warmup, 0, "Use e.g. 50 (the paper: 2500).")
-        _int("sample_steps", self.sample_steps, 2, "L_t needs ≥ 2 samples for a covariance; use e.g. 20.")
+        _int("sample_steps", self.sample_steps, 2, "L_t needs ≥ 2 samples for a covariance; use e.g. 10.")
         _int("compress_steps", self.compress_steps, 1, "Use e.g. 20 (the paper: 400).")
         t = self.loss_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
