@@ -169,7 +169,7 @@ def _ctx(rank: int, ws: int, step: int) -> GroupContext:
 
 def _oracle_run(rank: int, ws: int) -> dict:
     base = dict(max_slice=96, warmup=1, sample_steps=4, compress_steps=3, lam=LAM, pca_slices=2,
-                loss_threshold=None, coef_dtype="float32")
+                loss_threshold=None, coef_dtype="float32", outside_span="mu")
     ring = GradiVeQRingExchange(GradiVeQCompressor(GradiVeQConfig(**base)))
     simple = GradiVeQExchange(GradiVeQCompressor(GradiVeQConfig(**base)))
     full = GradiVeQRingExchange(GradiVeQCompressor(GradiVeQConfig(**dict(base, dim=10_000))))
@@ -403,7 +403,7 @@ def _engine_run(rank: int, ws: int) -> dict:
     ddp = DDP(model, bucket_cap_mb=0.002)
     comp = build_compressor("gradiveq", args=dict(max_slice=64, min_numel=100, warmup=2, sample_steps=3, compress_steps=3,
                                                   sample_levels=0, loss_threshold=None, pca_slices=4,
-                                                  coef_dtype="float32"))
+                                                  coef_dtype="float32", outside_span="mu"))
     engine = GCEngine(comp, EngineConfig(warmup_steps=1, min_compress_numel=100, seed=3, error_feedback=True),
                       list(model.named_parameters()))
     ddp.register_comm_hook(engine, gc_comm_hook)

@@ -148,6 +148,9 @@ class _Step:
         self._terms: list[Tensor] = []  # per compressed piece: [‖x − μ̄‖², ‖z‖², z·Uᵀμ̄, ‖μ̄‖², ‖x‖², ‖Uᵀμ̄‖²]
         self.project_only = comp.config.outside_span == "zero"
         self.exact_start = sum(pc.numel for pc in self.pieces if pc.block >= 0)  # exact values: z's tail
+        # rows of each compressed layer still to expand: a layer is unpacked into ``mean`` by the
+        # expand() that completes it (inside the ring's hidden time), not all at once at the end
+        self._rows_left = {L.index: L.rows for L in basis.layers if not L.exact}
         self.offsets: dict[tuple[int, int], tuple[int, int]] = {}
         off = 0
         for pc in self.pieces:
@@ -172,8 +175,10 @@ class _Step:
             buf = self._mean_packed[layer] = torch.empty(L.rows, L.K, dtype=self.p.dtype, device=self.p.device)
         return buf
 
-    def compress(self, chunk: list[Piece]) -> None:
-        """Own z of the chunk's slices (Eq. 3) into ``z_own``, and the norms :meth:`finish` needs."""
+    def compress(self, chunk: list[Piece], norms: bool = True) -> None:
+        """Own z of the chunk's slices (Eq. 3) into ``z_own``, and (``norms``) the norms
+        :meth:`finish` needs; ``norms=False`` leaves them to :meth:`norms`, so the ring can send
+        its first chunk sooner and take them while it travels."""
         for pc in chunk:
             o = self._zoff(pc)
             dst = self.z_own[o:o + pc.numel]
@@ -187,11 +192,24 @@ class _Step:
             diff = X - self.basis.mu[pc.layer][pc.a:pc.b]
             z = dst.view(pc.b - pc.a, pc.width)
             torch.mm(diff, blk.U, out=z)
-            mu_coef, mu_sq, coef_sq = self.basis.mu_terms(pc.block)
-            i0, i1 = pc.a - blk.r0, pc.b - blk.r0
-            self._terms.append(torch.stack([
-                _sq(diff), _sq(z), (z * mu_coef[i0:i1]).sum(dtype=torch.float64),
-                mu_sq[i0:i1].sum(dtype=torch.float64), _sq(X), coef_sq[i0:i1].sum(dtype=torch.float64)]))
+            if norms:
+                self._piece_norms(pc, X, diff, z)
+
+    def norms(self, chunk: list[Piece]) -> None:
+        """The norms of a chunk compressed with ``norms=False``."""
+        for pc in chunk:
+            if pc.block >= 0:
+                X = self._packed_in(pc.layer)[pc.a:pc.b]
+                z = self.z_own[self._zoff(pc):self._zoff(pc) + pc.numel].view(pc.b - pc.a, pc.width)
+                self._piece_norms(pc, X, X - self.basis.mu[pc.layer][pc.a:pc.b], z)
+
+    def _piece_norms(self, pc: Piece, X: Tensor, diff: Tensor, z: Tensor) -> None:
+        blk = self.basis.blocks[pc.block]
+        mu_coef, mu_sq, coef_sq = self.basis.mu_terms(pc.block)
+        i0, i1 = pc.a - blk.r0, pc.b - blk.r0
+        self._terms.append(torch.stack([
+            _sq(diff), _sq(z), (z * mu_coef[i0:i1]).sum(dtype=torch.float64),
+            mu_sq[i0:i1].sum(dtype=torch.float64), _sq(X), coef_sq[i0:i1].sum(dtype=torch.float64)]))
 
     def expand(self, chunk: list[Piece]) -> None:
         """The mean ``U Σz / N + μ̄`` of the chunk's slices (exact tensors: ``Σ / N``)."""
@@ -212,12 +230,14 @@ class _Step:
                 torch.mm(torch.add(c, zs, alpha=inv_n), blk.U.T, out=out)
             else:  # U Σz/N + μ̄ (Eq. 5)
                 torch.addmm(self.basis.mu[pc.layer][pc.a:pc.b], zs, blk.U.T, alpha=inv_n, out=out)
+            self._rows_left[pc.layer] -= rows
+            if self._rows_left[pc.layer] == 0:  # the layer is complete: back to the parameter layout
+                self.basis.layers[pc.layer].unpack_into(self._mean_packed.pop(pc.layer), self.mean)
 
     def finish(self) -> tuple[float, float, float]:
         """Unpack the mean; return (‖x − (U z + μ̄)‖², ‖x‖²) over the compressed tensors (Eq. 7)
         and ‖sent‖² over the whole group."""
-        for layer, buf in self._mean_packed.items():
-            self.basis.layers[layer].unpack_into(buf, self.mean)
+        assert not self._mean_packed, "every compressed layer is unpacked by the expand() that completes it"
         exact2 = float(_sq(self.z_own[self.exact_start:])) if self.exact_start < self.z_numel else 0.0
         if not self._terms:
             return 0.0, 0.0, exact2
@@ -399,13 +419,15 @@ class GradiVeQRingExchange(GradiVeQExchange):
             overlapped += time.perf_counter() - t0
 
         # compression round (Algorithm 1, lines 3-8)
-        timer.run("compress", lambda: st.compress(chunks[rank]))
+        timer.run("compress", lambda: st.compress(chunks[rank], norms=False))
         o, s = spans[rank]
         st.z_sum[o:o + s].copy_(st.z_own[o:o + s])
         for step in range(n - 1):
             send_idx, recv_idx = (rank - step) % n, (rank - step - 1) % n
             o, s = spans[recv_idx]
             works = post(zs(send_idx), recv_buf[:s])
+            if step == 0:
+                hidden(st.norms, chunks[rank])  # the first chunk's norms, while it travels
             hidden(st.compress, chunks[recv_idx])  # own slices of the segment on the wire
             timer.run("comm", lambda w=works: wait(w))
             torch.add(st.z_own[o:o + s], recv_buf[:s], out=st.z_sum[o:o + s])
