@@ -133,7 +133,9 @@ class _Step:
 
         ‖x − (U z + μ̄)‖² = ‖x − μ̄‖² − ‖z‖²        ‖U z + μ̄‖² = ‖z‖² + 2 z·(Uᵀμ̄) + ‖μ̄‖²
 
-    and :meth:`sent` returns a :class:`LazySent` that expands only if error feedback asks.
+    (with ``outside_span="zero"`` the contribution is ``P x``: ‖P x‖² = ‖z + Uᵀμ̄‖² and
+    ‖x − P x‖² = ‖x‖² − ‖P x‖²), and :meth:`sent` returns a :class:`LazySent` that expands only
+    if error feedback asks.
     """
 
     def __init__(self, comp: GradiVeQCompressor, basis: GroupBasis, p: Tensor, ctx: GroupContext) -> None:
