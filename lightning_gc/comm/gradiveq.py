@@ -225,13 +225,9 @@ class _Step:
                 continue
             blk = self.basis.blocks[pc.block]
             rows = pc.b - pc.a
-            zs = zs.view(rows, pc.width).to(blk.U.dtype)
-            out = self._mean_out(pc.layer)[pc.a:pc.b]
-            if self.project_only:  # U (Σz/N + Uᵀμ̄) = P x̄
-                c = self.basis.mu_terms(pc.block)[0][pc.a - blk.r0:pc.b - blk.r0]
-                torch.mm(torch.add(c, zs, alpha=inv_n), blk.U.T, out=out)
-            else:  # U Σz/N + μ̄ (Eq. 5)
-                torch.addmm(self.basis.mu[pc.layer][pc.a:pc.b], zs, blk.U.T, alpha=inv_n, out=out)
+            # P x̄ = U (Σz/N + Uᵀμ̄), or U Σz/N + μ̄ (Eq. 5)
+            self.basis.expand_rows(pc.block, pc.a, pc.b, zs.view(rows, pc.width).to(blk.U.dtype), inv_n,
+                                   self.project_only, self._mean_out(pc.layer)[pc.a:pc.b])
             self._rows_left[pc.layer] -= rows
             if self._rows_left[pc.layer] == 0:  # the layer is complete: back to the parameter layout
                 self.basis.layers[pc.layer].unpack_into(self._mean_packed.pop(pc.layer), self.mean)

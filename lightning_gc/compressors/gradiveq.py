@@ -292,7 +292,7 @@ class GroupBasis:
     blocks: list[Block]
     mu: dict[int, Tensor]  # layer index -> (rows, K) whitening vectors μ̄ (mean units)
     digest: str = ""
-    _mu_terms: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+    _mu_terms: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict, repr=False)
 
     def mu_terms(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
         """``(c = μ̄·U, ‖μ̄‖², ‖c‖²)`` per slice of block ``i`` (``(rows, d)``, ``(rows,)``, ``(rows,)``), cached.
@@ -307,6 +307,15 @@ class GroupBasis:
             c = mu @ b.U
             terms = self._mu_terms[i] = (c, mu.square().sum(1), c.square().sum(1))
         return terms
+
+    def expand_rows(self, i: int, r0: int, r1: int, z: Tensor, scale: float, project: bool, out: Tensor) -> None:
+        """Decompress rows ``[r0, r1)`` of block ``i`` from coefficients ``z`` into ``out``:
+        ``U (z·scale + Uᵀμ̄)`` (``project``: ``outside_span="zero"``) or ``U z·scale + μ̄`` (Eq. 5)."""
+        b = self.blocks[i]
+        if project:
+            torch.mm(torch.add(self.mu_terms(i)[0][r0 - b.r0:r1 - b.r0], z, alpha=scale), b.U.T, out=out)
+        else:
+            torch.addmm(self.mu[b.layer][r0:r1], z, b.U.T, alpha=scale, out=out)
 
     @property
     def z_numel(self) -> int:
@@ -589,10 +598,7 @@ class GradiVeQCompressor(Compressor):
             buf = packed.setdefault(b.layer, torch.empty(L.rows, L.K, dtype=z.dtype, device=z.device))
             k = (b.r1 - b.r0) * b.d
             zb = z[off:off + k].view(b.r1 - b.r0, b.d)
-            if self.config.outside_span == "zero":
-                torch.mm(torch.add(basis.mu_terms(i)[0], zb, alpha=scale), b.U.T, out=buf[b.r0:b.r1])
-            else:
-                torch.addmm(basis.mu[b.layer][b.r0:b.r1], zb, b.U.T, alpha=scale, out=buf[b.r0:b.r1])
+            basis.expand_rows(i, b.r0, b.r1, zb, scale, self.config.outside_span == "zero", buf[b.r0:b.r1])
             off += k
         for idx, buf in packed.items():
             basis.layers[idx].unpack_into(buf, out)
