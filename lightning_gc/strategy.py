@@ -28,7 +28,6 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import _augment_message
@@ -42,8 +41,9 @@ from .compressors import available_compressors, build_config, get_entry
 from .compressors.base import Compressor
 from .engine import EngineConfig, GCEngine, gc_comm_hook
 from .engine.omgs import OMGS_PLANS, OMGSConfig, OMGSController
+from .engine.session import StepParticipant, StepSession
 from .summary import GCSummary, summarize
-from .sync import OSPConfig, OSPSync, check_optimizer, osp_comm_hook
+from .sync import OSPConfig, OSPSync, check_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -290,8 +290,8 @@ class GCStrategy(DDPStrategy):
         self._monitor = monitor
         self._engine: GCEngine | None = None
         self._omgs: OMGSController | None = None
+        self._session: StepSession | None = None
         self._pending_state: dict | None = None
-        self.skipped_steps = 0
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -319,6 +319,16 @@ class GCStrategy(DDPStrategy):
     def osp(self) -> OSPSync | None:
         """The two-stage synchroniser with ``sync="osp"`` (``None`` before setup or with BSP)."""
         return self._osp
+
+    @property
+    def session(self) -> StepSession | None:
+        """The step session: the engine and its participants (``None`` before the model is wrapped)."""
+        return self._session
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped on every rank because the gradient was non-finite."""
+        return self._session.skipped_steps if self._session is not None else 0
 
     @property
     def compressor_name(self) -> str:
@@ -441,93 +451,58 @@ class GCStrategy(DDPStrategy):
                 f"plan={self._engine_config.plan} groups={len(self._engine.plan.groups)} "
                 f"warmup_steps={self._engine_config.warmup_steps} error_feedback={self._engine.error_feedback}"
             )
+        participants: list[StepParticipant] = []  # in calling order
         if self._omgs_config is not None and self._engine.world_size > 1:
             self._omgs = OMGSController(self._engine, self._omgs_config, self.model, named, self._engine_config.plan)
+            participants.append(self._omgs)
         if self._sync == "osp":
             self._osp = OSPSync(self._engine, self._osp_config)
+            participants.append(self._osp)
+        scaler = getattr(self.precision_plugin, "scaler", None) if isinstance(self.precision_plugin, MixedPrecision) else None
+        # with an AMP GradScaler the scaler skips non-finite steps itself
+        self._session = StepSession(self._engine, participants,
+                                    skip_nonfinite=self._nonfinite == "skip" and scaler is None)
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
             self._pending_state = None
-        if self._osp is not None:
-            self.model.register_comm_hook(self._osp, osp_comm_hook)
-        else:
-            self.model.register_comm_hook(self._engine, gc_comm_hook)
+        self.model.register_comm_hook(self._session, gc_comm_hook)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self._omgs is not None:
-            closure = self._omgs.wrap_closure(closure)
-        out = self._optimizer_step(optimizer, closure, model, **kwargs)
-        if self._engine is not None:
-            self._engine.after_optimizer_step()
-        if self._omgs is not None:
-            self._omgs.after_step()
-        if self._osp is not None:
-            self._osp.after_optimizer_step()
-        return out
-
-    def _optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        scaler = getattr(self.precision_plugin, "scaler", None) if isinstance(self.precision_plugin, MixedPrecision) else None
-        osp = self._osp
-        if osp is None and (self._nonfinite != "skip" or scaler is not None):
+        """Every optimizer step — Lightning's and the adaptive controller's rollback steps — goes
+        through the step session (engine and participants, in their order)."""
+        if self._session is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        def closure_then_skip() -> Any:
-            out = closure()
-            engine = self._engine
-            bad = osp.before_optimizer_step(out) if osp is not None else False
-            bad = (engine is not None and engine.before_optimizer_step()) or bad
-            if not (bad and self._nonfinite == "skip"):
-                if osp is not None:
-                    osp.prepare_step(optimizer)
-                return out
-            if osp is not None:
-                osp.skip_step()
-            if engine is not None:
-                # Optimizers skip parameters without a gradient: no update, no momentum, no decay.
-                for group in optimizer.param_groups:
-                    for p in group["params"]:
-                        p.grad = None
-                self.skipped_steps += 1
-                rank_zero_warn(
-                    f"lightning_gc: non-finite gradient at step {engine.step - 1}; the optimizer step was "
-                    "skipped on every rank and error memory left unchanged."
-                )
-            return out
-
-        return super().optimizer_step(optimizer, closure_then_skip, model, **kwargs)
+        return self._session.optimizer_step(
+            optimizer, closure, lambda c: super(GCStrategy, self).optimizer_step(optimizer, c, model, **kwargs))
 
     @override
     def teardown(self) -> None:
-        # stop the exchange worker and release its process group before DDP and the default
+        # stop the exchange workers and release their process groups before DDP and the default
         # process group go away: an orderly exit instead of threads dying with the interpreter
-        if self._omgs is not None:
-            self._omgs.detach()
-        if self._osp is not None:
-            self._osp.drain(timeout=60.0)
-            self._osp.close()
-        if self._engine is not None:
-            self._engine.close()
+        if self._session is not None:
+            self._session.close(timeout=60.0)
         super().teardown()
 
-    # OSP: nothing in flight when parameters are read or written outside a training step
-    def _drain_osp(self) -> None:
-        if self._osp is not None:
-            self._osp.drain()
+    def drain(self, timeout: float | None = None) -> bool:
+        """Finish the participants' work in flight (OSP's deferred exchange and its correction) so
+        that parameters are final; the strategy calls it before checkpoints, evaluation and at the
+        end of fit (:class:`~lightning_gc.callbacks.osp_drain.OSPDrain`)."""
+        return self._session.drain(timeout) if self._session is not None else True
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # Lightning reads the model and optimizer state for a checkpoint before save_checkpoint
-        self._drain_osp()
+        self.drain()
         return super().lightning_module_state_dict()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        if self._osp is not None:
+        if self._session is not None:
             try:  # peers may be gone: wait a bounded time, never hang the error path
-                self._osp.drain(timeout=30.0)
+                self._session.drain(timeout=30.0)
             except Exception as e:  # noqa: BLE001 - the original exception matters more
-                log.warning("lightning_gc OSP: pending deferred synchronisation lost on exception: %r", e)
+                log.warning("lightning_gc: pending deferred synchronisation lost on exception: %r", e)
         # Lightning's DDPStrategy suggests ddp_find_unused_parameters_true / DDPStrategy(...), which
         # would silently replace lightning_gc by plain DDP: say how to do it with GCStrategy instead.
         for pattern in _UNUSED_PATTERNS:
@@ -536,7 +511,7 @@ class GCStrategy(DDPStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self._engine is not None:
+        if self._session is not None:
             checkpoint[CHECKPOINT_KEY] = self._gather_state()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -545,49 +520,19 @@ class GCStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is not None:
-            if self._engine is not None:
+            if self._session is not None:
                 self._apply_state(state)
             else:
                 self._pending_state = state
         return checkpoint
 
     def _gather_state(self) -> dict[str, Any]:
-        engine = self._engine
-        assert engine is not None
-        local = engine.state_dict()
-        if self._osp is not None:
-            self._osp.drain()
-            local["osp"] = self._osp.state_dict()
-        if engine.world_size > 1:
-            states: list[Any] = [None] * engine.world_size
-            dist.all_gather_object(states, local, group=engine.process_group)
-        else:
-            states = [local]
-        out = {"world_size": engine.world_size, "ranks": states, "compressor": self._compressor_name}
-        if self._omgs is not None:
-            out["omgs"] = self._omgs.state_dict()  # agreed over ranks: one copy
-        return out
+        assert self._session is not None
+        return {**self._session.state_dict(), "compressor": self._compressor_name}
 
     def _apply_state(self, state: dict[str, Any]) -> None:
-        engine = self._engine
-        assert engine is not None
-        if self._omgs is not None and state.get("omgs"):
-            self._omgs.load_state_dict(state["omgs"])
-        saved_ws = int(state.get("world_size", -1))
-        ranks = state.get("ranks") or []
-        if saved_ws != engine.world_size or len(ranks) != saved_ws:
-            rank_zero_warn(
-                f"lightning_gc: the checkpoint was written with world size {saved_ws}, this run has "
-                f"{engine.world_size}; per-rank error memory cannot be mapped and is reset to zero. "
-                "The step counter and statistics are kept."
-            )
-            if ranks:
-                engine.load_state_dict(ranks[0], restore_memory=False)
-            return
-        own = ranks[engine.rank]
-        if self._osp is not None and own.get("osp") is not None:
-            self._osp.load_state_dict(own["osp"])  # first: it sets the plan the memory is keyed by
-        missing = engine.load_state_dict(own)
+        assert self._session is not None
+        missing = self._session.load_state_dict(state)
         if missing:
             rank_zero_warn(
                 f"lightning_gc: error memory for {len(missing)} parameter(s) was not in the checkpoint "

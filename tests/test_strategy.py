@@ -16,6 +16,7 @@ from lit_models import ReportCallback, TinyClassifier, make_loader
 from lightning_gc import GCStrategy
 from lightning_gc.compressors import build_compressor
 from lightning_gc.engine import EngineConfig, GCEngine
+from lightning_gc.engine.session import StepSession
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -168,6 +169,7 @@ def test_resume_with_other_world_size_resets_memory_with_warning():
     model = torch.nn.Linear(64, 32)
     strategy = GCStrategy(compressor="topk", ratio=0.1)
     strategy._engine = GCEngine(build_compressor("topk", ratio=0.1), EngineConfig(), list(model.named_parameters()))
+    strategy._session = StepSession(strategy._engine)
     state = strategy._engine.state_dict()
     state.update(step=7, memory={"weight": torch.ones(64 * 32)})
     with pytest.warns(UserWarning, match="written with world size 2, this run has 1.*reset to zero"):

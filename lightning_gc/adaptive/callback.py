@@ -245,7 +245,7 @@ class AdaptiveRatio(Callback):
     def _network_model(self, engine: Any, step: int, refresh: bool) -> NetworkModel | None:
         """The agreed alpha-beta model: the engine's when it keeps one (probed or pinned), else the
         controller's own probe, refreshed every ``probe_every`` steps (and when ``refresh``)."""
-        if engine.network.pinned or engine.tracker.policy is not None:
+        if engine.keeps_network_model:
             if engine.network.model is not None:
                 return engine.network.model
         due = refresh or self._network is None or (
@@ -265,7 +265,7 @@ class AdaptiveRatio(Callback):
             self._shadow = ShadowScorer(engine.compressor, self.config.candidates)
             self._shadow_comm = []
             self._shadow_trigger = trigger
-            engine.group_observer = self._shadow
+            engine.set_group_observer(self._shadow)
             return
         t0 = time.perf_counter()
         results = self._rollback(trainer, pl_module, engine)
@@ -275,8 +275,7 @@ class AdaptiveRatio(Callback):
     def _finish_shadow(self, trainer: Any, engine: Any, step: int) -> None:
         scorer, self._shadow = self._shadow, None
         assert scorer is not None
-        engine.synchronize()
-        engine.group_observer = None
+        engine.set_group_observer(None)
         results = scorer.results(engine.process_group, engine.device)
         live_comm = agree([sum(self._shadow_comm) / len(self._shadow_comm)], engine.process_group, engine.device)[0]
         # the extra work shadow mode did: the candidates' compressions (mean over ranks); the live
@@ -292,8 +291,8 @@ class AdaptiveRatio(Callback):
         optimizers = list(trainer.optimizers)
         schedulers = [cfg.scheduler for cfg in trainer.lr_scheduler_configs]
         strategy = self._strategy(trainer)
-        snap = TrainingSnapshot.capture(pl_module, optimizers, schedulers, engine,
-                                        extra={"skipped_steps": strategy.skipped_steps})
+        # the session's snapshot covers the engine, every participant (OSP, OMGS) and the skip counter
+        snap = TrainingSnapshot.capture(pl_module, optimizers, schedulers, session=strategy.session)
         sums: list[float] = []
         gains: list[list[float]] = []
         try:
@@ -312,7 +311,6 @@ class AdaptiveRatio(Callback):
                 snap.restore()
         finally:
             snap.restore()
-            strategy.skipped_steps = snap.extra["skipped_steps"]
         vals = agree(sums, engine.process_group, engine.device)
         out = []
         for i, c in enumerate(self.config.candidates):
@@ -323,19 +321,25 @@ class AdaptiveRatio(Callback):
 
     @staticmethod
     def _real_step(trainer: Any, pl_module: Any, engine: Any, optimizer: Any, batch: Any, batch_idx: int):
-        """One real training step on ``batch`` outside Lightning's loop (logging muted)."""
+        """One real training step on ``batch`` outside Lightning's loop (logging muted).
+
+        It goes through the strategy's ``optimizer_step`` like Lightning's own steps: the step
+        session (engine, OSP, OMGS, the non-finite skip) and the precision plugin (gradient
+        clipping, ``on_before_optimizer_step``) all take part."""
         strategy = trainer.strategy
         pl_module.log = _mute
         pl_module.log_dict = _mute
-        try:
+
+        def closure() -> Any:
             with torch.enable_grad():
                 optimizer.zero_grad()
                 out = strategy.training_step(batch, batch_idx)
                 loss = out["loss"] if isinstance(out, dict) else out
-                loss.backward()
-            if not engine.before_optimizer_step():
-                optimizer.step()
-            engine.after_optimizer_step()
+                strategy.backward(loss, optimizer)
+            return loss
+
+        try:
+            strategy.optimizer_step(optimizer, closure)
         finally:
             del pl_module.log
             del pl_module.log_dict
@@ -382,7 +386,8 @@ class AdaptiveRatio(Callback):
             rank_zero_warn(f"lightning_gc: adaptive ratio kept c={engine.compressor.ratio!r} at step {step}: {e}")
             self.pending_trigger = None
             return
-        engine.set_ratio(decision.c)  # from the next step; compared across ranks
+        # from the next step; compared across ranks; participants told (OMGS re-plans)
+        self._strategy(trainer).session.set_ratio(decision.c)
         self.c, self.collective = decision.c, decision.collective
         self.decision_step, self.gain_ref = step, None
         self.net_ref = (net.alpha_s, net.beta_s_per_byte)

@@ -10,9 +10,11 @@ run that explores must continue *exactly* as a run that never did, so this snaps
   it is deep-copied again at each restore because ``Optimizer.load_state_dict`` adopts tensors
   that already have the right dtype and device, and the next step would update the snapshot in place;
 * every LR scheduler's ``state_dict``;
-* the engine: ``GCEngine.state_dict()`` (step counter, error memory by parameter name, gain EWMA,
-  totals, ratio, network tracker, exchange state such as VAR energies) plus the last step's
-  statistics and the hook-call counter;
+* the step session (:meth:`~lightning_gc.engine.session.StepSession.snapshot`): the engine's
+  ``state_dict()`` (step counter, error memory by parameter name, gain EWMA, totals, ratio, network
+  tracker, exchange state such as VAR energies), the last step's statistics and the hook-call
+  counter, every participant's exact in-memory state (OSP: split, schedule, carried residuals and
+  the deferred exchange in flight; OMGS: plan, fits, windows) and the skipped-step counter;
 * the RNG states: torch CPU, every CUDA device (when initialised), NumPy and Python's ``random``.
 
 Memory: one copy of parameters, gradients, optimizer state and error memory (≈ 3–5× the model).
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 
 from ..engine import GCEngine
+from ..engine.session import SessionSnapshot, StepSession
 
 
 def _rng_state() -> dict[str, Any]:
@@ -54,41 +57,40 @@ class TrainingSnapshot:
     module: torch.nn.Module
     optimizers: Sequence[torch.optim.Optimizer]
     schedulers: Sequence[Any]
-    engine: GCEngine | None
+    session: StepSession | None
     tensors: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor | None]
     optimizer_states: list[dict]
     scheduler_states: list[dict]
-    engine_state: dict | None
-    engine_extra: tuple | None
+    session_state: SessionSnapshot | None
     rng: dict[str, Any]
     extra: dict[str, Any]
 
     @classmethod
     def capture(cls, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (),
                 schedulers: Sequence[Any] = (), engine: GCEngine | None = None,
-                extra: dict[str, Any] | None = None) -> TrainingSnapshot:
-        """Copy the current state (call at a step boundary, on every rank)."""
-        if engine is not None:
-            engine.synchronize()
+                extra: dict[str, Any] | None = None, session: StepSession | None = None) -> TrainingSnapshot:
+        """Copy the current state (call at a step boundary, on every rank). Pass the strategy's
+        ``session`` (engine and participants); ``engine`` alone stands for a session without
+        participants."""
+        if session is None and engine is not None:
+            session = StepSession(engine)
+        # first: the session waits for work in flight, which may still write gradients
+        session_state = session.snapshot() if session is not None else None
         tensors = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
         grads = {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in module.named_parameters()}
-        eng_state = eng_extra = None
-        if engine is not None:
-            eng_state = copy.deepcopy(engine.state_dict())
-            eng_extra = engine.reporting_state()
         return cls(
-            module=module, optimizers=list(optimizers), schedulers=list(schedulers), engine=engine,
+            module=module, optimizers=list(optimizers), schedulers=list(schedulers), session=session,
             tensors=tensors, grads=grads,
             optimizer_states=[copy.deepcopy(o.state_dict()) for o in optimizers],
             scheduler_states=[copy.deepcopy(s.state_dict()) for s in schedulers],
-            engine_state=eng_state, engine_extra=eng_extra, rng=_rng_state(), extra=copy.deepcopy(extra or {}),
+            session_state=session_state, rng=_rng_state(), extra=copy.deepcopy(extra or {}),
         )
 
     def restore(self) -> None:
         """Put everything back; the snapshot stays valid for further restores."""
-        if self.engine is not None:
-            self.engine.synchronize()
+        if self.session is not None:
+            self.session.engine.synchronize()
         with torch.no_grad():
             live = self.module.state_dict(keep_vars=True)
             if set(live) != set(self.tensors):
@@ -111,8 +113,6 @@ class TrainingSnapshot:
             opt.load_state_dict(copy.deepcopy(st))
         for sch, st in zip(self.schedulers, self.scheduler_states):
             sch.load_state_dict(copy.deepcopy(st))
-        if self.engine is not None and self.engine_state is not None:
-            self.engine.load_state_dict(copy.deepcopy(self.engine_state))
-            assert self.engine_extra is not None
-            self.engine.restore_reporting_state(self.engine_extra)
+        if self.session is not None and self.session_state is not None:
+            self.session.restore(self.session_state)
         _set_rng_state(self.rng)

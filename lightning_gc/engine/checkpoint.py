@@ -24,9 +24,9 @@ def engine_state(engine: GCEngine) -> dict:
         "world_size": engine.world_size,
         "rank": engine.rank,
         "step": engine.step,
-        "memory": engine._memory.by_name(engine.plan),
+        "memory": engine.error_memory_by_name(),
         "gain_ewma": engine.gain_ewma,
-        "totals": engine._totals.as_dict(),
+        "totals": engine.totals(),
         "plan": engine.plan.signature(),
         "ratio": float(engine.compressor.ratio),
         "seed": engine.config.seed,
@@ -50,14 +50,13 @@ def load_engine_state(engine: GCEngine, state: dict, restore_memory: bool = True
         )
     engine.step = int(state["step"])
     engine.gain_ewma = state.get("gain_ewma")
-    engine._totals = Totals(**state.get("totals", {}))
+    engine.set_totals(Totals(**state.get("totals", {})))
     ratio = state.get("ratio")
     if ratio is not None and engine.compressor.has_ratio:
         engine.compressor.set_ratio(ratio)  # replicated: every rank's saved state holds the same ratio
     engine.tracker.load_state_dict(state.get("network") or {})
     engine.exchange.load_state_dict(state.get("exchange") or {}, world_size=engine.world_size)
     if not restore_memory:
-        engine._memory.clear()
+        engine.clear_error_memory()
         return []
-    dtypes = [p.dtype for p in engine.params]
-    return engine._memory.load_by_name(engine.plan, state.get("memory", {}), dtypes, engine.device)
+    return engine.load_error_memory(state.get("memory", {}))

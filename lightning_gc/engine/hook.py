@@ -230,6 +230,33 @@ class GCEngine:
         """Per-parameter copies (CPU) of the error-feedback memory of the current plan."""
         return self._memory.by_name(self.plan)
 
+    def load_error_memory(self, by_name: dict[str, Tensor]) -> list[str]:
+        """Replace the error memory by per-parameter tensors (as :meth:`error_memory_by_name` gives
+        them), laid out for the current plan. Returns the names that were missing (zero)."""
+        self.synchronize()
+        return self._memory.load_by_name(self.plan, by_name, [p.dtype for p in self.params], self.device)
+
+    def clear_error_memory(self) -> None:
+        self.synchronize()
+        self._memory.clear()
+
+    def set_totals(self, totals: Totals) -> None:
+        """Replace the cumulative counters (checkpoint restore)."""
+        with self._stats_lock:
+            self._totals = totals
+
+    @property
+    def keeps_network_model(self) -> bool:
+        """Whether the engine maintains an agreed network model itself (pinned, or probed by its
+        tracker for a model-chosen collective); otherwise a collaborator probes its own."""
+        return self.tracker.state.pinned or self.tracker.policy is not None
+
+    def set_group_observer(self, observer: Callable[[int, Tensor, GroupContext], None] | None) -> None:
+        """Install (or remove, with ``None``) the read-only observer of each lossy group's
+        error-fed gradient; between steps only (waits for the step in flight)."""
+        self.synchronize()
+        self.group_observer = observer
+
     def totals(self) -> dict:
         """Cumulative per-rank counters since the start of training (snapshot)."""
         self.synchronize()
@@ -644,7 +671,9 @@ class GCEngine:
 
 
 def gc_comm_hook(engine: GCEngine, bucket: dist.GradBucket) -> torch.futures.Future:
-    """DDP communication hook: ``ddp_model.register_comm_hook(engine, gc_comm_hook)``."""
+    """DDP communication hook: ``ddp_model.register_comm_hook(engine, gc_comm_hook)``; the state
+    may also be a :class:`~lightning_gc.engine.session.StepSession` (what the strategy registers),
+    which hands the bucket to its participants before the engine."""
     return engine.on_bucket(bucket)
 
 

@@ -33,6 +33,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import statistics
@@ -51,6 +52,8 @@ from ..compressors.base import GroupContext
 from ..plans import ParamFacts, Plan, PlanRequest, get_planner
 from ..plans.omgs import GroupTimes, OMGSCost, is_provisional, partition_from_plan, predict_plan
 from ..plans.omgs_fit import LineFit, SparsifyFit, fit_comm, fit_line, fit_sparsify
+from .ports import EngineView, PlanControl
+from .session import StepParticipant
 
 log = logging.getLogger(__name__)
 
@@ -165,10 +168,20 @@ class OMGSState:
     plan_version: int = 0
 
 
-class OMGSController:
-    """Profiler, fitter and (re-)planner for one engine. All methods are called on every rank."""
+class OMGSController(StepParticipant):
+    """Profiler, fitter and (re-)planner for one engine. All methods are called on every rank.
 
-    def __init__(self, engine: Any, config: OMGSConfig, module: torch.nn.Module,
+    A participant of the :class:`~lightning_gc.engine.session.StepSession`: it times the closure
+    (:meth:`wrap_closure`), profiles, fits and plans after each step (:meth:`after_optimizer_step`),
+    owns the merge plan with ``plan="omgs"``/``"omgs_paper"`` (only predicts otherwise), re-plans
+    when the compression ratio changes (:meth:`on_ratio_change`: the plan was fitted at the old
+    ratio), and its checkpoint state (the agreed backward profile) is replicated.
+    """
+
+    name = "omgs"
+    state_scope = "replicated"
+
+    def __init__(self, engine: EngineView, config: OMGSConfig, module: torch.nn.Module,
                  named_parameters: list[tuple[str, Tensor]], plan_kind: str) -> None:
         if engine.exchange.state_dict():
             raise ValueError(
@@ -179,6 +192,8 @@ class OMGSController:
         self.config = config
         self.plan_kind = plan_kind
         self.replace = plan_kind in OMGS_PLANS
+        self.owns_plan = self.replace  # type: ignore[misc] # per instance: a predict-only controller owns nothing
+        self._plan_control: PlanControl = engine  # type: ignore[assignment] # the session re-binds it
         self.names = [n for n, _ in named_parameters]
         self.params = [p for _, p in named_parameters]
         self.state = OMGSState()
@@ -220,10 +235,43 @@ class OMGSController:
             return out
         return timed
 
+    def bind_plan(self, control: PlanControl) -> None:
+        self._plan_control = control
+
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    def close(self, timeout: float = 60.0) -> None:
+        self.detach()
+
+    def after_optimizer_step(self) -> None:
+        self.after_step()
+
+    def on_ratio_change(self, ratio: float) -> None:
+        """The plan and its prediction were fitted at the old ratio: re-fit and re-plan."""
+        self.request_replan()
+
+    def snapshot(self) -> dict:
+        """Exact copy of what a step may change (rollback exploration), the plan in force included."""
+        return copy.deepcopy({
+            "state": self.state, "window": self._window, "replan": self._replan_requested,
+            "profiling": self._profiling, "profile": self._profile, "backward_s": self.backward_s,
+        }) | {"plan": self.engine.plan}
+
+    def restore(self, snapshot: dict) -> None:
+        if snapshot["profiling"] != self._profiling:
+            raise RuntimeError(
+                "lightning_gc OMGS: a rollback crossed the end of the backward profile, whose hooks cannot be "
+                "re-installed; explore after OMGS has profiled (AdaptiveRatio's warmup_steps ≥ OMGSConfig's "
+                "dense_steps_needed)."
+            )
+        snap = copy.deepcopy({k: v for k, v in snapshot.items() if k != "plan"})
+        self.state, self._window, self._replan_requested = snap["state"], snap["window"], snap["replan"]
+        self._profile, self.backward_s = snap["profile"], snap["backward_s"]
+        if self.engine.plan.signature() != snapshot["plan"].signature():
+            self._plan_control.replace_plan(snapshot["plan"], verify=False)
 
     def state_dict(self) -> dict:
         """The agreed backward profile (identical on all ranks), for checkpoints."""
@@ -331,7 +379,7 @@ class OMGSController:
         request = self._request(cost)
         plan = get_planner(self.plan_kind)(request) if self.replace else engine.plan
         if self.replace and plan.signature() != engine.plan.signature():
-            engine.replace_plan(plan)
+            self._plan_control.replace_plan(plan)
         predicted, tl = predict_plan(plan, request)
         s = self.state
         s.plan, s.predicted_s, s.timeline, s.calibration = plan, predicted, tl, cal

@@ -65,7 +65,6 @@ class _Entry:
     param: Tensor
     p0: Tensor
     buf0: Tensor | None
-    state: dict
     lr: float
     momentum: float
     dampening: float
@@ -82,6 +81,9 @@ class LGPSnapshot:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[Tensor]) -> None:
+        # the optimizer's per-parameter state is looked up when the replay runs, not held: a rollback
+        # exploration may have replaced it (Optimizer.load_state_dict) in between
+        self.optimizer = optimizer
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         self.entries: list[_Entry] = []
         for p in params:
@@ -89,11 +91,10 @@ class LGPSnapshot:
             if g is None or p.grad is None:  # not optimised, or no gradient: the step leaves it alone
                 self.entries.append(None)  # type: ignore[arg-type]
                 continue
-            state = optimizer.state[p]
-            buf = state.get("momentum_buffer")
+            buf = optimizer.state[p].get("momentum_buffer")
             self.entries.append(_Entry(
                 param=p, p0=p.detach().clone(), buf0=None if buf is None else buf.detach().clone(),
-                state=state, lr=float(g["lr"]), momentum=float(g["momentum"]), dampening=float(g["dampening"]),
+                lr=float(g["lr"]), momentum=float(g["momentum"]), dampening=float(g["dampening"]),
                 nesterov=bool(g["nesterov"]), weight_decay=float(g["weight_decay"]),
                 maximize=bool(g.get("maximize", False)),
             ))
@@ -117,9 +118,10 @@ class LGPSnapshot:
                 else:
                     buf = e.buf0.clone().mul_(e.momentum).add_(d, alpha=1 - e.dampening)
                 d = d.add(buf, alpha=e.momentum) if e.nesterov else buf
-                held = e.state.get("momentum_buffer")
+                state = self.optimizer.state[e.param]
+                held = state.get("momentum_buffer")
                 if held is None:
-                    e.state["momentum_buffer"] = buf
+                    state["momentum_buffer"] = buf
                 else:
                     held.copy_(buf)
             new = e.p0.add(d, alpha=-e.lr)

@@ -42,6 +42,8 @@ from torch import Tensor
 
 from ..comm.collectives import ring_allreduce_bytes
 from ..comm.worker import InlineRunner, OrderedWorker
+from ..engine.ports import EngineControl, PlanControl
+from ..engine.session import StepParticipant
 from ..plans import Group, Plan
 from .importance import layer_importance, rank_split
 from .lgp import LGPSnapshot
@@ -157,18 +159,26 @@ class _Round:
     tc: list[float] = field(default_factory=list)
 
 
-class OSPSync:
+class OSPSync(StepParticipant):
     """Two-stage synchronisation around a :class:`~lightning_gc.engine.GCEngine`.
 
-    Build it right after the engine, on every rank, in the same order (it creates a process group).
-    Register :func:`osp_comm_hook` with it instead of the engine's hook. Lifecycle, from the
-    training loop, every optimizer step: :meth:`before_optimizer_step` (after backward; returns
-    whether ICS data was non-finite on some rank), then either :meth:`prepare_step` (the step will
-    be taken) or :meth:`skip_step`, then ``optimizer.step()``, then :meth:`after_optimizer_step`.
+    A participant of the :class:`~lightning_gc.engine.session.StepSession` that owns the merge
+    plan (it leaves the deferred layers out of the engine's plan every step). Build it right after
+    the engine, on every rank, in the same order (it creates a process group). Lifecycle, called by
+    the session every optimizer step: :meth:`on_bucket` (before the engine sees each bucket),
+    :meth:`before_optimizer_step` (after backward; returns whether ICS data was non-finite on some
+    rank), then either :meth:`prepare_step` (the step will be taken) or :meth:`skip_step`, then
+    ``optimizer.step()``, then :meth:`after_optimizer_step`. Without a session (unit tests),
+    register :func:`osp_comm_hook` with it instead of the engine's hook and call the same methods.
     """
 
-    def __init__(self, engine: Any, config: OSPConfig) -> None:
+    name = "osp"
+    owns_plan = True
+    state_scope = "rank"
+
+    def __init__(self, engine: EngineControl, config: OSPConfig) -> None:
         self.engine = engine
+        self._plan_control: PlanControl = engine  # type: ignore[assignment] # the session re-binds it
         self.config = config
         self.params: list[Tensor] = list(engine.params)
         self.names: list[str] = list(engine.names)
@@ -213,8 +223,12 @@ class OSPSync:
         self.probed_network: Any = None
         self.carried_layers = 0  # layers whose error memory moved into the deferred stage (total)
 
+    def bind_plan(self, control: PlanControl) -> None:
+        self._plan_control = control
+
     # ------------------------------------------------------------------ hook (autograd thread)
-    def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+    def on_bucket(self, bucket: dist.GradBucket) -> None:
+        """Copy the deferred layers' local gradients (the engine then sees the bucket)."""
         if self.deferred:
             for p, g in zip(bucket.parameters(), bucket.gradients()):
                 pid = self._pid_of_ptr.get(p.data_ptr())
@@ -228,7 +242,6 @@ class OSPSync:
                         self._captured[pid] = g.detach() + carry
         if bucket.is_last():
             self._t_backward_end = time.perf_counter()
-        return self.engine.on_bucket(bucket)
 
     # ------------------------------------------------------------------ lifecycle (main thread)
     def before_optimizer_step(self, loss: Any = None) -> bool:
@@ -274,8 +287,14 @@ class OSPSync:
             self._snapshot = LGPSnapshot(optimizer, [self.params[pid] for pid in sorted(self.deferred)])
 
     def skip_step(self) -> None:
-        """The optimizer step is skipped on every rank (non-finite): nothing to send or correct."""
-        self._carry.update(self._carry_used)  # carried error memory waits for the next send
+        """The optimizer step is skipped on every rank (non-finite): nothing to send or correct.
+
+        What this step's deferred sends would have carried (error memory, older residuals) waits
+        for the layer's next send, added to what arrived meanwhile: the previous step's residual,
+        applied by :meth:`before_optimizer_step`, is already waiting for the same layer."""
+        for pid, used in self._carry_used.items():
+            waiting = self._carry.get(pid)
+            self._carry[pid] = used if waiting is None else used + waiting
         self._carry_used = {}
         self._captured.clear()
         self._snapshot = None
@@ -313,6 +332,7 @@ class OSPSync:
         return self._apply_pending(timeout)
 
     def close(self, timeout: float = 60.0) -> None:
+        self.drain(timeout=timeout)
         stopped = self._runner.close(timeout)
         group, self.group = self.group, None
         if group is not None and stopped and dist.is_available() and dist.is_initialized():
@@ -434,7 +454,7 @@ class OSPSync:
             self._carry_memory(deferred - self.deferred)
             self.deferred = deferred
             keep = frozenset(range(len(self.params))) - deferred
-            self.engine.replace_plan(filter_plan(self.base_plan, keep), verify=False)
+            self._plan_control.replace_plan(filter_plan(self.base_plan, keep), verify=False)
 
     def _carry_memory(self, joining: frozenset[int]) -> None:
         """A layer leaving the routine stage takes its error memory (what the compressor has not
@@ -449,6 +469,39 @@ class OSPSync:
                 e = e.to(self.params[pid].device).view_as(self.params[pid])
                 self._carry[pid] = self._carry[pid] + e if pid in self._carry else e
                 self.carried_layers += 1
+
+    # ------------------------------------------------------------------ rollback snapshot
+    def snapshot(self) -> dict:
+        """Exact copy of OSP's state at a step boundary, the ICS work in flight included.
+
+        The pending deferred exchange is waited for but **not** applied: applying it would correct
+        the deferred layers before the next forward instead of after the next backward, and the run
+        would differ from one that never took the snapshot. Its result (the global gradients, the
+        LGP snapshot, the residual) is not changed by being applied, so the same object is put back
+        by :meth:`restore` (the replay reads the optimizer's state when it runs, so an optimizer
+        restored from a ``state_dict`` is seen)."""
+        if self._pending is not None and not self._runner.drain():
+            raise RuntimeError("lightning_gc OSP: the deferred exchange did not finish for a snapshot")
+        return {
+            "state": self.state_dict(),
+            "pending": self._pending,
+            "last_stats": self.last_stats,
+            "carried_layers": self.carried_layers,
+            "probed_network": self.probed_network,
+        }
+
+    def restore(self, snapshot: dict) -> None:
+        self._runner.drain()
+        self.load_state_dict(snapshot["state"])
+        self._pending = snapshot["pending"]
+        self._captured.clear()
+        self._carry_used = {}
+        self._snapshot = None
+        self.last_stats = snapshot["last_stats"]
+        self.carried_layers = snapshot["carried_layers"]
+        self.probed_network = snapshot["probed_network"]
+        # the compute-time sample of the next step would include the exploration: leave it out
+        self._t_opt_end = None
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict:
@@ -484,12 +537,14 @@ class OSPSync:
         deferred = frozenset(index[n] for n in state.get("deferred", []))
         self.deferred = deferred
         keep = frozenset(range(len(self.params))) - deferred
-        self.engine.replace_plan(filter_plan(self.base_plan, keep), verify=False)
+        self._plan_control.replace_plan(filter_plan(self.base_plan, keep), verify=False)
 
 
 def osp_comm_hook(osp: OSPSync, bucket: dist.GradBucket) -> torch.futures.Future:
-    """DDP communication hook: ``ddp_model.register_comm_hook(osp, osp_comm_hook)``."""
-    return osp.on_bucket(bucket)
+    """DDP communication hook for OSP without a step session (unit tests):
+    ``ddp_model.register_comm_hook(osp, osp_comm_hook)``. The strategy uses the session's hook."""
+    osp.on_bucket(bucket)
+    return osp.engine.on_bucket(bucket)
 
 
 osp_comm_hook.__annotations__ = {

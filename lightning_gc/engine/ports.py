@@ -1,0 +1,87 @@
+"""What the engine's collaborators may read and change: typed interfaces (Protocols).
+
+The step session's participants (OSP, OMGS, later synchronisation models) and the adaptive ratio
+controller depend on these Protocols, never on :class:`~lightning_gc.engine.GCEngine` itself nor
+on its private members, so that the coupling is visible to readers and type checkers, and an
+engine double in a unit test needs only what a participant really uses.
+
+* :class:`EngineView` — replicated facts and per-step results (read only);
+* :class:`EngineControl` — the view plus the changes a collaborator may make between steps
+  (ratio, warm-up length, group observer, extra traffic to count);
+* :class:`PlanControl` — replacing the merge plan. The step session hands it to exactly one
+  participant, the plan owner (:class:`~lightning_gc.engine.session.StepSession`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from ..comm.exchange import Exchange
+    from ..comm.network import NetworkState
+    from ..compressors.base import Compressor, GroupContext
+    from ..plans import Plan
+    from .config import EngineConfig
+    from .stats import StepStats
+
+GroupObserver = Callable[[int, Tensor, "GroupContext"], None]
+
+
+@runtime_checkable
+class EngineView(Protocol):
+    """Read-only facts of the engine: identical on every rank unless noted."""
+
+    names: list[str]
+    params: list[Tensor]
+    world_size: int
+    rank: int  # this rank (differs per rank)
+    device: torch.device
+    process_group: Any
+    exchange_group: Any
+    config: EngineConfig
+    compressor: Compressor
+    exchange: Exchange
+    exact_exchange: Exchange
+    error_feedback: bool
+    step: int
+    plan: Plan
+    gain_ewma: float | None
+
+    @property
+    def network(self) -> NetworkState: ...
+
+    @property
+    def keeps_network_model(self) -> bool: ...
+
+    @property
+    def last_step(self) -> StepStats | None: ...
+
+    def step_is_dense(self) -> bool: ...
+
+    def error_memory_by_name(self) -> dict[str, Tensor]: ...
+
+    def synchronize(self) -> None: ...
+
+
+@runtime_checkable
+class EngineControl(EngineView, Protocol):
+    """What a collaborator may change on the engine, between steps and identically on every rank."""
+
+    def set_ratio(self, ratio: float) -> None: ...
+
+    def raise_warmup_steps(self, steps: int) -> None: ...
+
+    def set_group_observer(self, observer: GroupObserver | None) -> None: ...
+
+    def add_deferred_traffic(self, bytes_sent: int, bytes_payload: int) -> None: ...
+
+
+class PlanControl(Protocol):
+    """Replacing the engine's merge plan (only the session's plan owner holds one)."""
+
+    def replace_plan(self, plan: Plan, verify: bool = True) -> list[str]: ...
+

@@ -1,0 +1,319 @@
+"""The step session: the one owner of how the engine and its participants compose per step.
+
+Before this module, the strategy called the engine, OSP and OMGS by hand in a fixed order, the
+adaptive controller's rollback ran its own copy of a training step that called only the engine,
+and only an ``if`` kept OSP and OMGS from both replacing the plan. Now:
+
+* a :class:`StepSession` holds the :class:`~lightning_gc.engine.GCEngine` and an ordered list of
+  :class:`StepParticipant` s (OSP, OMGS, later synchronisation models);
+* every optimizer step — Lightning's and the controller's rollback steps alike — goes through
+  :meth:`StepSession.optimizer_step`, which calls the participants in their order at fixed points
+  (closure wrapping, after backward, prepare or skip, after the step);
+* the merge plan has **one owner**: the session hands a :class:`~lightning_gc.engine.ports.PlanControl`
+  to the single participant that declares ``owns_plan = True`` and refuses a second one;
+* checkpoint state (:meth:`StepSession.state_dict`) and the in-memory rollback snapshot
+  (:meth:`StepSession.snapshot`) cover the engine and every participant.
+
+A step, in order (identical on every rank)::
+
+    closure = p_n.wrap_closure(... p_1.wrap_closure(closure))        # e.g. OMGS times backward
+    run(decide):  loss = closure()                                   # forward + backward (hook runs)
+                  bad = any(p.before_optimizer_step(loss)) or engine.before_optimizer_step()
+                  if bad and skip_nonfinite: p.skip_step() for all; gradients dropped; skipped += 1
+                  else: p.prepare_step(optimizer) for all
+                  → optimizer.step() (by ``run``, i.e. Lightning's precision plugin)
+    engine.after_optimizer_step(); p.after_optimizer_step() for all
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from .ports import EngineControl, PlanControl
+
+StateScope = Literal["rank", "replicated"]
+
+
+class StepParticipant:
+    """One part of the step lifecycle, plugged into a :class:`StepSession`.
+
+    Subclasses override what they need; every method has a no-op default so that the session calls
+    all participants uniformly (no capability discovered with ``hasattr``). All methods are called
+    on every rank, in the same order, at the same step boundary.
+
+    Class attributes:
+        name: key of the participant's state in checkpoints and snapshots (unique per session).
+        owns_plan: ``True`` if the participant replaces the engine's merge plan; the session gives
+            it a :class:`~lightning_gc.engine.ports.PlanControl` through :meth:`bind_plan` and
+            refuses a second owner.
+        state_scope: ``"rank"`` — :meth:`state_dict` is saved per rank (like error memory);
+            ``"replicated"`` — identical on every rank, one copy is saved.
+    """
+
+    name: ClassVar[str] = "participant"
+    owns_plan: ClassVar[bool] = False
+    state_scope: ClassVar[StateScope] = "rank"
+
+    def bind_plan(self, control: PlanControl) -> None:
+        """Receive the plan control (only called on the plan owner)."""
+        raise TypeError(f"{type(self).__name__} does not own the plan (owns_plan=False)")
+
+    def on_bucket(self, bucket: dist.GradBucket) -> None:
+        """DDP hands a gradient bucket to the hook (autograd thread), before the engine sees it."""
+
+    def wrap_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """Wrap the optimizer closure (forward + backward) of the coming step."""
+        return closure
+
+    def before_optimizer_step(self, loss: Any) -> bool:
+        """After backward, before the step decision; return True if this participant saw a
+        non-finite value that every rank agreed on (the step is then skipped on every rank)."""
+        return False
+
+    def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer step is about to be taken."""
+
+    def skip_step(self) -> None:
+        """The optimizer step is skipped on every rank (non-finite gradient)."""
+
+    def after_optimizer_step(self) -> None:
+        """After the optimizer step (and after the engine's own ``after_optimizer_step``)."""
+
+    def on_ratio_change(self, ratio: float) -> None:
+        """The engine's compression ratio changed (between steps, on every rank)."""
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Finish work in flight so that parameters may be read or written outside a step.
+        Returns False if it did not finish within ``timeout``."""
+        return True
+
+    def state_dict(self) -> dict | None:
+        """Checkpoint state (called after :meth:`drain`); ``None``: nothing to save."""
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (called before the engine's own state is loaded)."""
+
+    def snapshot(self) -> Any:
+        """An exact in-memory copy of everything a training step may change, for a rollback
+        exploration that must leave no trace (work in flight included, not drained)."""
+        return None
+
+    def restore(self, snapshot: Any) -> None:
+        """Put :meth:`snapshot` back (it stays valid for further restores)."""
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Release threads, hooks and process groups (teardown)."""
+
+
+@dataclass
+class SessionSnapshot:
+    """Engine state, reporting state, participants' snapshots and the skip counter (one rank)."""
+
+    engine_state: dict
+    engine_reporting: tuple
+    participants: dict[str, Any]
+    skipped_steps: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class StepSession:
+    """Owner of the step lifecycle: the engine plus an ordered list of participants.
+
+    Build it on every rank with the same participants in the same order, after the engine. Register
+    :func:`session_comm_hook` with it as DDP's communication hook.
+
+    Args:
+        engine: the communication engine (typed by what the session uses, :class:`EngineControl`
+            plus ``on_bucket``, ``state_dict`` and ``load_state_dict``).
+        participants: in calling order.
+        skip_nonfinite: skip the optimizer step on every rank when the gradient is non-finite on
+            any rank (``GCStrategy(nonfinite="skip")`` without an AMP GradScaler, which skips by
+            itself). ``False`` hands the non-finite gradient to the optimizer, like plain DDP.
+    """
+
+    def __init__(self, engine: Any, participants: Sequence[StepParticipant] = (), *,
+                 skip_nonfinite: bool = True) -> None:
+        self.engine = engine
+        self.participants: tuple[StepParticipant, ...] = tuple(participants)
+        names = [p.name for p in self.participants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"step session participants need distinct names, got {names}")
+        owners = [p for p in self.participants if p.owns_plan]
+        if len(owners) > 1:
+            raise ValueError(
+                f"two participants want to own the merge plan: {[p.name for p in owners]}. Each replaces the "
+                "engine's plan at its own step boundaries, so their plans would overwrite each other. Use one of them."
+            )
+        self.plan_owner: StepParticipant | None = owners[0] if owners else None
+        if self.plan_owner is not None:
+            self.plan_owner.bind_plan(engine)
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.skipped_steps = 0
+
+    def participant(self, name: str) -> StepParticipant | None:
+        """The participant called ``name`` (``None`` if absent)."""
+        for p in self.participants:
+            if p.name == name:
+                return p
+        return None
+
+    # ------------------------------------------------------------------ the hook (autograd thread)
+    def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        for p in self.participants:
+            p.on_bucket(bucket)
+        return self.engine.on_bucket(bucket)
+
+    # ------------------------------------------------------------------ the step (main thread)
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
+                       run: Callable[[Callable[[], Any]], Any]) -> Any:
+        """One optimizer step: ``run(closure)`` must evaluate the closure and take the optimizer
+        step (Lightning's ``Strategy.optimizer_step``, or ``optimizer.step(closure)``)."""
+        for p in self.participants:
+            closure = p.wrap_closure(closure)
+        if self.participants or self.skip_nonfinite:
+            out = run(self._deciding(optimizer, closure))
+        else:
+            out = run(closure)
+        self.engine.after_optimizer_step()
+        for p in self.participants:
+            p.after_optimizer_step()
+        return out
+
+    def _deciding(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
+        def closure_then_decide() -> Any:
+            out = closure()
+            bad = False
+            for p in self.participants:
+                bad = p.before_optimizer_step(out) or bad
+            bad = self.engine.before_optimizer_step() or bad
+            if not (bad and self.skip_nonfinite):
+                for p in self.participants:
+                    p.prepare_step(optimizer)
+                return out
+            for p in self.participants:
+                p.skip_step()
+            # optimizers skip parameters without a gradient: no update, no momentum, no decay
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad = None
+            self.skipped_steps += 1
+            rank_zero_warn(
+                f"lightning_gc: non-finite gradient at step {self.engine.step - 1}; the optimizer step was "
+                "skipped on every rank and error memory left unchanged."
+            )
+            return out
+
+        return closure_then_decide
+
+    def set_ratio(self, ratio: float) -> None:
+        """Change the compression ratio from the next step on (every rank, same value) and tell
+        the participants (OMGS re-plans: its plan was fitted at the old ratio)."""
+        self.engine.set_ratio(ratio)
+        for p in self.participants:
+            p.on_ratio_change(ratio)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Finish every participant's work in flight (before checkpoints, evaluation, teardown)."""
+        ok = True
+        for p in self.participants:
+            ok = p.drain(timeout) and ok
+        return ok
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Teardown: participants first (they may still use the engine), then the engine."""
+        for p in self.participants:
+            p.close(timeout)
+        self.engine.close(timeout)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Every rank's state gathered (call on every rank): the engine's and the rank-scoped
+        participants' per rank, replicated participants' once."""
+        engine = self.engine
+        self.drain()
+        local = engine.state_dict()
+        for p in self.participants:
+            if p.state_scope == "rank":
+                st = p.state_dict()
+                if st is not None:
+                    local[p.name] = st
+        if engine.world_size > 1:
+            states: list[Any] = [None] * engine.world_size
+            dist.all_gather_object(states, local, group=engine.process_group)
+        else:
+            states = [local]
+        out: dict[str, Any] = {"world_size": engine.world_size, "ranks": states}
+        for p in self.participants:
+            if p.state_scope == "replicated":
+                st = p.state_dict()
+                if st is not None:
+                    out[p.name] = st
+        return out
+
+    def load_state_dict(self, state: dict) -> list[str]:
+        """Restore :meth:`state_dict`. Returns the names whose error memory was missing. On a
+        world-size change per-rank error memory is reset with a warning (replicated parts kept)."""
+        engine = self.engine
+        for p in self.participants:
+            if p.state_scope == "replicated" and state.get(p.name):
+                p.load_state_dict(state[p.name])
+        saved_ws = int(state.get("world_size", -1))
+        ranks = state.get("ranks") or []
+        if saved_ws != engine.world_size or len(ranks) != saved_ws:
+            rank_zero_warn(
+                f"lightning_gc: the checkpoint was written with world size {saved_ws}, this run has "
+                f"{engine.world_size}; per-rank error memory cannot be mapped and is reset to zero. "
+                "The step counter and statistics are kept."
+            )
+            if ranks:
+                engine.load_state_dict(ranks[0], restore_memory=False)
+            return []
+        own = ranks[engine.rank]
+        for p in self.participants:  # first: the plan owner sets the plan the memory is keyed by
+            if p.state_scope == "rank" and own.get(p.name) is not None:
+                p.load_state_dict(own[p.name])
+        return engine.load_state_dict(own)
+
+    # ------------------------------------------------------------------ rollback snapshots
+    def snapshot(self, extra: dict[str, Any] | None = None) -> SessionSnapshot:
+        """Exact in-memory copy of the session (engine + participants) at a step boundary."""
+        self.engine.synchronize()
+        return SessionSnapshot(
+            engine_state=copy.deepcopy(self.engine.state_dict()),
+            engine_reporting=self.engine.reporting_state(),
+            participants={p.name: p.snapshot() for p in self.participants},
+            skipped_steps=self.skipped_steps,
+            extra=copy.deepcopy(extra or {}),
+        )
+
+    def restore(self, snap: SessionSnapshot) -> None:
+        """Put :meth:`snapshot` back (participants first: the plan owner restores the plan)."""
+        self.engine.synchronize()
+        for p in self.participants:
+            p.restore(snap.participants.get(p.name))
+        self.engine.load_state_dict(copy.deepcopy(snap.engine_state))
+        self.engine.restore_reporting_state(snap.engine_reporting)
+        self.skipped_steps = snap.skipped_steps
+
+
+def session_comm_hook(session: StepSession, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP communication hook: ``ddp_model.register_comm_hook(session, session_comm_hook)``."""
+    return session.on_bucket(bucket)
+
+
+# DDP inspects the hook's annotations and rejects string annotations (postponed evaluation here)
+session_comm_hook.__annotations__ = {
+    "session": StepSession,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+__all__ = ["EngineControl", "SessionSnapshot", "StepParticipant", "StepSession", "session_comm_hook"]
