@@ -174,14 +174,41 @@ def test_sign_compressors_send_signs_and_l1_scale():
         assert torch.equal(torch.sign(d), torch.where(x >= 0, 1.0, -1.0))
 
 
-def test_signsgd_majority_vote_aggregate():
+@pytest.mark.parametrize("xs,want", [
+    # 3 voters: no ties
+    ([[1.0, -1.0, 2.0, -3.0], [1.0, 1.0, -2.0, -1.0], [-1.0, 1.0, -2.0, 5.0]], [1.0, 1.0, -1.0, -1.0]),
+    # 2 voters: agreement gives ±1, disagreement a tie (0); a zero counts as +
+    ([[1.0, -1.0, 2.0, -3.0, 0.0], [2.0, -1.0, -2.0, 1.0, -1.0]], [1.0, -1.0, 0.0, 0.0, 0.0]),
+    # 4 voters: 4-0, 3-1, 2-2 (tie), 1-3, 0-4, and a tie made of zeros
+    ([[1.0, 1.0, 1.0, -1.0, -1.0, 0.0], [1.0, 1.0, -1.0, -1.0, -1.0, 0.0],
+      [1.0, 1.0, 1.0, 1.0, -1.0, -1.0], [1.0, -1.0, -1.0, -1.0, -1.0, -2.0]], [1.0, 1.0, 0.0, -1.0, -1.0, 0.0]),
+], ids=["ws3", "ws2", "ws4"])
+def test_signsgd_majority_vote_aggregate(xs, want):
+    """The documented rule by hand: +1 where more ranks are non-negative, −1 where fewer, 0 on a tie."""
+    xs = [torch.tensor(x) for x in xs]
     comp = build_compressor("signsgd")
-    c = ctx(4, world_size=3)
-    xs = [torch.tensor([1.0, -1.0, 2.0, -3.0]), torch.tensor([1.0, 1.0, -2.0, -1.0]), torch.tensor([-1.0, 1.0, -2.0, 5.0])]
+    c = ctx(xs[0].numel(), world_size=len(xs))
     payloads = [comp.compress(x, c).payload for x in xs]
     out = comp.aggregate_gathered(payloads, torch.float32, c)
-    mean_scale = sum(float(x.abs().mean()) for x in xs) / 3
-    assert torch.allclose(out, torch.tensor([1.0, 1.0, -1.0, -1.0]) * mean_scale)
+    mean_scale = sum(float(x.abs().mean()) for x in xs) / len(xs)
+    assert torch.allclose(out, torch.tensor(want) * mean_scale, rtol=1e-6), out
+
+
+@pytest.mark.parametrize("voters", [256, 257])
+def test_signsgd_majority_vote_beyond_byte_lanes(voters):
+    """More than 255 voters count in int32 (byte lanes would overflow): the same rule, ties → 0."""
+    n = 24
+    g = torch.Generator().manual_seed(voters)
+    comp = build_compressor("signsgd", args={"scale": "none"})
+    c = ctx(n, world_size=voters)
+    # column j: the first pos[j] voters are non-negative; pos spans ties (even N), near-ties and landslides
+    half = voters // 2
+    pos = [0, voters, half, half + 1, half - 1, 1, voters - 1, 200] + torch.randint(0, voters + 1, (n - 8,), generator=g).tolist()
+    xs = [torch.tensor([1.0 if r < pos[j] else -1.0 for j in range(n)]) for r in range(voters)]
+    out = comp.aggregate_gathered([comp.compress(x, c).payload for x in xs], torch.float32, c)
+    want = [1.0 if 2 * q > voters else -1.0 if 2 * q < voters else 0.0 for q in pos]
+    assert out.tolist() == want
+    assert (0.0 in want) == (voters % 2 == 0)
 
 
 def test_bit_packing_roundtrip():
