@@ -164,16 +164,21 @@ def _reference(batches, hyper, budget_of_step):
 
 
 def _recording_hook(state, bucket):
-    osp, sums = state
+    osp, rec = state
     for p, g in zip(bucket.parameters(), bucket.gradients()):  # the local gradient, before any exchange
-        sums[p.data_ptr()] = sums.get(p.data_ptr(), 0) + g.detach().double()
+        rec["step"][p.data_ptr()] = rec["step"].get(p.data_ptr(), 0) + g.detach().double()
+        if p.data_ptr() in rec["poison"]:  # one rank's deferred layer turns non-finite
+            g.fill_(float("nan"))
     return osp_comm_hook(osp, bucket)
 
 
-def _run_conservation(rank: int, ws: int, ics_compressor: str = "dense"):
+def _run_conservation(rank: int, ws: int, ics_compressor: str = "dense", nan_at: int = -1, nan_in: str = "loss"):
     """Top-k routine stage with error feedback, pinned split, plain SGD: what was applied must be
     exactly the mean of all local gradients minus the mean of what is still held back (with a
-    compressed deferred stage, its residuals are held back too)."""
+    compressed deferred stage, its residuals are held back too). ``nan_at``: at that step rank 1
+    turns non-finite — its loss (``nan_in="loss"``: every gradient, the engine sees it too) or only
+    one deferred layer's gradient (``nan_in="deferred"``: only OSP's agreement sees it); the step is
+    skipped on every rank and its gradients are fed in nowhere."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 30), torch.nn.Tanh(),
                                 torch.nn.Linear(30, 3))
@@ -183,18 +188,33 @@ def _run_conservation(rank: int, ws: int, ics_compressor: str = "dense"):
     engine = GCEngine(build_compressor("topk", 0.05), EngineConfig(min_compress_numel=0, warmup_steps=0), named)
     osp = OSPSync(engine, OSPConfig(deferred_fraction=0.5, deferred_compressor=ics_compressor,
                                     deferred_ratio=0.1 if ics_compressor == "topk" else None))
-    sums: dict = {}
-    ddp.register_comm_hook((osp, sums), _recording_hook)
+    rec: dict = {"step": {}, "poison": set()}
+    sums: dict = {}  # Σ over the steps taken of this rank's local gradient, per parameter
+    ddp.register_comm_hook((osp, rec), _recording_hook)
     lr = 0.1
     opt = torch.optim.SGD(model.parameters(), lr=lr)
+    bad_steps = []
     for t in range(8):
         x, y = _batch(rank, t)
         opt.zero_grad()
+        rec["step"] = {}
+        nan_here = t == nan_at and rank == 1
+        rec["poison"] = {named[min(osp.deferred)][1].data_ptr()} if nan_here and nan_in == "deferred" else set()
         loss = _loss(ddp, x, y)
+        if nan_here and nan_in == "loss":
+            loss = loss * float("nan")
         loss.backward()
-        bad = osp.before_optimizer_step(loss) or engine.before_optimizer_step()
-        assert not bad
-        osp.prepare_step(opt)
+        bad = osp.before_optimizer_step(loss)
+        bad = engine.before_optimizer_step() or bad
+        if bad:
+            bad_steps.append(t)
+            osp.skip_step()
+            for p in model.parameters():
+                p.grad = None
+        else:
+            osp.prepare_step(opt)
+            for k, g in rec["step"].items():
+                sums[k] = sums.get(k, 0) + g
         opt.step()
         engine.after_optimizer_step()
         osp.after_optimizer_step()
@@ -213,7 +233,7 @@ def _run_conservation(rank: int, ws: int, ics_compressor: str = "dense"):
         out[n] = (p0[n] - p.detach().double(), lr * (g - e) / ws)
     stats = (osp.carried_layers, [sorted(osp.deferred)], engine.totals()["bytes_sent"],
              sum(float(c.norm()) for c in osp.state_dict()["carry"].values()),
-             torch.cat([p.detach().reshape(-1) for _, p in named]))
+             torch.cat([p.detach().reshape(-1) for _, p in named]), bad_steps)
     osp.close()
     engine.close()
     return out, stats
@@ -261,6 +281,8 @@ def _all_scenarios(rank: int, ws: int):
     out["topk"] = _run_topk(rank, ws)
     out["conservation"] = _run_conservation(rank, ws)
     out["conservation_ics_topk"] = _run_conservation(rank, ws, "topk")
+    for at, where in NAN_CASES:
+        out[f"conservation_ics_topk_nan{at}_{where}"] = _run_conservation(rank, ws, "topk", at, where)
     out["schedule"] = _run_schedule(rank, ws)
     out["schedule_probed"] = _run_schedule(rank, ws, False)
     return out
@@ -270,6 +292,8 @@ def _all_scenarios(rank: int, ws: int):
 def runs():
     return run_distributed(_all_scenarios, 2)
 
+
+NAN_CASES = [(2, "loss"), (5, "loss")]  # (step, where) rank 1 turns non-finite
 
 ALL_RS_HYPER = dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0)
 
@@ -438,8 +462,8 @@ def test_compressed_deferred_stage_keeps_its_residual_and_sends_fewer_bytes(runs
     (what Top-k did not send is held back, per rank, and reaches a later deferred send), the bytes
     drop, and the replicas stay identical."""
     for r in (0, 1):
-        out, (carried, _, nbytes, held, final) = runs[r]["conservation_ics_topk"]
-        _, (_, _, dense_bytes, _, _) = runs[r]["conservation"]
+        out, (carried, _, nbytes, held, final, _) = runs[r]["conservation_ics_topk"]
+        _, (_, _, dense_bytes, _, _, _) = runs[r]["conservation"]
         assert carried > 0 and held > 0, "nothing was held back: the deferred stage did not compress"
         assert nbytes < 0.8 * dense_bytes, (nbytes, dense_bytes)
         for n, (applied, expected) in out.items():
@@ -476,3 +500,25 @@ def test_osp_with_an_omgs_plan_is_refused_with_the_fix():
 
     with pytest.raises(ValueError, match=r"sync='osp' with plan='omgs'.*Use one of them"):
         GCStrategy(compressor="topk", plan="omgs", sync="osp")
+
+
+@pytest.mark.parametrize("at, where", NAN_CASES)
+def test_compressed_deferred_stage_keeps_every_residual_across_a_skipped_step(runs, at, where):
+    """A non-finite gradient on rank 1 at step ``at`` with the Top-k deferred stage and error
+    feedback: the step is skipped on every rank, and conservation still holds over the steps taken
+    — Σ applied = lr·(Σ_{t taken} mean_r g_r,t − mean_r held_r), held = routine error memory +
+    deferred residuals waiting. Before the fix, the skip replaced a deferred layer's newest residual
+    (arrived with the previous step's send) by the older one it had put back, and lost it."""
+    key = f"conservation_ics_topk_nan{at}_{where}"
+    finals = []
+    for r in range(len(runs)):
+        out, (carried, _, _, held, final, bad_steps) = runs[r][key]
+        assert bad_steps == [at], bad_steps  # agreed: skipped on every rank, at that step only
+        assert held > 0
+        finals.append(final)
+        for n, (applied, expected) in out.items():
+            torch.testing.assert_close(applied, expected, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, n=n, r=r: f"rank {r} {n}: {m}")
+    assert all(torch.isfinite(f).all() for f in finals)
+    for f in finals[1:]:
+        assert torch.equal(f, finals[0])
