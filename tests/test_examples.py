@@ -97,7 +97,7 @@ def test_bytelm_parameter_count_matches_closed_form():
 
 def test_preset_parameter_counts_are_in_the_documented_ranges():
     rows = {row["name"]: row for row in describe_presets()}
-    assert set(rows) == set(PRESETS) == {"quickstart", "mlp", "cnn", "lm"}
+    assert set(rows) == set(PRESETS) == {"quickstart", "mlp", "cnn", "lm", "gpt"}
     assert rows["quickstart"]["params"] == 85_002
     assert 800_000 <= rows["mlp"]["params"] <= 1_300_000
     assert 10_500_000 <= rows["cnn"]["params"] <= 12_000_000
@@ -255,7 +255,7 @@ def test_get_preset_is_deterministic_and_routes_overrides():
 
 
 def test_unknown_preset_and_override_errors_name_the_valid_choices():
-    with pytest.raises(ValueError, match=r"'resnet'.*\['cnn', 'lm', 'mlp', 'quickstart'\]"):
+    with pytest.raises(ValueError, match=r"'resnet'.*\['cnn', 'gpt', 'lm', 'mlp', 'quickstart'\]"):
         get_preset("resnet")
     with pytest.raises(ValueError, match="'depth'.*hidden"):
         get_preset("mlp", depth=3)

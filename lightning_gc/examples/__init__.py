@@ -13,6 +13,7 @@ or programmatically through :func:`get_preset`. See ``docs/workloads.md``.
 
 from .classification import MLPClassifier, TeacherClassificationData
 from .language import ByteLM, StdlibTextData
+from .transformer import ByteGPT
 from .presets import PRESETS, Preset, describe_presets, get_preset
 from .vision import ResNet18Classifier, SyntheticImageData
 
@@ -23,6 +24,7 @@ __all__ = [
     "SyntheticImageData",
     "ByteLM",
     "StdlibTextData",
+    "ByteGPT",
     "PRESETS",
     "Preset",
     "get_preset",

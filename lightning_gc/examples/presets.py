@@ -17,6 +17,7 @@ import torch
 
 from .classification import MLPClassifier, TeacherClassificationData
 from .language import ByteLM, StdlibTextData
+from .transformer import ByteGPT
 from .vision import ResNet18Classifier, SyntheticImageData
 
 __all__ = ["PRESETS", "Preset", "PresetSpec", "get_preset", "describe_presets"]
@@ -111,6 +112,22 @@ PRESETS: dict[str, PresetSpec] = {
         mode="min",
         target=2.5,
         description="Byte-level LSTM language model on the Python standard library's source text.",
+    ),
+    "gpt": PresetSpec(
+        model_cls=ByteGPT,
+        model_kwargs=dict(
+            d_model=128, n_layers=2, n_heads=4, seq_len=64, lr=3e-3, beta1=0.9, beta2=0.95,
+            weight_decay=0.1, warmup_steps=50, min_lr_ratio=0.1, grad_clip=1.0,
+        ),
+        data_cls=StdlibTextData,
+        data_kwargs=dict(seq_len=64, max_bytes=2_000_000, val_fraction=0.1, batch_size=16),
+        metric="val_bpb",
+        mode="min",
+        target=2.5,
+        description=(
+            "2-layer decoder-only byte transformer (AdamW, warm-up + cosine, clipping 1.0) on the "
+            "standard library's source text."
+        ),
     ),
 }
 
