@@ -38,6 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ..comm.cost_model import SPARSE_COLLECTIVE_TIE_ORDER, NetworkModel
 from ..comm.probe import ProbeConfig, probe_network
+from ..comm.registry import collective_code
 from ..compressors import build_config
 from .config import AdaptiveConfig
 from .decision import Decision, decide
@@ -53,8 +54,6 @@ from .objectives import (
 from .snapshot import TrainingSnapshot
 
 STATE_VERSION = 1
-COLLECTIVE_CODES = {"allgather": 0, "art_ring": 1, "art_tree": 2, "art_allreduce": 3, "allreduce": 4, "ring": 5,
-                    "tree": 6}
 TRIGGER_CODES = {"warmup": 0, "gain": 1, "network": 2}
 #: the controller's own network probe (when the engine keeps none): up to 1 MiB, so that a probe on
 #: a slow link stays around a second
@@ -406,7 +405,7 @@ class AdaptiveRatio(Callback):
     def _log_step(self, pl_module: Any, engine: Any) -> None:
         metrics = {"adaptive/c": float(engine.compressor.ratio) if not engine.step_is_dense() else 1.0}
         if self.collective is not None:
-            metrics["adaptive/collective"] = float(COLLECTIVE_CODES.get(self.collective, -1))
+            metrics["adaptive/collective"] = collective_code(self.collective)
         for k, v in metrics.items():
             pl_module.log(k, v, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
 
@@ -416,7 +415,7 @@ class AdaptiveRatio(Callback):
         gstep = trainer.global_step
         metrics = {
             "adaptive/decision_c": decision.c,
-            "adaptive/decision_collective": float(COLLECTIVE_CODES.get(decision.collective, -1)),
+            "adaptive/decision_collective": collective_code(decision.collective),
             "adaptive/trigger": float(TRIGGER_CODES[entry["trigger"]]),
             "adaptive/explore_s": entry["overhead_s"],
             "adaptive/calibration": data.calibration,

@@ -145,8 +145,6 @@ class AutoSparseExchange(Exchange):
     def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor | SparseSent]:
         choice, predicted = self.choose(ctx, p.element_size())
         self.last_choice, self.last_predicted_s = choice, predicted
-        timer.times.extra.setdefault("choices", []).append(choice)
-        if predicted is not None:
-            timer.times.extra["predicted_comm_s"] = timer.times.extra.get("predicted_comm_s", 0.0) + predicted
+        timer.times.add_choice(choice, predicted)
         ex = {"allgather": self._ag, "art_ring": self._ring, "art_tree": self._tree}[choice]
         return ex.run(p, ctx, timer)

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
@@ -70,15 +71,87 @@ class LazySent:
 
 
 
+#: what a rank's contribution stood for, in one of its three forms
+Sent = Tensor | SparseSent | LazySent
+
+
+def sq_norm(t: Tensor) -> float:
+    """‖t‖² in fp32 without materialising t² (pow(2).sum() allocates a group-sized temporary)."""
+    return float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
+
+
+def sent_sq_norm(sent: Sent) -> float:
+    """‖sent‖² of a contribution in any form (the compression gain's numerator)."""
+    if isinstance(sent, SparseSent):
+        return sq_norm(sent.values)
+    if isinstance(sent, LazySent):
+        return sent.sq_norm
+    return sq_norm(sent)
+
+
+def error_feedback_residual(p: Tensor, sent: Sent, in_place: bool) -> Tensor:
+    """The error-feedback residual ``p − sent``: what was not sent, kept for the next step.
+
+    The one place this arithmetic lives (the engine's groups, OSP's compressed deferred stage and
+    OMGS's timed group job use it). ``in_place=True`` reuses ``p`` (a fresh tensor the caller owns);
+    a :class:`SparseSent` zeroes ``p`` at the sent indices (exact: sent == p there), a
+    :class:`LazySent` is expanded only here."""
+    target = p if in_place else p.clone()
+    if isinstance(sent, SparseSent):
+        return target.index_fill_(0, sent.indices.long(), 0)
+    dense = sent.materialise() if isinstance(sent, LazySent) else sent
+    if dense.data_ptr() == target.data_ptr():  # the exchange sent p itself (lossless): nothing left
+        return target - dense
+    return target.sub_(dense)
+
+
 @dataclass
 class ExchangeTimes:
-    """Wall-clock split of one step's exchanges plus the bytes they moved (this rank)."""
+    """What one step's exchanges did on this rank: wall-clock split, bytes, and the typed facts
+    that particular exchanges report (the engine copies them into its step statistics).
+
+    Attributes:
+        compress_s, comm_s: seconds in codec work and inside collectives.
+        bytes_sent: bytes this rank put on the wire; bytes_payload: the compressed payload's size.
+        choices: collectives chosen per exchange by a model-driven exchange (AR-Topk auto), in order.
+        predicted_comm_s: the alpha-beta model's prediction for those choices (summed), if any.
+        full_precision: Marsit: True on a full-precision round, False on a one-bit round.
+        overlapped_compress_s: codec seconds hidden behind transfers (GradiVeQ's ring).
+        metrics: compressor-specific per-step values, logged as ``gc/<key>`` (GradiVeQ's phase, ...).
+    """
 
     compress_s: float = 0.0
     comm_s: float = 0.0
     bytes_sent: int = 0
     bytes_payload: int = 0
-    extra: dict = field(default_factory=dict)
+    choices: list[str] = field(default_factory=list)
+    predicted_comm_s: float | None = None
+    full_precision: bool | None = None
+    overlapped_compress_s: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def add_choice(self, collective: str, predicted_s: float | None) -> None:
+        """Record a model-chosen collective and its predicted time."""
+        self.choices.append(collective)
+        if predicted_s is not None:
+            self.predicted_comm_s = (self.predicted_comm_s or 0.0) + predicted_s
+
+    @property
+    def extra(self) -> Mapping[str, Any]:
+        """Read-only view of the typed facts that were reported (for older readers; writing to
+        it raises: set the typed attributes)."""
+        out: dict = {}
+        if self.choices:
+            out["choices"] = list(self.choices)
+        if self.predicted_comm_s is not None:
+            out["predicted_comm_s"] = self.predicted_comm_s
+        if self.full_precision is not None:
+            out["full_precision"] = self.full_precision
+        if self.overlapped_compress_s:
+            out["overlapped_compress_s"] = self.overlapped_compress_s
+        if self.metrics:
+            out["metrics"] = self.metrics
+        return MappingProxyType(out)
 
 
 class Timer:

@@ -33,11 +33,11 @@ compressed step
     :class:`~lightning_gc.comm.exchange.LazySent`: the loss and ‖sent‖² come from norms taken
     while compressing, and the expansion is computed only when error feedback needs it.
 
-Monitoring: ``timer.times.extra["metrics"]`` carries ``gradiveq/phase`` (0 warm-up, 1 sample,
+Monitoring: ``timer.times.metrics`` carries ``gradiveq/phase`` (0 warm-up, 1 sample,
 2 compressed), ``gradiveq/loss`` (mean over ranks of the relative Eq. 7 loss), ``gradiveq/ratio``
 (z elements / dense elements) and ``gradiveq/d/<tensor>`` (the largest d of each compressed
 tensor) and, for the ring, ``gradiveq/hidden_compress_ms`` (compression and decompression done
-while transfers were in flight); the engine logs them as ``gc/<key>``. ``extra["overlapped_compress_s"]`` is the
+while transfers were in flight); the engine logs them as ``gc/<key>``. ``timer.times.overlapped_compress_s`` is the
 compression/decompression time spent while ring transfers were in flight (CPU wall clock); the
 timer's compress time is only the exposed part.
 """
@@ -278,7 +278,7 @@ class GradiVeQExchange(Exchange):
             return p.clone(), p
         comp = self.compressor
         phase = comp.phase(ctx.step)
-        metrics = timer.times.extra.setdefault("metrics", {})
+        metrics = timer.times.metrics
         metrics["gradiveq/phase"] = _PHASE_CODE[phase]
         if phase == "warmup":
             return self._exact(p, ctx, timer)
@@ -439,7 +439,7 @@ class GradiVeQRingExchange(GradiVeQExchange):
         loss, norm, sent2 = timer.run("compress", st.finish)
         timer.times.bytes_payload += st.z_numel * esize
         timer.times.bytes_sent += sent_bytes
-        timer.times.extra["overlapped_compress_s"] = timer.times.extra.get("overlapped_compress_s", 0.0) + overlapped
-        metrics = timer.times.extra.setdefault("metrics", {})
+        timer.times.overlapped_compress_s += overlapped
+        metrics = timer.times.metrics
         metrics["gradiveq/hidden_compress_ms"] = metrics.get("gradiveq/hidden_compress_ms", 0.0) + 1e3 * overlapped
         return st.mean, st.sent(sent2), loss, norm

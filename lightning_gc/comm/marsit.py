@@ -24,7 +24,7 @@ full-precision round (``K > 0`` and ``step % K == 0``)
 Bytes per rank in a one-bit round: the ring sends exactly
 ``ring_bytes_sent(⌈d/8⌉, 1, N, rank)`` ≈ ``2(N−1)/N · d/8`` bytes, plus the η_s allreduce of
 4 bytes (counted as a ring allreduce of 4 bytes). Everything is reported in
-``timer.times.bytes_sent``; ``timer.times.extra["full_precision"]`` tells the engine which kind of
+``timer.times.bytes_sent``; ``timer.times.full_precision`` tells the engine which kind of
 round ran (all groups of a step run the same kind: the decision depends on the step only).
 
 The ring is :func:`~lightning_gc.comm.p2p_allreduce.ring_allreduce` over a uint8 tensor with a
@@ -77,9 +77,9 @@ class MarsitExchange(Exchange):
         if ctx.world_size == 1:
             return p.clone(), p
         if self.compressor.full_precision_round(ctx.step):
-            timer.times.extra["full_precision"] = True
+            timer.times.full_precision = True
             return self._full_precision(p, ctx, timer)
-        timer.times.extra["full_precision"] = False
+        timer.times.full_precision = False
         return self._one_bit(p, ctx, timer)
 
     def _full_precision(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor]:

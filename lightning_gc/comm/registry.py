@@ -26,6 +26,16 @@ from .ssdm_cascade import SSDMCascadeExchange
 
 ExchangeFactory = Callable[[Compressor, object, NetworkState], Exchange]
 
+#: The one table of numeric codes for collectives in scalar logs (``gc/collective``,
+#: ``adaptive/collective``, ``adaptive/decision_collective``); -1 for any other name.
+COLLECTIVE_CODES: dict[str, int] = {"allgather": 0, "art_ring": 1, "art_tree": 2, "art_allreduce": 3,
+                                    "allreduce": 4, "ring": 5, "tree": 6}
+
+
+def collective_code(name: str | None) -> float:
+    """The logged code of a collective name (see :data:`COLLECTIVE_CODES`)."""
+    return float(COLLECTIVE_CODES.get(name or "", -1))
+
 
 @dataclass(frozen=True)
 class ExchangeEntry:

@@ -41,7 +41,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.collectives import ring_allreduce_bytes
-from ..comm.exchange import AllreduceExchange, Exchange, ExchangeTimes, LazySent, SparseSent, Timer
+from ..comm.exchange import (
+    AllreduceExchange,
+    Exchange,
+    ExchangeTimes,
+    SparseSent,
+    Timer,
+    error_feedback_residual,
+    sent_sq_norm,
+    sq_norm,
+)
 from ..comm.registry import make_exchange
 from ..comm.worker import InlineRunner, OrderedWorker
 from ..compressors.base import Compressor, GroupContext
@@ -55,11 +64,6 @@ from .memory import ErrorMemory
 from .network import NetworkTracker
 from .readiness import Readiness, new_future
 from .stats import StepStats, Totals
-
-
-def _sq_norm(t: Tensor) -> float:
-    """‖t‖² in fp32 without materialising t² (pow(2).sum() allocates a group-sized temporary)."""
-    return float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
 
 
 @dataclass
@@ -553,7 +557,7 @@ class GCEngine:
         mem = self._memory.get(gid)
         # flat is a fresh tensor (torch.cat into a new output): add the memory in place
         p = flat.add_(mem) if (self.error_feedback and mem is not None) else flat
-        p2 = _sq_norm(p)  # the gain needs it; a NaN/inf anywhere shows here
+        p2 = sq_norm(p)  # the gain needs it; a NaN/inf anywhere shows here
         if not math.isfinite(p2) and not bool(torch.isfinite(p).all()):  # p2 may overflow on finite p
             work.report.nonfinite_ranks = 1.0
         if self.group_observer is not None:
@@ -564,21 +568,13 @@ class GCEngine:
         timer.resolve()  # CUDA: wait for this exchange's events (worker thread only)
         work.exchange_comm_s += work.times.comm_s - c0
         work.report.p2 += p2
-        if isinstance(sent, SparseSent):  # sent == p at these indices: residual = p with them zeroed
-            sent2 = _sq_norm(sent.values)
-            if self.error_feedback:
-                # p is a fresh tensor (torch.cat / the sum above always allocate): reuse it in place
-                self._memory.stage(gid, p.index_fill_(0, sent.indices.long(), 0), max(p2 - sent2, 0.0))
-        elif isinstance(sent, LazySent):  # the norm is known; expand only for error feedback
-            sent2 = sent.sq_norm
-            if self.error_feedback:
-                residual = p.sub_(sent.materialise())
-                self._memory.stage(gid, residual, _sq_norm(residual))
-        else:
-            sent2 = _sq_norm(sent)
-            if self.error_feedback:
-                residual = p.sub_(sent) if sent.data_ptr() != p.data_ptr() else p - sent
-                self._memory.stage(gid, residual, _sq_norm(residual))
+        sent2 = sent_sq_norm(sent)  # a LazySent knows it without expanding
+        if self.error_feedback:
+            # p is a fresh tensor (torch.cat / the sum above always allocate): reuse it in place
+            residual = error_feedback_residual(p, sent, in_place=True)
+            # sparse: sent == p at its indices, so ‖p − sent‖² = ‖p‖² − ‖sent‖² without another pass
+            r2 = max(p2 - sent2, 0.0) if isinstance(sent, SparseSent) else sq_norm(residual)
+            self._memory.stage(gid, residual, r2)
         work.report.sent2 += sent2
         return mean
 
@@ -591,8 +587,8 @@ class GCEngine:
                 self._finish(work)
             return
         work.timer.resolve()
-        choices = work.times.extra.get("choices")
-        predicted = work.times.extra.get("predicted_comm_s") if choices else None
+        choices = work.times.choices
+        predicted = work.times.predicted_comm_s if choices else None
         work.report.exchange_comm_s = work.exchange_comm_s
         if predicted is not None:
             work.report.predicted_comm_s, work.report.has_prediction = float(predicted), 1.0
@@ -602,8 +598,8 @@ class GCEngine:
         work.times.bytes_sent += nbytes
         s = work.stats
         s.exchange_comm_s = work.exchange_comm_s
-        s.full_precision = work.times.extra.get("full_precision")
-        s.compressor_metrics = work.times.extra.get("metrics")
+        s.full_precision = work.times.full_precision
+        s.compressor_metrics = work.times.metrics or None
         bad = total.nonfinite_ranks > 0
         if bad and self.config.check_finite:
             s.nonfinite = True

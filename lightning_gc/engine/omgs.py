@@ -47,7 +47,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from ..comm.exchange import ExchangeTimes, LazySent, SparseSent, Timer
+from ..comm.exchange import ExchangeTimes, Timer, error_feedback_residual
 from ..compressors.base import GroupContext
 from ..plans import ParamFacts, Plan, PlanRequest, get_planner
 from ..plans.omgs import GroupTimes, OMGSCost, is_provisional, partition_from_plan, predict_plan
@@ -426,10 +426,7 @@ class OMGSController(StepParticipant):
         timer = Timer(src.device, times)
         mean, sent = engine.exchange.run(p, ctx, timer)
         if engine.error_feedback:
-            if isinstance(sent, SparseSent):
-                p.index_fill_(0, sent.indices.long(), 0)
-            else:
-                p.sub_(sent.materialise() if isinstance(sent, LazySent) else sent)
+            error_feedback_residual(p, sent, in_place=True)
         out.copy_(mean)
         if cuda:
             torch.cuda.synchronize(src.device)

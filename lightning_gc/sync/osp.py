@@ -368,7 +368,7 @@ class OSPSync(StepParticipant):
         """Send the deferred data through the deferred compressor (worker thread): ``flat`` becomes
         the mean of what the ranks sent (identical on every rank) and, with error feedback, the
         residual ``flat − sent`` is kept for the layers' next deferred sends."""
-        from ..comm.exchange import ExchangeTimes, LazySent, SparseSent, Timer
+        from ..comm.exchange import ExchangeTimes, Timer, error_feedback_residual
         from ..compressors import GroupContext
 
         ctx = GroupContext(
@@ -380,12 +380,7 @@ class OSPSync(StepParticipant):
         p = pending.flat
         mean, sent = self._ics_exchange.run(p, ctx, Timer(p.device, times))
         if self._ics_error_feedback:
-            if isinstance(sent, SparseSent):  # sent == p at these indices
-                residual = p.clone()
-                residual[sent.indices.long()] = 0
-            else:
-                residual = p - (sent.materialise() if isinstance(sent, LazySent) else sent)
-            pending.residual = residual
+            pending.residual = error_feedback_residual(p, sent, in_place=False)
         pending.flat = mean.to(p.dtype).reshape(-1)
         pending.bytes_sent, pending.bytes_payload = int(times.bytes_sent), int(times.bytes_payload)
 
