@@ -31,11 +31,12 @@ STEPS = 4
 RESTORE_AT = 2  # a fresh exchange takes over here, loaded from the first one's state_dict
 # per (group, step): scale of each rank's data (the first ws entries are used). Group 0 is large and
 # led by rank 0; group 1 is small, led strongly by rank 1 at step 0 and slightly by rank 0 afterwards
-# (smoothing keeps rank 1); group 2 is medium and led by rank 1 (not the last rank at 3 ranks).
+# (smoothing keeps rank 1); group 2 is medium and led by rank 1 (not the last rank at 3 or 4 ranks).
+# The fourth rank (4-rank runs) never leads.
 SCALES = {
-    0: [[30, 20, 25]] * STEPS,
-    1: [[1, 3, 1], [1.2, 1, 1], [1.2, 1, 1], [1.25, 1, 0.9]],
-    2: [[3, 5, 1], [3, 5, 1], [5, 3, 1], [5, 3, 1]],
+    0: [[30, 20, 25, 22]] * STEPS,
+    1: [[1, 3, 1, 1], [1.2, 1, 1, 1], [1.2, 1, 1, 0.9], [1.25, 1, 0.9, 1]],
+    2: [[3, 5, 1, 2], [3, 5, 1, 2], [5, 3, 1, 2], [5, 3, 1, 2]],
 }
 
 
@@ -96,14 +97,14 @@ def _worker(rank: int, ws: int) -> dict:
     return {"worst": worst, "saved": saved}
 
 
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", [2, 3, 4])
 def test_var_smoothing_is_per_group_and_restored(ws):
     right = _sources(ws, "per_group")
     # the data must make every mistake visible
     for wrong in ("shared", "none", "dropped"):
         assert _sources(ws, wrong) != right, f"data does not distinguish {wrong!r} from per-group state"
     assert any(right[(gid, s)] != ws - 1 for gid in SCALES for s in range(STEPS))
-    results = run_distributed(_worker, ws, timeout=120)
+    results = run_distributed(_worker, ws, timeout=300)
     for r, res in enumerate(results):
         assert res["worst"] < 1e-5, f"rank {r}: mean differs from the hand-chosen source's by {res['worst']:.3g}"
         assert sorted(res["saved"]["var_energy"]) == sorted(SCALES)
