@@ -32,6 +32,7 @@ def engine_state(engine: GCEngine) -> dict:
         "seed": engine.config.seed,
         "network": engine.tracker.state_dict(),
         "exchange": engine.exchange.state_dict(),
+        "slots": engine.slot_specs(),
     }
 
 
@@ -56,6 +57,7 @@ def load_engine_state(engine: GCEngine, state: dict, restore_memory: bool = True
         engine.compressor.set_ratio(ratio)  # replicated: every rank's saved state holds the same ratio
     engine.tracker.load_state_dict(state.get("network") or {})
     engine.exchange.load_state_dict(state.get("exchange") or {}, world_size=engine.world_size)
+    engine.load_slot_specs(state.get("slots") or [])
     if not restore_memory:
         engine.clear_error_memory()
         return []

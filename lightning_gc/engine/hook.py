@@ -63,6 +63,7 @@ from .config import EngineConfig
 from .memory import ErrorMemory
 from .network import NetworkTracker
 from .readiness import Readiness, new_future
+from .slots import MethodSlot, MethodSpec, build_slot
 from .stats import StepStats, Totals
 
 
@@ -77,6 +78,7 @@ class _StepWork:
     timer: Timer
     futures: list[tuple[torch.futures.Future, Tensor]] = field(default_factory=list)
     written: list[list[Tensor]] = field(default_factory=list)  # lossy groups' views, for NaN on a bad step
+    flushed: list[tuple[str, ...]] = field(default_factory=list)  # groups whose memory this step sent out
     report: StepReport = field(default_factory=StepReport)
     control_comm_s: float = 0.0  # opening check + closing report
     exchange_comm_s: float = 0.0  # inside the compressed groups' exchanges (what the cost model predicts)
@@ -138,6 +140,10 @@ class GCEngine:
         self.exact_exchange = AllreduceExchange(DenseCompressor(), self.exchange_group)
         self.tracker = NetworkTracker(config, type(self.exchange).needs_network, self.world_size)
         self.exchange.network = self.tracker.state
+        #: the method of every lossy group without a slot of its own (the strategy's configuration)
+        self.default_slot = MethodSlot(None, compressor, self.exchange, self.error_feedback)
+        self._slots: dict[tuple[str, ...], MethodSlot] = {}  # keyed by the group's parameter names
+        self._flush: set[tuple[str, ...]] = set()  # groups whose memory goes out once, then clears
         self.all_exact = all(g.exact for g in self.plan.groups)
         self._planned = frozenset(self.plan.group_of())  # param ids the plan sends (OSP may defer others)
         self.step = 0
@@ -169,7 +175,13 @@ class GCEngine:
     def signature(self) -> str:
         """Everything that fixes the sequence and sizes of collectives (identical on all ranks)."""
         return (f"{self.plan.signature()}|{self.compressor.describe()}|{self.exchange.describe()}"
-                f"|ef={self.error_feedback}|{self.config}")
+                f"|ef={self.error_feedback}|{self.config}{self._slots_signature()}")
+
+    def _slots_signature(self) -> str:
+        if not self._slots and not self._flush:
+            return ""
+        slots = ";".join(f"{','.join(k)}={v.describe()}" for k, v in sorted(self._slots.items()))
+        return f"|slots={slots}|flush={sorted(self._flush)}"
 
     def _verify_identical(self, sig: str) -> None:
         sigs: list[Any] = [None] * self.world_size
@@ -341,11 +353,66 @@ class GCEngine:
             self._verify_identical(f"plan {plan.signature()}")
         dtypes = [p.dtype for p in self.params]
         missing = self._memory.remap(self.plan, plan, dtypes, self.device)
+        kept = {g.names for g in plan.groups if not g.exact}
+        self._slots = {k: v for k, v in self._slots.items() if k in kept}
+        self._flush &= kept
         self.plan = plan
         self._readiness = Readiness(plan, self.params)
         self.all_exact = all(g.exact for g in plan.groups)
         self._planned = frozenset(plan.group_of())
         return missing
+
+    # ------------------------------------------------------------------ per-group method slots
+    def slot_of(self, gid: int) -> MethodSlot:
+        """The method group ``gid`` of the current plan is sent with."""
+        return self._slots.get(self.plan.groups[gid].names, self.default_slot)
+
+    def set_group_method(self, gid: int, spec: MethodSpec | None) -> None:
+        """Send group ``gid`` of the current plan with ``spec`` from the next step on (``None``: back
+        to the default method). Between steps, on every rank with the same spec: the spec is
+        compared across ranks and a difference raises on every rank. Error memory follows the rule
+        of :mod:`lightning_gc.engine.slots` (kept if the new method uses error feedback, else
+        flushed into the group's next send)."""
+        group = self.plan.groups[gid]
+        if group.exact:
+            raise ValueError(
+                f"group {gid} ({list(group.names)[:3]}) is sent exactly (its tensors are below min_compress_numel, "
+                "or the compressor is lossless), so it has no method to switch. Pick a compressed group "
+                f"(ids {[g.gid for g in self.plan.groups if not g.exact]})."
+            )
+        self.synchronize()
+        slot = build_slot(spec, self.exchange_group, self.tracker.state,
+                          type(self.exchange).needs_network) if spec is not None else self.default_slot
+        if self.world_size > 1:
+            described = "default" if spec is None else repr(spec.as_dict())
+            self._verify_identical(f"set_group_method(group {gid} = {group.names}, {described})")
+        if spec is None:
+            self._slots.pop(group.names, None)
+        else:
+            self._slots[group.names] = slot
+        if slot.error_feedback:
+            self._flush.discard(group.names)
+        elif self._memory.get(gid) is not None:
+            self._flush.add(group.names)
+
+    def slot_specs(self) -> list[dict]:
+        """The groups' own methods (checkpoint state): names, spec, and whether memory awaits a flush."""
+        return [{"names": list(k), "spec": v.spec.as_dict() if v.spec else None} for k, v in self._slots.items()] + \
+            [{"names": list(k), "flush": True} for k in self._flush]
+
+    def load_slot_specs(self, entries: list[dict]) -> None:
+        """Rebuild the slots of :meth:`slot_specs` (groups not in the current plan are skipped)."""
+        self._slots, self._flush = {}, set()
+        groups = {g.names: g for g in self.plan.groups if not g.exact}
+        for e in entries:
+            names = tuple(e["names"])
+            if names not in groups:
+                continue
+            if e.get("flush"):
+                self._flush.add(names)
+            elif e.get("spec") is not None:
+                self._slots[names] = build_slot(MethodSpec(**e["spec"]), self.exchange_group, self.tracker.state,
+                                                type(self.exchange).needs_network)
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish queued work, stop the worker and release the exchange process group."""
@@ -424,7 +491,7 @@ class GCEngine:
             return f"step={work.step} dense plan={self.plan.signature()}"
         net = self.tracker.describe() if type(self.exchange).needs_network else "-"
         return (f"step={work.step} compressed plan={self.plan.signature()} compressor={self.compressor.describe()} "
-                f"collective={self.exchange.describe()} net={net}")
+                f"collective={self.exchange.describe()} net={net}{self._slots_signature()}")
 
     def _close_step(self) -> None:
         work = self._work
@@ -554,9 +621,12 @@ class GCEngine:
             offset += n
 
     def _exchange_lossy(self, work: _StepWork, gid: int, flat: Tensor, ctx: GroupContext, timer: Timer) -> Tensor:
+        slot = self.slot_of(gid)
+        names = self.plan.groups[gid].names
+        flush = names in self._flush
         mem = self._memory.get(gid)
         # flat is a fresh tensor (torch.cat into a new output): add the memory in place
-        p = flat.add_(mem) if (self.error_feedback and mem is not None) else flat
+        p = flat.add_(mem) if ((slot.error_feedback or flush) and mem is not None) else flat
         p2 = sq_norm(p)  # the gain needs it; a NaN/inf anywhere shows here
         if not math.isfinite(p2) and not bool(torch.isfinite(p).all()):  # p2 may overflow on finite p
             work.report.nonfinite_ranks = 1.0
@@ -564,12 +634,15 @@ class GCEngine:
             self.group_observer(gid, p, ctx)
         timer.resolve()
         c0 = work.times.comm_s
-        mean, sent = self.exchange.run(p, ctx, timer)
+        mean, sent = slot.exchange.run(p, ctx, timer)
         timer.resolve()  # CUDA: wait for this exchange's events (worker thread only)
         work.exchange_comm_s += work.times.comm_s - c0
         work.report.p2 += p2
         sent2 = sent_sq_norm(sent)  # a LazySent knows it without expanding
-        if self.error_feedback:
+        if flush and not slot.error_feedback:  # the memory went out with this send: none is kept
+            self._memory.stage_clear(gid)
+            work.flushed.append(names)
+        if slot.error_feedback:
             # p is a fresh tensor (torch.cat / the sum above always allocate): reuse it in place
             residual = error_feedback_residual(p, sent, in_place=True)
             # sparse: sent == p at its indices, so ‖p − sent‖² = ‖p‖² − ‖sent‖² without another pass
@@ -610,6 +683,7 @@ class GCEngine:
         else:
             s.nonfinite = bad
             self._memory.commit()
+            self._flush.difference_update(work.flushed)
             if total.p2 > 0 and not bad:
                 self._record_gain(s, total.sent2, total.p2)
         if choices:
@@ -639,7 +713,7 @@ class GCEngine:
         s.bytes_dense = self._dense_bytes_per_step if self.world_size > 1 else 0
         s.compress_time_s += work.times.compress_s
         s.comm_time_s += work.times.comm_s + work.control_comm_s
-        s.error_norm = self.error_norm() if self.error_feedback else 0.0
+        s.error_norm = self.error_norm() if (self.error_feedback or self._slots) else 0.0
         if s.gain_ewma is None:
             s.gain_ewma = self.gain_ewma
         with self._stats_lock:

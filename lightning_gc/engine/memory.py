@@ -37,8 +37,16 @@ class ErrorMemory:
         """New memory of group ``gid`` for this step; ``sq`` = ‖memory‖² if already known."""
         self._staged[gid] = (memory, sq)
 
+    def stage_clear(self, gid: int) -> None:
+        """Group ``gid`` keeps no memory after this step (a method without error feedback flushed it)."""
+        self._staged[gid] = (None, 0.0)  # type: ignore[assignment]
+
     def commit(self) -> None:
         for gid, (m, sq) in self._staged.items():
+            if m is None:
+                self._mem.pop(gid, None)
+                self._sq.pop(gid, None)
+                continue
             self._mem[gid] = m
             self._sq[gid] = float(m.double().pow(2).sum()) if sq is None else sq
         self._staged.clear()
