@@ -1,0 +1,225 @@
+"""The composition matrix: every combination of options trains with ranks identical or is refused.
+
+Factors (docs/concepts.md keeps the table of what works and what is refused, and why)::
+
+    compressor  topk, star_topk, qsgd, efsignsgd, marsit, gradiveq
+    sync        bsp, osp
+    plan        model, layer, omgs
+    controller  none, shadow, rollback      (AdaptiveRatio)
+    accumulate  1, 2                        (accumulate_grad_batches)
+    precision   32-true, bf16-mixed
+    resume      fresh, resumed              (checkpoint at step 4 of 8, resumed to 8)
+
+The full product is 1296 runs; the cases are an all-pairs design (every pair of values of any two
+factors appears in at least one case; :func:`all_pairs`, greedy and deterministic) plus the full
+product of the factors that carry state across steps (controller × sync × plan × resume).
+
+A case either (a) is refused when the Trainer is built or ``fit`` starts, with a message that
+names the value, the reason and the fix (:func:`expected_refusal` is the table), or (b) trains
+8 optimizer steps on 2 gloo ranks with the ranks' parameters bit-identical and, when resumed,
+equal to the uninterrupted run bit for bit.
+
+``python tests/composition.py [--all]`` runs the design outside pytest and prints the table;
+``pytest -m matrix tests/test_composition.py`` runs it under pytest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import sys
+from typing import Any
+
+FACTORS: dict[str, tuple] = {
+    "compressor": ("topk", "star_topk", "qsgd", "efsignsgd", "marsit", "gradiveq"),
+    "sync": ("bsp", "osp"),
+    "plan": ("model", "layer", "omgs"),
+    "controller": ("none", "shadow", "rollback"),
+    "accumulate": (1, 2),
+    "precision": ("32-true", "bf16-mixed"),
+    "resume": ("fresh", "resumed"),
+}
+STATEFUL = ("controller", "sync", "plan", "resume")
+STEPS, RESUME_AT = 8, 4
+
+
+def all_pairs(factors: dict[str, tuple], seed: int = 0) -> list[dict[str, Any]]:
+    """A covering array of strength 2: every pair of values of any two factors appears in some case.
+
+    Greedy (AETG-style): repeatedly build the candidate case that covers the most uncovered pairs
+    among a few random completions, until none is left. Deterministic for a seed."""
+    names = list(factors)
+    uncovered = {(a, va, b, vb) for a, b in itertools.combinations(names, 2)
+                 for va in factors[a] for vb in factors[b]}
+    rng = random.Random(seed)
+    cases: list[dict[str, Any]] = []
+    while uncovered:
+        best, best_gain = None, -1
+        for _ in range(30):
+            a, va, b, vb = sorted(uncovered, key=repr)[rng.randrange(len(uncovered))]
+            case = {a: va, b: vb}
+            for n in rng.sample(names, len(names)):
+                if n in case:
+                    continue
+                case[n] = max(factors[n], key=lambda v: (sum(
+                    (x, case[x], n, v) in uncovered or (n, v, x, case[x]) in uncovered for x in case), rng.random()))
+            gain = sum((x, case[x], y, case[y]) in uncovered for x, y in itertools.combinations(names, 2))
+            if gain > best_gain:
+                best, best_gain = case, gain
+        assert best is not None
+        cases.append({n: best[n] for n in names})
+        uncovered -= {(x, best[x], y, best[y]) for x, y in itertools.combinations(names, 2)}
+    return cases
+
+
+def stateful_product(base: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The full product of the factors that carry state across steps, the others at their first value."""
+    base = base or {n: v[0] for n, v in FACTORS.items()}
+    return [{**base, **dict(zip(STATEFUL, combo))} for combo in itertools.product(*(FACTORS[n] for n in STATEFUL))]
+
+
+def design() -> list[dict[str, Any]]:
+    seen, out = set(), []
+    for case in all_pairs(FACTORS) + stateful_product():
+        key = tuple(case[n] for n in FACTORS)
+        if key not in seen:
+            seen.add(key)
+            out.append(case)
+    return out
+
+
+def case_id(case: dict[str, Any]) -> str:
+    return "-".join(str(case[n]) for n in FACTORS)
+
+
+RATIO_COMPRESSORS = ("topk", "star_topk")
+
+
+def expected_refusal(case: dict[str, Any]) -> str | None:
+    """The refusal a case must meet (a regex of its message), or None if it must train.
+
+    The table of docs/concepts.md ("What composes"): each entry names why."""
+    c, sync, plan, ctrl = case["compressor"], case["sync"], case["plan"], case["controller"]
+    if sync == "osp" and plan == "omgs":
+        return r"sync='osp' with plan='omgs'.*Use one of them"
+    if ctrl != "none" and c not in RATIO_COMPRESSORS:
+        return rf"AdaptiveRatio cannot tune compressor '{c}': it has no ratio"
+    if plan == "omgs" and c == "star_topk":
+        return r"plan='omgs' times the active exchange \(star_topk\).*stateless collective"
+    return None
+
+
+# ---------------------------------------------------------------------- one case on 2 ranks
+def _strategy(case: dict[str, Any]):
+    from lightning_gc import GCStrategy
+
+    args: dict[str, Any] = {}
+    if case["compressor"] in RATIO_COMPRESSORS:
+        args["ratio"] = 0.05
+    if case["compressor"] == "marsit":
+        args["compressor_args"] = {"full_precision_every": 3}
+    if case["compressor"] == "gradiveq":  # short phases so that 8 steps sample, fit and compress
+        args["compressor_args"] = {"warmup": 1, "sample_steps": 2, "compress_steps": 3, "min_numel": 256,
+                                   "max_slice": 256, "pca_slices": 4}
+    if case["plan"] == "omgs":
+        args["omgs"] = {"profile_skip_steps": 0, "profile_steps": 2, "calibration_sizes": 3,
+                        "calibration_repeats": 1, "replan_window": 2}
+    if case["sync"] == "osp":
+        args.update(osp_deferred_fraction=0.4)
+    return GCStrategy(compressor=case["compressor"], plan=case["plan"], sync=case["sync"], seed=3, **args)
+
+
+def _callbacks(case: dict[str, Any]) -> list:
+    from lightning_gc import AdaptiveRatio
+
+    if case["controller"] == "none":
+        return []
+    return [AdaptiveRatio(mode=case["controller"], c_min=0.01, c_max=0.1, warmup_steps=2, shadow_steps=1,
+                          steps_per_candidate=1, min_interval=3, settle_steps=1, gain_threshold=1e-9,
+                          pop_size=8, n_gen=4, log_figures=False)]
+
+
+def _fit(case: dict[str, Any], tmp: str, max_steps: int, ckpt_path: str | None, save_at: int | None) -> dict:
+    import lightning as L
+    import torch
+    from lit_models import TinyClassifier, make_loader
+
+    class Model(TinyClassifier):
+        def __init__(self):
+            super().__init__(hidden=96, lr=0.1)
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32),
+                                           torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+    # RESUME_AT optimizer steps per epoch: the checkpoint is written at the end of epoch 0 (a resume
+    # from the middle of an epoch would replay a different data order with a plain DataLoader)
+    callbacks = _callbacks(case)
+    if save_at is not None:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp, filename="mid", save_top_k=-1,
+                                                             every_n_epochs=1, save_on_train_epoch_end=True))
+    L.seed_everything(11, verbose=False)
+    model = Model()
+    trainer = L.Trainer(
+        strategy=_strategy(case), accelerator="cpu", devices=2, precision=case["precision"],
+        accumulate_grad_batches=case["accumulate"], max_steps=max_steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=save_at is not None, default_root_dir=tmp,
+        callbacks=callbacks, num_sanity_val_steps=0)
+    n = 2 * 16 * case["accumulate"] * RESUME_AT  # 2 ranks × batch 16 × accumulation × steps per epoch
+    trainer.fit(model, make_loader(n=n, batch_size=16), ckpt_path=ckpt_path)
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "step": trainer.global_step, "skipped": trainer.strategy.skipped_steps}
+
+
+def _ranks(rank: int, world_size: int, case: dict[str, Any], tmp: str) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
+    out = {"full": _fit(case, tmp, STEPS, None, RESUME_AT if case["resume"] == "resumed" else None)}
+    if case["resume"] == "resumed":
+        out["resumed"] = _fit(case, tmp, STEPS, os.path.join(tmp, "mid.ckpt"), None)  # epoch 0's end
+    return out
+
+
+def check_case(case: dict[str, Any], tmp: str) -> str:
+    """Run one case and check it; returns "trains" or "refused" (raises AssertionError otherwise)."""
+    import re
+
+    import torch
+    from dist_harness import run_distributed
+
+    refusal = expected_refusal(case)
+    try:
+        a, b = run_distributed(_ranks, 2, case, tmp, timeout=600)
+    except Exception as e:  # noqa: BLE001 - compared with the table below
+        if refusal is not None and re.search(refusal, str(e), re.S):
+            return "refused"
+        raise AssertionError(f"{case_id(case)}: expected {'refusal ' + refusal if refusal else 'training'}, "
+                             f"got {str(e)[-3000:]}") from e
+    assert refusal is None, f"{case_id(case)}: trained, but the table says it is refused ({refusal})"
+    assert a["full"]["step"] == STEPS
+    for n, p in a["full"]["params"].items():
+        assert torch.isfinite(p).all(), (case_id(case), n)
+        assert torch.equal(p, b["full"]["params"][n]), f"{case_id(case)}: ranks differ at {n}"
+        if case["resume"] == "resumed":
+            assert torch.equal(p, a["resumed"]["params"][n]), f"{case_id(case)}: resumed run differs at {n}"
+            assert torch.equal(p, b["resumed"]["params"][n]), f"{case_id(case)}: resumed run differs at {n}"
+    return "trains"
+
+
+def main(argv: list[str]) -> int:
+    import tempfile
+
+    cases = design() if "--all" in argv else all_pairs(FACTORS)
+    failures = 0
+    for case in cases:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                verdict = check_case(case, tmp)
+            except AssertionError as e:
+                verdict, failures = f"FAILED: {str(e)[:300]}", failures + 1
+        print(f"{case_id(case):70s} {verdict}", flush=True)
+    print(f"{len(cases) - failures} passed, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,53 @@
+"""The composition matrix under pytest (see tests/composition.py for the factors, the design and
+the refusal table; docs/concepts.md for the table in prose).
+
+The suite runs a cheap subset that reaches every kind of verdict (trains fresh, trains resumed with
+state carried by OSP and the controller, refused for each reason); ``pytest -m matrix`` runs the
+whole design (all pairs + the full product of the stateful factors), about 55 cases × 2 ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+from composition import FACTORS, all_pairs, case_id, check_case, design, expected_refusal
+
+SUBSET = [
+    {"compressor": "topk", "sync": "osp", "plan": "model", "controller": "rollback", "accumulate": 1,
+     "precision": "32-true", "resume": "resumed"},
+    {"compressor": "efsignsgd", "sync": "bsp", "plan": "omgs", "controller": "none", "accumulate": 2,
+     "precision": "bf16-mixed", "resume": "resumed"},
+    {"compressor": "qsgd", "sync": "bsp", "plan": "layer", "controller": "shadow", "accumulate": 1,
+     "precision": "32-true", "resume": "fresh"},
+    {"compressor": "marsit", "sync": "osp", "plan": "omgs", "controller": "none", "accumulate": 1,
+     "precision": "32-true", "resume": "fresh"},
+]
+
+
+def test_the_design_covers_every_pair_and_the_stateful_product():
+    import itertools
+
+    names = list(FACTORS)
+    cases = design()
+    covered = {(a, c[a], b, c[b]) for c in cases for a, b in itertools.combinations(names, 2)}
+    needed = {(a, va, b, vb) for a, b in itertools.combinations(names, 2) for va in FACTORS[a] for vb in FACTORS[b]}
+    assert needed <= covered
+    stateful = {tuple(c[n] for n in ("controller", "sync", "plan", "resume")) for c in cases}
+    assert len(stateful) == 3 * 2 * 3 * 2
+    assert len(all_pairs(FACTORS)) < 40  # a few dozen, not the 1296 of the full product
+
+
+def test_refusal_table_has_a_reason_for_each_kind():
+    kinds = {expected_refusal(c) for c in design()}
+    assert None in kinds and len(kinds) >= 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SUBSET, ids=case_id)
+def test_composition_subset(case, tmp_path):
+    assert check_case(case, str(tmp_path)) == ("refused" if expected_refusal(case) else "trains")
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("case", design(), ids=case_id)
+def test_composition_matrix(case, tmp_path):
+    assert check_case(case, str(tmp_path)) == ("refused" if expected_refusal(case) else "trains")
