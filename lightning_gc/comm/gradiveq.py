@@ -327,7 +327,7 @@ class GradiVeQExchange(Exchange):
         return mean, sent
 
     def _check_digest(self, basis: GroupBasis, ctx: GroupContext, timer: Timer) -> None:
-        from ..engine.agreement import check_descriptor
+        from .collectives import check_descriptor
 
         text = f"gradiveq basis group={ctx.group_id} epoch={self.compressor.epoch} digest={basis.digest}"
         timer.times.bytes_sent += timer.run(
@@ -435,7 +435,7 @@ class GradiVeQRingExchange(GradiVeQExchange):
             works = post(zs(send_idx), zs(recv_idx))
             hidden(st.expand, chunks[send_idx])
             timer.run("comm", lambda w=works: wait(w))
-        timer.run("compress", lambda: st.expand(chunks[(rank + 2) % n]))
+        timer.run("compress", lambda: st.expand(chunks[(rank - 1) % n]))
         loss, norm, sent2 = timer.run("compress", st.finish)
         timer.times.bytes_payload += st.z_numel * esize
         timer.times.bytes_sent += sent_bytes

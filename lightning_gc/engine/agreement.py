@@ -18,37 +18,14 @@ so neither blocks backward:
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import allgather_bytes, ring_allreduce_bytes
+from ..comm.collectives import check_descriptor, descriptor_hash, ring_allreduce_bytes
 
-
-def descriptor_hash(text: str) -> int:
-    return zlib.crc32(text.encode())
-
-
-def check_descriptor(text: str, step: int, group, world_size: int, device: torch.device) -> int:
-    """All-gather the hash of ``text``; raise on every rank if ranks differ. Returns bytes sent."""
-    mine = torch.tensor([descriptor_hash(text)], dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(gathered, mine, group=group)
-    hashes = [int(t.item()) for t in gathered]
-    if len(set(hashes)) > 1:
-        by_hash: dict[int, list[int]] = {}
-        for r, h in enumerate(hashes):
-            by_hash.setdefault(h, []).append(r)
-        raise RuntimeError(
-            f"lightning_gc: at step {step} the ranks are about to issue different exchanges and would "
-            f"deadlock or abort. Ranks grouped by what they would do: {list(by_hash.values())}. This "
-            f"rank's step: {text}. Every rank must run the same plan, compressor options, ratio, "
-            "collective and step counter; change the ratio or plan only through GCEngine.set_ratio / "
-            "replace_plan (which check the ranks agree), and resume every rank from the same checkpoint."
-        )
-    return allgather_bytes(8, world_size)
+__all__ = ["StepReport", "agree", "check_descriptor", "descriptor_hash"]  # the opening check lives in comm
 
 
 @dataclass
