@@ -435,7 +435,7 @@ class GradiVeQRingExchange(GradiVeQExchange):
             works = post(zs(send_idx), zs(recv_idx))
             hidden(st.expand, chunks[send_idx])
             timer.run("comm", lambda w=works: wait(w))
-        timer.run("compress", lambda: st.expand(chunks[(rank - 1) % n]))
+        timer.run("compress", lambda: st.expand(chunks[(rank + 2) % n]))
         loss, norm, sent2 = timer.run("compress", st.finish)
         timer.times.bytes_payload += st.z_numel * esize
         timer.times.bytes_sent += sent_bytes
