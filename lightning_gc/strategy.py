@@ -364,40 +364,9 @@ class GCStrategy(DDPStrategy):
         super().setup(trainer)
         if self._sync == "osp":
             self._check_osp_setup(trainer)
-        self._warn_marsit_with_momentum()
-        self._warn_gradiveq_error_feedback()
-
-    def _warn_marsit_with_momentum(self) -> None:
-        """Marsit's full-precision rounds release the accumulated compensation in one update; a
-        momentum buffer spreads and amplifies it up to 1/(1−μ)× (measured: K=20 diverges on the lm
-        example with momentum 0.9, K=100 ends behind K=0; without momentum K=100 is best)."""
-        k = getattr(self._engine.compressor.config, "full_precision_every", 0) if self._engine else 0
-        if self._compressor_name != "marsit" or not k:
-            return
-        for optimizer in self.optimizers:
-            momenta = {g.get("momentum", 0) for g in optimizer.param_groups} | {
-                g["betas"][0] for g in optimizer.param_groups if "betas" in g}
-            if any(m for m in momenta):
-                rank_zero_warn(
-                    f"lightning_gc: compressor='marsit' with full_precision_every={k} and "
-                    f"{type(optimizer).__name__} momentum {max(momenta)}: each full-precision round releases "
-                    "the compensation accumulated over K steps in one update, and the momentum buffer amplifies "
-                    "it (up to 1/(1-momentum) times). On the lm example this diverged at K=20. Prefer momentum 0 "
-                    "with K > 0, or full_precision_every=0 (or efsignsgd) with momentum; see docs/compressors.md."
-                )
-                return
-
-    def _warn_gradiveq_error_feedback(self) -> None:
-        """GradiVeQ's compressed steps never send the part of the gradient outside span(U), so its
-        error memory grows until a sample step releases it at once (measured: the cnn example
-        fell to chance accuracy with error_feedback=True, and learned without it)."""
-        if self._compressor_name == "gradiveq" and self._engine is not None and self._engine.error_feedback:
-            rank_zero_warn(
-                "lightning_gc: compressor='gradiveq' with error_feedback=True: the compressed steps cannot send "
-                "the part of the gradient outside the PCA basis, so the error memory grows until a sample step "
-                "releases it in one update. On the cnn example this training fell to chance accuracy. Prefer "
-                "error_feedback=False (the default, as in the paper); see docs/compressors.md."
-            )
+        if self._engine is not None:  # the algorithm's own measured pitfalls with this setup
+            for message in self._engine.compressor.advice(self.optimizers, self._engine.error_feedback):
+                rank_zero_warn(message)
 
     def _check_osp_setup(self, trainer: Any) -> None:
         for optimizer in self.optimizers:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -202,3 +203,9 @@ class Compressor(ABC):
         """Name and full configuration; part of the cross-rank signature (a rank-dependent option
         such as ``ratio`` is detected at setup instead of deadlocking a collective)."""
         return f"{self.name}({self.config!r})" if self.config is not None else self.name
+
+    def advice(self, optimizers: Sequence[torch.optim.Optimizer], error_feedback: bool) -> list[str]:
+        """Warnings about how this compressor meets the rest of the training setup (optimizers,
+        error feedback), printed once at setup on rank zero by the strategy. The algorithm knows its
+        own measured pitfalls; the strategy carries no per-algorithm advice. None by default."""
+        return []

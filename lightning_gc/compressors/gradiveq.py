@@ -627,3 +627,16 @@ class GradiVeQCompressor(Compressor):
                 f"sample_levels={c.sample_levels},sample_bucket={c.sample_bucket},min_numel={c.min_numel},"
                 f"compress_linear={c.compress_linear},dim={c.dim},coef_dtype={c.coef_dtype},"
                 f"outside_span={c.outside_span})")
+
+    def advice(self, optimizers, error_feedback: bool) -> list[str]:
+        """GradiVeQ's compressed steps never send the part of the gradient outside span(U), so its
+        error memory grows until a sample step releases it at once (measured: the cnn example
+        fell to chance accuracy with error_feedback=True, and learned without it)."""
+        if not error_feedback:
+            return []
+        return [
+            "lightning_gc: compressor='gradiveq' with error_feedback=True: the compressed steps cannot send "
+            "the part of the gradient outside the PCA basis, so the error memory grows until a sample step "
+            "releases it in one update. On the cnn example this training fell to chance accuracy. Prefer "
+            "error_feedback=False (the default, as in the paper); see docs/compressors.md."
+        ]

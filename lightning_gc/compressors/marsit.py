@@ -198,3 +198,23 @@ class MarsitCompressor(Compressor):
     def describe(self) -> str:
         c = self.config
         return f"{self.name}(K={c.full_precision_every},scale={c.scale},seed={c.seed})"
+
+    def advice(self, optimizers, error_feedback: bool) -> list[str]:
+        """Marsit's full-precision rounds release the accumulated compensation in one update; a
+        momentum buffer spreads and amplifies it up to 1/(1−μ)× (measured: K=20 diverges on the lm
+        example with momentum 0.9, K=100 ends behind K=0; without momentum K=100 is best)."""
+        k = self.config.full_precision_every
+        if not k:
+            return []
+        for optimizer in optimizers:
+            momenta = {g.get("momentum", 0) for g in optimizer.param_groups} | {
+                g["betas"][0] for g in optimizer.param_groups if "betas" in g}
+            if any(m for m in momenta):
+                return [
+                    f"lightning_gc: compressor='marsit' with full_precision_every={k} and "
+                    f"{type(optimizer).__name__} momentum {max(momenta)}: each full-precision round releases "
+                    "the compensation accumulated over K steps in one update, and the momentum buffer amplifies "
+                    "it (up to 1/(1-momentum) times). On the lm example this diverged at K=20. Prefer momentum 0 "
+                    "with K > 0, or full_precision_every=0 (or efsignsgd) with momentum; see docs/compressors.md."
+                ]
+        return []
