@@ -8,7 +8,13 @@ import math
 import pytest
 import torch
 
-from lightning_gc.comm.exchange import ExchangeTimes, LazySent, SparseSent, error_feedback_residual, sent_sq_norm
+from lightning_gc.comm.exchange import (
+    ExchangeTimes,
+    LazySent,
+    SparseSent,
+    error_feedback_residual,
+    sent_sq_norm,
+)
 from lightning_gc.compressors import build_compressor
 from lightning_gc.engine import EngineConfig, GCEngine
 from lightning_gc.engine.memory import ErrorMemory
