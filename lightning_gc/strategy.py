@@ -35,15 +35,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from ._validation import check_bool
-from .comm.registry import validate_collective
-from .compressors import available_compressors, build_config, get_entry
-from .compressors.base import Compressor
+from .compressors import available_compressors, get_entry
+from .config import GCConfig
 from .engine import EngineConfig, GCEngine, gc_comm_hook
-from .engine.omgs import OMGS_PLANS, OMGSConfig, OMGSController
+from .engine.omgs import OMGSConfig, OMGSController
 from .engine.session import StepParticipant, StepSession
 from .summary import GCSummary, summarize
-from .sync import OSPConfig, OSPSync, check_optimizer
+from .sync import OSPSync, check_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -234,60 +232,27 @@ class GCStrategy(DDPStrategy):
             # 25 MB buckets a ResNet-18 step has two or three buckets, so per-layer groups could not
             # start before half of backward was over. Small buckets let pipelined plans overlap.
             kwargs["bucket_cap_mb"] = PIPELINED_BUCKET_CAP_MB
-        check_bool("error_feedback", error_feedback, "None uses the compressor's default.", allow_none=True)
-        check_bool("check_finite", check_finite, "True makes ranks agree on non-finite gradients.")
-        check_bool("monitor", monitor, "True adds a GCMonitor callback if the Trainer has none.")
-        entry = get_entry(compressor)
-        self._compressor_config = build_config(compressor, ratio, compressor_args)
-        probe: Compressor = entry.compressor_cls(self._compressor_config)
-        self._collective = validate_collective(probe, collective)
-        if nonfinite not in ("skip", "propagate"):
-            raise ValueError(f"nonfinite={nonfinite!r} is invalid: use 'skip' or 'propagate'.")
-        ef = probe.default_error_feedback if error_feedback is None else error_feedback
-        self._omgs_config = OMGSConfig.coerce(omgs) if (omgs is not None or plan in OMGS_PLANS) else None
-        if self._omgs_config is not None and warmup_steps < self._omgs_config.dense_steps_needed:
-            rank_zero_info(
-                f"lightning_gc: OMGS profiles backward on dense steps, so warmup_steps={warmup_steps} is raised to "
-                f"{self._omgs_config.dense_steps_needed} (1 + profile_skip_steps + profile_steps of OMGSConfig)."
-            )
-            warmup_steps = self._omgs_config.dense_steps_needed
-        self._engine_config = EngineConfig(
-            plan=plan,
-            plan_threshold=plan_threshold,
-            min_compress_numel=min_compress_numel,
-            warmup_steps=warmup_steps,
-            error_feedback=ef,
-            check_finite=check_finite,
-            seed=seed,
-            collective=self._collective,
-            network_alpha_s=network_alpha_s,
-            network_beta_s_per_byte=network_beta_s_per_byte,
-            probe_every=probe_every,
-            probe_drift=probe_drift,
-            probe_patience=probe_patience,
-            overlap=overlap,
+        # the one mapping from these flat names to the typed configuration tree (lightning_gc/config.py)
+        self._config = GCConfig.from_flat(
+            compressor=compressor, ratio=ratio, compressor_args=compressor_args, collective=collective, plan=plan,
+            plan_threshold=plan_threshold, min_compress_numel=min_compress_numel, warmup_steps=warmup_steps,
+            error_feedback=error_feedback, check_finite=check_finite, nonfinite=nonfinite, seed=seed,
+            monitor=monitor, network_alpha_s=network_alpha_s, network_beta_s_per_byte=network_beta_s_per_byte,
+            probe_every=probe_every, probe_drift=probe_drift, probe_patience=probe_patience, overlap=overlap,
+            omgs=omgs, sync=sync, osp_deferred_fraction=osp_deferred_fraction, osp_round_steps=osp_round_steps,
+            osp_deferred_compressor=osp_deferred_compressor, osp_deferred_ratio=osp_deferred_ratio,
         )
-        if sync not in ("bsp", "osp"):
-            raise ValueError(f"sync={sync!r} is invalid: use 'bsp' (synchronise every layer before the step) "
-                             "or 'osp' (two-stage synchronisation, docs/osp.md).")
-        self._osp_config = OSPConfig(deferred_fraction=osp_deferred_fraction, round_steps=osp_round_steps,
-                                     deferred_compressor=osp_deferred_compressor, deferred_ratio=osp_deferred_ratio)
-        for name, value, default in (("osp_deferred_fraction", osp_deferred_fraction, None),
-                                     ("osp_deferred_compressor", osp_deferred_compressor, "dense"),
-                                     ("osp_deferred_ratio", osp_deferred_ratio, None)):
-            if sync == "bsp" and value != default:
-                raise ValueError(f"{name}={value!r} only applies with sync='osp'; pass sync='osp' too, or drop it.")
-        if sync == "osp" and self._omgs_config is not None:
-            raise ValueError(
-                f"sync='osp' with plan={plan!r} (OMGS) is not supported: OSP re-plans every step to leave the "
-                "deferred layers out, OMGS installs its own merge plan. Use one of them: sync='osp' with "
-                "plan='model'/'layer'/'threshold', or plan='omgs' with sync='bsp'."
-            )
-        self._sync = sync
+        cfg = self._config
+        self._compressor_config = cfg.compression.compressor_config()
+        self._collective = cfg.engine.collective
+        self._omgs_config = cfg.omgs
+        self._engine_config = cfg.engine
+        self._osp_config = cfg.osp
+        self._sync = cfg.sync
         self._osp: OSPSync | None = None
         self._compressor_name = compressor
-        self._nonfinite = nonfinite
-        self._monitor = monitor
+        self._nonfinite = cfg.nonfinite
+        self._monitor = cfg.monitor
         self._engine: GCEngine | None = None
         self._omgs: OMGSController | None = None
         self._session: StepSession | None = None
@@ -333,6 +298,11 @@ class GCStrategy(DDPStrategy):
     @property
     def compressor_name(self) -> str:
         return self._compressor_name
+
+    @property
+    def config(self) -> GCConfig:
+        """The validated configuration tree built from the keyword arguments (lightning_gc/config.py)."""
+        return self._config
 
     @property
     def engine_config(self) -> EngineConfig:

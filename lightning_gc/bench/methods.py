@@ -64,6 +64,8 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 
+from ..config import FLAT_FIELDS, FLAT_PREFIXES
+
 __all__ = [
     "MethodError",
     "MethodSpec",
@@ -83,12 +85,9 @@ __all__ = [
 BASELINES = ("ddp", "powersgd", "fp16")
 SINGLE_BUCKET_MB = 1_000_000  # larger than any model: DDP puts every gradient into one bucket
 _POWERSGD_KEYS = {"rank", "start_iter", "min_compression_rate", "error_feedback", "warm_start"}
-_GC_STRATEGY_KEYS = {
-    "ratio", "plan", "plan_threshold", "min_compress_numel", "warmup_steps", "error_feedback", "monitor",
-    "collective", "check_finite", "seed", "network_alpha_s", "network_beta_s_per_byte", "probe_every",
-    "probe_drift", "probe_patience", "overlap", "bucket_cap_mb", "sync", "osp_deferred_fraction", "osp_round_steps",
-    "osp_deferred_compressor", "osp_deferred_ratio",
-}
+# GCStrategy's own options: the configuration's flat names (lightning_gc/config.py, the one mapping) and
+# DDP's bucket size; every other key is a compressor option
+_GC_STRATEGY_KEYS = (set(FLAT_FIELDS) - {"compressor", "compressor_args", "omgs"}) | {"bucket_cap_mb"}
 
 
 # short bench spellings of compressor options, per compressor
@@ -301,8 +300,9 @@ def build_strategy(spec: MethodSpec, **ddp_kwargs: Any):
     omgs: dict[str, Any] = {}
     for k, v in options.items():
         k = aliases.get(k, k)
-        if k.startswith("omgs_"):  # OMGSConfig fields, e.g. topk:plan=omgs:omgs_profile_steps=5
-            omgs[k[len("omgs_"):]] = v
+        prefix = next((p for p in FLAT_PREFIXES if k.startswith(p)), None)
+        if prefix is not None:  # a section's field, e.g. topk:plan=omgs:omgs_profile_steps=5 (OMGSConfig)
+            omgs[k[len(prefix):]] = v
             continue
         (kwargs if k in _GC_STRATEGY_KEYS else compressor_args)[k] = v
     if omgs:
