@@ -1,0 +1,200 @@
+"""One configuration tree for lightning_gc, and the one mapping from flat names to it.
+
+Users write flat keyword arguments — ``GCStrategy(compressor="topk", ratio=0.01, sync="osp",
+osp_round_steps=50, ...)``, the same names under ``init_args`` in a LightningCLI YAML, and
+``NAME:KEY=VALUE`` options in ``lightning-gc bench --methods``. The code reads a typed tree::
+
+    GCConfig
+    ├── compression: CompressionConfig   compressor, ratio, compressor_args, collective, error_feedback
+    ├── engine:      EngineConfig        plan, plan_threshold, min_compress_numel, warmup_steps, ...
+    ├── sync:        "bsp" | "osp"
+    ├── osp:         OSPConfig           deferred_fraction, round_steps, deferred_compressor, deferred_ratio
+    ├── omgs:        OMGSConfig | None   profile_steps, ... (None: no OMGS)
+    ├── nonfinite:   "skip" | "propagate"
+    └── monitor:     bool
+
+:data:`FLAT_FIELDS` is the single table from a flat name to its place in the tree (``omgs_<field>``
+reaches an :class:`~lightning_gc.engine.omgs.OMGSConfig` field, as the bench spells it), and
+:meth:`GCConfig.from_flat` is the one function that applies it: :class:`~lightning_gc.GCStrategy`
+and the bench both build their configuration through it, so a field is validated, documented and
+defaulted in exactly one place (its dataclass). Each section validates its own fields at
+construction; :class:`GCConfig` checks the rules that span sections (OSP options without OSP, two
+owners of the merge plan, OMGS's dense profiling steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ._validation import check_bool
+from .compressors import build_config, get_entry
+from .engine.config import EngineConfig
+from .engine.omgs import OMGS_PLANS, OMGSConfig
+from .sync.osp import OSPConfig
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """Which compressor, with which options, over which collective.
+
+    Attributes:
+        compressor: a registered compressor name (``lightning-gc list``; docs/compressors.md).
+        ratio: fraction of elements kept, in (0, 1], for compressors that take one (Top-k family,
+            RandomK, AR-Topk); ``None``: the compressor's default (0.01).
+        compressor_args: further options of the compressor, e.g. ``{"levels": 15}`` for QSGD.
+        collective: ``"auto"`` (the compressor's natural collective) or an explicit compatible one.
+        error_feedback: ``None`` uses the compressor's default (on for Top-k and EF-signSGD, off for
+            unbiased QSGD/RandomK, majority-vote signSGD and GradiVeQ).
+    """
+
+    compressor: str = "topk"
+    ratio: float | None = None
+    compressor_args: Mapping[str, Any] | None = field(default_factory=dict)
+    collective: str = "auto"
+    error_feedback: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.compressor_args is None:
+            object.__setattr__(self, "compressor_args", {})
+        check_bool("error_feedback", self.error_feedback, "None uses the compressor's default.", allow_none=True)
+        from .comm.registry import validate_collective
+
+        probe = get_entry(self.compressor).compressor_cls(self.compressor_config())  # validates name and options
+        validate_collective(probe, self.collective)
+
+    def compressor_config(self) -> Any:
+        """The compressor's own validated config (a new object each call)."""
+        return build_config(self.compressor, self.ratio, dict(self.compressor_args) or None)
+
+    def resolved(self) -> tuple[str, bool]:
+        """(collective name with ``"auto"`` resolved, error feedback with ``None`` resolved)."""
+        from .comm.registry import validate_collective
+
+        probe = get_entry(self.compressor).compressor_cls(self.compressor_config())
+        ef = probe.default_error_feedback if self.error_feedback is None else bool(self.error_feedback)
+        return validate_collective(probe, self.collective), ef
+
+
+#: flat name → (section, field); ``field`` None: the section itself is the value
+FLAT_FIELDS: dict[str, tuple[str, str | None]] = {
+    **{n: ("compression", n) for n in ("compressor", "ratio", "compressor_args", "collective", "error_feedback")},
+    **{n: ("engine", n) for n in ("plan", "plan_threshold", "min_compress_numel", "warmup_steps", "check_finite",
+                                  "seed", "network_alpha_s", "network_beta_s_per_byte", "probe_every",
+                                  "probe_drift", "probe_patience", "overlap")},
+    **{f"osp_{n}": ("osp", n) for n in ("deferred_fraction", "round_steps", "deferred_compressor", "deferred_ratio")},
+    "sync": ("sync", None),
+    "omgs": ("omgs", None),
+    "nonfinite": ("nonfinite", None),
+    "monitor": ("monitor", None),
+}
+#: prefix → section, for the fields of a section given one by one (the bench's ``omgs_profile_steps=5``)
+FLAT_PREFIXES: dict[str, str] = {"omgs_": "omgs"}
+
+
+def is_flat_name(name: str) -> bool:
+    """Whether ``name`` is a configuration name :meth:`GCConfig.from_flat` accepts."""
+    return name in FLAT_FIELDS or any(name.startswith(p) for p in FLAT_PREFIXES)
+
+
+@dataclass(frozen=True)
+class GCConfig:
+    """Everything lightning_gc adds to DDP, as one validated tree (see the module docstring).
+
+    Build it from the flat names with :meth:`from_flat`; ``GCStrategy`` does, and exposes the result
+    as ``GCStrategy.config``. Cross-section rules, refused with the value, the reason and the fix:
+    OSP options with ``sync="bsp"``; ``sync="osp"`` with OMGS (both own the merge plan); OMGS's
+    profile needs dense steps, so ``engine.warmup_steps`` is raised to cover it (said once).
+    """
+
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sync: Literal["bsp", "osp"] = "bsp"
+    osp: OSPConfig = field(default_factory=OSPConfig)
+    omgs: OMGSConfig | None = None
+    nonfinite: Literal["skip", "propagate"] = "skip"
+    monitor: bool = True
+
+    def __post_init__(self) -> None:
+        check_bool("monitor", self.monitor, "True adds a GCMonitor callback if the Trainer has none.")
+        if self.nonfinite not in ("skip", "propagate"):
+            raise ValueError(f"nonfinite={self.nonfinite!r} is invalid: use 'skip' or 'propagate'.")
+        if self.sync not in ("bsp", "osp"):
+            raise ValueError(f"sync={self.sync!r} is invalid: use 'bsp' (synchronise every layer before the step) "
+                             "or 'osp' (two-stage synchronisation, docs/osp.md).")
+        if self.sync == "bsp":
+            default = OSPConfig()
+            for f in ("deferred_fraction", "deferred_compressor", "deferred_ratio"):
+                value = getattr(self.osp, f)
+                if value != getattr(default, f):
+                    raise ValueError(f"osp_{f}={value!r} only applies with sync='osp'; pass sync='osp' too, "
+                                     "or drop it.")
+        if self.sync == "osp" and self.omgs is not None:
+            raise ValueError(
+                f"sync='osp' with plan={self.engine.plan!r} (OMGS) is not supported: OSP re-plans every step to "
+                "leave the deferred layers out, OMGS installs its own merge plan. Use one of them: sync='osp' "
+                "with plan='model'/'layer'/'threshold', or plan='omgs' with sync='bsp'."
+            )
+        collective, ef = self.compression.resolved()
+        if (self.engine.collective, self.engine.error_feedback) != (collective, ef):
+            object.__setattr__(self, "engine", dataclasses.replace(self.engine, collective=collective,
+                                                                   error_feedback=ef))
+
+    @classmethod
+    def from_flat(cls, **flat: Any) -> GCConfig:
+        """Build the tree from flat names (:data:`FLAT_FIELDS`, ``omgs_<field>``); an unknown name is
+        refused naming the closest valid one. Omitted names take their section's default."""
+        import difflib
+
+        sections: dict[str, dict[str, Any]] = {"compression": {}, "engine": {}, "osp": {}}
+        top: dict[str, Any] = {}
+        omgs_fields: dict[str, Any] = {}
+        for name, value in flat.items():
+            if name in FLAT_FIELDS:
+                section, fld = FLAT_FIELDS[name]
+                if fld is None:
+                    top[section] = value
+                else:
+                    sections[section][fld] = value
+            elif name.startswith("omgs_"):
+                omgs_fields[name[len("omgs_"):]] = value
+            else:
+                close = difflib.get_close_matches(name, list(FLAT_FIELDS), n=1, cutoff=0.6)
+                hint = f" Did you mean {close[0]}?" if close else ""
+                raise ValueError(f"{name}={value!r} is not a lightning_gc option (see lightning_gc.config.FLAT_FIELDS)."
+                                 f"{hint}")
+        plan = sections["engine"].get("plan", EngineConfig.plan)
+        omgs_value = top.pop("omgs", None)
+        if omgs_fields:
+            base = dataclasses.asdict(OMGSConfig.coerce(omgs_value)) if omgs_value is not None else {}
+            omgs_value = {**base, **omgs_fields}
+        omgs = OMGSConfig.coerce(omgs_value) if (omgs_value is not None or plan in OMGS_PLANS) else None
+        compression = CompressionConfig(**sections["compression"])
+        engine_fields = sections["engine"]
+        if omgs is not None and engine_fields.get("warmup_steps", EngineConfig.warmup_steps) < omgs.dense_steps_needed:
+            from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+            rank_zero_info(
+                f"lightning_gc: OMGS profiles backward on dense steps, so warmup_steps="
+                f"{engine_fields.get('warmup_steps', EngineConfig.warmup_steps)} is raised to "
+                f"{omgs.dense_steps_needed} (1 + profile_skip_steps + profile_steps of OMGSConfig)."
+            )
+            engine_fields["warmup_steps"] = omgs.dense_steps_needed
+        collective, ef = compression.resolved()
+        engine = EngineConfig(**{**engine_fields, "collective": collective, "error_feedback": ef})
+        osp = OSPConfig(**sections["osp"])
+        return cls(compression=compression, engine=engine, osp=osp, omgs=omgs, **top)
+
+    def to_flat(self) -> dict[str, Any]:
+        """The flat names that rebuild this tree with :meth:`from_flat` (round trip)."""
+        out: dict[str, Any] = {}
+        for name, (section, fld) in FLAT_FIELDS.items():
+            value = getattr(self, section)
+            if fld is not None:
+                value = getattr(value, fld)
+            if name == "omgs" and value is not None:
+                value = dataclasses.asdict(value)
+            out[name] = dict(value) if name == "compressor_args" else value
+        return out
