@@ -273,7 +273,7 @@ def _oracle_run(rank: int, ws: int) -> dict:
             "bytes_sent": t_ring.bytes_sent,
             "z_numel": basis.z_numel,
             "ratio_metric": t_ring.metrics["gradiveq/ratio"],
-            "comp_ratio": comp.ratio,
+            "comp_ratio": comp.payload_fraction,
         })
         out["U"] = [b.U.clone() for b in basis.blocks]
         out["d"] = [b.d for b in basis.blocks]
@@ -522,7 +522,7 @@ def test_checkpoint_state_restores_schedule_and_basis_exactly():
             comp.add_sample(_grad(0, 1, step), _ctx(0, 1, step))
     assert comp.phase(4) == "compress"
     basis = comp.fit(_ctx(0, 1, 4), torch.float32)
-    assert basis is not None and comp.ratio < 1
+    assert basis is not None and comp.payload_fraction < 1
     state = comp.state_dict()
     twin = GradiVeQCompressor(cfg)
     twin.load_state_dict(copy.deepcopy(state))

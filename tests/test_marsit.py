@@ -81,7 +81,7 @@ def test_full_precision_schedule():
     assert [every3.full_precision_round(s) for s in range(7)] == [True, False, False, True, False, False, True]
     assert MarsitCompressor(MarsitConfig(full_precision_every=1)).full_precision_round(5)
     # amortised bytes: K=100 -> (99/32 + 1)/100 of dense
-    assert math.isclose(every3.ratio, (2 / 32 + 1) / 3) and never.ratio == 1 / 32
+    assert math.isclose(every3.payload_fraction, (2 / 32 + 1) / 3) and never.payload_fraction == 1 / 32
 
 
 # ----------------------------------------------------------------------------- merge rule, in process

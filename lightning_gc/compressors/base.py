@@ -155,9 +155,17 @@ class Compressor(ABC):
 
     @property
     def ratio(self) -> float:
-        """The fraction of elements kept (compressors with a ``ratio`` option); otherwise the
-        fraction of dense fp32 bytes the payload occupies, roughly (for monitoring only)."""
+        """The ``ratio`` option — the fraction of elements kept — for compressors that have one
+        (Top-k family, RandomK, AR-Topk); 1.0 for the others. How much a payload weighs is a
+        different quantity, :attr:`payload_fraction`."""
         return float(self.config.ratio) if self.has_ratio else 1.0
+
+    @property
+    def payload_fraction(self) -> float:
+        """Roughly the fraction of dense fp32 bytes the payload occupies (monitoring and reports
+        only; the exact bytes are counted per exchange). Defaults to :attr:`ratio`; compressors
+        without a ratio option override it (QSGD's levels, one bit per sign, 16-bit casts, ...)."""
+        return self.ratio
 
     def set_ratio(self, ratio: float) -> None:
         """Replace the ratio (validated by the config). The ratio lives in ``self.config`` only.

@@ -59,7 +59,7 @@ class CastCompressor(Compressor):
         self._dtype = _DTYPES[self.config.dtype]
 
     @property
-    def ratio(self) -> float:
+    def payload_fraction(self) -> float:
         return 0.5
 
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:

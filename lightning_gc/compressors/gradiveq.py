@@ -440,7 +440,7 @@ class GradiVeQCompressor(Compressor):
         return self._stop_votes
 
     @property
-    def ratio(self) -> float:
+    def payload_fraction(self) -> float:
         """Fraction of dense fp32 bytes of the latest fitted basis (1.0 before the first fit)."""
         return self._ratio
 

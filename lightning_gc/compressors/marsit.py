@@ -156,7 +156,7 @@ class MarsitCompressor(Compressor):
         self.config = config or MarsitConfig()
 
     @property
-    def ratio(self) -> float:
+    def payload_fraction(self) -> float:
         """Amortised fraction of dense fp32 bytes: one bit per element, plus one dense round in K."""
         k = self.config.full_precision_every
         if k == 0:

@@ -59,7 +59,7 @@ class QSGDCompressor(Compressor):
         self._tables: dict = {}
 
     @property
-    def ratio(self) -> float:
+    def payload_fraction(self) -> float:
         return (self.width / 8 + 4 / self.config.bucket_size) / 4
 
     def _buckets(self, n: int) -> int:

@@ -51,7 +51,7 @@ class _SignBase(Compressor):
         self.config = config or SignConfig()
 
     @property
-    def ratio(self) -> float:
+    def payload_fraction(self) -> float:
         return 1 / 32
 
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:

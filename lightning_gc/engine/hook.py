@@ -477,7 +477,9 @@ class GCEngine:
 
     def _open_step(self) -> None:
         dense = self.step_is_dense()
-        stats = StepStats(step=self.step, dense=dense, ratio=1.0 if dense else float(self.compressor.ratio))
+        c = self.compressor  # StepStats.ratio: the ratio option, or the payload's weight without one
+        stats = StepStats(step=self.step, dense=dense,
+                          ratio=1.0 if dense else float(c.ratio if c.has_ratio else c.payload_fraction))
         times = ExchangeTimes()
         work = _StepWork(self.step, dense, stats, times, Timer(self.device, times))
         self._work = work
