@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from lightning_gc import GCStrategy
 from lightning_gc.examples import ByteGPT, StdlibTextData, describe_presets, get_preset
+from lightning_gc.examples.transformer import warmup_cosine
 
 
 @pytest.fixture(autouse=True)
@@ -113,6 +114,8 @@ def test_schedule_is_linear_warmup_then_cosine_to_the_floor():
 def test_schedule_length_comes_from_the_trainer_and_is_checked():
     with pytest.raises(ValueError, match="total_steps=10 must exceed warmup_steps=10"):
         tiny(warmup_steps=10, total_steps=10)
+    # beyond total_steps the factor stays at the floor (a Trainer-derived run inside the warm-up: see below)
+    assert warmup_cosine(30, 4, 12, 0.1) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="attach the module to a Trainer or pass total_steps"):
         tiny(total_steps=None).configure_optimizers()
 
@@ -251,14 +254,18 @@ def test_two_ranks_stay_bit_identical_and_match_the_hand_written_loop(tmp_path, 
     assert max((unclipped[k] - ref[k]).abs().max().item() for k in ref) > 100 * tol
 
 
-def test_preset_routes_seq_len_to_model_and_data_and_trains_a_few_steps(tmp_path):
+def test_preset_routes_seq_len_to_model_and_data_and_a_run_shorter_than_the_warmup_trains(tmp_path):
     preset = get_preset("gpt", d_model=32, n_heads=2, seq_len=16, max_bytes=150_000, val_fraction=0.2,
-                        batch_size=8, warmup_steps=1)
+                        batch_size=8)
     assert preset.model.hparams.seq_len == preset.datamodule.hparams.seq_len == 16
+    assert (preset.model.hparams.lr, preset.model.hparams.warmup_steps) == (0.003, 50)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, limit_val_batches=2, num_sanity_val_steps=0,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(tmp_path))
-    trainer.fit(preset.model, preset.datamodule)
+    with pytest.warns(UserWarning, match="ends inside the linear warm-up"):
+        trainer.fit(preset.model, preset.datamodule)
+    # 3 steps taken at 1/50, 2/50, 3/50 of the peak; the next would run at 4/50
+    assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == pytest.approx([0.003 * 4 / 50] * 2)
     trainer.validate(preset.model, preset.datamodule, verbose=False)
     m = trainer.callback_metrics
     assert float(m["val_bpb"]) == pytest.approx(float(m["val_loss"]) / math.log(2), rel=1e-6)

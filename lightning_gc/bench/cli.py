@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--preset", default="mlp", help="mlp | cnn | lm | quickstart | probe | deep | module:factory")
+    w.add_argument("--preset", default="mlp", help="mlp | cnn | lm | gpt | quickstart | probe | deep | module:factory")
     w.add_argument("--preset-arg", action="append", type=_kv, default=[], metavar="KEY=VALUE",
                    help="extra keyword for the preset factory (repeatable)")
     w.add_argument("--steps", type=int, default=20, help="training steps per method")
