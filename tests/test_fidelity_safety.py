@@ -1,0 +1,200 @@
+"""Every cross-rank safety check of the engine and the network probe, triggered on each rank in turn.
+
+On 3 gloo ranks, for ``odd`` = 0, 1, 2, one rank differs from the other two and every rank must
+raise (nobody hangs, nobody proceeds), naming the ranks by what they would have done — the grouping
+is checked as a value (``[[0, 2], [1]]`` when rank 1 differs), so a check that compares only with
+rank 0, or only reports the first rank, fails:
+
+* the engine's **opening check** (the per-step descriptor): a ratio changed behind the engine's
+  back, a step counter that differs, a network model that differs (for a model-chosen collective);
+* the engine's **setup signature** (a rank-dependent compressor option);
+* ``GCEngine.set_ratio`` and ``GCEngine.replace_plan`` (values compared before anything changes);
+* the probe's **argument fingerprint** (``probe_network``) and ``ensure_replicated``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from dist_harness import run_distributed
+
+WS = 3
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(97 * rank + step)
+    return torch.randn(4, 16, generator=g) * (1.0, 0.4, 2.0)[(rank + step) % 3], torch.randn(4, 8, generator=g)
+
+
+def _engine(model, compressor: str = "topk", **cfg):
+    from lightning_gc.compressors import build_compressor
+    from lightning_gc.engine import EngineConfig, GCEngine
+
+    return GCEngine(build_compressor(compressor, ratio=0.1),
+                    EngineConfig(**{"plan": "layer", "min_compress_numel": 0, "warmup_steps": 1, **cfg}),
+                    list(model.named_parameters()))
+
+
+def _opening(rank: int, odd: int, how: str) -> str:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gc.comm.cost_model import NetworkModel
+    from lightning_gc.engine import gc_comm_hook
+
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    if how == "network":  # a model-chosen collective: the agreed network model is part of each step
+        engine = _engine(model, "artopk_auto", network_alpha_s=1e-4, network_beta_s_per_byte=8e-8)
+    else:
+        engine = _engine(model)
+    ddp.register_comm_hook(engine, gc_comm_hook)
+    try:
+        for step in range(4):
+            if step == 2 and rank == odd:
+                if how == "ratio":
+                    engine.compressor.config = dataclasses.replace(engine.compressor.config, ratio=0.3)
+                elif how == "step":
+                    engine.step = 0
+                else:
+                    engine.network.model = NetworkModel(2e-4, 8e-8)
+            x, y = _batch(rank, step)
+            ddp.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        engine.close()
+
+
+def _setup(rank: int, odd: int) -> str:
+    from lightning_gc.compressors import build_compressor
+    from lightning_gc.engine import EngineConfig, GCEngine
+
+    model = _model()
+    try:
+        GCEngine(build_compressor("topk", ratio=0.2 if rank == odd else 0.1), EngineConfig(),
+                 list(model.named_parameters())).close()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def _set_ratio(rank: int, odd: int) -> tuple[str, float]:
+    engine = _engine(_model())
+    try:
+        engine.set_ratio(0.25 if rank == odd else 0.5)
+        return "no error", float(engine.compressor.ratio)
+    except RuntimeError as e:
+        return str(e), float(engine.compressor.ratio)
+    finally:
+        engine.close()
+
+
+def _replace_plan(rank: int, odd: int) -> tuple[str, str]:
+    from lightning_gc.plans import build_plan
+
+    model = _model()
+    engine = _engine(model)
+    before = engine.plan.signature()
+    plan = build_plan(engine.names, [p.numel() for p in engine.params], kind="model" if rank == odd else "layer",
+                      min_compress_numel=0)
+    try:
+        engine.replace_plan(plan)
+        return "no error", before
+    except RuntimeError as e:
+        return str(e), engine.plan.signature() == before and before
+    finally:
+        engine.close()
+
+
+def _probe(rank: int, odd: int) -> tuple[str, str]:
+    from lightning_gc.comm.cost_model import NetworkModel
+    from lightning_gc.comm.probe import ProbeConfig, ensure_replicated, probe_network
+
+    try:
+        probe_network(config=ProbeConfig(sizes_bytes=(64, 1024), warmup=0, repeats=3 if rank == odd else 1))
+        probe = "no error"
+    except ValueError as e:
+        probe = str(e)
+    try:
+        ensure_replicated(NetworkModel(1e-4, 8e-8 if rank != odd else 9e-8))
+        repl = "no error"
+    except ValueError as e:
+        repl = str(e)
+    return probe, repl
+
+
+def _all(rank: int, ws: int) -> dict:
+    out = {}
+    for odd in range(ws):
+        for how in ("ratio", "step", "network"):
+            out["opening", how, odd] = _opening(rank, odd, how)
+        out["setup", odd] = _setup(rank, odd)
+        out["set_ratio", odd] = _set_ratio(rank, odd)
+        out["replace_plan", odd] = _replace_plan(rank, odd)
+        out["probe", odd] = _probe(rank, odd)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(_all, WS, timeout=400)
+
+
+def _grouping(odd: int) -> str:
+    """The ranks grouped by what they do, groups in order of their first rank."""
+    same = [r for r in range(WS) if r != odd]
+    return str([same, [odd]] if odd > 0 else [[odd], same])
+
+
+@pytest.mark.parametrize("odd", range(WS))
+@pytest.mark.parametrize("how", ["ratio", "step", "network"])
+def test_opening_check_fails_fast_on_every_rank_whichever_rank_differs(runs, how, odd):
+    for rank, res in enumerate(runs):
+        msg = res["opening", how, odd]
+        assert "about to issue different exchanges" in msg, (rank, msg)
+        assert f"Ranks grouped by what they would do: {_grouping(odd)}" in msg, (rank, msg)
+        assert "at step 2 " in msg or "at step 0 " in msg, msg
+
+
+@pytest.mark.parametrize("odd", range(WS))
+def test_setup_signature_names_the_odd_rank(runs, odd):
+    for rank, res in enumerate(runs):
+        msg = res["setup", odd]
+        assert "ranks built different communication setups" in msg, (rank, msg)
+        assert f"Ranks grouped by setup: {_grouping(odd)}" in msg, (rank, msg)
+
+
+@pytest.mark.parametrize("odd", range(WS))
+def test_set_ratio_refused_everywhere_and_nothing_changes(runs, odd):
+    want = {r: (0.25 if r == odd else 0.5) for r in range(WS)}
+    for rank, res in enumerate(runs):
+        msg, ratio = res["set_ratio", odd]
+        assert f"(rank → ratio: {want})" in msg, (rank, msg)
+        assert ratio == 0.1  # the ratio in force is untouched on every rank
+
+
+@pytest.mark.parametrize("odd", range(WS))
+def test_replace_plan_refused_everywhere_and_the_plan_kept(runs, odd):
+    for rank, res in enumerate(runs):
+        msg, kept = res["replace_plan", odd]
+        assert "ranks built different communication setups" in msg, (rank, msg)
+        assert f"Ranks grouped by setup: {_grouping(odd)}" in msg, (rank, msg)
+        assert kept, (rank, "the plan changed although the ranks disagreed")
+
+
+@pytest.mark.parametrize("odd", range(WS))
+def test_probe_arguments_and_replicated_network_checked_whichever_rank_differs(runs, odd):
+    for rank, res in enumerate(runs):
+        probe, repl = res["probe", odd]
+        assert "different arguments on different ranks" in probe, (rank, probe)
+        assert "network model differs across ranks" in repl, (rank, repl)
+        assert "beta in [8e-08, 9e-08]" in repl, (rank, repl)
