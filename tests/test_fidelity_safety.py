@@ -8,7 +8,8 @@ rank 0, or only reports the first rank, fails:
 * the engine's **opening check** (the per-step descriptor): a ratio changed behind the engine's
   back, a step counter that differs, a network model that differs (for a model-chosen collective);
 * the engine's **setup signature** (a rank-dependent compressor option);
-* ``GCEngine.set_ratio`` and ``GCEngine.replace_plan`` (values compared before anything changes);
+* ``GCEngine.set_ratio``, ``GCEngine.replace_plan`` and ``GCEngine.set_group_method`` (values
+  compared before anything changes);
 * the probe's **argument fingerprint** (``probe_network``) and ``ensure_replicated``.
 """
 
@@ -115,6 +116,20 @@ def _replace_plan(rank: int, odd: int) -> tuple[str, str]:
         engine.close()
 
 
+def _set_group_method(rank: int, odd: int) -> tuple[str, bool]:
+    from lightning_gc.engine.slots import MethodSpec
+
+    engine = _engine(_model())
+    gid = next(g.gid for g in engine.plan.groups if not g.exact)
+    try:
+        engine.set_group_method(gid, MethodSpec("topk", ratio=0.2 if rank == odd else 0.3))
+        return "no error", False
+    except RuntimeError as e:
+        return str(e), engine.slot_of(gid) is engine.default_slot
+    finally:
+        engine.close()
+
+
 def _probe(rank: int, odd: int) -> tuple[str, str]:
     from lightning_gc.comm.cost_model import NetworkModel
     from lightning_gc.comm.probe import ProbeConfig, ensure_replicated, probe_network
@@ -140,6 +155,7 @@ def _all(rank: int, ws: int) -> dict:
         out["setup", odd] = _setup(rank, odd)
         out["set_ratio", odd] = _set_ratio(rank, odd)
         out["replace_plan", odd] = _replace_plan(rank, odd)
+        out["set_group_method", odd] = _set_group_method(rank, odd)
         out["probe", odd] = _probe(rank, odd)
     return out
 
@@ -189,6 +205,15 @@ def test_replace_plan_refused_everywhere_and_the_plan_kept(runs, odd):
         assert "ranks built different communication setups" in msg, (rank, msg)
         assert f"Ranks grouped by setup: {_grouping(odd)}" in msg, (rank, msg)
         assert kept, (rank, "the plan changed although the ranks disagreed")
+
+
+@pytest.mark.parametrize("odd", range(WS))
+def test_set_group_method_refused_everywhere_and_the_default_kept(runs, odd):
+    for rank, res in enumerate(runs):
+        msg, kept = res["set_group_method", odd]
+        assert "ranks built different communication setups" in msg, (rank, msg)
+        assert f"Ranks grouped by setup: {_grouping(odd)}" in msg, (rank, msg)
+        assert kept, (rank, "the group's method changed although the ranks disagreed")
 
 
 @pytest.mark.parametrize("odd", range(WS))
