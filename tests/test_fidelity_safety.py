@@ -6,7 +6,8 @@ is checked as a value (``[[0, 2], [1]]`` when rank 1 differs), so a check that c
 rank 0, or only reports the first rank, fails:
 
 * the engine's **opening check** (the per-step descriptor): a ratio changed behind the engine's
-  back, a step counter that differs, a network model that differs (for a model-chosen collective);
+  back, a step counter that differs, a network model that differs (for a model-chosen collective),
+  a plan installed without the agreement (the plan digest of each step);
 * the engine's **setup signature** (a rank-dependent compressor option);
 * ``GCEngine.set_ratio``, ``GCEngine.replace_plan`` and ``GCEngine.set_group_method`` (values
   compared before anything changes);
@@ -63,6 +64,11 @@ def _opening(rank: int, odd: int, how: str) -> str:
                     engine.compressor.config = dataclasses.replace(engine.compressor.config, ratio=0.3)
                 elif how == "step":
                     engine.step = 0
+                elif how == "plan":  # installed without the agreement (verify=False): the step's digest
+                    from lightning_gc.plans import build_plan
+
+                    engine.replace_plan(build_plan(engine.names, [p.numel() for p in engine.params], kind="model",
+                                                   min_compress_numel=0), verify=False)
                 else:
                     engine.network.model = NetworkModel(2e-4, 8e-8)
             x, y = _batch(rank, step)
@@ -150,7 +156,7 @@ def _probe(rank: int, odd: int) -> tuple[str, str]:
 def _all(rank: int, ws: int) -> dict:
     out = {}
     for odd in range(ws):
-        for how in ("ratio", "step", "network"):
+        for how in ("ratio", "step", "network", "plan"):
             out["opening", how, odd] = _opening(rank, odd, how)
         out["setup", odd] = _setup(rank, odd)
         out["set_ratio", odd] = _set_ratio(rank, odd)
@@ -172,7 +178,7 @@ def _grouping(odd: int) -> str:
 
 
 @pytest.mark.parametrize("odd", range(WS))
-@pytest.mark.parametrize("how", ["ratio", "step", "network"])
+@pytest.mark.parametrize("how", ["ratio", "step", "network", "plan"])
 def test_opening_check_fails_fast_on_every_rank_whichever_rank_differs(runs, how, odd):
     for rank, res in enumerate(runs):
         msg = res["opening", how, odd]
