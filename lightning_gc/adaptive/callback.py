@@ -39,6 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from ..comm.cost_model import SPARSE_COLLECTIVE_TIE_ORDER, NetworkModel
 from ..comm.probe import ProbeConfig, probe_network
 from ..comm.registry import collective_code
+from ..engine.ports import EngineControl
 from ..compressors import build_config
 from .config import AdaptiveConfig
 from .decision import Decision, decide
@@ -197,7 +198,7 @@ class AdaptiveRatio(Callback):
             # logging) is not part of a training step
             self._step_end = time.perf_counter()
 
-    def _on_step(self, trainer: Any, pl_module: Any, engine: Any, s: Any) -> None:
+    def _on_step(self, trainer: Any, pl_module: Any, engine: EngineControl, s: Any) -> None:
         now = time.perf_counter()
         if self._step_end is not None:
             self._step_times.append(now - self._step_end)
@@ -216,7 +217,7 @@ class AdaptiveRatio(Callback):
                 self._explore(trainer, pl_module, engine, step, trigger)
         self._log_step(pl_module, engine)
 
-    def _trigger(self, engine: Any, step: int) -> str | None:
+    def _trigger(self, engine: EngineControl, step: int) -> str | None:
         cfg = self.config
         if self.c is None:
             return "warmup" if step >= max(cfg.warmup_steps, engine.config.warmup_steps) else None
@@ -241,7 +242,7 @@ class AdaptiveRatio(Callback):
                 return True
         return False
 
-    def _network_model(self, engine: Any, step: int, refresh: bool) -> NetworkModel | None:
+    def _network_model(self, engine: EngineControl, step: int, refresh: bool) -> NetworkModel | None:
         """The agreed alpha-beta model: the engine's when it keeps one (probed or pinned), else the
         controller's own probe, refreshed every ``probe_every`` steps (and when ``refresh``)."""
         if engine.keeps_network_model:
@@ -257,7 +258,7 @@ class AdaptiveRatio(Callback):
         return self._network
 
     # ------------------------------------------------------------------ exploration
-    def _explore(self, trainer: Any, pl_module: Any, engine: Any, step: int, trigger: str) -> None:
+    def _explore(self, trainer: Any, pl_module: Any, engine: EngineControl, step: int, trigger: str) -> None:
         self.last_explore_step = step
         if self.config.mode == "shadow":
             engine.synchronize()
@@ -271,7 +272,7 @@ class AdaptiveRatio(Callback):
         self._decide(trainer, engine, step, trigger, results, measured_live=None,
                      overhead_s=time.perf_counter() - t0)
 
-    def _finish_shadow(self, trainer: Any, engine: Any, step: int) -> None:
+    def _finish_shadow(self, trainer: Any, engine: EngineControl, step: int) -> None:
         scorer, self._shadow = self._shadow, None
         assert scorer is not None
         engine.set_group_observer(None)
@@ -283,7 +284,7 @@ class AdaptiveRatio(Callback):
                      measured_live=(float(engine.compressor.ratio), live_comm),
                      overhead_s=sum(r.t_comp_s * r.steps for r in results))
 
-    def _rollback(self, trainer: Any, pl_module: Any, engine: Any) -> list[CandidateResult]:
+    def _rollback(self, trainer: Any, pl_module: Any, engine: EngineControl) -> list[CandidateResult]:
         if not self._batches:
             raise RuntimeError("lightning_gc: rollback exploration found no cached training batch to run on.")
         batches = list(self._batches)
@@ -319,7 +320,7 @@ class AdaptiveRatio(Callback):
         return out
 
     @staticmethod
-    def _real_step(trainer: Any, pl_module: Any, engine: Any, optimizer: Any, batch: Any, batch_idx: int):
+    def _real_step(trainer: Any, pl_module: Any, engine: EngineControl, optimizer: Any, batch: Any, batch_idx: int):
         """One real training step on ``batch`` outside Lightning's loop (logging muted).
 
         It goes through the strategy's ``optimizer_step`` like Lightning's own steps: the step
@@ -345,7 +346,7 @@ class AdaptiveRatio(Callback):
         return engine.last_step
 
     # ------------------------------------------------------------------ decision
-    def _decide(self, trainer: Any, engine: Any, step: int, trigger: str, results: list[CandidateResult],
+    def _decide(self, trainer: Any, engine: EngineControl, step: int, trigger: str, results: list[CandidateResult],
                 measured_live: tuple[float, float] | None, overhead_s: float) -> None:
         net = self._network_model(engine, step, refresh=True)
         if net is None:  # engine keeps a model but has not probed yet: probe ourselves
@@ -402,7 +403,7 @@ class AdaptiveRatio(Callback):
         self._log_decision(trainer, step, entry, data, decision)
 
     # ------------------------------------------------------------------ logging
-    def _log_step(self, pl_module: Any, engine: Any) -> None:
+    def _log_step(self, pl_module: Any, engine: EngineControl) -> None:
         metrics = {"adaptive/c": float(engine.compressor.ratio) if not engine.step_is_dense() else 1.0}
         if self.collective is not None:
             metrics["adaptive/collective"] = collective_code(self.collective)
@@ -464,7 +465,7 @@ class AdaptiveRatio(Callback):
         self.net_ref = tuple(state_dict["net_ref"]) if state_dict["net_ref"] is not None else None
         self.pending_trigger = state_dict["pending_trigger"]
 
-    def _apply_loaded(self, engine: Any) -> None:
+    def _apply_loaded(self, engine: EngineControl) -> None:
         """After a resume: the engine's checkpoint restored its ratio; make sure it is the decided one."""
         self._loaded = None
         if self.c is not None and float(engine.compressor.ratio) != float(self.c):
