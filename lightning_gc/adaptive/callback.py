@@ -39,8 +39,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from ..comm.cost_model import SPARSE_COLLECTIVE_TIE_ORDER, NetworkModel
 from ..comm.probe import ProbeConfig, probe_network
 from ..comm.registry import collective_code
-from ..engine.ports import EngineControl
 from ..compressors import build_config
+from ..engine.ports import EngineControl
 from .config import AdaptiveConfig
 from .decision import Decision, decide
 from .objectives import (
