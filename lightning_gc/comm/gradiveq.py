@@ -35,7 +35,7 @@ compressed step
 
 Monitoring: ``timer.times.metrics`` carries ``gradiveq/phase`` (0 warm-up, 1 sample,
 2 compressed), ``gradiveq/loss`` (mean over ranks of the relative Eq. 7 loss), ``gradiveq/ratio``
-(z elements / dense elements) and ``gradiveq/d/<tensor>`` (the largest d of each compressed
+(z elements / elements over all the step's compressed groups) and ``gradiveq/d/<tensor>`` (the largest d of each compressed
 tensor) and, for the ring, ``gradiveq/hidden_compress_ms`` (compression and decompression done
 while transfers were in flight); the engine logs them as ``gc/<key>``. ``timer.times.overlapped_compress_s`` is the
 compression/decompression time spent while ring transfers were in flight (CPU wall clock); the
@@ -271,6 +271,9 @@ class GradiVeQExchange(Exchange):
         self.qsgd = QSGDCompressor(QSGDConfig(c.sample_levels, c.sample_bucket)) if c.sample_levels > 0 else None
         #: per group id: the latest per-tensor d and loss, for tests and monitoring
         self.last_loss: dict[int, float] = {}
+        # (the step's metrics dict, Σ z elements, Σ elements) over the step's compressed groups, so
+        # gradiveq/ratio describes the whole step and not only the group exchanged last
+        self._step_sizes: tuple[dict, int, int] | None = None
 
     # ------------------------------------------------------------------ dispatch
     def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor]:
@@ -297,7 +300,11 @@ class GradiVeQExchange(Exchange):
             return self._sample(p, ctx, timer)
         mean, sent, loss, norm = self._compressed(p, ctx, basis, timer)
         self._vote(loss, norm, ctx, timer, metrics)
-        metrics["gradiveq/ratio"] = basis.z_numel / max(1, p.numel())
+        acc = self._step_sizes
+        z, n = (acc[1], acc[2]) if acc is not None and acc[0] is metrics else (0, 0)
+        z, n = z + basis.z_numel, n + p.numel()
+        self._step_sizes = (metrics, z, n)
+        metrics["gradiveq/ratio"] = z / max(1, n)
         for b in basis.blocks:
             key = f"gradiveq/d/{basis.layers[b.layer].name}"
             metrics[key] = max(metrics.get(key, 0.0), float(b.d))
@@ -330,8 +337,18 @@ class GradiVeQExchange(Exchange):
         from .collectives import check_descriptor
 
         text = f"gradiveq basis group={ctx.group_id} epoch={self.compressor.epoch} digest={basis.digest}"
-        timer.times.bytes_sent += timer.run(
-            "comm", lambda: check_descriptor(text, ctx.step, self.group, ctx.world_size, ctx.device))
+        try:
+            timer.times.bytes_sent += timer.run(
+                "comm", lambda: check_descriptor(text, ctx.step, self.group, ctx.world_size, ctx.device))
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"lightning_gc: GradiVeQ's PCA basis of plan group {ctx.group_id} (sample phase "
+                f"{self.compressor.epoch}) differs across ranks at step {ctx.step}. Every rank fits it from the "
+                "same aggregated sample gradients with the same deterministic code, so the ranks' samples or "
+                "arithmetic differ (different torch or BLAS builds or devices across ranks, or ranks resumed "
+                "from different checkpoints); compressing with it would silently give each rank another "
+                f"gradient. {e}"
+            ) from e
 
     def _vote(self, loss: float, norm: float, ctx: GroupContext, timer: Timer, metrics: dict) -> None:
         rel = loss / norm if norm > 0 else 0.0
