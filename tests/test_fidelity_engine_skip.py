@@ -191,7 +191,7 @@ def _scenarios(rank: int, ws: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_distributed(_scenarios, WS, timeout=400)
+    return run_distributed(_scenarios, WS, timeout=280)
 
 
 def _same(a: dict, b: dict) -> bool:

@@ -83,7 +83,7 @@ def _calibrate(rank: int, ws: int) -> dict:
 
 @pytest.mark.parametrize("ws", [2, 3, 4])
 def test_calibration_fits_the_max_over_ranks(ws):
-    res = run_distributed(_calibrate, ws, timeout=300)
+    res = run_distributed(_calibrate, ws, timeout=280)
     sizes = res[0]["sizes"]
     k = len(sizes)
     assert k == 4 and all(r["sizes"] == sizes for r in res)

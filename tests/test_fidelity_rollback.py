@@ -162,7 +162,7 @@ def _scenarios(rank: int, ws: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_distributed(_scenarios, 2, timeout=300)
+    return run_distributed(_scenarios, 2, timeout=280)
 
 
 # what an exploration must change, so that "restored" is not vacuous (per compressor)

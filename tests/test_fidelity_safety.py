@@ -168,7 +168,7 @@ def _all(rank: int, ws: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_distributed(_all, WS, timeout=400)
+    return run_distributed(_all, WS, timeout=280)
 
 
 def _grouping(odd: int) -> str:
