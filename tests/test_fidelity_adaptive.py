@@ -19,7 +19,6 @@ identity, and at world size 1 every model cost is 0, which would make the calibr
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import types
 from collections import deque

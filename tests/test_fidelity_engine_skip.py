@@ -165,7 +165,7 @@ def _simulate(rank: int, groups, omit: int) -> dict:
                 off += k
         opt.step()
     memory = {}
-    for gi, (names, exact) in enumerate(groups):
+    for gi, (names, _exact) in enumerate(groups):
         if (rank, gi) in mem:
             off = 0
             for n in names:
