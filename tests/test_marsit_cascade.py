@@ -8,6 +8,7 @@ errors); all ranks hold the same result; bytes equal the ring's count for N mess
 
 from __future__ import annotations
 
+import pytest
 import torch
 from dist_harness import run_distributed
 
@@ -30,18 +31,17 @@ def test_ssdm_stochastic_sign_is_unbiased():
     assert torch.equal(zero, torch.zeros(5))
 
 
-N = 3
-D = 10  # uneven chunks 4, 3, 3
+D = 10  # chunks 5, 5 (2 ranks), 4, 3, 3 (3 ranks), 3, 3, 2, 2 (4 ranks)
 SEEDS = 400
 
 
-def _inputs() -> list[torch.Tensor]:
+def _inputs(n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(5)
-    return [torch.randn(D, generator=g) * (1 + r) for r in range(N)]
+    return [torch.randn(D, generator=g) * (1 + r) for r in range(n)]
 
 
 def _cascade(rank: int, ws: int) -> dict:
-    p = _inputs()[rank]
+    p = _inputs(ws)[rank]
     ex = make_exchange(build_compressor("marsit", args={"full_precision_every": 0}), "marsit_cascade")
     outs, nbytes = [], set()
     for seed in range(SEEDS):
@@ -54,15 +54,16 @@ def _cascade(rank: int, ws: int) -> dict:
     return {"outs": torch.stack(outs), "bytes": sorted(nbytes)}
 
 
-def test_cascade_is_unbiased_identical_on_ranks_and_counts_bytes():
+@pytest.mark.parametrize("N", [2, 3, 4])
+def test_cascade_is_unbiased_identical_on_ranks_and_counts_bytes(N):
     res = run_distributed(_cascade, N)
     assert all(torch.equal(r["outs"], res[0]["outs"]) for r in res), "ranks disagree"
     outs = res[0]["outs"]
-    dense = sum(_inputs()) / N
+    dense = sum(_inputs(N)) / N
     se = outs.std(0) / SEEDS ** 0.5
     assert bool(((outs.mean(0) - dense).abs() <= 5 * se).all()), (outs.mean(0), dense)
     # it is far noisier than the inputs: the foil's deviation (paper, Theorem 2)
     assert float(outs.std(0).mean()) > float(dense.abs().mean())
-    msg = 4 + (4 + 7) // 8  # norm + sign bytes of the largest chunk (4 elements)
+    msg = 4 + (-(-D // N) + 7) // 8  # norm + sign bytes of the largest chunk (⌈D/N⌉ elements)
     for r in range(N):
         assert res[r]["bytes"] == [2 * (N - 1) * msg]
