@@ -522,11 +522,16 @@ def test_checkpoint_state_restores_schedule_and_basis_exactly():
             comp.add_sample(_grad(0, 1, step), _ctx(0, 1, step))
     assert comp.phase(4) == "compress"
     basis = comp.fit(_ctx(0, 1, 4), torch.float32)
-    assert basis is not None and comp.payload_fraction < 1
+    assert basis is not None
+    # z per element: 3 rows·d (conv) + 5 rows·d (fc) + 12 exact values, of 780
+    d = {b.layer: b.d for b in basis.blocks}
+    assert comp.payload_fraction == pytest.approx((3 * d[0] + 5 * d[1] + 12) / 780, rel=1e-12)
+    assert comp.payload_fraction < 1
     state = comp.state_dict()
     twin = GradiVeQCompressor(cfg)
     twin.load_state_dict(copy.deepcopy(state))
     assert not twin.needs_fit(0) and twin.bases[0].digest == basis.digest
+    assert twin.payload_fraction == comp.payload_fraction  # survives the checkpoint
     x = _grad(1, 3, 9)
     assert torch.equal(twin.compress(x, _ctx(0, 3, 5)).payload[0], comp.compress(x, _ctx(0, 3, 5)).payload[0])
     assert [twin.phase(s) for s in range(5, 10)] == [comp.phase(s) for s in range(5, 10)]
