@@ -28,6 +28,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import _augment_message
@@ -35,6 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from ._names import guard_registry, positional_string_message
 from .compressors import available_compressors, get_entry
 from .config import GCConfig
 from .engine import EngineConfig, GCEngine, gc_comm_hook
@@ -218,6 +220,10 @@ class GCStrategy(DDPStrategy):
         osp_deferred_ratio: float | None = None,
         **kwargs: Any,
     ) -> None:
+        if isinstance(accelerator, str) and accelerator not in AcceleratorRegistry:
+            # GCStrategy("qsgd") would otherwise become accelerator="qsgd" and fail at Trainer setup
+            raise ValueError(positional_string_message(
+                accelerator, AcceleratorRegistry.available_accelerators(), available_compressors()))
         forbidden = {"ddp_comm_state": ddp_comm_state, "ddp_comm_hook": ddp_comm_hook,
                      "ddp_comm_wrapper": ddp_comm_wrapper, "model_averaging_period": model_averaging_period}
         for key, value in forbidden.items():
@@ -519,8 +525,10 @@ class GCStrategy(DDPStrategy):
 
 
 def register_aliases() -> None:
-    """Register ``gc_<compressor>`` for every known compressor in Lightning's strategy registry."""
+    """Register ``gc_<compressor>`` for every known compressor in Lightning's strategy registry; a
+    misspelt ``gc_`` name is then refused with the closest alias (``_names.guard_registry``)."""
     GCStrategy.register_strategies(StrategyRegistry)
+    guard_registry(StrategyRegistry)
 
 
 def _osp_clipping_refusal(where: str) -> str:

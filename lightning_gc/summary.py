@@ -27,8 +27,12 @@ class GCSummary:
         world_size: ranks in the process group.
         rank: this process's rank (the figures are this rank's).
         steps: optimizer steps the engine saw.
-        compressed_steps: steps sent compressed.
-        dense_steps: steps sent dense (warm-up, or everything below ``min_compress_numel``).
+        compressed_steps: steps the compressor compressed.
+        sample_steps: steps a compressor sent in another form to learn from (GradiVeQ's PCA sample
+            steps, QSGD-quantised); 0 for every other compressor.
+        dense_steps: steps sent exactly: the engine's warm-up, a compressor's own exact warm-up
+            (GradiVeQ's ``warmup``), Marsit's full-precision rounds, and every step of a lossless
+            or all-exact configuration (every tensor below ``min_compress_numel``).
         bytes_sent: modelled bytes this rank sent (payloads and the small stats allreduce).
         bytes_dense: bytes a dense fp32 ring allreduce of the same steps would have sent.
         bytes_ratio: ``bytes_sent / bytes_dense`` (1.0 when nothing was communicated).
@@ -44,6 +48,7 @@ class GCSummary:
     rank: int
     steps: int
     compressed_steps: int
+    sample_steps: int
     dense_steps: int
     bytes_sent: int
     bytes_dense: int
@@ -68,7 +73,9 @@ class GCSummary:
         return "\n".join([
             f"lightning_gc summary (rank {self.rank} of {self.world_size}): compressor={self.compressor} "
             f"collective={self.collective}",
-            f"  optimizer steps: {self.steps} ({self.compressed_steps} compressed, {self.dense_steps} dense)",
+            f"  optimizer steps: {self.steps} ({self.compressed_steps} compressed, "
+            + (f"{self.sample_steps} sample, " if self.sample_steps else "")
+            + f"{self.dense_steps} dense)",
             f"  bytes: {traffic}",
             f"  time: compression {self.compress_time_s:.3f} s, communication {self.comm_time_s:.3f} s",
             f"  non-finite gradient steps: {self.nonfinite_steps} (optimizer steps skipped: {self.skipped_steps})",
@@ -86,7 +93,7 @@ def _fmt_bytes(n: float) -> str:
 def summarize(engine: Any, compressor: str, skipped_steps: int) -> GCSummary:
     """Build the summary from ``engine.totals()``, the engine's exchange and the skipped steps."""
     t = engine.totals()
-    steps, compressed = int(t["steps"]), int(t["compressed_steps"])
+    steps, compressed, sample = int(t["steps"]), int(t["compressed_steps"]), int(t.get("sample_steps", 0))
     sent, dense = int(t["bytes_sent"]), int(t["bytes_dense"])
     return GCSummary(
         compressor=compressor,
@@ -95,7 +102,8 @@ def summarize(engine: Any, compressor: str, skipped_steps: int) -> GCSummary:
         rank=int(engine.rank),
         steps=steps,
         compressed_steps=compressed,
-        dense_steps=steps - compressed,
+        sample_steps=sample,
+        dense_steps=steps - compressed - sample,
         bytes_sent=sent,
         bytes_dense=dense,
         bytes_ratio=sent / dense if dense > 0 else 1.0,

@@ -12,9 +12,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from dist_harness import run_distributed
 from lit_models import TinyClassifier, make_loader
 
 from lightning_gc import GCMonitor, GCStrategy
+from lightning_gc.compressors import build_compressor
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -169,3 +171,102 @@ def test_warmup_end_visible_in_tensorboard_with_sparse_logging(fp16_run):
     # fp32 ring allreduce = 8080 bytes; + 8 (opening check); fp16 step + 8 + 48 (closing report)
     assert sorted(ratios) == [0, WARMUP]
     assert ratios[0] == pytest.approx(8088 / 8080) and ratios[WARMUP] == pytest.approx(4096 / 8080)
+
+
+def test_gc_ratio_on_fp16_steps_is_the_payload_fraction(fp16_run):
+    """fp16 has no ratio option: gc/ratio is the fraction of the fp32 payload sent, 2/4 bytes."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tmp, _ = fp16_run
+    acc = EventAccumulator(str(next((tmp / "tb").glob("version_*"))))
+    acc.Reload()
+    assert {e.step: e.value for e in acc.Scalars("gc/ratio")} == {0: 1.0, WARMUP: 0.5}
+
+
+# ---------------------------------------------------------------- honest counters: what each step really sent
+GQ_ARGS = dict(max_slice=64, min_numel=100, warmup=3, sample_steps=2, compress_steps=2, loss_threshold=None,
+               pca_slices=4, sample_levels=7, sample_bucket=512)
+GQ_STEPS = 11
+# by hand from the schedule: steps 0-2 the compressor's exact warm-up, then 2 sample steps and 2
+# compressed steps, alternating: 3-4 sample, 5-6 compressed, 7-8 sample, 9-10 compressed
+GQ_MODES = ["dense"] * 3 + ["sample"] * 2 + ["compressed"] * 2 + ["sample"] * 2 + ["compressed"] * 2
+MARSIT_K, MARSIT_STEPS = 3, 7  # full-precision rounds at steps 0, 3, 6 (step 0 is the engine warm-up too)
+
+
+def _counted_run(rank: int, ws: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gc.callbacks.monitor import step_metrics
+    from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
+    from lightning_gc.summary import summarize
+
+    out = {}
+    for name, args, steps in (("gradiveq", GQ_ARGS, GQ_STEPS), ("marsit", {"full_precision_every": MARSIT_K},
+                                                                 MARSIT_STEPS)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Tanh(), torch.nn.Flatten(),
+                                    torch.nn.Linear(128, 5))
+        ddp = DDP(model)
+        engine = GCEngine(build_compressor(name, args=args), EngineConfig(warmup_steps=1, min_compress_numel=1),
+                          list(model.named_parameters()))
+        ddp.register_comm_hook(engine, gc_comm_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        per_step = []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(1000 * rank + step)
+            x, y = torch.randn(8, 3, 6, 6, generator=g) * (1 + rank), torch.randint(0, 5, (8,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            s = engine.last_step
+            per_step.append({"mode": s.mode, "metrics": step_metrics(engine, s), "payload": s.bytes_payload})
+            opt.step()
+        out[name] = {"steps": per_step, "totals": engine.totals(), "summary": summarize(engine, name, 0).as_dict(),
+                     "numel": sum(p.numel() for p in model.parameters())}
+        engine.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def counted_runs():
+    return run_distributed(_counted_run, 2, timeout=180)
+
+
+def test_gradiveq_warmup_and_sample_steps_are_not_counted_as_compressed(counted_runs):
+    for res in counted_runs:
+        gq = res["gradiveq"]
+        assert [s["mode"] for s in gq["steps"]] == GQ_MODES
+        n_dense, n_sample, n_comp = (GQ_MODES.count(m) for m in ("dense", "sample", "compressed"))
+        t, s = gq["totals"], gq["summary"]
+        assert (t["steps"], t["compressed_steps"], t["sample_steps"]) == (GQ_STEPS, n_comp, n_sample)
+        assert (s["compressed_steps"], s["sample_steps"], s["dense_steps"]) == (n_comp, n_sample, n_dense)
+        from lightning_gc.summary import GCSummary
+
+        assert f"optimizer steps: {GQ_STEPS} ({n_comp} compressed, {n_sample} sample, {n_dense} dense)" in \
+            GCSummary(**s).format()
+        for mode, step in zip(GQ_MODES, gq["steps"]):
+            m = step["metrics"]
+            assert m["gc/dense_step"] == float(mode == "dense")
+            assert m["gc/sample_step"] == float(mode == "sample")
+            dense_payload = 4 * gq["numel"]  # fp32 gradient bytes of the whole model
+            if mode == "dense":
+                assert m["gc/ratio"] == 1.0 and step["payload"] == dense_payload
+            elif mode == "sample":
+                # 4-bit QSGD (7 levels): half a byte per element plus one fp32 norm per 512-element bucket
+                assert m["gc/ratio"] == pytest.approx((0.5 + 4 / 512) / 4, rel=0.03)
+            else:
+                # bf16 coefficients: 2 bytes per coefficient, gradiveq/ratio coefficients per element
+                assert m["gc/ratio"] == pytest.approx(m["gc/gradiveq/ratio"] * 2 / 4, rel=1e-6)
+                assert m["gc/ratio"] < 0.5
+
+
+def test_marsit_full_precision_rounds_are_counted_as_dense(counted_runs):
+    for res in counted_runs:
+        ma = res["marsit"]
+        fp = [s % MARSIT_K == 0 for s in range(MARSIT_STEPS)]
+        assert [s["mode"] for s in ma["steps"]] == ["dense" if f else "compressed" for f in fp]
+        assert [s["metrics"]["gc/dense_step"] for s in ma["steps"]] == [float(f) for f in fp]
+        s = ma["summary"]
+        assert (s["compressed_steps"], s["sample_steps"], s["dense_steps"]) == (fp.count(False), 0, fp.count(True))
+        for f, step in zip(fp, ma["steps"]):
+            # one bit per element on one-bit rounds (bytes of packed signs), fp32 on full-precision rounds
+            assert step["metrics"]["gc/ratio"] == (1.0 if f else pytest.approx(1 / 32, rel=0.05))

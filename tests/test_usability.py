@@ -153,6 +153,44 @@ def test_accelerator_as_first_positional_argument_like_ddpstrategy():
         GCStrategy(None, None, None, None, None, None, print)
 
 
+@pytest.mark.parametrize("value, fix", [("qsgd", "GCStrategy(compressor='qsgd')"),
+                                        ("qsdg", "GCStrategy(compressor='qsgd')"),  # misspelt: the closest
+                                        ("gloo", "GCStrategy(compressor='topk')")])  # nothing close: the default
+def test_positional_string_that_is_no_accelerator_is_refused_with_the_keyword_form(value, fix):
+    """GCStrategy("qsgd") used to become accelerator="qsgd" and fail at setup with a registry KeyError."""
+    with pytest.raises(ValueError) as info:
+        GCStrategy(value)
+    msg = str(info.value)
+    assert f"GCStrategy({value!r})" in msg  # the value
+    assert "first positional argument" in msg and "`accelerator`" in msg  # the reason
+    assert f"use {fix}" in msg and "Trainer(accelerator=...)" in msg  # the fix
+    assert ("is a compressor" in msg) == (value == "qsgd")
+
+
+def test_accelerator_names_are_still_accepted_positionally():
+    s = GCStrategy("cpu", compressor="qsgd")  # DDPStrategy accepts a registered accelerator name
+    assert s._accelerator == "cpu" and s.compressor_name == "qsgd"
+
+
+def test_misspelt_alias_points_to_the_closest_alias_and_the_list():
+    import lightning as L
+
+    with pytest.raises(ValueError) as info:
+        L.Trainer(strategy="gc_topkk", accelerator="cpu", devices=1, logger=False)
+    msg = str(info.value)
+    assert "strategy='gc_topkk' is not a registered strategy" in msg  # value
+    assert "lightning_gc's aliases" in msg  # reason
+    assert "Did you mean strategy='gc_topk'?" in msg and "lightning-gc list" in msg  # fix
+    with pytest.raises(ValueError, match=r"Did you mean strategy='gc_qsgd_osp'\?"):
+        L.Trainer(strategy="GC_QSGD_OPS", accelerator="cpu", devices=1, logger=False)
+    # names outside lightning_gc's namespace keep Lightning's own message; registered ones still work
+    with pytest.raises(ValueError, match="You selected an invalid strategy name: `strategy='ddpp'`"):
+        L.Trainer(strategy="ddpp", accelerator="cpu", devices=1, logger=False)
+    assert "gc_topk" in StrategyRegistry.available_strategies()
+    assert "ddpp" not in StrategyRegistry.available_strategies()
+    assert isinstance(L.Trainer(strategy="gc_topk", accelerator="cpu", devices=2, logger=False).strategy, GCStrategy)
+
+
 def test_aliases_still_register_with_their_arguments():
     for name in available_compressors():
         assert StrategyRegistry[f"gc_{name}"]["init_params"] == {"compressor": name}
@@ -225,3 +263,52 @@ def test_bench_list_methods_names_every_method_one_way(capsys):
         assert spec.gc == name.startswith("gc_")
         if spec.gc:
             assert spec.name == name[3:]
+
+
+# ---------------------------------------------------------------- bench plots stay readable with many methods
+@pytest.mark.parametrize("n", [3, 10, 13, 20, 31])
+def test_bench_method_styles_are_distinct(n):
+    pytest.importorskip("matplotlib")
+    from lightning_gc.bench.report import method_styles
+
+    labels = [f"m{i}" for i in range(n)]
+    styles = method_styles(labels)
+    colours = [styles[x][0] for x in labels]
+    markers = [styles[x][1] for x in labels]
+    assert len(set(colours)) == n  # Matplotlib's default cycle repeats after 10
+    assert len(set(zip(colours, markers))) == n
+    assert len(set(markers)) == min(n, 15)
+
+
+def test_bench_trace_and_metric_plots_draw_each_method_in_its_own_style(tmp_path, monkeypatch):
+    """A 13-method document (the case where ddp and gradiveq shared a colour): every line of the
+    per-step trace and of the metric plot has a colour and a marker no other method has."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lightning_gc.bench import report
+
+    methods = ["ddp", "fp16", "bf16", "powersgd", "topk", "lwtopk", "mstopk", "randomk", "qsgd", "signsgd",
+               "efsignsgd", "marsit", "gradiveq"]
+    results = [{"status": "ok", "label": m, "method": m, "compute_time_s": 0.1, "step_time_s": 0.2 + i / 100,
+                "step_time_p25_s": 0.19, "step_time_p75_s": 0.25 + i / 100, "floor_s": None, "ratio_vs_ddp": 1.0,
+                "bytes_per_step": 1000 + i, "wire_bytes_per_step": None, "dense_bytes_per_step": 4000,
+                "step_times_s": [0.3, 0.2 + i / 100, 0.21], "metric_curve": [
+                    {"train_time_s": 1.0, "value": 0.5}, {"train_time_s": 2.0, "value": 0.6 + i / 100}]}
+               for i, m in enumerate(methods)]
+    doc = {"results": results, "network": {"mode": "loopback"},
+           "config": {"preset": "mlp", "ranks": 4, "hosts": 4, "schedule": None, "warmup": 1, "target": 0.85,
+                      "metric": "val_acc"}}
+    figures = []
+    real_close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), real_close(fig)))
+    paths = report.write_plots(doc, str(tmp_path))
+    assert {p.rsplit("/", 1)[-1] for p in paths} >= {"step_trace.png", "metric.png"}
+    for fig in figures[2:]:  # the trace and the metric plot: one line per method
+        lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines() if ln.get_label() in methods}
+        assert sorted(lines) == sorted(methods)
+        styles = {(matplotlib.colors.to_hex(ln.get_color()), ln.get_marker()) for ln in lines.values()}
+        assert len({c for c, _ in styles}) == len(methods) and len({m for _, m in styles}) == len(methods)

@@ -177,6 +177,32 @@ def markdown(doc: dict) -> str:
 
 # --------------------------------------------------------------------------- plots
 
+#: 15 marker shapes that stay distinguishable at plot size (filled, so colour shows too)
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "p", "h", "8", "H", "d")
+
+
+def method_styles(labels: list[str]) -> dict[str, tuple[str, str]]:
+    """A distinct colour (hex) and marker per method label, in order.
+
+    Colours: matplotlib's ``tab10`` up to 10 methods, then ``tab20``'s light shades for the next
+    10 (method 10 + j is the light shade of method j's colour, with a different marker), then
+    evenly spaced hues; so no two methods share a colour however many there are (Matplotlib's
+    default cycle repeats after ten).
+    Markers: :data:`MARKERS`, distinct up to 15 methods, then repeating with a different colour.
+    """
+    from matplotlib import colormaps
+    from matplotlib.colors import hsv_to_rgb, to_hex
+
+    n = len(labels)
+    if n <= 10:
+        colours = [to_hex(colormaps["tab10"](i)) for i in range(n)]
+    elif n <= 20:
+        colours = [to_hex(colormaps["tab10"](i)) for i in range(10)]
+        colours += [to_hex(colormaps["tab20"](2 * i + 1)) for i in range(n - 10)]
+    else:
+        colours = [to_hex(hsv_to_rgb((i / n, 0.75, 0.85 if i % 2 else 0.6))) for i in range(n)]
+    return {label: (colours[i], MARKERS[i % len(MARKERS)]) for i, label in enumerate(labels)}
+
 
 def write_plots(doc: dict, out_dir: str) -> list[str]:
     """PNG plots into ``out_dir``; returns the paths (empty when matplotlib is missing)."""
@@ -200,6 +226,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     title_tail = f"{c['preset']}, {c['ranks']} ranks / {c['hosts']} hosts, {rate}, {net}"
     paths = []
     labels = [r["label"] for r in ok]
+    styles = method_styles(labels)
     y = list(range(len(ok)))
 
     # 1. step time: compute + exposed comm, IQR, floor
@@ -256,7 +283,9 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     # 3. per-step trace
     fig, ax = plt.subplots(figsize=(8, 4))
     for r in ok:
-        ax.plot(range(len(r["step_times_s"])), r["step_times_s"], marker=".", lw=1, label=r["label"])
+        colour, marker = styles[r["label"]]
+        ax.plot(range(len(r["step_times_s"])), r["step_times_s"], color=colour, marker=marker, markersize=4, lw=1,
+                label=r["label"])
     ax.axvspan(-0.5, c["warmup"] - 0.5, color="gray", alpha=0.15, label="warm-up (not timed)")
     for b in c.get("schedule_steps") or []:
         if b["step"] > 0:
@@ -266,7 +295,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     ax.set_xlabel("training step")
     ax.set_ylabel("step time (s, slowest rank)")
     ax.set_title(f"Step times over the run — {title_tail}", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, ncol=2 if len(ok) > 8 else 1)
     fig.tight_layout()
     paths.append(_save(fig, out_dir, "step_trace.png"))
     plt.close(fig)
@@ -278,13 +307,14 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
         for r in curves:
             pts = [(p["train_time_s"], p["value"]) for p in r["metric_curve"] if p["value"] is not None]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=r["label"])
+                colour, marker = styles[r["label"]]
+                ax.plot(*zip(*pts), color=colour, marker=marker, label=r["label"])
         if c.get("target") is not None:
             ax.axhline(c["target"], color="red", ls="--", lw=1, label=f"target {c['target']:g}")
         ax.set_xlabel("training time (s, sum of step times)")
         ax.set_ylabel(c.get("metric") or "metric")
         ax.set_title(f"Task metric — {title_tail}", fontsize=9)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, ncol=2 if len(curves) > 8 else 1)
         fig.tight_layout()
         paths.append(_save(fig, out_dir, "metric.png"))
         plt.close(fig)

@@ -3,8 +3,12 @@
 Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 
 ====================  ========================================================================
-``gc/ratio``           fraction of dense fp32 bytes the compressor targets this step (1.0 when dense)
-``gc/dense_step``      1 during dense steps (warm-up), 0 when compressed
+``gc/ratio``           the compression in force: the ``ratio`` option (fraction of elements kept) for
+                       compressors that have one (Top-k family, RandomK), otherwise the fraction of dense
+                       fp32 payload bytes this rank's payload took; 1.0 on dense steps
+``gc/dense_step``      1 on steps sent exactly (engine warm-up, GradiVeQ's own warm-up, Marsit's
+                       full-precision rounds), 0 otherwise
+``gc/sample_step``     GradiVeQ only: 1 on PCA sample steps (QSGD-quantised, neither dense nor compressed)
 ``gc/bytes_sent``      bytes this rank transmitted, modelled for the collectives' algorithms
 ``gc/bytes_dense``     bytes the same rank would send with dense fp32 ring allreduce
 ``gc/bytes_ratio``     bytes_sent / bytes_dense
@@ -40,8 +44,11 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 
 Logging frequency follows the Trainer's ``log_every_n_steps``, with one exception: the step where
 communication changes mode (the first step, the first compressed step after warm-up, and any
-later switch between dense and compressed) is always written, so the end of warm-up is visible in
-TensorBoard whatever ``log_every_n_steps`` is.
+later switch between dense, sample and compressed steps, :attr:`StepStats.mode`) is always
+written, so the end of warm-up is visible in TensorBoard whatever ``log_every_n_steps`` is.
+
+:func:`step_metrics` builds the tag dictionary from a strategy's engine (and its OMGS/OSP parts);
+Lightning Fabric users log the same dictionary with ``fabric.log_dict`` (docs/fabric.md).
 
 At the end of ``fit`` rank zero prints the strategy's :meth:`~lightning_gc.GCStrategy.summary`
 (compressor and collective, compressed vs dense steps, bytes vs the dense equivalent, time in
@@ -56,8 +63,84 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .._validation import check_bool
+from ..comm.registry import collective_code
+from ..engine.stats import PHASE_MODES
 
-_COLLECTIVE_CODES = {"allgather": 0, "art_ring": 1, "art_tree": 2}
+
+def payload_fraction(s: Any, world_size: int) -> float:
+    """Fraction of the dense fp32 payload this rank's payload took on step ``s`` (1.0 without one):
+    ``bytes_payload`` over the gradient bytes, which ``bytes_dense`` holds times the ring's 2(N−1)/N."""
+    if world_size <= 1 or not s.bytes_dense:
+        return 1.0
+    dense_payload = s.bytes_dense * world_size / (2 * (world_size - 1))
+    return float(s.bytes_payload / dense_payload)
+
+
+def step_ratio(engine: Any, s: Any) -> float:
+    """``gc/ratio`` of step ``s``: 1.0 on steps sent exactly; on compressed steps the ``ratio``
+    option in force for compressors that have one (Top-k family, RandomK: the fraction of elements
+    kept, what ``ratio=`` or AdaptiveRatio set), otherwise — and on GradiVeQ's sample steps — the
+    fraction of the dense fp32 payload the step's payload took."""
+    mode = s.mode
+    if mode == "dense":
+        return 1.0
+    if mode == "compressed" and engine.compressor.has_ratio:
+        return float(s.ratio)
+    return payload_fraction(s, engine.world_size)
+
+
+def step_metrics(engine: Any, s: Any, omgs: Any = None, osp: Any = None) -> dict[str, float]:
+    """The ``gc/*`` tags of step ``s`` (a :class:`~lightning_gc.engine.stats.StepStats` of
+    ``engine``), with the OMGS controller's and OSP synchroniser's when given; the dictionary
+    GCMonitor logs, and what Fabric users pass to ``fabric.log_dict``."""
+    mode = s.mode
+    metrics = {
+        "gc/ratio": step_ratio(engine, s),
+        "gc/dense_step": float(mode == "dense"),
+        "gc/bytes_sent": float(s.bytes_sent),
+        "gc/bytes_dense": float(s.bytes_dense),
+        "gc/bytes_ratio": float(s.bytes_sent / s.bytes_dense) if s.bytes_dense else 1.0,
+        "gc/compress_ms": 1e3 * s.compress_time_s,
+        "gc/comm_ms": 1e3 * s.comm_time_s,
+        "gc/error_norm": float(s.error_norm),
+        "gc/nonfinite": float(s.nonfinite),
+    }
+    if s.gain is not None:
+        metrics["gc/gain"] = float(s.gain)
+    if s.gain_ewma is not None:
+        metrics["gc/gain_ewma"] = float(s.gain_ewma)
+    if s.collective is not None:
+        metrics["gc/collective"] = collective_code(s.collective)
+        metrics["gc/exchange_comm_ms"] = 1e3 * s.exchange_comm_s
+        if s.predicted_comm_s is not None:
+            metrics["gc/predicted_comm_ms"] = 1e3 * s.predicted_comm_s
+    if s.alpha_s is not None and s.beta_s_per_byte is not None:
+        metrics["gc/net_alpha_us"] = 1e6 * s.alpha_s
+        metrics["gc/net_bandwidth_mbit"] = 8e-6 / s.beta_s_per_byte if s.beta_s_per_byte > 0 else float("inf")
+    if s.full_precision is not None:
+        metrics["gc/full_precision"] = float(s.full_precision)
+        metrics["gc/compensation_norm"] = float(s.error_norm)
+    for key, value in (s.compressor_metrics or {}).items():
+        metrics[f"gc/{key}"] = float(value)
+    if any(key.split("/")[0] == engine.compressor.name for key in PHASE_MODES):  # GradiVeQ
+        metrics["gc/sample_step"] = float(mode == "sample")
+    if s.probe_s > 0:
+        metrics["gc/probe_ms"] = 1e3 * s.probe_s
+    if omgs is not None and not s.dense and omgs.state.predicted_s is not None:
+        metrics["gc/omgs_predicted_ms"] = 1e3 * omgs.state.predicted_s
+        if omgs.state.last_measured_s is not None:
+            metrics["gc/omgs_measured_ms"] = 1e3 * omgs.state.last_measured_s
+    o = osp.last_stats if osp is not None else None
+    if o is not None:  # sync="osp": what the two-stage synchronisation did at this step
+        metrics["gc/osp_ics_fraction"] = float(o.deferred_fraction)
+        metrics["gc/osp_ics_layers"] = float(o.deferred_layers)
+        metrics["gc/osp_importance_threshold"] = float(o.threshold)
+        metrics["gc/osp_correction_norm"] = float(o.correction_norm)
+        metrics["gc/osp_ics_wait_ms"] = 1e3 * o.ics_wait_s
+        metrics["gc/osp_ics_comm_ms"] = 1e3 * o.ics_comm_s
+        if o.umax is not None:
+            metrics["gc/osp_umax_fraction"] = float(o.umax) / max(osp.total_numel, 1)
+    return metrics
 
 
 class GCMonitor(Callback):
@@ -78,7 +161,7 @@ class GCMonitor(Callback):
         self.prog_bar = prog_bar
         self.summary = summary
         self._last_step = -1
-        self._last_dense: bool | None = None
+        self._last_mode: str | None = None
         #: optimizer steps (engine numbering) written outside the log_every_n_steps schedule
         self.forced_steps: list[int] = []
         self._omgs_figure_version = 0
@@ -108,57 +191,16 @@ class GCMonitor(Callback):
         if s.step == self._last_step:  # accumulation micro-batch: no new optimizer step
             return
         self._last_step = s.step
-        mode_changed = self._last_dense is None or s.dense != self._last_dense
-        self._last_dense = s.dense
-        metrics = {
-            "gc/ratio": float(s.ratio),
-            "gc/dense_step": float(s.dense),
-            "gc/bytes_sent": float(s.bytes_sent),
-            "gc/bytes_dense": float(s.bytes_dense),
-            "gc/bytes_ratio": float(s.bytes_sent / s.bytes_dense) if s.bytes_dense else 1.0,
-            "gc/compress_ms": 1e3 * s.compress_time_s,
-            "gc/comm_ms": 1e3 * s.comm_time_s,
-            "gc/error_norm": float(s.error_norm),
-            "gc/nonfinite": float(s.nonfinite),
-        }
-        if s.gain is not None:
-            metrics["gc/gain"] = float(s.gain)
-        if s.gain_ewma is not None:
-            metrics["gc/gain_ewma"] = float(s.gain_ewma)
-        if s.collective is not None:
-            metrics["gc/collective"] = float(_COLLECTIVE_CODES.get(s.collective, -1))
-            metrics["gc/exchange_comm_ms"] = 1e3 * s.exchange_comm_s
-            if s.predicted_comm_s is not None:
-                metrics["gc/predicted_comm_ms"] = 1e3 * s.predicted_comm_s
-        if s.alpha_s is not None and s.beta_s_per_byte is not None:
-            metrics["gc/net_alpha_us"] = 1e6 * s.alpha_s
-            metrics["gc/net_bandwidth_mbit"] = 8e-6 / s.beta_s_per_byte if s.beta_s_per_byte > 0 else float("inf")
-        if s.full_precision is not None:
-            metrics["gc/full_precision"] = float(s.full_precision)
-            metrics["gc/compensation_norm"] = float(s.error_norm)
-        for key, value in (s.compressor_metrics or {}).items():
-            metrics[f"gc/{key}"] = float(value)
-        if s.probe_s > 0:
-            metrics["gc/probe_ms"] = 1e3 * s.probe_s
+        mode = s.mode
+        mode_changed = self._last_mode is None or mode != self._last_mode
+        self._last_mode = mode
+        metrics = step_metrics(engine, s, getattr(trainer.strategy, "omgs", None),
+                               getattr(trainer.strategy, "osp", None))
         omgs = getattr(trainer.strategy, "omgs", None)
         if omgs is not None and not s.dense and omgs.state.predicted_s is not None:
-            metrics["gc/omgs_predicted_ms"] = 1e3 * omgs.state.predicted_s
-            if omgs.state.last_measured_s is not None:
-                metrics["gc/omgs_measured_ms"] = 1e3 * omgs.state.last_measured_s
             if omgs.state.plan_version != self._omgs_figure_version:
                 self._omgs_figure_version = omgs.state.plan_version
                 self._log_plan_figure(trainer, omgs.state)
-        osp = getattr(trainer.strategy, "osp", None)
-        o = osp.last_stats if osp is not None else None
-        if o is not None:  # sync="osp": what the two-stage synchronisation did at this step
-            metrics["gc/osp_ics_fraction"] = float(o.deferred_fraction)
-            metrics["gc/osp_ics_layers"] = float(o.deferred_layers)
-            metrics["gc/osp_importance_threshold"] = float(o.threshold)
-            metrics["gc/osp_correction_norm"] = float(o.correction_norm)
-            metrics["gc/osp_ics_wait_ms"] = 1e3 * o.ics_wait_s
-            metrics["gc/osp_ics_comm_ms"] = 1e3 * o.ics_comm_s
-            if o.umax is not None:
-                metrics["gc/osp_umax_fraction"] = float(o.umax) / max(osp.total_numel, 1)
         if mode_changed and not trainer._logger_connector.should_update_logs:
             # Lightning would not write this step: write it to the loggers directly, at the step
             # Lightning uses for this batch's metrics (rank zero only, like self.log(rank_zero_only)).

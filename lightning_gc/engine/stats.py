@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+#: Exchanges whose own schedule sends some of the engine's compressed steps in another form report
+#: the step's phase under one of these ``compressor_metrics`` keys; the codes map to the step's
+#: :attr:`StepStats.mode`. GradiVeQ: 0 exact warm-up, 1 PCA sample step (QSGD), 2 compressed.
+PHASE_MODES: dict[str, dict[float, str]] = {"gradiveq/phase": {0.0: "dense", 1.0: "sample", 2.0: "compressed"}}
+
 
 @dataclass
 class StepStats:
@@ -33,9 +38,22 @@ class StepStats:
     beta_s_per_byte: float | None = None
     probe_s: float = 0.0  # time spent probing the network during this step
     full_precision: bool | None = None  # Marsit: True on a full-precision round, False on a one-bit
-    # round, None when the step ran no Marsit exchange (exchanges report it in ExchangeTimes.extra)
+    # round, None when the step ran no Marsit exchange (exchanges report it in ExchangeTimes.full_precision)
     compressor_metrics: dict | None = None  # compressor-specific values of the step, logged as
-    # gc/<key> (e.g. GradiVeQ's phase, d per tensor, compression loss; ExchangeTimes.extra["metrics"])
+    # gc/<key> (e.g. GradiVeQ's phase, d per tensor, compression loss; ExchangeTimes.metrics)
+
+    @property
+    def mode(self) -> str:
+        """What the step really sent: ``"dense"`` (the engine's warm-up, a compressor's own exact
+        warm-up, Marsit's full-precision round), ``"sample"`` (GradiVeQ's PCA sample steps, sent
+        QSGD-quantised) or ``"compressed"``."""
+        if self.dense or self.full_precision:
+            return "dense"
+        for key, modes in PHASE_MODES.items():
+            code = (self.compressor_metrics or {}).get(key)
+            if code is not None:
+                return modes.get(float(code), "compressed")
+        return "compressed"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -44,7 +62,8 @@ class StepStats:
 @dataclass
 class Totals:
     steps: int = 0
-    compressed_steps: int = 0
+    compressed_steps: int = 0  # steps whose mode is "compressed" (StepStats.mode)
+    sample_steps: int = 0  # steps whose mode is "sample"
     nonfinite_steps: int = 0
     bytes_sent: int = 0
     bytes_payload: int = 0
@@ -61,7 +80,9 @@ class Totals:
 
     def add(self, s: StepStats) -> None:
         self.steps += 1
-        self.compressed_steps += int(not s.dense)
+        mode = s.mode
+        self.compressed_steps += int(mode == "compressed")
+        self.sample_steps += int(mode == "sample")
         self.nonfinite_steps += int(s.nonfinite)
         self.bytes_sent += s.bytes_sent
         self.bytes_payload += s.bytes_payload
