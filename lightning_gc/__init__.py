@@ -1,17 +1,20 @@
 """lightning_gc: communication-efficient data-parallel training for PyTorch Lightning.
 
 Importing the package registers the ``gc_<compressor>`` strategy aliases with Lightning, so
-``Trainer(strategy="gc_topk")`` works after ``import lightning_gc``.
+``Trainer(strategy="gc_topk")`` works after ``import lightning_gc`` (and ``Fabric(strategy="gc_topk")``
+with Lightning Fabric, :mod:`lightning_gc.fabric`).
 """
 
 from .adaptive import AdaptiveRatio
 from .callbacks import GCMonitor
 from .compressors import available_compressors, build_compressor
 from .engine import EngineConfig, GCEngine
+from .fabric import GCFabricStrategy, register_fabric_aliases
 from .strategy import GCStrategy, register_aliases
 
 __version__ = "0.1.0"
 
 register_aliases()
+register_fabric_aliases()
 
-__all__ = ["AdaptiveRatio", "EngineConfig", "GCEngine", "GCMonitor", "GCStrategy", "available_compressors", "build_compressor", "__version__"]
+__all__ = ["AdaptiveRatio", "EngineConfig", "GCEngine", "GCMonitor", "GCFabricStrategy", "GCStrategy", "available_compressors", "build_compressor", "__version__"]

@@ -1,0 +1,291 @@
+"""Lightning Fabric support: :class:`GCFabricStrategy`, the same engine as :class:`~lightning_gc.GCStrategy`.
+
+Fabric's own ``DDPStrategy`` takes no communication hook, so this module gives Fabric users a
+strategy of their own::
+
+    from lightning.fabric import Fabric
+    from lightning_gc.fabric import GCFabricStrategy
+
+    fabric = Fabric(strategy=GCFabricStrategy(compressor="topk", ratio=0.01), accelerator="cpu", devices=2)
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)        # wraps in DDP, builds the engine, installs the hook
+    ...
+    fabric.backward(loss); optimizer.step()                   # every step through the step session
+    fabric.log_dict(fabric.strategy.metrics(), step=step)     # the gc/* tags GCMonitor logs
+    fabric.save("ckpt.pt", {"model": model, "optimizer": optimizer})   # + every rank's engine state
+    print(fabric.strategy.summary().format())                 # the end-of-fit summary
+    fabric.strategy.close()                                   # stop the exchange worker
+
+What is the same as the Trainer path: the keyword arguments (validated by ``GCStrategy`` itself, so
+every refusal and default is shared), the engine (:class:`~lightning_gc.engine.GCEngine`) behind
+the same step session (:class:`~lightning_gc.engine.session.StepSession`: non-finite steps skipped
+on every rank, error memory untouched), the checkpoint state (every rank's error memory, step
+counter and statistics under ``"lightning_gc"``, restored by ``fabric.load``), the ``gc/*`` tags
+(:func:`~lightning_gc.callbacks.monitor.step_metrics`) and the summary. What Fabric has no place for
+is refused at construction: ``sync="osp"`` (its S(Gu) schedule reads the loss from Lightning's
+training-step closure and it must be drained before evaluation and checkpoints, which the Trainer's
+callbacks do) and OMGS (``plan="omgs"``/``"omgs_paper"`` or ``omgs=``: it times backward inside
+the optimizer closure, while Fabric runs backward before ``optimizer.step()``). ``monitor`` has no
+effect: Fabric has no callbacks that log; log :meth:`GCFabricStrategy.metrics` yourself.
+
+``import lightning_gc`` also registers the ``gc_<compressor>`` and
+``gc_<compressor>_find_unused_parameters_true`` aliases in Fabric's strategy registry, so
+``Fabric(strategy="gc_topk")`` works too.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
+from lightning.fabric.plugins.precision.amp import MixedPrecision
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from ._names import guard_registry, positional_string_message
+from .callbacks.monitor import step_metrics
+from .compressors import available_compressors, get_entry
+from .config import GCConfig
+from .engine import GCEngine, gc_comm_hook
+from .engine.omgs import OMGS_PLANS
+from .engine.session import StepSession
+from .strategy import CHECKPOINT_KEY, UNUSED_PARAMETERS_SUFFIX, GCStrategy
+from .summary import GCSummary, summarize
+
+try:  # the default timeout of torch.distributed
+    from torch.distributed.constants import default_pg_timeout
+except ImportError:  # pragma: no cover
+    default_pg_timeout = timedelta(minutes=30)
+
+__all__ = ["GCFabricStrategy", "register_fabric_aliases"]
+
+
+def _refuse_unsupported(kwargs: dict[str, Any]) -> None:
+    sync = kwargs.get("sync", "bsp")
+    if sync == "osp":
+        raise ValueError(
+            "GCFabricStrategy(sync='osp') is not supported: OSP's S(Gu) schedule reads the training loss from "
+            "Lightning's optimizer closure and its deferred exchange must be drained before evaluation and "
+            "checkpoints, which the Trainer's callbacks do and Fabric has no place for. Use sync='bsp' with Fabric, "
+            "or GCStrategy(sync='osp') with a Lightning Trainer (docs/osp.md)."
+        )
+    plan = kwargs.get("plan", "model")
+    if plan in OMGS_PLANS or kwargs.get("omgs") is not None:
+        what = f"plan={plan!r}" if plan in OMGS_PLANS else "omgs="
+        raise ValueError(
+            f"GCFabricStrategy({what}) is not supported: OMGS times backward inside the optimizer closure, and "
+            "with Fabric backward runs before optimizer.step(). Use plan='model', 'layer' or 'threshold' with "
+            "Fabric, or GCStrategy(plan='omgs') with a Lightning Trainer (docs/omgs.md)."
+        )
+
+
+class GCFabricStrategy(FabricDDPStrategy):
+    """Lightning Fabric's ``DDPStrategy`` with lightning_gc's engine as DDP's communication hook.
+
+    The positional arguments are Fabric ``DDPStrategy``'s, in its order (``accelerator,
+    parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
+    start_method``); every other keyword argument is :class:`~lightning_gc.GCStrategy`'s
+    (``compressor``, ``ratio``, ``compressor_args``, ``collective``, ``plan``, ``warmup_steps``,
+    ``error_feedback``, ``nonfinite``, ``seed``, ... — docs/getting-started.md) or DDP's
+    (``bucket_cap_mb``, ``find_unused_parameters``), validated by ``GCStrategy`` with the same
+    refusals. ``sync="osp"`` and OMGS are refused (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: Any = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(accelerator, str) and accelerator not in ACCELERATOR_REGISTRY:
+            raise ValueError(positional_string_message(
+                accelerator, list(ACCELERATOR_REGISTRY.available_accelerators()), available_compressors()
+            ).replace("GCStrategy(", "GCFabricStrategy(").replace("Trainer(accelerator=", "Fabric(accelerator="))
+        _refuse_unsupported(kwargs)
+        # the Trainer strategy validates every argument and works out the DDP keywords: one code path
+        spec = GCStrategy(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+                          **kwargs)
+        self._config = spec.config
+        self._compressor_name = spec.compressor_name
+        self._engine: GCEngine | None = None
+        self._session: StepSession | None = None
+        self._pending_state: dict | None = None
+        self._ddp: DistributedDataParallel | None = None
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **spec._ddp_kwargs,
+        )
+
+    # ------------------------------------------------------------------ public
+    @property
+    def engine(self) -> GCEngine | None:
+        """The communication engine (``None`` before ``fabric.setup``)."""
+        return self._engine
+
+    @property
+    def ddp_model(self) -> DistributedDataParallel | None:
+        """The DDP-wrapped module whose communication hook is the engine (``None`` before setup)."""
+        return self._ddp
+
+    @property
+    def session(self) -> StepSession | None:
+        """The step session (``None`` before ``fabric.setup``)."""
+        return self._session
+
+    @property
+    def compressor_name(self) -> str:
+        return self._compressor_name
+
+    @property
+    def config(self) -> GCConfig:
+        """The validated configuration tree (the same as ``GCStrategy(**kwargs).config``)."""
+        return self._config
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped on every rank because the gradient was non-finite."""
+        return self._session.skipped_steps if self._session is not None else 0
+
+    def metrics(self) -> dict[str, float]:
+        """The ``gc/*`` tags of the last optimizer step (what GCMonitor logs with a Trainer; empty
+        before the first step): ``fabric.log_dict(fabric.strategy.metrics(), step=step)``."""
+        if self._engine is None or self._engine.last_step is None:
+            return {}
+        return step_metrics(self._engine, self._engine.last_step)
+
+    def summary(self) -> GCSummary | None:
+        """What compression did on this rank so far (``None`` before ``fabric.setup``)."""
+        if self._engine is None:
+            return None
+        return summarize(self._engine, self._compressor_name, self.skipped_steps)
+
+    def close(self) -> None:
+        """Stop the engine's exchange worker and release its process group (call once training is
+        over, before the process group is destroyed). Idempotent."""
+        if self._session is not None:
+            self._session.close(timeout=60.0)
+
+    # ------------------------------------------------------------------ Fabric hooks
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        ddp = super().setup_module(module)
+        if self._session is not None:
+            raise RuntimeError(
+                "GCFabricStrategy wraps one model: its engine is already set up. Put the parts of your model "
+                "in one nn.Module and call fabric.setup once."
+            )
+        named = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
+        cfg = self._config
+        compressor = get_entry(self._compressor_name).compressor_cls(cfg.compression.compressor_config())
+        self._engine = GCEngine(compressor, cfg.engine, named, process_group=ddp.process_group)
+        if self._engine.world_size == 1:
+            rank_zero_warn("lightning_gc: world size is 1, so gradients are neither communicated nor compressed.")
+        else:
+            rank_zero_info(
+                f"lightning_gc (Fabric): compressor={self._compressor_name} collective={self._engine.exchange.name} "
+                f"plan={cfg.engine.plan} groups={len(self._engine.plan.groups)} "
+                f"warmup_steps={cfg.engine.warmup_steps} error_feedback={self._engine.error_feedback}"
+            )
+        scaler = getattr(self.precision, "scaler", None) if isinstance(self.precision, MixedPrecision) else None
+        self._session = StepSession(self._engine, (), skip_nonfinite=cfg.nonfinite == "skip" and scaler is None)
+        if self._pending_state is not None:
+            self._apply_state(self._pending_state)
+            self._pending_state = None
+        ddp.register_comm_hook(self._session, gc_comm_hook)
+        self._ddp = ddp
+        return ddp
+
+    @override
+    def setup_optimizer(self, optimizer: Any) -> Any:
+        optimizer = super().setup_optimizer(optimizer)
+        if self._engine is not None:  # the algorithm's own measured pitfalls with this optimizer, as GCStrategy
+            for message in self._engine.compressor.advice([optimizer], self._engine.error_feedback):
+                rank_zero_warn(message)
+        return optimizer
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Through the step session, like the Trainer path: the step is skipped on every rank when
+        the gradient was non-finite on any rank (``nonfinite="skip"``, no GradScaler)."""
+        if self._session is None:
+            return super().optimizer_step(optimizer, **kwargs)
+        user_closure = kwargs.pop("closure", None)
+
+        def run(closure: Any) -> Any:
+            if user_closure is not None:
+                return FabricDDPStrategy.optimizer_step(self, optimizer, closure=closure, **kwargs)
+            closure()  # backward already ran (fabric.backward): only the step decision
+            return FabricDDPStrategy.optimizer_step(self, optimizer, **kwargs)
+
+        return self._session.optimizer_step(optimizer, user_closure or (lambda: None), run)
+
+    @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
+                        filter: dict[str, Any] | None = None) -> None:
+        if self._session is not None:  # a collective: fabric.save calls this on every rank
+            state = {**state, CHECKPOINT_KEY: {**self._session.state_dict(), "compressor": self._compressor_name}}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @override
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        gc_state = remainder.pop(CHECKPOINT_KEY, None) if state else remainder.get(CHECKPOINT_KEY)
+        if gc_state is not None:
+            if self._session is not None:
+                self._apply_state(gc_state)
+            else:
+                self._pending_state = gc_state
+        return remainder
+
+    @override
+    def teardown(self) -> None:
+        self.close()
+        super().teardown()
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
+        assert self._session is not None
+        missing = self._session.load_state_dict(state)
+        if missing:
+            rank_zero_warn(
+                f"lightning_gc: error memory for {len(missing)} parameter(s) was not in the checkpoint "
+                f"(e.g. {missing[:3]}); it starts at zero."
+            )
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name in available_compressors():
+            alias = f"gc_{name}"
+            if alias not in strategy_registry:
+                strategy_registry.register(alias, cls, description=f"lightning_gc (Fabric): {get_entry(name).summary}",
+                                           compressor=name)
+            if alias + UNUSED_PARAMETERS_SUFFIX not in strategy_registry:
+                strategy_registry.register(
+                    alias + UNUSED_PARAMETERS_SUFFIX, cls, compressor=name, find_unused_parameters=True,
+                    description=f"lightning_gc (Fabric): {get_entry(name).summary}; find_unused_parameters=True")
+
+
+def register_fabric_aliases() -> None:
+    """Register the ``gc_*`` aliases in Fabric's strategy registry (``import lightning_gc`` does it)."""
+    GCFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+    guard_registry(STRATEGY_REGISTRY)
