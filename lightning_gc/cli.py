@@ -6,21 +6,21 @@ named by ``class_path`` in the YAML, and the ``gc_*`` strategy aliases are regis
 module imports lightning_gc.
 
 ``lightning-gc bench ...`` runs the benchmark (see docs/bench.md); ``lightning-gc list`` prints
-the compressors, collectives, plans and strategy aliases, one line each; ``lightning-gc --help``
-and ``lightning-gc --version`` say what the tool is and which version is installed.
+the compressors, collectives, plans and strategy aliases, one line each, and points to
+docs/choosing.md; ``lightning-gc --help`` names every compressor, plan, synchronisation model, the
+controller and every page of docs/ (tests/test_docs.py keeps them equal); ``lightning-gc
+--version`` says which versions are installed.
 """
 
 from __future__ import annotations
 
 import sys
+import textwrap
 from pathlib import Path
 
 import lightning_gc  # noqa: F401  (registers the gc_* strategy aliases)
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
-
-# one line per collective (``collective=...`` of GCStrategy); a collective registered without a
-# line here is listed with its wire formats only
 
 def _recipes_dir() -> Path | None:
     """The recipes of a source checkout (they are not part of the installed package)."""
@@ -28,19 +28,64 @@ def _recipes_dir() -> Path | None:
     return d if d.is_dir() else None
 
 
+#: every page of docs/, one line each (tests/test_docs.py checks this against the directory)
+DOC_PAGES = {
+    "index.md": "the table of contents",
+    "getting-started.md": "install, quickstart, GCStrategy in a script or a LightningCLI config, every argument",
+    "choosing.md": "which method for which network, model, optimizer and world size (measured)",
+    "concepts.md": "the engine, merge plans, error feedback, checkpointed state, what combines with what",
+    "compressors.md": "one entry per compressor: what it sends, bytes per element, tuning, measurements",
+    "monitoring.md": "GCMonitor's TensorBoard tags, the compression gain, the end-of-fit summary",
+    "multi-node.md": "several machines: torchrun, SLURM, network interfaces, what gc/bytes_* mean there",
+    "fabric.md": "Lightning Fabric: GCFabricStrategy, checkpoints, logging the gc/* tags",
+    "workloads.md": "the demo models and data of the recipes and the benchmark",
+    "bench.md": "lightning-gc bench: emulated cluster, methods, reading the results",
+    "cost_model.md": "the alpha-beta network model and the network probe",
+    "omgs.md": "OMGS merge plans (plan='omgs')",
+    "osp.md": "OSP two-stage synchronisation (sync='osp')",
+    "adaptive.md": "AdaptiveRatio, the run-time compression-ratio controller",
+}
+
+
+def sync_models() -> list[str]:
+    """The values of ``GCStrategy(sync=...)``, read from its signature."""
+    import inspect
+    import re
+
+    from .strategy import GCStrategy
+
+    annotation = str(inspect.signature(GCStrategy.__init__).parameters["sync"].annotation)
+    return re.findall(r"[\"']([a-z_]+)[\"']", annotation)
+
+
 def help_text() -> str:
     import lightning
     import torch
 
+    from .compressors import available_compressors
+    from .plans import planner_summaries
+
     recipes = _recipes_dir()
     where = (f"{recipes} ({len(list(recipes.glob('*.yaml')))} recipes)" if recipes
              else "recipes/ in the lightning_gc source repository")
+    compressors = textwrap.fill(", ".join(available_compressors()), width=96, subsequent_indent=" " * 16)
+    plans = ", ".join(planner_summaries())
+    syncs = ", ".join(sync_models())
+    width = max(len(n) for n in DOC_PAGES) + 2
+    pages = "\n".join(f"  {name:<{width}}{what}" for name, what in DOC_PAGES.items())
     return f"""usage: lightning-gc COMMAND [ARGS]
 
 lightning-gc {lightning_gc.__version__}: communication-efficient data-parallel training for PyTorch
-Lightning. Gradient compression (Top-k, RandomK, QSGD, signSGD, fp16/bf16, AR-Topk) with error
-feedback runs inside DDP through lightning_gc.GCStrategy; strategy aliases gc_<compressor> work in
-any Trainer after `import lightning_gc`.
+Lightning. lightning_gc.GCStrategy runs gradient compression with error feedback inside DDP;
+strategy aliases gc_<compressor> work in any Trainer after `import lightning_gc`, and
+lightning_gc.fabric.GCFabricStrategy does the same for Lightning Fabric.
+
+  compressors   {compressors}
+                (Top-k family, RandomK, QSGD, signSGD / EF-signSGD, fp16/bf16, Marsit, GradiVeQ,
+                AR-Topk STAR / VAR and artopk_auto; GCStrategy(compressor=NAME))
+  merge plans   {plans} (GCStrategy(plan=NAME); OMGS: plan='omgs')
+  sync models   {syncs} (GCStrategy(sync=NAME); OSP: sync='osp')
+  controller    lightning_gc.AdaptiveRatio, a callback that keeps choosing the compression ratio
 
 commands:
   fit, validate, test, predict   LightningCLI with a YAML recipe, e.g.
@@ -52,9 +97,11 @@ commands:
   --version                      versions of lightning-gc, Lightning and PyTorch
   --help                         this text
 
-recipes: {where}; one per compressor plus quickstart.yaml. The `trainer.strategy` block of a
-recipe can be copied into any LightningCLI config.
-docs: docs/index.md (getting started, concepts, compressors, monitoring, benchmark, cost model).
+recipes: {where}; one per compressor plus quickstart.yaml, omgs.yaml, osp.yaml, adaptive.yaml. The
+`trainer.strategy` block of a recipe can be copied into any LightningCLI config.
+which method to use: docs/choosing.md.
+docs (docs/ in the source repository):
+{pages}
 installed with Lightning {lightning.__version__}, PyTorch {torch.__version__}.
 """
 
@@ -72,7 +119,8 @@ def list_text() -> str:
     from .compressors import available_compressors, build_compressor, get_entry
     from .plans import planner_summaries
 
-    lines = ["compressors (GCStrategy(compressor=NAME); default collective in brackets):"]
+    lines = ["which to choose for your network, model, optimizer and world size: docs/choosing.md",
+             "compressors (GCStrategy(compressor=NAME); default collective in brackets):"]
     names = available_compressors()
     width = max(len(n) for n in names) + 2
     for name in names:

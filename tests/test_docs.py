@@ -1,0 +1,184 @@
+"""The docs equal the code: argument table, alias list, `--help`, TensorBoard tags, documented
+signatures and preset figures are checked against the code they describe (no processes spawned).
+
+Oracles: the tables are parsed from the Markdown as a reader sees them, and compared with what
+Python itself reports (``inspect.signature``, Lightning's strategy registry, the directory listing),
+never with a list kept in the code under test.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_gc import GCStrategy
+from lightning_gc.cli import DOC_PAGES, help_text, list_text, sync_models
+from lightning_gc.compressors import available_compressors
+from lightning_gc.plans import available_planners
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+
+
+def _table(text: str, header_start: str) -> list[list[str]]:
+    """Rows (cells stripped) of the first Markdown table whose header line starts with ``header_start``."""
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(header_start))
+    rows = []
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        rows.append([c.strip() for c in re.split(r"(?<!\\)\|", ln.strip())[1:-1]])
+    return rows
+
+
+# ---------------------------------------------------------------- getting-started.md: arguments
+def _own_parameters() -> dict[str, inspect.Parameter]:
+    params = inspect.signature(GCStrategy.__init__).parameters
+    return {n: p for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+
+
+def test_argument_table_has_every_keyword_argument_and_its_default():
+    rows = _table((DOCS / "getting-started.md").read_text(), "| argument |")
+    documented: dict[str, str] = {}
+    for names, default, _meaning in rows:
+        found = re.findall(r"`([^`]+)`", names)
+        cells = [c.strip() for c in default.split(",")] if len(found) > 1 else [default]
+        for i, name in enumerate(found):
+            documented[name] = cells[i] if i < len(cells) else ""
+    own = _own_parameters()
+    assert set(documented) == set(own) | {"**kwargs"}, (
+        f"docs/getting-started.md's argument table differs from GCStrategy's keyword-only arguments: "
+        f"undocumented {sorted(set(own) - set(documented))}, not in the signature "
+        f"{sorted(set(documented) - set(own) - {'**kwargs'})}")
+    checked = 0
+    for name, cell in documented.items():
+        if name == "**kwargs":
+            continue
+        try:  # a literal default cell ("topk", 8192, True, None, 0.5) must equal the signature's
+            value = ast.literal_eval(cell.strip("`"))
+        except (ValueError, SyntaxError):
+            continue  # prose ("compressor default (0.01)")
+        assert value == own[name].default, f"{name}: documented default {cell}, signature {own[name].default!r}"
+        checked += 1
+    assert checked >= 15  # most cells are literals: the comparison is not vacuous
+
+
+# ---------------------------------------------------------------- getting-started.md: aliases
+def test_alias_list_matches_the_registry():
+    text = (DOCS / "getting-started.md").read_text()
+    section = text[text.index("Aliases ("):text.index("`import lightning_gc` must run")]
+    bullets = [b for b in section.split("\n* ")[1:]]
+    families = [re.findall(r"`(gc_[a-z0-9_<>]+)`", b) for b in bullets]
+    listed = [n[3:] for n in families[0][1:]]  # the first bullet names the family, then every member
+    assert families[0][0] == "gc_<compressor>"
+    assert listed == available_compressors()
+    expected: set[str] = set()
+    for names in families:
+        for name in names:
+            if "<compressor>" in name:
+                expected |= {name.replace("<compressor>", c) for c in listed}
+            else:
+                expected.add(name)
+    registered = {n for n, e in StrategyRegistry.items()
+                  if isinstance(e["strategy"], type) and issubclass(e["strategy"], GCStrategy)}
+    assert expected == registered, (f"in the registry, not in docs: {sorted(registered - expected)}; "
+                                    f"in docs, not registered: {sorted(expected - registered)}")
+
+
+# ---------------------------------------------------------------- --help, list, index
+def test_help_names_every_compressor_plan_sync_model_and_doc_page():
+    text = help_text()
+    words = set(re.findall(r"[a-z_0-9.\-]+", text))
+    for name in [*available_compressors(), *available_planners(), *sync_models()]:
+        assert name in words or name in text, f"lightning-gc --help does not name {name!r}"
+    assert "lightning_gc.AdaptiveRatio" in text and "GCFabricStrategy" in text
+    pages = sorted(p.name for p in DOCS.glob("*.md"))
+    assert sorted(DOC_PAGES) == pages, (
+        "lightning_gc/cli.py DOC_PAGES must list every page of docs/ (add a line for a new page): "
+        f"missing {sorted(set(pages) - set(DOC_PAGES))}, gone {sorted(set(DOC_PAGES) - set(pages))}")
+    for page in pages:
+        assert page in text
+
+
+def test_sync_models_read_from_the_signature_are_accepted():
+    assert {"bsp", "osp"} <= set(sync_models())
+    for sync in sync_models():
+        assert GCStrategy(sync=sync)._sync == sync
+    with pytest.raises(ValueError, match="sync="):
+        GCStrategy(sync="nope")
+
+
+def test_list_points_to_the_decision_guide():
+    assert "docs/choosing.md" in list_text().splitlines()[0]
+    assert (DOCS / "choosing.md").is_file()
+
+
+def test_index_and_readme_link_every_page():
+    index = (DOCS / "index.md").read_text()
+    readme = (REPO / "README.md").read_text()
+    for page in DOCS.glob("*.md"):
+        if page.name != "index.md":
+            assert f"]({page.name})" in index, f"docs/index.md does not link {page.name}"
+        assert f"](docs/{page.name})" in readme, f"README.md does not link docs/{page.name}"
+
+
+# ---------------------------------------------------------------- monitoring.md: every tag
+def test_monitoring_page_names_every_tag_the_code_logs():
+    page = (DOCS / "monitoring.md").read_text()
+    src = (REPO / "lightning_gc" / "callbacks" / "monitor.py").read_text()
+    tags = set(re.findall(r'"(gc/[a-z_]+)"', src))
+    # compressor-specific values are logged as gc/<key> (StepStats.compressor_metrics)
+    for path in (REPO / "lightning_gc" / "comm").glob("*.py"):
+        tags |= {f"gc/{k}" for k in re.findall(r'metrics(?:\[|\.get\(|\.setdefault\()"([a-z_]+/[a-z_]+)"',
+                                                path.read_text())}
+    assert len(tags) > 25
+    missing = sorted(t for t in tags if f"`{t}`" not in page)
+    assert not missing, f"docs/monitoring.md does not describe {missing}"
+
+
+# ---------------------------------------------------------------- workloads.md: signatures and presets
+def _documented_signatures(text: str) -> dict[str, dict[str, object]]:
+    out = {}
+    for block in re.findall(r"```python\n(.*?)```", text, flags=re.S):
+        m = re.match(r"\s*([A-Z]\w+)\((.*)\)\s*$", block, flags=re.S)
+        if not m:
+            continue
+        tree = ast.parse(f"def f({m.group(2)}): pass")
+        args = tree.body[0].args
+        defaults = dict(zip([a.arg for a in args.args][-len(args.defaults):], args.defaults)) if args.defaults else {}
+        out[m.group(1)] = {k: ast.literal_eval(v) for k, v in defaults.items()}
+    return out
+
+
+def test_workload_signatures_in_the_docs_are_the_code():
+    import lightning_gc.examples as ex
+
+    sigs = _documented_signatures((DOCS / "workloads.md").read_text())
+    assert {"MLPClassifier", "TeacherClassificationData", "ByteLM", "StdlibTextData"} <= set(sigs)
+    for cls_name, documented in sigs.items():
+        params = inspect.signature(getattr(ex, cls_name).__init__).parameters
+        actual = {n: p.default for n, p in params.items() if n != "self" and p.default is not p.empty}
+        actual = {n: (list(v) if isinstance(v, tuple) else v) for n, v in actual.items()}
+        documented = {n: (list(v) if isinstance(v, tuple) else v) for n, v in documented.items()}
+        assert documented == actual, f"{cls_name}: docs/workloads.md {documented} vs code {actual}"
+
+
+def test_preset_table_is_describe_presets():
+    from lightning_gc.examples import describe_presets
+
+    rows = {r[0].strip("`"): r for r in _table((DOCS / "workloads.md").read_text(), "| preset")}
+    presets = {d["name"]: d for d in describe_presets()}
+    assert set(rows) == set(presets), f"docs/workloads.md's Summary table needs a row per preset: {sorted(presets)}"
+    for name, d in presets.items():
+        _, model, data, params, metric, target, batch = rows[name][:7]
+        assert (model.strip("`"), data.strip("`")) == (d["model"], d["data"])
+        assert int(params.replace(",", "")) == d["params"]
+        assert metric == f"`{d['metric']}` ({d['mode']})"
+        assert float(target) == d["target"]
+        assert int(batch.split()[0]) == d["batch_size"]
