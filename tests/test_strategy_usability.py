@@ -270,3 +270,16 @@ def test_marsit_full_precision_rounds_are_counted_as_dense(counted_runs):
         for f, step in zip(fp, ma["steps"]):
             # one bit per element on one-bit rounds (bytes of packed signs), fp32 on full-precision rounds
             assert step["metrics"]["gc/ratio"] == (1.0 if f else pytest.approx(1 / 32, rel=0.05))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_payload_fraction_undoes_the_ring_factor(world_size):
+    """gc/ratio of a step without a ratio option: payload bytes over the fp32 gradient bytes M, where
+    bytes_dense holds the ring's 2(N−1)/N·M (by hand: a payload of M/2 is 0.5 at any N)."""
+    from lightning_gc.callbacks.monitor import payload_fraction
+    from lightning_gc.engine.stats import StepStats
+
+    m = 4 * 1000  # fp32 gradient bytes
+    s = StepStats(dense=False, bytes_payload=m // 2, bytes_dense=round(2 * (world_size - 1) / world_size * m))
+    assert payload_fraction(s, world_size) == pytest.approx(0.5, rel=1e-3)
+    assert payload_fraction(s, 1) == 1.0  # nothing communicated
