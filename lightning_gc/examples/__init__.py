@@ -13,8 +13,8 @@ or programmatically through :func:`get_preset`. See ``docs/workloads.md``.
 
 from .classification import MLPClassifier, TeacherClassificationData
 from .language import ByteLM, StdlibTextData
-from .transformer import ByteGPT
 from .presets import PRESETS, Preset, describe_presets, get_preset
+from .transformer import ByteGPT
 from .vision import ResNet18Classifier, SyntheticImageData
 
 __all__ = [

@@ -21,8 +21,8 @@ import math
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from .classification import _check_positive
