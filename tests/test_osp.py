@@ -49,11 +49,35 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(8, 3))
 
 
+class _Branches(torch.nn.Module):
+    """Two bias-free layers of the same size, each reading its own half of the input: scaling one
+    half up and the other down makes one layer's gradient (and importance) large and the other's
+    small, so alternating the scales flips the split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(3, 3, bias=False)
+        self.b = torch.nn.Linear(3, 3, bias=False)
+
+    def forward(self, x):
+        return self.a(x[:, :3]) + self.b(x[:, 3:])
+
+
 def _batch(rank: int, step: int):
     g = torch.Generator().manual_seed(100 * rank + step)
     x = torch.randn(8, 6, generator=g) * (1.0, 2.5, 0.6, 1.7)[(rank + step) % 4]
     y = torch.randint(0, 3, (8,), generator=g)
     return x, y
+
+
+def _branches_batch(rank: int, step: int):
+    x, y = _batch(rank, step)
+    s = 4.0 if step % 2 == 0 else 0.25  # even steps: the first half (layer a) dominates
+    return torch.cat([x[:, :3] * s, x[:, 3:] / s], dim=1), y
+
+
+SCENARIOS = {"mlp": (_model, _batch), "branches": (_Branches, _branches_batch)}
 
 
 def _loss(m, x, y):
@@ -62,7 +86,7 @@ def _loss(m, x, y):
 
 def _sgd_ref(p, buf, g, h):
     """Hand-written torch.optim.SGD update for one tensor: returns (new p, new buf)."""
-    d = g + h["weight_decay"] * p
+    d = (-g if h.get("maximize") else g) + h["weight_decay"] * p
     if h["momentum"]:
         buf = d.clone() if buf is None else h["momentum"] * buf + (1 - h["dampening"]) * d
         d = d + h["momentum"] * buf if h["nesterov"] else buf
@@ -70,8 +94,9 @@ def _sgd_ref(p, buf, g, h):
 
 
 def _run_osp(rank: int, ws: int, hyper: dict, fraction: float, max_fraction: float, compressor: str,
-             bucket_cap_mb: float, nan_at: int = -1):
-    model = _model()
+             bucket_cap_mb: float, nan_at: int = -1, scenario: str = "mlp"):
+    make_model, make_batch = SCENARIOS[scenario]
+    model = make_model()
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
     named = [(n, p) for n, p in model.named_parameters()]
     engine = GCEngine(build_compressor(compressor), EngineConfig(min_compress_numel=0, warmup_steps=1), named)
@@ -79,15 +104,17 @@ def _run_osp(rank: int, ws: int, hyper: dict, fraction: float, max_fraction: flo
     ddp.register_comm_hook(osp, osp_comm_hook)
     opt = torch.optim.SGD(model.parameters(), **hyper)
     check_optimizer(opt)
-    out = {"after_correction": [], "deferred": [], "batches": [], "bad": []}
+    out = {"after_correction": [], "deferred": [], "batches": [], "bad": [], "threshold": [], "importance": []}
     for t in range(STEPS):
-        x, y = _batch(rank, t)
+        x, y = make_batch(rank, t)
         xs = [torch.empty_like(x) for _ in range(ws)]
         ys = [torch.empty_like(y) for _ in range(ws)]
         dist.all_gather(xs, x)
         dist.all_gather(ys, y)
         out["batches"].append((xs, ys))
         out["deferred"].append(sorted(named[i][0] for i in osp.deferred))
+        out["threshold"].append(osp.threshold)
+        out["importance"].append(dict(zip((n for n, _ in named), osp.importance)))
         opt.zero_grad()
         loss = _loss(ddp, x, y)
         if t == nan_at and rank == 1:
@@ -109,14 +136,20 @@ def _run_osp(rank: int, ws: int, hyper: dict, fraction: float, max_fraction: flo
     osp.drain()
     out["final"] = {n: p.detach().clone() for n, p in named}
     out["stats"] = osp.last_stats
+    out["momentum_buffers"] = {n: opt.state[p].get("momentum_buffer") for n, p in named}
     osp.close()
     engine.close()
     return out
 
 
-def _reference(batches, hyper, budget_of_step):
-    """The delayed-correction trajectory from all ranks' data (see the module docstring)."""
-    model = _model()
+def _reference(batches, hyper, budget_of_step, skipped=(), scenario="mlp"):
+    """The delayed-correction trajectory from all ranks' data (see the module docstring); steps in
+    ``skipped`` change nothing (no update, no momentum, no importance) and send nothing. Returns the
+    parameters after each correction, the splits, the final parameters, the momentum buffers and,
+    per step, the importance of every layer when the step's split was chosen and the largest
+    importance among the deferred layers (−1 if none)."""
+    make_model, _ = SCENARIOS[scenario]
+    model = make_model()
     names = [n for n, _ in model.named_parameters()]
     P = {n: p.detach().clone() for n, p in model.named_parameters()}
     B = {n: None for n in names}
@@ -125,14 +158,33 @@ def _reference(batches, hyper, budget_of_step):
     deferred_prev: set[str] = set()
     prev = None  # (P_{t-1}, B_{t-1}, local grads per rank at t-1)
     deferred = set()
-    after_correction, splits = [], []
+    after_correction, splits, thresholds = [], [], [-1.0]  # step 0 defers nothing
+    importances = [dict(importance)]
     ws = len(batches[0][0])
+
+    def split(t):
+        budget = budget_of_step(t)  # least important first, greedy under the budget (independent of rank_split)
+        order = sorted(range(len(names)), key=lambda i: (importance[names[i]], i))
+        nxt, used = set(), 0
+        for i in order:
+            if used + numel[names[i]] <= budget:
+                nxt.add(names[i])
+                used += numel[names[i]]
+        return nxt, max((importance[n] for n in nxt), default=-1.0)
+
     for t, (xs, ys) in enumerate(batches):
         splits.append(sorted(deferred))
         after_correction.append({n: P[n].clone() for n in names})
+        if t in skipped:
+            # nothing updated locally, nothing sent: the next step evaluates every layer on P
+            deferred_prev = set()
+            deferred, thr = split(t + 1)
+            thresholds.append(thr)
+            importances.append(dict(importance))
+            continue
         local = []
         for r in range(ws):
-            m = _model()
+            m = make_model()
             with torch.no_grad():
                 for n, p in m.named_parameters():
                     if n in deferred_prev:  # this rank still holds its locally updated value
@@ -149,18 +201,13 @@ def _reference(batches, hyper, budget_of_step):
                 importance[n] = float((glob[n].double() * P[n].double()).abs().sum())
         for n in names:
             P[n], B[n] = _sgd_ref(P[n], B[n], glob[n], hyper)
-        # next split: least important first, greedy under the budget (independent of rank_split)
-        budget = budget_of_step(t + 1)
-        order = sorted(range(len(names)), key=lambda i: (importance[names[i]], i))
-        nxt, used = set(), 0
-        for i in order:
-            if used + numel[names[i]] <= budget:
-                nxt.add(names[i])
-                used += numel[names[i]]
+        nxt, thr = split(t + 1)
+        thresholds.append(thr)
+        importances.append(dict(importance))
         for n in deferred:  # deferred layers: importance once their global gradient is in
             importance[n] = float((glob[n].double() * prev[0][n].double()).abs().sum())
         deferred_prev, deferred = deferred, nxt
-    return after_correction, splits, P
+    return after_correction, splits, P, B, importances[:len(batches)], thresholds[:len(batches)]
 
 
 def _recording_hook(state, bucket):
@@ -272,69 +319,230 @@ def _run_schedule(rank: int, ws: int, pinned: bool = True):
     return (losses, budgets, splits) if pinned else (probed, budgets, splits)
 
 
+SCHEDULE_LR = 1.0
+ALPHA, BETA = 1e-4, 8e-6  # pinned network model of a slow link (125 kB/s): Umax lies below the 0.8 cap
+
+
+def _dt(rank: int, step: int) -> float:
+    """Compute time (s) of ``step`` on ``rank`` as the fake clock advances it: rank- and
+    step-dependent, dyadic so that every sum and difference of clock readings is exact."""
+    return (4 + rank + 2 * (step % 3)) / 2048
+
+
+class _FakeClock:
+    """``time.perf_counter`` in a spawned rank: it moves only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run_schedule_clock(rank: int, ws: int, nan_at: int = -1):
+    """S(Gu) with 3-step rounds under a fake clock: each step's compute (data, forward, backward)
+    takes ``_dt(rank, step)``; nothing else takes time. ``nan_at``: rank 1's loss is NaN there."""
+    import time
+
+    clock, real = _FakeClock(), time.perf_counter
+    time.perf_counter = clock
+    try:
+        model = _model()
+        ddp = DDP(model, bucket_cap_mb=0.0001)
+        named = list(model.named_parameters())
+        engine = GCEngine(build_compressor("dense"),
+                          EngineConfig(network_alpha_s=ALPHA, network_beta_s_per_byte=BETA), named)
+        osp = OSPSync(engine, OSPConfig(round_steps=3))
+        ddp.register_comm_hook(osp, osp_comm_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=SCHEDULE_LR)
+        losses, schedule, splits, bad_steps = [], [], [], []
+        for t in range(9):
+            x, y = _batch(rank, 0)  # one batch again and again: the loss falls steadily
+            opt.zero_grad()
+            clock.now += _dt(rank, t)
+            loss = _loss(ddp, x, y)
+            if t == nan_at and rank == 1:
+                loss = loss * float("nan")
+            loss.backward()
+            losses.append(float(loss.detach()))
+            splits.append(sorted(osp.deferred))
+            bad = osp.before_optimizer_step(loss)
+            bad = engine.before_optimizer_step() or bad
+            if bad:
+                bad_steps.append(t)
+                osp.skip_step()
+                for p in model.parameters():
+                    p.grad = None
+            else:
+                osp.prepare_step(opt)
+            opt.step()
+            engine.after_optimizer_step()
+            osp.after_optimizer_step()
+            schedule.append((osp.schedule.budget, osp.schedule.umax))
+        osp.drain()
+        osp.close()
+        engine.close()
+    finally:
+        time.perf_counter = real
+    return dict(losses=losses, schedule=schedule, splits=splits, bad=bad_steps)
+
+
+def _oracle_scenarios(rank: int, ws: int):
+    """The scenarios with an oracle that depends on the world size: all of them at 2 ranks, a
+    representative subset (``WS_CASES``, ``WS_NAN_CASES``) at 3 and 4."""
+    out = {case: _run_case(rank, ws, case) for case in (CASES if ws == 2 else WS_CASES)}
+    out["conservation"] = _run_conservation(rank, ws)
+    out["conservation_ics_topk"] = _run_conservation(rank, ws, "topk")
+    for at, where in (NAN_CASES if ws == 2 else WS_NAN_CASES):
+        out[f"conservation_ics_topk_nan{at}_{where}"] = _run_conservation(rank, ws, "topk", at, where)
+    out["schedule_clock"] = _run_schedule_clock(rank, ws)
+    if ws == 2:
+        out["schedule_clock_nan"] = _run_schedule_clock(rank, ws, nan_at=1)
+    return out
+
+
 def _all_scenarios(rank: int, ws: int):
     """Every distributed scenario in one spawn (spawned ranks spend most of their time importing)."""
-    out = {case: _run_osp(rank, ws, h, f, mf, "dense", 0.0001) for case, (h, f, mf) in CASES.items()}
+    out = _oracle_scenarios(rank, ws)
     out["ddp"] = _run_ddp(rank, ws, ALL_RS_HYPER)
     out["all_rs"] = _run_all_rs(rank, ws, ALL_RS_HYPER)
     out["nan"] = _run_nan(rank, ws)
     out["topk"] = _run_topk(rank, ws)
-    out["conservation"] = _run_conservation(rank, ws)
-    out["conservation_ics_topk"] = _run_conservation(rank, ws, "topk")
-    for at, where in NAN_CASES:
-        out[f"conservation_ics_topk_nan{at}_{where}"] = _run_conservation(rank, ws, "topk", at, where)
     out["schedule"] = _run_schedule(rank, ws)
     out["schedule_probed"] = _run_schedule(rank, ws, False)
     return out
 
 
+_RUNS: dict[int, list] = {}  # world size -> every rank's results (each world size spawned once)
+
+
+def _runs_at(ws: int) -> list:
+    if ws not in _RUNS:
+        _RUNS[ws] = run_distributed(_all_scenarios if ws == 2 else _oracle_scenarios, ws, timeout=300)
+        assert len(_RUNS[ws]) == ws
+    return _RUNS[ws]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_runs():
+    yield
+    _RUNS.clear()
+
+
 @pytest.fixture(scope="module")
 def runs():
-    return run_distributed(_all_scenarios, 2)
+    return _runs_at(2)
+
+
+@pytest.fixture
+def oracle_runs(request):
+    """The world-size dependent oracles at 2 (``runs``), 3 and 4 ranks (``indirect`` parameter):
+    an index or a mean right only at one world size (or only at an even one) shows here."""
+    return _runs_at(request.param)
 
 
 NAN_CASES = [(2, "loss"), (5, "loss")]  # (step, where) rank 1 turns non-finite
+WS_NAN_CASES = [(5, "loss")]  # also at 3 and 4 ranks
 
 ALL_RS_HYPER = dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0)
 
+
+def _case(lr, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, maximize=False, *, fraction,
+          max_fraction=0.8, nan_at=-1, scenario="mlp"):
+    return dict(hyper=dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+                           weight_decay=weight_decay, maximize=maximize),
+                fraction=fraction, max_fraction=max_fraction, nan_at=nan_at, scenario=scenario)
+
+
 CASES = {
-    "all_ics_sgd": (dict(lr=0.1, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0), 1.0, 1.0),
-    "all_ics_momentum": (dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0), 1.0, 1.0),
-    "mixed_nesterov_wd": (dict(lr=0.05, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=0.01), 0.5, 0.8),
-    "mixed_dampening": (dict(lr=0.1, momentum=0.8, dampening=0.3, nesterov=False, weight_decay=0.0), 0.3, 0.8),
+    "all_ics_sgd": _case(0.1, fraction=1.0, max_fraction=1.0),
+    "all_ics_momentum": _case(0.1, 0.9, fraction=1.0, max_fraction=1.0),
+    "mixed_nesterov_wd": _case(0.05, 0.9, nesterov=True, weight_decay=0.01, fraction=0.5),
+    "mixed_dampening": _case(0.1, 0.8, 0.3, fraction=0.3),
+    # maximize=True: the replay must flip the gradient's sign (ascent on the loss)
+    "mixed_maximize_nesterov_wd": _case(0.05, 0.9, nesterov=True, weight_decay=0.01, maximize=True, fraction=0.5),
+    # step 0 is skipped (non-finite on rank 1): no momentum buffer exists when step 1 defers layers,
+    # so the replay takes the buffer's first step (a copy of d, no dampening; Nesterov's (1+μ))
+    "no_buffer_yet_dampening_wd": _case(0.1, 0.8, 0.3, weight_decay=0.02, fraction=0.5, nan_at=0),
+    "no_buffer_yet_nesterov_maximize": _case(0.05, 0.9, nesterov=True, maximize=True, fraction=1.0,
+                                             max_fraction=1.0, nan_at=0),
+    # two equal layers whose importance alternates: the split flips (importance decides it)
+    "split_flips": _case(0.1, fraction=0.5, scenario="branches"),
 }
+WS_CASES = ["mixed_nesterov_wd", "no_buffer_yet_dampening_wd", "split_flips"]  # also at 3 and 4 ranks
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_osp_matches_delayed_correction_reference_and_ranks_agree(runs, case):
-    hyper, fraction, max_fraction = CASES[case]
-    res = [r[case] for r in runs]
-    total = sum(p.numel() for p in _model().parameters())
+def _run_case(rank: int, ws: int, case: str):
+    c = CASES[case]
+    return _run_osp(rank, ws, c["hyper"], c["fraction"], c["max_fraction"], "dense", 0.0001, c["nan_at"],
+                    c["scenario"])
+
+
+def _check_case(res, case):
+    c = CASES[case]
+    hyper, fraction = c["hyper"], c["fraction"]
+    names = [n for n, _ in SCENARIOS[c["scenario"]][0]().named_parameters()]
+    total = sum(p.numel() for p in SCENARIOS[c["scenario"]][0]().parameters())
 
     def budget(t):
         return 0 if t == 0 else math.floor(fraction * total)
 
-    ref_after, ref_splits, ref_final = _reference(res[0]["batches"], hyper, budget)
-    for r in (0, 1):
+    skipped = {c["nan_at"]} if c["nan_at"] >= 0 else set()
+    ref_after, ref_splits, ref_final, ref_bufs, ref_imp, ref_thr = _reference(res[0]["batches"], hyper, budget,
+                                                                               skipped, c["scenario"])
+    assert len(res[0]["batches"][0][0]) == len(res)  # the reference averages over every rank's batch
+    for r in range(len(res)):
+        assert res[r]["bad"] == [t in skipped for t in range(STEPS)]
         assert res[r]["deferred"] == ref_splits, (res[r]["deferred"], ref_splits)
         for t in range(STEPS):
             for n, v in ref_after[t].items():
                 torch.testing.assert_close(res[r]["after_correction"][t][n], v, rtol=1e-5, atol=1e-6,
                                            msg=lambda m, r=r, t=t, n=n: f"rank {r} step {t} {n}: {m}")
+            # the importances OSP ranked by (and the largest one deferred) against Σ|g·p| by hand
+            for got, want in [(res[r]["threshold"][t], ref_thr[t])] + [
+                    (res[r]["importance"][t][n], v) for n, v in ref_imp[t].items()]:
+                assert got == want if math.isinf(want) or want < 0 else got == pytest.approx(want, rel=1e-5), (
+                    t, got, want)
         for n, v in ref_final.items():
             torch.testing.assert_close(res[r]["final"][n], v, rtol=1e-5, atol=1e-6)
+            if ref_bufs[n] is not None:  # momentum buffers corrected too
+                torch.testing.assert_close(res[r]["momentum_buffers"][n], ref_bufs[n], rtol=1e-5, atol=1e-6)
     for t in range(STEPS):  # replicas bit-identical after every correction
         for n, v in res[0]["after_correction"][t].items():
-            assert torch.equal(v, res[1]["after_correction"][t][n]), f"ranks differ at step {t} in {n}"
+            for r in range(1, len(res)):
+                assert torch.equal(v, res[r]["after_correction"][t][n]), f"rank {r} differs at step {t} in {n}"
     deferred_steps = [d for d in ref_splits if d]
     assert deferred_steps, "the case never deferred anything"
-    if max_fraction < 1.0:  # a real split: some layers routine, some deferred
-        names = [n for n, _ in _model().named_parameters()]
+    if c["max_fraction"] < 1.0:  # a real split: some layers routine, some deferred
         assert any(0 < len(d) < len(names) for d in deferred_steps)
     else:
-        assert all(len(d) == 6 for d in deferred_steps)
+        assert all(len(d) == len(names) for d in deferred_steps)
     # the local-gradient update really differs from the corrected one (the oracle is not vacuous)
     assert res[0]["stats"].correction_norm > 1e-6
+    return ref_splits, ref_imp
+
+
+_CASE_PARAMS = [(2, c) for c in CASES] + [(ws, c) for ws in (3, 4) for c in WS_CASES]
+
+
+@pytest.mark.parametrize("oracle_runs, case", _CASE_PARAMS, indirect=["oracle_runs"],
+                         ids=[f"ws{ws}-{c}" for ws, c in _CASE_PARAMS])
+def test_osp_matches_delayed_correction_reference_and_ranks_agree(oracle_runs, case):
+    ref_splits, _ = _check_case([r[case] for r in oracle_runs], case)
+    if case.startswith("no_buffer_yet"):  # the scenario really deferred before any momentum buffer existed
+        assert ref_splits[1], "step 1 (the first after the skipped step 0) deferred nothing"
+
+
+@pytest.mark.parametrize("oracle_runs", [2, 3, 4], indirect=True, ids=lambda ws: f"ws{ws}")
+def test_the_split_flips_with_the_hand_computed_importance(oracle_runs):
+    """Two equal layers, one deferrable: which one is deferred follows the importance Σ|g·p| of
+    the previous step (two steps back for the layer deferred last), and it changes."""
+    ref_splits, ref_imp = _check_case([r["split_flips"] for r in oracle_runs], "split_flips")
+    assert all(len(d) == 1 for d in ref_splits[1:])
+    assert len({tuple(d) for d in ref_splits[1:]}) == 2, ref_splits  # both layers were deferred at some step
+    for t in range(1, STEPS):  # the one deferred is the less important by the hand-computed numbers
+        (deferred,), (routine,) = ref_splits[t], {"a.weight", "b.weight"} - set(ref_splits[t])
+        assert ref_imp[t][deferred] < ref_imp[t][routine]
 
 
 def _run_ddp(rank: int, ws: int, hyper: dict):
@@ -447,28 +655,32 @@ def test_optimizers_without_exact_correction_are_refused():
     check_optimizer(torch.optim.SGD(w, lr=0.1, momentum=0.9, nesterov=True))
 
 
-def test_error_memory_moving_into_the_deferred_stage_is_not_lost(runs):
+@pytest.mark.parametrize("oracle_runs", [2, 3, 4], indirect=True, ids=lambda ws: f"ws{ws}")
+def test_error_memory_moving_into_the_deferred_stage_is_not_lost(oracle_runs):
     """Σ applied updates = lr·(Σ_t mean_r g_r,t − mean_r e_r,T): the error memory of layers that
     left the Top-k routine stage reached the optimizer through their deferred allreduce."""
-    for r in (0, 1):
-        out, (carried, *_) = runs[r]["conservation"]
+    for r in range(len(oracle_runs)):
+        out, (carried, *_) = oracle_runs[r]["conservation"]
         assert carried > 0, "the scenario never moved a layer with error memory into the deferred stage"
         for n, (applied, expected) in out.items():
             torch.testing.assert_close(applied, expected, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
 
 
-def test_compressed_deferred_stage_keeps_its_residual_and_sends_fewer_bytes(runs):
+@pytest.mark.parametrize("oracle_runs", [2, 3, 4], indirect=True, ids=lambda ws: f"ws{ws}")
+def test_compressed_deferred_stage_keeps_its_residual_and_sends_fewer_bytes(oracle_runs):
     """Deferred stage through Top-k 10 % with error feedback: the same conservation identity holds
     (what Top-k did not send is held back, per rank, and reaches a later deferred send), the bytes
     drop, and the replicas stay identical."""
-    for r in (0, 1):
+    runs = oracle_runs
+    for r in range(len(runs)):
         out, (carried, _, nbytes, held, final, _) = runs[r]["conservation_ics_topk"]
         _, (_, _, dense_bytes, _, _, _) = runs[r]["conservation"]
         assert carried > 0 and held > 0, "nothing was held back: the deferred stage did not compress"
         assert nbytes < 0.8 * dense_bytes, (nbytes, dense_bytes)
         for n, (applied, expected) in out.items():
             torch.testing.assert_close(applied, expected, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
-    assert torch.equal(runs[0]["conservation_ics_topk"][1][4], runs[1]["conservation_ics_topk"][1][4])
+    for r in range(1, len(runs)):
+        assert torch.equal(runs[0]["conservation_ics_topk"][1][4], runs[r]["conservation_ics_topk"][1][4])
 
 
 def test_schedule_budget_follows_the_rank_averaged_loss(runs):
@@ -502,14 +714,19 @@ def test_osp_with_an_omgs_plan_is_refused_with_the_fix():
         GCStrategy(compressor="topk", plan="omgs", sync="osp")
 
 
-@pytest.mark.parametrize("at, where", NAN_CASES)
-def test_compressed_deferred_stage_keeps_every_residual_across_a_skipped_step(runs, at, where):
+_NAN_PARAMS = [(2, *c) for c in NAN_CASES] + [(ws, *c) for ws in (3, 4) for c in WS_NAN_CASES]
+
+
+@pytest.mark.parametrize("oracle_runs, at, where", _NAN_PARAMS, indirect=["oracle_runs"],
+                         ids=[f"ws{ws}-{w}{at}" for ws, at, w in _NAN_PARAMS])
+def test_compressed_deferred_stage_keeps_every_residual_across_a_skipped_step(oracle_runs, at, where):
     """A non-finite gradient on rank 1 at step ``at`` with the Top-k deferred stage and error
     feedback: the step is skipped on every rank, and conservation still holds over the steps taken
     — Σ applied = lr·(Σ_{t taken} mean_r g_r,t − mean_r held_r), held = routine error memory +
     deferred residuals waiting. Before the fix, the skip replaced a deferred layer's newest residual
     (arrived with the previous step's send) by the older one it had put back, and lost it."""
     key = f"conservation_ics_topk_nan{at}_{where}"
+    runs = oracle_runs
     finals = []
     for r in range(len(runs)):
         out, (carried, _, _, held, final, bad_steps) = runs[r][key]
@@ -522,3 +739,62 @@ def test_compressed_deferred_stage_keeps_every_residual_across_a_skipped_step(ru
     assert all(torch.isfinite(f).all() for f in finals)
     for f in finals[1:]:
         assert torch.equal(f, finals[0])
+
+
+def _hand_schedule(res, round_steps=3, steps=9):
+    """Budget and Umax after each round from every rank's losses and compute times, by hand:
+    Tc = mean over ranks and the round's steps of the compute time (the first step has none: no
+    optimizer step before it), Umax = min(N·(Tc − 2(N−1)α) / (2(N−1)·4·β), 0.8·total),
+    L = round 1's mean loss, loss_i = the mean over the second half of round i (non-finite losses
+    left out), budget = floor(clip(1 − loss_i/L, 0, 1)·Umax)."""
+    n = len(res)
+    total = sum(p.numel() for p in _model().parameters())
+    out, first = {}, None
+    for end in range(round_steps - 1, steps, round_steps):
+        rsteps = list(range(end - round_steps + 1, end + 1))
+        tc_steps = [t for t in rsteps if t > 0]
+        tc = sum(_dt(r, t) for r in range(n) for t in tc_steps) / (n * len(tc_steps))
+        umax = min(n * (tc - 2 * (n - 1) * ALPHA) / (2 * (n - 1) * 4 * BETA), 0.8 * total)
+        finite = [[x for x in (res[r]["losses"][t] for t in rsteps) if math.isfinite(x)] for r in range(n)]
+        mean = sum(sum(f) for f in finite) / sum(len(f) for f in finite)
+        recent = [f[len(f) // 2:] for f in finite]
+        recent = sum(sum(f) for f in recent) / sum(len(f) for f in recent)
+        first = mean if first is None else first
+        out[end] = (math.floor(min(max(1 - recent / first, 0.0), 1.0) * umax), umax)
+    return out, total
+
+
+@pytest.mark.parametrize("oracle_runs", [2, 3, 4], indirect=True, ids=lambda ws: f"ws{ws}")
+def test_schedule_bound_below_the_cap_equals_the_closed_form(oracle_runs):
+    """Umax below the 0.8 cap, so the measured compute time, α, β and N set the budget: after
+    every round the agreed Umax and budget equal the closed form computed from all ranks' clock
+    advances and losses (the fake clock makes the compute time exact)."""
+    res = [r["schedule_clock"] for r in oracle_runs]
+    hand, total = _hand_schedule(res)
+    for r in range(len(res)):
+        assert res[r]["schedule"] == res[0]["schedule"] and res[r]["splits"] == res[0]["splits"]
+        for end, (budget, umax) in hand.items():
+            got_budget, got_umax = res[r]["schedule"][end]
+            assert got_umax == pytest.approx(umax, rel=1e-12), (end, got_umax, umax)
+            assert got_budget == budget, (end, got_budget, budget)
+    assert all(0 < u < 0.8 * total for _, u in hand.values())  # the bound, not the cap, is in force
+    assert hand[2][1] != hand[5][1]  # round 1 has no compute time for step 0: another Tc, another bound
+    assert hand[5][0] > 0 and any(res[0]["splits"][6:])  # and the budget it set deferred something
+    numel = [p.numel() for p in _model().parameters()]  # the splits hold parameter indices
+    for t in range(3, 9):  # every split within the budget in force
+        assert sum(numel[i] for i in res[0]["splits"][t]) <= hand[t // 3 * 3 - 1][0]
+
+
+def test_schedule_ignores_a_non_finite_loss(runs):
+    """Rank 1's loss is NaN at step 1 (round 1; the step is skipped): the schedule's reference loss
+    L is the mean of the finite losses, and later rounds still defer. Before, the NaN entered L
+    and the schedule deferred nothing for the rest of training."""
+    res = [r["schedule_clock_nan"] for r in runs]
+    assert res[0]["bad"] == res[1]["bad"] == [1]
+    hand, _ = _hand_schedule(res)
+    for r in range(2):
+        for end, (budget, umax) in hand.items():
+            got_budget, got_umax = res[r]["schedule"][end]
+            assert got_umax == pytest.approx(umax, rel=1e-12)
+            assert got_budget == budget, (end, got_budget, budget)
+    assert hand[5][0] > 0 and any(res[0]["splits"][6:])

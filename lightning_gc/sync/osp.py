@@ -253,7 +253,8 @@ class OSPSync(StepParticipant):
         self._apply_pending()
         if loss is not None:
             value = float(loss.detach()) if isinstance(loss, Tensor) else float(loss)
-            self._round.losses.append(value)
+            if math.isfinite(value):  # a non-finite loss (the step is skipped) would poison L for good
+                self._round.losses.append(value)
         if self._t_opt_end is not None and self._t_backward_end is not None:
             self._round.tc.append(max(self._t_backward_end - self._t_opt_end, 0.0))
         round_end = self.schedule.round_ends_after(self.step)
