@@ -387,6 +387,99 @@ def _run_schedule_clock(rank: int, ws: int, nan_at: int = -1):
     return dict(losses=losses, schedule=schedule, splits=splits, bad=bad_steps)
 
 
+RESUME_AT, RESUME_STEPS, RESUME_NAN = 6, 12, 5  # checkpoint after step 5: mid-round 2 (steps 4-7)
+
+
+def _resume_parts(rank: int, clock: _FakeClock):
+    """Model, DDP, engine, OSP and optimizer of the resume scenario: Top-k routine stage, Top-k
+    deferred stage, both with error feedback, S(Gu) with 4-step rounds below the cap."""
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.0001)
+    named = list(model.named_parameters())
+    engine = GCEngine(build_compressor("topk", 0.3), EngineConfig(
+        min_compress_numel=0, warmup_steps=0, network_alpha_s=ALPHA, network_beta_s_per_byte=BETA), named)
+    osp = OSPSync(engine, OSPConfig(round_steps=4, deferred_compressor="topk", deferred_ratio=0.2))
+    ddp.register_comm_hook(osp, osp_comm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=SCHEDULE_LR, momentum=0.5)
+    return model, ddp, engine, osp, opt
+
+
+def _resume_steps(rank, parts, clock, steps, record):
+    model, ddp, engine, osp, opt = parts
+    for t in steps:
+        x, y = _batch(rank, 0)
+        opt.zero_grad()
+        clock.now += _dt(rank, t)
+        loss = _loss(ddp, x, y)
+        if t == RESUME_NAN and rank == 1:
+            loss = loss * float("nan")
+        loss.backward()
+        record["splits"].append(sorted(osp.deferred))
+        bad = osp.before_optimizer_step(loss)
+        bad = engine.before_optimizer_step() or bad
+        if bad:
+            record["bad"].append(t)
+            osp.skip_step()
+            for p in model.parameters():
+                p.grad = None
+        else:
+            osp.prepare_step(opt)
+        opt.step()
+        engine.after_optimizer_step()
+        osp.after_optimizer_step()
+        record["schedule"].append((osp.schedule.budget, osp.schedule.umax))
+
+
+def _roundtrip(obj):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def _run_resume(rank: int, ws: int):
+    """Uninterrupted run with a checkpoint mid-round (drained and saved as the strategy does), and
+    a fresh set of objects resumed from that checkpoint: both continue over the same steps."""
+    import time
+
+    clock, real = _FakeClock(), time.perf_counter
+    time.perf_counter = clock
+    try:
+        full = {"splits": [], "bad": [], "schedule": []}
+        parts = _resume_parts(rank, clock)
+        model, ddp, engine, osp, opt = parts
+        _resume_steps(rank, parts, clock, range(RESUME_AT), full)
+        osp.drain()  # what the strategy does before it writes a checkpoint
+        ckpt = _roundtrip(dict(model=model.state_dict(), opt=opt.state_dict(), osp=osp.state_dict(),
+                               engine=engine.state_dict()))
+        _resume_steps(rank, parts, clock, range(RESUME_AT, RESUME_STEPS), full)
+        osp.drain()
+        full_state = (dict(model.state_dict()), osp.state_dict(), engine.state_dict()["memory"])
+        osp.close()
+        engine.close()
+
+        clock.now += 1000.0  # a restart later
+        torch.manual_seed(123)  # a fresh process: other initial weights, overwritten by the checkpoint
+        resumed = {"splits": [], "bad": [], "schedule": []}
+        parts = _resume_parts(rank, clock)
+        model, ddp, engine, osp, opt = parts
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        osp.load_state_dict(ckpt["osp"])  # first: it sets the plan the engine's memory is keyed by
+        engine.load_state_dict(ckpt["engine"])
+        _resume_steps(rank, parts, clock, range(RESUME_AT, RESUME_STEPS), resumed)
+        osp.drain()
+        resumed_state = (dict(model.state_dict()), osp.state_dict(), engine.state_dict()["memory"])
+        osp.close()
+        engine.close()
+    finally:
+        time.perf_counter = real
+    return dict(full=full, resumed=resumed, ckpt_osp=ckpt["osp"], full_state=full_state,
+                resumed_state=resumed_state)
+
+
 def _oracle_scenarios(rank: int, ws: int):
     """The scenarios with an oracle that depends on the world size: all of them at 2 ranks, a
     representative subset (``WS_CASES``, ``WS_NAN_CASES``) at 3 and 4."""
@@ -410,6 +503,7 @@ def _all_scenarios(rank: int, ws: int):
     out["topk"] = _run_topk(rank, ws)
     out["schedule"] = _run_schedule(rank, ws)
     out["schedule_probed"] = _run_schedule(rank, ws, False)
+    out["resume"] = _run_resume(rank, ws)
     return out
 
 
@@ -798,3 +892,42 @@ def test_schedule_ignores_a_non_finite_loss(runs):
             assert got_umax == pytest.approx(umax, rel=1e-12)
             assert got_budget == budget, (end, got_budget, budget)
     assert hand[5][0] > 0 and any(res[0]["splits"][6:])
+
+
+def _assert_same(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), (where, sorted(a), sorted(b))
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b or (a != a and b != b), (where, a, b)
+
+
+def test_resume_mid_round_with_carried_error_memory_is_bit_identical(runs):
+    """Checkpoint in the middle of an S(Gu) round (below the cap, so the compute times count) with
+    the Top-k deferred stage holding residuals and a skipped non-finite step before it: the resumed
+    run equals the uninterrupted one bit for bit — splits, budgets, Umax, parameters, momentum,
+    OSP's state (importances, carried residuals) and the routine error memory."""
+    for r in range(2):
+        res = runs[r]["resume"]
+        full, resumed = res["full"], res["resumed"]
+        assert full["bad"] == [RESUME_NAN]
+        ckpt = res["ckpt_osp"]
+        assert ckpt["carry"] and any(float(c.norm()) > 0 for c in ckpt["carry"].values())  # residuals carried
+        assert ckpt["deferred"], "nothing deferred at the checkpoint"
+        assert ckpt["round_losses"] and ckpt["round_tc"], "the checkpoint is not in the middle of a round"
+        n = RESUME_STEPS - RESUME_AT
+        assert resumed["splits"] == full["splits"][-n:]
+        _assert_same(resumed["schedule"], full["schedule"][-n:], "schedule")
+        _assert_same(res["resumed_state"], res["full_state"], "state")
+        total = sum(p.numel() for p in _model().parameters())
+        umaxes = {u for _, u in full["schedule"] if u is not None}
+        assert umaxes and all(u < 0.8 * total for u in umaxes)  # the bound, not the cap, was in force
+        assert any(full["splits"][RESUME_AT:])  # and deferred after the checkpoint
+    _assert_same(runs[0]["resume"]["full_state"][0], runs[1]["resume"]["full_state"][0], "ranks")

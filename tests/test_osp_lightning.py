@@ -35,14 +35,15 @@ class _OSPReport(ReportCallback):
         torch.save(info, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
-def _fit(tmp, ckpt_path=None, callbacks=(), **trainer_kw):
+def _fit(tmp, ckpt_path=None, callbacks=(), strategy_kw=None, model_kw=None, **trainer_kw):
     out = tmp / "report"
     out.mkdir(parents=True, exist_ok=True)
-    strategy = GCStrategy(compressor="dense", sync="osp", osp_deferred_fraction=0.6, start_method="spawn")
+    kw = strategy_kw or dict(compressor="dense", osp_deferred_fraction=0.6)
+    strategy = GCStrategy(sync="osp", start_method="spawn", **kw)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(tmp),
                         callbacks=[_OSPReport(str(out)), *callbacks], **{"max_epochs": 3, **trainer_kw})
-    trainer.fit(TinyClassifier(), make_loader(n=128), ckpt_path=ckpt_path)
+    trainer.fit(TinyClassifier(**(model_kw or {})), make_loader(n=128), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -60,6 +61,39 @@ def test_osp_checkpoint_mid_run_resumes_exactly_and_ranks_agree(tmp_path):
         assert resumed[r]["osp_step"] == full[r]["osp_step"] == full[r]["global_step"]
         for k, v in full[r]["params"].items():
             assert torch.equal(v, resumed[r]["params"][k]), f"rank {r} {k} differs after resume"
+
+
+def test_osp_schedule_with_compressed_stages_resumes_mid_round_exactly(tmp_path):
+    """Top-k routine and deferred stages (error memory in both), the S(Gu) schedule with 3-step
+    rounds (an epoch is 4 steps, so the epoch-0 checkpoint falls inside round 2) and a non-finite
+    step after it: the resumed run ends bit-identical to the uninterrupted one. The network model
+    is pinned fast so that Umax sits at the cap: the budget depends on the losses only, not on
+    measured times (below the cap the two runs would differ by their measured compute times, as
+    two uninterrupted runs do)."""
+    kw = dict(compressor="topk", ratio=0.3, osp_round_steps=3, osp_deferred_compressor="topk",
+              osp_deferred_ratio=0.2, network_alpha_s=1e-9, network_beta_s_per_byte=1e-15)
+    model_kw = dict(nan_at_step=5, lr=0.3)
+    ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
+    full = _fit(tmp_path / "a", callbacks=[ckpt_cb], strategy_kw=kw, model_kw=model_kw, enable_checkpointing=True)
+    ckpt = sorted((tmp_path / "ckpt").glob("epoch=0*.ckpt"))[0]
+    saved = torch.load(ckpt, weights_only=False)["lightning_gc"]["ranks"]
+    for r in range(2):
+        osp = saved[r]["osp"]
+        assert osp["step"] == 4 and osp["round_losses"], "the checkpoint is not inside a schedule round"
+        assert osp["schedule"]["rounds_done"] == 1
+        assert saved[r]["memory"], "no routine error memory in the checkpoint"
+    assert max(full[0]["fractions"]) > 0, "the schedule never deferred anything"
+    assert full[0]["fractions"][:3] == [0.0, 0.0, 0.0]  # round 1 is synchronous
+    resumed = _fit(tmp_path / "b", ckpt_path=str(ckpt), strategy_kw=kw, model_kw=model_kw)
+    for r in range(2):
+        assert resumed[r]["fractions"] == full[r]["fractions"][4:]
+        for k, v in full[r]["params"].items():
+            assert torch.equal(v, resumed[r]["params"][k]), f"rank {r} {k} differs after resume"
+        assert torch.equal(full[r]["params"][k], full[1 - r]["params"][k])
+        assert full[r]["memory"].keys() == resumed[r]["memory"].keys()
+        for k, v in full[r]["memory"].items():  # the routine error memory too
+            assert torch.equal(v, resumed[r]["memory"][k]), f"rank {r} memory {k} differs after resume"
+        assert full[r]["skipped"] == 1 and resumed[r]["skipped"] == 1  # the non-finite step, after the checkpoint
 
 
 class _AdamModel(TinyClassifier):

@@ -329,8 +329,15 @@ class OSPSync(StepParticipant):
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait for pending ICS work and apply its correction (before checkpoints, validation, the
-        end of fit, on exceptions). Returns False if it did not finish within ``timeout``."""
-        return self._apply_pending(timeout)
+        end of fit, on exceptions). Returns False if it did not finish within ``timeout``.
+
+        The next step's compute time is not measured: it would include what runs outside training
+        steps here (validation, writing a checkpoint, the epoch's end), and a run resumed from a
+        checkpoint cannot measure it either, so both runs leave it out alike."""
+        done = self._apply_pending(timeout)
+        if done:
+            self._t_opt_end = None
+        return done
 
     def close(self, timeout: float = 60.0) -> None:
         self.drain(timeout=timeout)
@@ -425,10 +432,13 @@ class OSPSync(StepParticipant):
         self._round = _Round()
         mean = loss_sum / n_loss if n_loss else math.nan
         recent = recent_sum / n_recent if n_recent else math.nan
-        tc = tc_sum / n_tc if n_tc else 0.0
         net = self._network_model()
         elem = self.params[0].element_size()
-        umax = ring_umax(tc, net.alpha_s, net.beta_s_per_byte, self.world_size, elem) if net is not None else 0.0
+        if n_tc:
+            tc = tc_sum / n_tc
+            umax = ring_umax(tc, net.alpha_s, net.beta_s_per_byte, self.world_size, elem) if net is not None else 0.0
+        else:  # no step of the round was timed (each followed a drain): the previous bound stays
+            umax = self.schedule.umax if self.schedule.umax is not None else 0.0
         self.schedule.end_round(mean, recent, umax)
 
     def _network_model(self) -> Any:
