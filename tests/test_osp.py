@@ -535,8 +535,8 @@ def oracle_runs(request):
     return _runs_at(request.param)
 
 
-NAN_CASES = [(2, "loss"), (5, "loss")]  # (step, where) rank 1 turns non-finite
-WS_NAN_CASES = [(5, "loss")]  # also at 3 and 4 ranks
+NAN_CASES = [(2, "loss"), (5, "loss"), (2, "deferred"), (6, "deferred")]  # (step, where) rank 1 turns non-finite
+WS_NAN_CASES = [(5, "loss"), (6, "deferred")]  # also at 3 and 4 ranks
 
 ALL_RS_HYPER = dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0)
 

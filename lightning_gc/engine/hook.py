@@ -150,6 +150,7 @@ class GCEngine:
         self.gain_ewma: float | None = None
         self._last_stats: StepStats | None = None
         self._last_nonfinite = False
+        self._outside_nonfinite = False  # set by report_nonfinite() for the step being hooked
         self._totals = Totals()
         self.hook_calls = 0
         #: optional ``fn(gid, p, ctx)`` called on the runner thread with each lossy group's error-fed
@@ -296,6 +297,14 @@ class GCEngine:
         """Called by the strategy before the optimizer step: returns whether the step's aggregated
         gradient is non-finite on some rank (identical on every rank)."""
         return self.last_step_nonfinite
+
+    def report_nonfinite(self) -> None:
+        """A participant found a non-finite local gradient this rank keeps out of the plan (OSP's
+        deferred layers). Call it on the hook thread before the step's last bucket reaches the
+        engine: the step's closing agreement then counts this rank as non-finite, so the step's
+        error memory is discarded on every rank, as when the plan's own gradients are non-finite
+        (the step is skipped, its gradients must leave no trace)."""
+        self._outside_nonfinite = True
 
     def after_optimizer_step(self) -> None:
         """Called by the strategy after the optimizer step (a hook point for two-stage schedules)."""
@@ -501,6 +510,9 @@ class GCEngine:
         self._work = None
         self._last_work = work
         self.step += 1
+        if self._outside_nonfinite:  # before the closing job is queued: the runner reads it there
+            self._outside_nonfinite = False
+            work.report.nonfinite_ranks = 1.0
         if self.world_size == 1:
             self._finish(work)
             return

@@ -79,6 +79,8 @@ class EngineControl(EngineView, Protocol):
 
     def add_deferred_traffic(self, bytes_sent: int, bytes_payload: int) -> None: ...
 
+    def report_nonfinite(self) -> None: ...
+
 
 class PlanControl(Protocol):
     """Replacing the engine's merge plan (only the session's plan owner holds one)."""

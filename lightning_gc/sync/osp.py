@@ -211,6 +211,7 @@ class OSPSync(StepParticipant):
         self.deferred: frozenset[int] = frozenset()
         self.threshold = -1.0
         self._captured: dict[int, Tensor] = {}
+        self._local_bad = False  # a deferred local gradient of this step is non-finite (this rank)
         self._carry: dict[int, Tensor] = {}  # routine error memory of layers that just became deferred
         self._carry_used: dict[int, Tensor] = {}  # ... added to this step's deferred data
         self._snapshot: LGPSnapshot | None = None
@@ -242,6 +243,11 @@ class OSPSync(StepParticipant):
                         self._captured[pid] = g.detach() + carry
         if bucket.is_last():
             self._t_backward_end = time.perf_counter()
+            # the engine closes its step when it sees this bucket: a non-finite deferred gradient
+            # must count there too, or the routine stage's error memory of a skipped step is kept
+            self._local_bad = any(not bool(torch.isfinite(t).all()) for t in self._captured.values())
+            if self._local_bad:
+                self.engine.report_nonfinite()
 
     # ------------------------------------------------------------------ lifecycle (main thread)
     def before_optimizer_step(self, loss: Any = None) -> bool:
@@ -258,11 +264,11 @@ class OSPSync(StepParticipant):
         if self._t_opt_end is not None and self._t_backward_end is not None:
             self._round.tc.append(max(self._t_backward_end - self._t_opt_end, 0.0))
         round_end = self.schedule.round_ends_after(self.step)
+        local_bad, self._local_bad = self._local_bad, False  # seen at the last bucket (on_bucket)
         if self.world_size == 1 or (not self.deferred and not round_end):
             if round_end:
                 self._end_round(self._round_sums())
             return False
-        local_bad = any(not bool(torch.isfinite(t).all()) for t in self._captured.values())
         fields = [1.0 if local_bad else 0.0] + (self._round_sums() if round_end else [])
         t = torch.tensor(fields, dtype=torch.float64, device=self._comm_device())
         dist.all_reduce(t, group=self.group)  # the worker is idle: _apply_pending drained it
