@@ -14,7 +14,11 @@ delayed-correction rule defines:
   known at once, deferred ones one step later), greedy least-important-first under the budget.
 
 Checked: the parameters after every correction equal the reference, are bit-identical on all
-ranks, and the split matches; with nothing deferred, the run is bit-identical to DDP without hook.
+ranks, and the split and every layer's importance match; with nothing deferred, the run is
+bit-identical to DDP without hook. The world-size dependent oracles (this one, conservation, the
+S(Gu) bound) run at 2, 3 and 4 ranks. The schedule scenarios replace ``time.perf_counter`` in the
+spawned ranks by a fake clock, so the measured compute time — and with it Umax below the cap —
+has a closed form.
 """
 
 from __future__ import annotations

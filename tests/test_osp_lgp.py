@@ -119,7 +119,7 @@ def test_replay_equals_the_update_with_the_global_gradient(o, with_buffer):
             torch.testing.assert_close(p.detach(), local[i] - LR * sign * (g_global[i] - g_local[i]),
                                        rtol=1e-5, atol=1e-6)
     assert torch.equal(frozen.detach(), torch.ones(3))  # no gradient: left alone
-    want_norm = torch.sqrt(sum(((p.detach().double() - l.double()) ** 2).sum() for p, l in zip(params, local)))
+    want_norm = torch.sqrt(sum(((p.detach().double() - q.double()) ** 2).sum() for p, q in zip(params, local)))
     assert norm == pytest.approx(float(want_norm), rel=1e-6)
     assert norm > 0
 
