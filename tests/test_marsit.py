@@ -225,7 +225,8 @@ def _ring_results(n: int) -> list[dict]:
     return run_distributed(_run_cases, n, timeout=400)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 8])  # even and odd, and 8 (one byte lane per rank)
+# even and odd, and 8 (one byte lane per rank; 34 s on 2 cores: with -m extended)
+@pytest.mark.parametrize("n", [2, 3, 4, pytest.param(8, marks=pytest.mark.extended)])
 def test_ring_equals_replay_reference_and_full_precision_equals_dense(n):
     results = [r["cases"] for r in _ring_results(n)]
     for case, (d, dtype) in enumerate(REPLAY_CASES):
