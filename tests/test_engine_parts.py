@@ -161,3 +161,41 @@ def test_engine_state_round_trip_and_version_refusal():
     v1 = {k: v for k, v in state.items() if k not in ("version", "network", "exchange")}
     other.load_state_dict({**v1, "version": 1, "network": None})  # lightning_gc 0.1 layout still reads
     assert other.step == 9
+
+
+# ---------------------------------------------------------------- algorithm packages
+def test_algorithm_packages_own_codec_state_and_exchange():
+    """GradiVeQ and Marsit each live in one package; the old module paths are the same modules.
+
+    The registries must hand out the package's classes (not a copy left behind at an old path),
+    and an alias must be the very module object, so that code patching ``comm.marsit`` patches
+    the exchange that runs.
+    """
+    import importlib
+    import pathlib
+
+    from lightning_gc.comm.registry import make_exchange
+    from lightning_gc.compressors import gradiveq as gq_pkg
+    from lightning_gc.compressors import marsit as ms_pkg
+    from lightning_gc.compressors.registry import build_compressor
+
+    for pkg, old, exchange_names in (
+        (gq_pkg, "lightning_gc.comm.gradiveq", ("GradiVeQExchange", "GradiVeQRingExchange")),
+        (ms_pkg, "lightning_gc.comm.marsit", ("MarsitExchange",)),
+    ):
+        parts = {m: importlib.import_module(f"{pkg.__name__}.{m}") for m in ("codec", "compressor", "exchange")}
+        assert importlib.import_module(old) is parts["exchange"]
+        for name in exchange_names:
+            assert getattr(pkg, name) is getattr(parts["exchange"], name)
+        # codec.py is communication-free: it must not import torch.distributed or comm/
+        codec_src = pathlib.Path(parts["codec"].__file__).read_text()
+        assert "torch.distributed" not in codec_src and "comm." not in codec_src
+
+    gq = build_compressor("gradiveq")
+    ms = build_compressor("marsit")
+    assert type(gq) is gq_pkg.GradiVeQCompressor and type(ms) is ms_pkg.MarsitCompressor
+    assert type(make_exchange(gq, "auto")).__module__ == "lightning_gc.compressors.gradiveq.exchange"
+    assert type(make_exchange(ms, "auto")) is ms_pkg.MarsitExchange
+    # the advice is the package's own (momentum with full-precision rounds), not the strategy's
+    sgd = torch.optim.SGD([torch.zeros(1)], lr=0.1, momentum=0.9)
+    assert any("momentum 0.9" in a for a in ms.advice([sgd], False))

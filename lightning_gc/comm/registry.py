@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..compressors.base import Compressor
+from ..compressors.gradiveq.exchange import GradiVeQExchange, GradiVeQRingExchange
+from ..compressors.marsit.exchange import MarsitExchange
 from .artopk import ARTopkExchange, AutoSparseExchange
 from .exchange import (
     AllgatherExchange,
@@ -19,8 +21,6 @@ from .exchange import (
     RingAllreduceExchange,
     TreeAllreduceExchange,
 )
-from .gradiveq import GradiVeQExchange, GradiVeQRingExchange
-from .marsit import MarsitExchange
 from .network import NetworkState
 from .ssdm_cascade import SSDMCascadeExchange
 

@@ -19,7 +19,7 @@ Two wire formats exist, and each compressor declares which one it speaks:
 
 Other formats name an exchange family that needs more than one collective (``"artopk"``,
 ``"artopk_auto"``: broadcast of indices, then allreduce; ``"marsit"``: a P2P ring that merges sign
-bits hop by hop, :mod:`lightning_gc.comm.marsit`); only their own exchanges can carry them.
+bits hop by hop, :mod:`lightning_gc.compressors.marsit.exchange`); only their own exchanges can carry them.
 
 Randomness: ``ctx.shared_generator()`` returns a generator whose state is a pure function of
 ``(seed, step, group)`` and therefore identical on every rank (RandomK's indices);
