@@ -141,8 +141,11 @@ def test_shaped_dense_run_respects_the_link_rate(tmp_path):
     for c in res["wire_counters"]:
         # physical upper bound of a token bucket: rate * time + bucket depth (+ one GSO super-packet)
         assert c["tx_bytes"] <= rate / 8 * c["seconds"] * 1.01 + burst + 65536, c
-        # information lower bound for 2 hosts: each host must send its whole fp32 gradient every step
-        assert c["tx_bytes"] >= dense_bytes * res["measured_steps"], c
+        # information lower bound for 2 hosts: each host must send its whole fp32 gradient every step,
+        # less what may still wait in its own shaped egress queue when the window closes (a send
+        # completes once the socket accepts it; the interface counts a byte when tbf releases it):
+        # at most the step's last message, the allgather half of the gradient
+        assert c["tx_bytes"] >= dense_bytes * res["measured_steps"] - dense_bytes // 2, c
     assert res["link_utilization"] <= 1.01 + (burst + 65536) * 8 / (rate * sum(res["step_times_s"][2:]))
     assert res["wire_bytes_per_step"] >= res["bytes_per_step"] == pytest.approx(dense_bytes)
     _assert_no_leftovers(_prefix_from(lines), str(tmp_path))

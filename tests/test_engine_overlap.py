@@ -30,7 +30,8 @@ from lightning_gc.comm.registry import compatible_collectives
 from lightning_gc.compressors import available_compressors, build_compressor, takes_ratio
 from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
 
-STEPS = 20  # each step costs ~6 s of the suite on 2 cores (all pairs, 3 ranks); 20 reach every phase
+STEPS = 12  # each step costs ~5 s of the suite on 2 cores (all pairs, 3 ranks); 12 reach every phase:
+# GradiVeQ warms up (0-1), samples (2-4), compresses (5-9) and starts its second sample phase (10-11)
 GQ_WARMUP = 2  # GradiVeQ's own exact warm-up (steps 0-1), then sample / compress phases
 LAYERS = 20  # 20 Linear layers = 40 parameter tensors
 
@@ -163,7 +164,8 @@ def test_overlapped_engine_equals_synchronous_engine_under_stress():
             assert got["compressed"][0] == got["compressed"][1]
             assert got["bytes"][0] == got["bytes"][1], f"{key}: different bytes {got['bytes']}"
             if key.startswith("gradiveq/"):  # after its own warm-up (dense), sample or compressed steps
-                assert got["compressed"][0] >= 1 and got["sample"][0] >= 3, f"{key}: {got}"
+                # both phases, and back into sampling (a second basis fit) after the compressed one
+                assert got["compressed"][0] >= 1 and got["sample"][0] >= 4, f"{key}: {got}"
                 assert got["compressed"][0] + got["sample"][0] == STEPS - GQ_WARMUP, f"{key}: {got}"
             elif not key.startswith("dense/"):
                 assert got["compressed"][0] == STEPS - 1, f"{key}: {got['compressed']}"
