@@ -311,3 +311,16 @@ def test_workloads_instantiate_from_lightning_cli_yaml(tmp_path, monkeypatch, mo
         assert list(cli.model.hparams.hidden) == [32, 16] and cli.datamodule.hparams.seed == 5
         assert n_params(cli.model) == (8 * 32 + 32) + (32 * 16 + 16) + (16 * 10 + 10)
     assert cli.trainer is not None and cli.datamodule is not None
+
+
+def test_measure_module_runs_its_loops_and_refuses_an_empty_timing():
+    """docs/workloads.md quotes `python -m lightning_gc.examples.measure`; keep it runnable."""
+    from lightning_gc.examples import measure
+
+    lines: list[str] = []
+    out = measure.synthetic_images(width=2, steps=50, epochs=1, num_train=128, log=lines.append)
+    assert [e for e, _ in out["linear"]] == [1] and [s for s, _ in out["resnet"]] == [50]
+    assert all(0.0 <= acc <= 1.0 for _, acc in out["linear"] + out["resnet"]) and len(lines) == 2
+    with pytest.raises(ValueError, match="steps=2 must exceed untimed=2"):
+        measure.step_time("quickstart", steps=2)
+    assert measure.step_time("quickstart", steps=3, log=lines.append) > 0 and "quickstart 32-true" in lines[-1]

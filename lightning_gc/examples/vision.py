@@ -35,8 +35,9 @@ def _low_frequency(n: int, channels: int, size: int, grid: int, generator: torch
 class SyntheticImageData(GeneratedTensorData):
     """Seeded 3x``image_size``x``image_size`` images whose class is a shifted low-frequency template.
 
-    Each class ``c`` owns a fixed smooth colour pattern ``T_c`` (a 4x4 Gaussian field upsampled,
-    drawn from the "templates" stream of ``seed``). An image of class ``c`` is::
+    Each class ``c`` owns a fixed smooth colour pattern ``T_c`` (a ``template_grid`` x
+    ``template_grid`` Gaussian field, 8x8 by default, upsampled, drawn from the "templates" stream
+    of ``seed``). An image of class ``c`` is::
 
         x = a * roll(T_c, dy, dx) + nuisance_std * N_smooth + noise_std * N_pixel
 
