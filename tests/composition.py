@@ -106,7 +106,7 @@ def expected_refusal(case: dict[str, Any]) -> str | None:
     if ctrl != "none" and c not in RATIO_COMPRESSORS:
         return rf"AdaptiveRatio cannot tune compressor '{c}': it has no ratio"
     if plan == "omgs" and c == "star_topk":
-        return r"plan='omgs' times the active exchange \(star_topk\).*stateless collective"
+        return r"plan='omgs' times the active exchange \(art_allreduce, the collective of compressor='star_topk'\).*stateless collective"
     return None
 
 

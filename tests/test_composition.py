@@ -20,6 +20,8 @@ SUBSET = [
      "precision": "32-true", "resume": "fresh"},
     {"compressor": "marsit", "sync": "osp", "plan": "omgs", "controller": "none", "accumulate": 1,
      "precision": "32-true", "resume": "fresh"},
+    {"compressor": "star_topk", "sync": "bsp", "plan": "omgs", "controller": "none", "accumulate": 2,
+     "precision": "32-true", "resume": "fresh"},
 ]
 
 

@@ -185,8 +185,10 @@ class OMGSController(StepParticipant):
                  named_parameters: list[tuple[str, Tensor]], plan_kind: str) -> None:
         if engine.exchange.state_dict():
             raise ValueError(
-                f"plan={plan_kind!r} times the active exchange ({engine.exchange.name}) on random data to fit its "
-                "cost, which would disturb this exchange's state; use a stateless collective (e.g. allgather)."
+                f"plan={plan_kind!r} times the active exchange ({engine.exchange.name}, the collective of "
+                f"compressor={engine.compressor.name!r}) on random data to fit its cost, which would disturb this "
+                "exchange's state (it remembers earlier steps); use a stateless collective (e.g. allgather) or "
+                "plan='layer'/'model'."
             )
         self.engine = engine
         self.config = config
