@@ -131,7 +131,7 @@ class GCFabricStrategy(FabricDDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
-            **spec._ddp_kwargs,
+            **spec.ddp_kwargs,
         )
 
     # ------------------------------------------------------------------ public

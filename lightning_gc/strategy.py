@@ -292,6 +292,11 @@ class GCStrategy(DDPStrategy):
         return self._osp
 
     @property
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments passed on to ``DistributedDataParallel`` (validated; a copy)."""
+        return dict(self._ddp_kwargs)
+
+    @property
     def session(self) -> StepSession | None:
         """The step session: the engine and its participants (``None`` before the model is wrapped)."""
         return self._session

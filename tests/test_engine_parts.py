@@ -4,6 +4,7 @@ not only by spawned ranks. Oracles are hand computations on small tensors."""
 from __future__ import annotations
 
 import math
+import pathlib
 
 import pytest
 import torch
@@ -199,3 +200,60 @@ def test_algorithm_packages_own_codec_state_and_exchange():
     # the advice is the package's own (momentum with full-precision rounds), not the strategy's
     sgd = torch.optim.SGD([torch.zeros(1)], lr=0.1, momentum=0.9)
     assert any("momentum 0.9" in a for a in ms.advice([sgd], False))
+
+
+# ---------------------------------------------------------------- layering
+LIBRARY = pathlib.Path(__file__).resolve().parents[1] / "lightning_gc"
+#: reads of another object's private members that are allowed, with the reason
+PRIVATE_READS_ALLOWED = {
+    # Lightning's own step counter for loggers: the monitor logs at the step Lightning's loggers use
+    ("callbacks/monitor.py", "_batches_that_stepped"),
+    # Lightning has no public "will the loggers write at this step" flag
+    ("callbacks/monitor.py", "_logger_connector"),
+    # our marker attribute on Lightning's strategy registry (set once, read to avoid re-registering)
+    ("_names.py", "_lightning_gc_guarded"),
+    # the bench callback is defined in the same module
+    ("bench/worker.py", "_note"),
+}
+
+
+def test_no_module_reads_another_objects_private_members():
+    """Collaborators use declared interfaces: ``x._name`` only on ``self``/``cls`` (or allowed above)."""
+    import ast
+
+    found = []
+    for path in sorted(LIBRARY.rglob("*.py")):
+        rel = path.relative_to(LIBRARY).as_posix()
+        tree = ast.parse(path.read_text(), filename=rel)
+        own_classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            name = node.attr
+            if not name.startswith("_") or name.startswith("__"):
+                continue
+            base = node.value
+            if isinstance(base, ast.Name) and (base.id in ("self", "cls", "os") or base.id in own_classes):
+                continue  # own members, a class of this module, os._exit
+            if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+                continue
+            if (rel, name) not in PRIVATE_READS_ALLOWED:
+                found.append(f"{rel}:{node.lineno} .{name}")
+    assert not found, "private members read across objects: " + ", ".join(found)
+
+
+def test_no_import_runs_upward():
+    """comm/ and compressors/ never import engine/, sync/, plans/, the strategy or callbacks."""
+    import ast
+
+    upper = ("engine", "sync", "strategy", "callbacks", "adaptive", "fabric", "bench", "cli")
+    found = []
+    for sub in ("comm", "compressors"):
+        for path in sorted((LIBRARY / sub).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    target = node.module.lstrip(".").split(".")[0] if node.level else node.module.split(".")[1:2]
+                    target = target if isinstance(target, str) else (target[0] if target else "")
+                    if target in upper:
+                        found.append(f"{path.relative_to(LIBRARY)}:{node.lineno} imports {node.module}")
+    assert not found, found

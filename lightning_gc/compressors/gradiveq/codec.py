@@ -292,6 +292,15 @@ class GroupBasis:
     digest: str = ""
     _mu_terms: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict, repr=False)
 
+    def move_to(self, device: torch.device) -> GroupBasis:
+        """Move U and μ̄ to ``device`` in place (and drop the cached μ̄ terms, which lived on the
+        old device); returns ``self``."""
+        for k in self.blocks:
+            k.U = k.U.to(device)
+        self.mu = {i: m.to(device) for i, m in self.mu.items()}
+        self._mu_terms.clear()
+        return self
+
     def mu_terms(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
         """``(c = μ̄·U, ‖μ̄‖², ‖c‖²)`` per slice of block ``i`` (``(rows, d)``, ``(rows,)``, ``(rows,)``), cached.
 

@@ -202,12 +202,7 @@ class GradiVeQCompressor(Compressor):
                 self._basis_epoch[int(gid)] = int(b["epoch"])
 
     def move_basis(self, gid: int, device: torch.device) -> GroupBasis:
-        b = self.bases[gid]
-        for k in b.blocks:
-            k.U = k.U.to(device)
-        b.mu = {i: m.to(device) for i, m in b.mu.items()}
-        b._mu_terms.clear()
-        return b
+        return self.bases[gid].move_to(device)
 
     # ------------------------------------------------------------------ whole-group transforms
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
@@ -229,7 +224,7 @@ class GradiVeQCompressor(Compressor):
         z = torch.cat(parts) if parts else x.new_zeros(0)
         return Compressed((z,), meta=None)
 
-    def _expand(self, z: Tensor, ctx: GroupContext, scale: float) -> Tensor:
+    def expand(self, z: Tensor, ctx: GroupContext, scale: float) -> Tensor:
         """``U·z·scale + μ̄`` per slice (``outside_span="zero"``: ``U (z·scale + Uᵀμ̄)``), exact values
         ``·scale``, in the group's layout."""
         basis = self.bases.get(ctx.group_id)
@@ -255,11 +250,11 @@ class GradiVeQCompressor(Compressor):
 
     def decompress(self, payload: tuple[Tensor, ...], meta: Any, ctx: GroupContext) -> Tensor:
         """One rank's contribution ``U z + μ̄`` (``outside_span="zero"``: ``P x``; exact tensors: their values)."""
-        return self._expand(payload[0], ctx, 1.0)
+        return self.expand(payload[0], ctx, 1.0)
 
     def aggregate_summed(self, summed: tuple[Tensor, ...], meta: Any, ctx: GroupContext) -> Tensor:
         """Mean from the sum of payloads: ``U (Σz)/N + μ̄`` (Eq. 5 divided by N; ``"zero"``: ``P x̄``)."""
-        return self._expand(summed[0], ctx, 1.0 / ctx.world_size)
+        return self.expand(summed[0], ctx, 1.0 / ctx.world_size)
 
     def payload_specs(self, ctx: GroupContext, dtype: torch.dtype):
         basis = self.bases.get(ctx.group_id)

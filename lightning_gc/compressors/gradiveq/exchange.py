@@ -250,7 +250,7 @@ class _Step:
         """This rank's contribution ``U z + μ̄`` (``outside_span="zero"``: ``P x``; exact tensors:
         ``p``), expanded on demand."""
         z_own, ctx, comp = self.z_own, self.ctx, self.comp
-        return LazySent(sq_norm, lambda: comp._expand(z_own, ctx, 1.0))
+        return LazySent(sq_norm, lambda: comp.expand(z_own, ctx, 1.0))
 
 
 class GradiVeQExchange(Exchange):
