@@ -146,6 +146,20 @@ def _engine():
     return GCEngine(build_compressor("topk", ratio=0.1), EngineConfig(), list(model.named_parameters()))
 
 
+def test_reporting_state_is_a_copy_that_later_traffic_does_not_change():
+    """A rollback saves the last step's statistics; OSP's deferred exchange may land afterwards and
+    add its bytes to the live statistics. The saved copy must not change, over several restores."""
+    e = _engine()
+    e.restore_reporting_state((StepStats(step=3, dense=False, bytes_sent=1000, bytes_payload=400), False, 7))
+    saved = e.reporting_state()
+    e.add_deferred_traffic(100, 50)
+    assert (e.last_step.bytes_sent, e.last_step.bytes_payload) == (1100, 450)
+    for _ in range(2):
+        e.restore_reporting_state(saved)
+        assert (e.last_step.bytes_sent, e.last_step.bytes_payload, e.hook_calls) == (1000, 400, 7)
+        e.add_deferred_traffic(100, 50)
+
+
 def test_engine_state_round_trip_and_version_refusal():
     e = _engine()
     e.step, e.gain_ewma = 9, 0.25

@@ -28,6 +28,7 @@ parameter lists, the agreed network model), and the opening check verifies it ev
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import threading
@@ -229,13 +230,16 @@ class GCEngine:
     def reporting_state(self) -> tuple[StepStats | None, bool, int]:
         """What the engine reports but does not checkpoint (last step's statistics, its non-finite
         flag, the hook-call count): a rollback (adaptive ratio controller) saves it with
-        :meth:`state_dict` and puts it back with :meth:`restore_reporting_state`."""
+        :meth:`state_dict` and puts it back with :meth:`restore_reporting_state`. The statistics are
+        a copy both ways: a two-stage schedule may still add its deferred traffic to the live object
+        (:meth:`add_deferred_traffic`), and a saved state must survive several restores unchanged."""
         self.synchronize()
-        return self._last_stats, self._last_nonfinite, self.hook_calls
+        return copy.deepcopy(self._last_stats), self._last_nonfinite, self.hook_calls
 
     def restore_reporting_state(self, state: tuple[StepStats | None, bool, int]) -> None:
         self.synchronize()
-        self._last_stats, self._last_nonfinite, self.hook_calls = state
+        stats, self._last_nonfinite, self.hook_calls = state
+        self._last_stats = copy.deepcopy(stats)
 
     def raise_warmup_steps(self, steps: int) -> None:
         """Make the dense warm-up at least ``steps`` optimizer steps (never shortens it). Call with
