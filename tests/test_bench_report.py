@@ -200,3 +200,55 @@ def test_resolve_defaults_to_one_host_per_rank():
     r = resolve(BenchConfig(methods="ddp", ranks=4, hosts=2, schedule="0:1gbit,0.5:50mbit", steps=12))
     assert r["procs_per_host"] == 2 and r["boundaries"] == [(0, 10**9), (6, 50 * 10**6)]
     assert resolve(BenchConfig(methods="ddp", bandwidth="unshaped"))["schedule"] is None
+
+
+def _ok(label, method, step, ttt):
+    return {"label": label, "method": method, "status": "ok", "step_time_s": step, "time_to_target_s": ttt}
+
+
+def test_best_baseline_is_the_fastest_torch_baseline_of_the_run_per_step_and_to_target():
+    # the 16-bit hook has the fastest step, PowerSGD (with an option) the shortest time to target;
+    # the gc_fp16 compressor and a failed ddp are not baselines
+    results = [
+        _ok("ddp", "ddp", 1.0, 10.0),
+        _ok("fp16", "fp16", 0.5, 6.5),
+        _ok("powersgd:rank=2", "powersgd", 0.6, 6.0),
+        _ok("gc_fp16", "gc_fp16", 0.2, 5.0),
+        _ok("topk:ratio=0.01", "topk", 0.3, None),
+        {"label": "qsgd", "method": "qsgd", "status": "error", "step_time_s": None, "time_to_target_s": None},
+    ]
+    add_ratios(results)
+    by = {r["label"]: r for r in results}
+    assert {r["best_baseline_step"] for r in results} == {"fp16"}
+    assert {r["best_baseline_ttt"] for r in results} == {"powersgd:rank=2"}
+    assert by["topk:ratio=0.01"]["ratio_vs_best_baseline"] == pytest.approx(0.3 / 0.5)
+    assert by["topk:ratio=0.01"]["time_to_target_ratio_vs_best_baseline"] is None  # never reached it
+    assert by["gc_fp16"]["ratio_vs_best_baseline"] == pytest.approx(0.4)
+    assert by["gc_fp16"]["time_to_target_ratio_vs_best_baseline"] == pytest.approx(5.0 / 6.0)
+    assert by["ddp"]["ratio_vs_best_baseline"] == pytest.approx(2.0) and by["ddp"]["ratio_vs_ddp"] == 1.0
+    assert by["qsgd"]["ratio_vs_best_baseline"] is None
+
+    # without any torch baseline in the run there is nothing to compare with
+    alone = [_ok("topk", "topk", 0.3, 3.0)]
+    add_ratios(alone)
+    assert alone[0]["best_baseline_step"] is None and alone[0]["ratio_vs_best_baseline"] is None
+
+
+def test_markdown_names_the_best_baselines_and_shows_the_columns():
+    r = _layout(steps=4, warmup=1, ranks=2, hosts=2)
+    fast = [_rank(g, 1, [1.0, 0.5, 0.5, 0.5], [0.1], evals=EVALS_FAST) for g in range(2)]
+    slow = [_rank(g, 1, [1.0, 1.0, 1.0, 1.0], [0.1], evals=EVALS_SLOW) for g in range(2)]
+    for rk in fast + slow:
+        rk["comm_hook"] = "fp16_compress_hook"
+    results = [aggregate(MethodSpec("ddp"), [dict(x, comm_hook=None) for x in slow], r, count_wire=False, target=0.8),
+               aggregate(MethodSpec("fp16"), fast, r, count_wire=False, target=0.8)]
+    add_ratios(results)
+    doc = {"schema": SCHEMA, "config": {"preset": "probe", "ranks": 2, "steps": 4, "warmup": 1, "compute_steps": 5,
+                                        "metric": "val_acc", "mode": "max", "target": 0.8},
+           "emulated": False, "network": {"mode": "loopback", "reason": "test"}, "results": results}
+    report.validate_document(doc)
+    md = report.markdown(doc)
+    assert "best torch baseline in this run (step: `fp16`; time to target: `fp16`)" in md
+    assert "| step / best baseline |" in md and "| TTT / best baseline |" in md
+    ddp_row = next(line for line in md.splitlines() if line.startswith("| `ddp`"))
+    assert "| 2× |" in ddp_row  # ddp's step is twice the 16-bit hook's

@@ -50,6 +50,9 @@ def validate_document(doc: Any) -> None:
             nullable_num += ["step_time_s", "step_time_iqr_s"]
             if not isinstance(res["error"], str):
                 raise ValueError(f"{where}: a failed result needs an 'error' string")
+        for k in ("ratio_vs_best_baseline", "time_to_target_ratio_vs_best_baseline"):  # optional
+            if res.get(k) is not None and (not isinstance(res[k], num) or isinstance(res[k], bool)):
+                raise ValueError(f"{where}: {k} must be a number or null, got {res[k]!r}")
         for k in nullable_num:
             if res[k] is not None and (not isinstance(res[k], num) or isinstance(res[k], bool)):
                 raise ValueError(f"{where}: {k} must be a number or null, got {res[k]!r}")
@@ -122,6 +125,15 @@ def _network_line(doc: dict) -> str:
             f"floors use the nominal rate.")
 
 
+def _best_baselines(doc: dict) -> str:
+    """Which torch baseline (ddp, fp16, powersgd) was fastest per step and to the target."""
+    first = next(iter(doc["results"]), {})
+    step, ttt = first.get("best_baseline_step"), first.get("best_baseline_ttt")
+    if step is None:
+        return "none ran"
+    return f"step: `{step}`; time to target: " + (f"`{ttt}`" if ttt else "none reached it")
+
+
 def markdown(doc: dict) -> str:
     c = doc["config"]
     metric = c.get("metric") or "metric"
@@ -133,25 +145,28 @@ def markdown(doc: dict) -> str:
         _network_line(doc),
         "",
         f"{c['steps']} steps per method, first {c['warmup']} not timed; compute time from {c['compute_steps']} "
-        f"replayed steps without gradient sync. Bytes are per rank per step. Ratios are against `ddp` in this run.",
+        f"replayed steps without gradient sync. Bytes are per rank per step. Ratios are against `ddp` in this run "
+        f"and against the best torch baseline in this run ({_best_baselines(doc)}).",
         "",
         f"| method | step (median) | IQR |{' step (mean) |' if varying else ''} compute | exposed comm | "
-        f"{'floor (mean)' if varying else 'floor'} | step / DDP | engine bytes | wire bytes "
-        f"| link use | {metric} | time to {metric} {'≥' if c.get('mode') == 'max' else '≤'} {_v(target)} | TTT / DDP |",
-        "|---|---:|---:|" + ("---:|" if varying else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"{'floor (mean)' if varying else 'floor'} | step / DDP | step / best baseline | engine bytes | wire bytes "
+        f"| link use | {metric} | time to {metric} {'≥' if c.get('mode') == 'max' else '≤'} {_v(target)} | TTT / DDP "
+        "| TTT / best baseline |",
+        "|---|---:|---:|" + ("---:|" if varying else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["results"]:
         if r["status"] != "ok":
-            lines.append(f"| `{r['label']}` | failed |" + " |" * (12 if varying else 11))
+            lines.append(f"| `{r['label']}` | failed |" + " |" * (14 if varying else 13))
             continue
         lines.append(
             f"| `{r['label']}` | {_s(r['step_time_s'])} | {_s(r['step_time_iqr_s'])} |"
             + (f" {_s(r.get('step_time_mean_s'))} |" if varying else "")
             + f" {_s(r['compute_time_s'])} "
-            f"| {_s(r['comm_exposed_s'])} | {_s(r['floor_s'])} | {_r(r['ratio_vs_ddp'])} | {_b(r['bytes_per_step'])} "
+            f"| {_s(r['comm_exposed_s'])} | {_s(r['floor_s'])} | {_r(r['ratio_vs_ddp'])} "
+            f"| {_r(r.get('ratio_vs_best_baseline'))} | {_b(r['bytes_per_step'])} "
             f"| {_b(r['wire_bytes_per_step'])} | {_p(r.get('link_utilization'))} | {_v(r['final_metric'])} "
             f"| {_s(r['time_to_target_s']) if r['time_to_target_s'] is not None else 'not reached'} "
-            f"| {_r(r['time_to_target_ratio_vs_ddp'])} |"
+            f"| {_r(r['time_to_target_ratio_vs_ddp'])} | {_r(r.get('time_to_target_ratio_vs_best_baseline'))} |"
         )
     errors = [r for r in doc["results"] if r["status"] != "ok"]
     if errors:

@@ -30,6 +30,7 @@ from typing import Any
 
 from lightning_gc.bench import netns
 from lightning_gc.bench.methods import (
+    BASELINES,
     MethodSpec,
     analytic_bytes_per_step,
     hook_marker,
@@ -556,6 +557,14 @@ def failed_result(spec: MethodSpec, error: str) -> dict:
 
 
 def add_ratios(results: list[dict]) -> None:
+    """Ratios against ``ddp`` and against the best torch baseline of the same run.
+
+    The best baseline is what a user already has without lightning_gc: the fastest of fp32 DDP,
+    torch's 16-bit hook and torch PowerSGD that ran in this run (``BASELINES``, any options). It is
+    taken separately for the step (lowest median step: ``best_baseline_step``) and for time to
+    target (lowest time among those that reached it: ``best_baseline_ttt``); a method that beats
+    DDP but not the 16-bit hook does not pay, and only this column shows it."""
+    _add_best_baseline_ratios(results)
     ddp = next((x for x in results if x["method"] == "ddp" and x["status"] == "ok"), None)
     if ddp is None:
         return
@@ -568,6 +577,24 @@ def add_ratios(results: list[dict]) -> None:
             x["mean_ratio_vs_ddp"] = x["step_time_mean_s"] / ddp["step_time_mean_s"]
         if x["time_to_target_s"] is not None and ddp["time_to_target_s"]:
             x["time_to_target_ratio_vs_ddp"] = x["time_to_target_s"] / ddp["time_to_target_s"]
+
+
+def _add_best_baseline_ratios(results: list[dict]) -> None:
+    baselines = [x for x in results if x["method"] in BASELINES and x["status"] == "ok"]
+    step_best = min((x for x in baselines if x["step_time_s"]), key=lambda x: x["step_time_s"], default=None)
+    ttt_best = min((x for x in baselines if x["time_to_target_s"]), key=lambda x: x["time_to_target_s"],
+                   default=None)
+    for x in results:
+        x["best_baseline_step"] = step_best["label"] if step_best else None
+        x["best_baseline_ttt"] = ttt_best["label"] if ttt_best else None
+        x["ratio_vs_best_baseline"] = None
+        x["time_to_target_ratio_vs_best_baseline"] = None
+        if x["status"] != "ok":
+            continue
+        if step_best is not None and x["step_time_s"] is not None:
+            x["ratio_vs_best_baseline"] = x["step_time_s"] / step_best["step_time_s"]
+        if ttt_best is not None and x["time_to_target_s"] is not None:
+            x["time_to_target_ratio_vs_best_baseline"] = x["time_to_target_s"] / ttt_best["time_to_target_s"]
 
 
 # --------------------------------------------------------------------------- the whole benchmark
