@@ -224,7 +224,46 @@ class StdlibTextData(L.LightningDataModule):
         return val_loader(self.val_set, max(self.hparams.batch_size, 64), self.hparams.num_workers)
 
 
-class ByteLM(L.LightningModule):
+class ByteLanguageModel(L.LightningModule):
+    """What the byte-level language models share: next-byte cross-entropy, its logging and clipping.
+
+    ``training_step`` logs ``train_loss`` (nats/byte); ``validation_step`` logs ``val_loss``
+    (nats/byte) and ``val_bpb`` (bits per byte = nats / ln 2), averaged over ranks. The loss is
+    taken in fp32 (in ``bf16-mixed`` the logits are bf16). ``configure_gradient_clipping`` clips the
+    global L2 norm at ``hparams.grad_clip`` (0 disables) unless the Trainer sets
+    ``gradient_clip_val``, which takes precedence: a module-level value travels with the model into
+    Trainers that set no clipping (the benchmark's). Subclasses define ``forward`` (logits
+    ``(batch, seq_len, vocab_size)``) and save ``grad_clip`` in their hyperparameters.
+    """
+
+    vocab_size = 256
+
+    def _loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits.reshape(-1, self.vocab_size).float(), y.reshape(-1))
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.log("val_loss", loss, on_epoch=True, sync_dist=True)
+        self.log("val_bpb", loss / math.log(2), on_epoch=True, prog_bar=True, sync_dist=True)
+
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ) -> None:
+        clip = gradient_clip_val if gradient_clip_val is not None else self.hparams.grad_clip
+        if clip:
+            self.clip_gradients(
+                optimizer, gradient_clip_val=clip, gradient_clip_algorithm=gradient_clip_algorithm or "norm"
+            )
+
+
+class ByteLM(ByteLanguageModel):
     """Byte-level LSTM language model: 256-symbol embedding -> ``num_layers`` LSTM -> 256-way softmax.
 
     Every window is processed from a zero state (no state is carried between batches, because the
@@ -237,8 +276,6 @@ class ByteLM(L.LightningModule):
     so the model is stable with plain SGD even when the Trainer sets no clipping; a Trainer
     ``gradient_clip_val`` takes precedence.
     """
-
-    vocab_size = 256
 
     def __init__(
         self,
@@ -275,30 +312,6 @@ class ByteLM(L.LightningModule):
         """Logits ``(batch, seq_len, 256)`` for int64 byte inputs ``(batch, seq_len)``."""
         out, _ = self.lstm(self.embedding(x))
         return self.head(out)
-
-    def _loss(self, batch) -> torch.Tensor:
-        x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.reshape(-1, self.vocab_size), y.reshape(-1))
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        loss = self._loss(batch)
-        self.log("val_loss", loss, on_epoch=True, sync_dist=True)
-        self.log("val_bpb", loss / math.log(2), on_epoch=True, prog_bar=True, sync_dist=True)
-
-    def configure_gradient_clipping(
-        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
-    ) -> None:
-        clip = gradient_clip_val if gradient_clip_val is not None else self.hparams.grad_clip
-        if clip:
-            self.clip_gradients(
-                optimizer, gradient_clip_val=clip, gradient_clip_algorithm=gradient_clip_algorithm or "norm"
-            )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from .classification import _check_positive
+from .language import ByteLanguageModel
 
 __all__ = ["ByteGPT", "warmup_cosine", "adamw_param_groups"]
 
@@ -94,7 +94,7 @@ class _Block(nn.Module):
         return x + self.drop(self.proj(F.gelu(self.fc(self.ln2(x)))))
 
 
-class ByteGPT(L.LightningModule):
+class ByteGPT(ByteLanguageModel):
     """Decoder-only byte-level transformer (see the module docstring for the architecture).
 
     Optimizer: ``torch.optim.AdamW(lr, betas=(beta1, beta2), eps=1e-8)`` with decoupled weight
@@ -113,8 +113,6 @@ class ByteGPT(L.LightningModule):
     longer. Logs ``train_loss`` (nats/byte) every step, ``val_loss`` and ``val_bpb`` (bits per byte
     = nats / ln 2) every validation epoch, like :class:`~lightning_gc.examples.ByteLM`.
     """
-
-    vocab_size = 256
 
     def __init__(
         self,
@@ -191,30 +189,6 @@ class ByteGPT(L.LightningModule):
         for block in self.blocks:
             h = block(h)
         return self.head(self.ln_f(h))
-
-    def _loss(self, batch) -> torch.Tensor:
-        x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.reshape(-1, self.vocab_size).float(), y.reshape(-1))
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        loss = self._loss(batch)
-        self.log("val_loss", loss, on_epoch=True, sync_dist=True)
-        self.log("val_bpb", loss / math.log(2), on_epoch=True, prog_bar=True, sync_dist=True)
-
-    def configure_gradient_clipping(
-        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
-    ) -> None:
-        clip = gradient_clip_val if gradient_clip_val is not None else self.hparams.grad_clip
-        if clip:
-            self.clip_gradients(
-                optimizer, gradient_clip_val=clip, gradient_clip_algorithm=gradient_clip_algorithm or "norm"
-            )
 
     def schedule_steps(self) -> int:
         """The step at which the cosine reaches ``min_lr_ratio``: ``total_steps``, or the Trainer's
