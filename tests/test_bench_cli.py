@@ -104,3 +104,38 @@ def test_real_cluster_path_prepare_torchrun_collect(tmp_path, capsys):
     ddp, fp16 = doc["results"]
     assert ddp["status"] == "ok" and ddp["bytes_per_step"] == 4 * (64 * 64 + 64) and ddp["measured_steps"] == 3
     assert fp16["status"] == "error" and "missing ['rank0.json', 'rank1.json']" in fp16["error"]
+
+
+@pytest.mark.slow
+def test_budget_stops_every_rank_at_the_target_or_when_the_training_time_is_spent(tmp_path):
+    """--budget: a method stops at the first validation that reaches the target, or once it has trained
+    for the budget; the steps are the cap. Both ranks stop at the same step (otherwise DDP would hang)."""
+    base = ["--preset", "probe", "--preset-arg", "width=64", "--ranks", "2", "--methods", "ddp,topk",
+            "--steps", "40", "--warmup", "2", "--compute-steps", "1", "--eval-every", "4", "--val-batches", "1",
+            "--network", "loopback", "--threads", "1"]
+    # an easy target (val_loss <= 100): reached at the first validation, step 4
+    js = tmp_path / "target.json"
+    assert main([*base, "--budget", "1000", "--target", "100", "--json", str(js)]) == 0
+    doc = json.loads(js.read_text())
+    report.validate_document(doc)
+    assert doc["config"]["budget_s"] == 1000.0
+    for r in doc["results"]:
+        assert r["status"] == "ok" and r["stopped_by"] == "target", r
+        assert len(r["step_times_s"]) == 4 and r["measured_steps"] == 2
+        assert [p["step"] for p in r["metric_curve"]] == [4] and r["time_to_target_s"] is not None
+    # a budget spent by the first measured step: stop right after it, target not reached
+    js = tmp_path / "budget.json"
+    assert main([*base, "--budget", "1e-9", "--target", "-1", "--json", str(js)]) == 0
+    for r in json.loads(js.read_text())["results"]:
+        assert r["stopped_by"] == "budget" and len(r["step_times_s"]) == 3 and r["measured_steps"] == 1, r
+        assert r["time_to_target_s"] is None
+
+
+def test_budget_is_validated():
+    from lightning_gc.bench.runner import BenchConfig, BenchError, resolve
+
+    with pytest.raises(BenchError, match=r"--budget 0 must be a number of seconds > 0"):
+        resolve(BenchConfig(methods="ddp", budget_s=0))
+    with pytest.raises(BenchError, match=r"--budget with --schedule .*use a constant --bandwidth"):
+        resolve(BenchConfig(methods="ddp", budget_s=10, schedule="0:100mbit,0.5:10mbit"))
+    assert resolve(BenchConfig(methods="ddp", budget_s=10))["budget_s"] == 10.0

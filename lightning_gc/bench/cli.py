@@ -55,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--preset", default="mlp", help="mlp | cnn | lm | gpt | quickstart | probe | deep | module:factory")
     w.add_argument("--preset-arg", action="append", type=_kv, default=[], metavar="KEY=VALUE",
                    help="extra keyword for the preset factory (repeatable)")
-    w.add_argument("--steps", type=int, default=20, help="training steps per method")
+    w.add_argument("--steps", type=int, default=20, help="training steps per method (with --budget: the most)")
+    w.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="train each method until it reaches the target or has trained this long (sum of its "
+                        "step times), so time to target compares equal wall-clock budgets, not equal step counts")
     w.add_argument("--warmup", type=int, default=3, help="first steps excluded from timing and byte counts")
     w.add_argument("--compute-steps", type=int, default=5, help="replayed steps without sync to time compute")
     w.add_argument("--eval-every", type=int, default=None, help="validate every N steps (default steps/4)")
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BenchConfig(
         preset=args.preset, preset_args=dict(args.preset_arg), ranks=args.ranks, hosts=args.hosts,
         bandwidth=args.bandwidth, schedule=args.schedule, methods=args.methods, ratio=args.ratio,
-        steps=args.steps, warmup=args.warmup, compute_steps=args.compute_steps, eval_every=args.eval_every,
+        steps=args.steps, budget_s=args.budget, warmup=args.warmup, compute_steps=args.compute_steps, eval_every=args.eval_every,
         val_batches=args.val_batches, target=args.target, seed=args.seed, threads=args.threads,
         shaper=args.shaper, shape_ingress=not args.no_shape_ingress, network=args.network,
         timeout_s=args.timeout, logs_dir=args.logs,

@@ -144,7 +144,9 @@ def markdown(doc: dict) -> str:
         "",
         _network_line(doc),
         "",
-        f"{c['steps']} steps per method, first {c['warmup']} not timed; compute time from {c['compute_steps']} "
+        (f"Each method trains until it reaches the target or {c['budget_s']:g} s of training (at most {c['steps']} "
+         f"steps)" if c.get("budget_s") else f"{c['steps']} steps per method")
+        + f", first {c['warmup']} not timed; compute time from {c['compute_steps']} "
         f"replayed steps without gradient sync. Bytes are per rank per step. Ratios are against `ddp` in this run "
         f"and against the best torch baseline in this run ({_best_baselines(doc)}).",
         "",

@@ -72,6 +72,7 @@ class BenchConfig:
     methods: str = "ddp,powersgd,fp16,topk"
     ratio: float | None = 0.01
     steps: int = 20
+    budget_s: float | None = None  # train until the target or this much training time; steps is the cap
     warmup: int = 3
     compute_steps: int = 5
     eval_every: int | None = None  # default: steps // 4
@@ -114,6 +115,17 @@ def resolve(cfg: BenchConfig) -> dict:
             f"smaller --warmup"
         )
     _check_int("--compute-steps", cfg.compute_steps, 1, "e.g. --compute-steps 5")
+    budget_s = cfg.budget_s
+    if budget_s is not None:
+        if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
+            raise BenchError(f"--budget {budget_s!r} must be a number of seconds > 0 (training time per method); "
+                             f"e.g. --budget 120")
+        if cfg.schedule is not None:
+            raise BenchError(
+                f"--budget with --schedule {cfg.schedule!r}: a schedule changes the link at fixed steps, but under a "
+                f"budget every method stops at its own step; use a constant --bandwidth with --budget"
+            )
+        budget_s = float(budget_s)
     eval_every = cfg.eval_every if cfg.eval_every is not None else max(1, steps // 4)
     _check_int("--eval-every", eval_every, 1, "e.g. --eval-every 10")
     if cfg.ratio is not None and not (0 < float(cfg.ratio) <= 1):
@@ -154,6 +166,7 @@ def resolve(cfg: BenchConfig) -> dict:
         "hosts": hosts,
         "procs_per_host": ranks // hosts,
         "steps": steps,
+        "budget_s": budget_s,
         "warmup": warmup,
         "eval_every": eval_every,
         "schedule": schedule,
@@ -216,6 +229,8 @@ def worker_config(spec: MethodSpec, cfg: BenchConfig, r: dict, run_dir: str, *, 
         "preset_args": cfg.preset_args,
         "seed": cfg.seed,
         "steps": r["steps"],
+        "budget_s": r["budget_s"],
+        "target": cfg.target,
         "warmup": r["warmup"],
         "compute_steps": cfg.compute_steps,
         "eval_every": r["eval_every"],
@@ -397,6 +412,7 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
 
     # bytes counted by the engine / modelled
     eng = [rk["engine_window"] for rk in ranks if rk.get("engine_window")]
+    extra_stop = {"stopped_by": ranks[0]["stopped"]} if ranks[0].get("stopped") else {}
     dense_per_step = ring_factor(n) * 4 * ranks[0]["num_params"]
     extra: dict[str, Any] = {}
     if spec.gc:
@@ -534,6 +550,7 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
         "step_times_s": per_step,
         "metric_curve": curve,
         **extra,
+        **extra_stop,
     }
     marker = hook_marker(spec)
     if marker is not None and (hook is None or marker not in str(hook)):

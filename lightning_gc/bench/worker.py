@@ -90,6 +90,8 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             self.comm_hook = None
             self.osp_fractions: list[float] = []  # OSP: deferred share of each measured step
             self.progress = os.path.join(cfg["run_dir"], "progress.jsonl") if global_rank == 0 else None
+            self.budget_s = cfg.get("budget_s")
+            self.stopped: str | None = None  # "target" / "budget" when --budget ended the run early
 
         # helpers ------------------------------------------------------------
         def _note(self, **kw) -> None:
@@ -99,6 +101,27 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
 
         def _tx(self):
             return read_tx_bytes(self.ifname) if self.ifname else None
+
+        def _close_window(self, trainer) -> None:
+            self.window_open = False
+            self.tx_end = self._tx()
+            self.tx_t1 = time.monotonic()
+            self.engine_end = self._engine(trainer)
+            self.psgd_end = self._psgd(trainer)
+
+        def _maybe_stop(self, trainer, *, over_budget: bool, reached: bool) -> None:
+            """--budget: stop every rank at the same step once the target is reached or the training
+            time is spent on any rank (one 2-element MAX allreduce, outside the timed step)."""
+            import torch
+
+            flag = torch.tensor([float(over_budget), float(reached)])
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            if flag.any():
+                self.stopped = "target" if flag[1] > 0 else "budget"
+                self._close_window(trainer)
+                trainer.should_stop = True
+                self._note(stopped=self.stopped, step=self.step)
 
         @staticmethod
         def _engine(trainer):
@@ -152,12 +175,10 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
                 self.cache.append(batch)
             self.step += 1
             if self.step == cfg["steps"] and self.window_open:
-                self.window_open = False
-                self.tx_end = self._tx()
-                self.tx_t1 = time.monotonic()
-                self.engine_end = self._engine(trainer)
-                self.psgd_end = self._psgd(trainer)
+                self._close_window(trainer)
             self._note(step=self.step, dt=dt)
+            if self.budget_s is not None and self.window_open:  # after at least one measured step
+                self._maybe_stop(trainer, over_budget=self.train_time >= self.budget_s, reached=False)
 
         def on_validation_start(self, trainer, pl_module) -> None:
             if self.window_open:
@@ -170,6 +191,11 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             value = _metric_value(trainer, cfg["metric"])
             self.evals.append({"step": self.step, "train_time_s": self.train_time, "value": value})
             self._note(eval=value, step=self.step)
+            if self.budget_s is not None and self.window_open:
+                target, mode = cfg.get("target_value"), cfg.get("mode")
+                reached = value is not None and target is not None and (
+                    value >= target if mode == "max" else value <= target)
+                self._maybe_stop(trainer, over_budget=False, reached=reached)
 
         def on_train_end(self, trainer, pl_module) -> None:
             model = trainer.strategy.model
@@ -250,6 +276,8 @@ def run(cfg: dict) -> dict:
 
     preset = resolve_preset(cfg["preset"], seed=int(cfg["seed"]), **cfg.get("preset_args", {}))
     cfg["metric"] = preset.metric
+    cfg["mode"] = preset.mode
+    cfg["target_value"] = cfg.get("target") if cfg.get("target") is not None else preset.target
     m = cfg["method"]
     spec = MethodSpec(m["name"], dict(m["options"]), gc=bool(m["gc"]))
     strategy = build_strategy(spec)
@@ -309,6 +337,7 @@ def run(cfg: dict) -> dict:
         "osp_deferred_fractions": cb.osp_fractions,
         "powersgd_numel_window": delta(cb.psgd_start, cb.psgd_end),
         "evals": cb.evals,
+        "stopped": cb.stopped,
         "comm_hook": cb.comm_hook,
         "num_params": dense_grad_elements(preset.model),
         "powersgd_model_elements": (
