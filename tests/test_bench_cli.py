@@ -139,3 +139,39 @@ def test_budget_is_validated():
     with pytest.raises(BenchError, match=r"--budget with --schedule .*use a constant --bandwidth"):
         resolve(BenchConfig(methods="ddp", budget_s=10, schedule="0:100mbit,0.5:10mbit"))
     assert resolve(BenchConfig(methods="ddp", budget_s=10))["budget_s"] == 10.0
+
+
+@pytest.mark.slow
+def test_bandwidth_sweep_runs_once_per_link_and_writes_one_table_and_one_plot(tmp_path, capsys):
+    js, out = tmp_path / "sweep.json", tmp_path / "out"
+    argv = ["--preset", "probe", "--preset-arg", "width=64", "--ranks", "2", "--methods", "ddp,fp16",
+            "--steps", "4", "--warmup", "2", "--compute-steps", "1", "--eval-every", "4", "--val-batches", "1",
+            "--network", "loopback", "--threads", "1", "--bandwidth", "100mbit,20mbit",
+            "--json", str(js), "--out", str(out)]
+    assert main(argv) == 0
+    doc = json.loads(js.read_text())
+    assert doc["schema"] == report.SWEEP_SCHEMA and doc["links"] == ["100mbit", "20mbit"]
+    assert [run["config"]["bandwidth"] for run in doc["runs"]] == ["100mbit", "20mbit"]
+    for run in doc["runs"]:
+        report.validate_document(run)
+        assert [r["label"] for r in run["results"]] == ["ddp", "fp16"]
+    # the floor follows each run's nominal rate (loopback: bytes / rate): 5x longer at 20 Mbit/s
+    ddp = [next(r for r in run["results"] if r["label"] == "ddp") for run in doc["runs"]]
+    assert ddp[1]["floor_basis"] == "engine"  # 16.6 kB at 20 Mbit/s: 6.7 ms, far above the compute
+    assert ddp[1]["floor_s"] == pytest.approx(ddp[1]["bytes_per_step"] * 8 / 20e6)
+    assert ddp[0]["floor_s"] == pytest.approx(max(ddp[0]["bytes_per_step"] * 8 / 100e6, ddp[0]["compute_time_s"]))
+    table = (out / "sweep.md").read_text()
+    assert "| method | step @ 100mbit | TTT @ 100mbit | step @ 20mbit | TTT @ 20mbit |" in table
+    assert table.count("| `ddp` |") == 1 and table.count("| `fp16` |") == 1
+    assert (out / "sweep.png").exists() and (out / "100mbit" / "bench.md").exists() and (out / "20mbit" / "bench.md").exists()
+    assert "sweep: link 2/2: 20mbit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--bandwidth", "100mbit,100mbit"], "two or more different rates"),
+    (["--bandwidth", "100mbit,20mbit", "--schedule", "0:1gbit"], "cannot be combined with --schedule"),
+    (["--bandwidth", "100mbit,fast"], "fast"),
+])
+def test_bandwidth_sweep_refuses_bad_input_before_running(argv, fragment, capsys):
+    assert main(["--preset", "probe", "--ranks", "2", "--methods", "ddp", "--network", "loopback", *argv]) == 2
+    assert fragment in capsys.readouterr().err

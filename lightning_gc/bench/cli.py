@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--ranks", type=int, default=4, help="total training processes")
     n.add_argument("--hosts", type=int, default=None,
                    help="emulated hosts (network namespaces); ranks/hosts processes each; default: one per rank")
-    n.add_argument("--bandwidth", default=None, help="link rate per host and direction, e.g. 100mbit, 1gbit")
+    n.add_argument("--bandwidth", default=None,
+                   help="link rate per host and direction, e.g. 100mbit, 1gbit; several (1gbit,100mbit,20mbit) run "
+                        "the bench once per link and add one table and one plot over the links")
     n.add_argument("--schedule", default=None,
                    help="rate schedule 'AT:RATE,...' (AT = fraction of steps), or a file with such entries")
     n.add_argument("--shaper", choices=("htb", "tbf"), default="htb",
@@ -179,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.json is None and args.out is None:
         _log("note: neither --json nor --out given; results are only printed")
+    if args.bandwidth and "," in args.bandwidth:
+        return _sweep(cfg, args, argv)
     try:
         doc = collect(args.collect, log=_log) if args.collect else run_bench(cfg, log=_log)
     except (BenchError, ScheduleError, MethodError, WorkloadError) as exc:
@@ -195,6 +199,67 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r["label"] for r in doc["results"] if r["status"] != "ok"]
     if failed:
         print(f"lightning-gc bench: {len(failed)} method(s) failed: {', '.join(failed)}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _sweep(cfg, args, argv: list[str]) -> int:
+    """``--bandwidth A,B,...``: one bench run per link, then one table and one plot over the links."""
+    import dataclasses
+    import os
+
+    from lightning_gc.bench import report
+    from lightning_gc.bench.runner import BenchError, resolve, run_bench
+
+    links = [x.strip() for x in args.bandwidth.split(",") if x.strip()]
+    if args.schedule or args.prepare or args.collect:
+        print("lightning-gc bench: error: --bandwidth with several rates is a sweep run here, one bench per link; "
+              "it cannot be combined with --schedule, --prepare or --collect (give one rate for those)",
+              file=sys.stderr)
+        return 2
+    if len(links) < 2 or len(set(links)) != len(links):
+        print(f"lightning-gc bench: error: --bandwidth {args.bandwidth!r}: a sweep needs two or more different "
+              "rates, e.g. --bandwidth 1gbit,100mbit,20mbit", file=sys.stderr)
+        return 2
+    try:
+        for link in links:  # every link is checked before anything runs
+            resolve(dataclasses.replace(cfg, bandwidth=link))
+        docs = []
+        for i, link in enumerate(links, 1):
+            _log(f"== sweep: link {i}/{len(links)}: {link} ==")
+            doc = run_bench(dataclasses.replace(cfg, bandwidth=link), log=_log)
+            doc["config"]["command"] = "lightning-gc bench " + " ".join(argv)
+            _log(report.markdown(doc))
+            if args.out:
+                for path in report.write_outputs(doc, out_dir=os.path.join(args.out, link)):
+                    _log(f"wrote {path}")
+            docs.append(doc)
+    except (BenchError, ScheduleError, MethodError, WorkloadError) as exc:
+        print(f"lightning-gc bench: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("lightning-gc bench: interrupted; processes and namespaces were cleaned up", file=sys.stderr, flush=True)
+        return 130
+    sweep = report.sweep_document(docs, links)
+    table = report.sweep_markdown(sweep)
+    _log("")
+    _log(table)
+    written = []
+    if args.json:
+        written.append(report.write_json(sweep, args.json))
+    if args.out:
+        written.append(report.write_json(sweep, os.path.join(args.out, "sweep.json")))
+        md = os.path.join(args.out, "sweep.md")
+        with open(md, "w") as fh:
+            fh.write(table)
+        written.append(md)
+        written += report.write_sweep_plot(sweep, args.out)
+    for path in written:
+        _log(f"wrote {path}")
+    failed = sorted({f"{r['label']} @ {link}" for link, doc in zip(links, docs) for r in doc["results"]
+                     if r["status"] != "ok"})
+    if failed:
+        print(f"lightning-gc bench: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr, flush=True)
         return 1
     return 0
 

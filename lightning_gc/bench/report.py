@@ -62,7 +62,12 @@ def validate_document(doc: Any) -> None:
 
 
 def write_json(doc: dict, path: str) -> str:
-    validate_document(doc)
+    """Validate and write a bench document, or a sweep document (its runs are validated)."""
+    if isinstance(doc, dict) and doc.get("schema") == "lightning_gc.bench.sweep/1":
+        for run in doc.get("runs") or []:
+            validate_document(run)
+    else:
+        validate_document(doc)
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     tmp = path + ".tmp"
@@ -358,3 +363,92 @@ def write_outputs(doc: dict, *, json_path: str | None = None, out_dir: str | Non
         written.append(md)
         written += write_plots(doc, out_dir)
     return written
+
+
+# --------------------------------------------------------------------------- bandwidth sweep
+SWEEP_SCHEMA = "lightning_gc.bench.sweep/1"
+
+
+def sweep_document(docs: list[dict], links: list[str]) -> dict:
+    """One document for a ``--bandwidth A,B,...`` sweep: the per-link bench documents, in order."""
+    if len(docs) != len(links):
+        raise ValueError(f"sweep: {len(docs)} documents for {len(links)} links {links}")
+    for doc in docs:
+        validate_document(doc)
+    return {"schema": SWEEP_SCHEMA, "links": list(links), "runs": docs}
+
+
+def _sweep_labels(sweep: dict) -> list[str]:
+    labels: list[str] = []
+    for doc in sweep["runs"]:
+        labels += [r["label"] for r in doc["results"] if r["label"] not in labels]
+    return labels
+
+
+def sweep_markdown(sweep: dict) -> str:
+    """Step and time to target per method per link, each with its ratio to the run's best baseline."""
+    links, runs = sweep["links"], sweep["runs"]
+    c = runs[0]["config"]
+    metric, target = c.get("metric") or "metric", c.get("target")
+    op = "≥" if c.get("mode") == "max" else "≤"
+    lines = [
+        f"# lightning-gc bench sweep — preset `{c['preset']}`, {c['ranks']} ranks, links {', '.join(links)}",
+        "",
+        f"One bench run per link (same methods, seed and steps). *step*: median step time; *TTT*: time to "
+        f"{metric} {op} {_v(target)}. In brackets: the ratio to the best torch baseline of that link's run "
+        "(the fastest of ddp, fp16, powersgd per step, resp. to the target).",
+        "",
+        "| method | " + " | ".join(f"step @ {link} | TTT @ {link}" for link in links) + " |",
+        "|---|" + "---:|---:|" * len(links),
+    ]
+    for label in _sweep_labels(sweep):
+        cells = []
+        for doc in runs:
+            r = next((x for x in doc["results"] if x["label"] == label), None)
+            if r is None or r["status"] != "ok":
+                cells += ["failed" if r is not None else "–", ""]
+                continue
+            step = f"{_s(r['step_time_s'])} ({_r(r.get('ratio_vs_best_baseline'))})"
+            ttt = ("not reached" if r["time_to_target_s"] is None else
+                   f"{_s(r['time_to_target_s'])} ({_r(r.get('time_to_target_ratio_vs_best_baseline'))})")
+            cells += [step, ttt]
+        lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_sweep_plot(sweep: dict, out_dir: str) -> list[str]:
+    """``sweep.png``: step time and time to target against the link, one line per method."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    links, runs = sweep["links"], sweep["runs"]
+    labels = _sweep_labels(sweep)
+    styles = method_styles(labels)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label in labels:
+        colour, marker = styles[label]
+        for ax, key in zip(axes, ("step_time_s", "time_to_target_s")):
+            pts = []
+            for i, doc in enumerate(runs):
+                r = next((x for x in doc["results"] if x["label"] == label and x["status"] == "ok"), None)
+                if r is not None and r[key] is not None:
+                    pts.append((i, r[key]))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colour, marker=marker, label=label)
+    c = runs[0]["config"]
+    for ax, title in zip(axes, ("median step time (s)", f"time to {c.get('metric') or 'target'} (s)")):
+        ax.set_xticks(range(len(links)), links)
+        ax.set_yscale("log")
+        ax.set_xlabel("link rate per host")
+        ax.set_title(title, fontsize=9)
+    axes[0].legend(fontsize=8, ncol=2 if len(labels) > 8 else 1)  # every method that ran has a step
+    fig.suptitle(f"{c['preset']}, {c['ranks']} ranks: one run per link", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    path = _save(fig, out_dir, "sweep.png")
+    plt.close(fig)
+    return [path]
