@@ -183,14 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         _log("note: neither --json nor --out given; results are only printed")
     if args.bandwidth and "," in args.bandwidth:
         return _sweep(cfg, args, argv)
-    try:
-        doc = collect(args.collect, log=_log) if args.collect else run_bench(cfg, log=_log)
-    except (BenchError, ScheduleError, MethodError, WorkloadError) as exc:
-        print(f"lightning-gc bench: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        print("lightning-gc bench: interrupted; processes and namespaces were cleaned up", file=sys.stderr, flush=True)
-        return 130
+    doc, code = _guarded(lambda: collect(args.collect, log=_log) if args.collect else run_bench(cfg, log=_log))
+    if code is not None:
+        return code
     doc["config"]["command"] = "lightning-gc bench " + " ".join(argv)
     _log("")
     _log(report.markdown(doc))
@@ -203,13 +198,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _guarded(run):
+    """``(run(), None)``, or ``(None, exit code)`` after saying why: 2 for bad input, 130 for Ctrl-C
+    (the runner has already removed its processes and namespaces)."""
+    from lightning_gc.bench.runner import BenchError
+
+    try:
+        return run(), None
+    except (BenchError, ScheduleError, MethodError, WorkloadError) as exc:
+        print(f"lightning-gc bench: error: {exc}", file=sys.stderr, flush=True)
+        return None, 2
+    except KeyboardInterrupt:
+        print("lightning-gc bench: interrupted; processes and namespaces were cleaned up", file=sys.stderr, flush=True)
+        return None, 130
+
+
 def _sweep(cfg, args, argv: list[str]) -> int:
     """``--bandwidth A,B,...``: one bench run per link, then one table and one plot over the links."""
     import dataclasses
     import os
 
     from lightning_gc.bench import report
-    from lightning_gc.bench.runner import BenchError, resolve, run_bench
+    from lightning_gc.bench.runner import resolve, run_bench
 
     links = [x.strip() for x in args.bandwidth.split(",") if x.strip()]
     if args.schedule or args.prepare or args.collect:
@@ -221,7 +231,7 @@ def _sweep(cfg, args, argv: list[str]) -> int:
         print(f"lightning-gc bench: error: --bandwidth {args.bandwidth!r}: a sweep needs two or more different "
               "rates, e.g. --bandwidth 1gbit,100mbit,20mbit", file=sys.stderr)
         return 2
-    try:
+    def run_links() -> list[dict]:
         for link in links:  # every link is checked before anything runs
             resolve(dataclasses.replace(cfg, bandwidth=link))
         docs = []
@@ -234,12 +244,11 @@ def _sweep(cfg, args, argv: list[str]) -> int:
                 for path in report.write_outputs(doc, out_dir=os.path.join(args.out, link)):
                     _log(f"wrote {path}")
             docs.append(doc)
-    except (BenchError, ScheduleError, MethodError, WorkloadError) as exc:
-        print(f"lightning-gc bench: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        print("lightning-gc bench: interrupted; processes and namespaces were cleaned up", file=sys.stderr, flush=True)
-        return 130
+        return docs
+
+    docs, code = _guarded(run_links)
+    if code is not None:
+        return code
     sweep = report.sweep_document(docs, links)
     table = report.sweep_markdown(sweep)
     _log("")
