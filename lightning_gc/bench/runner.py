@@ -38,6 +38,7 @@ from lightning_gc.bench.methods import (
     ring_factor,
 )
 from lightning_gc.bench.schedule import Schedule, format_rate, parse_rate, parse_schedule
+from lightning_gc.bench.workloads import meets_target
 
 __all__ = ["BenchConfig", "BenchError", "RankFailure", "run_bench", "aggregate", "prepare", "collect", "SCHEMA"]
 
@@ -511,7 +512,7 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
     if target is not None:
         for pt in curve:
             v = pt["value"]
-            if v is not None and (v >= target if mode == "max" else v <= target):
+            if meets_target(v, target, mode):
                 ttt = pt["train_time_s"]
                 break
 

@@ -192,9 +192,9 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             self.evals.append({"step": self.step, "train_time_s": self.train_time, "value": value})
             self._note(eval=value, step=self.step)
             if self.budget_s is not None and self.window_open:
-                target, mode = cfg.get("target_value"), cfg.get("mode")
-                reached = value is not None and target is not None and (
-                    value >= target if mode == "max" else value <= target)
+                from lightning_gc.bench.workloads import meets_target
+
+                reached = meets_target(value, cfg.get("target_value"), cfg.get("mode"))
                 self._maybe_stop(trainer, over_budget=False, reached=reached)
 
         def on_train_end(self, trainer, pl_module) -> None:

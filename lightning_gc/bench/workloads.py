@@ -36,6 +36,14 @@ class WorkloadError(ValueError):
     """A preset that cannot be built; the message names it, the reason and the fix."""
 
 
+def meets_target(value: float | None, target: float | None, mode: str) -> bool:
+    """Whether a metric ``value`` reaches ``target`` in the metric's direction (``"max"``: at least,
+    ``"min"``: at most); ``False`` when either is missing."""
+    if value is None or target is None:
+        return False
+    return value >= target if mode == "max" else value <= target
+
+
 @dataclass
 class Workload:
     name: str
