@@ -63,7 +63,7 @@ def validate_document(doc: Any) -> None:
 
 def write_json(doc: dict, path: str) -> str:
     """Validate and write a bench document, or a sweep document (its runs are validated)."""
-    if isinstance(doc, dict) and doc.get("schema") == "lightning_gc.bench.sweep/1":
+    if isinstance(doc, dict) and doc.get("schema") == SWEEP_SCHEMA:
         for run in doc.get("runs") or []:
             validate_document(run)
     else:
