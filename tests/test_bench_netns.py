@@ -234,3 +234,30 @@ def test_root_cause_prefers_the_rank_that_raised_over_one_aborted_by_its_peer():
     assert _root_cause([aborted, raised]) == (1, 1)
     # Only signals: the first seen is reported.
     assert _root_cause([aborted]) == (0, -signal.SIGABRT)
+
+
+def test_root_cause_prefers_the_rank_that_raised_over_one_that_lost_its_peer():
+    """A rank whose collective broke because its peer died exits PEER_LOST_EXIT and is not blamed."""
+    from lightning_gc.bench.runner import _root_cause
+    from lightning_gc.bench.worker import PEER_LOST_EXIT
+
+    lost = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({PEER_LOST_EXIT})"])
+    lost.wait()
+    raised = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(1)"])
+    assert _root_cause([lost, raised]) == (1, 1)
+    assert _root_cause([lost]) == (0, PEER_LOST_EXIT)
+
+
+def test_worker_classifies_a_broken_collective_as_peer_loss():
+    """torch's distributed error types, and gloo's transport errors that reach Python as RuntimeError."""
+    import torch.distributed as dist
+
+    from lightning_gc.bench.worker import _is_peer_loss
+
+    assert _is_peer_loss(dist.DistBackendError("Connection closed by peer"))
+    gloo = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+            "[10.0.0.2]:50879. This is typically caused by a remote worker crashing.")
+    assert _is_peer_loss(RuntimeError(gloo))
+    assert not _is_peer_loss(ValueError(gloo))
+    assert not _is_peer_loss(RuntimeError("injected failure on rank 1 at step 3"))
+    assert not _is_peer_loss(ValueError("bad preset argument"))

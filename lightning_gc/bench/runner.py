@@ -38,6 +38,7 @@ from lightning_gc.bench.methods import (
     ring_factor,
 )
 from lightning_gc.bench.schedule import Schedule, format_rate, parse_rate, parse_schedule
+from lightning_gc.bench.worker import PEER_LOST_EXIT
 from lightning_gc.bench.workloads import meets_target
 
 __all__ = ["BenchConfig", "BenchError", "RankFailure", "run_bench", "aggregate", "prepare", "collect", "SCHEMA"]
@@ -369,9 +370,9 @@ def _root_cause(procs, grace_s: float = 3.0) -> tuple[int, int]:
     When one rank raises, its peers usually die a moment later inside a collective, often aborted by
     gloo (a negative exit code: a signal). Which of them the monitor sees first is a matter of
     scheduling, so reporting the first non-zero code seen would sometimes blame a bystander. Give the
-    others ``grace_s`` to exit, then prefer a rank that exited with a positive code (a Python
-    exception, whose log holds the real traceback) over one killed by a signal; among those, the one
-    seen exiting first (ties: the lowest rank).
+    others ``grace_s`` to exit, then prefer a rank that exited with 1 (its own Python exception, whose
+    log holds the real traceback), then one that exited with ``PEER_LOST_EXIT`` (a collective lost its
+    peer: a bystander), then one killed by a signal; within a class, the one seen exiting first.
     """
     order: list[int] = []
     deadline = time.monotonic() + grace_s
@@ -383,8 +384,9 @@ def _root_cause(procs, grace_s: float = 3.0) -> tuple[int, int]:
             break
         time.sleep(0.02)
     bad = [(g, procs[g].returncode) for g in order if procs[g].returncode != 0]
-    raised = [(g, c) for g, c in bad if c > 0]
-    return (raised or bad)[0]
+    own = [(g, c) for g, c in bad if c > 0 and c != PEER_LOST_EXIT]
+    lost = [(g, c) for g, c in bad if c == PEER_LOST_EXIT]
+    return (own or lost or bad)[0]
 
 
 # --------------------------------------------------------------------------- aggregation

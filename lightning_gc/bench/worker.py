@@ -395,6 +395,32 @@ def _engine_totals(engine) -> dict | None:
         return None
 
 
+PEER_LOST_EXIT = 3
+"""Exit code of a rank that failed because a collective lost its peer (not its own fault).
+
+The runner reports a rank that exited with 1 (its own exception) before one that exited with this
+code, so a rank that merely noticed another's crash is not blamed for it."""
+
+
+def _is_peer_loss(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch.distributed reporting a broken connection to another rank.
+
+    torch raises ``DistBackendError``/``DistNetworkError`` for some of these, but gloo's transport
+    errors reach Python as a plain ``RuntimeError`` whose message names gloo's tcp transport (seen:
+    "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer ... typically caused by a remote
+    worker crashing"), so those are recognised by that origin.
+    """
+    import torch.distributed as dist
+
+    kinds = tuple(k for k in (getattr(dist, "DistBackendError", None), getattr(dist, "DistNetworkError", None)) if k)
+    if kinds and isinstance(exc, kinds):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and "gloo/transport/" in text and any(
+        sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                  "remote worker crashing"))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -407,10 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     rank = os.environ.get("GLOBAL_RANK", os.environ.get("RANK", "?"))
     try:
         result = run(cfg)
-    except BaseException:  # noqa: BLE001 - reported to the runner through the log and exit code
+    except BaseException as exc:  # noqa: BLE001 - reported to the runner through the log and exit code
         traceback.print_exc()
         sys.stderr.flush()
-        return 1
+        return PEER_LOST_EXIT if _is_peer_loss(exc) else 1
     _write_json(os.path.join(cfg["run_dir"], f"rank{rank}.json"), result)
     return 0
 
