@@ -7,8 +7,9 @@ osp_round_steps=50, ...)``, the same names under ``init_args`` in a LightningCLI
     GCConfig
     ├── compression: CompressionConfig   compressor, ratio, compressor_args, collective, error_feedback
     ├── engine:      EngineConfig        plan, plan_threshold, min_compress_numel, warmup_steps, ...
-    ├── sync:        "bsp" | "osp"
+    ├── sync:        "bsp" | "osp" | "diloco"
     ├── osp:         OSPConfig           deferred_fraction, round_steps, deferred_compressor, deferred_ratio
+    ├── diloco:      DiLoCoConfig        inner_steps, outer_optimizer, outer_args
     ├── omgs:        OMGSConfig | None   profile_steps, ... (None: no OMGS)
     ├── nonfinite:   "skip" | "propagate"
     └── monitor:     bool
@@ -18,8 +19,8 @@ reaches an :class:`~lightning_gc.engine.omgs.OMGSConfig` field, as the bench spe
 :meth:`GCConfig.from_flat` is the one function that applies it: :class:`~lightning_gc.GCStrategy`
 and the bench both build their configuration through it, so a field is validated, documented and
 defaulted in exactly one place (its dataclass). Each section validates its own fields at
-construction; :class:`GCConfig` checks the rules that span sections (OSP options without OSP, two
-owners of the merge plan, OMGS's dense profiling steps).
+construction; :class:`GCConfig` checks the rules that span sections (OSP or DiLoCo options without
+that synchronisation model, two owners of the merge plan, OMGS's dense profiling steps).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ._validation import check_bool
 from .compressors import build_config, get_entry
 from .engine.config import EngineConfig
 from .engine.omgs import OMGS_PLANS, OMGSConfig
+from .sync.diloco import DiLoCoConfig
 from .sync.osp import OSPConfig
 
 
@@ -85,6 +87,7 @@ FLAT_FIELDS: dict[str, tuple[str, str | None]] = {
                                   "seed", "network_alpha_s", "network_beta_s_per_byte", "probe_every",
                                   "probe_drift", "probe_patience", "overlap")},
     **{f"osp_{n}": ("osp", n) for n in ("deferred_fraction", "round_steps", "deferred_compressor", "deferred_ratio")},
+    **{f"diloco_{n}": ("diloco", n) for n in ("inner_steps", "outer_optimizer", "outer_args")},
     "sync": ("sync", None),
     "omgs": ("omgs", None),
     "nonfinite": ("nonfinite", None),
@@ -105,14 +108,16 @@ class GCConfig:
 
     Build it from the flat names with :meth:`from_flat`; ``GCStrategy`` does, and exposes the result
     as ``GCStrategy.config``. Cross-section rules, refused with the value, the reason and the fix:
-    OSP options with ``sync="bsp"``; ``sync="osp"`` with OMGS (both own the merge plan); OMGS's
+    OSP options without ``sync="osp"`` and DiLoCo options without ``sync="diloco"``; ``sync="osp"`` or
+    ``sync="diloco"`` with OMGS (OSP and OMGS both own the merge plan; DiLoCo has none); OMGS's
     profile needs dense steps, so ``engine.warmup_steps`` is raised to cover it (said once).
     """
 
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    sync: Literal["bsp", "osp"] = "bsp"
+    sync: Literal["bsp", "osp", "diloco"] = "bsp"
     osp: OSPConfig = field(default_factory=OSPConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     omgs: OMGSConfig | None = None
     nonfinite: Literal["skip", "propagate"] = "skip"
     monitor: bool = True
@@ -121,16 +126,27 @@ class GCConfig:
         check_bool("monitor", self.monitor, "True adds a GCMonitor callback if the Trainer has none.")
         if self.nonfinite not in ("skip", "propagate"):
             raise ValueError(f"nonfinite={self.nonfinite!r} is invalid: use 'skip' or 'propagate'.")
-        if self.sync not in ("bsp", "osp"):
-            raise ValueError(f"sync={self.sync!r} is invalid: use 'bsp' (synchronise every layer before the step) "
-                             "or 'osp' (two-stage synchronisation, docs/osp.md).")
-        if self.sync == "bsp":
+        if self.sync not in ("bsp", "osp", "diloco"):
+            raise ValueError(f"sync={self.sync!r} is invalid: use 'bsp' (synchronise every layer before the step), "
+                             "'osp' (two-stage synchronisation, docs/osp.md) or 'diloco' (local inner steps, an "
+                             "outer step every diloco_inner_steps, docs/diloco.md).")
+        if self.sync != "osp":
             default = OSPConfig()
             for f in ("deferred_fraction", "deferred_compressor", "deferred_ratio"):
                 value = getattr(self.osp, f)
                 if value != getattr(default, f):
                     raise ValueError(f"osp_{f}={value!r} only applies with sync='osp'; pass sync='osp' too, "
                                      "or drop it.")
+        if self.sync != "diloco" and self.diloco != DiLoCoConfig():
+            changed = [f"diloco_{f.name}={getattr(self.diloco, f.name)!r}" for f in dataclasses.fields(DiLoCoConfig)
+                       if getattr(self.diloco, f.name) != getattr(DiLoCoConfig(), f.name)]
+            raise ValueError(f"{', '.join(changed)} only applies with sync='diloco'; pass sync='diloco' too, or drop it.")
+        if self.sync == "diloco" and self.omgs is not None:
+            raise ValueError(
+                f"sync='diloco' with plan={self.engine.plan!r}/omgs= is not supported: inner steps send no gradients, "
+                "so there is no merge plan to optimise, and the outer step sends the model's Δ as one group. Drop "
+                "plan='omgs'/omgs=, or use sync='bsp'."
+            )
         if self.sync == "osp" and self.omgs is not None:
             raise ValueError(
                 f"sync='osp' with plan={self.engine.plan!r} (OMGS) is not supported: OSP re-plans every step to "
@@ -148,7 +164,7 @@ class GCConfig:
         refused naming the closest valid one. Omitted names take their section's default."""
         import difflib
 
-        sections: dict[str, dict[str, Any]] = {"compression": {}, "engine": {}, "osp": {}}
+        sections: dict[str, dict[str, Any]] = {"compression": {}, "engine": {}, "osp": {}, "diloco": {}}
         top: dict[str, Any] = {}
         omgs_fields: dict[str, Any] = {}
         for name, value in flat.items():
@@ -185,7 +201,8 @@ class GCConfig:
         collective, ef = compression.resolved()
         engine = EngineConfig(**{**engine_fields, "collective": collective, "error_feedback": ef})
         osp = OSPConfig(**sections["osp"])
-        return cls(compression=compression, engine=engine, osp=osp, omgs=omgs, **top)
+        diloco = DiLoCoConfig(**sections["diloco"])
+        return cls(compression=compression, engine=engine, osp=osp, diloco=diloco, omgs=omgs, **top)
 
     def to_flat(self) -> dict[str, Any]:
         """The flat names that rebuild this tree with :meth:`from_flat` (round trip)."""
@@ -196,5 +213,5 @@ class GCConfig:
                 value = getattr(value, fld)
             if name == "omgs" and value is not None:
                 value = dataclasses.asdict(value)
-            out[name] = dict(value) if name == "compressor_args" else value
+            out[name] = dict(value) if name == "compressor_args" or (name == "diloco_outer_args" and value) else value
         return out

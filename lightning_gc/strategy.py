@@ -44,6 +44,7 @@ from .engine.omgs import OMGSConfig, OMGSController
 from .engine.session import StepParticipant, StepSession
 from .summary import GCSummary, summarize
 from .sync import OSPSync, check_optimizer
+from .sync.diloco import DiLoCoSync
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,10 @@ class GCStrategy(DDPStrategy):
             ``"osp"``: two-stage synchronisation (docs/osp.md): the least important layers are
             updated with the local gradient and all-reduced while the next step computes, then
             corrected (LGP). Requires ``torch.optim.SGD`` (any momentum / Nesterov / weight decay).
+            ``"diloco"``: DiLoCo (docs/diloco.md): every rank takes ``diloco_inner_steps`` local
+            optimizer steps with no gradient synchronisation, then an outer step averages the
+            pseudo-gradient θ_outer − θ_local through ``compressor`` (``"dense"``: exact fp32) with
+            error feedback, and every rank loads the new θ_outer.
         osp_deferred_fraction: with ``sync="osp"``: ``None`` follows the S(Gu) schedule; a number in
             [0, 0.8] pins the fraction of the model's elements deferred per step.
         osp_round_steps: with ``sync="osp"`` and the schedule: optimizer steps per round (round 1
@@ -167,6 +172,11 @@ class GCStrategy(DDPStrategy):
             feedback per layer where the compressor uses it). Compress it when the routine stage
             is compressed: a dense deferred stage otherwise carries most of the bytes.
         osp_deferred_ratio: the ratio of ``osp_deferred_compressor`` (``None``: its default).
+        diloco_inner_steps: with ``sync="diloco"``: H, local optimizer steps per outer step.
+        diloco_outer_optimizer: with ``sync="diloco"``: the outer optimizer, a ``torch.optim`` class
+            name (``"SGD"``, ``"AdamW"``, ...) or a dotted path to an Optimizer subclass.
+        diloco_outer_args: with ``sync="diloco"``: its keyword arguments (``None``: for SGD the
+            published ``lr=0.7, momentum=0.9, nesterov=True``; the optimizer's defaults otherwise).
         process_group_backend, timeout, start_method: as in ``DDPStrategy``.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (e.g. ``bucket_cap_mb``;
             with a plan other than ``"model"`` it defaults to 1 MB instead of DDP's 25 MB, so that
@@ -213,11 +223,14 @@ class GCStrategy(DDPStrategy):
         probe_patience: int = 5,
         overlap: bool = True,
         omgs: OMGSConfig | dict | None = None,
-        sync: Literal["bsp", "osp"] = "bsp",
+        sync: Literal["bsp", "osp", "diloco"] = "bsp",
         osp_deferred_fraction: float | None = None,
         osp_round_steps: int = 50,
         osp_deferred_compressor: str = "dense",
         osp_deferred_ratio: float | None = None,
+        diloco_inner_steps: int = 50,
+        diloco_outer_optimizer: str = "SGD",
+        diloco_outer_args: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         if isinstance(accelerator, str) and accelerator not in AcceleratorRegistry:
@@ -247,6 +260,8 @@ class GCStrategy(DDPStrategy):
             probe_every=probe_every, probe_drift=probe_drift, probe_patience=probe_patience, overlap=overlap,
             omgs=omgs, sync=sync, osp_deferred_fraction=osp_deferred_fraction, osp_round_steps=osp_round_steps,
             osp_deferred_compressor=osp_deferred_compressor, osp_deferred_ratio=osp_deferred_ratio,
+            diloco_inner_steps=diloco_inner_steps, diloco_outer_optimizer=diloco_outer_optimizer,
+            diloco_outer_args=diloco_outer_args,
         )
         cfg = self._config
         self._compressor_config = cfg.compression.compressor_config()
@@ -256,6 +271,7 @@ class GCStrategy(DDPStrategy):
         self._osp_config = cfg.osp
         self._sync = cfg.sync
         self._osp: OSPSync | None = None
+        self._diloco: DiLoCoSync | None = None
         self._compressor_name = compressor
         self._nonfinite = cfg.nonfinite
         self._monitor = cfg.monitor
@@ -290,6 +306,11 @@ class GCStrategy(DDPStrategy):
     def osp(self) -> OSPSync | None:
         """The two-stage synchroniser with ``sync="osp"`` (``None`` before setup or with BSP)."""
         return self._osp
+
+    @property
+    def diloco(self) -> DiLoCoSync | None:
+        """The DiLoCo synchroniser with ``sync="diloco"`` (``None`` before setup or otherwise)."""
+        return self._diloco
 
     @property
     def ddp_kwargs(self) -> dict[str, Any]:
@@ -342,12 +363,28 @@ class GCStrategy(DDPStrategy):
 
             if not any(isinstance(cb, OSPDrain) for cb in trainer.callbacks):
                 trainer.callbacks.insert(0, OSPDrain())  # before every callback that reads the model
+        if self._sync == "diloco":
+            self._check_diloco_callbacks(trainer)
+            from .callbacks.diloco_view import DiLoCoView
+
+            if not any(isinstance(cb, DiLoCoView) for cb in trainer.callbacks):
+                trainer.callbacks.insert(0, DiLoCoView())  # evaluation sees θ_outer, before every other callback
         super().setup(trainer)
         if self._sync == "osp":
             self._check_osp_setup(trainer)
         if self._engine is not None:  # the algorithm's own measured pitfalls with this setup
             for message in self._engine.compressor.advice(self.optimizers, self._engine.error_feedback):
                 rank_zero_warn(message)
+
+    @staticmethod
+    def _check_diloco_callbacks(trainer: Any) -> None:
+        from .adaptive.callback import AdaptiveRatio
+
+        if any(isinstance(cb, AdaptiveRatio) for cb in trainer.callbacks):
+            raise ValueError(
+                "GCStrategy(sync='diloco') with the AdaptiveRatio callback: inner steps send no gradients, so there "
+                "is no per-step compression ratio to adapt. Drop AdaptiveRatio, or use sync='bsp'."
+            )
 
     def _check_osp_setup(self, trainer: Any) -> None:
         for optimizer in self.optimizers:
@@ -408,6 +445,9 @@ class GCStrategy(DDPStrategy):
         if self._sync == "osp":
             self._osp = OSPSync(self._engine, self._osp_config)
             participants.append(self._osp)
+        if self._sync == "diloco":
+            self._diloco = self._build_diloco()
+            participants.append(self._diloco)
         scaler = getattr(self.precision_plugin, "scaler", None) if isinstance(self.precision_plugin, MixedPrecision) else None
         # with an AMP GradScaler the scaler skips non-finite steps itself
         self._session = StepSession(self._engine, participants,
@@ -416,6 +456,33 @@ class GCStrategy(DDPStrategy):
             self._apply_state(self._pending_state)
             self._pending_state = None
         self.model.register_comm_hook(self._session, gc_comm_hook)
+
+    def _build_diloco(self) -> DiLoCoSync:
+        assert isinstance(self.model, DistributedDataParallel) and self._engine is not None
+        # DDP.no_sync() for good: no bucket is handed to the hook, inner steps send nothing. DDP's
+        # own no_sync() context (Lightning's gradient accumulation) saves and restores this flag.
+        self.model.require_backward_grad_sync = False
+        compression = self._config.compression
+        compressor = None
+        if compression.compressor != "dense":
+            compressor = get_entry(compression.compressor).compressor_cls(compression.compressor_config())
+        diloco = DiLoCoSync(self._engine, self._config.diloco, compressor, collective=compression.collective,
+                            error_feedback=self._engine_config.error_feedback,
+                            buffers=list(self.model.module.named_buffers()))
+        cfg = self._config.diloco
+        rank_zero_info(
+            f"lightning_gc: sync=diloco inner_steps={cfg.inner_steps} outer={cfg.outer_optimizer}"
+            f"({cfg.resolved_args()}) delta={compression.compressor}"
+            + (f" collective={diloco.exchange.name} error_feedback={diloco.error_feedback}"
+               if diloco.exchange is not None else " (dense fp32 allreduce)")
+        )
+        return diloco
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self._diloco is not None:  # Lightning restored rank 0's inner state everywhere; each rank has its own
+            self._diloco.restore_inner_optimizer(self.optimizers)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -444,6 +511,10 @@ class GCStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # Lightning reads the model and optimizer state for a checkpoint before save_checkpoint
         self.drain()
+        if self._diloco is not None and self._diloco.round_open:
+            # a checkpoint's weights are θ_outer (every rank's θ_local is in the lightning_gc entry)
+            with self._diloco.outer_view():
+                return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
         return super().lightning_module_state_dict()
 
     @override
@@ -516,6 +587,17 @@ class GCStrategy(DDPStrategy):
                 "gc_omgs", cls, description="lightning_gc: Top-k with the OMGS merge plan (docs/omgs.md)",
                 compressor="topk", plan="omgs",
             )
+        # DiLoCo: gc_diloco (dense Δ, as published) and gc_<compressor>_diloco (compressed Δ)
+        diloco_aliases = {"gc_diloco": "dense", **{f"gc_{name}_diloco": name for name in available_compressors()}}
+        for alias, name in diloco_aliases.items():
+            if alias not in strategy_registry:
+                strategy_registry.register(
+                    alias,
+                    cls,
+                    description=f"lightning_gc: DiLoCo (local inner steps, outer step on Δ), Δ sent with {name}",
+                    compressor=name,
+                    sync="diloco",
+                )
         # OSP two-stage synchronisation: gc_osp (dense routine stage) and gc_<compressor>_osp
         osp_aliases = {"gc_osp": "dense", **{f"gc_{name}_osp": name for name in available_compressors()}}
         for alias, name in osp_aliases.items():

@@ -101,6 +101,14 @@ class StepParticipant:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (called before the engine's own state is loaded)."""
 
+    def shared_state_dict(self) -> dict | None:
+        """Checkpoint state identical on every rank, saved once beside a rank-scoped
+        :meth:`state_dict` (DiLoCo's θ_outer and outer optimizer); ``None``: nothing."""
+        return None
+
+    def load_shared_state_dict(self, state: dict) -> None:
+        """Restore :meth:`shared_state_dict` (before any rank-scoped state; also on a world-size change)."""
+
     def snapshot(self) -> Any:
         """An exact in-memory copy of everything a training step may change, for a rollback
         exploration that must leave no trace (work in flight included, not drained)."""
@@ -256,6 +264,9 @@ class StepSession:
                 st = p.state_dict()
                 if st is not None:
                     out[p.name] = st
+            shared = p.shared_state_dict()
+            if shared is not None:
+                out[f"{p.name}/shared"] = shared
         return out
 
     def load_state_dict(self, state: dict) -> list[str]:
@@ -265,6 +276,8 @@ class StepSession:
         for p in self.participants:
             if p.state_scope == "replicated" and state.get(p.name):
                 p.load_state_dict(state[p.name])
+            if state.get(f"{p.name}/shared") is not None:
+                p.load_shared_state_dict(state[f"{p.name}/shared"])
         saved_ws = int(state.get("world_size", -1))
         ranks = state.get("ranks") or []
         if saved_ws != engine.world_size or len(ranks) != saved_ws:

@@ -1,0 +1,405 @@
+"""DiLoCo: local inner steps, then an outer step on the averaged pseudo-gradient (Douillard et al., 2023).
+
+With ``GCStrategy(sync="diloco")`` every rank trains on its own for ``inner_steps`` (H) optimizer
+steps — DDP's gradient synchronisation is switched off (``require_backward_grad_sync = False``,
+what ``DDP.no_sync()`` does), so inner steps send **no bytes at all** — and then takes an *outer
+step*, identical on every rank:
+
+1. the pseudo-gradient ``Δ_r = θ_outer − θ_local,r`` of every rank is averaged: dense (fp32
+   allreduce of ``Δ_r / N``) or through any lightning_gc compressor on the collective it needs,
+   with error feedback kept per parameter across outer steps (``e_r ← Δ_r + e_r − sent_r``);
+2. an outer optimizer (default: SGD, lr 0.7, momentum 0.9, Nesterov, as published) updates
+   ``θ_outer`` with the averaged ``Δ`` as its gradient;
+3. every rank loads the new ``θ_outer``: ranks are bit-identical after every outer step.
+
+Inner optimizer state (AdamW moments, momentum buffers, step counts) stays local to each rank.
+
+Decisions where the paper is silent (docs/diloco.md):
+
+* **Buffers** (BatchNorm running statistics) would drift apart with DDP's buffer broadcast off; at
+  every outer step floating-point buffers are averaged (dense, counted in the bytes) and integer
+  buffers are left as they are (they advance identically on every rank).
+* **Non-finite Δ.** One 1-element MAX allreduce per outer step agrees whether any rank's Δ is
+  non-finite; if so, the round is discarded on every rank: ``θ_outer``, the outer optimizer and the
+  error memory are left unchanged and every rank reloads ``θ_outer``.
+* **What evaluation and checkpoints see.** Validation, test and predict run on ``θ_outer`` (the
+  only model all ranks agree on); the rank's ``θ_local`` is put back afterwards. A checkpoint's
+  model weights are ``θ_outer``; its ``lightning_gc`` entry holds ``θ_outer``, the outer optimizer
+  state and the inner-step position once, and per rank ``θ_local``, the inner optimizer state and
+  the error memory, so a resume is exact (same world size). On a world-size change every rank
+  restarts the round from ``θ_outer`` with rank 0's inner optimizer state (warned).
+* **End of fit.** If the last round is unfinished, one more outer step closes it, so the trained
+  model contains every inner step and is the same on every rank.
+
+With ``H = 1``, a plain SGD outer optimizer with lr 1 (no momentum) and a dense Δ, an outer step
+gives ``θ − mean_r(θ − θ_local,r)``; with a plain SGD inner optimizer (lr η) that is DDP's
+``θ − η·mean_r(g_r)`` in real arithmetic. In floating point the two differ only by the rounding of
+``θ − (θ − η g_r)`` (a relative error of about one ulp of ``θ`` per step), which the tests bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+
+from ..comm.collectives import ring_allreduce_bytes
+from ..engine.ports import EngineControl
+from ..engine.session import StepParticipant
+
+_DILOCO_GROUP_ID = 1 << 21  # GroupContext.group_id of the outer exchange: random draws differ from any plan group
+#: the published outer optimizer (DiLoCo, Douillard et al. 2023, section 3)
+PUBLISHED_OUTER_ARGS: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+def resolve_optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """``"SGD"`` → ``torch.optim.SGD``; a dotted path (``"my.module.Lion"``) is imported."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"diloco_outer_optimizer={name!r} must be a torch.optim class name such as 'SGD' or "
+                         "'AdamW', or a dotted path to an Optimizer subclass.")
+    if "." in name:
+        module, _, attr = name.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"diloco_outer_optimizer={name!r} cannot be imported ({e}). Give a torch.optim "
+                             "class name ('SGD') or an importable dotted path.") from e
+    else:
+        cls = getattr(torch.optim, name, None)
+        if cls is None:
+            import difflib
+
+            known = [n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
+                     and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"]
+            same = [k for k in known if k.lower() == name.lower()]
+            close = same or difflib.get_close_matches(name, known, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else f" Known: {', '.join(sorted(known))}."
+            raise ValueError(f"diloco_outer_optimizer={name!r} is not a torch.optim optimizer.{hint}")
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"diloco_outer_optimizer={name!r} is {cls!r}, not a torch.optim.Optimizer subclass.")
+    return cls
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """Options of DiLoCo synchronisation (flat names ``diloco_<field>`` on :class:`~lightning_gc.GCStrategy`).
+
+    Attributes:
+        inner_steps: H, optimizer steps between outer steps (≥ 1). Communication per optimizer
+            step is the model's Δ once per H steps: about H× less than DDP with a dense Δ. Larger H
+            saves more and lets the replicas drift further apart; the paper uses 500 for large
+            language models, 10–50 suits small models and short runs.
+        outer_optimizer: a ``torch.optim`` class name (``"SGD"``, ``"AdamW"``, ...) or a dotted path
+            to an Optimizer subclass; it updates θ_outer with the averaged Δ as its gradient.
+        outer_args: keyword arguments of the outer optimizer. ``None``: for ``"SGD"`` the published
+            ``lr=0.7, momentum=0.9, nesterov=True``; the optimizer's own defaults otherwise.
+    """
+
+    inner_steps: int = 50
+    outer_optimizer: str = "SGD"
+    outer_args: Mapping[str, Any] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        h = self.inner_steps
+        if isinstance(h, bool) or not isinstance(h, int) or h < 1:
+            raise ValueError(f"diloco_inner_steps={h!r} must be an integer ≥ 1 (local optimizer steps between "
+                             "outer steps). E.g. 50; 1 synchronises every step.")
+        if self.outer_args is not None and not isinstance(self.outer_args, Mapping):
+            raise ValueError(f"diloco_outer_args={self.outer_args!r} must be a dict of the outer optimizer's "
+                             "keyword arguments, e.g. {'lr': 0.7, 'momentum': 0.9, 'nesterov': True}.")
+        cls = resolve_optimizer_class(self.outer_optimizer)
+        try:  # refuse bad options now, not in every process after launch
+            cls([torch.zeros(1, requires_grad=True)], **self.resolved_args())
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"diloco_outer_optimizer={self.outer_optimizer!r} with diloco_outer_args="
+                             f"{dict(self.resolved_args())!r} cannot be built: {e}") from e
+
+    def resolved_args(self) -> dict[str, Any]:
+        """The outer optimizer's keyword arguments with ``None`` resolved (see ``outer_args``)."""
+        if self.outer_args is not None:
+            return dict(self.outer_args)
+        return dict(PUBLISHED_OUTER_ARGS) if self.outer_optimizer in ("SGD", "torch.optim.SGD") else {}
+
+    def build_outer_optimizer(self, params: list[Tensor]) -> torch.optim.Optimizer:
+        return resolve_optimizer_class(self.outer_optimizer)(params, **self.resolved_args())
+
+
+@dataclass
+class DiLoCoStats:
+    """What the last outer step did (for :class:`~lightning_gc.callbacks.GCMonitor`)."""
+
+    outer_step: int = 0  # outer steps taken so far (including this one)
+    inner_step: int = 0  # optimizer step at which it was taken
+    bytes_sent: int = 0  # bytes this rank sent for Δ and the buffers
+    bytes_payload: int = 0  # compressed payload size of this rank's Δ (dense: Δ's fp32 size)
+    comm_s: float = 0.0  # wall time of the exchange (agreement, Δ, buffers)
+    delta_norm: float = 0.0  # ‖mean Δ‖₂ applied by the outer optimizer
+    error_norm: float = 0.0  # ‖error memory‖₂ after the exchange (0 without error feedback)
+    discarded: bool = False  # the round was discarded because Δ was non-finite on some rank
+
+
+class DiLoCoSync(StepParticipant):
+    """The DiLoCo synchronisation model as a step-session participant (see the module docstring).
+
+    Args:
+        engine: the engine; DiLoCo uses its parameters, process group, seed and byte counters (the
+            engine's own hook is never called: DDP does not synchronise gradients).
+        config: H and the outer optimizer.
+        compressor: the Δ compressor (``None``: dense fp32 allreduce).
+        collective: the compressor's collective (``"auto"``: its natural one).
+        error_feedback: keep what the compressor did not send and add it to the next Δ.
+        buffers: the module's buffers, in a fixed order (averaged at every outer step if floating).
+    """
+
+    name = "diloco"
+    state_scope = "rank"
+
+    def __init__(self, engine: EngineControl, config: DiLoCoConfig, compressor: Any = None,
+                 collective: str = "auto", error_feedback: bool = False,
+                 buffers: list[tuple[str, Tensor]] | None = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.params: list[Tensor] = list(engine.params)
+        self.names: list[str] = list(engine.names)
+        self.numels = [p.numel() for p in self.params]
+        self.world_size: int = engine.world_size
+        self.device = engine.device
+        self.buffers = [(n, b) for n, b in (buffers or []) if b.is_floating_point()]
+        self.group = None
+        if self.world_size > 1:
+            pg = engine.process_group
+            ranks = dist.get_process_group_ranks(pg) if pg is not None else None
+            self.group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
+        self.exchange = None
+        self.error_feedback = False
+        if compressor is not None and self.world_size > 1:
+            from ..comm.registry import make_exchange
+
+            self.exchange = make_exchange(compressor, collective, group=self.group)
+            self.error_feedback = bool(error_feedback)
+        with torch.no_grad():
+            self.theta_outer: list[Tensor] = [p.detach().to(torch.float32).clone() for p in self.params]
+        self.outer_optimizer = config.build_outer_optimizer(self.theta_outer)
+        self.memory: Tensor | None = None  # flat error memory (fp32), with error feedback
+        self.inner_step = 0  # optimizer steps taken (every rank the same)
+        self.outer_steps = 0
+        self.last_stats: DiLoCoStats | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._pending_inner_state: dict | None = None
+
+    # ------------------------------------------------------------------ the step
+    def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._optimizer is None:
+            self._optimizer = optimizer
+        elif optimizer is not self._optimizer:
+            raise ValueError(
+                "GCStrategy(sync='diloco') supports one inner optimizer; this LightningModule steps two. "
+                "Return one optimizer from configure_optimizers, or use sync='bsp'.")
+
+    def after_optimizer_step(self) -> None:
+        self.inner_step += 1
+        if self.inner_step % self.config.inner_steps == 0:
+            self.outer_step()
+
+    @property
+    def round_open(self) -> bool:
+        """Whether inner steps were taken since the last outer step (θ_local ≠ θ_outer)."""
+        return self.inner_step % self.config.inner_steps != 0
+
+    def finish(self) -> None:
+        """Close an unfinished round with an outer step (end of fit; every rank at the same step)."""
+        if self.round_open:
+            self.outer_step()
+
+    def outer_step(self) -> None:
+        """Average Δ = θ_outer − θ_local over the ranks, step the outer optimizer, load θ_outer."""
+        t0 = time.perf_counter()
+        stats = DiLoCoStats(outer_step=self.outer_steps + 1, inner_step=self.inner_step)
+        with torch.no_grad():
+            delta = torch.cat([(o - p.detach().to(torch.float32)).reshape(-1)
+                               for o, p in zip(self.theta_outer, self.params)])
+            bad = torch.tensor([0.0 if bool(torch.isfinite(delta).all()) else 1.0])
+            if self.group is not None:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+            if bad.item() > 0:
+                stats.discarded = True
+                rank_zero_warn(
+                    f"lightning_gc DiLoCo: the pseudo-gradient of the round ending at step {self.inner_step} is "
+                    "non-finite on some rank; the round is discarded on every rank (θ_outer, outer optimizer "
+                    "and error memory unchanged). Lower the inner learning rate or clip the inner gradients."
+                )
+            else:
+                mean = self._average(delta, stats)
+                offset = 0
+                for o, n in zip(self.theta_outer, self.numels):
+                    o.grad = mean[offset:offset + n].view_as(o).clone()
+                    offset += n
+                self.outer_optimizer.step()
+                for o in self.theta_outer:
+                    o.grad = None
+                stats.delta_norm = float(mean.norm())
+                self.outer_steps += 1
+                self._average_buffers(stats)
+            self.load_outer()
+        stats.comm_s = time.perf_counter() - t0
+        if self.memory is not None:
+            stats.error_norm = float(self.memory.norm())
+        self.engine.add_deferred_traffic(stats.bytes_sent, stats.bytes_payload)
+        self.last_stats = stats
+
+    def _average(self, delta: Tensor, stats: DiLoCoStats) -> Tensor:
+        """The mean of the ranks' Δ (identical on every rank); counts this rank's bytes."""
+        if self.world_size == 1:
+            return delta
+        nbytes = delta.numel() * delta.element_size()
+        if self.exchange is None:  # dense: DDP's numerics, mean = sum of (Δ / N)
+            comm = delta.to(self._comm_device()).div_(self.world_size)
+            dist.all_reduce(comm, group=self.group)
+            stats.bytes_sent += ring_allreduce_bytes(nbytes, self.world_size)
+            stats.bytes_payload += nbytes
+            return comm.to(delta.device)
+        from ..comm.exchange import ExchangeTimes, Timer, error_feedback_residual
+        from ..compressors import GroupContext
+
+        if self.error_feedback and self.memory is not None:
+            delta = delta + self.memory
+        ctx = GroupContext(
+            step=self.outer_steps, rank=dist.get_rank(self.group), world_size=self.world_size,
+            segments=tuple(self.numels), group_id=_DILOCO_GROUP_ID, seed=self.engine.config.seed,
+            device=delta.device, shapes=tuple(tuple(p.shape) for p in self.params), names=tuple(self.names))
+        times = ExchangeTimes()
+        mean, sent = self.exchange.run(delta, ctx, Timer(delta.device, times))
+        if self.error_feedback:
+            self.memory = error_feedback_residual(delta, sent, in_place=False)
+        stats.bytes_sent += int(times.bytes_sent)
+        stats.bytes_payload += int(times.bytes_payload)
+        return mean.to(torch.float32).reshape(-1)
+
+    def _average_buffers(self, stats: DiLoCoStats) -> None:
+        if not self.buffers or self.group is None:
+            return
+        flat = torch.cat([b.detach().to(torch.float32).reshape(-1) for _, b in self.buffers]).to(self._comm_device())
+        flat.div_(self.world_size)
+        dist.all_reduce(flat, group=self.group)
+        nbytes = flat.numel() * flat.element_size()
+        stats.bytes_sent += ring_allreduce_bytes(nbytes, self.world_size)
+        offset = 0
+        for _, b in self.buffers:
+            b.copy_(flat[offset:offset + b.numel()].view_as(b))
+            offset += b.numel()
+
+    def load_outer(self) -> None:
+        """Copy θ_outer into the model's parameters (the end of an outer step)."""
+        with torch.no_grad():
+            for p, o in zip(self.params, self.theta_outer):
+                p.copy_(o)
+
+    @contextlib.contextmanager
+    def outer_view(self) -> Iterator[None]:
+        """Parameters hold θ_outer inside the block, this rank's θ_local again after it."""
+        if not self.round_open:
+            yield
+            return
+        with torch.no_grad():
+            local = [p.detach().clone() for p in self.params]
+            self.load_outer()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, v in zip(self.params, local):
+                    p.copy_(v)
+
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    # ------------------------------------------------------------------ checkpoints
+    def shared_state_dict(self) -> dict:
+        """The replicated part (identical on every rank; saved once)."""
+        return {
+            "inner_step": self.inner_step,
+            "outer_steps": self.outer_steps,
+            "theta_outer": {n: o.detach().cpu().clone() for n, o in zip(self.names, self.theta_outer)},
+            "outer_optimizer": _to_cpu(self.outer_optimizer.state_dict()),
+            "exchange": self.exchange.state_dict() if self.exchange is not None else {},
+        }
+
+    def load_shared_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            saved = state["theta_outer"]
+            missing = [n for n in self.names if n not in saved]
+            if missing:
+                raise ValueError(f"lightning_gc DiLoCo: the checkpoint's θ_outer lacks parameters {missing[:3]}; it "
+                                 "was written for another model.")
+            for n, o in zip(self.names, self.theta_outer):
+                o.copy_(saved[n])
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.inner_step = int(state["inner_step"])
+        self.outer_steps = int(state["outer_steps"])
+        if self.exchange is not None and state.get("exchange"):
+            self.exchange.load_state_dict(state["exchange"], world_size=self.world_size)
+        # without this rank's own state (world-size change) the round restarts from θ_outer
+        self.load_outer()
+
+    def state_dict(self) -> dict:
+        """This rank's part: θ_local (if a round is open), inner optimizer state, error memory."""
+        return {
+            "theta_local": ({n: p.detach().cpu().clone() for n, p in zip(self.names, self.params)}
+                            if self.round_open else None),
+            "inner_optimizer": _to_cpu(self._optimizer.state_dict()) if self._optimizer is not None else None,
+            "memory": self.memory.detach().cpu().clone() if self.memory is not None else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            local = state.get("theta_local")
+            if local is not None:
+                for n, p in zip(self.names, self.params):
+                    p.copy_(local[n])
+        memory = state.get("memory")
+        self.memory = memory.to(self.device) if memory is not None else None
+        self._pending_inner_state = state.get("inner_optimizer")
+
+    def restore_inner_optimizer(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Load this rank's inner optimizer state after Lightning restored rank 0's into every rank."""
+        if self._pending_inner_state is None:
+            return
+        if len(optimizers) != 1:
+            raise ValueError("GCStrategy(sync='diloco') supports one inner optimizer; the resumed module has "
+                             f"{len(optimizers)}.")
+        optimizers[0].load_state_dict(self._pending_inner_state)
+        self._optimizer = optimizers[0]
+        self._pending_inner_state = None
+
+    def snapshot(self) -> Any:
+        raise ValueError("GCStrategy(sync='diloco') cannot be explored by AdaptiveRatio(mode='rollback'): inner steps "
+                         "send nothing, so there is no per-step ratio to adapt. Drop the AdaptiveRatio callback.")
+
+    def close(self, timeout: float = 60.0) -> None:
+        if self.group is not None:
+            with contextlib.suppress(RuntimeError, ValueError):
+                dist.destroy_process_group(self.group)
+            self.group = None
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_cpu(v) for v in obj)
+    return obj
+
+
+__all__ = ["DiLoCoConfig", "DiLoCoStats", "DiLoCoSync", "PUBLISHED_OUTER_ARGS", "resolve_optimizer_class"]

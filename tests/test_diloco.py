@@ -1,0 +1,203 @@
+"""DiLoCo (``sync="diloco"``): outer steps against hand-written references from all ranks' θ_local,
+error-feedback conservation of a compressed Δ, the non-finite agreement, bit-identical ranks, the
+configuration refusals, and (tests/test_diloco_lightning.py) DDP parity and exact resume."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from dist_harness import run_distributed
+
+from lightning_gc import GCStrategy
+from lightning_gc.config import GCConfig
+from lightning_gc.sync.diloco import DiLoCoConfig, DiLoCoSync
+
+SHAPES = [(40, 30), (30,), (7, 50)]
+
+
+class _Traffic:
+    """The engine double: what DiLoCo reads (parameters, group, seed) and the bytes it reports."""
+
+    def __init__(self, params, rank, world_size):
+        import torch.distributed as dist
+
+        self.params = params
+        self.names = [f"p{i}" for i in range(len(params))]
+        self.world_size = world_size
+        self.rank = rank
+        self.device = torch.device("cpu")
+        self.process_group = dist.group.WORLD if world_size > 1 else None
+        self.config = SimpleNamespace(seed=0)
+        self.bytes = []
+
+    def add_deferred_traffic(self, bytes_sent, bytes_payload):
+        self.bytes.append((bytes_sent, bytes_payload))
+
+
+def _theta0():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def _local_move(rank, outer_step):
+    """A rank-dependent inner-round displacement. Scales and signs vary per rank and per element,
+    so no rank dominates the mean in magnitude or in sign."""
+    g = torch.Generator().manual_seed(100 * outer_step + rank)
+    return [torch.randn(s, generator=g) * (0.5 + rank) * (-1) ** (rank + outer_step) for s in SHAPES]
+
+
+def _run_outer_steps(rank, world_size, compressor_name, outer_optimizer, outer_args, steps, nan_rank=-1):
+    from lightning_gc.compressors import build_compressor
+
+    params = [t.clone() for t in _theta0()]
+    engine = _Traffic(params, rank, world_size)
+    compressor = build_compressor(compressor_name, ratio=0.05) if compressor_name != "dense" else None
+    sync = DiLoCoSync(engine, DiLoCoConfig(inner_steps=1, outer_optimizer=outer_optimizer, outer_args=outer_args),
+                      compressor, error_feedback=compressor is not None and compressor.default_error_feedback)
+    record = []
+    for k in range(steps):
+        before = [p.clone() for p in params]
+        memory_before = sync.memory.clone() if sync.memory is not None else None
+        with torch.no_grad():
+            for p, d in zip(params, _local_move(rank, k)):
+                p.add_(d)
+                if rank == nan_rank and k == 1:
+                    p.view(-1)[3] = math.nan
+        local = [p.clone() for p in params]
+        sync.outer_step()
+        record.append({"outer_before": before, "local": local, "after": [p.clone() for p in params],
+                       "memory_before": memory_before,
+                       "memory_after": sync.memory.clone() if sync.memory is not None else None,
+                       "stats": vars(sync.last_stats).copy()})
+    sync.close()
+    return record
+
+
+def _flat(ts):
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_outer_step_equals_a_hand_written_nesterov_reference(world_size):
+    """Published outer optimizer (SGD lr 0.7, momentum 0.9, Nesterov), dense Δ, three outer steps."""
+    out = run_distributed(_run_outer_steps, world_size, "dense", "SGD", None, 3)
+    for r in range(1, world_size):  # every rank loads the same θ_outer, bit for bit
+        for k in range(3):
+            assert torch.equal(_flat(out[r][k]["after"]), _flat(out[0][k]["after"]))
+    lr, mu = 0.7, 0.9
+    theta = _flat(_theta0()).double()
+    buf = None
+    for k in range(3):
+        locals_ = [_flat(out[r][k]["local"]).double() for r in range(world_size)]
+        delta = sum(theta - loc for loc in locals_) / world_size
+        buf = delta.clone() if buf is None else mu * buf + delta
+        theta = theta - lr * (delta + mu * buf)
+        assert torch.allclose(_flat(out[0][k]["after"]).double(), theta, atol=1e-5, rtol=1e-5), k
+        n = theta.numel()
+        assert out[0][k]["stats"]["bytes_sent"] == round(2 * (world_size - 1) * 4 * n / world_size)
+        assert out[0][k]["stats"]["delta_norm"] == pytest.approx(float(delta.norm()), rel=1e-5)
+
+
+def test_compressed_delta_with_error_feedback_conserves_what_was_not_sent():
+    """Top-k 5 % on Δ with error feedback, plain outer SGD at lr 1 (θ_outer ← θ_outer − mean):
+    per rank, memory_after + sent = Δ + memory_before where ``sent`` holds exactly the largest
+    entries of Δ + memory_before (a support checked with torch.topk, not the library's selection);
+    the applied mean is the average of what the ranks sent."""
+    world_size = 3
+    out = run_distributed(_run_outer_steps, world_size, "topk", "SGD", {"lr": 1.0}, 3)
+    for k in range(3):
+        sents = []
+        for r in range(world_size):
+            rec = out[r][k]
+            delta = _flat(rec["outer_before"]) - _flat(rec["local"])
+            carried = delta + (rec["memory_before"] if rec["memory_before"] is not None else 0)
+            sent = carried - rec["memory_after"]
+            nz = sent.nonzero().reshape(-1)
+            expect = torch.topk(carried.abs(), nz.numel()).indices
+            assert set(nz.tolist()) == set(expect.tolist()), (k, r)
+            assert nz.numel() == pytest.approx(0.05 * carried.numel(), abs=len(SHAPES) + 1)
+            assert torch.allclose(sent[nz], carried[nz])  # what is sent is sent exactly
+            sents.append(sent)
+        mean = sum(sents) / world_size
+        applied = _flat(out[0][k]["outer_before"]) - _flat(out[0][k]["after"])
+        assert torch.allclose(applied, mean, atol=1e-6), k
+        for r in range(1, world_size):
+            assert torch.equal(_flat(out[r][k]["after"]), _flat(out[0][k]["after"]))
+
+
+def test_a_non_finite_delta_on_one_rank_discards_the_round_on_every_rank():
+    out = run_distributed(_run_outer_steps, 2, "dense", "SGD", None, 3, 1)
+    for r in range(2):
+        assert [rec["stats"]["discarded"] for rec in out[r]] == [False, True, False]
+        # the discarded round: every rank is back at θ_outer of before the round
+        assert torch.equal(_flat(out[r][1]["after"]), _flat(out[r][1]["outer_before"]))
+        assert torch.isfinite(_flat(out[r][2]["after"])).all()
+    assert torch.equal(_flat(out[0][2]["after"]), _flat(out[1][2]["after"]))
+
+
+def test_dense_delta_counts_ring_bytes_and_memory_stays_empty():
+    out = run_distributed(_run_outer_steps, 2, "dense", "SGD", None, 1)
+    n = sum(math.prod(s) for s in SHAPES)
+    assert out[0][0]["stats"]["bytes_sent"] == 4 * n  # ring allreduce at N = 2: 2·(N−1)/N · 4n
+    assert out[0][0]["memory_after"] is None
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def test_diloco_options_are_refused_without_diloco():
+    with pytest.raises(ValueError, match=r"diloco_inner_steps=10 only applies with sync='diloco'"):
+        GCConfig.from_flat(diloco_inner_steps=10)
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True])
+def test_bad_inner_steps_are_refused(value):
+    with pytest.raises(ValueError, match=r"diloco_inner_steps=.* must be an integer ≥ 1"):
+        GCStrategy(sync="diloco", diloco_inner_steps=value)
+
+
+def test_unknown_outer_optimizer_names_the_closest():
+    with pytest.raises(ValueError, match=r"'Adamw' is not a torch.optim optimizer. Did you mean 'AdamW'"):
+        GCStrategy(sync="diloco", diloco_outer_optimizer="Adamw")
+
+
+def test_bad_outer_arguments_are_refused_at_construction():
+    with pytest.raises(ValueError, match=r"cannot be built"):
+        GCStrategy(sync="diloco", diloco_outer_args={"lr": 0.7, "nesterov": True})  # Nesterov needs momentum
+
+
+def test_published_outer_optimizer_is_the_default():
+    cfg = GCStrategy(sync="diloco").config.diloco
+    assert cfg.resolved_args() == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert DiLoCoConfig(outer_optimizer="AdamW").resolved_args() == {}
+
+
+def test_diloco_with_omgs_is_refused():
+    with pytest.raises(ValueError, match=r"sync='diloco' with plan='omgs'"):
+        GCStrategy(sync="diloco", plan="omgs")
+
+
+def test_diloco_with_the_adaptive_controller_is_refused():
+    from lightning_gc.adaptive.callback import AdaptiveRatio
+
+    trainer = SimpleNamespace(callbacks=[AdaptiveRatio()])
+    with pytest.raises(ValueError, match=r"sync='diloco'\) with the AdaptiveRatio callback"):
+        GCStrategy._check_diloco_callbacks(trainer)
+
+
+def test_aliases_pick_the_delta_compressor():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_gc  # noqa: F401 - registers the aliases
+
+    assert StrategyRegistry["gc_diloco"]["init_params"] == {"compressor": "dense", "sync": "diloco"}
+    assert StrategyRegistry["gc_topk_diloco"]["init_params"] == {"compressor": "topk", "sync": "diloco"}
+
+
+def test_flat_round_trip_keeps_the_diloco_section():
+    cfg = GCConfig.from_flat(sync="diloco", diloco_inner_steps=10, diloco_outer_optimizer="AdamW",
+                             diloco_outer_args={"lr": 0.1})
+    assert GCConfig.from_flat(**cfg.to_flat()) == cfg
