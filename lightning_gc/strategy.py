@@ -348,7 +348,7 @@ class GCStrategy(DDPStrategy):
         """
         if self._engine is None:
             return None
-        return summarize(self._engine, self._compressor_name, self.skipped_steps)
+        return summarize(self._engine, self._compressor_name, self.skipped_steps, self._diloco)
 
     # ------------------------------------------------------------------ lifecycle
     @override

@@ -40,6 +40,9 @@ class GCSummary:
         comm_time_s: seconds inside collectives.
         nonfinite_steps: steps whose gradient was non-finite on some rank.
         skipped_steps: optimizer steps the strategy skipped because of that (``nonfinite="skip"``).
+        outer_steps: ``sync="diloco"``: outer steps taken (``None`` otherwise). Then ``steps`` counts
+            the inner optimizer steps, none of which sent a gradient, and ``bytes_dense`` is what
+            DDP's fp32 ring allreduce would have sent for all of them.
     """
 
     compressor: str
@@ -57,6 +60,7 @@ class GCSummary:
     comm_time_s: float
     nonfinite_steps: int
     skipped_steps: int
+    outer_steps: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,9 +77,11 @@ class GCSummary:
         return "\n".join([
             f"lightning_gc summary (rank {self.rank} of {self.world_size}): compressor={self.compressor} "
             f"collective={self.collective}",
-            f"  optimizer steps: {self.steps} ({self.compressed_steps} compressed, "
-            + (f"{self.sample_steps} sample, " if self.sample_steps else "")
-            + f"{self.dense_steps} dense)",
+            (f"  optimizer steps: {self.steps} (DiLoCo: {self.outer_steps} outer steps on the pseudo-gradient; "
+             "inner steps send nothing)" if self.outer_steps is not None else
+             f"  optimizer steps: {self.steps} ({self.compressed_steps} compressed, "
+             + (f"{self.sample_steps} sample, " if self.sample_steps else "")
+             + f"{self.dense_steps} dense)"),
             f"  bytes: {traffic}",
             f"  time: compression {self.compress_time_s:.3f} s, communication {self.comm_time_s:.3f} s",
             f"  non-finite gradient steps: {self.nonfinite_steps} (optimizer steps skipped: {self.skipped_steps})",
@@ -90,14 +96,22 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.2f} GiB"  # pragma: no cover
 
 
-def summarize(engine: Any, compressor: str, skipped_steps: int) -> GCSummary:
-    """Build the summary from ``engine.totals()``, the engine's exchange and the skipped steps."""
+def summarize(engine: Any, compressor: str, skipped_steps: int, diloco: Any = None) -> GCSummary:
+    """Build the summary from ``engine.totals()``, the engine's exchange and the skipped steps
+    (with ``sync="diloco"``, from the DiLoCo synchroniser's step counts: the engine sees no step)."""
     t = engine.totals()
     steps, compressed, sample = int(t["steps"]), int(t["compressed_steps"]), int(t.get("sample_steps", 0))
     sent, dense = int(t["bytes_sent"]), int(t["bytes_dense"])
+    collective = str(engine.exchange.name)
+    outer = None
+    if diloco is not None:
+        steps, compressed, sample = int(diloco.inner_step), 0, 0
+        dense = steps * int(diloco.dense_bytes_per_step)
+        collective = diloco.exchange.name if diloco.exchange is not None else "allreduce (dense Δ)"
+        outer = int(diloco.outer_steps)
     return GCSummary(
         compressor=compressor,
-        collective=str(engine.exchange.name),
+        collective=collective,
         world_size=int(engine.world_size),
         rank=int(engine.rank),
         steps=steps,
@@ -111,4 +125,5 @@ def summarize(engine: Any, compressor: str, skipped_steps: int) -> GCSummary:
         comm_time_s=float(t["comm_time_s"]),
         nonfinite_steps=int(t["nonfinite_steps"]),
         skipped_steps=int(skipped_steps),
+        outer_steps=outer,
     )

@@ -132,3 +132,28 @@ def test_inner_steps_take_accumulation_clipping_and_bf16_mixed(tmp_path):
         assert res[r]["totals"]["bytes_sent"] > 0
     for k, v in res[0]["params"].items():
         assert torch.equal(v, res[1]["params"][k]), k
+
+
+def test_monitor_logs_outer_steps_and_bytes_per_step_to_tensorboard(tmp_path):
+    """H = 3 over 8 steps with log_every_n_steps=1: ``gc/diloco_outer_step`` is 1 exactly at steps
+    3 and 6, ``gc/bytes_sent`` is the Δ ring allreduce there and 0 on inner steps."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = L.Trainer(strategy=GCStrategy(sync="diloco", compressor="dense", diloco_inner_steps=3,
+                                            start_method="spawn"),
+                        accelerator="cpu", devices=2, max_epochs=2, log_every_n_steps=1, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False,
+                        logger=TensorBoardLogger(str(tmp_path), name="tb"))
+    model = TinyClassifier(momentum=0.0)
+    trainer.fit(model, make_loader(n=128))
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    outer = [e.value for e in acc.Scalars("gc/diloco_outer_step")]
+    sent = [e.value for e in acc.Scalars("gc/bytes_sent")]
+    n = sum(p.numel() for p in model.parameters())
+    assert outer == [0, 0, 1, 0, 0, 1, 0, 0]
+    assert sent == [0, 0, 4 * n, 0, 0, 4 * n, 0, 0]
+    assert [e.value for e in acc.Scalars("gc/bytes_dense")] == [4 * n] * 8
+    norms = {e.step: e.value for e in acc.Scalars("gc/diloco_delta_norm")}
+    assert min(norms) == 2 and norms[2] > 0 and norms[5] > 0 and norms[2] != norms[5]

@@ -40,6 +40,14 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 ``gc/osp_ics_wait_ms``  sync="osp": time the step waited for the previous step's ICS (exposed ICS time)
 ``gc/osp_ics_comm_ms``  sync="osp": duration of the previous step's ICS allreduce
 ``gc/osp_umax_fraction`` sync="osp" schedule: the bound Umax as a fraction of the model (after round 1)
+``gc/diloco_outer_step`` sync="diloco": 1 on an optimizer step that ended with an outer step, 0 on an
+                       inner step; with it ``gc/bytes_sent`` (0 on inner steps), ``gc/bytes_dense``
+                       (DDP's fp32 ring allreduce per step) and ``gc/bytes_ratio`` every step
+``gc/diloco_delta_norm`` sync="diloco": ‖mean Δ‖₂ the last outer step applied (logged at outer steps;
+                       Lightning repeats the value on the inner steps that follow)
+``gc/diloco_comm_ms``  sync="diloco": wall time of the last outer exchange (Δ and buffers)
+``gc/diloco_error_norm`` sync="diloco": ‖e‖₂ of this rank's Δ error memory after the last outer step
+``gc/diloco_discarded`` sync="diloco": 1 if the last round was discarded (non-finite Δ)
 ====================  ========================================================================
 
 Logging frequency follows the Trainer's ``log_every_n_steps``, with one exception: the step where
@@ -87,6 +95,26 @@ def step_ratio(engine: Any, s: Any) -> float:
     if mode == "compressed" and engine.compressor.has_ratio:
         return float(s.ratio)
     return payload_fraction(s, engine.world_size)
+
+
+def diloco_step_metrics(diloco: Any) -> dict[str, float]:
+    """The ``gc/*`` tags of the optimizer step DiLoCo just took (``sync="diloco"``)."""
+    o = diloco.last_stats
+    outer = o is not None and o.inner_step == diloco.inner_step
+    sent = float(o.bytes_sent) if outer else 0.0
+    dense = float(diloco.dense_bytes_per_step)
+    metrics = {
+        "gc/diloco_outer_step": float(outer),
+        "gc/bytes_sent": sent,
+        "gc/bytes_dense": dense,
+        "gc/bytes_ratio": sent / dense if dense else 1.0,
+    }
+    if outer:
+        metrics["gc/diloco_delta_norm"] = float(o.delta_norm)
+        metrics["gc/diloco_comm_ms"] = 1e3 * o.comm_s
+        metrics["gc/diloco_error_norm"] = float(o.error_norm)
+        metrics["gc/diloco_discarded"] = float(o.discarded)
+    return metrics
 
 
 def step_metrics(engine: Any, s: Any, omgs: Any = None, osp: Any = None) -> dict[str, float]:
@@ -183,7 +211,18 @@ class GCMonitor(Callback):
                 add_figure("gc/omgs_plan", fig, global_step=step)
                 self.omgs_figures.append(state.plan_version)
 
+    def _log_diloco(self, diloco: Any, pl_module: Any) -> None:
+        if diloco.inner_step == self._last_step:  # accumulation micro-batch: no new optimizer step
+            return
+        self._last_step = diloco.inner_step
+        for key, value in diloco_step_metrics(diloco).items():
+            pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        diloco = getattr(trainer.strategy, "diloco", None)
+        if diloco is not None:
+            self._log_diloco(diloco, pl_module)
+            return
         engine = getattr(trainer.strategy, "engine", None)
         if engine is None or engine.last_step is None:
             return

@@ -210,6 +210,11 @@ class DiLoCoSync(StepParticipant):
             self.outer_step()
 
     @property
+    def dense_bytes_per_step(self) -> int:
+        """Bytes this rank would send per optimizer step with DDP's fp32 ring allreduce (the baseline)."""
+        return ring_allreduce_bytes(4 * sum(self.numels), self.world_size)
+
+    @property
     def round_open(self) -> bool:
         """Whether inner steps were taken since the last outer step (θ_local ≠ θ_outer)."""
         return self.inner_step % self.config.inner_steps != 0
