@@ -42,6 +42,7 @@ DOC_PAGES = {
     "bench.md": "lightning-gc bench: emulated cluster, methods, reading the results",
     "cost_model.md": "the alpha-beta network model and the network probe",
     "omgs.md": "OMGS merge plans (plan='omgs')",
+    "diloco.md": "DiLoCo (sync='diloco'): rare outer steps on a compressed pseudo-gradient, for the slowest links",
     "osp.md": "OSP two-stage synchronisation (sync='osp')",
     "adaptive.md": "AdaptiveRatio, the run-time compression-ratio controller",
 }
@@ -84,7 +85,7 @@ lightning_gc.fabric.GCFabricStrategy does the same for Lightning Fabric.
                 (Top-k family, RandomK, QSGD, signSGD / EF-signSGD, fp16/bf16, Marsit, GradiVeQ,
                 AR-Topk STAR / VAR and artopk_auto; GCStrategy(compressor=NAME))
   merge plans   {plans} (GCStrategy(plan=NAME); OMGS: plan='omgs')
-  sync models   {syncs} (GCStrategy(sync=NAME); OSP: sync='osp')
+  sync models   {syncs} (GCStrategy(sync=NAME); OSP: sync='osp'; DiLoCo: sync='diloco')
   controller    lightning_gc.AdaptiveRatio, a callback that keeps choosing the compression ratio
 
 commands:

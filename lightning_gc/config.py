@@ -9,7 +9,7 @@ osp_round_steps=50, ...)``, the same names under ``init_args`` in a LightningCLI
     ├── engine:      EngineConfig        plan, plan_threshold, min_compress_numel, warmup_steps, ...
     ├── sync:        "bsp" | "osp" | "diloco"
     ├── osp:         OSPConfig           deferred_fraction, round_steps, deferred_compressor, deferred_ratio
-    ├── diloco:      DiLoCoConfig        inner_steps, outer_optimizer, outer_args
+    ├── diloco:      DiLoCoConfig        inner_steps, outer_optimizer, outer_args, fragments, overlap_steps, mixing
     ├── omgs:        OMGSConfig | None   profile_steps, ... (None: no OMGS)
     ├── nonfinite:   "skip" | "propagate"
     └── monitor:     bool
@@ -87,7 +87,8 @@ FLAT_FIELDS: dict[str, tuple[str, str | None]] = {
                                   "seed", "network_alpha_s", "network_beta_s_per_byte", "probe_every",
                                   "probe_drift", "probe_patience", "overlap")},
     **{f"osp_{n}": ("osp", n) for n in ("deferred_fraction", "round_steps", "deferred_compressor", "deferred_ratio")},
-    **{f"diloco_{n}": ("diloco", n) for n in ("inner_steps", "outer_optimizer", "outer_args")},
+    **{f"diloco_{n}": ("diloco", n) for n in ("inner_steps", "outer_optimizer", "outer_args", "fragments",
+                                              "overlap_steps", "mixing")},
     "sync": ("sync", None),
     "omgs": ("omgs", None),
     "nonfinite": ("nonfinite", None),

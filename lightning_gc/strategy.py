@@ -177,6 +177,10 @@ class GCStrategy(DDPStrategy):
             name (``"SGD"``, ``"AdamW"``, ...) or a dotted path to an Optimizer subclass.
         diloco_outer_args: with ``sync="diloco"``: its keyword arguments (``None``: for SGD the
             published ``lr=0.7, momentum=0.9, nesterov=True``; the optimizer's defaults otherwise).
+        diloco_fragments, diloco_overlap_steps, diloco_mixing: Streaming DiLoCo with
+            ``sync="diloco"``: F fragments synchronised in turn, each exchange overlapped with the
+            next τ inner steps on a worker thread, merged as ``α·θ_local + (1 − α)·θ_outer``
+            (defaults 1, 0, 0: plain DiLoCo). See docs/diloco.md.
         process_group_backend, timeout, start_method: as in ``DDPStrategy``.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (e.g. ``bucket_cap_mb``;
             with a plan other than ``"model"`` it defaults to 1 MB instead of DDP's 25 MB, so that
@@ -231,6 +235,9 @@ class GCStrategy(DDPStrategy):
         diloco_inner_steps: int = 50,
         diloco_outer_optimizer: str = "SGD",
         diloco_outer_args: dict[str, Any] | None = None,
+        diloco_fragments: int = 1,
+        diloco_overlap_steps: int = 0,
+        diloco_mixing: float = 0.0,
         **kwargs: Any,
     ) -> None:
         if isinstance(accelerator, str) and accelerator not in AcceleratorRegistry:
@@ -261,7 +268,8 @@ class GCStrategy(DDPStrategy):
             omgs=omgs, sync=sync, osp_deferred_fraction=osp_deferred_fraction, osp_round_steps=osp_round_steps,
             osp_deferred_compressor=osp_deferred_compressor, osp_deferred_ratio=osp_deferred_ratio,
             diloco_inner_steps=diloco_inner_steps, diloco_outer_optimizer=diloco_outer_optimizer,
-            diloco_outer_args=diloco_outer_args,
+            diloco_outer_args=diloco_outer_args, diloco_fragments=diloco_fragments,
+            diloco_overlap_steps=diloco_overlap_steps, diloco_mixing=diloco_mixing,
         )
         cfg = self._config
         self._compressor_config = cfg.compression.compressor_config()
@@ -471,7 +479,8 @@ class GCStrategy(DDPStrategy):
                             buffers=list(self.model.module.named_buffers()))
         cfg = self._config.diloco
         rank_zero_info(
-            f"lightning_gc: sync=diloco inner_steps={cfg.inner_steps} outer={cfg.outer_optimizer}"
+            f"lightning_gc: sync=diloco inner_steps={cfg.inner_steps} fragments={cfg.fragments} "
+            f"overlap_steps={cfg.overlap_steps} mixing={cfg.mixing} outer={cfg.outer_optimizer}"
             f"({cfg.resolved_args()}) delta={compression.compressor}"
             + (f" collective={diloco.exchange.name} error_feedback={diloco.error_feedback}"
                if diloco.exchange is not None else " (dense fp32 allreduce)")

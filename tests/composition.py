@@ -3,14 +3,14 @@
 Factors (docs/concepts.md keeps the table of what works and what is refused, and why)::
 
     compressor  topk, star_topk, qsgd, efsignsgd, marsit, gradiveq
-    sync        bsp, osp
+    sync        bsp, osp, diloco                (diloco: H = 3, the resume point inside a round)
     plan        model, layer, omgs
     controller  none, shadow, rollback      (AdaptiveRatio)
     accumulate  1, 2                        (accumulate_grad_batches)
     precision   32-true, bf16-mixed
     resume      fresh, resumed              (checkpoint at step 4 of 8, resumed to 8)
 
-The full product is 1296 runs; the cases are an all-pairs design (every pair of values of any two
+The full product is 1944 runs; the cases are an all-pairs design (every pair of values of any two
 factors appears in at least one case; :func:`all_pairs`, greedy and deterministic) plus the full
 product of the factors that carry state across steps (controller × sync × plan × resume).
 
@@ -33,7 +33,7 @@ from typing import Any
 
 FACTORS: dict[str, tuple] = {
     "compressor": ("topk", "star_topk", "qsgd", "efsignsgd", "marsit", "gradiveq"),
-    "sync": ("bsp", "osp"),
+    "sync": ("bsp", "osp", "diloco"),
     "plan": ("model", "layer", "omgs"),
     "controller": ("none", "shadow", "rollback"),
     "accumulate": (1, 2),
@@ -103,8 +103,12 @@ def expected_refusal(case: dict[str, Any]) -> str | None:
     c, sync, plan, ctrl = case["compressor"], case["sync"], case["plan"], case["controller"]
     if sync == "osp" and plan == "omgs":
         return r"sync='osp' with plan='omgs'.*Use one of them"
+    if sync == "diloco" and plan == "omgs":
+        return r"sync='diloco' with plan='omgs'.*no merge plan to optimise"
     if ctrl != "none" and c not in RATIO_COMPRESSORS:
         return rf"AdaptiveRatio cannot tune compressor '{c}': it has no ratio"
+    if sync == "diloco" and ctrl != "none":
+        return r"sync='diloco'\) with the AdaptiveRatio callback: inner steps send no gradients"
     if plan == "omgs" and c == "star_topk":
         return r"plan='omgs' times the active exchange \(art_allreduce, the collective of compressor='star_topk'\).*stateless collective"
     return None
@@ -127,6 +131,8 @@ def _strategy(case: dict[str, Any]):
                         "calibration_repeats": 1, "replan_window": 2}
     if case["sync"] == "osp":
         args.update(osp_deferred_fraction=0.4)
+    if case["sync"] == "diloco":  # outer steps at 3 and 6, the resume point (4) inside a round, closed at 8
+        args.update(diloco_inner_steps=3)
     return GCStrategy(compressor=case["compressor"], plan=case["plan"], sync=case["sync"], seed=3, **args)
 
 

@@ -22,6 +22,8 @@ SUBSET = [
      "precision": "32-true", "resume": "fresh"},
     {"compressor": "star_topk", "sync": "bsp", "plan": "omgs", "controller": "none", "accumulate": 2,
      "precision": "32-true", "resume": "fresh"},
+    {"compressor": "qsgd", "sync": "diloco", "plan": "layer", "controller": "none", "accumulate": 2,
+     "precision": "bf16-mixed", "resume": "resumed"},
 ]
 
 
@@ -34,8 +36,8 @@ def test_the_design_covers_every_pair_and_the_stateful_product():
     needed = {(a, va, b, vb) for a, b in itertools.combinations(names, 2) for va in FACTORS[a] for vb in FACTORS[b]}
     assert needed <= covered
     stateful = {tuple(c[n] for n in ("controller", "sync", "plan", "resume")) for c in cases}
-    assert len(stateful) == 3 * 2 * 3 * 2
-    assert len(all_pairs(FACTORS)) < 40  # a few dozen, not the 1296 of the full product
+    assert len(stateful) == 3 * 3 * 3 * 2
+    assert len(all_pairs(FACTORS)) < 40  # a few dozen, not the 1944 of the full product
 
 
 def test_refusal_table_has_a_reason_for_each_kind():

@@ -201,3 +201,96 @@ def test_flat_round_trip_keeps_the_diloco_section():
     cfg = GCConfig.from_flat(sync="diloco", diloco_inner_steps=10, diloco_outer_optimizer="AdamW",
                              diloco_outer_args={"lr": 0.1})
     assert GCConfig.from_flat(**cfg.to_flat()) == cfg
+
+
+# --------------------------------------------------------------------------- Streaming DiLoCo
+
+
+def _run_streaming(rank, world_size, steps, h, f, tau, alpha):
+    params = [t.clone() for t in _theta0()]
+    engine = _Traffic(params, rank, world_size)
+    sync = DiLoCoSync(engine, DiLoCoConfig(inner_steps=h, outer_args={"lr": 1.0}, fragments=f, overlap_steps=tau,
+                                           mixing=alpha))
+    record = {"fragments": sync.fragments, "after": [], "outer": []}
+    for t in range(1, steps + 1):
+        with torch.no_grad():
+            for p, d in zip(params, _local_move(rank, t)):
+                p.add_(0.1 * d)
+        sync.after_optimizer_step()
+        record["after"].append([p.clone() for p in params])
+        record["outer"].append([o.clone() for o in sync.theta_outer])
+    sync.finish()
+    record["final"] = [p.clone() for p in params]
+    record["stats"] = vars(sync.last_stats).copy()
+    sync.close()
+    return record
+
+
+def test_streaming_fragments_overlap_and_mixing_equal_a_hand_written_reference():
+    """F = 2, H = 4, τ = 1, α = 0.25 (asymmetric: a swapped α shows), outer SGD lr 1, 3 ranks, 8 inner steps: fragment 0 (the
+    1200-element tensor) is sent at steps 2 and 6 and applied at 3 and 7, fragment 1 (the other
+    two) sent at 4 and 8 and applied at 5 (and at the end of fit). Reference in float64: at an
+    apply, θ_outer,p −= mean_r(θ_outer,p − θ_local,r,p at the send) and θ_local,p ← α θ_local,p +
+    (1 − α) θ_outer,p; the end of fit applies what is pending, then closes every fragment with α = 0."""
+    world_size, steps, h, f, tau, alpha = 3, 8, 4, 2, 1, 0.25
+    out = run_distributed(_run_streaming, world_size, steps, h, f, tau, alpha)
+    frags = [[0], [1, 2]]
+    assert out[0]["fragments"] == frags
+    theta = [t.double() for t in _theta0()]
+    local = [[t.double().clone() for t in _theta0()] for _ in range(world_size)]
+    sends = {2: 0, 6: 0, 4: 1, 8: 1}  # inner step -> fragment sent after it
+    pending: dict[int, tuple[int, list]] = {}  # fragment -> (step sent, every rank's Δ)
+
+    def apply(p, a):
+        _, deltas = pending.pop(p)
+        for j, i in enumerate(frags[p]):
+            theta[i] = theta[i] - sum(d[j] for d in deltas) / world_size
+            for r in range(world_size):
+                local[r][i] = a * local[r][i] + (1 - a) * theta[i]
+
+    def send(p, t):
+        pending[p] = (t, [[theta[i] - local[r][i] for i in frags[p]] for r in range(world_size)])
+
+    for t in range(1, steps + 1):
+        for r in range(world_size):
+            for i, d in enumerate(_local_move(r, t)):
+                local[r][i] = local[r][i] + 0.1 * d.double()
+        for p in sorted(pending):
+            if pending[p][0] + tau == t:
+                apply(p, alpha)
+        if t in sends:
+            send(sends[t], t)
+        for r in range(world_size):
+            for i in range(len(SHAPES)):
+                assert torch.allclose(out[r]["after"][t - 1][i].double(), local[r][i], atol=1e-5), (t, r, i)
+        for i in range(len(SHAPES)):
+            assert torch.allclose(out[0]["outer"][t - 1][i].double(), theta[i], atol=1e-5), (t, i)
+    assert sorted(pending) == [1]  # fragment 1 sent at step 8, due at 9: in flight at the end
+    apply(1, alpha)
+    for p in range(f):
+        send(p, steps)
+        apply(p, 0.0)
+    for r in range(world_size):
+        for i in range(len(SHAPES)):
+            assert torch.allclose(out[r]["final"][i].double(), theta[i], atol=1e-5), (r, i)
+            assert torch.equal(out[r]["final"][i], out[0]["final"][i])
+
+
+def test_fragments_are_contiguous_with_about_equal_sizes():
+    from lightning_gc.sync.diloco import split_fragments
+
+    assert split_fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
+    assert split_fragments([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    assert split_fragments([1, 1, 100], 3) == [[0], [1], [2]]  # every fragment gets a tensor
+    with pytest.raises(ValueError, match=r"more than the model's 2 parameter tensors"):
+        split_fragments([5, 5], 3)
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"diloco_fragments": 5, "diloco_inner_steps": 4}, r"diloco_fragments=5 must be an integer in \[1, diloco_inner_steps=4\]"),
+    ({"diloco_overlap_steps": 2, "diloco_fragments": 2, "diloco_inner_steps": 4}, r"diloco_overlap_steps=2 must be .* \[0, 2\)"),
+    ({"diloco_mixing": 1.5}, r"diloco_mixing=1.5 must be a number in \[0, 1\]"),
+])
+def test_bad_streaming_settings_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        GCStrategy(sync="diloco", **kw)

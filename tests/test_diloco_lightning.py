@@ -105,7 +105,7 @@ def test_checkpoint_mid_round_resumes_exactly(tmp_path):
     shared = state["diloco/shared"]
     assert shared["inner_step"] == 4 and shared["outer_steps"] == 1
     ranks = state["ranks"]
-    assert ranks[0]["diloco"]["theta_local"] is not None and ranks[0]["diloco"]["memory"] is not None
+    assert ranks[0]["diloco"]["theta_local"] is not None and ranks[0]["diloco"]["memories"][0] is not None
     # the two ranks' local models and momentum differ mid-round; the model weights are θ_outer
     names = list(shared["theta_outer"])
     assert not torch.equal(ranks[0]["diloco"]["theta_local"][names[0]], ranks[1]["diloco"]["theta_local"][names[0]])
@@ -157,3 +157,34 @@ def test_monitor_logs_outer_steps_and_bytes_per_step_to_tensorboard(tmp_path):
     assert [e.value for e in acc.Scalars("gc/bytes_dense")] == [4 * n] * 8
     norms = {e.step: e.value for e in acc.Scalars("gc/diloco_delta_norm")}
     assert min(norms) == 2 and norms[2] > 0 and norms[5] > 0 and norms[2] != norms[5]
+
+
+def test_streaming_checkpoint_with_an_exchange_in_flight_resumes_exactly(tmp_path):
+    """Streaming DiLoCo, F = 2, H = 4, τ = 1, α = 0.5, Top-k 20 % Δ with error feedback: fragment 1 is
+    sent at step 4 and applied at step 5 on the worker thread, so the checkpoint after epoch 0
+    (step 4) holds its result in flight (mean, and per rank what it did not send); the resumed run
+    ends bit-identical to the uninterrupted one, and the end of fit leaves the ranks identical."""
+
+    def strategy():
+        return GCStrategy(sync="diloco", compressor="topk", ratio=0.2, diloco_inner_steps=4, diloco_fragments=2,
+                          diloco_overlap_steps=1, diloco_mixing=0.5, start_method="spawn")
+
+    ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
+    full = _fit(tmp_path / "a", strategy(), model=TinyClassifier(momentum=0.9), callbacks=[ckpt_cb],
+                enable_checkpointing=True, max_epochs=3)
+    ckpt_file = sorted((tmp_path / "ckpt").glob("epoch=0*.ckpt"))[0]
+    state = torch.load(ckpt_file, weights_only=False)["lightning_gc"]
+    shared = state["diloco/shared"]
+    assert shared["inner_step"] == 4 and list(shared["pending"]) == [1]
+    assert shared["pending"][1]["due"] == 5 and shared["pending"][1]["mean"] is not None
+    assert state["ranks"][0]["diloco"]["pending"][1]["residual"] is not None
+    resumed = _fit(tmp_path / "b", strategy(), model=TinyClassifier(momentum=0.9), ckpt_path=str(ckpt_file),
+                   max_epochs=3)
+    for r in range(2):
+        # fragment 0 applied at 3, 7, 11; fragment 1 at 5, 9 and (sent at 12) at the end; then both closed
+        assert resumed[r]["outer_steps"] == full[r]["outer_steps"] == 8
+        assert resumed[r]["hook_calls"] == 0
+        for k, v in full[r]["params"].items():
+            assert torch.equal(v, resumed[r]["params"][k]), f"rank {r} {k} differs after resume"
+    for k, v in full[0]["params"].items():
+        assert torch.equal(v, full[1]["params"][k]), k

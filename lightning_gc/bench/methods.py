@@ -20,6 +20,12 @@ Method list syntax (``--methods``): comma-separated entries ``NAME[:KEY=VALUE[:K
   another plan they make the run profile and predict without changing its plan); any other key goes to
   ``compressor_args``.
 
+``sync=diloco`` with ``diloco_inner_steps=H`` (and ``diloco_fragments``, ``diloco_overlap_steps``,
+``diloco_mixing``) runs DiLoCo with that compressor on the pseudo-gradient (``dense:sync=diloco`` for
+the exact fp32 average); ``diloco_outer_KEY=VALUE`` sets one argument of the outer optimizer over its
+defaults (for SGD the published lr 0.7, momentum 0.9, Nesterov), e.g.
+``dense:sync=diloco:diloco_inner_steps=10:diloco_outer_momentum=0:diloco_outer_nesterov=false:diloco_outer_lr=1``.
+
 ``adaptive=shadow`` or ``adaptive=rollback`` on any compressor that takes a ratio adds the
 adaptive-ratio controller (:class:`lightning_gc.AdaptiveRatio`, docs/adaptive.md) in that mode;
 ``adaptive_KEY=VALUE`` passes ``KEY`` to it, e.g.
@@ -296,6 +302,13 @@ def build_strategy(spec: MethodSpec, **ddp_kwargs: Any):
             options["collective"] = "marsit_cascade"
     for k in [k for k in options if k == "adaptive" or k.startswith("adaptive_")]:
         options.pop(k)  # the controller's options: see build_callbacks
+    outer = {k[len("diloco_outer_"):]: options.pop(k) for k in list(options)
+             if k.startswith("diloco_outer_") and k not in ("diloco_outer_optimizer", "diloco_outer_args")}
+    if outer:  # sync=diloco's outer optimizer arguments one by one, over the defaults
+        from lightning_gc.sync.diloco import DiLoCoConfig
+
+        base = DiLoCoConfig(outer_optimizer=options.get("diloco_outer_optimizer", "SGD")).resolved_args()
+        options["diloco_outer_args"] = {**base, **outer}
     aliases = _OPTION_ALIASES.get(spec.name, {})
     omgs: dict[str, Any] = {}
     for k, v in options.items():

@@ -46,6 +46,9 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 ``gc/diloco_delta_norm`` sync="diloco": ‖mean Δ‖₂ the last outer step applied (logged at outer steps;
                        Lightning repeats the value on the inner steps that follow)
 ``gc/diloco_comm_ms``  sync="diloco": wall time of the last outer exchange (Δ and buffers)
+``gc/diloco_wait_ms``  sync="diloco": time the main thread waited for the last outer exchange (exposed;
+                       with ``diloco_overlap_steps`` > 0 the exchange ran during the τ inner steps before)
+``gc/diloco_fragment`` sync="diloco": the fragment of the last outer step (0 without streaming)
 ``gc/diloco_error_norm`` sync="diloco": ‖e‖₂ of this rank's Δ error memory after the last outer step
 ``gc/diloco_discarded`` sync="diloco": 1 if the last round was discarded (non-finite Δ)
 ====================  ========================================================================
@@ -112,6 +115,8 @@ def diloco_step_metrics(diloco: Any) -> dict[str, float]:
     if outer:
         metrics["gc/diloco_delta_norm"] = float(o.delta_norm)
         metrics["gc/diloco_comm_ms"] = 1e3 * o.comm_s
+        metrics["gc/diloco_wait_ms"] = 1e3 * o.wait_s
+        metrics["gc/diloco_fragment"] = float(o.fragment)
         metrics["gc/diloco_error_norm"] = float(o.error_norm)
         metrics["gc/diloco_discarded"] = float(o.discarded)
     return metrics

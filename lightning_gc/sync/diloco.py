@@ -52,6 +52,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from ..comm.collectives import ring_allreduce_bytes
+from ..comm.worker import InlineRunner, OrderedWorker
 from ..engine.ports import EngineControl
 from ..engine.session import StepParticipant
 
@@ -101,17 +102,43 @@ class DiLoCoConfig:
             to an Optimizer subclass; it updates θ_outer with the averaged Δ as its gradient.
         outer_args: keyword arguments of the outer optimizer. ``None``: for ``"SGD"`` the published
             ``lr=0.7, momentum=0.9, nesterov=True``; the optimizer's own defaults otherwise.
+        fragments: Streaming DiLoCo's F: the parameters are cut into F fragments of about equal
+            element count (contiguous in model order) and fragment ``p`` is synchronised at inner
+            steps ``⌊H/F·(p+1)⌋ + kH``, so the link carries 1/F of the model at a time. 1: plain DiLoCo.
+        overlap_steps: Streaming DiLoCo's τ: a fragment's exchange runs on a worker thread while the
+            next τ inner steps compute, and is applied τ steps after it was sent (0: at once, on
+            the main thread). Must be smaller than H/F, so one fragment is applied before the next
+            one is sent.
+        mixing: Streaming DiLoCo's α: when a fragment's outer step is applied, its parameters become
+            ``α·θ_local + (1 − α)·θ_outer``; 0 (default) takes θ_outer and drops the τ local steps
+            the fragment made meanwhile, values towards 1 keep more of them.
     """
 
     inner_steps: int = 50
     outer_optimizer: str = "SGD"
     outer_args: Mapping[str, Any] | None = field(default=None)
+    fragments: int = 1
+    overlap_steps: int = 0
+    mixing: float = 0.0
 
     def __post_init__(self) -> None:
         h = self.inner_steps
         if isinstance(h, bool) or not isinstance(h, int) or h < 1:
             raise ValueError(f"diloco_inner_steps={h!r} must be an integer ≥ 1 (local optimizer steps between "
                              "outer steps). E.g. 50; 1 synchronises every step.")
+        f = self.fragments
+        if isinstance(f, bool) or not isinstance(f, int) or not 1 <= f <= h:
+            raise ValueError(f"diloco_fragments={f!r} must be an integer in [1, diloco_inner_steps={h}]: each fragment "
+                             "is synchronised at its own inner step within every H steps. E.g. 1 (plain DiLoCo) or 4.")
+        tau = self.overlap_steps
+        if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < h // f:
+            raise ValueError(f"diloco_overlap_steps={tau!r} must be an integer in [0, H/F) = [0, {h // f}) with "
+                             f"diloco_inner_steps={h} and diloco_fragments={f}: a fragment's exchange must be applied "
+                             "before the next fragment is sent. Lower it, or raise diloco_inner_steps.")
+        a = self.mixing
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
+            raise ValueError(f"diloco_mixing={a!r} must be a number in [0, 1] (the weight of the local parameters when "
+                             "a fragment's outer step is applied). E.g. 0.0.")
         if self.outer_args is not None and not isinstance(self.outer_args, Mapping):
             raise ValueError(f"diloco_outer_args={self.outer_args!r} must be a dict of the outer optimizer's "
                              "keyword arguments, e.g. {'lr': 0.7, 'momentum': 0.9, 'nesterov': True}.")
@@ -121,6 +148,15 @@ class DiLoCoConfig:
         except (TypeError, ValueError) as e:
             raise ValueError(f"diloco_outer_optimizer={self.outer_optimizer!r} with diloco_outer_args="
                              f"{dict(self.resolved_args())!r} cannot be built: {e}") from e
+
+    @property
+    def streaming(self) -> bool:
+        """Whether parameters may differ from θ_outer right after an outer step (F > 1, τ > 0 or α > 0)."""
+        return self.fragments > 1 or self.overlap_steps > 0 or self.mixing > 0
+
+    def send_offset(self, fragment: int) -> int:
+        """The first inner step at which ``fragment`` is sent (then every H steps)."""
+        return (self.inner_steps * (fragment + 1)) // self.fragments
 
     def resolved_args(self) -> dict[str, Any]:
         """The outer optimizer's keyword arguments with ``None`` resolved (see ``outer_args``)."""
@@ -132,18 +168,57 @@ class DiLoCoConfig:
         return resolve_optimizer_class(self.outer_optimizer)(params, **self.resolved_args())
 
 
+def split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
+    """Contiguous runs of parameter indices with about equal element counts (cut where the running
+    count first reaches k/F of the total); every fragment gets at least one tensor."""
+    total = sum(numels)
+    out: list[list[int]] = [[] for _ in range(fragments)]
+    running, frag = 0, 0
+    for i, n in enumerate(numels):
+        remaining_tensors = len(numels) - i
+        remaining_frags = fragments - frag
+        if out[frag] and (running >= total * (frag + 1) / fragments or remaining_tensors < remaining_frags):
+            frag = min(frag + 1, fragments - 1)
+        out[frag].append(i)
+        running += n
+    if any(not f for f in out):
+        raise ValueError(f"diloco_fragments={fragments} is more than the model's {len(numels)} parameter tensors; "
+                         "lower diloco_fragments.")
+    return out
+
+
 @dataclass
 class DiLoCoStats:
     """What the last outer step did (for :class:`~lightning_gc.callbacks.GCMonitor`)."""
 
-    outer_step: int = 0  # outer steps taken so far (including this one)
-    inner_step: int = 0  # optimizer step at which it was taken
+    outer_step: int = 0  # outer steps taken so far (including this one; per fragment with streaming)
+    inner_step: int = 0  # optimizer step at which it was applied
+    fragment: int = 0  # which fragment (0 without streaming)
+    sent_at: int = 0  # optimizer step at which its Δ was sent (inner_step − τ)
     bytes_sent: int = 0  # bytes this rank sent for Δ and the buffers
     bytes_payload: int = 0  # compressed payload size of this rank's Δ (dense: Δ's fp32 size)
-    comm_s: float = 0.0  # wall time of the exchange (agreement, Δ, buffers)
+    comm_s: float = 0.0  # wall time of the exchange (agreement and Δ; buffers)
+    wait_s: float = 0.0  # time the main thread waited for it when applying (exposed communication)
     delta_norm: float = 0.0  # ‖mean Δ‖₂ applied by the outer optimizer
-    error_norm: float = 0.0  # ‖error memory‖₂ after the exchange (0 without error feedback)
+    error_norm: float = 0.0  # ‖error memory‖₂ of the fragment after the exchange (0 without error feedback)
     discarded: bool = False  # the round was discarded because Δ was non-finite on some rank
+
+
+@dataclass
+class _Exchange:
+    """One fragment's outer exchange: filled by the job (worker or main thread), read when applied."""
+
+    fragment: int
+    sent_at: int
+    due: int
+    delta: Tensor | None = None  # this rank's Δ (+ memory), consumed by the job
+    mean: Tensor | None = None  # the mean over ranks (identical on every rank)
+    residual: Tensor | None = None  # with error feedback: what was not sent (this rank)
+    bad: bool = False
+    bytes_sent: int = 0
+    bytes_payload: int = 0
+    comm_s: float = 0.0
+    error: BaseException | None = None
 
 
 class DiLoCoSync(StepParticipant):
@@ -152,7 +227,7 @@ class DiLoCoSync(StepParticipant):
     Args:
         engine: the engine; DiLoCo uses its parameters, process group, seed and byte counters (the
             engine's own hook is never called: DDP does not synchronise gradients).
-        config: H and the outer optimizer.
+        config: H, the outer optimizer and the streaming options.
         compressor: the Δ compressor (``None``: dense fp32 allreduce).
         collective: the compressor's collective (``"auto"``: its natural one).
         error_feedback: keep what the compressor did not send and add it to the next Δ.
@@ -173,6 +248,7 @@ class DiLoCoSync(StepParticipant):
         self.world_size: int = engine.world_size
         self.device = engine.device
         self.buffers = [(n, b) for n, b in (buffers or []) if b.is_floating_point()]
+        self.fragments = split_fragments(self.numels, config.fragments)
         self.group = None
         if self.world_size > 1:
             pg = engine.process_group
@@ -188,12 +264,23 @@ class DiLoCoSync(StepParticipant):
         with torch.no_grad():
             self.theta_outer: list[Tensor] = [p.detach().to(torch.float32).clone() for p in self.params]
         self.outer_optimizer = config.build_outer_optimizer(self.theta_outer)
-        self.memory: Tensor | None = None  # flat error memory (fp32), with error feedback
+        self.memories: dict[int, Tensor] = {}  # per fragment: flat error memory (fp32), with error feedback
         self.inner_step = 0  # optimizer steps taken (every rank the same)
-        self.outer_steps = 0
+        self.outer_steps = 0  # outer steps applied (per fragment with streaming), discarded ones not counted
+        self.sends = [0] * len(self.fragments)  # exchanges started per fragment
+        self.last_send = [0] * len(self.fragments)  # inner step of each fragment's last send
         self.last_stats: DiLoCoStats | None = None
+        self._pending: dict[int, _Exchange] = {}
+        self._runner: OrderedWorker | InlineRunner = (
+            OrderedWorker(name="lightning_gc-diloco", device=self.device)
+            if config.overlap_steps > 0 and self.world_size > 1 else InlineRunner())
         self._optimizer: torch.optim.Optimizer | None = None
         self._pending_inner_state: dict | None = None
+
+    @property
+    def memory(self) -> Tensor | None:
+        """The error memory without streaming (one fragment); ``None`` before the first compressed send."""
+        return self.memories.get(0) if len(self.fragments) == 1 else None
 
     # ------------------------------------------------------------------ the step
     def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -206,103 +293,179 @@ class DiLoCoSync(StepParticipant):
 
     def after_optimizer_step(self) -> None:
         self.inner_step += 1
-        if self.inner_step % self.config.inner_steps == 0:
-            self.outer_step()
+        t, cfg = self.inner_step, self.config
+        for p in sorted(self._pending):  # exchanges sent τ steps ago
+            if self._pending[p].due == t:
+                self._apply(p)
+        for p in range(len(self.fragments)):
+            off = cfg.send_offset(p)
+            if t >= off and (t - off) % cfg.inner_steps == 0:
+                self._send(p)
+                if cfg.overlap_steps == 0:
+                    self._apply(p)
+
+    def outer_step(self) -> None:
+        """Synchronise every fragment now (send and apply, mixing 0): a full outer step."""
+        for p in sorted(self._pending):
+            self._apply(p)
+        for p in range(len(self.fragments)):
+            self._send(p, due=self.inner_step)
+            self._apply(p, mixing=0.0)
 
     @property
     def dense_bytes_per_step(self) -> int:
         """Bytes this rank would send per optimizer step with DDP's fp32 ring allreduce (the baseline)."""
         return ring_allreduce_bytes(4 * sum(self.numels), self.world_size)
 
+    def _differs(self, p: int) -> bool:
+        return self.last_send[p] < self.inner_step or p in self._pending or self.config.mixing > 0
+
     @property
     def round_open(self) -> bool:
-        """Whether inner steps were taken since the last outer step (θ_local ≠ θ_outer)."""
-        return self.inner_step % self.config.inner_steps != 0
+        """Whether some parameters may differ from θ_outer (inner steps since the last outer step)."""
+        return any(self._differs(p) for p in range(len(self.fragments)))
 
     def finish(self) -> None:
-        """Close an unfinished round with an outer step (end of fit; every rank at the same step)."""
-        if self.round_open:
-            self.outer_step()
+        """End of fit (every rank at the same step): apply what is in flight, then close every
+        fragment that may differ from θ_outer with an outer step (mixing 0), so the ranks end
+        identical and the model contains every inner step."""
+        for p in sorted(self._pending):
+            self._apply(p)
+        for p in range(len(self.fragments)):
+            if self._differs(p):
+                self._send(p, due=self.inner_step)
+                self._apply(p, mixing=0.0)
 
-    def outer_step(self) -> None:
-        """Average Δ = θ_outer − θ_local over the ranks, step the outer optimizer, load θ_outer."""
-        t0 = time.perf_counter()
-        stats = DiLoCoStats(outer_step=self.outer_steps + 1, inner_step=self.inner_step)
+    def _send(self, p: int, due: int | None = None) -> None:
+        """Compute this rank's Δ of fragment ``p`` and start its exchange (worker with τ > 0)."""
+        idx = self.fragments[p]
         with torch.no_grad():
-            delta = torch.cat([(o - p.detach().to(torch.float32)).reshape(-1)
-                               for o, p in zip(self.theta_outer, self.params)])
+            delta = torch.cat([(self.theta_outer[i] - self.params[i].detach().to(torch.float32)).reshape(-1)
+                               for i in idx])
+            if self.error_feedback and p in self.memories:
+                delta = delta + self.memories[p]
+        job = _Exchange(fragment=p, sent_at=self.inner_step,
+                        due=self.inner_step + self.config.overlap_steps if due is None else due, delta=delta)
+        ctx = None
+        if self.exchange is not None:
+            from ..compressors import GroupContext
+
+            ctx = GroupContext(
+                step=self.sends[p], rank=dist.get_rank(self.group), world_size=self.world_size,
+                segments=tuple(self.numels[i] for i in idx), group_id=_DILOCO_GROUP_ID + p,
+                seed=self.engine.config.seed, device=delta.device,
+                shapes=tuple(tuple(self.params[i].shape) for i in idx), names=tuple(self.names[i] for i in idx))
+        self.sends[p] += 1
+        self.last_send[p] = self.inner_step
+        self._pending[p] = job
+        self._runner.submit(lambda: self._job(job, ctx))
+
+    def _job(self, job: _Exchange, ctx: Any) -> None:
+        """The exchange itself (worker thread with τ > 0, else inline): agreement on finiteness, then
+        the mean of Δ over the ranks, dense or compressed."""
+        try:
+            t0 = time.perf_counter()
+            delta, job.delta = job.delta, None
+            assert delta is not None
             bad = torch.tensor([0.0 if bool(torch.isfinite(delta).all()) else 1.0])
             if self.group is not None:
                 dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
-            if bad.item() > 0:
-                stats.discarded = True
-                rank_zero_warn(
-                    f"lightning_gc DiLoCo: the pseudo-gradient of the round ending at step {self.inner_step} is "
-                    "non-finite on some rank; the round is discarded on every rank (θ_outer, outer optimizer "
-                    "and error memory unchanged). Lower the inner learning rate or clip the inner gradients."
-                )
-            else:
-                mean = self._average(delta, stats)
-                offset = 0
-                for o, n in zip(self.theta_outer, self.numels):
-                    o.grad = mean[offset:offset + n].view_as(o).clone()
-                    offset += n
-                self.outer_optimizer.step()
-                for o in self.theta_outer:
-                    o.grad = None
-                stats.delta_norm = float(mean.norm())
-                self.outer_steps += 1
-                self._average_buffers(stats)
-            self.load_outer()
-        stats.comm_s = time.perf_counter() - t0
-        if self.memory is not None:
-            stats.error_norm = float(self.memory.norm())
-        self.engine.add_deferred_traffic(stats.bytes_sent, stats.bytes_payload)
-        self.last_stats = stats
+            job.bad = bool(bad.item() > 0)
+            if not job.bad:
+                job.mean = self._average(delta, job, ctx)
+            job.comm_s = time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - surfaced on the main thread by _apply
+            job.error = e
 
-    def _average(self, delta: Tensor, stats: DiLoCoStats) -> Tensor:
-        """The mean of the ranks' Δ (identical on every rank); counts this rank's bytes."""
+    def _average(self, delta: Tensor, job: _Exchange, ctx: Any) -> Tensor:
+        """The mean of the ranks' Δ (identical on every rank); records this rank's bytes."""
         if self.world_size == 1:
             return delta
         nbytes = delta.numel() * delta.element_size()
         if self.exchange is None:  # dense: DDP's numerics, mean = sum of (Δ / N)
             comm = delta.to(self._comm_device()).div_(self.world_size)
             dist.all_reduce(comm, group=self.group)
-            stats.bytes_sent += ring_allreduce_bytes(nbytes, self.world_size)
-            stats.bytes_payload += nbytes
+            job.bytes_sent += ring_allreduce_bytes(nbytes, self.world_size)
+            job.bytes_payload += nbytes
             return comm.to(delta.device)
         from ..comm.exchange import ExchangeTimes, Timer, error_feedback_residual
-        from ..compressors import GroupContext
 
-        if self.error_feedback and self.memory is not None:
-            delta = delta + self.memory
-        ctx = GroupContext(
-            step=self.outer_steps, rank=dist.get_rank(self.group), world_size=self.world_size,
-            segments=tuple(self.numels), group_id=_DILOCO_GROUP_ID, seed=self.engine.config.seed,
-            device=delta.device, shapes=tuple(tuple(p.shape) for p in self.params), names=tuple(self.names))
         times = ExchangeTimes()
         mean, sent = self.exchange.run(delta, ctx, Timer(delta.device, times))
         if self.error_feedback:
-            self.memory = error_feedback_residual(delta, sent, in_place=False)
-        stats.bytes_sent += int(times.bytes_sent)
-        stats.bytes_payload += int(times.bytes_payload)
+            job.residual = error_feedback_residual(delta, sent, in_place=False)
+        job.bytes_sent += int(times.bytes_sent)
+        job.bytes_payload += int(times.bytes_payload)
         return mean.to(torch.float32).reshape(-1)
 
-    def _average_buffers(self, stats: DiLoCoStats) -> None:
+    def _apply(self, p: int, mixing: float | None = None) -> None:
+        """Wait for fragment ``p``'s exchange, step the outer optimizer on it and merge it into the
+        parameters (``α·θ_local + (1 − α)·θ_outer``)."""
+        job = self._pending.pop(p)
+        t0 = time.perf_counter()
+        self._runner.drain()
+        stats = DiLoCoStats(outer_step=self.outer_steps, inner_step=self.inner_step, fragment=p,
+                            sent_at=job.sent_at, wait_s=time.perf_counter() - t0, comm_s=job.comm_s)
+        if job.error is not None:
+            raise RuntimeError(
+                f"lightning_gc DiLoCo: the outer exchange of fragment {p} sent at step {job.sent_at} failed on this "
+                f"rank ({job.error!r}); the outer step cannot be taken."
+            ) from job.error
+        alpha = self.config.mixing if mixing is None else mixing
+        idx = self.fragments[p]
+        with torch.no_grad():
+            if job.bad:
+                stats.discarded = True
+                alpha = 0.0  # back to θ_outer of before the round
+                rank_zero_warn(
+                    f"lightning_gc DiLoCo: the pseudo-gradient of fragment {p} sent at step {job.sent_at} is non-finite "
+                    "on some rank; that round is discarded on every rank (θ_outer, outer optimizer and error memory "
+                    "unchanged). Lower the inner learning rate or clip the inner gradients."
+                )
+            else:
+                assert job.mean is not None
+                offset = 0
+                for i in idx:
+                    o = self.theta_outer[i]
+                    o.grad = job.mean[offset:offset + o.numel()].view_as(o).clone()
+                    offset += o.numel()
+                self.outer_optimizer.step()  # parameters without a gradient (other fragments) are skipped
+                for i in idx:
+                    self.theta_outer[i].grad = None
+                if self.error_feedback and job.residual is not None:
+                    self.memories[p] = job.residual
+                self.outer_steps += 1
+                stats.outer_step = self.outer_steps
+                stats.delta_norm = float(job.mean.norm())
+                stats.bytes_sent, stats.bytes_payload = job.bytes_sent, job.bytes_payload
+                if p == len(self.fragments) - 1:  # once per H steps, while the worker is idle
+                    t1 = time.perf_counter()
+                    stats.bytes_sent += self._average_buffers()
+                    stats.comm_s += time.perf_counter() - t1
+            for i in idx:
+                if alpha == 0.0:
+                    self.params[i].copy_(self.theta_outer[i])
+                else:
+                    self.params[i].copy_(alpha * self.params[i].to(torch.float32) + (1.0 - alpha) * self.theta_outer[i])
+        if p in self.memories:
+            stats.error_norm = float(self.memories[p].norm())
+        self.engine.add_deferred_traffic(stats.bytes_sent, stats.bytes_payload)
+        self.last_stats = stats
+
+    def _average_buffers(self) -> int:
         if not self.buffers or self.group is None:
-            return
+            return 0
         flat = torch.cat([b.detach().to(torch.float32).reshape(-1) for _, b in self.buffers]).to(self._comm_device())
         flat.div_(self.world_size)
         dist.all_reduce(flat, group=self.group)
-        nbytes = flat.numel() * flat.element_size()
-        stats.bytes_sent += ring_allreduce_bytes(nbytes, self.world_size)
         offset = 0
         for _, b in self.buffers:
             b.copy_(flat[offset:offset + b.numel()].view_as(b))
             offset += b.numel()
+        return ring_allreduce_bytes(flat.numel() * flat.element_size(), self.world_size)
 
     def load_outer(self) -> None:
-        """Copy θ_outer into the model's parameters (the end of an outer step)."""
+        """Copy θ_outer into the model's parameters."""
         with torch.no_grad():
             for p, o in zip(self.params, self.theta_outer):
                 p.copy_(o)
@@ -326,15 +489,26 @@ class DiLoCoSync(StepParticipant):
     def _comm_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for exchanges in flight (they are applied at their due step, not now: a checkpoint
+        holds their results, so a resume is exact)."""
+        return self._runner.drain(timeout)
+
     # ------------------------------------------------------------------ checkpoints
     def shared_state_dict(self) -> dict:
         """The replicated part (identical on every rank; saved once)."""
+        self.drain()
         return {
             "inner_step": self.inner_step,
             "outer_steps": self.outer_steps,
+            "sends": list(self.sends),
+            "last_send": list(self.last_send),
             "theta_outer": {n: o.detach().cpu().clone() for n, o in zip(self.names, self.theta_outer)},
             "outer_optimizer": _to_cpu(self.outer_optimizer.state_dict()),
             "exchange": self.exchange.state_dict() if self.exchange is not None else {},
+            "pending": {p: {"sent_at": j.sent_at, "due": j.due, "bad": j.bad, "comm_s": j.comm_s,
+                            "mean": j.mean.detach().cpu().clone() if j.mean is not None else None}
+                        for p, j in self._pending.items()},
         }
 
     def load_shared_state_dict(self, state: dict) -> None:
@@ -349,18 +523,30 @@ class DiLoCoSync(StepParticipant):
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.inner_step = int(state["inner_step"])
         self.outer_steps = int(state["outer_steps"])
+        self.sends = list(state.get("sends", self.sends))
+        self.last_send = list(state.get("last_send", self.last_send))
         if self.exchange is not None and state.get("exchange"):
             self.exchange.load_state_dict(state["exchange"], world_size=self.world_size)
+        self._pending = {}
+        for p, j in (state.get("pending") or {}).items():
+            mean = j["mean"].to(self.device) if j["mean"] is not None else None
+            self._pending[int(p)] = _Exchange(fragment=int(p), sent_at=int(j["sent_at"]), due=int(j["due"]),
+                                              mean=mean, bad=bool(j["bad"]), comm_s=float(j["comm_s"]))
         # without this rank's own state (world-size change) the round restarts from θ_outer
         self.load_outer()
 
     def state_dict(self) -> dict:
-        """This rank's part: θ_local (if a round is open), inner optimizer state, error memory."""
+        """This rank's part: θ_local (if it differs from θ_outer), inner optimizer state, error memory
+        and what its exchanges in flight did not send."""
+        self.drain()
         return {
             "theta_local": ({n: p.detach().cpu().clone() for n, p in zip(self.names, self.params)}
                             if self.round_open else None),
             "inner_optimizer": _to_cpu(self._optimizer.state_dict()) if self._optimizer is not None else None,
-            "memory": self.memory.detach().cpu().clone() if self.memory is not None else None,
+            "memories": {p: m.detach().cpu().clone() for p, m in self.memories.items()},
+            "pending": {p: {"residual": j.residual.detach().cpu().clone() if j.residual is not None else None,
+                            "bytes_sent": j.bytes_sent, "bytes_payload": j.bytes_payload}
+                        for p, j in self._pending.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -369,8 +555,12 @@ class DiLoCoSync(StepParticipant):
             if local is not None:
                 for n, p in zip(self.names, self.params):
                     p.copy_(local[n])
-        memory = state.get("memory")
-        self.memory = memory.to(self.device) if memory is not None else None
+        self.memories = {int(p): m.to(self.device) for p, m in (state.get("memories") or {}).items()}
+        for p, j in (state.get("pending") or {}).items():
+            if int(p) in self._pending:
+                job = self._pending[int(p)]
+                job.residual = j["residual"].to(self.device) if j["residual"] is not None else None
+                job.bytes_sent, job.bytes_payload = int(j["bytes_sent"]), int(j["bytes_payload"])
         self._pending_inner_state = state.get("inner_optimizer")
 
     def restore_inner_optimizer(self, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -389,6 +579,7 @@ class DiLoCoSync(StepParticipant):
                          "send nothing, so there is no per-step ratio to adapt. Drop the AdaptiveRatio callback.")
 
     def close(self, timeout: float = 60.0) -> None:
+        self._runner.close(timeout)
         if self.group is not None:
             with contextlib.suppress(RuntimeError, ValueError):
                 dist.destroy_process_group(self.group)
@@ -407,4 +598,5 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-__all__ = ["DiLoCoConfig", "DiLoCoStats", "DiLoCoSync", "PUBLISHED_OUTER_ARGS", "resolve_optimizer_class"]
+__all__ = ["DiLoCoConfig", "DiLoCoStats", "DiLoCoSync", "PUBLISHED_OUTER_ARGS", "resolve_optimizer_class",
+           "split_fragments"]
