@@ -138,3 +138,31 @@ def test_powersgd_element_model_matches_what_the_torch_hook_reduces(approx_rank)
         assert counts[2:] == [model_count] * 3
     dense = sum(p.numel() for p in _Net().parameters())
     assert results[0][1] < dense
+
+
+def test_bench_counts_communication_in_flight_before_a_validation_as_training_time(tmp_path):
+    """Work in flight when a validation starts (OSP's deferred stage, Streaming DiLoCo's exchanges)
+    is waited for inside the timed step before it, so it cannot progress during the untimed
+    validation: the bench drains the strategy at each step that a validation (or the end) follows,
+    and only there."""
+    import time
+    from types import SimpleNamespace
+
+    from lightning_gc.bench.worker import _make_callback
+
+    cfg = {"boundaries": [], "run_dir": str(tmp_path), "warmup": 100, "steps": 7, "eval_every": 3,
+           "compute_steps": 1}
+    cb = _make_callback(cfg, global_rank=1, local_rank=1)
+    drained_at: list[int] = []
+
+    def drain():
+        drained_at.append(cb.step)
+        time.sleep(0.05)
+
+    trainer = SimpleNamespace(strategy=SimpleNamespace(drain=drain))
+    for i in range(7):
+        cb.on_train_batch_start(trainer, None, None, i)
+        cb.on_train_batch_end(trainer, None, None, None, i)
+    assert drained_at == [2, 5, 6]  # before the validations after steps 3 and 6, and at the end (7)
+    assert [round(t >= 0.05) for t in cb.step_times] == [0, 0, 1, 0, 0, 1, 1]
+    assert cb.train_time >= 0.15

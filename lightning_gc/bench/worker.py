@@ -165,6 +165,14 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if (self.step + 1) % int(cfg["eval_every"]) == 0 or self.step + 1 == cfg["steps"]:
+                # A validation follows (or training ends): wait here, inside the timed step, for
+                # communication still in flight (OSP's deferred stage, Streaming DiLoCo's fragment
+                # exchanges). Otherwise it would progress during validation, whose time is not
+                # training time, and a method that overlaps would look faster than it is.
+                drain = getattr(trainer.strategy, "drain", None)
+                if callable(drain):
+                    drain()
             dt = time.perf_counter() - self.t0
             self.step_times.append(dt)
             osp = getattr(trainer.strategy, "osp", None)
