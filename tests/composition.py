@@ -114,6 +114,19 @@ def expected_refusal(case: dict[str, Any]) -> str | None:
     return None
 
 
+def known_inexact(case: dict[str, Any]) -> str | None:
+    """A known defect: the case trains with the ranks identical, but its resume is not exact yet.
+
+    Found when the resume point was fixed to the middle of the run (before, a fixed checkpoint name
+    made every "resumed" case resume from its last step): ``AdaptiveRatio(mode="rollback")``
+    resumed from step 4 ends different from the uninterrupted run, under BSP and OSP alike, while
+    ``mode="shadow"`` resumes exactly. :func:`check_case` requires the difference, so a fix shows up
+    as a failure to update this table."""
+    if case["controller"] == "rollback" and case["resume"] == "resumed" and expected_refusal(case) is None:
+        return "AdaptiveRatio(mode='rollback') resumed mid-run differs from the uninterrupted run"
+    return None
+
+
 # ---------------------------------------------------------------------- one case on 2 ranks
 def _strategy(case: dict[str, Any]):
     from lightning_gc import GCStrategy
@@ -160,27 +173,37 @@ def _fit(case: dict[str, Any], tmp: str, max_steps: int, ckpt_path: str | None, 
     # RESUME_AT optimizer steps per epoch: the checkpoint is written at the end of epoch 0 (a resume
     # from the middle of an epoch would replay a different data order with a plain DataLoader)
     callbacks = _callbacks(case)
+    start_step: list[int] = []
+
+    class _Start(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            start_step.append(trainer.global_step)
+
+    callbacks.append(_Start())
     if save_at is not None:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp, filename="mid", save_top_k=-1,
+        # one file per epoch: with a fixed name the end of epoch 1 (step 8) overwrote epoch 0's file, and
+        # "resumed" cases resumed from the last step instead of the middle of the run
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp, filename="mid-{epoch}", save_top_k=-1,
                                                              every_n_epochs=1, save_on_train_epoch_end=True))
     L.seed_everything(11, verbose=False)
     model = Model()
     trainer = L.Trainer(
         strategy=_strategy(case), accelerator="cpu", devices=2, precision=case["precision"],
-        accumulate_grad_batches=case["accumulate"], max_steps=max_steps, logger=False, enable_progress_bar=False,
+        accumulate_grad_batches=case["accumulate"], max_epochs=max_steps // RESUME_AT, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=save_at is not None, default_root_dir=tmp,
         callbacks=callbacks, num_sanity_val_steps=0)
     n = 2 * 16 * case["accumulate"] * RESUME_AT  # 2 ranks × batch 16 × accumulation × steps per epoch
     trainer.fit(model, make_loader(n=n, batch_size=16), ckpt_path=ckpt_path)
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "step": trainer.global_step, "skipped": trainer.strategy.skipped_steps}
+            "step": trainer.global_step, "skipped": trainer.strategy.skipped_steps,
+            "start_step": start_step[0] if start_step else None}
 
 
 def _ranks(rank: int, world_size: int, case: dict[str, Any], tmp: str) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
     out = {"full": _fit(case, tmp, STEPS, None, RESUME_AT if case["resume"] == "resumed" else None)}
     if case["resume"] == "resumed":
-        out["resumed"] = _fit(case, tmp, STEPS, os.path.join(tmp, "mid.ckpt"), None)  # epoch 0's end
+        out["resumed"] = _fit(case, tmp, STEPS, os.path.join(tmp, "mid-epoch=0.ckpt"), None)  # epoch 0's end
     return out
 
 
@@ -201,12 +224,22 @@ def check_case(case: dict[str, Any], tmp: str) -> str:
                              f"got {str(e)[-3000:]}") from e
     assert refusal is None, f"{case_id(case)}: trained, but the table says it is refused ({refusal})"
     assert a["full"]["step"] == STEPS
+    if case["resume"] == "resumed":  # the resumed run trained the second half itself
+        assert a["resumed"]["start_step"] == b["resumed"]["start_step"] == RESUME_AT
+    inexact = known_inexact(case)
+    resumed_equal = True
     for n, p in a["full"]["params"].items():
         assert torch.isfinite(p).all(), (case_id(case), n)
         assert torch.equal(p, b["full"]["params"][n]), f"{case_id(case)}: ranks differ at {n}"
         if case["resume"] == "resumed":
-            assert torch.equal(p, a["resumed"]["params"][n]), f"{case_id(case)}: resumed run differs at {n}"
-            assert torch.equal(p, b["resumed"]["params"][n]), f"{case_id(case)}: resumed run differs at {n}"
+            assert torch.equal(a["resumed"]["params"][n], b["resumed"]["params"][n]), \
+                f"{case_id(case)}: ranks of the resumed run differ at {n}"
+            same = torch.equal(p, a["resumed"]["params"][n])
+            assert same or inexact, f"{case_id(case)}: resumed run differs at {n}"
+            resumed_equal = resumed_equal and same
+    if inexact:
+        assert not resumed_equal, f"{case_id(case)}: resumes exactly now; remove it from known_inexact ({inexact})"
+        return "trains (resume inexact: known)"
     return "trains"
 
 

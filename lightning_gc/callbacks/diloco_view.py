@@ -59,7 +59,9 @@ class DiLoCoView(L.Callback):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._exit()
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        # on_fit_end, not on_train_end: Lightning skips the training loop (and on_train_end) when a
+        # run resumed from its last step has nothing left to train, and the round must still close
         diloco = self._diloco(trainer)
         if diloco is not None:
             diloco.finish()
