@@ -280,6 +280,7 @@ class GCStrategy(DDPStrategy):
         self._sync = cfg.sync
         self._osp: OSPSync | None = None
         self._diloco: DiLoCoSync | None = None
+        self._failed = False
         self._compressor_name = compressor
         self._nonfinite = cfg.nonfinite
         self._monitor = cfg.monitor
@@ -504,6 +505,11 @@ class GCStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._diloco is not None and not self._failed:
+            # close an unfinished DiLoCo round, so the trained model contains every inner step and is
+            # the same on every rank. Here, not in on_train_end: Lightning skips the training loop
+            # (and on_train_end) when a run resumed at its last step has nothing left to train.
+            self._diloco.finish()
         # stop the exchange workers and release their process groups before DDP and the default
         # process group go away: an orderly exit instead of threads dying with the interpreter
         if self._session is not None:
@@ -528,6 +534,7 @@ class GCStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # teardown must not start collectives peers may never join
         if self._session is not None:
             try:  # peers may be gone: wait a bounded time, never hang the error path
                 self._session.drain(timeout=30.0)

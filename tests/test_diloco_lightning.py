@@ -29,11 +29,19 @@ class _DiLoCoReport(ReportCallback):
 
     def on_train_end(self, trainer, pl_module):
         super().on_train_end(trainer, pl_module)
+        self._diloco = getattr(trainer.strategy, "diloco", None)
+
+    def on_fit_end(self, trainer, pl_module):
+        # after the strategy's teardown, which closes an unfinished DiLoCo round
         path = os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt")
+        if not os.path.exists(path):  # nothing was trained (resumed at the last step)
+            super().on_train_end(trainer, pl_module)
         info = torch.load(path, weights_only=False)
-        d = getattr(trainer.strategy, "diloco", None)
+        d = getattr(self, "_diloco", None)
         info.update(evaluated=self.evaluated, outer_steps=d.outer_steps if d else None,
-                    inner_step=d.inner_step if d else None)
+                    inner_step=d.inner_step if d else None,
+                    totals=trainer.strategy.engine.totals() if getattr(trainer.strategy, "engine", None) else None,
+                    params={k: v.detach().clone() for k, v in pl_module.state_dict().items()})
         torch.save(info, path)
 
 

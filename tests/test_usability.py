@@ -240,8 +240,8 @@ def test_list_has_one_line_per_compressor_collective_plan_and_alias(capsys):
     aliases = [n for n, e in StrategyRegistry.items() if e["strategy"] is GCStrategy]
     expected = [*COMPRESSORS, *available_collectives(), *available_planners(), *aliases]
     assert items == expected
-    # gc_<c>, gc_<c>_find_unused_parameters_true, gc_<c>_osp, plus gc_omgs and gc_osp
-    assert len(aliases) == 3 * len(COMPRESSORS) + 2
+    # gc_<c>, gc_<c>_find_unused_parameters_true, gc_<c>_osp, gc_<c>_diloco, plus gc_omgs, gc_osp, gc_diloco
+    assert len(aliases) == 4 * len(COMPRESSORS) + 3
     assert StrategyRegistry["gc_omgs"]["init_params"] == {"compressor": "topk", "plan": "omgs"}
     assert StrategyRegistry["gc_osp"]["init_params"] == {"compressor": "dense", "sync": "osp"}
     assert StrategyRegistry["gc_qsgd_osp"]["init_params"] == {"compressor": "qsgd", "sync": "osp"}

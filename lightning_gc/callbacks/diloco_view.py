@@ -17,7 +17,7 @@ import lightning as L
 
 
 class DiLoCoView(L.Callback):
-    """Swaps θ_outer in for validation, test and predict; closes the last round at the end of fit."""
+    """Swaps θ_outer in for validation, test and predict."""
 
     def __init__(self) -> None:
         self._stack: contextlib.ExitStack | None = None
@@ -58,10 +58,3 @@ class DiLoCoView(L.Callback):
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._exit()
-
-    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
-        # on_fit_end, not on_train_end: Lightning skips the training loop (and on_train_end) when a
-        # run resumed from its last step has nothing left to train, and the round must still close
-        diloco = self._diloco(trainer)
-        if diloco is not None:
-            diloco.finish()
