@@ -603,28 +603,16 @@ class GCStrategy(DDPStrategy):
                 "gc_omgs", cls, description="lightning_gc: Top-k with the OMGS merge plan (docs/omgs.md)",
                 compressor="topk", plan="omgs",
             )
-        # DiLoCo: gc_diloco (dense Δ, as published) and gc_<compressor>_diloco (compressed Δ)
-        diloco_aliases = {"gc_diloco": "dense", **{f"gc_{name}_diloco": name for name in available_compressors()}}
-        for alias, name in diloco_aliases.items():
-            if alias not in strategy_registry:
-                strategy_registry.register(
-                    alias,
-                    cls,
-                    description=f"lightning_gc: DiLoCo (local inner steps, outer step on Δ), Δ sent with {name}",
-                    compressor=name,
-                    sync="diloco",
-                )
-        # OSP two-stage synchronisation: gc_osp (dense routine stage) and gc_<compressor>_osp
-        osp_aliases = {"gc_osp": "dense", **{f"gc_{name}_osp": name for name in available_compressors()}}
-        for alias, name in osp_aliases.items():
-            if alias not in strategy_registry:
-                strategy_registry.register(
-                    alias,
-                    cls,
-                    description=f"lightning_gc: OSP two-stage synchronisation, routine layers with {name}",
-                    compressor=name,
-                    sync="osp",
-                )
+        # synchronisation models: gc_<sync> with a dense exchange and gc_<compressor>_<sync> (OSP: the
+        # routine stage's compressor; DiLoCo: the pseudo-gradient's, gc_diloco being the published method)
+        what = {"osp": "OSP two-stage synchronisation, routine layers with {}",
+                "diloco": "DiLoCo (local inner steps, outer step on Δ), Δ sent with {}"}
+        for sync, description in what.items():
+            aliases = {f"gc_{sync}": "dense", **{f"gc_{name}_{sync}": name for name in available_compressors()}}
+            for alias, name in aliases.items():
+                if alias not in strategy_registry:
+                    strategy_registry.register(alias, cls, description="lightning_gc: " + description.format(name),
+                                               compressor=name, sync=sync)
 
 
 def register_aliases() -> None:
