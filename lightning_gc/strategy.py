@@ -398,19 +398,14 @@ class GCStrategy(DDPStrategy):
     def _check_osp_setup(self, trainer: Any) -> None:
         for optimizer in self.optimizers:
             check_optimizer(optimizer)
-        from lightning.pytorch.utilities.model_helpers import is_overridden
-
-        clip = trainer.gradient_clip_val
-        if clip:
-            raise ValueError(_osp_clipping_refusal(f"gradient_clip_val={clip!r}"))
-        if is_overridden("configure_gradient_clipping", self.lightning_module):
-            # The override may or may not clip (e.g. a module whose clip value is a hyperparameter that
-            # can be 0), so refuse at the first call that would actually change the gradient.
-            self._guard_osp_clipping(f"{type(self.lightning_module).__name__}.configure_gradient_clipping")
+        self._route_osp_clipping()
         if isinstance(self.precision_plugin, MixedPrecision) and getattr(self.precision_plugin, "scaler", None):
             raise ValueError(
-                "GCStrategy(sync='osp') with fp16 mixed precision: the GradScaler unscales and may skip steps "
-                "outside OSP's correction. Use precision='bf16-mixed' or '32', or sync='bsp'."
+                "GCStrategy(sync='osp') with fp16 mixed precision ('16-mixed'): torch's GradScaler decides on each "
+                "rank alone, from that rank's gradients, whether to skip a step and how to change the loss scale; "
+                "under OSP the deferred layers' gradients are local, so ranks could skip different steps and "
+                "scale differently, and the replicas would diverge. Use precision='bf16-mixed' (no scaler) or "
+                "'32-true', or sync='bsp'."
             )
         if not self.lightning_module.automatic_optimization:
             raise ValueError(
@@ -418,16 +413,24 @@ class GCStrategy(DDPStrategy):
                 "the correction runs around optimizer.step()). Use sync='bsp' with manual optimization."
             )
 
-    def _guard_osp_clipping(self, where: str) -> None:
+    def _route_osp_clipping(self) -> None:
+        """Send every clipping of the gradients (``gradient_clip_val`` and ``configure_gradient_clipping``
+        overrides alike reach the precision plugin's ``clip_gradients``) through OSP, which clips by a
+        transform identical on every rank while part of the gradient is still local
+        (:meth:`~lightning_gc.sync.OSPSync.clip_gradients`)."""
         plugin = self.precision_plugin
         clip_gradients = plugin.clip_gradients
 
-        def refuse_clipping(optimizer: Any, clip_val: Any = 0.0, *args: Any, **kwargs: Any) -> None:
-            if clip_val and clip_val > 0:  # the plugin itself returns early for clip_val <= 0
-                raise ValueError(_osp_clipping_refusal(f"{where} (clip value {clip_val!r})"))
-            return clip_gradients(optimizer, clip_val, *args, **kwargs)
+        def clip_through_osp(optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
+            def plain() -> None:
+                clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
-        plugin.clip_gradients = refuse_clipping  # type: ignore[method-assign]
+            if self._osp is None or not clip_val or clip_val <= 0:  # the plugin returns early for clip_val <= 0
+                return plain()
+            algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)
+            return self._osp.clip_gradients(optimizer, float(clip_val), str(algorithm), plain)
+
+        plugin.clip_gradients = clip_through_osp  # type: ignore[method-assign]
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -620,12 +623,3 @@ def register_aliases() -> None:
     misspelt ``gc_`` name is then refused with the closest alias (``_names.guard_registry``)."""
     GCStrategy.register_strategies(StrategyRegistry)
     guard_registry(StrategyRegistry)
-
-
-def _osp_clipping_refusal(where: str) -> str:
-    return (
-        f"GCStrategy(sync='osp') with {where}: clipping would scale a gradient that mixes global "
-        "(routine) and local (deferred) parts by a rank-dependent factor, and the replicas would "
-        "diverge. Train without gradient clipping (no gradient_clip_val; a configure_gradient_clipping "
-        "override must not clip, e.g. grad_clip=0 for the example ByteLM), or use sync='bsp'."
-    )

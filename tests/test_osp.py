@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_distributed
+from optim_oracles import update_for
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gc.compressors import build_compressor
@@ -88,17 +89,19 @@ def _loss(m, x, y):
     return torch.nn.functional.cross_entropy(m(x), y)
 
 
-def _sgd_ref(p, buf, g, h):
-    """Hand-written torch.optim.SGD update for one tensor: returns (new p, new buf)."""
-    d = (-g if h.get("maximize") else g) + h["weight_decay"] * p
-    if h["momentum"]:
-        buf = d.clone() if buf is None else h["momentum"] * buf + (1 - h["dampening"]) * d
-        d = d + h["momentum"] * buf if h["nesterov"] else buf
-    return p - h["lr"] * d, buf
+def _clip_plain(opt, clip):
+    """What Lightning's precision plugin does without OSP (torch's clipping over the optimizer's
+    parameters)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if clip[0] == "norm":
+        torch.nn.utils.clip_grad_norm_(params, clip[1])
+    else:
+        torch.nn.utils.clip_grad_value_(params, clip[1])
 
 
 def _run_osp(rank: int, ws: int, hyper: dict, fraction: float, max_fraction: float, compressor: str,
-             bucket_cap_mb: float, nan_at: int = -1, scenario: str = "mlp"):
+             bucket_cap_mb: float, nan_at: int = -1, scenario: str = "mlp", opt_name: str = "SGD",
+             clip: tuple | None = None):
     make_model, make_batch = SCENARIOS[scenario]
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
@@ -106,9 +109,10 @@ def _run_osp(rank: int, ws: int, hyper: dict, fraction: float, max_fraction: flo
     engine = GCEngine(build_compressor(compressor), EngineConfig(min_compress_numel=0, warmup_steps=1), named)
     osp = OSPSync(engine, OSPConfig(deferred_fraction=fraction, max_fraction=max_fraction))
     ddp.register_comm_hook(osp, osp_comm_hook)
-    opt = torch.optim.SGD(model.parameters(), **hyper)
+    opt = getattr(torch.optim, opt_name)(model.parameters(), **hyper)
     check_optimizer(opt)
-    out = {"after_correction": [], "deferred": [], "batches": [], "bad": [], "threshold": [], "importance": []}
+    out = {"after_correction": [], "deferred": [], "batches": [], "bad": [], "threshold": [], "importance": [],
+           "clip_factor": []}
     for t in range(STEPS):
         x, y = make_batch(rank, t)
         xs = [torch.empty_like(x) for _ in range(ws)]
@@ -134,24 +138,47 @@ def _run_osp(rank: int, ws: int, hyper: dict, fraction: float, max_fraction: flo
                 p.grad = None
         else:
             osp.prepare_step(opt)
+            if clip is not None:  # where Lightning clips: after the closure, before optimizer.step()
+                osp.clip_gradients(opt, clip[1], clip[0], lambda: _clip_plain(opt, clip))
         opt.step()
         engine.after_optimizer_step()
         osp.after_optimizer_step()
+        out["clip_factor"].append(osp.last_stats.clip_factor)
     osp.drain()
     out["final"] = {n: p.detach().clone() for n, p in named}
     out["stats"] = osp.last_stats
-    out["momentum_buffers"] = {n: opt.state[p].get("momentum_buffer") for n, p in named}
+    out["opt_state"] = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in named}
     osp.close()
     engine.close()
     return out
 
 
-def _reference(batches, hyper, budget_of_step, skipped=(), scenario="mlp"):
+def _clip_factor(clip, glob, local, deferred):
+    """The norm-clipping factor of docs/osp.md from every rank's gradients: the routine layers'
+    global norm and the rank-mean of the deferred layers' local norms (nothing deferred: the norm
+    of the global gradient, as torch's clip_grad_norm_)."""
+    if clip is None or clip[0] != "norm":
+        return 1.0
+    routine = sum(float(glob[n].double().pow(2).sum()) for n in glob if n not in deferred)
+    local_norms = [math.sqrt(sum(float(loc[n].double().pow(2).sum()) for n in deferred)) for loc in local]
+    norm = math.sqrt(routine + (sum(local_norms) / len(local_norms)) ** 2)
+    return min(1.0, clip[1] / (norm + 1e-6))
+
+
+def _clipped(g, clip, factor):
+    if clip is not None and clip[0] == "value":
+        g = g.clamp(-clip[1], clip[1])
+    return g * factor
+
+
+def _reference(batches, hyper, budget_of_step, skipped=(), scenario="mlp", opt_name="SGD", clip=None):
     """The delayed-correction trajectory from all ranks' data (see the module docstring); steps in
     ``skipped`` change nothing (no update, no momentum, no importance) and send nothing. Returns the
-    parameters after each correction, the splits, the final parameters, the momentum buffers and,
-    per step, the importance of every layer when the step's split was chosen and the largest
-    importance among the deferred layers (−1 if none)."""
+    parameters after each correction, the splits, the final parameters, the optimizer states
+    (:mod:`optim_oracles`), per step, the importance of every layer when the step's split was chosen
+    and the largest importance among the deferred layers (−1 if none), and the clipping factors.
+    ``clip``: ``("norm" | "value", max)`` applied to every step's gradients as docs/osp.md defines."""
+    update = update_for(opt_name)
     make_model, _ = SCENARIOS[scenario]
     model = make_model()
     names = [n for n, _ in model.named_parameters()]
@@ -160,7 +187,8 @@ def _reference(batches, hyper, budget_of_step, skipped=(), scenario="mlp"):
     numel = {n: P[n].numel() for n in names}
     importance = {n: math.inf for n in names}
     deferred_prev: set[str] = set()
-    prev = None  # (P_{t-1}, B_{t-1}, local grads per rank at t-1)
+    prev = None  # (P_{t-1}, B_{t-1}, local grads per rank at t-1, clipping factor of t-1)
+    factors = []
     deferred = set()
     after_correction, splits, thresholds = [], [], [-1.0]  # step 0 defers nothing
     importances = [dict(importance)]
@@ -181,6 +209,7 @@ def _reference(batches, hyper, budget_of_step, skipped=(), scenario="mlp"):
         after_correction.append({n: P[n].clone() for n in names})
         if t in skipped:
             # nothing updated locally, nothing sent: the next step evaluates every layer on P
+            factors.append(1.0)
             deferred_prev = set()
             deferred, thr = split(t + 1)
             thresholds.append(thr)
@@ -192,26 +221,28 @@ def _reference(batches, hyper, budget_of_step, skipped=(), scenario="mlp"):
             with torch.no_grad():
                 for n, p in m.named_parameters():
                     if n in deferred_prev:  # this rank still holds its locally updated value
-                        p.copy_(_sgd_ref(prev[0][n], prev[1][n], prev[2][r][n], hyper)[0])
+                        p.copy_(update(prev[0][n], prev[1][n], _clipped(prev[2][r][n], clip, prev[3]), hyper)[0])
                     else:
                         p.copy_(P[n])
             m.zero_grad()
             _loss(m, xs[r], ys[r]).backward()
             local.append({n: p.grad.detach().clone() for n, p in m.named_parameters()})
         glob = {n: sum(loc[n] for loc in local) / ws for n in names}
-        prev = ({n: P[n].clone() for n in names}, {n: None if B[n] is None else B[n].clone() for n in names}, local)
+        factor = _clip_factor(clip, glob, local, deferred)
+        factors.append(factor if deferred else 1.0)  # OSP reports its own factor only (nothing deferred: plain)
+        prev = ({n: P[n].clone() for n in names}, dict(B), local, factor)
         for n in names:  # routine layers: importance now
             if n not in deferred:
                 importance[n] = float((glob[n].double() * P[n].double()).abs().sum())
         for n in names:
-            P[n], B[n] = _sgd_ref(P[n], B[n], glob[n], hyper)
+            P[n], B[n] = update(P[n], B[n], _clipped(glob[n], clip, factor), hyper)
         nxt, thr = split(t + 1)
         thresholds.append(thr)
         importances.append(dict(importance))
         for n in deferred:  # deferred layers: importance once their global gradient is in
             importance[n] = float((glob[n].double() * prev[0][n].double()).abs().sum())
         deferred_prev, deferred = deferred, nxt
-    return after_correction, splits, P, B, importances[:len(batches)], thresholds[:len(batches)]
+    return after_correction, splits, P, B, importances[:len(batches)], thresholds[:len(batches)], factors
 
 
 def _recording_hook(state, bucket):
@@ -546,10 +577,17 @@ ALL_RS_HYPER = dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_
 
 
 def _case(lr, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, maximize=False, *, fraction,
-          max_fraction=0.8, nan_at=-1, scenario="mlp"):
+          max_fraction=0.8, nan_at=-1, scenario="mlp", clip=None):
     return dict(hyper=dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
                            weight_decay=weight_decay, maximize=maximize),
-                fraction=fraction, max_fraction=max_fraction, nan_at=nan_at, scenario=scenario)
+                fraction=fraction, max_fraction=max_fraction, nan_at=nan_at, scenario=scenario, opt="SGD", clip=clip)
+
+
+def _adam_case(opt, lr, weight_decay=0.0, amsgrad=False, maximize=False, betas=(0.9, 0.99), *, fraction,
+               max_fraction=0.8, nan_at=-1, clip=None):
+    return dict(hyper=dict(lr=lr, betas=betas, eps=1e-8, weight_decay=weight_decay, amsgrad=amsgrad,
+                           maximize=maximize),
+                fraction=fraction, max_fraction=max_fraction, nan_at=nan_at, scenario="mlp", opt=opt, clip=clip)
 
 
 CASES = {
@@ -566,14 +604,25 @@ CASES = {
                                              max_fraction=1.0, nan_at=0),
     # two equal layers whose importance alternates: the split flips (importance decides it)
     "split_flips": _case(0.1, fraction=0.5, scenario="branches"),
+    # Adam / AdamW: moments, step count and bias correction replayed; coupled vs decoupled decay
+    "adam_mixed_wd": _adam_case("Adam", 0.02, weight_decay=0.01, fraction=0.5),
+    "adamw_all_ics_maximize": _adam_case("AdamW", 0.02, weight_decay=0.1, maximize=True, fraction=1.0,
+                                         max_fraction=1.0),
+    # step 0 skipped: the deferred layers' first Adam step is a replay from no state at all
+    "adamw_no_state_yet_amsgrad": _adam_case("AdamW", 0.02, weight_decay=0.1, amsgrad=True, fraction=0.5, nan_at=0),
+    # clipping: the norm factor from replicated values (routine global norm, rank-mean of local norms)
+    "adamw_clip_norm": _adam_case("AdamW", 0.02, weight_decay=0.1, fraction=0.5, clip=("norm", 0.3)),
+    "sgd_momentum_clip_norm_all_ics": _case(0.1, 0.9, fraction=1.0, max_fraction=1.0, clip=("norm", 0.3)),
+    "sgd_nesterov_clip_value": _case(0.1, 0.9, nesterov=True, fraction=0.5, clip=("value", 0.02)),
 }
-WS_CASES = ["mixed_nesterov_wd", "no_buffer_yet_dampening_wd", "split_flips"]  # also at 3 and 4 ranks
+WS_CASES = ["mixed_nesterov_wd", "no_buffer_yet_dampening_wd", "split_flips", "adamw_clip_norm",
+            "adamw_no_state_yet_amsgrad"]  # also at 3 and 4 ranks
 
 
 def _run_case(rank: int, ws: int, case: str):
     c = CASES[case]
     return _run_osp(rank, ws, c["hyper"], c["fraction"], c["max_fraction"], "dense", 0.0001, c["nan_at"],
-                    c["scenario"])
+                    c["scenario"], c["opt"], c["clip"])
 
 
 def _check_case(res, case):
@@ -586,8 +635,8 @@ def _check_case(res, case):
         return 0 if t == 0 else math.floor(fraction * total)
 
     skipped = {c["nan_at"]} if c["nan_at"] >= 0 else set()
-    ref_after, ref_splits, ref_final, ref_bufs, ref_imp, ref_thr = _reference(res[0]["batches"], hyper, budget,
-                                                                               skipped, c["scenario"])
+    ref_after, ref_splits, ref_final, ref_state, ref_imp, ref_thr, ref_factors = _reference(
+        res[0]["batches"], hyper, budget, skipped, c["scenario"], c["opt"], c["clip"])
     assert len(res[0]["batches"][0][0]) == len(res)  # the reference averages over every rank's batch
     for r in range(len(res)):
         assert res[r]["bad"] == [t in skipped for t in range(STEPS)]
@@ -603,14 +652,24 @@ def _check_case(res, case):
                     t, got, want)
         for n, v in ref_final.items():
             torch.testing.assert_close(res[r]["final"][n], v, rtol=1e-5, atol=1e-6)
-            if ref_bufs[n] is not None:  # momentum buffers corrected too
-                torch.testing.assert_close(res[r]["momentum_buffers"][n], ref_bufs[n], rtol=1e-5, atol=1e-6)
+            got = res[r]["opt_state"][n]  # the optimizer state corrected too
+            if c["opt"] == "SGD" and ref_state[n] is not None:
+                torch.testing.assert_close(got["momentum_buffer"], ref_state[n], rtol=1e-5, atol=1e-6)
+            elif c["opt"] != "SGD":
+                step, m, v2, vmax = ref_state[n]
+                assert int(got["step"]) == step
+                for key, want in (("exp_avg", m), ("exp_avg_sq", v2)) + ((("max_exp_avg_sq", vmax),)
+                                                                          if hyper["amsgrad"] else ()):
+                    torch.testing.assert_close(got[key], want, rtol=1e-5, atol=1e-8, msg=f"{n} {key}")
+        assert res[r]["clip_factor"] == pytest.approx(ref_factors, rel=1e-6)
     for t in range(STEPS):  # replicas bit-identical after every correction
         for n, v in res[0]["after_correction"][t].items():
             for r in range(1, len(res)):
                 assert torch.equal(v, res[r]["after_correction"][t][n]), f"rank {r} differs at step {t} in {n}"
     deferred_steps = [d for d in ref_splits if d]
     assert deferred_steps, "the case never deferred anything"
+    if c["clip"] is not None and c["clip"][0] == "norm":  # the clip really clipped, with layers deferred
+        assert any(f < 0.999 for f, d in zip(ref_factors, ref_splits) if d), ref_factors
     if c["max_fraction"] < 1.0:  # a real split: some layers routine, some deferred
         assert any(0 < len(d) < len(names) for d in deferred_steps)
     else:
@@ -746,11 +805,21 @@ def test_osp_config_refuses_bad_values(kwargs, match):
 
 def test_optimizers_without_exact_correction_are_refused():
     w = [torch.nn.Parameter(torch.zeros(2))]
-    with pytest.raises(ValueError, match="cannot train with optimizer Adam.*sync='bsp'"):
-        check_optimizer(torch.optim.Adam(w))
-    with pytest.raises(ValueError, match="AdamW"):
-        check_optimizer(torch.optim.AdamW(w))
+    with pytest.raises(ValueError, match="cannot train with optimizer RMSprop.*SGD, Adam and AdamW.*sync='bsp'"):
+        check_optimizer(torch.optim.RMSprop(w))
+    with pytest.raises(ValueError, match="optimizer LBFGS"):
+        check_optimizer(torch.optim.LBFGS(w))
+
+    class MyAdam(torch.optim.Adam):  # a subclass may change the update: checked per class, not isinstance
+        pass
+
+    with pytest.raises(ValueError, match="optimizer MyAdam"):
+        check_optimizer(MyAdam(w))
+    with pytest.raises(ValueError, match="differentiable AdamW"):
+        check_optimizer(torch.optim.AdamW(w, differentiable=True))
     check_optimizer(torch.optim.SGD(w, lr=0.1, momentum=0.9, nesterov=True))
+    check_optimizer(torch.optim.Adam(w, amsgrad=True, maximize=True, weight_decay=0.1))
+    check_optimizer(torch.optim.AdamW(w))
 
 
 @pytest.mark.parametrize("oracle_runs", [2, 3, 4], indirect=True, ids=lambda ws: f"ws{ws}")

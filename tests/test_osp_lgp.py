@@ -22,6 +22,7 @@ import itertools
 
 import pytest
 import torch
+from optim_oracles import adam_update, sgd_update
 
 from lightning_gc.sync import LGPSnapshot
 
@@ -47,11 +48,7 @@ def _ids(o: dict) -> str:
 
 def _hand_update(p, buf, g, o, lr):
     """torch.optim.SGD's update written out: returns (p_new, buf_new)."""
-    d = (-g if o["maximize"] else g) + o["weight_decay"] * p
-    if o["momentum"]:
-        buf = d.clone() if buf is None else o["momentum"] * buf + (1 - o["dampening"]) * d
-        d = d + o["momentum"] * buf if o["nesterov"] else buf
-    return p - lr * d, buf
+    return sgd_update(p, buf, g, dict(o, lr=lr))
 
 
 def _tensors(seed: int):
@@ -172,3 +169,115 @@ def test_every_option_combination_of_the_docs_is_covered():
         assert {bool(o[key]) for o in OPTIONS} == {True, False}, key
     for o1, o2 in itertools.combinations(("nesterov", "maximize", "weight_decay"), 2):
         assert any(o[o1] and o[o2] for o in OPTIONS), (o1, o2)
+
+
+# ---------------------------------------------------------------- Adam and AdamW
+ADAM_OPTIONS = [
+    ("Adam", dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False)),
+    ("Adam", dict(betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05, amsgrad=False, maximize=False)),
+    ("Adam", dict(betas=(0.9, 0.99), eps=1e-8, weight_decay=0.02, amsgrad=True, maximize=True)),
+    ("AdamW", dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, amsgrad=False, maximize=False)),
+    ("AdamW", dict(betas=(0.85, 0.98), eps=1e-7, weight_decay=0.1, amsgrad=True, maximize=False)),
+    ("AdamW", dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=True)),
+]
+
+
+def _hand_adam(p, st, g, o, lr, decoupled):
+    return adam_update(p, st, g, dict(o, lr=lr), decoupled)
+
+
+def _adam_state(opt, p, o):
+    s = opt.state[p]
+    return (int(s["step"]), s["exp_avg"].clone(), s["exp_avg_sq"].clone(),
+            s["max_exp_avg_sq"].clone() if o["amsgrad"] else torch.zeros_like(p))
+
+
+@pytest.mark.parametrize("with_state", [True, False], ids=["state", "first-step"])
+@pytest.mark.parametrize("cls, o", ADAM_OPTIONS, ids=[f"{c}-{i}" for i, (c, _) in enumerate(ADAM_OPTIONS)])
+def test_adam_replay_equals_the_update_with_the_global_gradient(cls, o, with_state):
+    """Moments, step count, bias correction, coupled (Adam) or decoupled (AdamW) weight decay,
+    amsgrad and maximize: after the replay the parameter and the whole state are the update with
+    the global gradient (by hand, and bit for bit torch's own step from the same state)."""
+    p0, g_prev, g_local, g_global = _tensors(5)
+    params = [torch.nn.Parameter(t.clone()) for t in p0]
+    frozen = torch.nn.Parameter(torch.ones(3))
+    opt = getattr(torch.optim, cls)(params + [frozen], lr=LR, **o)
+    if with_state:  # two earlier steps: step = 2 and the moments are not zero
+        for _ in range(2):
+            for p, g in zip(params, g_prev):
+                p.grad = g.clone()
+            opt.step()
+    before = [p.detach().clone() for p in params]
+    st_before = [_adam_state(opt, p, o) if with_state else None for p in params]
+    reference_opt = copy.deepcopy(opt)
+    for p, g in zip(params, g_local):
+        p.grad = g.clone()
+    frozen.grad = None
+    snap = LGPSnapshot(opt, params + [frozen])
+    opt.step()  # the local update
+    local = [p.detach().clone() for p in params]
+    assert int(opt.state[params[0]]["step"]) == (3 if with_state else 1)
+    next_grads = [torch.full_like(p, 7.0) for p in params]  # the next step's gradients sit in p.grad
+    for p, g in zip(params, next_grads):
+        p.grad = g
+    for group in opt.param_groups:  # a scheduler changes lr before the correction: lr_t is kept
+        group["lr"] = 123.0
+    norm = snap.replay(g_global + [torch.full((3,), float("nan"))])
+
+    ref_params = reference_opt.param_groups[0]["params"]
+    for rp, g in zip(ref_params, g_global):
+        rp.grad = g.clone()
+    ref_params[-1].grad = None
+    reference_opt.step()
+    for i, p in enumerate(params):
+        want_p, want_st = _hand_adam(before[i], st_before[i], g_global[i], o, LR, decoupled=cls == "AdamW")
+        torch.testing.assert_close(p.detach(), want_p, rtol=1e-5, atol=1e-6)
+        got_st = _adam_state(opt, p, o)
+        assert got_st[0] == want_st[0]  # step counted once, not twice
+        for got, want in zip(got_st[1:], want_st[1:]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        assert torch.equal(p.detach(), ref_params[i].detach()), "replay differs from torch's own step"
+        for k, v in reference_opt.state[ref_params[i]].items():
+            assert torch.equal(opt.state[p][k], v), k
+        assert p.grad is next_grads[i]  # the next step's gradient is left where it was
+    assert torch.equal(frozen.detach(), torch.ones(3)) and frozen not in opt.state or not opt.state[frozen]
+    want_norm = torch.sqrt(sum(((p.detach().double() - q.double()) ** 2).sum() for p, q in zip(params, local)))
+    assert norm == pytest.approx(float(want_norm), rel=1e-6) and norm > 0
+
+
+@pytest.mark.parametrize("cls", ["SGD", "AdamW"])
+def test_replay_clips_the_global_gradient_like_the_step(cls):
+    """Step t's gradient was clipped (norm: multiplied by a factor every rank computed alike;
+    value: clamped): the replay is the update with the global gradient clipped the same way."""
+    p0, _, g_local, g_global = _tensors(9)
+    kw = dict(momentum=0.9) if cls == "SGD" else dict(weight_decay=0.1)
+    for scale, clamp in ((0.37, None), (1.0, 0.4), (0.5, 0.3)):
+        params = [torch.nn.Parameter(t.clone()) for t in p0]
+        opt = getattr(torch.optim, cls)(params, lr=LR, **kw)
+        reference_opt = copy.deepcopy(opt)
+        for p, g in zip(params, g_local):
+            p.grad = g.clone()
+        snap = LGPSnapshot(opt, params)
+        opt.step()
+        snap.clip_like_step(scale, clamp)
+        snap.replay(g_global)
+        for rp, g in zip(reference_opt.param_groups[0]["params"], g_global):  # clip by hand, then step
+            rp.grad = (g.clamp(-clamp, clamp) if clamp is not None else g.clone()) * scale
+        reference_opt.step()
+        for p, rp in zip(params, reference_opt.param_groups[0]["params"]):
+            torch.testing.assert_close(p.detach(), rp.detach(), rtol=1e-6, atol=1e-7)
+        assert all(torch.equal(a, b) for a, b in zip(g_global, _tensors(9)[3]))  # the caller's gradients untouched
+
+
+def test_replay_of_two_adam_groups_uses_each_groups_options():
+    (a0, b0), _, (ga, gb), (Ga, Gb) = (list(t) for t in _tensors(4))
+    a, b = torch.nn.Parameter(a0.clone()), torch.nn.Parameter(b0.clone())
+    oa, ob = ADAM_OPTIONS[3][1], ADAM_OPTIONS[4][1]
+    opt = torch.optim.AdamW([dict(params=[a], lr=0.05, **oa), dict(params=[b], lr=0.2, **ob)], lr=1.0)
+    a.grad, b.grad = ga.clone(), gb.clone()
+    snap = LGPSnapshot(opt, [a, b])
+    opt.step()
+    snap.replay([Ga, Gb])
+    for p, p_0, g, o, lr in ((a, a0, Ga, oa, 0.05), (b, b0, Gb, ob, 0.2)):
+        want_p, _ = _hand_adam(p_0, None, g, o, lr, decoupled=True)
+        torch.testing.assert_close(p.detach(), want_p, rtol=1e-5, atol=1e-6)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +126,7 @@ class OSPStats:
     ics_comm_s: float = 0.0  # duration of the previous step's ICS allreduce on the worker
     budget: int = 0  # element budget in force
     umax: float | None = None
+    clip_factor: float = 1.0  # norm clipping with something deferred: the factor every gradient got
 
 
 @dataclass
@@ -292,6 +294,58 @@ class OSPSync(StepParticipant):
                     "reached the comm hook this step; with unused parameters pass find_unused_parameters=True."
                 )
             self._snapshot = LGPSnapshot(optimizer, [self.params[pid] for pid in sorted(self.deferred)])
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, max_value: float, algorithm: str,
+                       plain: Callable[[], Any]) -> None:
+        """Clip this step's gradients by a transform identical on every rank (docs/osp.md,
+        "Gradient clipping"); called between :meth:`prepare_step` and ``optimizer.step()`` in
+        place of the plain clipping ``plain()`` (Lightning's precision plugin).
+
+        With nothing deferred every gradient is the global one and ``plain()`` runs. Otherwise:
+
+        * ``"value"``: element-wise, so ``plain()`` gives the same result on every rank wherever the
+          gradient is global; the replay clamps the global gradient of the deferred layers alike.
+        * ``"norm"``: the norm of the global gradient is not known yet (the deferred part is still
+          local), so the factor is computed from replicated values — the routine layers' global
+          gradients and the rank-mean of the deferred layers' local norms, one 8-byte allreduce:
+          ``n = √(‖g_R‖² + (mean_r ‖g_D,r‖)²)``, ``c = min(1, max_value / (n + 1e-6))`` (torch's
+          ``clip_grad_norm_`` formula). By the triangle inequality ``mean_r ‖g_D,r‖ ≥ ‖mean_r
+          g_D,r‖``, so ``n`` is never below the norm BSP would clip by: OSP clips at least as hard
+          as BSP, never less. Every gradient of the optimizer (global and local) is multiplied by
+          ``c``, and the replay multiplies the deferred layers' global gradient by the same ``c``.
+        """
+        snap = self._snapshot
+        if self.world_size == 1 or snap is None or all(e is None for e in snap.entries):
+            plain()
+            return
+        if algorithm == "value":
+            plain()
+            snap.clip_like_step(clamp=max_value)
+            return
+        if algorithm != "norm":
+            raise ValueError(f"lightning_gc OSP: gradient_clip_algorithm={algorithm!r} is not 'norm' or 'value'.")
+        deferred = {id(e.param) for e in snap.entries if e is not None}
+        grads, routine_sq, local_sq = [], 0.0, 0.0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grads.append(p.grad)
+                sq = float(torch.linalg.vector_norm(p.grad, dtype=torch.float64)) ** 2
+                if id(p) in deferred:
+                    local_sq += sq
+                else:
+                    routine_sq += sq
+        t = torch.tensor([math.sqrt(local_sq)], dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(t, group=self.group)  # the worker is idle: before_optimizer_step drained it
+        deferred_norm = float(t.cpu()[0]) / self.world_size
+        factor = min(1.0, max_value / (math.sqrt(routine_sq + deferred_norm ** 2) + 1e-6))
+        if factor < 1.0:
+            with torch.no_grad():
+                for g in grads:
+                    g.mul_(factor)
+        snap.clip_like_step(scale=factor)
+        self._stats.clip_factor = factor
 
     def skip_step(self) -> None:
         """The optimizer step is skipped on every rank (non-finite): nothing to send or correct.
