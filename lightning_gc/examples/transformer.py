@@ -107,7 +107,9 @@ class ByteGPT(ByteLanguageModel):
     clipping belongs to the workload: the benchmark builds its own Trainer without
     ``gradient_clip_val``, and every method it compares must train the same recipe. A Trainer
     ``gradient_clip_val`` takes precedence. Lightning clips after the gradients were synchronised
-    (and, in ``bf16-mixed``, on the fp32 gradients), so every rank computes the same norm.
+    (and, in ``bf16-mixed``, on the fp32 gradients), so every rank computes the same norm
+    (under ``sync="osp"`` the deferred layers' gradients are still local: OSP computes the factor
+    from replicated values, docs/osp.md).
 
     ``seq_len`` is the context length (positions); a DataModule's windows may be shorter, not
     longer. Logs ``train_loss`` (nats/byte) every step, ``val_loss`` and ``val_bpb`` (bits per byte
