@@ -166,3 +166,32 @@ def test_bench_counts_communication_in_flight_before_a_validation_as_training_ti
     assert drained_at == [2, 5, 6]  # before the validations after steps 3 and 6, and at the end (7)
     assert [round(t >= 0.05) for t in cb.step_times] == [0, 0, 1, 0, 0, 1, 1]
     assert cb.train_time >= 0.15
+
+
+def test_bench_counts_the_time_between_steps_but_not_validation(tmp_path):
+    """Work that a method overlaps with the next steps competes with the main thread between the
+    timed callbacks too; that gap is training time. A validation is not."""
+    import time
+    from types import SimpleNamespace
+
+    from lightning_gc.bench.worker import _make_callback
+
+    cfg = {"boundaries": [], "run_dir": str(tmp_path), "warmup": 100, "steps": 6, "eval_every": 100,
+           "compute_steps": 1, "metric": "val_acc"}
+    cb = _make_callback(cfg, global_rank=1, local_rank=1)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(), callback_metrics={"val_acc": 0.5})
+    for i in range(4):
+        cb.on_train_batch_start(trainer, None, None, i)
+        cb.on_train_batch_end(trainer, None, None, None, i)
+        if i == 1:  # a validation of 0.3 s after step 2
+            cb.on_validation_start(trainer, None)
+            time.sleep(0.3)
+            cb.on_validation_end(trainer, None)
+        else:  # 0.1 s between the steps: a fragment's exchange holding the CPU, the data loader
+            time.sleep(0.1)
+    # step 0 starts at its callback; steps 1 and 3 include the 0.1 s before them, step 2 does not
+    # include the validation before it
+    assert [t >= 0.1 for t in cb.step_times] == [False, True, False, True]
+    assert all(t < 0.25 for t in cb.step_times), cb.step_times
+    assert 0.2 <= cb.train_time < 0.45
+    assert cb.evals[0]["train_time_s"] == pytest.approx(sum(cb.step_times[:2]))

@@ -9,9 +9,15 @@ same module is started by ``torchrun`` (``RANK``/``GROUP_RANK`` are accepted for
 
 What it measures (written to ``<run_dir>/rank<G>.json``):
 
-* ``step_times``: wall time of every training step on this rank, from ``on_train_batch_start`` to
-  ``on_train_batch_end`` (forward, backward with the gradient synchronisation, optimizer step; the
-  data loader and validation are outside). The runner skips the first ``warmup`` steps.
+* ``step_times``: wall time of every training step on this rank: from the end of the previous step
+  (or of the validation before it) to ``on_train_batch_end`` — fetching the batch, forward, backward
+  with the gradient synchronisation, optimizer step, and whatever the strategy does between steps.
+  The time *between* steps counts: work a method overlaps with the next steps (Streaming DiLoCo's
+  fragment exchanges, OSP's deferred stage) competes with the main thread there, and timing only
+  ``on_train_batch_start`` → ``on_train_batch_end`` lost it (measured: 2.0 s of gaps against 8.3 s of
+  timed steps on 2 ranks with streaming). Validation and the bench's own bookkeeping after each
+  step (progress file, the ``--budget`` agreement) are outside. The first step of the run starts at
+  ``on_train_batch_start``. The runner skips the first ``warmup`` steps.
 * ``compute_times``: after training, every rank replays a few of the batches it trained on through
   ``training_step`` + ``backward`` + ``optimizer.step`` on the *unwrapped* LightningModule (no DDP
   reducer, no comm hook, so no communication at all), all ranks at once after a barrier so the CPU
@@ -22,7 +28,7 @@ What it measures (written to ``<run_dir>/rank<G>.json``):
 * ``engine_window``: the change of ``strategy.engine.totals()`` over the measured steps (lightning_gc
   methods), ``powersgd_numel_window``: the change of PowerSGD's reduced element count.
 * ``evals``: the task metric after each validation, with the training time (sum of step times) at
-  that point.
+  that point, validation excluded.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
         def __init__(self) -> None:
             self.step = 0
             self.t0 = 0.0
+            self.t_ready: float | None = None  # end of the previous step's bookkeeping, or of a validation
             self.train_time = 0.0
             self.step_times: list[float] = []
             self.evals: list[dict] = []
@@ -162,7 +169,8 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
                 self.tx_t0 = time.monotonic()
                 self.engine_start = self._engine(trainer)
                 self.psgd_start = self._psgd(trainer)
-            self.t0 = time.perf_counter()
+            now = time.perf_counter()
+            self.t0 = now if self.t_ready is None else self.t_ready  # the time between steps is training time
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if (self.step + 1) % int(cfg["eval_every"]) == 0 or self.step + 1 == cfg["steps"]:
@@ -187,8 +195,10 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             self._note(step=self.step, dt=dt)
             if self.budget_s is not None and self.window_open:  # after at least one measured step
                 self._maybe_stop(trainer, over_budget=self.train_time >= self.budget_s, reached=False)
+            self.t_ready = time.perf_counter()
 
         def on_validation_start(self, trainer, pl_module) -> None:
+            self.t_ready = None  # the time from here to the validation's end is not training time
             if self.window_open:
                 self.tx_val_start = self._tx()
 
@@ -204,6 +214,7 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
 
                 reached = meets_target(value, cfg.get("target_value"), cfg.get("mode"))
                 self._maybe_stop(trainer, over_budget=False, reached=reached)
+            self.t_ready = time.perf_counter()
 
         def on_train_end(self, trainer, pl_module) -> None:
             model = trainer.strategy.model
