@@ -8,9 +8,10 @@ Factors (docs/concepts.md keeps the table of what works and what is refused, and
     controller  none, shadow, rollback      (AdaptiveRatio)
     accumulate  1, 2                        (accumulate_grad_batches)
     precision   32-true, bf16-mixed
+    optimizer   sgd, adamw_clip             (momentum SGD; AdamW with gradient_clip_val=0.5, by norm)
     resume      fresh, resumed              (checkpoint at step 4 of 8, resumed to 8)
 
-The full product is 1944 runs; the cases are an all-pairs design (every pair of values of any two
+The full product is 3888 runs; the cases are an all-pairs design (every pair of values of any two
 factors appears in at least one case; :func:`all_pairs`, greedy and deterministic) plus the full
 product of the factors that carry state across steps (controller × sync × plan × resume).
 
@@ -38,6 +39,7 @@ FACTORS: dict[str, tuple] = {
     "controller": ("none", "shadow", "rollback"),
     "accumulate": (1, 2),
     "precision": ("32-true", "bf16-mixed"),
+    "optimizer": ("sgd", "adamw_clip"),
     "resume": ("fresh", "resumed"),
 }
 STATEFUL = ("controller", "sync", "plan", "resume")
@@ -172,6 +174,11 @@ def _fit(case: dict[str, Any], tmp: str, max_steps: int, ckpt_path: str | None, 
             self.net = torch.nn.Sequential(torch.nn.Linear(16, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32),
                                            torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
+        def configure_optimizers(self):
+            if case["optimizer"] == "adamw_clip":
+                return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+            return super().configure_optimizers()
+
     # RESUME_AT optimizer steps per epoch: the checkpoint is written at the end of epoch 0 (a resume
     # from the middle of an epoch would replay a different data order with a plain DataLoader)
     callbacks = _callbacks(case)
@@ -191,6 +198,7 @@ def _fit(case: dict[str, Any], tmp: str, max_steps: int, ckpt_path: str | None, 
     model = Model()
     trainer = L.Trainer(
         strategy=_strategy(case), accelerator="cpu", devices=2, precision=case["precision"],
+        gradient_clip_val=0.5 if case["optimizer"] == "adamw_clip" else None,
         accumulate_grad_batches=case["accumulate"], max_epochs=max_steps // RESUME_AT, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=save_at is not None, default_root_dir=tmp,
         callbacks=callbacks, num_sanity_val_steps=0)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..compressors.base import Compressor
 from ..compressors.gradiveq.exchange import GradiVeQExchange, GradiVeQRingExchange
+from ..compressors.lowrank.exchange import LowRankExchange
 from ..compressors.marsit.exchange import MarsitExchange
 from .artopk import ARTopkExchange, AutoSparseExchange
 from .exchange import (
@@ -68,6 +69,7 @@ _FORMAT_WORDS = {
     "artopk_auto": "AR-Topk payloads on a collective chosen by the cost model",
     "marsit": "packed sign bits merged hop by hop along a ring",
     "gradiveq": "GradiVeQ PCA coefficients summed in the compressed domain (QSGD on sample steps)",
+    "lowrank": "rank-r factors P and Q of each gradient matrix, in two allreduces with an orthogonalisation between",
 }
 # what collective="auto" means for each wire format
 _DEFAULT_FOR_FORMAT: dict[str, str] = {}
@@ -108,6 +110,9 @@ for _entry, _default in [
      ("gradiveq",)),
     (ExchangeEntry("gradiveq_allreduce", GradiVeQExchange, _plain(GradiVeQExchange),
                    "GradiVeQ, simple path: compress all, backend allreduce of the coefficients, decompress"), ()),
+    (ExchangeEntry("lowrank", LowRankExchange, _plain(LowRankExchange),
+                   "PowerSGD family: allreduce of P = M·Q (with the small tensors), orthogonalise, allreduce of Q = Mᵀ·P̂"),
+     ("lowrank",)),
 ]:
     register_exchange(_entry, _default)
 

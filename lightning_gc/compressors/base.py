@@ -19,7 +19,9 @@ Two wire formats exist, and each compressor declares which one it speaks:
 
 Other formats name an exchange family that needs more than one collective (``"artopk"``,
 ``"artopk_auto"``: broadcast of indices, then allreduce; ``"marsit"``: a P2P ring that merges sign
-bits hop by hop, :mod:`lightning_gc.compressors.marsit.exchange`); only their own exchanges can carry them.
+bits hop by hop, :mod:`lightning_gc.compressors.marsit.exchange`; ``"lowrank"``: PowerSGD's two
+allreduces with an orthogonalisation between them, :mod:`lightning_gc.compressors.lowrank.exchange`);
+only their own exchanges can carry them.
 
 Randomness: ``ctx.shared_generator()`` returns a generator whose state is a pure function of
 ``(seed, step, group)`` and therefore identical on every rank (RandomK's indices);
@@ -40,7 +42,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-WireFormat = Literal["allreduce", "allgather", "artopk", "artopk_auto", "marsit", "gradiveq"]
+WireFormat = Literal["allreduce", "allgather", "artopk", "artopk_auto", "marsit", "gradiveq", "lowrank"]
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant for seed mixing
 

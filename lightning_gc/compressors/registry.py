@@ -16,6 +16,7 @@ from .base import Compressor
 from .cast import BF16Compressor, CastConfig, FP16Compressor
 from .dense import DenseCompressor, DenseConfig
 from .gradiveq import GradiVeQCompressor, GradiVeQConfig
+from .lowrank import LowRankCompressor, LowRankConfig
 from .lwtopk import LWTopKCompressor, LWTopKConfig
 from .marsit import MarsitCompressor, MarsitConfig
 from .mstopk import MSTopKCompressor, MSTopKConfig
@@ -53,6 +54,8 @@ _ENTRIES = [
                     "1-bit signs merged without bias along a P2P ring, global compensation, full precision every K"),
     CompressorEntry("gradiveq", GradiVeQConfig, GradiVeQCompressor,
                     "PCA per slice (GradiVeQ), coefficients summed in the compressed domain along a ring"),
+    CompressorEntry("lowrank", LowRankConfig, LowRankCompressor,
+                    "rank-r factors of each gradient matrix (PowerSGD family), two allreduces, warm start"),
     CompressorEntry("star_topk", ARTopKConfig, STARTopKCompressor,
                     "AR-Topk, round-robin source broadcasts indices, values by allreduce", (("selection", "star"),)),
     CompressorEntry("var_topk", ARTopKConfig, VARTopKCompressor,

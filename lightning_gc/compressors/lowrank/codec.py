@@ -1,0 +1,142 @@
+"""PowerSGD-family low-rank compression (Vogels et al., NeurIPS 2019), the pure tensor math.
+
+Why it exists. torch's ``powerSGD_hook`` is what users pick today when bandwidth is short; it is
+a DDP hook, so it cannot take part in lightning_gc's decisions (plans, OSP, DiLoCo, a run-time
+choice between methods, byte accounting). This is the same family inside the engine: one
+compressor, ``compressor="lowrank"``, with error feedback and warm start, on its own exchange.
+
+The method, per gradient tensor reshaped to a matrix ``M`` (``n × m``: the first dimension by
+the product of the others, as torch's hook does), with a rank ``r`` and a matrix ``Q`` (``m × r``)
+kept from the previous step (warm start):
+
+1. ``P = M·Q`` on every rank; **allreduce** the ``P`` of all matrices (with the group's small
+   tensors, which travel dense in the same message);
+2. ``P̂ = orthonormal basis of ΣP`` (``torch.linalg.qr``; computed on every rank from the same
+   sum, so identical);
+3. ``Q = Mᵀ·P̂`` on every rank; **allreduce** the ``Q`` of all matrices; divide by N;
+4. the aggregated gradient is ``M̂ = P̂·Q̄ᵀ`` (= ``P̂·P̂ᵀ·M̄``, the mean gradient projected onto the
+   column space of ``P̂``), and ``Q̄`` is kept for the next step.
+
+One power-iteration step per training step; with warm start, ``Q`` tracks the dominant subspace
+across steps (the paper's Algorithm 1). Bytes per matrix: ``(n + m)·r`` floats against ``n·m``.
+
+Decisions where the paper and torch's hook leave room (docs/compressors.md, lowrank):
+
+* **Error feedback** keeps ``e = M − P̂·P̂ᵀ·M`` per rank — the part of *this rank's* ``M`` outside
+  the agreed subspace, which is what the paper's Algorithm 2 writes as ``Δ − DECOMPRESS(C(Δ))``
+  for the local ``Q = Mᵀ·P̂``. torch's hook keeps ``M − P̂·Q̄ᵀ`` instead (the local input minus
+  the *global* approximation). Both leave the same mean error across ranks; the local form is
+  orthogonal to ``P̂`` and never larger than ``M``, while the global form also carries each rank's
+  deviation from the mean, a running sum of gradient noise (the mechanism measured for Marsit in
+  docs/compressors.md). The engine's conservation law then holds per rank: what was not sent is
+  exactly what is remembered.
+* **Which tensors are compressed**: a tensor with two or more dimensions whose matrix ``n × m``
+  satisfies ``r < min(n, m)`` and ``n·m ≥ min_compression_rate·(n + m)·r`` (torch's rule, default
+  2); every other tensor (biases, norms, small matrices) is sent dense in fp32 with the first
+  allreduce, exactly, without error memory.
+* **Initial Q**: standard normal from a generator shared by all ranks (the strategy's seed and the
+  parameter's position), as torch does; not orthogonalised (``P̂`` is).
+* **Warm start state** (``Q̄`` per compressed tensor) is keyed by the parameter's name and shape,
+  so a new merge plan keeps it; it is in checkpoints (the exchange's state) and is only updated when
+  ``Q̄`` is finite on the step (a non-finite gradient is skipped by the engine; the subspace it
+  would have produced is not kept).
+
+Tuning. ``rank`` (r): 1 sends the least and converges slowest; the paper's accuracy matched SGD at
+r = 2 to 4 on its image and language models. ``min_compression_rate``: raise it to send more
+tensors dense. ``warm_start=False`` draws a fresh Q every step (the paper's ablation: worse).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class LowRankConfig:
+    """Options of the low-rank (PowerSGD-family) compressor.
+
+    Attributes:
+        rank: r, the rank of each compressed matrix's approximation (≥ 1). Typical 1–4.
+        min_compression_rate: compress a matrix ``n × m`` only if ``n·m ≥ rate·(n + m)·r``; the
+            others are sent dense (torch's rule, default 2).
+        warm_start: reuse the previous step's ``Q̄`` (True, the paper's method) or draw a fresh one.
+    """
+
+    rank: int = 2
+    min_compression_rate: float = 2.0
+    warm_start: bool = True
+
+    def __post_init__(self) -> None:
+        r = self.rank
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(
+                f"rank={r!r} is invalid: it is the rank of each gradient matrix's low-rank approximation and "
+                "must be an integer ≥ 1. Use e.g. rank=2 (1 sends the least, 4 is closer to dense)."
+            )
+        rate = self.min_compression_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate < 1.0:
+            raise ValueError(
+                f"min_compression_rate={rate!r} is invalid: a matrix n×m is compressed only if n·m ≥ rate·(n+m)·r, "
+                "so the rate must be a finite number ≥ 1 (1: compress whenever it saves bytes). Default 2."
+            )
+        if not isinstance(self.warm_start, bool):
+            raise ValueError(f"warm_start={self.warm_start!r} must be True or False.")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One tensor of a group: where it lies in the flat gradient and how it travels."""
+
+    index: int  # position of the tensor in the group
+    offset: int
+    numel: int
+    rows: int  # n (0: sent dense)
+    cols: int  # m
+
+    @property
+    def compressed(self) -> bool:
+        return self.rows > 0
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(n, m)`` of a tensor seen as a matrix: first dimension by the rest (None below 2-D)."""
+    if len(shape) < 2:
+        return None
+    n = int(shape[0])
+    return n, int(math.prod(shape[1:]))
+
+
+def plan_blocks(segments: tuple[int, ...], shapes: tuple[tuple[int, ...], ...], config: LowRankConfig) -> list[Block]:
+    """Which tensors of a group are compressed (see the module docstring), with their offsets.
+
+    Without shapes (a caller that knows only the flat group) every tensor is sent dense."""
+    blocks, offset = [], 0
+    for i, numel in enumerate(segments):
+        nm = matrix_shape(shapes[i]) if i < len(shapes) else None
+        rows = cols = 0
+        if nm is not None:
+            n, m = nm
+            r = config.rank
+            if r < min(n, m) and n * m >= config.min_compression_rate * (n + m) * r:
+                rows, cols = n, m
+        blocks.append(Block(i, offset, numel, rows, cols))
+        offset += numel
+    return blocks
+
+
+def initial_q(cols: int, rank: int, generator: torch.Generator, device: torch.device) -> Tensor:
+    """A standard normal ``m × r`` start (identical on every rank for a shared generator)."""
+    return torch.randn(cols, rank, generator=generator, dtype=torch.float32, device=device)
+
+
+def orthonormal(p: Tensor) -> Tensor:
+    """Orthonormal basis of the columns of ``p`` (``n × r``), by a reduced QR (LAPACK).
+
+    A column that is zero (a zero gradient) gives a zero or arbitrary unit column; either way
+    ``P̂·P̂ᵀ·M`` stays the projection of ``M`` onto a space that contains ``span(p)``."""
+    q, _ = torch.linalg.qr(p, mode="reduced")
+    return q

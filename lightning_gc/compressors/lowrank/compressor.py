@@ -1,0 +1,88 @@
+"""The low-rank compressor: which tensors are compressed, and a single-rank compress/decompress.
+
+The distributed method (two allreduces, warm start, error feedback) is the ``lowrank`` exchange
+in :mod:`.exchange`; the math and the decisions are in :mod:`.codec`. ``compress`` here is the
+one-rank version of the same projection — ``P̂ = orth(M·Q₀)``, ``Q = Mᵀ·P̂`` with a fresh shared
+``Q₀`` — used by the codec micro-benchmark and to state what a payload stands for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..base import Compressed, Compressor, GroupContext
+from .codec import Block, LowRankConfig, initial_q, orthonormal, plan_blocks
+
+
+class LowRankCompressor(Compressor):
+    """PowerSGD-family rank-r compression of every large enough gradient matrix (see :mod:`.codec`).
+
+    Payload of :meth:`compress`: ``(dense, P̂, Q)`` — the dense tensors' values, then every
+    compressed matrix's ``P̂`` (n·r) and ``Q`` (m·r), flattened in tensor order. Only the
+    ``lowrank`` exchange carries it (two allreduces with an orthogonalisation between them).
+    """
+
+    name = "lowrank"
+    wire_format = "lowrank"
+    default_error_feedback = True
+    wire_description = ("rank-r factors P (n×r) and Q (m×r) of every large gradient matrix, in two allreduces; "
+                        "small tensors dense")
+
+    def __init__(self, config: LowRankConfig | None = None) -> None:
+        self.config = config or LowRankConfig()
+
+    @property
+    def payload_fraction(self) -> float:
+        """Not known without the shapes; the exchange counts the exact bytes. An estimate for a
+        square 512×512 matrix: (n + m)·r / (n·m)."""
+        return min(1.0, 2 * 512 * self.config.rank / 512 ** 2)
+
+    def blocks(self, ctx: GroupContext) -> list[Block]:
+        return plan_blocks(ctx.segments, ctx.shapes, self.config)
+
+    def start_q(self, ctx: GroupContext, block: Block) -> Tensor:
+        """A fresh ``Q`` for ``block``: shared by every rank (seed, step, group, tensor)."""
+        return initial_q(block.cols, self.config.rank, ctx.shared_generator(salt=block.index + 1), ctx.device)
+
+    def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
+        blocks = self.blocks(ctx)
+        dense = [x[b.offset:b.offset + b.numel] for b in blocks if not b.compressed]
+        ps, qs = [], []
+        for b in blocks:
+            if not b.compressed:
+                continue
+            m = x[b.offset:b.offset + b.numel].view(b.rows, b.cols).float()
+            p_hat = orthonormal(m @ self.start_q(ctx, b))
+            ps.append(p_hat.reshape(-1))
+            qs.append((m.t() @ p_hat).reshape(-1))
+        return Compressed((_cat(dense, x.dtype, x.device), _cat(ps, torch.float32, x.device),
+                           _cat(qs, torch.float32, x.device)), meta=(x.dtype, blocks))
+
+    def decompress(self, payload: tuple[Tensor, ...], meta: Any, ctx: GroupContext) -> Tensor:
+        dtype, blocks = meta
+        dense, ps, qs = payload
+        out = torch.empty(ctx.numel, dtype=dtype, device=dense.device)
+        d = pq = q_off = 0
+        r = self.config.rank
+        for b in blocks:
+            if not b.compressed:
+                out[b.offset:b.offset + b.numel] = dense[d:d + b.numel]
+                d += b.numel
+                continue
+            p_hat = ps[pq:pq + b.rows * r].view(b.rows, r)
+            q = qs[q_off:q_off + b.cols * r].view(b.cols, r)
+            out[b.offset:b.offset + b.numel] = (p_hat @ q.t()).reshape(-1).to(dtype)
+            pq += b.rows * r
+            q_off += b.cols * r
+        return out
+
+    def describe(self) -> str:
+        c = self.config
+        return f"{self.name}(rank={c.rank},min_rate={c.min_compression_rate},warm={c.warm_start})"
+
+
+def _cat(tensors: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.cat(tensors) if tensors else torch.zeros(0, dtype=dtype, device=device)

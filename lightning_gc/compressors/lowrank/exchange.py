@@ -1,0 +1,127 @@
+"""The ``lowrank`` exchange: PowerSGD's two allreduces with warm start (see :mod:`.codec`).
+
+Per group, on the engine's worker thread (so it overlaps the rest of backward like every other
+exchange): ``P = M·Q`` for every compressed matrix, one allreduce of the dense tensors (divided by
+N first, DDP's numerics) and all ``P`` together; ``P̂ = orth(ΣP)``; ``Q = Mᵀ·P̂``; one allreduce of
+all ``Q`` together; ``M̂ = P̂·Q̄ᵀ``. Every size follows from the group's shapes and the rank, so
+every rank issues the same collectives. ``sent`` (what error feedback subtracts) is the dense
+tensors exactly and, for a matrix, this rank's own projection ``P̂·(Mᵀ·P̂)ᵀ``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...comm.collectives import allreduce
+from ...comm.exchange import Exchange, Timer
+from ...comm.network import NetworkState
+from ..base import GroupContext
+from .codec import Block, orthonormal
+from .compressor import LowRankCompressor
+
+
+class LowRankExchange(Exchange):
+    """PowerSGD-family exchange; the compressor must be a :class:`LowRankCompressor`."""
+
+    name = "lowrank"
+    formats = frozenset({"lowrank"})
+
+    def __init__(self, compressor: LowRankCompressor, group=None, network: NetworkState | None = None) -> None:
+        if not isinstance(compressor, LowRankCompressor):
+            raise ValueError(
+                f"collective={self.name!r} runs the low-rank (PowerSGD) exchange and needs compressor='lowrank', "
+                f"got {getattr(compressor, 'name', compressor)!r}."
+            )
+        super().__init__(compressor, group, network)
+        self.compressor: LowRankCompressor = compressor
+        self._q: dict[str, Tensor] = {}  # warm start: Q̄ of the previous step per compressed tensor
+
+    @staticmethod
+    def _key(ctx: GroupContext, b: Block) -> str:
+        where = ctx.names[b.index] if b.index < len(ctx.names) else f"group{ctx.group_id}/{b.index}"
+        return f"{where}:{b.rows}x{b.cols}"
+
+    def _start(self, ctx: GroupContext, b: Block) -> Tensor:
+        if self.compressor.config.warm_start:
+            q = self._q.get(self._key(ctx, b))
+            if q is not None and q.shape == (b.cols, self.compressor.config.rank):
+                return q.to(ctx.device)
+        return self.compressor.start_q(ctx, b)
+
+    def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor]:
+        n = ctx.world_size
+        if n == 1:
+            return p.clone(), p
+        blocks = self.compressor.blocks(ctx)
+        mats = [b for b in blocks if b.compressed]
+        dense = [b for b in blocks if not b.compressed]
+        r = self.compressor.config.rank
+
+        def first() -> tuple[Tensor, list[Tensor], list[Tensor]]:
+            ms = [p[b.offset:b.offset + b.numel].view(b.rows, b.cols).float() for b in mats]
+            ps = [m @ self._start(ctx, b) for m, b in zip(ms, mats)]
+            parts = [p[b.offset:b.offset + b.numel].float() for b in dense] + [x.reshape(-1) for x in ps]
+            buf = torch.cat(parts) if parts else torch.zeros(0, device=p.device)
+            nd = sum(b.numel for b in dense)
+            buf[:nd].div_(n)  # DDP's numerics for the dense tensors: the sum of g / N
+            return buf, ms, ps
+
+        buf1, ms, ps = timer.run("compress", first)
+        timer.times.bytes_payload += buf1.numel() * buf1.element_size()
+        timer.times.bytes_sent += timer.run("comm", lambda: allreduce([buf1], self.group))
+
+        def second() -> tuple[Tensor, list[Tensor], list[Tensor]]:
+            off = sum(b.numel for b in dense)
+            p_hats, q_locals = [], []
+            for m, b in zip(ms, mats):
+                p_sum = buf1[off:off + b.rows * r].view(b.rows, r)
+                off += b.rows * r
+                p_hat = orthonormal(p_sum)
+                p_hats.append(p_hat)
+                q_locals.append(m.t() @ p_hat)
+            buf = torch.cat([q.reshape(-1) for q in q_locals]) if q_locals else torch.zeros(0, device=p.device)
+            return buf, p_hats, q_locals
+
+        buf2, p_hats, q_locals = timer.run("compress", second)
+        sent_q = buf2.clone()  # this rank's own Q = Mᵀ·P̂ (error feedback)
+        timer.times.bytes_payload += buf2.numel() * buf2.element_size()
+        timer.times.bytes_sent += timer.run("comm", lambda: allreduce([buf2], self.group))
+
+        def finish() -> tuple[Tensor, Tensor]:
+            buf2.div_(n)
+            mean = torch.empty_like(p)
+            sent = torch.empty_like(p)
+            off = 0
+            for b in dense:
+                mean[b.offset:b.offset + b.numel] = buf1[off:off + b.numel]
+                sent[b.offset:b.offset + b.numel] = p[b.offset:b.offset + b.numel]
+                off += b.numel
+            keep = bool(torch.isfinite(buf2).all())  # replicated: buf2 is the same sum on every rank
+            off = 0
+            for b, p_hat in zip(mats, p_hats):
+                q_mean = buf2[off:off + b.cols * r].view(b.cols, r)
+                q_own = sent_q[off:off + b.cols * r].view(b.cols, r)
+                off += b.cols * r
+                mean[b.offset:b.offset + b.numel] = (p_hat @ q_mean.t()).reshape(-1)
+                sent[b.offset:b.offset + b.numel] = (p_hat @ q_own.t()).reshape(-1)
+                if keep and self.compressor.config.warm_start:
+                    self._q[self._key(ctx, b)] = q_mean.clone()
+            return mean, sent
+
+        return timer.run("compress", finish)
+
+    def describe(self) -> str:
+        return f"{self.name}:{self.compressor.describe()}"
+
+    def state_dict(self) -> dict:
+        """The warm-start ``Q̄`` per compressed tensor (CPU), replicated on every rank. Present (if
+        empty) from the start with warm start on: the exchange remembers earlier steps, which is
+        what OMGS's refusal of stateful exchanges reads."""
+        if not self.compressor.config.warm_start:
+            return {}
+        return {"lowrank_q": {k: q.detach().cpu().clone() for k, q in self._q.items()}}
+
+    def load_state_dict(self, state: dict, world_size: int | None = None) -> None:
+        """Restore :meth:`state_dict` (``Q̄`` does not depend on the number of ranks)."""
+        self._q = {k: torch.as_tensor(q, dtype=torch.float32).clone() for k, q in (state.get("lowrank_q") or {}).items()}

@@ -1,0 +1,296 @@
+"""The low-rank (PowerSGD-family) compressor and exchange: oracles on spawned gloo ranks.
+
+Oracles, none of them the code under test:
+
+* the projection is computed by hand — Gram-Schmidt in float64 for ``P̂`` (not ``torch.linalg.qr``;
+  a basis differs from QR's by column signs, which the projection ``P̂·P̂ᵀ`` does not see), the
+  mean of every rank's matrix, ``P̂·P̂ᵀ·M̄`` for the aggregate and ``P̂·P̂ᵀ·M_r`` for what rank r
+  sent; small tensors must arrive as the exact mean;
+* warm-started power iteration on a fixed mean matrix must reach the best rank-r approximation
+  (Eckart–Young: the truncated SVD's error), and the engine's gradient and error memory over
+  several steps must follow the hand-written PowerSGD recursion from every rank's gradients;
+* a matrix of rank ≤ r is reproduced exactly by the one-rank compress/decompress.
+
+Rank-dependent inputs differ in size and direction, so a missing reduction or a rank that wins by
+every measure shows.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from dist_harness import gather_all, run_distributed
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_gc.comm.exchange import ExchangeTimes, Timer
+from lightning_gc.comm.registry import make_exchange, validate_collective
+from lightning_gc.compressors import GroupContext, build_compressor
+from lightning_gc.compressors.lowrank import LowRankConfig, LowRankExchange, plan_blocks
+from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
+
+RANK = 2
+# a group: a 12×10 matrix (compressed), a bias, a 3×2 matrix (too small: dense), a 10×3×3 conv
+# kernel (10×9, compressed), a 6×3×3 kernel (6×9: 54 < 2·15·2 = 60, dense)
+SHAPES = [(12, 10), (7,), (3, 2), (10, 3, 3), (6, 3, 3)]
+COMPRESSED = {0: (12, 10), 3: (10, 9)}
+NAMES = tuple(f"t{i}" for i in range(len(SHAPES)))
+
+
+def _numel(shape):
+    return int(torch.Size(shape).numel())
+
+
+def _gram_schmidt(p: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns of ``p`` (float64, modified Gram-Schmidt)."""
+    q = p.double().clone()
+    for j in range(q.shape[1]):
+        for i in range(j):
+            q[:, j] -= (q[:, i] @ q[:, j]) * q[:, i]
+        q[:, j] /= q[:, j].norm()
+    return q
+
+
+def _ctx(rank: int, ws: int, step: int = 0) -> GroupContext:
+    return GroupContext(step=step, rank=rank, world_size=ws, segments=tuple(_numel(s) for s in SHAPES), seed=5,
+                        shapes=tuple(SHAPES), names=NAMES)
+
+
+def _grads(rank: int, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return [torch.randn(s, generator=g) * (1.0, 2.5, 0.4)[(rank + step) % 3] for s in SHAPES]
+
+
+def _q0(cols: int, salt: int) -> torch.Tensor:
+    return torch.randn(cols, RANK, generator=torch.Generator().manual_seed(77 + salt))
+
+
+def _exchange(rank: int, ws: int, warm_start: bool = True) -> LowRankExchange:
+    comp = build_compressor("lowrank", args=dict(rank=RANK, warm_start=warm_start))
+    ex = make_exchange(comp, collective="lowrank")
+    assert isinstance(ex, LowRankExchange)
+    # the starting Q is set by the test, so the reference knows it
+    ex.load_state_dict({"lowrank_q": {f"t{i}:{n}x{m}": _q0(m, i) for i, (n, m) in COMPRESSED.items()}})
+    return ex
+
+
+def _run(ex, p, ctx):
+    times = ExchangeTimes()
+    mean, sent = ex.run(p, ctx, Timer(p.device, times))
+    return mean, sent, times
+
+
+def _exchange_scenarios(rank: int, ws: int) -> dict:
+    out = {}
+    # one step from a known Q, every rank's input gathered for the reference
+    ex = _exchange(rank, ws)
+    p = torch.cat([g.reshape(-1) for g in _grads(rank, 0)])
+    mean, sent, times = _run(ex, p, _ctx(rank, ws))
+    out["one"] = dict(p_all=gather_all(p, ws), mean=mean, sent=sent, bytes_payload=times.bytes_payload,
+                      q=ex.state_dict()["lowrank_q"])
+    # warm-started power iteration on a fixed mean: M_r = A + (r − (N−1)/2)·B, so M̄ = A exactly
+    g = torch.Generator().manual_seed(3)
+    u, _ = torch.linalg.qr(torch.randn(12, 10, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(10, 10, generator=g))
+    a = u @ torch.diag(torch.tensor([10.0, 6.0, 1.0, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01])) @ v.t()
+    b = torch.randn(12, 10, generator=g)
+    mats = [a + (rank - (ws - 1) / 2) * b] + [torch.zeros(s) for s in SHAPES[1:]]
+    p = torch.cat([m.reshape(-1) for m in mats])
+    errors = {}
+    for warm in (True, False):
+        ex = _exchange(rank, ws, warm_start=warm)
+        for step in range(20):
+            mean, _, _ = _run(ex, p, _ctx(rank, ws, step))
+        errors[warm] = float((mean[:120].view(12, 10) - a).norm())
+    out["power"] = dict(a=a, errors=errors, warm_state=_exchange(rank, ws, True).state_dict(),
+                        cold_state=_exchange(rank, ws, False).state_dict())
+    # a non-finite input on one rank: every rank gets a non-finite mean, the warm start keeps the old Q
+    ex = _exchange(rank, ws)
+    before = ex.state_dict()["lowrank_q"]
+    p = torch.cat([g.reshape(-1) for g in _grads(rank, 1)])
+    if rank == ws - 1:
+        p[5] = float("nan")
+    mean, _, _ = _run(ex, p, _ctx(rank, ws, 1))
+    out["nan"] = dict(finite=bool(torch.isfinite(mean).all()), kept=all(
+        torch.equal(before[k], v) for k, v in ex.state_dict()["lowrank_q"].items()))
+    return out
+
+
+_RUNS: dict[int, list] = {}
+
+
+@pytest.fixture(params=[2, 3], ids=lambda ws: f"ws{ws}")
+def exchange_runs(request):
+    if request.param not in _RUNS:
+        _RUNS[request.param] = run_distributed(_exchange_scenarios, request.param, timeout=240)
+    return _RUNS[request.param]
+
+
+def _split(flat: torch.Tensor) -> list[torch.Tensor]:
+    out, off = [], 0
+    for s in SHAPES:
+        out.append(flat[off:off + _numel(s)])
+        off += _numel(s)
+    return out
+
+
+def test_one_step_is_the_projection_of_the_mean_onto_the_agreed_subspace(exchange_runs):
+    ws = len(exchange_runs)
+    one = exchange_runs[0]["one"]
+    inputs = [_split(p) for p in one["p_all"]]
+    want_bytes = 4 * (sum(_numel(s) for i, s in enumerate(SHAPES) if i not in COMPRESSED)
+                      + sum((n + m) * RANK for n, m in COMPRESSED.values()))
+    for r, res in enumerate(x["one"] for x in exchange_runs):
+        assert torch.equal(res["mean"], one["mean"]), f"rank {r} got another mean"
+        mean, sent = _split(res["mean"]), _split(res["sent"])
+        assert res["bytes_payload"] == want_bytes
+        for i in range(len(SHAPES)):
+            ms = [inp[i].double() for inp in inputs]
+            avg = sum(ms) / ws
+            if i not in COMPRESSED:  # dense: the exact mean arrives, and this rank sent itself
+                torch.testing.assert_close(mean[i].double(), avg, rtol=1e-6, atol=1e-7)
+                assert torch.equal(sent[i], inputs[r][i])
+                continue
+            n, m = COMPRESSED[i]
+            p_sum = sum(x.view(n, m) @ _q0(m, i).double() for x in ms)
+            basis = _gram_schmidt(p_sum)
+            proj = basis @ basis.t()
+            torch.testing.assert_close(mean[i].double().view(n, m), proj @ avg.view(n, m), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(sent[i].double().view(n, m), proj @ ms[r].view(n, m), rtol=1e-5, atol=1e-5)
+            # the warm start keeps Q̄ = M̄ᵀ·P̂ (up to column signs: compare Q̄·Q̄ᵀ)
+            q = res["q"][f"t{i}:{n}x{m}"].double()
+            q_ref = avg.view(n, m).t() @ basis
+            torch.testing.assert_close(q @ q.t(), q_ref @ q_ref.t(), rtol=1e-4, atol=1e-5)
+        # conservation: the mean is the mean of what the ranks sent
+    sents = [x["one"]["sent"].double() for x in exchange_runs]
+    torch.testing.assert_close(sum(sents) / ws, one["mean"].double(), rtol=1e-5, atol=1e-6)
+
+
+def test_warm_started_power_iteration_reaches_the_best_rank_r_approximation(exchange_runs):
+    """Eckart–Young: no rank-2 matrix is closer to M̄ than its truncated SVD, whose error is
+    √(Σ_{i>2} σᵢ²). Warm start converges to it; a fresh Q each step does not."""
+    res = exchange_runs[0]["power"]
+    s = torch.linalg.svdvals(res["a"].double())
+    best = float(s[RANK:].pow(2).sum().sqrt())
+    assert res["errors"][True] == pytest.approx(best, rel=1e-3)
+    assert res["errors"][False] > 1.05 * best
+    assert all(x["power"]["errors"] == res["errors"] for x in exchange_runs)
+    assert res["warm_state"]["lowrank_q"] and res["cold_state"] == {}  # no state without warm start
+
+
+def test_a_non_finite_input_reaches_every_rank_and_keeps_the_warm_start(exchange_runs):
+    for x in exchange_runs:
+        assert x["nan"] == {"finite": False, "kept": True}
+
+
+def test_which_tensors_are_compressed_follows_the_size_rule():
+    blocks = plan_blocks(tuple(_numel(s) for s in SHAPES), tuple(SHAPES), LowRankConfig(rank=RANK))
+    assert [(b.rows, b.cols) for b in blocks] == [(12, 10), (0, 0), (0, 0), (10, 9), (0, 0)]
+    assert [b.offset for b in blocks] == [0, 120, 127, 133, 223]
+    # rate 1: compress whenever (n+m)·r ≤ n·m — the 6×9 kernel now too
+    loose = plan_blocks(tuple(_numel(s) for s in SHAPES), tuple(SHAPES), LowRankConfig(rank=RANK, min_compression_rate=1))
+    assert [b.compressed for b in loose] == [True, False, False, True, True]
+    # rank ≥ min(n, m): never compressed; no shapes: all dense
+    assert not plan_blocks((12,), ((3, 4),), LowRankConfig(rank=3))[0].compressed
+    assert not any(b.compressed for b in plan_blocks((120,), (), LowRankConfig()))
+
+
+def test_one_rank_compress_reproduces_a_matrix_of_rank_at_most_r():
+    comp = build_compressor("lowrank", args=dict(rank=RANK))
+    g = torch.Generator().manual_seed(1)
+    low = torch.randn(12, 2, generator=g) @ torch.randn(2, 10, generator=g)  # rank 2
+    parts = [low] + [torch.randn(s, generator=g) for s in SHAPES[1:]]
+    x = torch.cat([t.reshape(-1) for t in parts])
+    ctx = _ctx(0, 1)
+    c = comp.compress(x, ctx)
+    y = comp.decompress(c.payload, c.meta, ctx)
+    torch.testing.assert_close(y[:120], x[:120], rtol=1e-5, atol=1e-5)  # rank 2 kept whole
+    torch.testing.assert_close(y[120:133], x[120:133])  # dense tensors exact
+    conv = x[133:223].view(10, 9)
+    assert float((y[133:223].view(10, 9) - conv).norm()) > 0.1 * float(conv.norm())  # full rank: lossy
+    assert c.nbytes == 4 * (13 + 54 + (12 + 10) * 2 + (10 + 9) * 2)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(rank=0), "rank=0 is invalid"),
+    (dict(rank=1.5), "rank=1.5 is invalid"),
+    (dict(min_compression_rate=0.5), "min_compression_rate=0.5 is invalid"),
+    (dict(warm_start="yes"), "warm_start='yes'"),
+])
+def test_config_refuses_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LowRankConfig(**kwargs)
+
+
+def test_only_its_own_exchange_carries_it():
+    comp = build_compressor("lowrank")
+    assert validate_collective(comp, "auto") == "lowrank"
+    with pytest.raises(ValueError, match="lowrank"):
+        validate_collective(comp, "allgather")
+    with pytest.raises(ValueError, match="needs compressor='lowrank'"):
+        LowRankExchange(build_compressor("topk", ratio=0.1))
+
+
+# ---------------------------------------------------------------- inside the engine, with error feedback
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(20, 16)  # weight 16×20: compressed at rank 2; bias dense
+        self.b = torch.nn.Linear(16, 3)  # weight 3×16: 48 < 2·19·2, dense
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _engine_run(rank: int, ws: int) -> dict:
+    model = _Net()
+    replica = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb=25)
+    engine = GCEngine(build_compressor("lowrank", args=dict(rank=RANK)),
+                      EngineConfig(warmup_steps=0, min_compress_numel=0, seed=3), list(model.named_parameters()))
+    q0 = torch.randn(20, RANK, generator=torch.Generator().manual_seed(9))
+    engine.exchange.load_state_dict({"lowrank_q": {"a.weight:16x20": q0}})
+    ddp.register_comm_hook(engine, gc_comm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = [n for n, _ in model.named_parameters()]
+    mem = {n: [torch.zeros_like(p, dtype=torch.float64) for _ in range(ws)] for n, p in model.named_parameters()}
+    q = q0.double()
+    worst_grad = worst_mem = 0.0
+    for step in range(6):
+        replica.load_state_dict(model.state_dict())
+        g = torch.Generator().manual_seed(10 * rank + step)
+        x, y = torch.randn(8, 20, generator=g) * (1 + rank), torch.randint(0, 3, (8,), generator=g)
+        replica.zero_grad()
+        torch.nn.functional.cross_entropy(replica(x), y).backward()
+        local = {n: gather_all(p.grad.detach().clone(), ws) for n, p in replica.named_parameters()}
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        for n in names:  # the hand-written PowerSGD recursion with error feedback
+            ps = [local[n][r].double() + mem[n][r] for r in range(ws)]
+            if n == "a.weight":
+                basis = _gram_schmidt(sum(m @ q for m in ps))
+                proj = basis @ basis.t()
+                ref = proj @ (sum(ps) / ws)
+                mem[n] = [m - proj @ m for m in ps]
+                q = (sum(ps) / ws).t() @ basis
+            else:
+                ref = sum(ps) / ws
+            got = dict(model.named_parameters())[n].grad.double()
+            worst_grad = max(worst_grad, float((got - ref).abs().max() / ref.abs().max()))
+        for grp in engine.plan.groups:
+            want = torch.cat([mem[n][rank].reshape(-1) for n in grp.names])
+            worst_mem = max(worst_mem, float((engine.memory[grp.gid].double().reshape(-1) - want).abs().max()))
+        opt.step()
+    return {"grad": worst_grad, "mem": worst_mem, "mem_norm": float(mem["a.weight"][rank].norm()),
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+
+
+def test_engine_gradient_and_error_memory_follow_powersgd_from_all_ranks():
+    results = run_distributed(_engine_run, 2, timeout=240)
+    for r, res in enumerate(results):
+        assert res["grad"] <= 1e-4, f"rank {r}: gradient off by {res['grad']:.3g}"
+        assert res["mem"] <= 1e-5, f"rank {r}: error memory off by {res['mem']:.3g}"
+        assert res["mem_norm"] > 1e-3  # the compression really dropped something
+    assert torch.equal(results[0]["params"], results[1]["params"])
