@@ -158,7 +158,8 @@ class GCStrategy(DDPStrategy):
         sync: ``"bsp"`` (default): every layer is synchronised before the optimizer step.
             ``"osp"``: two-stage synchronisation (docs/osp.md): the least important layers are
             updated with the local gradient and all-reduced while the next step computes, then
-            corrected (LGP). Requires ``torch.optim.SGD`` (any momentum / Nesterov / weight decay).
+            corrected (LGP). Requires ``torch.optim.SGD``, ``Adam`` or ``AdamW``; gradient clipping is
+            computed from replicated values (docs/osp.md).
             ``"diloco"``: DiLoCo (docs/diloco.md): every rank takes ``diloco_inner_steps`` local
             optimizer steps with no gradient synchronisation, then an outer step averages the
             pseudo-gradient θ_outer − θ_local through ``compressor`` (``"dense"``: exact fp32) with

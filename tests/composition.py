@@ -2,7 +2,7 @@
 
 Factors (docs/concepts.md keeps the table of what works and what is refused, and why)::
 
-    compressor  topk, star_topk, qsgd, efsignsgd, marsit, gradiveq
+    compressor  topk, star_topk, qsgd, efsignsgd, marsit, gradiveq, lowrank
     sync        bsp, osp, diloco                (diloco: H = 3, the resume point inside a round)
     plan        model, layer, omgs
     controller  none, shadow, rollback      (AdaptiveRatio)
@@ -11,9 +11,11 @@ Factors (docs/concepts.md keeps the table of what works and what is refused, and
     optimizer   sgd, adamw_clip             (momentum SGD; AdamW with gradient_clip_val=0.5, by norm)
     resume      fresh, resumed              (checkpoint at step 4 of 8, resumed to 8)
 
-The full product is 3888 runs; the cases are an all-pairs design (every pair of values of any two
+The full product is 4536 runs; the cases are an all-pairs design (every pair of values of any two
 factors appears in at least one case; :func:`all_pairs`, greedy and deterministic) plus the full
-product of the factors that carry state across steps (controller × sync × plan × resume).
+product of the factors that carry state across steps (controller × sync × plan × resume), once with
+momentum SGD and once more with AdamW + clipping under the synchronisation models that replay or
+keep optimizer state (OSP, DiLoCo).
 
 A case either (a) is refused when the Trainer is built or ``fit`` starts, with a message that
 names the value, the reason and the fix (:func:`expected_refusal` is the table), or (b) trains
@@ -33,7 +35,7 @@ import sys
 from typing import Any
 
 FACTORS: dict[str, tuple] = {
-    "compressor": ("topk", "star_topk", "qsgd", "efsignsgd", "marsit", "gradiveq"),
+    "compressor": ("topk", "star_topk", "qsgd", "efsignsgd", "marsit", "gradiveq", "lowrank"),
     "sync": ("bsp", "osp", "diloco"),
     "plan": ("model", "layer", "omgs"),
     "controller": ("none", "shadow", "rollback"),
@@ -83,7 +85,9 @@ def stateful_product(base: dict[str, Any] | None = None) -> list[dict[str, Any]]
 
 def design() -> list[dict[str, Any]]:
     seen, out = set(), []
-    for case in all_pairs(FACTORS) + stateful_product():
+    adamw = [c for c in stateful_product({**{n: v[0] for n, v in FACTORS.items()}, "optimizer": "adamw_clip"})
+             if c["sync"] in ("osp", "diloco")]
+    for case in all_pairs(FACTORS) + stateful_product() + adamw:
         key = tuple(case[n] for n in FACTORS)
         if key not in seen:
             seen.add(key)
@@ -111,23 +115,23 @@ def expected_refusal(case: dict[str, Any]) -> str | None:
         return rf"AdaptiveRatio cannot tune compressor '{c}': it has no ratio"
     if sync == "diloco" and ctrl != "none":
         return r"sync='diloco'\) with the AdaptiveRatio callback: inner steps send no gradients"
-    if plan == "omgs" and c == "star_topk":
-        return r"plan='omgs' times the active exchange \(art_allreduce, the collective of compressor='star_topk'\).*stateless collective"
+    if plan == "omgs" and c in ("star_topk", "lowrank"):
+        return r"plan='omgs' times the active exchange \(\w+, the collective of compressor='(star_topk|lowrank)'\).*stateless collective"
     return None
 
 
 def known_inexact(case: dict[str, Any]) -> str | None:
-    """Cases that train with the ranks identical but cannot be compared bit for bit with a resumed run.
+    """Cases that train with the ranks identical but may not equal a resumed run bit for bit.
 
-    Found when the resume point was fixed to the middle of the run (before, a fixed checkpoint name
-    made every "resumed" case resume from its last step): ``AdaptiveRatio(mode="rollback")``
-    resumed from step 4 ends different from the uninterrupted run, under BSP and OSP alike. Its
-    decisions use measured compression and communication times, and two *uninterrupted* runs of
-    the same case differ as well (measured), so this is run-to-run variation by design, not state
-    lost in the checkpoint. :func:`check_case` requires the difference, so a change shows up as a
-    failure to update this table."""
-    if case["controller"] == "rollback" and case["resume"] == "resumed" and expected_refusal(case) is None:
-        return "AdaptiveRatio(mode='rollback') decides from measured times: runs differ, resumed or not"
+    ``AdaptiveRatio`` decides from measured times (compression time in both modes, the candidates'
+    measured exchanges in rollback), so a decision near a tie can go either way from one run to the
+    next. Measured: ``rollback`` resumed from step 4 ended different from the uninterrupted run in
+    5 of 5 cases one time, and one rollback case matched it another time; two uninterrupted
+    rollback runs differ from each other as well; ``topk-osp-model-shadow`` resumed matched its
+    uninterrupted run in 2 of 3 tries (and in an earlier full run). So for a controller in the loop
+    :func:`check_case` requires the ranks to agree but accepts the resumed run equal or not."""
+    if case["controller"] != "none" and case["resume"] == "resumed" and expected_refusal(case) is None:
+        return "AdaptiveRatio decides from measured times: runs may differ, resumed or not"
     return None
 
 
@@ -237,18 +241,14 @@ def check_case(case: dict[str, Any], tmp: str) -> str:
     if case["resume"] == "resumed":  # the resumed run trained the second half itself
         assert a["resumed"]["start_step"] == b["resumed"]["start_step"] == RESUME_AT
     inexact = known_inexact(case)
-    resumed_equal = True
     for n, p in a["full"]["params"].items():
         assert torch.isfinite(p).all(), (case_id(case), n)
         assert torch.equal(p, b["full"]["params"][n]), f"{case_id(case)}: ranks differ at {n}"
         if case["resume"] == "resumed":
             assert torch.equal(a["resumed"]["params"][n], b["resumed"]["params"][n]), \
                 f"{case_id(case)}: ranks of the resumed run differ at {n}"
-            same = torch.equal(p, a["resumed"]["params"][n])
-            assert same or inexact, f"{case_id(case)}: resumed run differs at {n}"
-            resumed_equal = resumed_equal and same
-    if inexact:
-        assert not resumed_equal, f"{case_id(case)}: resumes exactly now; remove it from known_inexact ({inexact})"
+            assert inexact or torch.equal(p, a["resumed"]["params"][n]), f"{case_id(case)}: resumed run differs at {n}"
+    if inexact:  # equal or not, by design (see known_inexact); the ranks agreed above
         return "trains (resume inexact: known)"
     return "trains"
 

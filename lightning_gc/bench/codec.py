@@ -178,6 +178,12 @@ def _offsets(views, segs):
         off += s
 
 
+def _near_square(numel: int) -> tuple[int, int]:
+    """``(d, numel // d)`` with d the largest divisor of ``numel`` not above its square root."""
+    d = max(k for k in range(1, int(numel ** 0.5) + 1) if numel % k == 0)
+    return d, numel // d
+
+
 def _compressor_passes(name: str, xs: list[torch.Tensor], cfg: CodecBenchConfig, ref_s: float) -> dict:
     from lightning_gc.comm.collectives import pack_payload, unpack_payload
     from lightning_gc.compressors import GroupContext, build_compressor, takes_ratio
@@ -187,7 +193,9 @@ def _compressor_passes(name: str, xs: list[torch.Tensor], cfg: CodecBenchConfig,
     N = len(xs)
     segs = tuple(_segments(n, cfg.segments))
     comp = build_compressor(name, ratio=cfg.ratio if takes_ratio(name) else None)
-    ctxs = [GroupContext(step=5, rank=r, world_size=N, segments=segs, seed=cfg.seed) for r in range(N)]
+    # lowrank compresses matrices: give each segment a near-square matrix shape (the others read no shapes)
+    shapes = tuple(_near_square(s) for s in segs) if name == "lowrank" else ()
+    ctxs = [GroupContext(step=5, rank=r, world_size=N, segments=segs, seed=cfg.seed, shapes=shapes) for r in range(N)]
     c0 = ctxs[0]
     res: dict = {"wire_format": comp.wire_format, "describe": comp.describe()}
     timings: dict[str, list[float]] = {}
@@ -212,6 +220,10 @@ def _compressor_passes(name: str, xs: list[torch.Tensor], cfg: CodecBenchConfig,
         )
         clone_s = _time(lambda: tuple(t.clone() for t in summed), cfg.repeats)
         timings["aggregate"] = [max(a - b, 0.0) for a, b in zip(timings["aggregate"], clone_s)]
+        needs_sent = True
+    elif fmt == "lowrank":  # P and Q add up; the mean is P̂·Q̄ᵀ, what decompress computes
+        summed = tuple(sum(o.payload[i] for o in outs) for i in range(len(outs[0].payload)))
+        timings["aggregate"] = _time(lambda: comp.decompress(summed, outs[0].meta, c0), cfg.repeats)
         needs_sent = True
     else:  # AR-Topk: the source's indices, every rank's values there summed, scattered into the mean
         idx = outs[0].payload[1]
