@@ -3,7 +3,7 @@ the refusal table; docs/concepts.md for the table in prose).
 
 The suite runs a cheap subset that reaches every kind of verdict (trains fresh, trains resumed with
 state carried by OSP and the controller, refused for each reason); ``pytest -m matrix`` runs the
-whole design (all pairs + the full product of the stateful factors), about 55 cases × 2 ranks.
+whole design (all pairs + the full product of the stateful factors, twice), 112 cases × 2 ranks.
 """
 
 from __future__ import annotations
