@@ -51,6 +51,17 @@ def _hand_update(p, buf, g, o, lr):
     return sgd_update(p, buf, g, dict(o, lr=lr))
 
 
+def _reference_step(reference_opt, g_global):
+    """torch's own step from the copy made before the local step, with the global gradient (the
+    last parameter, ``frozen``, has none); returns the copy's parameters."""
+    ref_params = reference_opt.param_groups[0]["params"]
+    for rp, g in zip(ref_params, g_global):
+        rp.grad = g.clone()
+    ref_params[-1].grad = None
+    reference_opt.step()
+    return ref_params
+
+
 def _tensors(seed: int):
     g = torch.Generator().manual_seed(seed)
     shapes = [(4, 3), (5,)]
@@ -89,11 +100,7 @@ def test_replay_equals_the_update_with_the_global_gradient(o, with_buffer):
         group["lr"] = 123.0
     norm = snap.replay(g_global + [torch.full((3,), float("nan"))])  # no entry for `frozen`: not read
 
-    ref_params = reference_opt.param_groups[0]["params"]
-    for rp, g in zip(ref_params, g_global):
-        rp.grad = g.clone()
-    ref_params[-1].grad = None
-    reference_opt.step()
+    ref_params = _reference_step(reference_opt, g_global)
     for i, p in enumerate(params):
         want_p, want_buf = _hand_update(before[i], buf_before[i], g_global[i], o, LR)
         torch.testing.assert_close(p.detach(), want_p, rtol=1e-6, atol=1e-7)
@@ -224,11 +231,7 @@ def test_adam_replay_equals_the_update_with_the_global_gradient(cls, o, with_sta
         group["lr"] = 123.0
     norm = snap.replay(g_global + [torch.full((3,), float("nan"))])
 
-    ref_params = reference_opt.param_groups[0]["params"]
-    for rp, g in zip(ref_params, g_global):
-        rp.grad = g.clone()
-    ref_params[-1].grad = None
-    reference_opt.step()
+    ref_params = _reference_step(reference_opt, g_global)
     for i, p in enumerate(params):
         want_p, want_st = _hand_adam(before[i], st_before[i], g_global[i], o, LR, decoupled=cls == "AdamW")
         torch.testing.assert_close(p.detach(), want_p, rtol=1e-5, atol=1e-6)

@@ -214,6 +214,14 @@ class Exchange(ABC):
         self.group = group
         self.network = network if network is not None else NetworkState()
 
+    def _require(self, compressor: Compressor, cls: type[Compressor], runs: str) -> None:
+        """Refuse a compressor other than ``cls`` (exchanges written for one compressor's format)."""
+        if not isinstance(compressor, cls):
+            raise ValueError(
+                f"collective={self.name!r} runs {runs} and needs compressor={cls.name!r}, "
+                f"got {getattr(compressor, 'name', compressor)!r}."
+            )
+
     @abstractmethod
     def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor | SparseSent | LazySent]:
         """Return (mean over ranks, this rank's contribution: dense, :class:`SparseSent` or :class:`LazySent`)."""

@@ -261,11 +261,7 @@ class GradiVeQExchange(Exchange):
     summable = True
 
     def __init__(self, compressor: GradiVeQCompressor, group=None, network: NetworkState | None = None) -> None:
-        if not isinstance(compressor, GradiVeQCompressor):
-            raise ValueError(
-                f"collective={self.name!r} runs GradiVeQ's schedule and needs compressor='gradiveq', "
-                f"got {getattr(compressor, 'name', compressor)!r}."
-            )
+        self._require(compressor, GradiVeQCompressor, "GradiVeQ's schedule")
         super().__init__(compressor, group, network)
         self.compressor: GradiVeQCompressor = compressor
         c = compressor.config

@@ -28,11 +28,7 @@ class LowRankExchange(Exchange):
     formats = frozenset({"lowrank"})
 
     def __init__(self, compressor: LowRankCompressor, group=None, network: NetworkState | None = None) -> None:
-        if not isinstance(compressor, LowRankCompressor):
-            raise ValueError(
-                f"collective={self.name!r} runs the low-rank (PowerSGD) exchange and needs compressor='lowrank', "
-                f"got {getattr(compressor, 'name', compressor)!r}."
-            )
+        self._require(compressor, LowRankCompressor, "the low-rank (PowerSGD) exchange")
         super().__init__(compressor, group, network)
         self.compressor: LowRankCompressor = compressor
         self._q: dict[str, Tensor] = {}  # warm start: Q̄ of the previous step per compressed tensor

@@ -65,11 +65,7 @@ class MarsitExchange(Exchange):
     ring_combinable = True
 
     def __init__(self, compressor: MarsitCompressor, group=None, network: NetworkState | None = None) -> None:
-        if not isinstance(compressor, MarsitCompressor):
-            raise ValueError(
-                f"collective={self.name!r} runs Marsit's bit-merging ring and needs compressor='marsit', "
-                f"got {getattr(compressor, 'name', compressor)!r}."
-            )
+        self._require(compressor, MarsitCompressor, "Marsit's bit-merging ring")
         super().__init__(compressor, group, network)
         self.compressor: MarsitCompressor = compressor
 
