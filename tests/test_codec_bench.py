@@ -58,7 +58,8 @@ def test_micro_benchmark_reports_every_compressor_with_consistent_fields():
             parts = r["compress"]["seconds"] + r["aggregate"]["seconds"] + r.get("gather_values", {}).get("seconds", 0)
             parts += r["decompress"]["seconds"] if r["needs_dense_sent"] else 0.0
             assert r["engine_codec_s"] == pytest.approx(parts)
-            assert r["needs_dense_sent"] == (r["wire_format"] in ("allreduce", "gradiveq") or name in ("qsgd", "signsgd", "efsignsgd"))
+            assert r["needs_dense_sent"] == (r["wire_format"] in ("allreduce", "gradiveq", "lowrank")
+                                             or name in ("qsgd", "signsgd", "efsignsgd"))
             if r["wire_format"] == "allgather":
                 assert "pack" in r and "unpack" in r
         # bytes per element follow the formats: dense 4, casts 2, sign 1/8 + scale, Top-k 8·ratio

@@ -284,3 +284,36 @@ def test_replay_of_two_adam_groups_uses_each_groups_options():
     for p, p_0, g, o, lr in ((a, a0, Ga, oa, 0.05), (b, b0, Gb, ob, 0.2)):
         want_p, _ = _hand_adam(p_0, None, g, o, lr, decoupled=True)
         torch.testing.assert_close(p.detach(), want_p, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", ["SGD", "AdamW"])
+def test_a_snapshot_replayed_twice_gives_the_same_result(cls):
+    """A rollback exploration restores OSP's state, the deferred exchange in flight and its
+    snapshot included, and the same snapshot is replayed again: the replay must not consume it."""
+    p0, g_prev, g_local, g_global = _tensors(13)
+    params = [torch.nn.Parameter(t.clone()) for t in p0]
+    kw = dict(momentum=0.9) if cls == "SGD" else dict(weight_decay=0.1)
+    opt = getattr(torch.optim, cls)(params, lr=LR, **kw)
+    for p, g in zip(params, g_prev):  # state exists before the snapshot
+        p.grad = g.clone()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    for p, g in zip(params, g_local):
+        p.grad = g.clone()
+    before = [p.detach().clone() for p in params]
+    snap = LGPSnapshot(opt, params)
+    opt.step()
+    snap.replay(g_global)
+    first = [p.detach().clone() for p in params]
+    first_state = copy.deepcopy(opt.state_dict()["state"])
+    with torch.no_grad():  # the exploration is rolled back: parameters and optimizer as before the step
+        for p, b in zip(params, before):
+            p.copy_(b)
+    opt.load_state_dict(saved)
+    opt.step()  # the local step again
+    snap.replay(g_global)
+    for a, b in zip(first, params):
+        assert torch.equal(a, b.detach())
+    for i, st in first_state.items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(opt.state_dict()["state"][i][k])), (i, k)

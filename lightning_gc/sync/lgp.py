@@ -142,8 +142,8 @@ class LGPSnapshot:
         # step counter, a user's step hook) do not see the replay; torch's global optimizer hooks do.
         replay = type(self.optimizer)([dict(self.options[gi], params=ps) for gi, ps in groups.items()])
         for e, _ in live:
-            if e.state0:
-                replay.state[e.param] = e.state0
+            if e.state0:  # a copy: a rollback exploration may restore this snapshot and replay it again
+                replay.state[e.param] = {k: _copy(v) for k, v in e.state0.items()}
         try:
             replay.step()
         finally:
