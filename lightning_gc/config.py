@@ -11,6 +11,7 @@ osp_round_steps=50, ...)``, the same names under ``init_args`` in a LightningCLI
     ├── osp:         OSPConfig           deferred_fraction, round_steps, deferred_compressor, deferred_ratio
     ├── diloco:      DiLoCoConfig        inner_steps, outer_optimizer, outer_args, fragments, overlap_steps, mixing
     ├── omgs:        OMGSConfig | None   profile_steps, ... (None: no OMGS)
+    ├── auto:        AutoConfig | None   compressor="auto": candidates, progress_weight, ... (docs/auto.md)
     ├── nonfinite:   "skip" | "propagate"
     └── monitor:     bool
 
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._validation import check_bool
+from .auto.chooser import AutoConfig
 from .compressors import build_config, get_entry
 from .engine.config import EngineConfig
 from .engine.omgs import OMGS_PLANS, OMGSConfig
@@ -91,11 +93,15 @@ FLAT_FIELDS: dict[str, tuple[str, str | None]] = {
                                               "overlap_steps", "mixing")},
     "sync": ("sync", None),
     "omgs": ("omgs", None),
+    "auto": ("auto", None),
     "nonfinite": ("nonfinite", None),
     "monitor": ("monitor", None),
 }
 #: prefix → section, for the fields of a section given one by one (the bench's ``omgs_profile_steps=5``)
-FLAT_PREFIXES: dict[str, str] = {"omgs_": "omgs"}
+FLAT_PREFIXES: dict[str, str] = {"omgs_": "omgs", "auto_": "auto"}
+#: what ``compressor="auto"`` runs in the engine's default slot: a compressor whose collective keeps the
+#: network model, so every candidate's slot can be built (the chooser replaces it after the warm-up)
+AUTO_ENGINE_DEFAULT = {"compressor": "artopk_auto"}
 
 
 def is_flat_name(name: str) -> bool:
@@ -120,6 +126,7 @@ class GCConfig:
     osp: OSPConfig = field(default_factory=OSPConfig)
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     omgs: OMGSConfig | None = None
+    auto: AutoConfig | None = None
     nonfinite: Literal["skip", "propagate"] = "skip"
     monitor: bool = True
 
@@ -148,6 +155,13 @@ class GCConfig:
                 "so there is no merge plan to optimise, and the outer step sends the model's Δ as one group. Drop "
                 "plan='omgs'/omgs=, or use sync='bsp'."
             )
+        if self.auto is not None:
+            if self.sync != "bsp":
+                raise ValueError(f"compressor='auto' with sync={self.sync!r} is not supported: auto chooses the method of "
+                                 "BSP steps. Use sync='bsp', or pick the compressor of the OSP/DiLoCo exchange yourself.")
+            if self.omgs is not None or self.engine.plan != "model":
+                raise ValueError(f"compressor='auto' with plan={self.engine.plan!r} is not supported: its model predicts "
+                                 "the one-group plan (and DDP's own buckets for the dense candidates). Use plan='model'.")
         if self.sync == "osp" and self.omgs is not None:
             raise ValueError(
                 f"sync='osp' with plan={self.engine.plan!r} (OMGS) is not supported: OSP re-plans every step to "
@@ -168,6 +182,7 @@ class GCConfig:
         sections: dict[str, dict[str, Any]] = {"compression": {}, "engine": {}, "osp": {}, "diloco": {}}
         top: dict[str, Any] = {}
         omgs_fields: dict[str, Any] = {}
+        auto_fields: dict[str, Any] = {}
         for name, value in flat.items():
             if name in FLAT_FIELDS:
                 section, fld = FLAT_FIELDS[name]
@@ -177,6 +192,8 @@ class GCConfig:
                     sections[section][fld] = value
             elif name.startswith("omgs_"):
                 omgs_fields[name[len("omgs_"):]] = value
+            elif name.startswith("auto_"):
+                auto_fields[name[len("auto_"):]] = value
             else:
                 close = difflib.get_close_matches(name, list(FLAT_FIELDS), n=1, cutoff=0.6)
                 hint = f" Did you mean {close[0]}?" if close else ""
@@ -188,8 +205,28 @@ class GCConfig:
             base = dataclasses.asdict(OMGSConfig.coerce(omgs_value)) if omgs_value is not None else {}
             omgs_value = {**base, **omgs_fields}
         omgs = OMGSConfig.coerce(omgs_value) if (omgs_value is not None or plan in OMGS_PLANS) else None
+        auto_value = top.pop("auto", None)
+        if sections["compression"].get("compressor") == "auto":
+            given = {k: v for k, v in sections["compression"].items()
+                     if k != "compressor" and v not in (None, {}, "auto")}
+            if given:
+                raise ValueError(f"compressor='auto' chooses the compressor, its ratio and collective itself, so "
+                                 f"{', '.join(f'{k}={v!r}' for k, v in given.items())} cannot be given; restrict or "
+                                 "reorder what it picks from with auto={'candidates': [...]} (docs/auto.md).")
+            sections["compression"] = dict(AUTO_ENGINE_DEFAULT)
+            if auto_fields:
+                base = AutoConfig.coerce(auto_value).as_dict() if auto_value is not None else {}
+                auto_value = {**base, **auto_fields}
+            auto = AutoConfig.coerce(auto_value)
+        elif auto_value is not None or auto_fields:
+            raise ValueError(f"auto options ({auto_value if auto_value is not None else auto_fields!r}) only apply with "
+                             "compressor='auto'; pass compressor='auto' too, or drop them.")
+        else:
+            auto = None
         compression = CompressionConfig(**sections["compression"])
         engine_fields = sections["engine"]
+        if auto is not None and engine_fields.get("warmup_steps", EngineConfig.warmup_steps) < auto.dense_steps_needed:
+            engine_fields["warmup_steps"] = auto.dense_steps_needed  # the chooser profiles these dense steps
         if omgs is not None and engine_fields.get("warmup_steps", EngineConfig.warmup_steps) < omgs.dense_steps_needed:
             from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -203,7 +240,7 @@ class GCConfig:
         engine = EngineConfig(**{**engine_fields, "collective": collective, "error_feedback": ef})
         osp = OSPConfig(**sections["osp"])
         diloco = DiLoCoConfig(**sections["diloco"])
-        return cls(compression=compression, engine=engine, osp=osp, diloco=diloco, omgs=omgs, **top)
+        return cls(compression=compression, engine=engine, osp=osp, diloco=diloco, omgs=omgs, auto=auto, **top)
 
     def to_flat(self) -> dict[str, Any]:
         """The flat names that rebuild this tree with :meth:`from_flat` (round trip)."""
@@ -214,5 +251,9 @@ class GCConfig:
                 value = getattr(value, fld)
             if name == "omgs" and value is not None:
                 value = dataclasses.asdict(value)
+            if name == "auto" and value is not None:
+                value = value.as_dict()
             out[name] = dict(value) if name == "compressor_args" or (name == "diloco_outer_args" and value) else value
+        if self.auto is not None:  # the engine's default slot is auto's, not the user's
+            out.update(compressor="auto", ratio=None, compressor_args={}, collective="auto", error_feedback=None)
         return out

@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ._names import guard_registry, positional_string_message
+from .auto import AutoChooser, AutoConfig
 from .compressors import available_compressors, get_entry
 from .config import GCConfig
 from .engine import EngineConfig, GCEngine, gc_comm_hook
@@ -121,7 +122,11 @@ class GCStrategy(DDPStrategy):
     Keyword-only args:
         compressor: algorithm name; one of :func:`lightning_gc.compressors.available_compressors`
             (``dense``, ``fp16``, ``bf16``, ``topk``, ``lwtopk``, ``mstopk``, ``randomk``, ``qsgd``,
-            ``signsgd``, ``efsignsgd``, ...). See docs/compressors.md.
+            ``signsgd``, ``efsignsgd``, ...; docs/compressors.md), or ``"auto"``: after a few dense
+            steps that profile the job, choose the method with the least predicted time per unit
+            of progress among fp32 DDP, the 16-bit hook, our PowerSGD-family ``lowrank`` and
+            compressors that pay on slow links, and choose again when the step time drifts
+            (docs/auto.md; options in ``auto``).
         ratio: fraction of elements kept, in (0, 1], for compressors that take one (Top-k family,
             RandomK); default: the compressor's own default (0.01).
         compressor_args: further options of the compressor, e.g. ``{"levels": 15}`` for QSGD.
@@ -228,6 +233,7 @@ class GCStrategy(DDPStrategy):
         probe_patience: int = 5,
         overlap: bool = True,
         omgs: OMGSConfig | dict | None = None,
+        auto: AutoConfig | dict | None = None,
         sync: Literal["bsp", "osp", "diloco"] = "bsp",
         osp_deferred_fraction: float | None = None,
         osp_round_steps: int = 50,
@@ -266,7 +272,7 @@ class GCStrategy(DDPStrategy):
             error_feedback=error_feedback, check_finite=check_finite, nonfinite=nonfinite, seed=seed,
             monitor=monitor, network_alpha_s=network_alpha_s, network_beta_s_per_byte=network_beta_s_per_byte,
             probe_every=probe_every, probe_drift=probe_drift, probe_patience=probe_patience, overlap=overlap,
-            omgs=omgs, sync=sync, osp_deferred_fraction=osp_deferred_fraction, osp_round_steps=osp_round_steps,
+            omgs=omgs, auto=auto, sync=sync, osp_deferred_fraction=osp_deferred_fraction, osp_round_steps=osp_round_steps,
             osp_deferred_compressor=osp_deferred_compressor, osp_deferred_ratio=osp_deferred_ratio,
             diloco_inner_steps=diloco_inner_steps, diloco_outer_optimizer=diloco_outer_optimizer,
             diloco_outer_args=diloco_outer_args, diloco_fragments=diloco_fragments,
@@ -283,6 +289,8 @@ class GCStrategy(DDPStrategy):
         self._diloco: DiLoCoSync | None = None
         self._failed = False
         self._compressor_name = compressor
+        self._auto_config = cfg.auto
+        self._auto: AutoChooser | None = None
         self._nonfinite = cfg.nonfinite
         self._monitor = cfg.monitor
         self._engine: GCEngine | None = None
@@ -306,6 +314,11 @@ class GCStrategy(DDPStrategy):
     def engine(self) -> GCEngine | None:
         """The communication engine (``None`` before the model is wrapped)."""
         return self._engine
+
+    @property
+    def auto(self) -> AutoChooser | None:
+        """The run-time method chooser of ``compressor="auto"`` (``None`` otherwise or before setup)."""
+        return self._auto
 
     @property
     def omgs(self) -> OMGSController | None:
@@ -438,7 +451,7 @@ class GCStrategy(DDPStrategy):
         # Lightning registers hooks only on CUDA; the engine must run on every device type.
         assert isinstance(self.model, DistributedDataParallel)
         named = [(n, p) for n, p in self.model.module.named_parameters() if p.requires_grad]
-        compressor = get_entry(self._compressor_name).compressor_cls(self._compressor_config)
+        compressor = get_entry(self._config.compression.compressor).compressor_cls(self._compressor_config)
         self._engine = GCEngine(compressor, self._engine_config, named, process_group=self.model.process_group)
         if self._engine.world_size == 1:
             rank_zero_warn(
@@ -455,6 +468,9 @@ class GCStrategy(DDPStrategy):
         if self._omgs_config is not None and self._engine.world_size > 1:
             self._omgs = OMGSController(self._engine, self._omgs_config, self.model, named, self._engine_config.plan)
             participants.append(self._omgs)
+        if self._auto_config is not None and self._engine.world_size > 1:
+            self._auto = AutoChooser(self._engine, self._auto_config, self.model, named)
+            participants.append(self._auto)
         if self._sync == "osp":
             self._osp = OSPSync(self._engine, self._osp_config)
             participants.append(self._osp)
@@ -602,6 +618,11 @@ class GCStrategy(DDPStrategy):
                     compressor=name,
                     find_unused_parameters=True,
                 )
+        if "gc_auto" not in strategy_registry:
+            strategy_registry.register(
+                "gc_auto", cls, compressor="auto",
+                description="lightning_gc: choose the method at run time (fp32/16-bit DDP, lowrank, Top-k, QSGD, "
+                            "EF-signSGD) from measured costs (docs/auto.md)")
         if "gc_omgs" not in strategy_registry:  # a plan, not a compressor: Top-k with the OMGS merge plan
             strategy_registry.register(
                 "gc_omgs", cls, description="lightning_gc: Top-k with the OMGS merge plan (docs/omgs.md)",

@@ -184,10 +184,72 @@ def _near_square(numel: int) -> tuple[int, int]:
     return d, numel // d
 
 
-def _compressor_passes(name: str, xs: list[torch.Tensor], cfg: CodecBenchConfig, ref_s: float) -> dict:
+def time_codec(comp, xs: list[torch.Tensor], ctxs: list, repeats: int) -> dict:
+    """Time one compressor's passes as the engine runs them per step and rank; raw seconds.
+
+    The one function through which codec costs reach the ``auto`` chooser
+    (:mod:`lightning_gc.auto.measure` calls it on the live gradient, :func:`run_codec_bench` on
+    synthetic ones). ``xs``: one flat fp32 gradient per rank (``len(xs)`` = world size), ``ctxs``:
+    their :class:`~lightning_gc.compressors.GroupContext` s (rank ``r`` for ``xs[r]``).
+
+    Returns ``{"wire_format", "describe", "payload_bytes", "needs_dense_sent", "timings": {pass:
+    [seconds per run]}, "engine_codec_s"}``; ``engine_codec_s`` (medians) is what the engine's
+    ``compress`` timer covers per step: compress + aggregate (+ the gather of values for AR-Topk)
+    (+ decompress when the format's ``sent`` is not an exact subset of ``p``).
+    """
     from lightning_gc.comm.collectives import pack_payload, unpack_payload
-    from lightning_gc.compressors import GroupContext, build_compressor, takes_ratio
     from lightning_gc.compressors.sparse import scatter_sparse
+
+    n = xs[0].numel()
+    N = len(xs)
+    c0 = ctxs[0]
+    res: dict = {"wire_format": comp.wire_format, "describe": comp.describe()}
+    timings: dict[str, list[float]] = {}
+    timings["compress"] = _time(lambda: comp.compress(xs[0], c0), repeats)
+    outs = [comp.compress(x, c) for x, c in zip(xs, ctxs)]
+    res["payload_bytes"] = outs[0].nbytes
+    fmt = comp.wire_format
+    if fmt == "allgather":
+        specs = comp.payload_specs(c0, xs[0].dtype)
+        timings["pack"] = _time(lambda: pack_payload(outs[0].payload), repeats)
+        bufs = [pack_payload(o.payload) for o in outs]
+        timings["unpack"] = _time(lambda: [unpack_payload(b, specs) for b in bufs], repeats)
+        payloads = [unpack_payload(b, specs) for b in bufs]
+        timings["aggregate"] = _time(lambda: comp.aggregate_gathered(payloads, outs[0].meta, c0), repeats)
+        needs_sent = not getattr(comp, "sends_exact_subset", False)
+    elif fmt in ("allreduce", "gradiveq"):  # gradiveq: coefficients add up (identity before a basis is fitted)
+        summed = tuple(sum(o.payload[i] for o in outs) for i in range(len(outs[0].payload)))
+        # aggregate_summed may work in place on the summed buffers (it owns them in the exchange)
+        timings["aggregate"] = _time(
+            lambda: comp.aggregate_summed(tuple(t.clone() for t in summed), outs[0].meta, c0), repeats
+        )
+        clone_s = _time(lambda: tuple(t.clone() for t in summed), repeats)
+        timings["aggregate"] = [max(a - b, 0.0) for a, b in zip(timings["aggregate"], clone_s)]
+        needs_sent = True
+    elif fmt == "lowrank":  # P and Q add up; the mean is P̂·Q̄ᵀ, what decompress computes
+        summed = tuple(sum(o.payload[i] for o in outs) for i in range(len(outs[0].payload)))
+        timings["aggregate"] = _time(lambda: comp.decompress(summed, outs[0].meta, c0), repeats)
+        needs_sent = True
+    else:  # AR-Topk: the source's indices, every rank's values there summed, scattered into the mean
+        idx = outs[0].payload[1]
+        idx_long = idx.long()
+        timings["gather_values"] = _time(lambda: xs[0][idx_long].contiguous(), repeats)
+        summed_v = sum(x[idx_long] for x in xs)
+        timings["aggregate"] = _time(lambda: scatter_sparse(summed_v / N, idx, n), repeats)
+        needs_sent = False
+    timings["decompress"] = _time(lambda: comp.decompress(outs[0].payload, outs[0].meta, c0), repeats)
+    med = {k: statistics.median(v) for k, v in timings.items()}
+    total = med["compress"] + med["aggregate"] + med.get("gather_values", 0.0)
+    if needs_sent:
+        total += med["decompress"]
+    res["needs_dense_sent"] = needs_sent
+    res["timings"] = timings
+    res["engine_codec_s"] = total
+    return res
+
+
+def _compressor_passes(name: str, xs: list[torch.Tensor], cfg: CodecBenchConfig, ref_s: float) -> dict:
+    from lightning_gc.compressors import GroupContext, build_compressor, takes_ratio
 
     n = xs[0].numel()
     N = len(xs)
@@ -196,50 +258,12 @@ def _compressor_passes(name: str, xs: list[torch.Tensor], cfg: CodecBenchConfig,
     # lowrank compresses matrices: give each segment a near-square matrix shape (the others read no shapes)
     shapes = tuple(_near_square(s) for s in segs) if name == "lowrank" else ()
     ctxs = [GroupContext(step=5, rank=r, world_size=N, segments=segs, seed=cfg.seed, shapes=shapes) for r in range(N)]
-    c0 = ctxs[0]
-    res: dict = {"wire_format": comp.wire_format, "describe": comp.describe()}
-    timings: dict[str, list[float]] = {}
-    timings["compress"] = _time(lambda: comp.compress(xs[0], c0), cfg.repeats)
-    outs = [comp.compress(x, c) for x, c in zip(xs, ctxs)]
-    res["payload_bytes"] = outs[0].nbytes
-    res["bytes_per_element"] = outs[0].nbytes / n
-    fmt = comp.wire_format
-    if fmt == "allgather":
-        specs = comp.payload_specs(c0, xs[0].dtype)
-        timings["pack"] = _time(lambda: pack_payload(outs[0].payload), cfg.repeats)
-        bufs = [pack_payload(o.payload) for o in outs]
-        timings["unpack"] = _time(lambda: [unpack_payload(b, specs) for b in bufs], cfg.repeats)
-        payloads = [unpack_payload(b, specs) for b in bufs]
-        timings["aggregate"] = _time(lambda: comp.aggregate_gathered(payloads, outs[0].meta, c0), cfg.repeats)
-        needs_sent = not getattr(comp, "sends_exact_subset", False)
-    elif fmt in ("allreduce", "gradiveq"):  # gradiveq: coefficients add up (identity before a basis is fitted)
-        summed = tuple(sum(o.payload[i] for o in outs) for i in range(len(outs[0].payload)))
-        # aggregate_summed may work in place on the summed buffers (it owns them in the exchange)
-        timings["aggregate"] = _time(
-            lambda: comp.aggregate_summed(tuple(t.clone() for t in summed), outs[0].meta, c0), cfg.repeats
-        )
-        clone_s = _time(lambda: tuple(t.clone() for t in summed), cfg.repeats)
-        timings["aggregate"] = [max(a - b, 0.0) for a, b in zip(timings["aggregate"], clone_s)]
-        needs_sent = True
-    elif fmt == "lowrank":  # P and Q add up; the mean is P̂·Q̄ᵀ, what decompress computes
-        summed = tuple(sum(o.payload[i] for o in outs) for i in range(len(outs[0].payload)))
-        timings["aggregate"] = _time(lambda: comp.decompress(summed, outs[0].meta, c0), cfg.repeats)
-        needs_sent = True
-    else:  # AR-Topk: the source's indices, every rank's values there summed, scattered into the mean
-        idx = outs[0].payload[1]
-        idx_long = idx.long()
-        timings["gather_values"] = _time(lambda: xs[0][idx_long].contiguous(), cfg.repeats)
-        summed_v = sum(x[idx_long] for x in xs)
-        timings["aggregate"] = _time(lambda: scatter_sparse(summed_v / N, idx, n), cfg.repeats)
-        needs_sent = False
-    timings["decompress"] = _time(lambda: comp.decompress(outs[0].payload, outs[0].meta, c0), cfg.repeats)
-    res["needs_dense_sent"] = needs_sent
-    res.update({k: _timing(v, n, ref_s) for k, v in timings.items()})
-    # what the engine's "compress" timer covers for this compressor per step and rank
-    total = res["compress"]["seconds"] + res["aggregate"]["seconds"]
-    total += res.get("gather_values", {}).get("seconds", 0.0)
-    if needs_sent:
-        total += res["decompress"]["seconds"]
+    raw = time_codec(comp, xs, ctxs, cfg.repeats)
+    res: dict = {"wire_format": raw["wire_format"], "describe": raw["describe"],
+                 "payload_bytes": raw["payload_bytes"], "bytes_per_element": raw["payload_bytes"] / n,
+                 "needs_dense_sent": raw["needs_dense_sent"]}
+    res.update({k: _timing(v, n, ref_s) for k, v in raw["timings"].items()})
+    total = raw["engine_codec_s"]
     res["engine_codec_s"] = total
     res["engine_codec_vs_add"] = total / ref_s if ref_s > 0 else float("nan")
     return res

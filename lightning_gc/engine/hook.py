@@ -86,6 +86,8 @@ class _StepWork:
     error: BaseException | None = None
     closed: bool = False
     dense_pending: int = 0
+    dense_dtype: torch.dtype | None = None  # dense mode "fp16"/"bf16": the buckets travel in 16 bits
+    carried_flush: bool = False  # this dense step added the error memory to its buckets
     finished: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -145,6 +147,11 @@ class GCEngine:
         self.default_slot = MethodSlot(None, compressor, self.exchange, self.error_feedback)
         self._slots: dict[tuple[str, ...], MethodSlot] = {}  # keyed by the group's parameter names
         self._flush: set[tuple[str, ...]] = set()  # groups whose memory goes out once, then clears
+        #: None, or "fp32"/"fp16"/"bf16": every step after warm-up is a dense step on DDP's buckets
+        #: (in 16 bits for the latter two), as DDP without a hook or with torch's 16-bit hook would run
+        self.dense_mode: str | None = None
+        self._dense_flush = False  # error memory awaits its flush into the next dense step's buckets
+        self._pid_of = {id(p): i for i, p in enumerate(self.params)}
         self.all_exact = all(g.exact for g in self.plan.groups)
         self._planned = frozenset(self.plan.group_of())  # param ids the plan sends (OSP may defer others)
         self.step = 0
@@ -284,7 +291,43 @@ class GCEngine:
         return self._totals.as_dict()
 
     def step_is_dense(self) -> bool:
-        return self.all_exact or self.world_size == 1 or self.step < self.config.warmup_steps
+        return (self.all_exact or self.world_size == 1 or self.step < self.config.warmup_steps
+                or self.dense_mode is not None)
+
+    def set_dense_mode(self, mode: str | None) -> None:
+        """From the next step on, send every step dense on DDP's buckets (``"fp32"``: as DDP without a
+        hook; ``"fp16"``/``"bf16"``: as torch's ``fp16_compress_hook``/``bf16_compress_hook``), or
+        go back to the plan's compressed groups (``None``). Between steps, on every rank with the same
+        value (compared across ranks). Error memory is not lost: entering a dense mode adds it once
+        to the next finite dense step's gradient (each rank its own, before the average), then clears
+        it; leaving before that keeps it for the groups' methods (the slot rule)."""
+        if mode not in (None, "fp32", "fp16", "bf16"):
+            raise ValueError(f"dense mode {mode!r} is invalid: use None (compressed steps), 'fp32', 'fp16' or 'bf16'.")
+        self.synchronize()
+        if self.world_size > 1:
+            self._verify_identical(f"set_dense_mode({mode!r})")
+        self.dense_mode = mode
+        self._dense_flush = mode is not None and bool(self._memory.groups)
+
+    def _flush_views(self, bucket: dist.GradBucket) -> list[tuple[Tensor, Tensor]]:
+        """(gradient view in the bucket, its error memory) for the bucket's parameters with memory."""
+        where: dict[int, tuple[int, int]] = {}
+        for g in self.plan.groups:
+            off = 0
+            for pid, n in zip(g.param_ids, g.numels):
+                where[pid] = (g.gid, off)
+                off += n
+        mems = self._memory.groups
+        out = []
+        for p, grad in zip(bucket.parameters(), bucket.gradients()):
+            pid = self._pid_of.get(id(p))
+            if pid is None or pid not in where:
+                continue
+            gid, off = where[pid]
+            mem = mems.get(gid)
+            if mem is not None:
+                out.append((grad, mem[off:off + grad.numel()]))
+        return out
 
     def error_norm(self) -> float:
         """‖e‖₂ over all groups' error memory (kept up to date per group, no extra pass)."""
@@ -464,7 +507,9 @@ class GCEngine:
                 work.dense_pending += 1
             ready_event = self._ready_event(buffer)
             views = self._planned_views(bucket)
-            self._runner.submit(lambda: self._guard(work, self._job_dense_bucket, work, buffer, fut, ready_event, views))
+            flush = self._flush_views(bucket) if work.carried_flush else None
+            self._runner.submit(lambda: self._guard(work, self._job_dense_bucket, work, buffer, fut, ready_event, views,
+                                                    flush))
         else:
             ready_event = self._ready_event(buffer)
             for gid in self._readiness.add_bucket(bucket):
@@ -495,6 +540,9 @@ class GCEngine:
                           ratio=1.0 if dense else float(c.ratio if c.has_ratio else c.payload_fraction))
         times = ExchangeTimes()
         work = _StepWork(self.step, dense, stats, times, Timer(self.device, times))
+        if dense and self.dense_mode is not None and self.step >= self.config.warmup_steps:
+            work.dense_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.dense_mode)
+            work.carried_flush = self._dense_flush
         self._work = work
         self._readiness.begin()
         if self.world_size > 1:
@@ -503,7 +551,8 @@ class GCEngine:
 
     def _descriptor(self, work: _StepWork) -> str:
         if work.dense:
-            return f"step={work.step} dense plan={self.plan.signature()}"
+            mode = "" if self.dense_mode is None else f"/{self.dense_mode}"
+            return f"step={work.step} dense{mode} flush={work.carried_flush} plan={self.plan.signature()}"
         net = self.tracker.describe() if type(self.exchange).needs_network else "-"
         return (f"step={work.step} compressed plan={self.plan.signature()} compressor={self.compressor.describe()} "
                 f"collective={self.exchange.describe()} net={net}{self._slots_signature()}")
@@ -563,11 +612,14 @@ class GCEngine:
             work.stats.probe_s += self.tracker.maybe_probe(work.step, self.exchange_group, self.device)
 
     def _job_dense_bucket(self, work: _StepWork, buffer: Tensor, fut: torch.futures.Future, ready_event,
-                          views: list[Tensor] | None = None) -> None:
-        """DDP's own hook: async allreduce of bucket / N (same numerics as DDP without a hook).
+                          views: list[Tensor] | None = None,
+                          flush: list[tuple[Tensor, Tensor]] | None = None) -> None:
+        """DDP's own hook: async allreduce of bucket / N (same numerics as DDP without a hook); in a
+        16-bit dense mode, torch's ``fp16_compress_hook`` numerics (cast, divide, allreduce, copy back).
 
         ``views``: when the plan leaves some of the bucket's parameters out (OSP defers them), only
-        these gradient views are averaged, through a copy; the others keep the local gradient."""
+        these gradient views are averaged, through a copy; the others keep the local gradient.
+        ``flush``: (gradient view, error memory) pairs added before the average (see set_dense_mode)."""
         if ready_event is not None:
             torch.cuda.current_stream().wait_event(ready_event)
         t0 = time.perf_counter()
@@ -579,17 +631,23 @@ class GCEngine:
                 self._finish(work)
             fut.set_result(buffer)
             return
+        for grad, mem in flush or ():
+            grad.view(-1).add_(mem.to(grad.dtype))
         data = buffer if views is None else torch.cat([v.reshape(-1) for v in views])
-        nbytes = data.numel() * data.element_size()
+        half = work.dense_dtype
+        wire = data if half is None else data.to(half)
+        nbytes = wire.numel() * wire.element_size()
         with work.lock:
             work.times.bytes_sent += ring_allreduce_bytes(nbytes, self.world_size)
             work.times.bytes_payload += nbytes
-        data.div_(self.world_size)
-        reduced = dist.all_reduce(data, group=self.exchange_group, async_op=True).get_future()
+        wire.div_(self.world_size)
+        reduced = dist.all_reduce(wire, group=self.exchange_group, async_op=True).get_future()
 
         def done(f: torch.futures.Future) -> None:
             try:
                 out = f.value()[0]
+                if half is not None:
+                    out = data.copy_(out)
                 bad = not bool(torch.isfinite(out).all())
                 if views is not None:
                     offset = 0
@@ -734,6 +792,10 @@ class GCEngine:
         s.error_norm = self.error_norm() if (self.error_feedback or self._slots) else 0.0
         if s.gain_ewma is None:
             s.gain_ewma = self.gain_ewma
+        if work.carried_flush and not s.nonfinite:  # the memory went out with this dense step
+            self._memory.clear()
+            self._flush.clear()
+            self._dense_flush = False
         with self._stats_lock:
             self._last_stats = s
             self._last_nonfinite = s.nonfinite

@@ -1,0 +1,133 @@
+"""The methods ``compressor="auto"`` chooses among, and how each is measured on a live gradient.
+
+A candidate is either a **bucket mode** (``ddp``: fp32 DDP as without a hook; ``fp16``/``bf16``:
+torch's 16-bit compress hook; both on DDP's own buckets, overlapped with backward) or an **engine
+method** (a lightning_gc compressor on the engine's one-group plan, with its natural collective).
+Defaults (docs/auto.md): the three baselines users already have (``ddp``, ``fp16``, ``lowrank``:
+our PowerSGD-family compressor, rank 2) and the compressors that pay on slow links (``topk`` 1 % on
+allgather, ``artopk`` 1 % choosing allgather/ART-Ring/ART-Tree by the cost model, ``qsgd``,
+``efsign``).
+
+:func:`measure_method` turns one candidate into a :class:`~lightning_gc.auto.model.MethodCost` on
+this machine: its codec time comes from :func:`lightning_gc.bench.codec.time_codec` (the codec
+micro-benchmark's one timing function) run on the live gradient, its bytes from the payload it
+really produces, and its error ``delta2`` from decompressing that payload.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..compressors import GroupContext, build_compressor
+from ..engine.slots import MethodSpec
+from .model import MethodCost
+
+#: wire format of a compressor → how the model charges its bytes
+_WIRE = {"allreduce": "allreduce", "allgather": "allgather", "lowrank": "lowrank", "artopk_auto": "sparse"}
+
+
+@dataclass(frozen=True)
+class AutoCandidate:
+    """One method the chooser may pick: a bucket mode (``compressor is None``) or an engine method."""
+
+    name: str
+    compressor: str | None = None
+    ratio: float | None = None
+    compressor_args: dict[str, Any] = field(default_factory=dict)
+    collective: str = "auto"
+
+    def spec(self) -> MethodSpec:
+        """The engine slot that runs this candidate (engine methods only)."""
+        if self.compressor is None:
+            raise ValueError(f"candidate {self.name!r} runs on DDP's buckets, not in an engine slot.")
+        return MethodSpec(self.compressor, self.ratio, dict(self.compressor_args), self.collective, None)
+
+    @property
+    def dense_mode(self) -> str | None:
+        """The engine's dense mode for a bucket candidate (``"fp32"``, ``"fp16"``, ``"bf16"``)."""
+        if self.compressor is not None:
+            return None
+        return "fp32" if self.name == "ddp" else self.name
+
+
+CANDIDATES: dict[str, AutoCandidate] = {
+    "ddp": AutoCandidate("ddp"),
+    "fp16": AutoCandidate("fp16"),
+    "bf16": AutoCandidate("bf16"),
+    "topk": AutoCandidate("topk", "topk", 0.01, {}, "allgather"),
+    "artopk": AutoCandidate("artopk", "artopk_auto", 0.01, {}, "auto_sparse"),
+    "qsgd": AutoCandidate("qsgd", "qsgd"),
+    "efsign": AutoCandidate("efsign", "efsignsgd"),
+    "lowrank": AutoCandidate("lowrank", "lowrank", None, {"rank": 2}),
+}
+#: the default candidate list, in tie-break order (earlier wins an exact tie)
+DEFAULT_CANDIDATES: tuple[str, ...] = ("ddp", "fp16", "lowrank", "topk", "artopk", "qsgd", "efsign")
+
+
+def candidate(name: str) -> AutoCandidate:
+    """The candidate called ``name``; unknown names are refused with the valid ones."""
+    try:
+        return CANDIDATES[name]
+    except KeyError:
+        raise ValueError(f"auto candidate {name!r} is unknown; valid: {', '.join(CANDIDATES)}.") from None
+
+
+def _relative_error(x: Tensor, sent: Tensor) -> float:
+    x2 = float(x.double().pow(2).sum())
+    if x2 == 0.0:
+        return 0.0
+    d2 = float((sent.double() - x.double()).pow(2).sum()) / x2
+    return d2 if math.isfinite(d2) else 1e6  # an overflowing cast (fp16 past 65504) is as good as lost
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs)
+
+
+def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_size: int, repeats: int = 3,
+                   exact_bytes: float = 0.0) -> MethodCost:
+    """Measure one candidate on this rank (local values; the chooser agrees them across ranks).
+
+    ``flat``: the model's compressed group as the engine flattens it (a live gradient); ``ctx``: its
+    group context (segments and shapes of its tensors). Bucket modes cost their cast (two passes)
+    and no codec; engine methods run :func:`~lightning_gc.bench.codec.time_codec` with ``world_size``
+    payloads made from ``flat`` (slightly rescaled per rank, so aggregation does real work).
+    """
+    from ..bench.codec import time_codec
+
+    if cand.compressor is None:
+        if cand.name == "ddp":
+            return MethodCost("ddp", "bucket", 0.0)
+        dtype = torch.float16 if cand.name == "fp16" else torch.bfloat16
+        out = torch.empty_like(flat)
+        cast_s = _timed(lambda: out.copy_(flat.to(dtype).div_(world_size)), repeats)
+        return MethodCost(cand.name, "bucket", cast_s, delta2=_relative_error(flat, flat.to(dtype).float()))
+    comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
+    n = max(int(world_size), 1)
+    xs = [flat * (1.0 + 0.01 * r) for r in range(n)]
+    ctxs = [GroupContext(step=ctx.step, rank=r, world_size=n, segments=ctx.segments, group_id=ctx.group_id,
+                         seed=ctx.seed, device=flat.device, shapes=ctx.shapes, names=ctx.names) for r in range(n)]
+    raw = time_codec(comp, xs, ctxs, repeats)
+    c = comp.compress(flat, ctxs[0])
+    sent = comp.decompress(c.payload, c.meta, ctxs[0])
+    wire = _WIRE.get(raw["wire_format"])
+    if wire is None:
+        raise ValueError(f"auto cannot model compressor {cand.compressor!r} (wire format {raw['wire_format']!r}); "
+                         f"use one of the candidates {', '.join(CANDIDATES)}.")
+    ratio = float(comp.ratio) if comp.has_ratio else 0.0
+    return MethodCost(cand.name, wire, float(raw["engine_codec_s"]), float(raw["payload_bytes"]),
+                      _relative_error(flat, sent), bool(comp.default_error_feedback and comp.lossy),
+                      sparse_ratio=ratio, value_bytes=float(flat.element_size()), exact_bytes=float(exact_bytes))

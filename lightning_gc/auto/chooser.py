@@ -1,0 +1,396 @@
+"""``compressor="auto"``: choose, at run time, the method that reaches the target soonest.
+
+A :class:`~lightning_gc.engine.session.StepParticipant` (name ``"auto"``) that the strategy adds
+when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
+
+1. **Profile** (dense warm-up steps, which the engine runs anyway: DDP's own fp32 bucket path).
+   For ``profile_steps`` steps after ``skip_steps`` it times forward, each gradient tensor's
+   readiness in backward (post-accumulate-grad hooks), the optimizer step and the step's wall time
+   (end of the previous step to the end of this one, as the bench counts it).
+2. **Measure** (once, between steps): every candidate's codec cost, payload and error on the live
+   averaged gradient (:func:`~lightning_gc.auto.candidates.measure_method`), and the network by an
+   in-band probe. Every number is agreed across ranks (MAX for times, so the slowest rank counts,
+   as it does in synchronous training).
+3. **Decide** with :func:`~lightning_gc.auto.model.choose` (identical inputs on every rank → the
+   same choice) and **apply**: a bucket mode with ``GCEngine.set_dense_mode``, an engine method with
+   ``GCEngine.set_group_method`` on every compressed group (error memory follows the slot rule; a
+   dense mode flushes it into its next step).
+4. **Watch**: the median step of every ``window`` steps (agreed, MAX) is compared with the first
+   window after the decision; a drift of more than ``drift`` (relative) for ``patience`` windows in
+   a row, at least ``min_interval`` steps after the last decision, re-probes the network and
+   decides again from the stored compute and codec measurements (trigger ``"drift"``).
+
+Everything a decision used is in :attr:`AutoChooser.history` (checkpointed, replicated) and logged
+(see :mod:`lightning_gc.callbacks.monitor`, ``auto/*``); the end-of-fit summary names the choice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+
+from ..comm.cost_model import NetworkModel
+from ..comm.probe import ProbeConfig, probe_network
+from ..compressors import GroupContext
+from ..engine.session import StepParticipant
+from .candidates import DEFAULT_CANDIDATES, AutoCandidate, candidate, measure_method
+from .model import MethodCost, Prediction, Workload, calibrate_other, choose, table
+
+log = logging.getLogger(__name__)
+
+#: the chooser's network probe: up to 1 MiB, so that a probe on a slow link stays around a second
+PROBE = ProbeConfig(sizes_bytes=(64, 16384, 262144, 1048576), warmup=1, repeats=5)
+
+
+def _int(name: str, value: Any, lo: int, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"auto_{name}={value!r} must be an integer >= {lo}. {hint}")
+
+
+@dataclass(frozen=True)
+class AutoConfig:
+    """Options of ``compressor="auto"`` (flat names ``auto_<field>``; docs/auto.md).
+
+    Attributes:
+        candidates: methods to choose among, in tie-break order (``lightning_gc.auto.CANDIDATES``).
+            ``ddp`` must be among them: the dense warm-up measures it, and it is the safe fallback.
+        progress_weight: ``w`` of the progress proxy ``1/(1 + w·delta2)``; 0 ranks by step time only.
+            Raise it if compressed picks need many more steps than they save (docs/auto.md).
+        skip_steps: dense steps not profiled first (allocator and thread warm-up).
+        profile_steps: dense steps profiled; the engine's warm-up is raised to
+            ``skip_steps + profile_steps``.
+        repeats: timed runs per candidate when measuring codec costs (median).
+        window: steps per drift window (median of the step walls).
+        drift: relative change of a window's median step against the reference that counts as drift.
+        patience: drifted windows in a row before re-deciding.
+        min_interval: steps between two decisions at least.
+    """
+
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
+    progress_weight: float = 1.0
+    skip_steps: int = 1
+    profile_steps: int = 3
+    repeats: int = 3
+    window: int = 10
+    drift: float = 0.3
+    patience: int = 2
+    min_interval: int = 30
+
+    def __post_init__(self) -> None:
+        cands = tuple(self.candidates)
+        object.__setattr__(self, "candidates", cands)
+        if not cands:
+            raise ValueError("auto_candidates is empty: list at least 'ddp', e.g. ('ddp', 'fp16', 'topk').")
+        for c in cands:
+            candidate(c)
+        if len(set(cands)) != len(cands):
+            raise ValueError(f"auto_candidates={cands!r} lists a method twice.")
+        if "ddp" not in cands:
+            raise ValueError(f"auto_candidates={cands!r} must include 'ddp': the warm-up measures it, and it is the "
+                             "method auto falls back to.")
+        w = self.progress_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+            raise ValueError(f"auto_progress_weight={w!r} must be a finite number >= 0 (0: step time only; "
+                             "default 1).")
+        _int("skip_steps", self.skip_steps, 0, "Use 0 to profile from the first step.")
+        _int("profile_steps", self.profile_steps, 1, "Use at least 1 (3 by default: the median of three).")
+        _int("repeats", self.repeats, 1, "Use at least 1.")
+        _int("window", self.window, 2, "Use at least 2 steps per window.")
+        _int("patience", self.patience, 1, "Use at least 1.")
+        _int("min_interval", self.min_interval, 1, "Use at least 1.")
+        d = self.drift
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not (0 < d):
+            raise ValueError(f"auto_drift={d!r} must be > 0 (a relative change, e.g. 0.3).")
+
+    @property
+    def dense_steps_needed(self) -> int:
+        return self.skip_steps + self.profile_steps
+
+    @classmethod
+    def coerce(cls, value: AutoConfig | dict | None) -> AutoConfig:
+        """An :class:`AutoConfig` from itself, a dict of its fields (YAML) or ``None`` (defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"auto={value!r}: unknown option(s) {unknown}; valid: {sorted(known)}.")
+            return cls(**value)
+        raise TypeError(f"auto={value!r} must be an AutoConfig, a dict of its fields or None.")
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "candidates": list(self.candidates)}
+
+
+def _agree(values: list[float], op: Any, group: Any, world_size: int) -> list[float]:
+    if world_size <= 1:
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op, group=group)
+    return [float(x) for x in t]
+
+
+class AutoChooser(StepParticipant):
+    """Profiles, measures, chooses and re-chooses the method (see the module docstring)."""
+
+    name = "auto"
+    state_scope = "replicated"
+
+    def __init__(self, engine: Any, config: AutoConfig, module: torch.nn.Module,
+                 named_parameters: list[tuple[str, Tensor]]) -> None:
+        self.engine = engine
+        self.config = config
+        self.candidates: list[AutoCandidate] = [candidate(c) for c in config.candidates]
+        self.params = [p for _, p in named_parameters]
+        self.names = [n for n, _ in named_parameters]
+        engine.raise_warmup_steps(config.dense_steps_needed)
+        #: every decision (replicated, checkpointed): step, trigger, inputs, predictions, choice
+        self.history: list[dict] = []
+        self.chosen: str | None = None
+        self.workload: Workload | None = None
+        self.costs: list[MethodCost] | None = None
+        self.network: NetworkModel | None = None
+        self.predictions: dict[str, Prediction] = {}
+        self.measured: list[float] = []  # this rank's step walls (profile, then windows)
+        self._profile: list[dict] = []
+        self._reference: float | None = None
+        self._drifted = 0
+        self._window: list[float] = []
+        self._last_decision_step: int | None = None
+        self._stamps: dict[int, float] = {}
+        self._t_start = self._t_fwd = self._t_closure_end = 0.0
+        self._t_prev_end: float | None = None
+        self._handles: list[Any] = []
+        if engine.world_size > 1:
+            self._handles = [p.register_post_accumulate_grad_hook(self._stamp(i)) for i, p in enumerate(self.params)]
+            self._handles.append(module.register_forward_hook(self._on_forward))
+
+    # ------------------------------------------------------------------ timing (autograd / main thread)
+    def _stamp(self, i: int) -> Callable[[Tensor], None]:
+        def hook(_: Tensor) -> None:
+            self._stamps[i] = time.perf_counter()
+        return hook
+
+    def _on_forward(self, *_: Any) -> None:
+        self._t_fwd = time.perf_counter()
+
+    def wrap_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        def timed() -> Any:
+            self._stamps = {}
+            self._t_start = time.perf_counter()
+            self._t_fwd = self._t_start
+            out = closure()
+            self._t_closure_end = time.perf_counter()
+            return out
+        return timed
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------ step boundary
+    def after_optimizer_step(self) -> None:
+        engine = self.engine
+        t_end = time.perf_counter()
+        wall = None if self._t_prev_end is None else t_end - self._t_prev_end
+        self._t_prev_end = t_end
+        if engine.world_size == 1:
+            return
+        step = engine.step - 1  # the step that just finished
+        if self.chosen is None:
+            cfg = self.config
+            if step >= cfg.skip_steps and wall is not None and len(self._stamps) == len(self.params):
+                order = sorted(range(len(self.params)), key=lambda i: self._stamps[i])
+                ready = [self._stamps[i] - self._t_fwd for i in order]
+                self._profile.append({"forward_s": self._t_fwd - self._t_start,
+                                      "order": order, "ready": ready,
+                                      "optimizer_s": max(t_end - self._t_closure_end, 0.0), "wall_s": wall})
+            if len(self._profile) >= cfg.profile_steps or not engine.step_is_dense():
+                self._first_decision(step)
+                self._t_prev_end = time.perf_counter()  # the measurement is not a step
+            return
+        if wall is None:
+            return
+        self.measured.append(wall)
+        self._window.append(wall)
+        if len(self._window) >= self.config.window:
+            self._check_drift(step)
+            self._t_prev_end = time.perf_counter()
+
+    def _check_drift(self, step: int) -> None:
+        engine = self.engine
+        med = _agree([statistics.median(self._window)], dist.ReduceOp.MAX, engine.process_group, engine.world_size)[0]
+        self._window = []
+        if self._reference is None:
+            self._reference = med
+            if self.history:
+                self.history[-1]["measured_step_s"] = med
+            return
+        moved = abs(med - self._reference) / self._reference > self.config.drift if self._reference > 0 else False
+        self._drifted = self._drifted + 1 if moved else 0
+        last = self._last_decision_step if self._last_decision_step is not None else -10**9
+        if self._drifted >= self.config.patience and step - last >= self.config.min_interval:
+            rank_zero_info(f"lightning_gc auto: step {1e3 * med:.1f} ms vs {1e3 * self._reference:.1f} ms after the last "
+                           f"decision (drift > {100 * self.config.drift:.0f}% for {self._drifted} windows): re-deciding")
+            self._decide(step, "drift", probe=True)
+
+    # ------------------------------------------------------------------ measurement
+    def _first_decision(self, step: int) -> None:
+        engine = self.engine
+        engine.synchronize()
+        self._remove_hooks()
+        if not self._profile:
+            raise RuntimeError(
+                "lightning_gc auto: no dense step could be profiled (every gradient must reach backward on every "
+                "step); pass find_unused_parameters=False models, or raise auto_profile_steps/warmup_steps.")
+        prof = self._profile
+        order = prof[-1]["order"]
+        n = len(self.params)
+        # per-tensor ready times in the last profile's order (medians over steps), then durations
+        ready_by_param = [statistics.median(p["ready"][p["order"].index(i)] for p in prof) for i in range(n)]
+        local = ([statistics.median(p["forward_s"] for p in prof), statistics.median(p["optimizer_s"] for p in prof),
+                  statistics.median(p["wall_s"] for p in prof)] + ready_by_param)
+        agreed = _agree(local, dist.ReduceOp.MAX, engine.process_group, engine.world_size)
+        fwd, opt, wall = agreed[:3]
+        ready = agreed[3:]
+        # the ready order is fixed by the first rank's (replicated) view: sort the agreed times
+        order = sorted(range(n), key=lambda i: (ready[i], i))
+        t_prev, durations = 0.0, []
+        for i in order:
+            durations.append(max(ready[i] - t_prev, 0.0))
+            t_prev = max(ready[i], t_prev)
+        self.workload = Workload(fwd, tuple(durations), tuple(self.params[i].numel() for i in order), opt, 0.0)
+        self._measure_costs()
+        self._decide(step, "warmup", probe=True, dense_wall_s=wall)
+
+    def _group_sample(self) -> tuple[Tensor, GroupContext, float]:
+        """The compressed group's averaged gradient as the engine flattens it, its context, and the
+        bytes of the tensors sent exactly beside it."""
+        engine = self.engine
+        lossy = [g for g in engine.plan.groups if not g.exact]
+        exact_bytes = float(sum(4 * n for g in engine.plan.groups if g.exact for n in g.numels))
+        g = lossy[0]
+        views = []
+        for pid in g.param_ids:
+            grad = engine.params[pid].grad
+            views.append(torch.zeros(engine.params[pid].numel()) if grad is None else grad.detach().reshape(-1).float())
+        flat = torch.cat(views)
+        ctx = GroupContext(step=engine.step, rank=engine.rank, world_size=engine.world_size, segments=g.numels,
+                           group_id=g.gid, seed=engine.config.seed, device=flat.device,
+                           shapes=tuple(tuple(engine.params[pid].shape) for pid in g.param_ids), names=g.names)
+        return flat, ctx, exact_bytes
+
+    def _measure_costs(self) -> None:
+        engine = self.engine
+        flat, ctx, exact_bytes = self._group_sample()
+        local = [measure_method(c, flat, ctx, engine.world_size, self.config.repeats, exact_bytes)
+                 for c in self.candidates]
+        # agree: MAX of codec time, payload and error (identical payloads stay identical)
+        vals = []
+        for m in local:
+            vals += [m.codec_s, m.payload_bytes, m.delta2]
+        agreed = _agree(vals, dist.ReduceOp.MAX, engine.process_group, engine.world_size)
+        self.costs = [MethodCost(m.name, m.wire, agreed[3 * k], agreed[3 * k + 1], agreed[3 * k + 2], m.error_feedback,
+                                 m.sparse_ratio, m.value_bytes, m.exact_bytes) for k, m in enumerate(local)]
+
+    # ------------------------------------------------------------------ decision
+    def _decide(self, step: int, trigger: str, probe: bool, dense_wall_s: float | None = None) -> None:
+        engine = self.engine
+        assert self.workload is not None and self.costs is not None
+        t0 = time.perf_counter()
+        engine.synchronize()
+        if engine.network.pinned and engine.network.model is not None:  # network_alpha_s/beta given: no probe
+            self.network = engine.network.model
+        elif probe or self.network is None:
+            self.network = probe_network(engine.process_group, PROBE, device=engine.device).network
+        ws = engine.world_size
+        ddp = next(c for c in self.costs if c.name == "ddp")
+        if dense_wall_s is not None:
+            other = calibrate_other(dense_wall_s, self.workload, ddp, self.network, ws)
+            w = self.workload
+            self.workload = Workload(w.forward_s, w.backward_s, w.numels, w.optimizer_s, other)
+        best, preds = choose(self.costs, self.workload, self.network, ws, self.config.progress_weight)
+        previous = self.chosen
+        self._apply(best)
+        self.chosen, self.predictions = best, preds
+        self._reference, self._drifted, self._window = None, 0, []
+        self._last_decision_step = step
+        entry = {"step": step, "trigger": trigger, "chosen": best, "previous": previous,
+                 "network": [self.network.alpha_s, self.network.beta_s_per_byte],
+                 "workload": self.workload.as_dict(), "costs": [c.as_dict() for c in self.costs],
+                 "predictions": {k: v.as_dict() for k, v in preds.items()},
+                 "dense_wall_s": dense_wall_s, "measured_step_s": None, "decide_s": time.perf_counter() - t0}
+        self.history.append(entry)
+        bw = self.network.bandwidth_bits_per_s
+        rank_zero_info(
+            f"lightning_gc auto ({trigger}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
+            f"{bw / 1e6:.1f} Mbit/s; chose {best!r}" + (f" (was {previous!r})" if previous else "") +
+            "\n" + table(preds, best))
+
+    def _apply(self, name: str) -> None:
+        engine = self.engine
+        cand = candidate(name)
+        if cand.compressor is None:
+            engine.set_dense_mode(cand.dense_mode)
+            return
+        for g in engine.plan.groups:
+            if not g.exact:
+                engine.set_group_method(g.gid, cand.spec())
+        engine.set_dense_mode(None)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        return {
+            "version": 1, "chosen": self.chosen, "history": self.history,
+            "workload": self.workload.as_dict() if self.workload is not None else None,
+            "costs": [c.as_dict() for c in self.costs] if self.costs is not None else None,
+            "network": [self.network.alpha_s, self.network.beta_s_per_byte] if self.network is not None else None,
+            "reference": self._reference, "drifted": self._drifted, "last_decision_step": self._last_decision_step,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported auto chooser state version {state.get('version')!r} (this version reads 1).")
+        self.chosen = state["chosen"]
+        self.history = list(state["history"])
+        wl = state.get("workload")
+        self.workload = None if wl is None else Workload(wl["forward_s"], tuple(wl["backward_s"]), tuple(wl["numels"]),
+                                                         wl["optimizer_s"], wl["other_s"])
+        costs = state.get("costs")
+        self.costs = None if costs is None else [MethodCost(**c) for c in costs]
+        net = state.get("network")
+        self.network = None if net is None else NetworkModel(*net)
+        self._reference, self._drifted = state.get("reference"), int(state.get("drifted", 0))
+        self._last_decision_step = state.get("last_decision_step")
+        self._window = []
+        self._t_prev_end = None
+        if self.chosen is not None:
+            self._remove_hooks()
+            if self.history:
+                preds = self.history[-1]["predictions"]
+                self.predictions = {k: Prediction(**v) for k, v in preds.items()}
+
+    def close(self, timeout: float = 60.0) -> None:
+        self._remove_hooks()
+
+    def summary(self) -> dict:
+        """What was chosen, why, and how the prediction compared with the measured step."""
+        last = self.history[-1] if self.history else None
+        return {"chosen": self.chosen, "decisions": len(self.history),
+                "triggers": [h["trigger"] for h in self.history],
+                "predicted_step_s": self.predictions[self.chosen].step_s if self.chosen in self.predictions else None,
+                "measured_step_s": last.get("measured_step_s") if last else None}

@@ -1,0 +1,278 @@
+"""The step-time and progress model behind ``compressor="auto"`` and ``lightning-gc advise``.
+
+Pure functions of measured inputs, so that the live chooser, the offline advisor and the tests
+share one definition and every rank computes the same choice from the same (agreed) numbers.
+
+**Inputs.**
+
+* :class:`Workload` -- the compute of one step on this machine: ``forward_s`` (from the start of the
+  step to the start of backward), the backward time of each gradient tensor in the order they
+  become ready (``backward_s[i]`` is the time from the previous tensor's readiness to tensor ``i``'s),
+  their sizes, ``optimizer_s`` (after backward: the optimizer step) and ``other_s`` (whatever a
+  measured step holds beyond the model: data loading, logging, the model's own error; calibrated on
+  the dense warm-up steps, see :func:`calibrate_other`).
+* a :class:`~lightning_gc.comm.cost_model.NetworkModel` (probed in band) and the world size ``N``;
+* one :class:`MethodCost` per candidate -- what compressing the model's gradient costs on this
+  machine (``codec_s``), how many bytes each rank sends (``payload_bytes``), on which wire format,
+  and the measured relative error ``delta2`` of what it sends (see below).
+
+**Step time** (:func:`predict`). Two families of candidates:
+
+* ``ddp`` / ``fp16`` / ``bf16`` run as DDP does without any hook (the *bucket* path): tensors in
+  ready order are cut into DDP's buckets (first bucket ``first_bucket_bytes``, then
+  ``bucket_bytes``, both counted in fp32 bytes as DDP does); bucket ``b``'s ring allreduce starts
+  when its last tensor is ready and the previous bucket's allreduce has ended, so communication
+  overlaps backward. The 16-bit modes halve the bytes and add their cast (``codec_s``).
+* every compressor runs in the engine with the ``"model"`` plan: one group, exchanged after
+  backward ends (nothing to overlap with), costing ``codec_s`` + the collective's time for
+  ``payload_bytes`` + the engine's two small agreements per step + the ring allreduce of the small
+  tensors it sends exactly (``exact_bytes``).
+
+``step = forward + max(backward end, last exchange end) + optimizer + other``.
+
+**Progress** (:func:`efficiency`). Step time alone picks the most aggressive compressor; time to a
+target also depends on how much progress a step makes. The proxy is the measured relative error of
+the update, ``delta2 = ‖C(g) − g‖² / ‖g‖²`` on a live gradient ``g`` (for methods without error
+feedback, whose errors are independent across ranks and average out, divided by ``N``), and
+
+    efficiency = 1 / (1 + progress_weight · delta2),      time per unit of progress = step / efficiency.
+
+``progress_weight = 0`` ranks by step time alone; the default 1 says that a method sending half the
+gradient's energy (``delta2 = 0.5``) must take under 2/3 of the exact step to be picked. It is a
+documented trade-off, not a law: see docs/auto.md for how it was chosen and how to tune it.
+
+**Choice** (:func:`choose`): the candidate with the least time per unit of progress; exact ties go
+to the earlier candidate in the given order (the defaults list the cheaper-to-run methods first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+from ..comm import cost_model
+from ..comm.cost_model import NetworkModel
+
+#: candidates that run on DDP's own bucket path (the value: bytes per element on the wire)
+BUCKET_MODES: dict[str, int] = {"ddp": 4, "fp16": 2, "bf16": 2}
+#: DDP's defaults: the first bucket is small so that communication starts early
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+#: the engine's per-step control messages (opening check and closing agreement), bytes each
+ENGINE_CONTROL_BYTES = 64
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Measured compute of one training step (seconds), and the gradient tensors in ready order."""
+
+    forward_s: float
+    backward_s: tuple[float, ...]
+    numels: tuple[int, ...]
+    optimizer_s: float = 0.0
+    other_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.backward_s) != len(self.numels) or not self.numels:
+            raise ValueError(f"Workload needs one backward time per tensor and at least one tensor; got "
+                             f"{len(self.backward_s)} times for {len(self.numels)} tensors.")
+        for name in ("forward_s", "optimizer_s", "other_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"Workload.{name}={v!r} must be a finite number of seconds >= 0.")
+        if any(not (math.isfinite(t) and t >= 0) for t in self.backward_s):
+            raise ValueError("Workload.backward_s must hold finite times >= 0.")
+        if any(int(n) < 1 for n in self.numels):
+            raise ValueError("Workload.numels must be positive element counts.")
+
+    @property
+    def backward_total_s(self) -> float:
+        return float(sum(self.backward_s))
+
+    @property
+    def numel(self) -> int:
+        return int(sum(self.numels))
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MethodCost:
+    """What one candidate costs on this machine for this model's gradient.
+
+    Attributes:
+        name: the candidate's name (``"ddp"``, ``"fp16"``, ``"topk"``, ...).
+        wire: how its bytes travel: ``"bucket"`` (DDP's bucketed allreduce), ``"allreduce"``,
+            ``"allgather"``, ``"lowrank"`` (two allreduces) or ``"sparse"`` (AR-Topk: the cheapest
+            of allgather / ART-Ring / ART-Tree by the cost model).
+        codec_s: seconds per step of compression, aggregation and decompression on one rank.
+        payload_bytes: bytes each rank contributes per step (bucket modes: 0, computed from
+            ``numels``); for ``"sparse"``: ``4 * numel`` of the compressed group is ``M``.
+        delta2: relative squared error of what is sent (0 for exact methods), before any ``/N``.
+        error_feedback: whether the method keeps an error memory (its error is then not divided
+            by ``N``: it is biased, not independent noise).
+        sparse_ratio, value_bytes: AR-Topk only: kept fraction and bytes per value.
+        exact_bytes: bytes of the small tensors the engine sends exactly beside the group.
+    """
+
+    name: str
+    wire: str
+    codec_s: float
+    payload_bytes: float = 0.0
+    delta2: float = 0.0
+    error_feedback: bool = False
+    sparse_ratio: float = 0.0
+    value_bytes: float = 4.0
+    exact_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.wire not in ("bucket", "allreduce", "allgather", "lowrank", "sparse"):
+            raise ValueError(f"MethodCost.wire={self.wire!r} is not a wire format: use 'bucket', 'allreduce', "
+                             "'allgather', 'lowrank' or 'sparse'.")
+        if self.wire == "bucket" and self.name not in BUCKET_MODES:
+            raise ValueError(f"bucket candidate {self.name!r} is not one of {sorted(BUCKET_MODES)}.")
+        for f in ("codec_s", "payload_bytes", "delta2", "exact_bytes"):
+            v = getattr(self, f)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"MethodCost.{f}={v!r} for {self.name!r} must be finite and >= 0.")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One candidate's predicted step (seconds) and progress."""
+
+    name: str
+    step_s: float
+    compute_s: float
+    codec_s: float
+    comm_s: float
+    exposed_s: float  # step − compute − other: the communication and codec time not hidden by backward
+    efficiency: float
+    time_per_progress_s: float
+    details: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def ddp_buckets(numels: Sequence[int], first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
+                bucket_bytes: int = DDP_BUCKET_BYTES) -> list[int]:
+    """Bucket sizes in tensors, in ready order: a bucket closes once its fp32 bytes reach its cap
+    (the first bucket's cap is ``first_bucket_bytes``, later ones ``bucket_bytes``)."""
+    out: list[int] = []
+    count, size, cap = 0, 0, first_bucket_bytes
+    for n in numels:
+        count += 1
+        size += 4 * int(n)
+        if size >= cap:
+            out.append(count)
+            count, size, cap = 0, 0, bucket_bytes
+    if count:
+        out.append(count)
+    return out
+
+
+def comm_seconds(cost: MethodCost, network: NetworkModel, world_size: int, numel: int) -> float:
+    """Seconds the candidate's collective needs for its payload (engine candidates only)."""
+    a, b, n, B = network.alpha_s, network.beta_s_per_byte, world_size, cost.payload_bytes
+    if cost.wire == "allreduce":
+        return cost_model.ring_allreduce_cost(a, b, B, n)
+    if cost.wire == "allgather":
+        return cost_model.allgather_cost(a, b, B, n)
+    if cost.wire == "lowrank":  # P, then Q: two allreduces sharing the payload
+        return 2 * cost_model.ring_allreduce_cost(a, b, B / 2, n)
+    if cost.wire == "sparse":
+        return min(cost_model.sparse_collective_costs(a, b, 4.0 * numel, n, cost.sparse_ratio,
+                                                      cost.value_bytes).values())
+    raise ValueError(f"comm_seconds: {cost.name!r} runs on DDP's buckets; use predict().")
+
+
+def efficiency(cost: MethodCost, world_size: int, progress_weight: float) -> float:
+    """Progress of one step relative to an exact step: ``1 / (1 + w · delta2')`` with ``delta2' =
+    delta2`` for error-feedback methods and ``delta2 / N`` for the others (see the module doc)."""
+    d2 = cost.delta2 if cost.error_feedback else cost.delta2 / max(int(world_size), 1)
+    return 1.0 / (1.0 + float(progress_weight) * d2)
+
+
+def predict(cost: MethodCost, workload: Workload, network: NetworkModel, world_size: int,
+            progress_weight: float = 1.0, first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
+            bucket_bytes: int = DDP_BUCKET_BYTES) -> Prediction:
+    """Predicted step of one candidate (see the module docstring for the equations)."""
+    w = workload
+    n = int(world_size)
+    bwd_end = w.backward_total_s
+    compute = w.forward_s + bwd_end + w.optimizer_s
+    a, b = network.alpha_s, network.beta_s_per_byte
+    details: dict = {}
+    if n == 1:
+        comm_total, codec, end = 0.0, 0.0, bwd_end
+    elif cost.wire == "bucket":
+        per_elem = BUCKET_MODES[cost.name]
+        total_elems = w.numel
+        t_ready, t_net, i, comm_total = 0.0, 0.0, 0, 0.0
+        sizes = ddp_buckets(w.numels, first_bucket_bytes, bucket_bytes)
+        for size in sizes:
+            t_ready += sum(w.backward_s[i:i + size])
+            elems = sum(w.numels[i:i + size])
+            # the cast of a 16-bit mode scales with the bucket's share of the model
+            cast = cost.codec_s * elems / total_elems
+            tc = cost_model.ring_allreduce_cost(a, b, per_elem * elems, n)
+            t_net = max(t_ready, t_net) + cast + tc
+            comm_total += tc
+            i += size
+        codec = cost.codec_s
+        end = max(bwd_end, t_net)
+        details["buckets"] = len(sizes)
+    else:
+        tc = comm_seconds(cost, network, n, w.numel)
+        control = 2 * cost_model.ring_allreduce_cost(a, b, ENGINE_CONTROL_BYTES, n)
+        exact = cost_model.ring_allreduce_cost(a, b, cost.exact_bytes, n) if cost.exact_bytes > 0 else 0.0
+        comm_total = tc + control + exact
+        codec = cost.codec_s
+        end = bwd_end + codec + comm_total
+    step = w.forward_s + end + w.optimizer_s + w.other_s
+    eff = efficiency(cost, n, progress_weight)
+    return Prediction(cost.name, step, compute, codec, comm_total, max(step - compute - w.other_s, 0.0), eff,
+                      step / eff, details)
+
+
+def choose(costs: Sequence[MethodCost], workload: Workload, network: NetworkModel, world_size: int,
+           progress_weight: float = 1.0, **bucket_kw: int) -> tuple[str, dict[str, Prediction]]:
+    """The candidate with the least predicted time per unit of progress, and every prediction.
+
+    Ties go to the earlier candidate in ``costs``. Identical inputs give identical choices, so with
+    agreed inputs every rank chooses alike."""
+    if not costs:
+        raise ValueError("choose() needs at least one candidate.")
+    preds = {c.name: predict(c, workload, network, world_size, progress_weight, **bucket_kw) for c in costs}
+    best = costs[0].name
+    for c in costs[1:]:
+        if preds[c.name].time_per_progress_s < preds[best].time_per_progress_s:
+            best = c.name
+    return best, preds
+
+
+def calibrate_other(measured_step_s: float, workload: Workload, ddp_cost: MethodCost, network: NetworkModel,
+                    world_size: int, **bucket_kw: int) -> float:
+    """``other_s`` that makes the model's ``ddp`` step equal a measured dense (DDP) step: the time a
+    real step holds beyond forward, backward, optimizer and exposed communication (data loading,
+    logging, framework overhead), never negative. Applied to every candidate alike."""
+    base = Workload(workload.forward_s, workload.backward_s, workload.numels, workload.optimizer_s, 0.0)
+    return max(float(measured_step_s) - predict(ddp_cost, base, network, world_size, **bucket_kw).step_s, 0.0)
+
+
+def table(preds: Mapping[str, Prediction], chosen: str | None = None) -> str:
+    """A plain-text table of predictions (milliseconds), the chosen one marked with ``*``."""
+    rows = [f"{'candidate':12s} {'step ms':>9s} {'compute':>9s} {'codec':>8s} {'comm':>9s} {'exposed':>9s} "
+            f"{'effic.':>7s} {'ms/progress':>12s}"]
+    for name, p in preds.items():
+        mark = "*" if name == chosen else " "
+        rows.append(f"{mark}{name:11s} {1e3 * p.step_s:9.2f} {1e3 * p.compute_s:9.2f} {1e3 * p.codec_s:8.2f} "
+                    f"{1e3 * p.comm_s:9.2f} {1e3 * p.exposed_s:9.2f} {p.efficiency:7.3f} "
+                    f"{1e3 * p.time_per_progress_s:12.2f}")
+    return "\n".join(rows)
