@@ -371,7 +371,7 @@ class GCStrategy(DDPStrategy):
         """
         if self._engine is None:
             return None
-        return summarize(self._engine, self._compressor_name, self.skipped_steps, self._diloco)
+        return summarize(self._engine, self._compressor_name, self.skipped_steps, self._diloco, self._auto)
 
     # ------------------------------------------------------------------ lifecycle
     @override

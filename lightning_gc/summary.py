@@ -43,6 +43,8 @@ class GCSummary:
         outer_steps: ``sync="diloco"``: outer steps taken (``None`` otherwise). Then ``steps`` counts
             the inner optimizer steps, none of which sent a gradient, and ``bytes_dense`` is what
             DDP's fp32 ring allreduce would have sent for all of them.
+        auto_decisions: ``compressor="auto"``: every decision (step, trigger, chosen method, its
+            predicted step and the step measured in the first window after it; ``None`` otherwise).
     """
 
     compressor: str
@@ -61,6 +63,7 @@ class GCSummary:
     nonfinite_steps: int
     skipped_steps: int
     outer_steps: int | None = None
+    auto_decisions: list[dict[str, Any]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,7 +88,15 @@ class GCSummary:
             f"  bytes: {traffic}",
             f"  time: compression {self.compress_time_s:.3f} s, communication {self.comm_time_s:.3f} s",
             f"  non-finite gradient steps: {self.nonfinite_steps} (optimizer steps skipped: {self.skipped_steps})",
+            *[_auto_line(d) for d in self.auto_decisions or ()],
         ])
+
+
+def _auto_line(d: dict[str, Any]) -> str:
+    measured = d.get("measured_step_s")
+    seen = f", measured {1e3 * measured:.1f} ms" if measured is not None else ""
+    return (f"  auto: step {d['step']} ({d['trigger']}): chose {d['chosen']!r}, predicted "
+            f"{1e3 * d['predicted_step_s']:.1f} ms/step{seen} (runner-up {d['runner_up']!r})")
 
 
 def _fmt_bytes(n: float) -> str:
@@ -96,7 +107,7 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.2f} GiB"  # pragma: no cover
 
 
-def summarize(engine: Any, compressor: str, skipped_steps: int, diloco: Any = None) -> GCSummary:
+def summarize(engine: Any, compressor: str, skipped_steps: int, diloco: Any = None, auto: Any = None) -> GCSummary:
     """Build the summary from ``engine.totals()``, the engine's exchange and the skipped steps
     (with ``sync="diloco"``, from the DiLoCo synchroniser's step counts: the engine sees no step)."""
     t = engine.totals()
@@ -126,4 +137,5 @@ def summarize(engine: Any, compressor: str, skipped_steps: int, diloco: Any = No
         nonfinite_steps=int(t["nonfinite_steps"]),
         skipped_steps=int(skipped_steps),
         outer_steps=outer,
+        auto_decisions=None if auto is None else auto.decisions(),
     )

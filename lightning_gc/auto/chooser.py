@@ -333,7 +333,9 @@ class AutoChooser(StepParticipant):
                  "network": [self.network.alpha_s, self.network.beta_s_per_byte],
                  "workload": self.workload.as_dict(), "costs": [c.as_dict() for c in self.costs],
                  "predictions": {k: v.as_dict() for k, v in preds.items()},
-                 "dense_wall_s": dense_wall_s, "measured_step_s": None, "decide_s": time.perf_counter() - t0}
+                 "dense_wall_s": dense_wall_s, "measured_step_s": None,
+                 # replicated state: the slowest rank's time, like every other figure here
+                 "decide_s": _agree([time.perf_counter() - t0], dist.ReduceOp.MAX, engine.process_group, ws)[0]}
         self.history.append(entry)
         bw = self.network.bandwidth_bits_per_s
         rank_zero_info(
@@ -387,10 +389,14 @@ class AutoChooser(StepParticipant):
     def close(self, timeout: float = 60.0) -> None:
         self._remove_hooks()
 
-    def summary(self) -> dict:
-        """What was chosen, why, and how the prediction compared with the measured step."""
-        last = self.history[-1] if self.history else None
-        return {"chosen": self.chosen, "decisions": len(self.history),
-                "triggers": [h["trigger"] for h in self.history],
-                "predicted_step_s": self.predictions[self.chosen].step_s if self.chosen in self.predictions else None,
-                "measured_step_s": last.get("measured_step_s") if last else None}
+    def decisions(self) -> list[dict]:
+        """Every decision in brief: step, trigger, the choice, its predicted step, the step measured
+        in the first window after it (``None`` until then) and the runner-up (end-of-fit summary)."""
+        out = []
+        for h in self.history:
+            ranked = sorted(h["predictions"].items(), key=lambda kv: kv[1]["time_per_progress_s"])
+            out.append({"step": h["step"], "trigger": h["trigger"], "chosen": h["chosen"],
+                        "predicted_step_s": h["predictions"][h["chosen"]]["step_s"],
+                        "measured_step_s": h.get("measured_step_s"),
+                        "runner_up": ranked[1][0] if len(ranked) > 1 else None})
+        return out

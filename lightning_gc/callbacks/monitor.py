@@ -51,6 +51,13 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 ``gc/diloco_fragment`` sync="diloco": the fragment of the last outer step (0 without streaming)
 ``gc/diloco_error_norm`` sync="diloco": ‖e‖₂ of this rank's Δ error memory after the last outer step
 ``gc/diloco_discarded`` sync="diloco": 1 if the last round was discarded (non-finite Δ)
+``gc/auto_method``     compressor="auto": index of the method in force in ``auto_candidates`` (−1 while
+                       profiling); with a TensorBoard logger each decision is also written as text
+                       (``gc/auto_decision``: trigger, network, every candidate's predicted step,
+                       codec, communication, efficiency, the pick)
+``gc/auto_predicted_step_ms`` compressor="auto": the model's step for the method in force (ms, all ranks)
+``gc/auto_measured_step_ms``  compressor="auto": the median step of the first window after the decision
+                       (ms, MAX over ranks)
 ====================  ========================================================================
 
 Logging frequency follows the Trainer's ``log_every_n_steps``, with one exception: the step where
@@ -120,6 +127,20 @@ def diloco_step_metrics(diloco: Any) -> dict[str, float]:
         metrics["gc/diloco_error_norm"] = float(o.error_norm)
         metrics["gc/diloco_discarded"] = float(o.discarded)
     return metrics
+
+
+def auto_metrics(auto: Any) -> dict[str, float]:
+    """``gc/auto_*`` of the method in force (see the module docstring)."""
+    if auto.chosen is None:
+        return {"gc/auto_method": -1.0}
+    out = {"gc/auto_method": float(list(auto.config.candidates).index(auto.chosen))}
+    pred = auto.predictions.get(auto.chosen)
+    if pred is not None:
+        out["gc/auto_predicted_step_ms"] = 1e3 * pred.step_s
+    measured = auto.history[-1].get("measured_step_s") if auto.history else None
+    if measured is not None:
+        out["gc/auto_measured_step_ms"] = 1e3 * measured
+    return out
 
 
 def step_metrics(engine: Any, s: Any, omgs: Any = None, osp: Any = None) -> dict[str, float]:
@@ -198,6 +219,7 @@ class GCMonitor(Callback):
         #: optimizer steps (engine numbering) written outside the log_every_n_steps schedule
         self.forced_steps: list[int] = []
         self._omgs_figure_version = 0
+        self._auto_logged = 0
         #: OMGS plan figures written (plan versions), for tests
         self.omgs_figures: list[int] = []
 
@@ -253,6 +275,10 @@ class GCMonitor(Callback):
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=step)
                 self.forced_steps.append(s.step)
+        auto = getattr(trainer.strategy, "auto", None)
+        if auto is not None:
+            metrics.update(auto_metrics(auto))
+            self._log_auto_decision(trainer, auto)
         for key, value in metrics.items():
             pl_module.log(
                 key,
@@ -263,6 +289,22 @@ class GCMonitor(Callback):
                 batch_size=1,
                 prog_bar=self.prog_bar and key in ("gc/bytes_ratio", "gc/gain_ewma"),
             )
+
+    def _log_auto_decision(self, trainer: Any, auto: Any) -> None:
+        if len(auto.history) == self._auto_logged or not trainer.is_global_zero:
+            return
+        from ..auto.model import Prediction, table
+
+        for h in auto.history[self._auto_logged:]:
+            preds = {k: Prediction(**v) for k, v in h["predictions"].items()}
+            text = (f"step {h['step']}, trigger {h['trigger']}: chose {h['chosen']} (was {h['previous']}); "
+                    f"network alpha {h['network'][0]:.3g} s, beta {h['network'][1]:.3g} s/B\n\n    "
+                    + table(preds, h["chosen"]).replace("\n", "\n    "))
+            for logger in trainer.loggers:
+                add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
+                if add_text is not None:
+                    add_text("gc/auto_decision", text, global_step=h["step"])
+        self._auto_logged = len(auto.history)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         summary = getattr(trainer.strategy, "summary", None)
