@@ -2,7 +2,7 @@
 
 Factors (docs/concepts.md keeps the table of what works and what is refused, and why)::
 
-    compressor  topk, star_topk, qsgd, efsignsgd, marsit, gradiveq, lowrank
+    compressor  topk, star_topk, qsgd, efsignsgd, marsit, gradiveq, lowrank, auto
     sync        bsp, osp, diloco                (diloco: H = 3, the resume point inside a round)
     plan        model, layer, omgs
     controller  none, shadow, rollback      (AdaptiveRatio)
@@ -15,7 +15,8 @@ The full product is 4536 runs; the cases are an all-pairs design (every pair of 
 factors appears in at least one case; :func:`all_pairs`, greedy and deterministic) plus the full
 product of the factors that carry state across steps (controller × sync × plan × resume), once with
 momentum SGD and once more with AdamW + clipping under the synchronisation models that replay or
-keep optimizer state (OSP, DiLoCo).
+keep optimizer state (OSP, DiLoCo), plus ``auto``'s trainable cases (BSP, one-group plan: resumed,
+once plain and once with accumulation, bf16-mixed and AdamW + clipping).
 
 A case either (a) is refused when the Trainer is built or ``fit`` starts, with a message that
 names the value, the reason and the fix (:func:`expected_refusal` is the table), or (b) trains
@@ -35,7 +36,7 @@ import sys
 from typing import Any
 
 FACTORS: dict[str, tuple] = {
-    "compressor": ("topk", "star_topk", "qsgd", "efsignsgd", "marsit", "gradiveq", "lowrank"),
+    "compressor": ("topk", "star_topk", "qsgd", "efsignsgd", "marsit", "gradiveq", "lowrank", "auto"),
     "sync": ("bsp", "osp", "diloco"),
     "plan": ("model", "layer", "omgs"),
     "controller": ("none", "shadow", "rollback"),
@@ -87,7 +88,11 @@ def design() -> list[dict[str, Any]]:
     seen, out = set(), []
     adamw = [c for c in stateful_product({**{n: v[0] for n, v in FACTORS.items()}, "optimizer": "adamw_clip"})
              if c["sync"] in ("osp", "diloco")]
-    for case in all_pairs(FACTORS) + stateful_product() + adamw:
+    # auto trains in BSP with the one-group plan only, which all pairs never draws: add its trainable cases
+    base = {n: v[0] for n, v in FACTORS.items()}
+    auto = [{**base, "compressor": "auto", "resume": "resumed", **extra} for extra in
+            ({}, {"accumulate": 2, "precision": "bf16-mixed", "optimizer": "adamw_clip"})]
+    for case in all_pairs(FACTORS) + stateful_product() + adamw + auto:
         key = tuple(case[n] for n in FACTORS)
         if key not in seen:
             seen.add(key)
@@ -107,6 +112,16 @@ def expected_refusal(case: dict[str, Any]) -> str | None:
 
     The table of docs/concepts.md ("What composes"): each entry names why."""
     c, sync, plan, ctrl = case["compressor"], case["sync"], case["plan"], case["controller"]
+    if c == "auto":  # the BSP one-group plan only; it chooses the method itself
+        if sync == "diloco" and plan == "omgs":
+            return r"sync='diloco' with plan='omgs'.*no merge plan to optimise"
+        if sync != "bsp":
+            return rf"compressor='auto' with sync='{sync}' is not supported"
+        if plan != "model":
+            return rf"compressor='auto' with plan='{plan}' is not supported.*Use plan='model'"
+        if ctrl != "none":
+            return r"AdaptiveRatio cannot run with compressor='auto'"
+        return None
     if sync == "osp" and plan == "omgs":
         return r"sync='osp' with plan='omgs'.*Use one of them"
     if sync == "diloco" and plan == "omgs":

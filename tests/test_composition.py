@@ -28,6 +28,8 @@ SUBSET = [
      "precision": "bf16-mixed", "optimizer": "adamw_clip", "resume": "resumed"},
     {"compressor": "lowrank", "sync": "bsp", "plan": "layer", "controller": "none", "accumulate": 1,
      "precision": "32-true", "optimizer": "sgd", "resume": "resumed"},
+    {"compressor": "auto", "sync": "bsp", "plan": "model", "controller": "none", "accumulate": 2,
+     "precision": "bf16-mixed", "optimizer": "adamw_clip", "resume": "resumed"},
 ]
 
 

@@ -149,6 +149,12 @@ class AdaptiveRatio(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         strategy = self._strategy(trainer)
         name = strategy.compressor_name
+        if strategy.config.auto is not None:
+            raise ValueError(
+                "AdaptiveRatio cannot run with compressor='auto': both would change the method in force between "
+                "steps (auto chooses the compressor and its ratio from measured costs, docs/auto.md). Drop the "
+                "callback, or pick a compressor with a ratio (e.g. compressor='artopk_auto') for AdaptiveRatio."
+            )
         cfg = build_config(name)
         if not any(f.name == "ratio" for f in dataclasses.fields(cfg)):
             raise ValueError(

@@ -15,10 +15,12 @@ when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
    same choice) and **apply**: a bucket mode with ``GCEngine.set_dense_mode``, an engine method with
    ``GCEngine.set_group_method`` on every compressed group (error memory follows the slot rule; a
    dense mode flushes it into its next step).
-4. **Watch**: the median step of every ``window`` steps (agreed, MAX) is compared with the first
-   window after the decision; a drift of more than ``drift`` (relative) for ``patience`` windows in
-   a row, at least ``min_interval`` steps after the last decision, re-probes the network and
-   decides again from the stored compute and codec measurements (trigger ``"drift"``).
+4. **Watch**: the median step of every ``window`` steps (agreed, MAX) is compared with a reference:
+   the second window after the decision (the first holds the switch itself). A drift of more than
+   ``drift`` (relative) for ``patience`` windows in a row, at least ``min_interval`` steps after the
+   last decision, re-probes the network and decides again from the stored compute and codec
+   measurements (trigger ``"drift"``); the method is switched only if the choice changed (every
+   re-decision is in the history either way).
 
 Everything a decision used is in :attr:`AutoChooser.history` (checkpointed, replicated) and logged
 (see :mod:`lightning_gc.callbacks.monitor`, ``auto/*``); the end-of-fit summary names the choice.
@@ -167,6 +169,7 @@ class AutoChooser(StepParticipant):
         self.measured: list[float] = []  # this rank's step walls (profile, then windows)
         self._profile: list[dict] = []
         self._reference: float | None = None
+        self._settling = True
         self._drifted = 0
         self._window: list[float] = []
         self._last_decision_step: int | None = None
@@ -235,6 +238,9 @@ class AutoChooser(StepParticipant):
         engine = self.engine
         med = _agree([statistics.median(self._window)], dist.ReduceOp.MAX, engine.process_group, engine.world_size)[0]
         self._window = []
+        if self._settling:  # the first window after a decision holds the switch itself: not a reference
+            self._settling = False
+            return
         if self._reference is None:
             self._reference = med
             if self.history:
@@ -325,9 +331,10 @@ class AutoChooser(StepParticipant):
             self.workload = Workload(w.forward_s, w.backward_s, w.numels, w.optimizer_s, other)
         best, preds = choose(self.costs, self.workload, self.network, ws, self.config.progress_weight)
         previous = self.chosen
-        self._apply(best)
+        if best != previous:
+            self._apply(best)
         self.chosen, self.predictions = best, preds
-        self._reference, self._drifted, self._window = None, 0, []
+        self._reference, self._drifted, self._window, self._settling = None, 0, [], True
         self._last_decision_step = step
         entry = {"step": step, "trigger": trigger, "chosen": best, "previous": previous,
                  "network": [self.network.alpha_s, self.network.beta_s_per_byte],
@@ -338,10 +345,13 @@ class AutoChooser(StepParticipant):
                  "decide_s": _agree([time.perf_counter() - t0], dist.ReduceOp.MAX, engine.process_group, ws)[0]}
         self.history.append(entry)
         bw = self.network.bandwidth_bits_per_s
-        rank_zero_info(
-            f"lightning_gc auto ({trigger}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
-            f"{bw / 1e6:.1f} Mbit/s; chose {best!r}" + (f" (was {previous!r})" if previous else "") +
-            "\n" + table(preds, best))
+        head = (f"lightning_gc auto ({trigger}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
+                f"{bw / 1e6:.1f} Mbit/s; ")
+        if best == previous:
+            rank_zero_info(head + f"kept {best!r} (predicted {1e3 * preds[best].step_s:.1f} ms/step)")
+        else:
+            rank_zero_info(head + f"chose {best!r}" + (f" (was {previous!r})" if previous else "") + "\n"
+                           + table(preds, best))
 
     def _apply(self, name: str) -> None:
         engine = self.engine
@@ -361,7 +371,7 @@ class AutoChooser(StepParticipant):
             "workload": self.workload.as_dict() if self.workload is not None else None,
             "costs": [c.as_dict() for c in self.costs] if self.costs is not None else None,
             "network": [self.network.alpha_s, self.network.beta_s_per_byte] if self.network is not None else None,
-            "reference": self._reference, "drifted": self._drifted, "last_decision_step": self._last_decision_step,
+            "reference": self._reference, "drifted": self._drifted, "settling": self._settling, "last_decision_step": self._last_decision_step,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -377,6 +387,7 @@ class AutoChooser(StepParticipant):
         net = state.get("network")
         self.network = None if net is None else NetworkModel(*net)
         self._reference, self._drifted = state.get("reference"), int(state.get("drifted", 0))
+        self._settling = bool(state.get("settling", True))
         self._last_decision_step = state.get("last_decision_step")
         self._window = []
         self._t_prev_end = None
