@@ -143,8 +143,11 @@ def test_budget_is_validated():
 
 @pytest.mark.slow
 def test_bandwidth_sweep_runs_once_per_link_and_writes_one_table_and_one_plot(tmp_path, capsys):
+    """... with auto among the methods: it decides on every link (a short profile, within --warmup)
+    and the sweep's table names its pick per link."""
     js, out = tmp_path / "sweep.json", tmp_path / "out"
-    argv = ["--preset", "probe", "--preset-arg", "width=64", "--ranks", "2", "--methods", "ddp,fp16",
+    auto = "auto:skip_steps=0:profile_steps=2:candidates=ddp+fp16+topk"
+    argv = ["--preset", "probe", "--preset-arg", "width=64", "--ranks", "2", "--methods", f"ddp,fp16,{auto}",
             "--steps", "4", "--warmup", "2", "--compute-steps", "1", "--eval-every", "4", "--val-batches", "1",
             "--network", "loopback", "--threads", "1", "--bandwidth", "100mbit,20mbit",
             "--json", str(js), "--out", str(out)]
@@ -152,9 +155,16 @@ def test_bandwidth_sweep_runs_once_per_link_and_writes_one_table_and_one_plot(tm
     doc = json.loads(js.read_text())
     assert doc["schema"] == report.SWEEP_SCHEMA and doc["links"] == ["100mbit", "20mbit"]
     assert [run["config"]["bandwidth"] for run in doc["runs"]] == ["100mbit", "20mbit"]
+    picks = []
     for run in doc["runs"]:
         report.validate_document(run)
-        assert [r["label"] for r in run["results"]] == ["ddp", "fp16"]
+        assert [r["label"] for r in run["results"]] == ["ddp", "fp16", auto]
+        rec = run["results"][2]["auto"]
+        assert run["results"][2]["status"] == "ok" and rec["candidates"] == ["ddp", "fp16", "topk"]
+        (decision,) = rec["decisions"]  # decided once, at the end of the last warm-up step
+        assert decision["step"] == 1 and decision["trigger"] == "warmup" and decision["chosen"] == rec["chosen"]
+        assert set(decision["predictions"]) == {"ddp", "fp16", "topk"} and decision["predicted_step_s"] > 0
+        picks.append(rec["chosen"])
     # the floor follows each run's nominal rate (loopback: bytes / rate): 5x longer at 20 Mbit/s
     ddp = [next(r for r in run["results"] if r["label"] == "ddp") for run in doc["runs"]]
     assert ddp[1]["floor_basis"] == "engine"  # 16.6 kB at 20 Mbit/s: 6.7 ms, far above the compute
@@ -163,6 +173,9 @@ def test_bandwidth_sweep_runs_once_per_link_and_writes_one_table_and_one_plot(tm
     table = (out / "sweep.md").read_text()
     assert "| method | step @ 100mbit | TTT @ 100mbit | step @ 20mbit | TTT @ 20mbit |" in table
     assert table.count("| `ddp` |") == 1 and table.count("| `fp16` |") == 1
+    auto_row = next(line for line in table.splitlines() if line.startswith(f"| `{auto}` |"))
+    assert [f"(picked {p})" in cell for p, cell in zip(picks, auto_row.split(" | ")[1::2])] == [True, True]
+    assert f"| `{auto}` → {picks[1]} |" in (out / "20mbit" / "bench.md").read_text()
     assert (out / "sweep.png").exists() and (out / "100mbit" / "bench.md").exists() and (out / "20mbit" / "bench.md").exists()
     assert "sweep: link 2/2: 20mbit" in capsys.readouterr().out
 

@@ -8,12 +8,14 @@ from dist_harness import run_distributed
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
+from lightning_gc.auto import AutoConfig
 from lightning_gc.bench.methods import (
     BASELINES,
     MethodError,
     MethodSpec,
     TorchHookDDPStrategy,
     analytic_bytes_per_step,
+    auto_config,
     available_methods,
     build_strategy,
     parse_methods,
@@ -195,3 +197,94 @@ def test_bench_counts_the_time_between_steps_but_not_validation(tmp_path):
     assert all(t < 0.25 for t in cb.step_times), cb.step_times
     assert 0.2 <= cb.train_time < 0.45
     assert cb.evals[0]["train_time_s"] == pytest.approx(sum(cb.step_times[:2]))
+
+
+# --------------------------------------------------------------------------- auto (GCStrategy(compressor="auto"))
+
+
+def test_auto_parses_without_a_ratio_and_its_options_reach_gc_strategy():
+    from lightning_gc.strategy import GCStrategy
+
+    specs = parse_methods("ddp,auto,auto:progress_weight=0.5:candidates=ddp+fp16+topk:warmup_steps=5:bucket_cap_mb=1,"
+                          "gc_auto:auto_drift=0.5:auto_window=4:seed=3", default_ratio=0.01)
+    plain, tuned, flat = specs[1:]
+    assert [s.label for s in specs[1:]] == ["auto", "auto:progress_weight=0.5:candidates=ddp+fp16+topk:warmup_steps=5:"
+                                            "bucket_cap_mb=1", "auto:auto_drift=0.5:auto_window=4:seed=3"]
+    assert plain.gc and plain.method == "auto" and plain.options == {}  # --ratio does not apply to auto
+    assert plain.to_json() == {"method": "auto", "label": "auto", "compressor": "auto", "options": {}}
+
+    s = build_strategy(plain)
+    assert isinstance(s, GCStrategy) and s.config.auto == AutoConfig()
+    s = build_strategy(tuned)
+    assert s.config.auto.candidates == ("ddp", "fp16", "topk") and s.config.auto.progress_weight == 0.5
+    assert s.config.engine.warmup_steps == 5  # an engine key goes to GCStrategy as for any compressor
+    assert s._ddp_kwargs["bucket_cap_mb"] == 1
+    s = build_strategy(flat)  # auto_<field> is the same field
+    assert (s.config.auto.drift, s.config.auto.window, s.config.engine.seed) == (0.5, 4, 3)
+    # the profile's dense steps: skip_steps + profile_steps, at least warmup_steps
+    assert build_strategy(parse_methods("auto:skip_steps=0:profile_steps=2", default_ratio=0.01)[0]) \
+        .config.engine.warmup_steps == 2
+    assert auto_config(tuned).dense_steps_needed == 4 and auto_config(plain) == AutoConfig()
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("auto:ratio=0.1", "auto chooses the compressor, its ratio and collective itself, so ratio=0.1"),
+        ("auto:collective=allgather", "collective='allgather' cannot be given"),
+        ("auto:levels=4", "unknown auto option 'levels'"),
+        ("auto:adaptive=shadow", "unknown auto option 'adaptive'"),
+        ("auto:candidates=fp16+topk", "must include 'ddp'"),
+        ("auto:candidates=ddp+warp", "auto candidate 'warp' is unknown; valid: ddp, fp16"),
+        ("auto:candidates=ddp+topk:auto_candidates=ddp", "candidates is given twice"),
+        ("auto:progress_weight=-1", "auto_progress_weight=-1 must be a finite number >= 0"),
+        ("auto:window=1", "auto_window=1 must be an integer >= 2"),
+        ("auto:sync=osp", "compressor='auto' with sync='osp' is not supported"),
+        ("auto:plan=layer", "compressor='auto' with plan='layer' is not supported"),
+    ],
+)
+def test_bad_auto_options_are_refused_when_the_list_is_parsed(text, fragment):
+    with pytest.raises(MethodError) as exc:
+        parse_methods(text, default_ratio=0.01)
+    assert fragment in str(exc.value) and repr(text) in str(exc.value)
+
+
+def test_auto_is_listed_but_not_part_of_all_and_its_options_need_auto():
+    assert "auto" in available_methods()
+    assert "auto" not in [s.name for s in parse_methods("all", default_ratio=0.01)]
+    with pytest.raises(MethodError, match="choose from .*auto"):
+        parse_methods("autoo", default_ratio=0.01)
+    with pytest.raises(ValueError, match="auto options .* only apply with compressor='auto'"):
+        build_strategy(parse_methods("topk:auto_drift=0.5", default_ratio=0.01)[0])
+    with pytest.raises(MethodError, match="is not auto"):
+        auto_config(MethodSpec("topk", gc=True))
+
+
+def test_worker_records_the_choosers_decisions_from_its_history():
+    from types import SimpleNamespace
+
+    from lightning_gc.bench.worker import _auto_state
+
+    def pred(step, tpp):
+        return {"step_s": step, "compute_s": 0.01, "codec_s": 0.0, "comm_s": 0.0, "exposed_s": 0.0,
+                "efficiency": 1.0, "time_per_progress_s": tpp}
+
+    history = [
+        {"step": 3, "trigger": "warmup", "chosen": "ddp", "previous": None, "network": [1e-4, 8e-9],
+         "workload": {}, "costs": [], "predictions": {"ddp": pred(0.05, 0.05), "topk": pred(0.03, 0.06)},
+         "dense_wall_s": 0.05, "measured_step_s": 0.052, "decide_s": 0.2},
+        {"step": 40, "trigger": "drift", "chosen": "topk", "previous": "ddp", "network": [1e-4, 8e-8],
+         "workload": {}, "costs": [], "predictions": {"ddp": pred(0.4, 0.4), "topk": pred(0.04, 0.08)},
+         "dense_wall_s": None, "measured_step_s": None, "decide_s": 0.3},
+    ]
+    chooser = SimpleNamespace(chosen="topk", history=history, config=AutoConfig(candidates=("ddp", "topk")))
+    rec = _auto_state(SimpleNamespace(auto=chooser))
+    assert rec["chosen"] == "topk" and rec["candidates"] == ["ddp", "topk"]
+    first, second = rec["decisions"]
+    assert first == {"step": 3, "trigger": "warmup", "chosen": "ddp", "previous": None, "predicted_step_s": 0.05,
+                     "measured_step_s": 0.052, "predictions": {"ddp": 0.05, "topk": 0.03},
+                     "time_per_progress_s": {"ddp": 0.05, "topk": 0.06},
+                     "network": {"alpha_s": 1e-4, "beta_s_per_byte": 8e-9}, "dense_wall_s": 0.05, "decide_s": 0.2}
+    assert second["predicted_step_s"] == 0.04 and second["measured_step_s"] is None and second["previous"] == "ddp"
+    assert _auto_state(SimpleNamespace(auto=None)) is None
+    assert _auto_state(DDPStrategy()) is None

@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from lightning_gc.bench import report
-from lightning_gc.bench.methods import MethodSpec, ring_factor
+from lightning_gc.bench.methods import MethodSpec, parse_methods, ring_factor
 from lightning_gc.bench.runner import (
     SCHEMA,
     BenchConfig,
@@ -252,3 +252,136 @@ def test_markdown_names_the_best_baselines_and_shows_the_columns():
     assert "| step / best baseline |" in md and "| TTT / best baseline |" in md
     ddp_row = next(line for line in md.splitlines() if line.startswith("| `ddp`"))
     assert "| 2× |" in ddp_row  # ddp's step is twice the 16-bit hook's
+
+
+# --------------------------------------------------------------------------- auto: its pick in every report
+
+
+def _decision(step, trigger, chosen, predicted, measured, previous=None):
+    preds = {"ddp": 0.040, "fp16": 0.022, "topk": 0.012}
+    return {"step": step, "trigger": trigger, "chosen": chosen, "previous": previous, "predicted_step_s": predicted,
+            "measured_step_s": measured, "predictions": preds, "time_per_progress_s": {**preds, "topk": 0.018},
+            "network": {"alpha_s": 1e-4, "beta_s_per_byte": 8e-8}, "dense_wall_s": 0.04, "decide_s": 0.2}
+
+
+def _auto_record(*decisions):
+    return {"chosen": decisions[-1]["chosen"] if decisions else None, "candidates": ["ddp", "fp16", "topk"],
+            "decisions": list(decisions)}
+
+
+def _auto_doc(step_auto=0.5, record=None, label="auto"):
+    r = _layout(steps=4, warmup=1, ranks=2, hosts=2)
+    record = record if record is not None else _auto_record(_decision(0, "warmup", "topk", 0.012, 0.013))
+    slow = [_rank(g, 1, [1.0, 1.0, 1.0, 1.0], [0.1], evals=EVALS_SLOW) for g in range(2)]
+    fast = [dict(_rank(g, 1, [1.0] + [step_auto] * 3, [0.1], evals=EVALS_FAST, engine={"steps": 3.0, "bytes_sent": 300.0}),
+                 auto=record) for g in range(2)]
+    spec = parse_methods(label, default_ratio=0.01)[0]
+    results = [aggregate(MethodSpec("ddp"), slow, r, count_wire=False, target=0.8),
+               aggregate(spec, fast, r, count_wire=False, target=0.8)]
+    add_ratios(results)
+    return {"schema": SCHEMA, "config": {"preset": "probe", "ranks": 2, "hosts": 2, "procs_per_host": 1, "steps": 4,
+                                         "warmup": 1, "compute_steps": 5, "metric": "val_acc", "mode": "max",
+                                         "target": 0.8, "schedule": None, "schedule_steps": None},
+            "emulated": False, "network": {"mode": "loopback", "reason": "test"}, "results": results}
+
+
+def test_markdown_names_autos_pick_and_lists_its_decisions():
+    doc = _auto_doc(label="auto:candidates=ddp+fp16+topk")
+    auto = doc["results"][1]
+    assert auto["auto"]["chosen"] == "topk" and "auto" not in doc["results"][0]  # rank 0's record, auto only
+    report.validate_document(doc)
+    assert report.auto_pick(auto) == "topk" and report.auto_pick(doc["results"][0]) is None
+    assert report.display_label(auto) == "auto:candidates=ddp+fp16+topk → topk"
+    md = report.markdown(doc)
+    assert "| `auto:candidates=ddp+fp16+topk` → topk | 500.0 ms |" in md
+    assert "| `ddp` | 1.00 s |" in md  # other rows unchanged
+    assert "## What `auto` picked" in md
+    row = next(line for line in md.splitlines() if line.startswith("| `auto:candidates=ddp+fp16+topk` | 0 |"))
+    assert row == ("| `auto:candidates=ddp+fp16+topk` | 0 | warmup | topk | 100 Mbit/s, α 0.1 ms | 12.0 ms | 13.0 ms "
+                   "| ddp 40.0 ms (40.0 ms), fp16 22.0 ms (22.0 ms), **topk 12.0 ms** (18.0 ms) |")
+    doc["results"] = doc["results"][:1]
+    assert "## What `auto` picked" not in report.markdown(doc)  # no auto, no section
+
+
+def test_a_re_decision_shows_the_sequence_and_a_run_without_a_decision_says_so():
+    record = _auto_record(_decision(0, "warmup", "ddp", 0.04, 0.041), _decision(2, "drift", "ddp", 0.04, None),
+                          _decision(3, "drift", "topk", 0.012, None, previous="ddp"))
+    doc = _auto_doc(record=record)
+    report.validate_document(doc)
+    assert report.auto_pick(doc["results"][1]) == "ddp→topk"  # the kept ddp adds nothing to the sequence
+    md = report.markdown(doc)
+    assert "| `auto` → ddp→topk |" in md and md.count("| `auto` | ") == 3  # but every decision has its row
+    doc = _auto_doc(record=_auto_record())
+    report.validate_document(doc)
+    assert "| `auto` → no decision |" in report.markdown(doc)
+
+
+@pytest.mark.parametrize(
+    "mutate, fragment",
+    [
+        (lambda a: a.__setitem__("decisions", None), "auto.decisions must be a list"),
+        (lambda a: a.__setitem__("chosen", 3), "auto.chosen must be a method name or null"),
+        (lambda a: a["decisions"][0].pop("trigger"), "auto.decisions[0]: missing keys ['trigger']"),
+        (lambda a: a["decisions"][0].__setitem__("step", -1), "step must be an integer >= 0"),
+        (lambda a: a["decisions"][0].__setitem__("chosen", None), "chosen must be a string"),
+        (lambda a: a["decisions"][0].__setitem__("predicted_step_s", "fast"), "predicted_step_s must be a number"),
+        (lambda a: a["decisions"][0].__setitem__("predictions", {"ddp": None}), "predictions must map candidate"),
+    ],
+)
+def test_schema_validation_checks_the_auto_record(mutate, fragment):
+    doc = _auto_doc()
+    report.validate_document(doc)
+    doc["results"][1]["auto"] = None  # optional: null is fine
+    report.validate_document(doc)
+    doc = _auto_doc()
+    mutate(doc["results"][1]["auto"])
+    with pytest.raises(ValueError) as exc:
+        report.validate_document(doc)
+    assert fragment in str(exc.value) and "results[1] (auto)" in str(exc.value)
+    doc["results"][1]["auto"] = "topk"
+    with pytest.raises(ValueError, match="auto must be an object or null"):
+        report.validate_document(doc)
+
+
+def test_sweep_table_and_plot_mark_autos_pick_per_link(tmp_path, monkeypatch):
+    fast_link = _auto_doc(step_auto=0.9, record=_auto_record(_decision(0, "warmup", "fp16", 0.02, 0.02)))
+    slow_link = _auto_doc(record=_auto_record(_decision(0, "warmup", "ddp", 0.04, 0.05),
+                                              _decision(2, "drift", "topk", 0.012, None, previous="ddp")))
+    sweep = report.sweep_document([fast_link, slow_link], ["1gbit", "20mbit"])
+    table = report.sweep_markdown(sweep)
+    row = next(line for line in table.splitlines() if line.startswith("| `auto` |"))
+    assert "900.0 ms (0.9×) (picked fp16)" in row and "500.0 ms (0.5×) (picked ddp→topk)" in row
+    assert "for `auto`, the method it picked on that link" in table
+    assert "picked" not in next(line for line in table.splitlines() if line.startswith("| `ddp` |"))
+    plain = [copy.deepcopy(d) for d in (fast_link, slow_link)]
+    for doc in plain:
+        doc["results"] = doc["results"][:1]
+    assert "picked" not in report.sweep_markdown(report.sweep_document(plain, ["1gbit", "20mbit"]))
+    if importlib.util.find_spec("matplotlib") is None:
+        return
+    texts = []
+    save = report._save
+
+    def spy(fig, out_dir, name):
+        texts.extend(t.get_text() for ax in fig.axes for t in ax.texts)
+        return save(fig, out_dir, name)
+
+    monkeypatch.setattr(report, "_save", spy)
+    (path,) = report.write_sweep_plot(sweep, str(tmp_path))
+    assert path.endswith("sweep.png")
+    # auto's step on both links and its time to target on both links, each labelled with its pick
+    assert sorted(texts) == sorted(["fp16", "ddp→topk"] * 2)
+    texts.clear()
+    report.write_plots(fast_link, str(tmp_path))
+    assert texts  # the per-run plots still render with auto (its tick label carries the pick)
+
+
+def test_resolve_refuses_a_warmup_shorter_than_autos_dense_profile():
+    with pytest.raises(BenchError) as exc:
+        resolve(BenchConfig(methods="ddp,auto", warmup=3, steps=10))
+    msg = str(exc.value)
+    assert "auto sends the first 4 steps dense (skip_steps=1 + profile_steps=3" in msg and "use --warmup 4" in msg
+    with pytest.raises(BenchError, match="use --warmup 6"):
+        resolve(BenchConfig(methods="auto:warmup_steps=6", warmup=4, steps=10))
+    assert [s.name for s in resolve(BenchConfig(methods="ddp,auto", warmup=4, steps=10))["specs"]] == ["ddp", "auto"]
+    resolve(BenchConfig(methods="auto:skip_steps=0:profile_steps=2", warmup=2, steps=10))

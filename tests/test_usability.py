@@ -240,8 +240,9 @@ def test_list_has_one_line_per_compressor_collective_plan_and_alias(capsys):
     aliases = [n for n, e in StrategyRegistry.items() if e["strategy"] is GCStrategy]
     expected = [*COMPRESSORS, *available_collectives(), *available_planners(), *aliases]
     assert items == expected
-    # gc_<c>, gc_<c>_find_unused_parameters_true, gc_<c>_osp, gc_<c>_diloco, plus gc_omgs, gc_osp, gc_diloco
-    assert len(aliases) == 4 * len(COMPRESSORS) + 3
+    # gc_<c>, gc_<c>_find_unused_parameters_true, gc_<c>_osp, gc_<c>_diloco, plus gc_auto, gc_omgs, gc_osp, gc_diloco
+    assert len(aliases) == 4 * len(COMPRESSORS) + 4
+    assert StrategyRegistry["gc_auto"]["init_params"] == {"compressor": "auto"}
     assert StrategyRegistry["gc_omgs"]["init_params"] == {"compressor": "topk", "plan": "omgs"}
     assert StrategyRegistry["gc_osp"]["init_params"] == {"compressor": "dense", "sync": "osp"}
     assert StrategyRegistry["gc_qsgd_osp"]["init_params"] == {"compressor": "qsgd", "sync": "osp"}
@@ -257,11 +258,11 @@ def test_bench_list_methods_names_every_method_one_way(capsys):
     assert bench_main(["--list-methods"]) == 0
     lines = capsys.readouterr().out.splitlines()
     names = [ln.split()[0] for ln in lines if ln.startswith("  ")]
-    assert names == [*BASELINES, *(f"gc_{n}" for n in COMPRESSORS)]
+    assert names == [*BASELINES, *(f"gc_{n}" for n in COMPRESSORS), "auto"]
     for name in names:  # every listed name is accepted and means what its section says
         (spec,) = parse_methods(name, default_ratio=0.01)
-        assert spec.gc == name.startswith("gc_")
-        if spec.gc:
+        assert spec.gc == (name.startswith("gc_") or name == "auto")
+        if name.startswith("gc_"):
             assert spec.name == name[3:]
 
 

@@ -115,7 +115,7 @@ _BASELINE_LINES = {
 
 
 def list_methods_text() -> str:
-    """One line per method name: the torch baselines, then every lightning_gc compressor as gc_NAME."""
+    """One line per method name: the torch baselines, every lightning_gc compressor as gc_NAME, then auto."""
     from lightning_gc.bench.methods import BASELINES, _gc_compressors
 
     lines = ["torch baselines (DDP with a torch communication hook):"]
@@ -131,6 +131,13 @@ def list_methods_text() -> str:
                  + (f" except for {', '.join('gc_' + n for n in clash)}, whose bare name is the torch baseline"
                     if clash else "") + "):")
     lines += [f"  {'gc_' + name:<16}{get_entry(name).summary}" for name in names]
+    from lightning_gc.auto import CANDIDATES, DEFAULT_CANDIDATES
+    from lightning_gc.bench.methods import _AUTO_FIELDS
+
+    lines.append("run-time choice (GCStrategy(compressor='auto'); not part of 'all'):")
+    lines.append(f"  {'auto':<16}picks one of its candidates after a profiled dense warm-up, re-decides on drift "
+                 f"(options: {', '.join(_AUTO_FIELDS)}; candidates joined by '+', from {', '.join(CANDIDATES)}; "
+                 f"default {'+'.join(DEFAULT_CANDIDATES)})")
     return "\n".join(lines)
 
 

@@ -42,6 +42,21 @@ method's ``ratio`` is then only the ratio in force until the first decision.
 compressor options, e.g. ``gradiveq:warmup=10:Lt=10:Lc=80``; ``collective=gradiveq_allreduce``
 runs the simple compress–allreduce–decompress path instead of the ring of Algorithm 1.
 
+``auto`` -> ``GCStrategy(compressor="auto", auto={...})``: after a profiled dense warm-up the run
+picks one method among its candidates and may re-decide on drift (:mod:`lightning_gc.auto`). Its
+options are the :class:`~lightning_gc.auto.chooser.AutoConfig` fields, bare or as ``auto_<field>``
+(``candidates``, ``progress_weight``, ``skip_steps``, ``profile_steps``, ``repeats``, ``window``,
+``drift``, ``patience``, ``min_interval``); ``candidates`` joins names with ``+`` (``,`` separates
+methods, ``:`` options), e.g. ``auto,auto:progress_weight=0.5,auto:candidates=ddp+fp16+topk``.
+The GCStrategy engine keys (``warmup_steps``, ``network_alpha_s``, ``probe_*``, ``seed``,
+``bucket_cap_mb``, ...) go to ``GCStrategy`` as for any compressor. ``auto`` takes no ``ratio``
+(``--ratio`` does not apply), ``collective``, ``error_feedback`` or compressor options: it picks those
+itself, and they are refused with the fix, as is anything else
+``GCStrategy(compressor="auto")`` would refuse (checked when the list is parsed, before any run).
+``all`` expands to every *fixed* method (the torch baselines and every compressor), without
+``auto``; name it explicitly (its dense profile needs ``--warmup`` >= ``skip_steps + profile_steps``,
+4 by default: the runner refuses fewer, see :func:`auto_config`).
+
 The same method may appear several times with different options; each entry is labelled by its
 full spec (``topk:ratio=0.001``), with the default ratio made explicit.
 
@@ -65,18 +80,21 @@ model used for dense DDP, ``2 (N - 1) / N`` times the message size for ``N`` ran
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 
+from ..auto.chooser import AutoConfig
 from ..config import FLAT_FIELDS, FLAT_PREFIXES
 
 __all__ = [
     "MethodError",
     "MethodSpec",
     "BASELINES",
+    "AUTO",
     "parse_methods",
+    "auto_config",
     "available_methods",
     "build_strategy",
     "build_callbacks",
@@ -93,7 +111,12 @@ SINGLE_BUCKET_MB = 1_000_000  # larger than any model: DDP puts every gradient i
 _POWERSGD_KEYS = {"rank", "start_iter", "min_compression_rate", "error_feedback", "warm_start"}
 # GCStrategy's own options: the configuration's flat names (lightning_gc/config.py, the one mapping) and
 # DDP's bucket size; every other key is a compressor option
-_GC_STRATEGY_KEYS = (set(FLAT_FIELDS) - {"compressor", "compressor_args", "omgs"}) | {"bucket_cap_mb"}
+_GC_STRATEGY_KEYS = (set(FLAT_FIELDS) - {"compressor", "compressor_args", "omgs", "auto"}) | {"bucket_cap_mb"}
+#: the run-time chooser (GCStrategy(compressor="auto")); not a compressor, so no ratio and no compressor options
+AUTO = "auto"
+_AUTO_FIELDS = tuple(f.name for f in fields(AutoConfig))
+# what auto picks itself: refused as options of the auto method
+_AUTO_PICKS = {"ratio", "collective", "error_feedback", "compressor_args"}
 
 
 # short bench spellings of compressor options, per compressor
@@ -169,8 +192,68 @@ def _takes_ratio(name: str) -> bool:
 
 
 def available_methods() -> list[str]:
+    """Every method name: the torch baselines, every compressor, then ``auto``."""
     names, _ = _gc_compressors()
-    return list(BASELINES) + [f"gc_{n}" if n in BASELINES else n for n in (names or [])]
+    return list(BASELINES) + [f"gc_{n}" if n in BASELINES else n for n in (names or [])] + [AUTO]
+
+
+def _auto_candidates(entry: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) and value.strip():
+        return tuple(c.strip().lower() for c in value.split("+") if c.strip())
+    if isinstance(value, (list, tuple)) and value:
+        return tuple(str(c).strip().lower() for c in value)
+    raise MethodError(f"method {entry!r}: candidates={value!r} must be candidate names joined by '+', "
+                      f"e.g. 'auto:candidates=ddp+fp16+topk'")
+
+
+def _auto_kwargs(entry: str, options: dict) -> dict[str, Any]:
+    """GCStrategy keyword arguments (``compressor`` excluded) of an ``auto`` method's options."""
+    auto: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {}
+    for key, value in options.items():
+        name = key[len("auto_"):] if key.startswith("auto_") else key
+        if name in _AUTO_FIELDS:
+            if name in auto:
+                raise MethodError(f"method {entry!r}: {name} is given twice (as {name} and auto_{name}); give it once")
+            auto[name] = _auto_candidates(entry, value) if name == "candidates" else value
+        elif key in _AUTO_PICKS:
+            raise MethodError(
+                f"method {entry!r}: auto chooses the compressor, its ratio and collective itself, so {key}={value!r} "
+                f"cannot be given; restrict what it picks from instead, e.g. 'auto:candidates=ddp+fp16+topk'"
+            )
+        elif key in _GC_STRATEGY_KEYS:
+            kwargs[key] = value
+        else:
+            raise MethodError(
+                f"method {entry!r}: unknown auto option {key!r}; valid: its own {', '.join(_AUTO_FIELDS)} (also as "
+                f"auto_<name>), and GCStrategy's engine keys such as warmup_steps, seed, network_alpha_s, "
+                f"network_beta_s_per_byte; e.g. 'auto:progress_weight=0.5:candidates=ddp+fp16+topk'"
+            )
+    if auto:
+        kwargs["auto"] = auto
+    return kwargs
+
+
+def _check_auto(entry: str, options: dict) -> None:
+    """Refuse, when the list is parsed, what ``GCStrategy(compressor="auto", ...)`` would refuse in the workers."""
+    from ..config import GCConfig
+
+    kwargs = _auto_kwargs(entry, options)
+    kwargs.pop("bucket_cap_mb", None)  # DDP's, not lightning_gc's
+    try:
+        GCConfig.from_flat(compressor=AUTO, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise MethodError(f"method {entry!r}: {exc}") from exc
+
+
+def auto_config(spec: MethodSpec) -> AutoConfig:
+    """The :class:`~lightning_gc.auto.chooser.AutoConfig` an ``auto`` method runs with. It sends
+    ``skip_steps + profile_steps`` steps dense (``AutoConfig.dense_steps_needed``, at least
+    ``warmup_steps``) and decides at the end of the last of them, so the runner refuses a
+    ``--warmup`` shorter than that: the profile and the decision are not timed."""
+    if not (spec.gc and spec.name == AUTO):
+        raise MethodError(f"method {spec.label!r} is not auto")
+    return AutoConfig.coerce(_auto_kwargs(spec.label, spec.options).get("auto"))
 
 
 def parse_methods(text: str, *, default_ratio: float | None) -> list[MethodSpec]:
@@ -179,8 +262,8 @@ def parse_methods(text: str, *, default_ratio: float | None) -> list[MethodSpec]
         raise MethodError(f"--methods {text!r} is empty: give a comma-separated list such as 'ddp,topk'")
     entries = [e.strip() for e in text.split(",") if e.strip()]
     gc_names, why = _gc_compressors()
-    if entries == ["all"]:
-        entries = available_methods()
+    if entries == ["all"]:  # every fixed method; auto is named on its own (see the module docstring)
+        entries = [m for m in available_methods() if m != AUTO]
     specs: list[MethodSpec] = []
     for entry in entries:
         name, *opt_parts = entry.split(":")
@@ -197,7 +280,9 @@ def parse_methods(text: str, *, default_ratio: float | None) -> list[MethodSpec]
                     f"method {entry!r}: option {part!r} is not KEY=VALUE; write e.g. 'topk:ratio=0.001'"
                 )
             options[key] = _parse_value(value)
-        if gc:
+        if gc and name == AUTO:
+            _check_auto(entry, options)
+        elif gc:
             if gc_names is None:
                 raise MethodError(
                     f"method {name!r} needs lightning_gc's compressors, but {why}; use the torch baselines "
@@ -291,6 +376,8 @@ def build_strategy(spec: MethodSpec, **ddp_kwargs: Any):
             f"method {spec.name!r} needs lightning_gc.strategy.GCStrategy, which is not importable "
             f"({type(exc).__name__}: {exc}); use the torch baselines or fix the installation"
         ) from exc
+    if spec.name == AUTO:
+        return GCStrategy(compressor=AUTO, **_auto_kwargs(spec.label, spec.options), **ddp_kwargs)
     kwargs: dict[str, Any] = {}
     compressor_args: dict[str, Any] = {}
     options = dict(spec.options)
@@ -310,16 +397,15 @@ def build_strategy(spec: MethodSpec, **ddp_kwargs: Any):
         base = DiLoCoConfig(outer_optimizer=options.get("diloco_outer_optimizer", "SGD")).resolved_args()
         options["diloco_outer_args"] = {**base, **outer}
     aliases = _OPTION_ALIASES.get(spec.name, {})
-    omgs: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {}
     for k, v in options.items():
         k = aliases.get(k, k)
         prefix = next((p for p in FLAT_PREFIXES if k.startswith(p)), None)
         if prefix is not None:  # a section's field, e.g. topk:plan=omgs:omgs_profile_steps=5 (OMGSConfig)
-            omgs[k[len(prefix):]] = v
+            sections.setdefault(FLAT_PREFIXES[prefix], {})[k[len(prefix):]] = v
             continue
         (kwargs if k in _GC_STRATEGY_KEYS else compressor_args)[k] = v
-    if omgs:
-        kwargs["omgs"] = omgs
+    kwargs.update(sections)  # omgs={...}; auto={...} is refused by GCStrategy without compressor="auto"
     if compressor_args:
         kwargs["compressor_args"] = compressor_args
     return GCStrategy(compressor=spec.name, **kwargs, **ddp_kwargs)

@@ -6,6 +6,14 @@
 ``DIR/bytes.png`` (engine vs wire bytes per rank per step), ``DIR/step_trace.png`` (every step's
 time over the run, with the warm-up and schedule phases marked) and ``DIR/metric.png`` (task metric
 against training time, with the target).
+
+``auto`` (``GCStrategy(compressor="auto")``) results carry the chooser's decisions (optional key
+``auto``, checked by :func:`validate_document`). Everywhere the method is named, its pick is shown
+(:func:`auto_pick`: ``topk``, or the sequence ``ddp→topk`` if it re-decided): the table's label
+reads ``auto → topk``, a section after the table lists every decision (trigger, the link as probed,
+the predicted step of the pick against the measured one, every candidate's prediction), the sweep
+table's step cell ends in ``(picked topk)`` and the sweep plot writes the pick next to each of
+auto's points.
 """
 
 from __future__ import annotations
@@ -16,7 +24,8 @@ from typing import Any
 
 from lightning_gc.bench.schedule import format_rate
 
-__all__ = ["validate_document", "write_json", "markdown", "write_plots", "write_outputs", "REQUIRED_RESULT_KEYS"]
+__all__ = ["validate_document", "write_json", "markdown", "write_plots", "write_outputs", "REQUIRED_RESULT_KEYS",
+           "auto_pick", "display_label"]
 
 REQUIRED_RESULT_KEYS = (
     "method", "label", "status", "error", "step_time_s", "step_time_iqr_s", "compute_time_s", "comm_exposed_s",
@@ -56,9 +65,72 @@ def validate_document(doc: Any) -> None:
         for k in nullable_num:
             if res[k] is not None and (not isinstance(res[k], num) or isinstance(res[k], bool)):
                 raise ValueError(f"{where}: {k} must be a number or null, got {res[k]!r}")
+        if res.get("auto") is not None:
+            _validate_auto(where, res["auto"])
         real_nic = (doc.get("network") or {}).get("mode") == "cluster"
         if not doc["emulated"] and not real_nic and res["wire_bytes_per_step"] is not None:
             raise ValueError(f"{where}: wire_bytes_per_step must be null when emulated is false (loopback)")
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _validate_auto(where: str, auto: Any) -> None:
+    """The optional ``auto`` key of a result: the chooser's pick and its decisions (see worker.py)."""
+    if not isinstance(auto, dict):
+        raise ValueError(f"{where}: auto must be an object or null, got {auto!r:.80}")
+    if auto.get("chosen") is not None and not isinstance(auto["chosen"], str):
+        raise ValueError(f"{where}: auto.chosen must be a method name or null, got {auto['chosen']!r}")
+    decisions = auto.get("decisions")
+    if not isinstance(decisions, list):
+        raise ValueError(f"{where}: auto.decisions must be a list, got {decisions!r:.80}")
+    for j, d in enumerate(decisions):
+        at = f"{where}: auto.decisions[{j}]"
+        if not isinstance(d, dict):
+            raise ValueError(f"{at} must be an object, got {d!r:.80}")
+        missing = [k for k in ("step", "trigger", "chosen", "predicted_step_s", "measured_step_s", "predictions")
+                   if k not in d]
+        if missing:
+            raise ValueError(f"{at}: missing keys {missing}")
+        if not isinstance(d["step"], int) or isinstance(d["step"], bool) or d["step"] < 0:
+            raise ValueError(f"{at}: step must be an integer >= 0, got {d['step']!r}")
+        for k in ("trigger", "chosen"):
+            if not isinstance(d[k], str):
+                raise ValueError(f"{at}: {k} must be a string, got {d[k]!r}")
+        for k in ("predicted_step_s", "measured_step_s"):
+            if d[k] is not None and not _is_num(d[k]):
+                raise ValueError(f"{at}: {k} must be a number or null, got {d[k]!r}")
+        preds = d["predictions"]
+        if not isinstance(preds, dict) or not all(isinstance(k, str) and _is_num(v) for k, v in preds.items()):
+            raise ValueError(f"{at}: predictions must map candidate names to predicted step seconds, got {preds!r:.80}")
+
+
+def auto_sequence(result: dict) -> list[str]:
+    """The methods an ``auto`` result ran after its decisions, in order (a re-decision that kept the
+    method adds nothing); empty without decisions."""
+    auto = result.get("auto") or {}
+    seq: list[str] = []
+    for d in auto.get("decisions") or []:
+        if not seq or seq[-1] != d["chosen"]:
+            seq.append(d["chosen"])
+    if not seq and auto.get("chosen"):
+        seq = [auto["chosen"]]
+    return seq
+
+
+def auto_pick(result: dict) -> str | None:
+    """``"topk"``, ``"ddp→topk"`` after a re-decision, ``"no decision"`` if it never decided;
+    ``None`` for a result that is not ``auto``'s."""
+    if not result.get("auto"):
+        return None
+    return "→".join(auto_sequence(result)) or "no decision"
+
+
+def display_label(result: dict) -> str:
+    """The method's label, with ``auto``'s pick: ``auto → topk``."""
+    pick = auto_pick(result)
+    return result["label"] if pick is None else f"{result['label']} → {pick}"
 
 
 def write_json(doc: dict, path: str) -> str:
@@ -165,8 +237,9 @@ def markdown(doc: dict) -> str:
         if r["status"] != "ok":
             lines.append(f"| `{r['label']}` | failed |" + " |" * (14 if varying else 13))
             continue
+        pick = auto_pick(r)
         lines.append(
-            f"| `{r['label']}` | {_s(r['step_time_s'])} | {_s(r['step_time_iqr_s'])} |"
+            f"| `{r['label']}`{f' → {pick}' if pick else ''} | {_s(r['step_time_s'])} | {_s(r['step_time_iqr_s'])} |"
             + (f" {_s(r.get('step_time_mean_s'))} |" if varying else "")
             + f" {_s(r['compute_time_s'])} "
             f"| {_s(r['comm_exposed_s'])} | {_s(r['floor_s'])} | {_r(r['ratio_vs_ddp'])} "
@@ -175,6 +248,7 @@ def markdown(doc: dict) -> str:
             f"| {_s(r['time_to_target_s']) if r['time_to_target_s'] is not None else 'not reached'} "
             f"| {_r(r['time_to_target_ratio_vs_ddp'])} | {_r(r.get('time_to_target_ratio_vs_best_baseline'))} |"
         )
+    lines += _auto_section(doc)
     errors = [r for r in doc["results"] if r["status"] != "ok"]
     if errors:
         lines += ["", "## Failed methods", ""]
@@ -195,6 +269,52 @@ def markdown(doc: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _link(network: dict | None) -> str:
+    if not network or network.get("beta_s_per_byte") is None:
+        return "–"
+    beta, alpha = network["beta_s_per_byte"], network.get("alpha_s")
+    rate = "unlimited"
+    if beta > 0:
+        bits = 8 / beta
+        unit, scale = next(((u, f) for u, f in (("Gbit/s", 1e9), ("Mbit/s", 1e6)) if bits >= f), ("kbit/s", 1e3))
+        rate = f"{bits / scale:.3g} {unit}"
+    return rate if alpha is None else f"{rate}, α {_s(alpha)}"
+
+
+def _auto_section(doc: dict) -> list[str]:
+    """One row per decision of every ``auto`` result (none: no lines)."""
+    rows = []
+    for r in doc["results"]:
+        if r["status"] != "ok" or not r.get("auto"):
+            continue
+        decisions = r["auto"].get("decisions") or []
+        if not decisions:
+            rows.append(f"| `{r['label']}` | – | – | no decision | – | – | – | – |")
+        for d in decisions:
+            tpp = d.get("time_per_progress_s") or {}
+            cands = ", ".join(
+                (f"**{name} {_s(step)}**" if name == d["chosen"] else f"{name} {_s(step)}")
+                + (f" ({_s(tpp[name])})" if name in tpp else "")
+                for name, step in d["predictions"].items())
+            rows.append(f"| `{r['label']}` | {d['step']} | {d['trigger']} | {d['chosen']} | {_link(d.get('network'))} "
+                        f"| {_s(d['predicted_step_s'])} | {_s(d['measured_step_s'])} | {cands} |")
+    if not rows:
+        return []
+    return [
+        "", "## What `auto` picked", "",
+        "One row per decision (`warmup`: after the profiled dense steps; `drift`: the step time moved). *link*: "
+        "the network as auto probed it; *predicted*: its model's step for the pick; *measured*: auto's own "
+        "measurement after the decision, the median of a window of steps once the switch has settled (slowest "
+        "rank; – if the run ended first). Per candidate: the predicted step and, in brackets, the predicted time "
+        "per unit of progress, which the pick minimises.",
+        "",
+        "| method | step | trigger | picked | link (probed) | predicted step | measured step "
+        "| candidates: predicted step (per progress) |",
+        "|---|---:|---|---|---|---:|---:|---|",
+        *rows,
+    ]
 
 
 # --------------------------------------------------------------------------- plots
@@ -249,6 +369,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     paths = []
     labels = [r["label"] for r in ok]
     styles = method_styles(labels)
+    shown = [display_label(r) for r in ok]  # auto's pick with its label
     y = list(range(len(ok)))
 
     # 1. step time: compute + exposed comm, IQR, floor
@@ -266,7 +387,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     for i, r in enumerate(ok):
         if r["ratio_vs_ddp"] is not None:
             ax.text(r["step_time_p75_s"], i, f"  {r['ratio_vs_ddp']:.2f}× DDP", va="center", fontsize=8)
-    ax.set_yticks(y, labels)
+    ax.set_yticks(y, shown)
     ax.invert_yaxis()
     ax.set_xlabel("seconds per training step (median)")
     ax.set_title(f"Step time — {title_tail}", fontsize=9)
@@ -293,7 +414,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     if dense:
         ax.axvline(dense, color="gray", ls="--", lw=1, label="dense ring allreduce")
     ax.set_xscale("log")
-    ax.set_yticks(y, labels)
+    ax.set_yticks(y, shown)
     ax.invert_yaxis()
     ax.set_xlabel("bytes sent per rank per step (log)")
     ax.set_title(f"Bytes — {title_tail}", fontsize=9)
@@ -307,7 +428,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     for r in ok:
         colour, marker = styles[r["label"]]
         ax.plot(range(len(r["step_times_s"])), r["step_times_s"], color=colour, marker=marker, markersize=4, lw=1,
-                label=r["label"])
+                label=display_label(r))
     ax.axvspan(-0.5, c["warmup"] - 0.5, color="gray", alpha=0.15, label="warm-up (not timed)")
     for b in c.get("schedule_steps") or []:
         if b["step"] > 0:
@@ -330,7 +451,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
             pts = [(p["train_time_s"], p["value"]) for p in r["metric_curve"] if p["value"] is not None]
             if pts:
                 colour, marker = styles[r["label"]]
-                ax.plot(*zip(*pts), color=colour, marker=marker, label=r["label"])
+                ax.plot(*zip(*pts), color=colour, marker=marker, label=display_label(r))
         if c.get("target") is not None:
             ax.axhline(c["target"], color="red", ls="--", lw=1, label=f"target {c['target']:g}")
         ax.set_xlabel("training time (s, sum of step times)")
@@ -386,7 +507,8 @@ def _sweep_labels(sweep: dict) -> list[str]:
 
 
 def sweep_markdown(sweep: dict) -> str:
-    """Step and time to target per method per link, each with its ratio to the run's best baseline."""
+    """Step and time to target per method per link, each with its ratio to the run's best baseline;
+    ``auto``'s step cell names what it picked on that link."""
     links, runs = sweep["links"], sweep["runs"]
     c = runs[0]["config"]
     metric, target = c.get("metric") or "metric", c.get("target")
@@ -396,7 +518,9 @@ def sweep_markdown(sweep: dict) -> str:
         "",
         f"One bench run per link (same methods, seed and steps). *step*: median step time; *TTT*: time to "
         f"{metric} {op} {_v(target)}. In brackets: the ratio to the best torch baseline of that link's run "
-        "(the fastest of ddp, fp16, powersgd per step, resp. to the target).",
+        "(the fastest of ddp, fp16, powersgd per step, resp. to the target)"
+        + ("; for `auto`, the method it picked on that link (`ddp→topk`: it re-decided)."
+           if any(r.get("auto") for doc in runs for r in doc["results"]) else "."),
         "",
         "| method | " + " | ".join(f"step @ {link} | TTT @ {link}" for link in links) + " |",
         "|---|" + "---:|---:|" * len(links),
@@ -409,6 +533,8 @@ def sweep_markdown(sweep: dict) -> str:
                 cells += ["failed" if r is not None else "–", ""]
                 continue
             step = f"{_s(r['step_time_s'])} ({_r(r.get('ratio_vs_best_baseline'))})"
+            if auto_pick(r) is not None:
+                step += f" (picked {auto_pick(r)})"
             ttt = ("not reached" if r["time_to_target_s"] is None else
                    f"{_s(r['time_to_target_s'])} ({_r(r.get('time_to_target_ratio_vs_best_baseline'))})")
             cells += [step, ttt]
@@ -417,7 +543,8 @@ def sweep_markdown(sweep: dict) -> str:
 
 
 def write_sweep_plot(sweep: dict, out_dir: str) -> list[str]:
-    """``sweep.png``: step time and time to target against the link, one line per method."""
+    """``sweep.png``: step time and time to target against the link, one line per method; each of
+    ``auto``'s points is labelled with the method it picked on that link."""
     try:
         import matplotlib
 
@@ -436,9 +563,14 @@ def write_sweep_plot(sweep: dict, out_dir: str) -> list[str]:
             for i, doc in enumerate(runs):
                 r = next((x for x in doc["results"] if x["label"] == label and x["status"] == "ok"), None)
                 if r is not None and r[key] is not None:
-                    pts.append((i, r[key]))
+                    pts.append((i, r[key], auto_pick(r)))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colour, marker=marker, label=label)
+            for x, y, pick in pts:  # auto: the method it picked on that link, next to its point
+                if pick is not None:
+                    last = x == len(links) - 1  # inside the axes: left of the rightmost point
+                    ax.annotate(pick, (x, y), xytext=(-5 if last else 5, 5), textcoords="offset points",
+                                ha="right" if last else "left", fontsize=7, color=colour)
     c = runs[0]["config"]
     for ax, title in zip(axes, ("median step time (s)", f"time to {c.get('metric') or 'target'} (s)")):
         ax.set_xticks(range(len(links)), links)

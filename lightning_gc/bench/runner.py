@@ -30,13 +30,16 @@ from typing import Any
 
 from lightning_gc.bench import netns
 from lightning_gc.bench.methods import (
+    AUTO,
     BASELINES,
     MethodSpec,
     analytic_bytes_per_step,
+    auto_config,
     hook_marker,
     parse_methods,
     ring_factor,
 )
+from lightning_gc.bench.report import auto_pick
 from lightning_gc.bench.schedule import Schedule, format_rate, parse_rate, parse_schedule
 from lightning_gc.bench.worker import PEER_LOST_EXIT
 from lightning_gc.bench.workloads import meets_target
@@ -149,7 +152,18 @@ def resolve(cfg: BenchConfig) -> dict:
     boundaries = schedule.boundaries(steps) if schedule else []
     specs = parse_methods(cfg.methods, default_ratio=cfg.ratio)
     for s in specs:
-        if s.gc and int(s.options.get("warmup_steps", 1) or 0) > warmup:
+        if s.gc and s.name == AUTO:
+            a = auto_config(s)
+            dense = max(int(s.options.get("warmup_steps", 1) or 0), a.dense_steps_needed)
+            if dense > warmup:
+                raise BenchError(
+                    f"method {s.label!r}: auto sends the first {dense} steps dense (skip_steps={a.skip_steps} + "
+                    f"profile_steps={a.profile_steps}, at least warmup_steps) and measures its candidates and the "
+                    f"network at the end of the last of them, but measurement starts at --warmup {warmup}, so the "
+                    f"profile and the decision would be timed; use --warmup {dense}, or fewer "
+                    f"auto:profile_steps/auto:skip_steps"
+                )
+        elif s.gc and int(s.options.get("warmup_steps", 1) or 0) > warmup:
             raise BenchError(
                 f"method {s.label!r}: GCStrategy sends dense gradients for warmup_steps={s.options['warmup_steps']} "
                 f"steps but measurement starts at --warmup {warmup}, so dense steps would be timed; use --warmup "
@@ -457,6 +471,8 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
             extra["osp_deferred_fraction_max"] = max(fractions)
         if ranks[0].get("adaptive"):  # the controller's decisions: step, trigger, c, collective, overhead
             extra["adaptive"] = ranks[0]["adaptive"]
+        if ranks[0].get("auto"):  # compressor="auto": what it picked, when and why (replicated: rank 0's)
+            extra["auto"] = ranks[0]["auto"]
     else:
         psgd = ranks[0].get("powersgd_numel_window")
         psgd_per_step = None
@@ -682,7 +698,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
                     f"engine {_fmt_b(res['bytes_per_step'])}/step, wire {_fmt_b(res['wire_bytes_per_step'])}/step, "
                     f"{res['metric']} {_fmt_v(res['final_metric'])}"
                     + (f", OSP deferred {res['osp_deferred_fraction_mean']:.0%} of the model on average"
-                       if res.get("osp_deferred_fraction_mean") is not None else ""))
+                       if res.get("osp_deferred_fraction_mean") is not None else "")
+                    + (f", auto picked {auto_pick(res)}" if res.get("auto") else ""))
     finally:
         if cluster is not None:
             cluster.destroy()

@@ -30,6 +30,15 @@ What it measures (written to ``<run_dir>/rank<G>.json``):
   methods), ``powersgd_numel_window``: the change of PowerSGD's reduced element count.
 * ``evals``: the task metric after each validation, with the training time (sum of step times) at
   that point, validation excluded.
+* ``auto`` (``GCStrategy(compressor="auto")`` only, else ``None``): what the run-time chooser picked
+  and why, from ``strategy.auto.history`` at the end of training (replicated, so every rank writes
+  the same): ``chosen`` (the method in force at the end), ``candidates``, and one entry per
+  decision in ``decisions`` — ``step``, ``trigger`` (``warmup`` | ``drift``), ``chosen``,
+  ``previous``, ``predicted_step_s`` (the model's step for the pick), ``measured_step_s`` (the
+  chooser's reference after the decision: the median of a ``window`` of steps once the switch has
+  settled, slowest rank; ``None`` if the run ended before that window), ``predictions``
+  (candidate → predicted step), ``time_per_progress_s`` (candidate → what the choice minimised),
+  ``network`` (the probed ``alpha_s``, ``beta_s_per_byte``), ``dense_wall_s``, ``decide_s``.
 """
 
 from __future__ import annotations
@@ -373,12 +382,39 @@ def run(cfg: dict) -> dict:
             {k: h[k] for k in ("step", "trigger", "mode", "c", "collective", "overhead_s")}
             for c in extra_callbacks for h in getattr(c, "history", [])
         ] or None,
+        "auto": _auto_state(strategy),
         "metric": preset.metric,
         "mode": preset.mode,
         "target": preset.target,
         "batch_size": preset.batch_size,
         "threads": torch.get_num_threads(),
     }
+
+
+def _num(x) -> float | None:
+    return None if x is None else float(x)
+
+
+def _auto_state(strategy) -> dict | None:
+    """``compressor="auto"``: the chooser's decisions (see the module docstring), or ``None``."""
+    chooser = getattr(strategy, "auto", None)
+    if chooser is None:
+        return None
+    decisions = []
+    for h in chooser.history:
+        preds = h.get("predictions") or {}
+        chosen = h.get("chosen")
+        net = h.get("network") or [None, None]
+        decisions.append({
+            "step": int(h["step"]), "trigger": str(h["trigger"]), "chosen": chosen, "previous": h.get("previous"),
+            "predicted_step_s": _num(preds.get(chosen, {}).get("step_s")),
+            "measured_step_s": _num(h.get("measured_step_s")),
+            "predictions": {name: float(p["step_s"]) for name, p in preds.items()},
+            "time_per_progress_s": {name: float(p["time_per_progress_s"]) for name, p in preds.items()},
+            "network": {"alpha_s": _num(net[0]), "beta_s_per_byte": _num(net[1])},
+            "dense_wall_s": _num(h.get("dense_wall_s")), "decide_s": _num(h.get("decide_s")),
+        })
+    return {"chosen": chooser.chosen, "candidates": list(chooser.config.candidates), "decisions": decisions}
 
 
 def _omgs_state(strategy) -> dict | None:
