@@ -5,7 +5,9 @@ LightningCLI (jsonargparse): any LightningModule / LightningDataModule / Strateg
 named by ``class_path`` in the YAML, and the ``gc_*`` strategy aliases are registered because this
 module imports lightning_gc.
 
-``lightning-gc bench ...`` runs the benchmark (see docs/bench.md); ``lightning-gc list`` prints
+``lightning-gc bench ...`` runs the benchmark (see docs/bench.md); ``lightning-gc advise ...``
+predicts the ``compressor="auto"`` candidates' steps offline (lightning_gc/auto/advise.py);
+``lightning-gc list`` prints
 the compressors, collectives, plans and strategy aliases, one line each, and points to
 docs/choosing.md; ``lightning-gc --help`` names every compressor, plan, synchronisation model, the
 controller and every page of docs/ (tests/test_docs.py keeps them equal); ``lightning-gc
@@ -94,6 +96,8 @@ commands:
                                  (`lightning-gc fit --help` lists every option)
   bench                          compare methods against DDP on an emulated cluster with shaped
                                  links (`lightning-gc bench --help`, docs/bench.md)
+  advise                         predict each compressor='auto' candidate's step for a workload on N ranks
+                                 over a given link and name the pick (`lightning-gc advise --help`)
   list                           compressors, collectives, plans and strategy aliases, one line each
   --version                      versions of lightning-gc, Lightning and PyTorch
   --help                         this text
@@ -176,8 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.cli import main as bench_main
 
         return bench_main(args[1:])
+    if first == "advise":
+        from .auto.advise import main as advise_main
+
+        return advise_main(args[1:])
     if first not in LIGHTNING_COMMANDS and not first.startswith("-"):
-        print(f"lightning-gc: unknown command {first!r}; use one of {[*LIGHTNING_COMMANDS, 'bench', 'list']} "
+        print(f"lightning-gc: unknown command {first!r}; use one of {[*LIGHTNING_COMMANDS, 'bench', 'advise', 'list']} "
               "(lightning-gc --help).", file=sys.stderr)
         return 2
     # LightningCLI reads sys.argv itself when args is None (and warns if given both)

@@ -47,10 +47,12 @@ def step_by_hand(cost: dict, wl: dict, alpha: float, beta: float, n: int) -> flo
     if cost["wire"] == "bucket":
         per = 4 if cost["name"] == "ddp" else 2
         net_free = 0.0
-        for b in buckets_by_hand(numels):
+        for k, b in enumerate(buckets_by_hand(numels)):
             ready = sum(bwd[: b[-1] + 1])
             elems = sum(numels[i] for i in b)
             start = max(ready, net_free)
+            if k == 0:  # the engine's opening check, an 8-byte allgather, when the first bucket arrives
+                start += allgather(alpha, beta, 8, n)
             net_free = start + cost["codec_s"] * elems / total + ring(alpha, beta, per * elems, n)
         end = max(sum(bwd), net_free)
     else:

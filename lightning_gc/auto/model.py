@@ -22,7 +22,8 @@ share one definition and every rank computes the same choice from the same (agre
   ready order are cut into DDP's buckets (first bucket ``first_bucket_bytes``, then
   ``bucket_bytes``, both counted in fp32 bytes as DDP does); bucket ``b``'s ring allreduce starts
   when its last tensor is ready and the previous bucket's allreduce has ended, so communication
-  overlaps backward. The 16-bit modes halve the bytes and add their cast (``codec_s``).
+  overlaps backward; the engine's per-step opening check (an 8-byte allgather) goes before the
+  first bucket. The 16-bit modes halve the bytes and add their cast (``codec_s``).
 * every compressor runs in the engine with the ``"model"`` plan: one group, exchanged after
   backward ends (nothing to overlap with), costing ``codec_s`` + the collective's time for
   ``payload_bytes`` + the engine's two small agreements per step + the ring allreduce of the small
@@ -214,15 +215,17 @@ def predict(cost: MethodCost, workload: Workload, network: NetworkModel, world_s
     elif cost.wire == "bucket":
         per_elem = BUCKET_MODES[cost.name]
         total_elems = w.numel
-        t_ready, t_net, i, comm_total = 0.0, 0.0, 0, 0.0
+        # the engine's opening check (an 8-byte allgather) runs when the first bucket arrives, before it
+        control = cost_model.allgather_cost(a, b, 8, n)
+        t_ready, t_net, i, comm_total = 0.0, 0.0, 0, control
         sizes = ddp_buckets(w.numels, first_bucket_bytes, bucket_bytes)
-        for size in sizes:
+        for k, size in enumerate(sizes):
             t_ready += sum(w.backward_s[i:i + size])
             elems = sum(w.numels[i:i + size])
             # the cast of a 16-bit mode scales with the bucket's share of the model
             cast = cost.codec_s * elems / total_elems
             tc = cost_model.ring_allreduce_cost(a, b, per_elem * elems, n)
-            t_net = max(t_ready, t_net) + cast + tc
+            t_net = max(t_ready, t_net) + (control if k == 0 else 0.0) + cast + tc
             comm_total += tc
             i += size
         codec = cost.codec_s
