@@ -128,3 +128,71 @@ def test_workloads_are_validated():
     for a, b in itertools.product([0.1], [float("inf")]):
         with pytest.raises(ValueError):
             Workload(a, (b,), (1,))
+
+
+# ---------------------------------------------------------------------- the re-decision trigger
+class _FakeEngine:
+    """Just what AutoChooser's drift path touches (one process: agreement is the identity)."""
+
+    def __init__(self, network):
+        from types import SimpleNamespace
+
+        self.world_size, self.process_group, self.step = 4, None, 0
+        self.network = SimpleNamespace(pinned=True, model=network)
+        self.plan = SimpleNamespace(groups=[SimpleNamespace(gid=0, exact=False)])
+        self.calls: list = []
+
+    def raise_warmup_steps(self, steps):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def set_dense_mode(self, mode):
+        self.calls.append(("dense", mode))
+
+    def set_group_method(self, gid, spec):
+        self.calls.append(("slot", spec.compressor))
+
+
+def test_drift_waits_for_a_settled_reference_and_patience_then_switches_only_on_a_new_choice(monkeypatch):
+    import torch
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    # 4 ranks in the model, one process here: the agreement is the identity
+    monkeypatch.setattr(chooser_mod, "_agree", lambda values, *a: [float(v) for v in values])
+    wl = Workload(0.001, (0.001,), (1_000_000,))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 80_000.0, 0.5, True)]
+    engine = _FakeEngine(NetworkModel(0.0, 8 / 1e13))  # fast: ddp
+    cfg = AutoConfig(candidates=("ddp", "topk"), window=2, drift=0.3, patience=2, min_interval=1)
+    chooser = AutoChooser(engine, cfg, torch.nn.Linear(1, 1), [])
+    chooser.workload, chooser.costs = wl, costs
+    chooser._decide(0, "warmup", probe=False)
+    assert chooser.chosen == "ddp" and engine.calls == [("dense", "fp32")]
+
+    def window(step, wall):
+        chooser._window = [wall, wall]
+        chooser._check_drift(step)
+
+    window(10, 9.0)  # the first window after a decision holds the switch: ignored
+    assert chooser._reference is None
+    window(12, 1.0)  # the reference
+    assert chooser._reference == 1.0 and chooser.history[-1]["measured_step_s"] == 1.0
+    window(14, 1.5)  # +50 %: one drifted window, patience 2
+    assert len(chooser.history) == 1
+    window(16, 1.1)  # back within 30 %: the count restarts
+    window(18, 1.6)
+    assert len(chooser.history) == 1
+    engine.network.model = NetworkModel(0.0, 8 / 1e6)  # the link fell to 1 Mbit/s
+    window(20, 1.6)  # second drifted window in a row: re-decide with the new network
+    assert [h["trigger"] for h in chooser.history] == ["warmup", "drift"]
+    assert chooser.chosen == "topk" and engine.calls[-2:] == [("slot", "topk"), ("dense", None)]
+    n_calls = len(engine.calls)
+    window(30, 5.0)  # settling window, then a new reference
+    window(32, 1.0)
+    window(34, 2.0)
+    window(36, 2.0)  # drift again, but the network has not changed: the same choice, nothing switched
+    assert [h["trigger"] for h in chooser.history] == ["warmup", "drift", "drift"]
+    assert chooser.chosen == "topk" and len(engine.calls) == n_calls
