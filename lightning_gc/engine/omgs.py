@@ -3,13 +3,25 @@
 :class:`OMGSController` is built by :class:`~lightning_gc.GCStrategy` for ``plan="omgs"`` /
 ``"omgs_paper"`` (and, with ``omgs=...`` given, for any plan: it then only predicts). Its life:
 
-1. **Profile** (dense warm-up steps ``1 + skip .. 1 + skip + profile_steps - 1``): a
-   ``register_post_accumulate_grad_hook`` on every trainable parameter stamps when its gradient is
-   ready, relative to the start of backward (the end of the DDP module's forward, stamped by a
-   forward hook). Dense steps, because on compressed steps the worker's selection competes with
-   backward for the same cores and the stamps would include it; the strategy extends
-   ``warmup_steps`` to cover the profile. Per parameter the median over the profiled steps is
-   taken, then the **MAX over ranks** (one float64 allreduce), so every rank plans from the same
+1. **Profile**: a ``register_post_accumulate_grad_hook`` on every trainable parameter stamps when
+   its gradient is ready, relative to the start of backward (the end of the DDP module's forward,
+   stamped by a forward hook). Which steps are stamped is ``OMGSConfig.profile_on``:
+
+   * ``"compressed"`` (default): the compressed steps of the provisional plan (``omgs:provisional``,
+     the MGS threshold plan), after the engine's own warm-up; the process's first step and the first
+     ``profile_skip_steps`` compressed steps are skipped. No dense step is added. The stamps are
+     taken while the engine's worker runs the provisional plan's groups (error feedback, selection,
+     the exchange) and nothing is subtracted: on a CPU the worker competes with backward for the
+     cores, and the profile includes that, as the steps the plan will run do (docs/omgs.md gives
+     the measured difference to dense steps). With ``overlap=False`` the exchanges run inside
+     backward and would be counted as backward, so that combination is refused here
+     (:meth:`~lightning_gc.config.GCConfig.from_flat` switches it to ``"dense"``).
+   * ``"dense"`` (the behaviour up to 0.1.0): dense warm-up steps ``1 + skip .. 1 + skip +
+     profile_steps - 1``; the strategy raises ``warmup_steps`` to ``dense_steps_needed``.
+
+   Which steps count is decided from replicated values only (the step counter, whether the step was
+   dense), so every rank profiles the same steps. Per parameter the median over the profiled steps
+   is taken, then the **MAX over ranks** (one float64 allreduce), so every rank plans from the same
    numbers; the result fills :class:`~lightning_gc.plans.ParamFacts` ``backward_s``.
 2. **Fit** (at the step boundary after the profile, on every rank at once): the worker's group
    job — copy, error feedback, ‖p‖², the active exchange (compressor + collective), residual,
@@ -26,8 +38,7 @@
    communication) is compared with the model's prediction for the plan in force. Every
    ``replan_window`` steps the window's median is agreed by MAX over ranks; if it differs from the
    prediction by more than ``replan_drift`` (fraction), the cost models are re-fitted and the plan
-   rebuilt — on every rank, at the same step boundary. The backward profile is kept (it cannot be
-   re-measured on compressed steps without the selection's interference).
+   rebuilt — on every rank, at the same step boundary. The backward profile is kept.
    :meth:`request_replan` forces the same at the next step boundary (call it on every rank).
 """
 
@@ -58,6 +69,8 @@ from .session import StepParticipant
 log = logging.getLogger(__name__)
 
 OMGS_PLANS = ("omgs", "omgs_paper")
+#: the values of ``OMGSConfig.profile_on``
+PROFILE_ON = ("compressed", "dense")
 
 
 def _int(name: str, value: object, minimum: int, hint: str) -> None:
@@ -70,8 +83,15 @@ class OMGSConfig:
     """How OMGS profiles, fits and re-plans.
 
     Attributes:
-        profile_skip_steps: dense steps ignored after the first (bucket rebuild, allocator warm-up).
-        profile_steps: dense steps whose gradient-ready times are profiled (median taken; ≥ 20 is
+        profile_on: which steps the backward profile is taken on. ``"compressed"`` (default): the
+            compressed steps of the provisional plan, so OMGS adds no dense step to the engine's
+            own warm-up; the stamps include what the engine's worker takes from backward's cores
+            (nothing is subtracted; docs/omgs.md). ``"dense"``: dense warm-up steps, as before;
+            ``warmup_steps`` is raised to :attr:`dense_steps_needed`.
+        profile_skip_steps: steps ignored before the profile: with ``"compressed"`` the first
+            compressed steps (first selection, exchange buffers, error memory), with ``"dense"``
+            the dense steps after the first (bucket rebuild, allocator warm-up).
+        profile_steps: steps whose gradient-ready times are profiled (median taken; ≥ 20 is
             robust on a shared machine, fewer is faster).
         sparsify_on: ``"worker"`` (this engine: selection runs on the exchange worker) or
             ``"compute"`` (the paper's model: selection delays backward).
@@ -98,6 +118,7 @@ class OMGSConfig:
     replan_drift: float = 0.3
     replan_window: int = 20
     tie_tolerance: float = 0.02
+    profile_on: str = "compressed"
 
     def __post_init__(self) -> None:
         _int("profile_skip_steps", self.profile_skip_steps, 0, "Use e.g. 2.")
@@ -106,6 +127,12 @@ class OMGSConfig:
         _int("calibration_repeats", self.calibration_repeats, 1, "Use e.g. 5.")
         _int("calibration_max_numel", self.calibration_max_numel, 2, "Use e.g. 4194304.")
         _int("replan_window", self.replan_window, 1, "Use e.g. 20 steps.")
+        if self.profile_on not in PROFILE_ON:
+            raise ValueError(
+                f"OMGSConfig.profile_on={self.profile_on!r} is invalid: use 'compressed' (profile backward on the "
+                "provisional plan's compressed steps, no extra dense step; the default) or 'dense' (profile on "
+                "dense warm-up steps: warmup_steps is raised to 1 + profile_skip_steps + profile_steps)."
+            )
         if self.sparsify_on not in ("worker", "compute"):
             raise ValueError(f"OMGSConfig.sparsify_on={self.sparsify_on!r} is invalid: use 'worker' (this engine) "
                              "or 'compute' (the paper's model).")
@@ -120,8 +147,9 @@ class OMGSConfig:
 
     @property
     def dense_steps_needed(self) -> int:
-        """Warm-up steps the profile needs: step 0 (DDP bucket rebuild), the skipped and profiled steps."""
-        return 1 + self.profile_skip_steps + self.profile_steps
+        """Dense warm-up steps the profile needs: 0 with ``profile_on="compressed"`` (the engine's own
+        warm-up is kept); with ``"dense"`` step 0 (DDP bucket rebuild), the skipped and profiled steps."""
+        return 1 + self.profile_skip_steps + self.profile_steps if self.profile_on == "dense" else 0
 
     @classmethod
     def coerce(cls, value: OMGSConfig | dict | None) -> OMGSConfig:
