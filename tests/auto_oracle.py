@@ -64,7 +64,8 @@ def step_by_hand(cost: dict, wl: dict, alpha: float, beta: float, n: int) -> flo
         elif cost["wire"] == "lowrank":
             comm = 2 * ring(alpha, beta, B / 2, n)
         else:
-            comm = sparse_best(alpha, beta, total, n, cost["sparse_ratio"], cost["value_bytes"])
+            group = max(total - int(cost["exact_bytes"] // 4), 1)  # the exact small tensors are not in M
+            comm = sparse_best(alpha, beta, group, n, cost["sparse_ratio"], cost["value_bytes"])
         comm += 2 * ring(alpha, beta, 64, n)  # the engine's opening check and closing agreement
         if cost["exact_bytes"] > 0:
             comm += ring(alpha, beta, cost["exact_bytes"], n)

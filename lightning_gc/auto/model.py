@@ -232,7 +232,8 @@ def predict(cost: MethodCost, workload: Workload, network: NetworkModel, world_s
         end = max(bwd_end, t_net)
         details["buckets"] = len(sizes)
     else:
-        tc = comm_seconds(cost, network, n, w.numel)
+        # the compressed group: the model without the small tensors sent exactly beside it
+        tc = comm_seconds(cost, network, n, max(w.numel - int(cost.exact_bytes // 4), 1))
         control = 2 * cost_model.ring_allreduce_cost(a, b, ENGINE_CONTROL_BYTES, n)
         exact = cost_model.ring_allreduce_cost(a, b, cost.exact_bytes, n) if cost.exact_bytes > 0 else 0.0
         comm_total = tc + control + exact

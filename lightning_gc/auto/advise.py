@@ -1,0 +1,662 @@
+"""``lightning-gc advise``: the ``compressor="auto"`` model offline, for a cluster you do not have yet.
+
+Given a workload (a bench preset with its arguments, or ``package.module:factory``), a world size
+``N`` and a link (bandwidth and per-message latency), it predicts every candidate's step with
+:func:`lightning_gc.auto.model.choose` -- the same equations, the same candidates and the same
+measurement functions as the live chooser (:mod:`lightning_gc.auto.chooser`) -- and names the pick.
+
+**What is measured on this machine** (one process, no process group, the model on the CPU):
+
+* the compute (:func:`profile_module`): a few training steps of the workload in a plain single-device
+  Lightning ``Trainer`` (``skip_steps`` not timed, then ``profile_steps`` timed), timed as the chooser
+  times its dense warm-up -- forward (start of the step to the end of the module's ``forward``), the
+  moment each gradient tensor is ready in backward (post-accumulate-grad hooks), the optimizer (end of
+  backward to the end of the step, clipping included) -- medians over the timed steps, turned into a
+  :class:`~lightning_gc.auto.model.Workload` (``other_s = 0`` unless given);
+* the codec costs (:func:`measure_costs`): :func:`lightning_gc.auto.candidates.measure_method` on the
+  last step's gradient, flattened like the engine's ``"model"`` plan (every tensor with at least
+  ``min_compress_numel`` elements in one group, the smaller ones sent exactly beside it). The
+  aggregation is timed with ``min(N, TIMING_PAYLOADS)`` payloads (8: aggregating 1024 payloads on a
+  CPU takes minutes); for the allgather methods, whose aggregation grows with ``N``, the aggregation
+  is also timed with 1, 2, 4, ... payloads and the per-payload slope through them (Theil-Sen)
+  extrapolates the codec time to ``N``. Each measurement is taken twice and the faster kept (a
+  shared machine only ever adds time). The error ``delta2`` is measured on the gradient and divided by the real ``N`` by the model
+  (methods without error feedback).
+
+**What the user gives instead** (:func:`override_workload`, ``codec_scale``): ``forward_ms``,
+``backward_ms`` (the measured per-tensor profile is scaled to this total, so its shape is kept),
+``optimizer_ms``, ``other_ms``, and a factor on every measured codec time (a GPU's codec is 10-100x
+faster than this CPU's).
+
+**Limits.** The network is the alpha-beta model of :mod:`lightning_gc.comm.cost_model` (no
+contention, no hierarchy of links, no stragglers); compute and codec are this machine's unless
+overridden; the progress proxy is the measured relative error of one gradient (docs/auto.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import itertools
+import json
+import logging
+import math
+import re
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..comm.cost_model import NetworkModel
+from ..compressors import GroupContext
+from .candidates import CANDIDATES, DEFAULT_CANDIDATES, AutoCandidate, candidate, measure_method
+from .model import MethodCost, Prediction, Workload, choose, table
+
+__all__ = ["Advice", "AdviseError", "Profile", "TIMING_PAYLOADS", "MAX_WORLD_SIZE", "advise", "aggregation_slope",
+           "build_module", "build_parser", "main", "measure_costs", "override_workload", "parse_bandwidth",
+           "parse_candidates", "parse_latency", "profile_module", "run"]
+
+SCHEMA = "lightning_gc.advise/1"
+#: payloads aggregated when timing a codec (``min(N, TIMING_PAYLOADS)``); beyond, allgather codecs are extrapolated
+TIMING_PAYLOADS = 8
+MAX_WORLD_SIZE = 1024
+DEFAULT_LATENCY = "0.1ms"
+
+
+class AdviseError(ValueError):
+    """An input ``advise`` cannot use; the message names the value, the reason and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+def parse_bandwidth(text: str) -> float:
+    """``"100mbit"`` → 1e8 bits per second (the bench's rate syntax, :func:`lightning_gc.bench.schedule.parse_rate`).
+
+    Unlike the bench, which shapes real links, any rate above the bench's shaping limit is accepted
+    (a model needs no ``tc``): ``"800gbit"``, ``"2tbit"``."""
+    from ..bench import schedule
+
+    try:
+        return float(schedule.parse_rate(text, what="--bandwidth"))
+    except schedule.ScheduleError as exc:
+        m = schedule._RATE_RE.match(text) if isinstance(text, str) else None
+        if m and m.group(3).lower() in schedule._UNITS:
+            number, exp, unit, _ = m.groups()
+            value = float(number) * (10 ** int(exp) if exp else 1) * schedule._UNITS[unit.lower()]
+            if math.isfinite(value) and value > schedule.MAX_RATE_BPS:
+                return value
+        raise AdviseError(str(exc)) from None
+
+
+_LATENCY_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e([+-]?[0-9]+))?\s*([a-zA-Zµ]*)\s*$")
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_latency(text: str) -> float:
+    """``"0.5ms"`` → 5e-4 seconds per message (units ``s``, ``ms``, ``us``/``µs``, ``ns``; ``0`` alone is 0)."""
+    m = _LATENCY_RE.match(text) if isinstance(text, str) else None
+    if not m:
+        raise AdviseError(f"--latency {text!r} is not a time: write a number and a unit ({', '.join(_TIME_UNITS)}), "
+                          "e.g. 0.5ms or 50us (the one-way latency per message)")
+    number, exp, unit = m.groups()
+    value = float(number) * (10 ** int(exp) if exp else 1)
+    if unit == "" and value == 0:
+        return 0.0
+    if unit.lower() not in _TIME_UNITS:
+        raise AdviseError(f"--latency {text!r} has unit {unit!r}, which is not a time unit: use one of "
+                          f"{', '.join(_TIME_UNITS)}, e.g. 0.5ms")
+    seconds = value * _TIME_UNITS[unit.lower()]
+    if not math.isfinite(seconds) or seconds > 10.0:
+        raise AdviseError(f"--latency {text!r} = {seconds:g} s per message is not a network latency (at most 10 s); "
+                          "write e.g. 0.5ms for a LAN or 50ms for a WAN")
+    return seconds
+
+
+def parse_candidates(text: str | Sequence[str]) -> tuple[str, ...]:
+    """``"ddp,fp16,topk"`` → ``("ddp", "fp16", "topk")``, every name checked against ``CANDIDATES``."""
+    names = [s.strip() for s in text.split(",")] if isinstance(text, str) else [str(s).strip() for s in text]
+    names = [n for n in names if n]
+    if not names:
+        raise AdviseError(f"--candidates {text!r} names no method; give a comma-separated list of "
+                          f"{', '.join(CANDIDATES)}, e.g. ddp,fp16,topk")
+    for n in names:
+        if n not in CANDIDATES:
+            raise AdviseError(f"--candidates: {n!r} is not a candidate of compressor='auto'; valid: "
+                              f"{', '.join(CANDIDATES)} (e.g. --candidates ddp,fp16,topk)")
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise AdviseError(f"--candidates {text!r} lists {dup} twice; name each method once")
+    return tuple(names)
+
+
+def _check_world_size(world_size: Any) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise AdviseError(f"--world-size {world_size!r} is out of range: the number of data-parallel ranks must be an "
+                          f"integer from 1 to {MAX_WORLD_SIZE}, e.g. --world-size 64")
+    return world_size
+
+
+def _check_nonneg(flag: str, value: Any, example: str, positive: bool = False) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and (
+        value > 0 if positive else value >= 0)
+    if not ok:
+        raise AdviseError(f"{flag} {value!r} must be a finite number {'> 0' if positive else '>= 0'}; e.g. {example}")
+    return float(value)
+
+
+# ---------------------------------------------------------------------------------------------- the workload
+def build_module(preset: str, preset_args: dict[str, Any] | None = None, seed: int = 0) -> tuple[Any, Any, str]:
+    """``(LightningModule, LightningDataModule or None, description)`` of a workload.
+
+    ``preset``: a bench preset (``mlp``, ``cnn``, ``lm``, ``gpt``, ``quickstart``, ``probe``, ``deep``;
+    :mod:`lightning_gc.bench.workloads`) with ``preset_args``, or ``package.module:factory``: a callable
+    (given ``seed=`` when it takes it, and ``preset_args``) returning a LightningModule with its own
+    ``train_dataloader``, or a bench-style object with ``model`` and ``datamodule``."""
+    import lightning as L
+
+    from ..bench.workloads import WorkloadError, resolve_preset
+    from ..examples.presets import PRESETS
+
+    args = dict(preset_args or {})
+    if ":" not in preset:
+        known = [*PRESETS, "probe", "deep"]
+        if preset not in known:
+            raise AdviseError(f"--preset {preset!r} is unknown: use one of {', '.join(known)}, or "
+                              "package.module:factory for a callable returning a LightningModule")
+        try:
+            w = resolve_preset(preset, seed=seed, **args)
+        except (WorkloadError, TypeError, ValueError) as exc:
+            raise AdviseError(f"--preset {preset!r} with --preset-arg {args}: {exc}") from None
+        return w.model, w.datamodule, preset
+    module_name, _, attr = preset.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise AdviseError(f"--preset {preset!r}: cannot import {attr!r} from module {module_name!r} ({exc}); make the "
+                          "module importable (PYTHONPATH) or use a built-in preset such as mlp") from None
+    if not callable(factory):
+        raise AdviseError(f"--preset {preset!r}: {attr!r} is a {type(factory).__name__}, not a callable returning a "
+                          "LightningModule")
+    try:
+        params = inspect.signature(factory).parameters
+        takes_seed = "seed" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    except (TypeError, ValueError):
+        takes_seed = False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            obj = factory(seed=seed, **args) if takes_seed else factory(**args)
+        except TypeError as exc:
+            raise AdviseError(f"--preset {preset!r} with --preset-arg {args}: {exc}") from None
+    if isinstance(obj, L.LightningModule):
+        return obj, None, preset
+    model, data = getattr(obj, "model", None), getattr(obj, "datamodule", None)
+    if isinstance(model, L.LightningModule):
+        return model, data, preset
+    raise AdviseError(f"--preset {preset!r} returned a {type(obj).__name__}; it must return a LightningModule (with a "
+                      "train_dataloader) or an object with attributes model and datamodule")
+
+
+@dataclass
+class Profile:
+    """What :func:`profile_module` measured: the workload and the engine's compressed group."""
+
+    workload: Workload
+    flat: Tensor  # the compressed group's gradient, flattened as the engine does
+    ctx: GroupContext
+    exact_bytes: float  # fp32 bytes of the tensors below min_compress_numel (sent exactly)
+    names: tuple[str, ...]  # tensor names in ready order (as in workload.numels)
+    steps: int  # timed steps
+    no_grad: tuple[str, ...] = ()  # trainable tensors that never received a gradient (left out)
+    exact_names: tuple[str, ...] = ()
+
+    def summary(self) -> dict:
+        return {"tensors": len(self.names), "numel": self.workload.numel, "compressed_numel": int(self.flat.numel()),
+                "compressed_tensors": len(self.ctx.segments), "exact_tensors": len(self.exact_names),
+                "exact_bytes": self.exact_bytes, "timed_steps": self.steps, "no_grad": list(self.no_grad)}
+
+
+def _timer_callback(params: list[Tensor], skip_steps: int):
+    import lightning as L
+
+    class _StepTimer(L.Callback):
+        """The chooser's timing (AutoChooser.wrap_closure / after_optimizer_step) from Trainer hooks."""
+
+        def __init__(self) -> None:
+            self.records: list[dict] = []
+            self.stamps: dict[int, float] = {}
+            self.t_start = self.t_fwd = 0.0
+            self.t_closure_end: float | None = None
+            self.step = 0
+            self.handles = [p.register_post_accumulate_grad_hook(self._stamp(i)) for i, p in enumerate(params)]
+
+        def _stamp(self, i: int):
+            def hook(_: Tensor) -> None:
+                self.stamps[i] = time.perf_counter()
+            return hook
+
+        def on_forward(self, *_: Any) -> None:
+            self.t_fwd = time.perf_counter()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.stamps = {}
+            self.t_closure_end = None
+            self.t_start = time.perf_counter()
+            self.t_fwd = self.t_start
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            if self.t_closure_end is None:  # the end of the closure (forward + backward)
+                self.t_closure_end = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            t_end = time.perf_counter()
+            if self.step >= skip_steps and self.stamps:
+                closure_end = self.t_closure_end if self.t_closure_end is not None else max(self.stamps.values())
+                order = sorted(self.stamps, key=lambda i: self.stamps[i])
+                self.records.append({"forward_s": max(self.t_fwd - self.t_start, 0.0),
+                                     "ready": {i: self.stamps[i] - self.t_fwd for i in order},
+                                     "optimizer_s": max(t_end - closure_end, 0.0)})
+            self.step += 1
+
+        def remove(self) -> None:
+            for h in self.handles:
+                h.remove()
+            self.handles = []
+
+    return _StepTimer()
+
+
+def profile_module(model: Any, datamodule: Any = None, *, skip_steps: int = 1, profile_steps: int = 3,
+                   min_compress_numel: int = 1024, seed: int = 0) -> Profile:
+    """Train ``model`` for ``skip_steps + profile_steps`` steps in one process on the CPU and time them
+    as the chooser does (see the module docstring); return the :class:`Profile`.
+
+    The compressed group is built like the engine's ``"model"`` plan
+    (:func:`lightning_gc.plans.base.build_plan`) over the trainable parameters in registration order."""
+    import lightning as L
+
+    from ..plans.base import build_plan
+
+    for name, v, lo in (("skip_steps", skip_steps, 0), ("profile_steps", profile_steps, 1),
+                        ("min_compress_numel", min_compress_numel, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise AdviseError(f"{name}={v!r} must be an integer >= {lo}")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise AdviseError("the model has no trainable parameters: there is no gradient to communicate")
+    params = [p for _, p in named]
+    timer = _timer_callback(params, skip_steps)
+    fwd_handle = model.register_forward_hook(timer.on_forward)
+    quiet = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric", "lightning")]
+    levels = [lg.level for lg in quiet]
+    try:
+        for lg in quiet:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's advice about workers/loggers is not the user's business here
+            trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=skip_steps + profile_steps, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                limit_val_batches=0, num_sanity_val_steps=0, callbacks=[timer])
+            try:
+                trainer.fit(model, datamodule=datamodule) if datamodule is not None else trainer.fit(model)
+            except Exception as exc:  # noqa: BLE001 -- report whatever the user's workload raised, with the fix
+                raise AdviseError(f"training the workload for {skip_steps + profile_steps} steps failed "
+                                  f"({type(exc).__name__}: {exc}); advise needs a LightningModule that trains on the "
+                                  "CPU in one process, with training data (a datamodule or train_dataloader)") from exc
+    finally:
+        for lg, lv in zip(quiet, levels):
+            lg.setLevel(lv)
+        fwd_handle.remove()
+        timer.remove()
+    records = timer.records
+    if not records:
+        raise AdviseError(f"no step could be timed: the workload ran {timer.step} step(s), advise needs "
+                          f"{skip_steps + profile_steps} (skip_steps={skip_steps} + profile_steps={profile_steps}) "
+                          "with gradients; give it more training data or fewer steps")
+    # tensors that received a gradient in every timed step; the others are left out (as DDP leaves unused ones)
+    seen = set.intersection(*(set(r["ready"]) for r in records))
+    ids = [i for i in range(len(params)) if i in seen and params[i].grad is not None]
+    no_grad = tuple(named[i][0] for i in range(len(params)) if i not in ids)
+    if not ids:
+        raise AdviseError("no parameter received a gradient in the timed steps; advise needs a model whose "
+                          "training_step returns a loss that depends on its parameters")
+    # the chooser's reduction: median ready time per tensor, sorted, turned into durations
+    ready = {i: statistics.median(r["ready"][i] for r in records) for i in ids}
+    order = sorted(ids, key=lambda i: (ready[i], i))
+    t_prev, durations = 0.0, []
+    for i in order:
+        durations.append(max(ready[i] - t_prev, 0.0))
+        t_prev = max(ready[i], t_prev)
+    workload = Workload(statistics.median(r["forward_s"] for r in records), tuple(durations),
+                        tuple(params[i].numel() for i in order), statistics.median(r["optimizer_s"] for r in records),
+                        0.0)
+    # the engine's "model" plan over the tensors that take part (registration order in, backward order out)
+    plan = build_plan([named[i][0] for i in ids], [params[i].numel() for i in ids], kind="model",
+                      min_compress_numel=min_compress_numel, compress=True)
+    lossy = [g for g in plan.groups if not g.exact]
+    if not lossy:
+        raise AdviseError(f"every gradient tensor has fewer than min_compress_numel={min_compress_numel} elements, so "
+                          "the engine would compress nothing; lower --min-compress-numel (e.g. 0)")
+    exact = [g for g in plan.groups if g.exact]
+    exact_bytes = float(sum(4 * n for g in exact for n in g.numels))
+    g = lossy[0]
+    members = [ids[k] for k in g.param_ids]
+    flat = torch.cat([params[i].grad.detach().reshape(-1).float().cpu() for i in members])
+    ctx = GroupContext(step=skip_steps + profile_steps, rank=0, world_size=1, segments=g.numels, group_id=g.gid,
+                       seed=seed, device=flat.device, shapes=tuple(tuple(params[i].shape) for i in members),
+                       names=g.names)
+    return Profile(workload, flat, ctx, exact_bytes, tuple(named[i][0] for i in order), len(records), no_grad,
+                   tuple(n for e in exact for n in e.names))
+
+
+def override_workload(workload: Workload, forward_ms: float | None = None, backward_ms: float | None = None,
+                      optimizer_ms: float | None = None, other_ms: float | None = None) -> Workload:
+    """The workload with the user's figures in place of the measured ones (milliseconds; ``None`` keeps).
+
+    ``backward_ms`` scales the per-tensor profile to that total (its shape, the tensors' ready
+    order and relative times, is kept; a profile of all zeros is spread evenly)."""
+    w = workload
+    fwd = w.forward_s if forward_ms is None else _check_nonneg("--forward-ms", forward_ms, "--forward-ms 12") / 1e3
+    opt = w.optimizer_s if optimizer_ms is None else _check_nonneg("--optimizer-ms", optimizer_ms,
+                                                                   "--optimizer-ms 3") / 1e3
+    other = w.other_s if other_ms is None else _check_nonneg("--other-ms", other_ms, "--other-ms 5") / 1e3
+    bwd = w.backward_s
+    if backward_ms is not None:
+        total = _check_nonneg("--backward-ms", backward_ms, "--backward-ms 25") / 1e3
+        measured = w.backward_total_s
+        if measured > 0:
+            bwd = tuple(t * total / measured for t in bwd)
+        else:
+            bwd = tuple(total / len(bwd) for _ in bwd)
+    return Workload(fwd, tuple(bwd), w.numels, opt, other)
+
+
+# ---------------------------------------------------------------------------------------------- codec costs
+def _aggregate_s(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, payloads: int, repeats: int) -> float:
+    """Seconds of an allgather method's aggregation of ``payloads`` payloads, timed by
+    :func:`lightning_gc.bench.codec.time_codec` on payloads made as measure_method makes them (fastest run)."""
+    from ..bench.codec import time_codec
+    from ..compressors import build_compressor
+
+    comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
+    xs = [flat * (1.0 + 0.01 * r) for r in range(payloads)]
+    ctxs = [GroupContext(step=ctx.step, rank=r, world_size=payloads, segments=ctx.segments, group_id=ctx.group_id,
+                         seed=ctx.seed, device=flat.device, shapes=ctx.shapes, names=ctx.names)
+            for r in range(payloads)]
+    return min(time_codec(comp, xs, ctxs, repeats)["timings"]["aggregate"])
+
+
+def aggregation_slope(times: dict[int, float]) -> float:
+    """Seconds per extra payload from ``{payloads: aggregation seconds}``: the median of the slopes
+    between every pair of payload counts (Theil-Sen: one disturbed timing cannot move it much),
+    never negative."""
+    pts = sorted(times.items())
+    slopes = [(tb - ta) / (pb - pa) for (pa, ta), (pb, tb) in itertools.combinations(pts, 2) if pb != pa]
+    return max(statistics.median(slopes), 0.0) if slopes else 0.0
+
+
+def measure_costs(candidates: Sequence[str | AutoCandidate], flat: Tensor, ctx: GroupContext, world_size: int,
+                  exact_bytes: float = 0.0, repeats: int = 3, codec_scale: float = 1.0,
+                  max_payloads: int = TIMING_PAYLOADS, rounds: int = 2) -> list[MethodCost]:
+    """One :class:`~lightning_gc.auto.model.MethodCost` per candidate on this machine.
+
+    Each is :func:`~lightning_gc.auto.candidates.measure_method` (the chooser's measurement: median
+    of ``repeats`` runs) with ``min(world_size, max_payloads)`` payloads, taken ``rounds`` times over
+    all candidates; the least codec time is kept (the first round also warms the allocator, and a
+    shared machine only ever adds time). For an allgather method (its aggregation decodes every
+    rank's payload) at ``world_size > max_payloads``, the codec time is extrapolated linearly to
+    ``world_size``: its aggregation is timed with 1, 2, 4, ... up to ``p = min(world_size,
+    max_payloads)`` payloads and the slope through them (:func:`aggregation_slope`) is charged for
+    the remaining ``world_size - p`` ranks. Every codec time (the bucket modes' casts included) is then
+    multiplied by ``codec_scale``. Payload bytes and ``delta2`` do not depend on the payload count
+    (the model divides ``delta2`` by the real ``world_size`` for methods without error feedback)."""
+    n = _check_world_size(world_size)
+    scale = _check_nonneg("--codec-scale", codec_scale, "--codec-scale 0.05 for a GPU ~20x faster than this CPU",
+                          positive=True)
+    for name, v in (("max_payloads", max_payloads), ("rounds", rounds), ("repeats", repeats)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise AdviseError(f"{name}={v!r} must be an integer >= 1")
+    timed = min(n, max_payloads)
+    counts = sorted({timed, *(2 ** k for k in range(timed.bit_length()) if 2 ** k < timed)})  # 1, 2, 4, 8
+    cands = [c if isinstance(c, AutoCandidate) else candidate(c) for c in candidates]
+    best: dict[str, MethodCost] = {}
+    agg: dict[str, dict[int, float]] = {}  # name -> payloads -> fastest aggregation
+    for _ in range(rounds):
+        for cand in cands:
+            m = measure_method(cand, flat, ctx, timed, repeats, exact_bytes)
+            if cand.name not in best or m.codec_s < best[cand.name].codec_s:
+                best[cand.name] = m
+            if m.wire == "allgather" and n > timed and len(counts) > 1:
+                seen = agg.setdefault(cand.name, {})
+                for p in counts:
+                    t = _aggregate_s(cand, flat, ctx, p, repeats)
+                    seen[p] = min(seen.get(p, t), t)
+    out = []
+    for cand in cands:
+        m = best[cand.name]
+        codec = m.codec_s
+        if cand.name in agg:
+            codec += aggregation_slope(agg[cand.name]) * (n - timed)
+        out.append(MethodCost(m.name, m.wire, codec * scale, m.payload_bytes, m.delta2, m.error_feedback,
+                              m.sparse_ratio, m.value_bytes, m.exact_bytes))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the advice
+def advise(workload: Workload, costs: Sequence[MethodCost], network: NetworkModel, world_size: int,
+           progress_weight: float = 1.0) -> tuple[str, dict[str, Prediction]]:
+    """The pick and every candidate's prediction: :func:`lightning_gc.auto.model.choose` after
+    checking the inputs (``1 <= world_size <= 1024``, ``progress_weight >= 0``, distinct candidates)."""
+    n = _check_world_size(world_size)
+    w = _check_nonneg("--progress-weight", progress_weight, "--progress-weight 1 (0: step time only)")
+    if not costs:
+        raise AdviseError("advise needs at least one candidate cost; e.g. --candidates ddp,fp16,topk")
+    names = [c.name for c in costs]
+    if len(set(names)) != len(names):
+        raise AdviseError(f"candidates {names} name a method twice; give each once")
+    return choose(list(costs), workload, network, n, w)
+
+
+@dataclass
+class Advice:
+    """Everything ``lightning-gc advise`` prints: the pick, the predictions and their inputs."""
+
+    pick: str
+    predictions: dict[str, Prediction]
+    workload: Workload
+    costs: list[MethodCost]
+    network: NetworkModel
+    world_size: int
+    progress_weight: float
+    inputs: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"schema": SCHEMA, "pick": self.pick,
+                "predictions": {k: v.as_dict() for k, v in self.predictions.items()},
+                "world_size": self.world_size, "progress_weight": self.progress_weight,
+                "network": {"alpha_s": self.network.alpha_s, "beta_s_per_byte": self.network.beta_s_per_byte,
+                            "bandwidth_bits_per_s": (None if math.isinf(self.network.bandwidth_bits_per_s)
+                                                     else self.network.bandwidth_bits_per_s)},
+                "workload": self.workload.as_dict(), "costs": [c.as_dict() for c in self.costs],
+                "inputs": self.inputs}
+
+    def text(self) -> str:
+        from ..bench.schedule import format_rate
+
+        i, w = self.inputs, self.workload
+        prof = i.get("profile", {})
+        bw = self.network.bandwidth_bits_per_s
+        link = "infinite bandwidth" if math.isinf(bw) else format_rate(round(bw))
+        given = i.get("given", {})
+
+        def src(key: str) -> str:
+            return "given" if given.get(key) is not None else "measured"
+
+        lines = [
+            f"lightning-gc advise: {i.get('preset', '?')}, {w.numel:,} gradient elements in {len(w.numels)} tensors "
+            f"({prof.get('compressed_numel', 0):,} compressed in one group; sent exactly: "
+            f"{prof.get('exact_tensors', 0)} below min_compress_numel); N={self.world_size}, link {link}, latency "
+            f"{1e3 * self.network.alpha_s:g} ms, progress weight {self.progress_weight:g}",
+            f"compute ({i.get('compute_source', 'measured on this CPU')}): forward {1e3 * w.forward_s:.2f} ms "
+            f"({src('forward_ms')}), backward {1e3 * w.backward_total_s:.2f} ms ({src('backward_ms')}), optimizer "
+            f"{1e3 * w.optimizer_s:.2f} ms ({src('optimizer_ms')}), other {1e3 * w.other_s:.2f} ms"
+            + (" (given)" if given.get("other_ms") is not None else ""),
+        ]
+        timing = i.get("codec_timing")
+        if timing:
+            lines.append(timing)
+        if prof.get("no_grad"):
+            lines.append(f"left out (no gradient in the timed steps): {', '.join(prof['no_grad'])}")
+        lines.append(table(self.predictions, self.pick))
+        best = self.predictions[self.pick]
+        line = f"pick: {self.pick} ({1e3 * best.time_per_progress_s:.2f} ms per unit of progress"
+        if "ddp" in self.predictions and self.pick != "ddp":
+            ddp = self.predictions["ddp"].time_per_progress_s
+            line += f"; ddp {1e3 * ddp:.2f} ms, {ddp / best.time_per_progress_s:.2f}x"
+        lines.append(line + ")")
+        lines.append("ms/progress = step / efficiency, efficiency = 1/(1 + w*delta2) (docs/auto.md); a prediction "
+                     "of the alpha-beta model, not a measurement on the cluster")
+        return "\n".join(lines)
+
+
+def run(preset: str, world_size: int, bandwidth: str, latency: str = DEFAULT_LATENCY, *,
+        preset_args: dict[str, Any] | None = None, candidates: str | Sequence[str] = DEFAULT_CANDIDATES,
+        progress_weight: float = 1.0, forward_ms: float | None = None, backward_ms: float | None = None,
+        optimizer_ms: float | None = None, other_ms: float | None = None, codec_scale: float = 1.0,
+        skip_steps: int = 1, profile_steps: int = 3, repeats: int = 3, min_compress_numel: int = 1024,
+        seed: int = 0) -> Advice:
+    """Build, profile and measure the workload, then advise (what the command does; inputs are
+    checked before anything is built, so a typo costs no training)."""
+    n = _check_world_size(world_size)
+    bps = parse_bandwidth(bandwidth)
+    alpha = parse_latency(latency)
+    names = parse_candidates(candidates)
+    w = _check_nonneg("--progress-weight", progress_weight, "--progress-weight 1 (0: step time only)")
+    _check_nonneg("--codec-scale", codec_scale, "--codec-scale 0.05", positive=True)
+    for flag, v, ex in (("--forward-ms", forward_ms, "12"), ("--backward-ms", backward_ms, "25"),
+                        ("--optimizer-ms", optimizer_ms, "3"), ("--other-ms", other_ms, "5")):
+        if v is not None:
+            _check_nonneg(flag, v, f"{flag} {ex}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise AdviseError(f"--repeats {repeats!r} must be an integer >= 1, e.g. 3")
+    network = NetworkModel.from_bandwidth(bps, alpha)
+    model, data, label = build_module(preset, preset_args, seed)
+    prof = profile_module(model, data, skip_steps=skip_steps, profile_steps=profile_steps,
+                          min_compress_numel=min_compress_numel, seed=seed)
+    workload = override_workload(prof.workload, forward_ms, backward_ms, optimizer_ms, other_ms)
+    costs = measure_costs(names, prof.flat, prof.ctx, n, prof.exact_bytes, repeats, codec_scale)
+    timed = min(n, TIMING_PAYLOADS)
+    timing = (f"codec ({'measured on this CPU' if codec_scale == 1 else f'measured on this CPU x {codec_scale:g}'}): "
+              f"aggregation timed with min(N, {TIMING_PAYLOADS}) = {timed} payloads")
+    if n > timed and any(c.wire == "allgather" for c in costs):
+        timing += f"; allgather methods' aggregation extrapolated linearly to N={n}"
+    pick, preds = advise(workload, costs, network, n, w)
+    args = dict(preset_args or {})
+    inputs = {
+        "preset": label if not args else f"{label} ({', '.join(f'{k}={v}' for k, v in args.items())})",
+        "preset_name": label, "preset_args": {k: repr(v) if not isinstance(v, (int, float, str, bool)) else v
+                                              for k, v in args.items()},
+        "bandwidth": bandwidth, "bandwidth_bits_per_s": bps, "latency": latency, "latency_s": alpha, "candidates": list(names), "seed": seed,
+        "given": {"forward_ms": forward_ms, "backward_ms": backward_ms, "optimizer_ms": optimizer_ms,
+                  "other_ms": other_ms},
+        "measured_workload": prof.workload.as_dict(), "profile": prof.summary(), "tensor_order": list(prof.names),
+        "skip_steps": skip_steps, "profile_steps": profile_steps, "repeats": repeats,
+        "min_compress_numel": min_compress_numel, "codec_scale": codec_scale, "timing_payloads": timed,
+        "codec_timing": timing,
+        "compute_source": f"{skip_steps} skipped + {prof.steps} timed steps on this CPU, medians, unless given",
+        "torch_threads": torch.get_num_threads(),
+    }
+    return Advice(pick, preds, workload, costs, network, n, w, inputs)
+
+
+# ---------------------------------------------------------------------------------------------- the command
+def _world_size_arg(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give the number of ranks, e.g. 64") from None
+    return v  # the range is checked by run(), with the same message as the API
+
+
+def _float_arg(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number, e.g. 12.5") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..bench.cli import _kv
+
+    p = argparse.ArgumentParser(
+        prog="lightning-gc advise",
+        description="Predict every compressor='auto' candidate's step time for a workload on N ranks over a given "
+                    "link, and name the pick (the live chooser's model, offline). Compute and codec costs are "
+                    "measured on this machine's CPU unless given; see docs/auto.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    w = p.add_argument_group("workload")
+    w.add_argument("--preset", required=True,
+                   help="mlp | cnn | lm | gpt | quickstart | probe | deep | package.module:factory (a callable "
+                        "returning a LightningModule)")
+    w.add_argument("--preset-arg", action="append", type=_kv, default=[], metavar="KEY=VALUE",
+                   help="keyword for the preset or factory (repeatable), e.g. width=16")
+    w.add_argument("--seed", type=int, default=0, help="seed of the preset's data and initial weights")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--world-size", "-N", type=_world_size_arg, required=True, help=f"ranks, 1..{MAX_WORLD_SIZE}")
+    c.add_argument("--bandwidth", required=True, help="link rate per rank and direction, bits/s: 100mbit, 10gbit")
+    c.add_argument("--latency", default=DEFAULT_LATENCY, help="latency per message (alpha): 50us, 0.5ms, 20ms")
+    m = p.add_argument_group("candidates and progress")
+    m.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES),
+                   help=f"comma-separated, in tie-break order; from {', '.join(CANDIDATES)}")
+    m.add_argument("--progress-weight", type=_float_arg, default=1.0,
+                   help="w in efficiency = 1/(1 + w*delta2); 0 ranks by step time alone")
+    g = p.add_argument_group("figures that replace the measurement (milliseconds)")
+    g.add_argument("--forward-ms", type=_float_arg, default=None, help="forward time of one step")
+    g.add_argument("--backward-ms", type=_float_arg, default=None,
+                   help="backward time; the measured per-tensor profile is scaled to it")
+    g.add_argument("--optimizer-ms", type=_float_arg, default=None, help="optimizer step time")
+    g.add_argument("--other-ms", type=_float_arg, default=None, help="time beyond the model (data, logging)")
+    g.add_argument("--codec-scale", type=_float_arg, default=1.0,
+                   help="factor on every measured codec time (e.g. 0.05 for a GPU ~20x faster than this CPU)")
+    t = p.add_argument_group("measurement")
+    t.add_argument("--skip-steps", type=int, default=1, help="training steps run first and not timed")
+    t.add_argument("--profile-steps", type=int, default=3, help="training steps timed (medians)")
+    t.add_argument("--repeats", type=int, default=3, help="timed runs per codec measurement (median)")
+    t.add_argument("--min-compress-numel", type=int, default=1024,
+                   help="tensors with fewer elements are sent exactly (GCStrategy's min_compress_numel)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (predictions, pick, inputs)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``lightning-gc advise``; exit 0 with advice, 2 for invalid input (the message says why)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse printed the usage and the reason
+        return int(exc.code or 0)
+    try:
+        advice = run(args.preset, args.world_size, args.bandwidth, args.latency, preset_args=dict(args.preset_arg),
+                     candidates=args.candidates, progress_weight=args.progress_weight, forward_ms=args.forward_ms,
+                     backward_ms=args.backward_ms, optimizer_ms=args.optimizer_ms, other_ms=args.other_ms,
+                     codec_scale=args.codec_scale, skip_steps=args.skip_steps, profile_steps=args.profile_steps,
+                     repeats=args.repeats, min_compress_numel=args.min_compress_numel, seed=args.seed)
+    except (AdviseError, ValueError) as exc:
+        print(f"lightning-gc advise: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(advice.as_dict(), indent=2, default=str))
+    else:
+        print(advice.text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
