@@ -43,7 +43,8 @@ def step_by_hand(cost: dict, wl: dict, alpha: float, beta: float, n: int) -> flo
     numels = wl["numels"]
     total = sum(numels)
     if n == 1:
-        return wl["forward_s"] + sum(bwd) + wl["optimizer_s"] + wl["other_s"]
+        compute = wl["forward_s"] + sum(bwd) + wl["optimizer_s"]
+        return max(compute + wl["other_s"] + cost.get("overhead_s", 0.0), compute)
     if cost["wire"] == "bucket":
         per = 4 if cost["name"] == "ddp" else 2
         net_free = 0.0
@@ -70,7 +71,8 @@ def step_by_hand(cost: dict, wl: dict, alpha: float, beta: float, n: int) -> flo
         if cost["exact_bytes"] > 0:
             comm += ring(alpha, beta, cost["exact_bytes"], n)
         end = sum(bwd) + cost["codec_s"] + comm
-    return wl["forward_s"] + end + wl["optimizer_s"] + wl["other_s"]
+    compute = wl["forward_s"] + sum(bwd) + wl["optimizer_s"]
+    return max(wl["forward_s"] + end + wl["optimizer_s"] + wl["other_s"] + cost.get("overhead_s", 0.0), compute)
 
 
 def time_per_progress_by_hand(cost: dict, wl: dict, alpha: float, beta: float, n: int, w: float) -> float:

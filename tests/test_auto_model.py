@@ -176,23 +176,29 @@ def test_drift_waits_for_a_settled_reference_and_patience_then_switches_only_on_
         chooser._window = [wall, wall]
         chooser._check_drift(step)
 
+    ddp_step = chooser.predictions["ddp"].step_s
     window(10, 9.0)  # the first window after a decision holds the switch: ignored
     assert chooser._reference is None
-    window(12, 1.0)  # the reference
-    assert chooser._reference == 1.0 and chooser.history[-1]["measured_step_s"] == 1.0
-    window(14, 1.5)  # +50 %: one drifted window, patience 2
-    assert len(chooser.history) == 1
-    window(16, 1.1)  # back within 30 %: the count restarts
-    window(18, 1.6)
-    assert len(chooser.history) == 1
+    window(12, ddp_step)  # the reference; the bucket family's calibration finds no error: no switch
+    assert chooser._reference == ddp_step and chooser.history[0]["measured_step_s"] == ddp_step
+    assert [h["trigger"] for h in chooser.history] == ["warmup", "calibration"] and chooser.chosen == "ddp"
+    window(14, 1.5 * ddp_step)  # +50 %: one drifted window, patience 2
+    assert len(chooser.history) == 2
+    window(16, 1.1 * ddp_step)  # back within 30 %: the count restarts
+    window(18, 1.6 * ddp_step)
+    assert len(chooser.history) == 2
     engine.network.model = NetworkModel(0.0, 8 / 1e6)  # the link fell to 1 Mbit/s
-    window(20, 1.6)  # second drifted window in a row: re-decide with the new network
-    assert [h["trigger"] for h in chooser.history] == ["warmup", "drift"]
+    window(20, 1.6 * ddp_step)  # second drifted window in a row: re-decide with the new network
+    assert [h["trigger"] for h in chooser.history] == ["warmup", "calibration", "drift"]
     assert chooser.chosen == "topk" and engine.calls[-2:] == [("slot", "topk"), ("dense", None)]
     n_calls = len(engine.calls)
-    window(30, 5.0)  # settling window, then a new reference
-    window(32, 1.0)
-    window(34, 2.0)
-    window(36, 2.0)  # drift again, but the network has not changed: the same choice, nothing switched
-    assert [h["trigger"] for h in chooser.history] == ["warmup", "drift", "drift"]
+    topk_step = chooser.predictions["topk"].step_s
+    window(30, 5.0)  # settling window
+    window(32, topk_step + 0.002)  # reference: the engine family runs 2 ms slower than modelled
+    assert chooser.history[-1]["trigger"] == "calibration"
+    assert chooser.predictions["topk"].step_s == pytest.approx(topk_step + 0.002)
+    assert chooser.chosen == "topk" and len(engine.calls) == n_calls  # still the best: nothing switched
+    window(34, 2 * topk_step)
+    window(36, 2 * topk_step)  # drift again, the network unchanged: the same choice, nothing switched
+    assert [h["trigger"] for h in chooser.history] == ["warmup", "calibration", "drift", "calibration", "drift"]
     assert chooser.chosen == "topk" and len(engine.calls) == n_calls

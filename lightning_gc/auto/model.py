@@ -29,7 +29,9 @@ share one definition and every rank computes the same choice from the same (agre
   ``payload_bytes`` + the engine's two small agreements per step + the ring allreduce of the small
   tensors it sends exactly (``exact_bytes``).
 
-``step = forward + max(backward end, last exchange end) + optimizer + other``.
+``step = forward + max(backward end, last exchange end) + optimizer + other + overhead`` (never
+below the compute), where ``overhead`` is what the live chooser measured beyond the model for the
+method's family after it first ran it (0 offline).
 
 **Progress** (:func:`efficiency`). Step time alone picks the most aggressive compressor; time to a
 target also depends on how much progress a step makes. The proxy is the measured relative error of
@@ -116,6 +118,9 @@ class MethodCost:
             by ``N``: it is biased, not independent noise).
         sparse_ratio, value_bytes: AR-Topk only: kept fraction and bytes per value.
         exact_bytes: bytes of the small tensors the engine sends exactly beside the group.
+        overhead_s: measured per-step time of this method's path beyond the model (signed; the live
+            chooser sets it for a family of methods from its first measured window, see
+            :mod:`lightning_gc.auto.chooser`); the predicted step never drops below the compute.
     """
 
     name: str
@@ -127,6 +132,7 @@ class MethodCost:
     sparse_ratio: float = 0.0
     value_bytes: float = 4.0
     exact_bytes: float = 0.0
+    overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.wire not in ("bucket", "allreduce", "allgather", "lowrank", "sparse"):
@@ -138,6 +144,8 @@ class MethodCost:
             v = getattr(self, f)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"MethodCost.{f}={v!r} for {self.name!r} must be finite and >= 0.")
+        if not math.isfinite(self.overhead_s):
+            raise ValueError(f"MethodCost.overhead_s={self.overhead_s!r} for {self.name!r} must be finite.")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -239,7 +247,7 @@ def predict(cost: MethodCost, workload: Workload, network: NetworkModel, world_s
         comm_total = tc + control + exact
         codec = cost.codec_s
         end = bwd_end + codec + comm_total
-    step = w.forward_s + end + w.optimizer_s + w.other_s
+    step = max(w.forward_s + end + w.optimizer_s + w.other_s + cost.overhead_s, compute)
     eff = efficiency(cost, n, progress_weight)
     return Prediction(cost.name, step, compute, codec, comm_total, max(step - compute - w.other_s, 0.0), eff,
                       step / eff, details)
