@@ -21,7 +21,7 @@ reaches an :class:`~lightning_gc.engine.omgs.OMGSConfig` field, as the bench spe
 and the bench both build their configuration through it, so a field is validated, documented and
 defaulted in exactly one place (its dataclass). Each section validates its own fields at
 construction; :class:`GCConfig` checks the rules that span sections (OSP or DiLoCo options without
-that synchronisation model, two owners of the merge plan, OMGS's dense profiling steps).
+that synchronisation model, two owners of the merge plan, OMGS's profiling steps).
 """
 
 from __future__ import annotations
@@ -117,7 +117,9 @@ class GCConfig:
     as ``GCStrategy.config``. Cross-section rules, refused with the value, the reason and the fix:
     OSP options without ``sync="osp"`` and DiLoCo options without ``sync="diloco"``; ``sync="osp"`` or
     ``sync="diloco"`` with OMGS (OSP and OMGS both own the merge plan; DiLoCo has none); OMGS's
-    profile needs dense steps, so ``engine.warmup_steps`` is raised to cover it (said once).
+    profile is taken on compressed steps by default and adds no dense step; with
+    ``OMGSConfig.profile_on="dense"`` (or ``overlap=False``, which switches to it) ``engine.warmup_steps``
+    is raised to cover it (said once).
     """
 
     compression: CompressionConfig = field(default_factory=CompressionConfig)
@@ -227,11 +229,19 @@ class GCConfig:
         engine_fields = sections["engine"]
         if auto is not None and engine_fields.get("warmup_steps", EngineConfig.warmup_steps) < auto.dense_steps_needed:
             engine_fields["warmup_steps"] = auto.dense_steps_needed  # the chooser profiles these dense steps
+        if omgs is not None and omgs.profile_on == "compressed" and not engine_fields.get("overlap", EngineConfig.overlap):
+            from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+            # overlap=False runs the exchanges inside backward: compressed steps cannot be profiled
+            rank_zero_info("lightning_gc: overlap=False runs every compressed exchange inside backward, so OMGS "
+                           "profiles backward on dense steps (OMGSConfig.profile_on='dense').")
+            omgs = dataclasses.replace(omgs, profile_on="dense")
         if omgs is not None and engine_fields.get("warmup_steps", EngineConfig.warmup_steps) < omgs.dense_steps_needed:
             from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+            # only with profile_on="dense": the default profiles the provisional plan's compressed steps
             rank_zero_info(
-                f"lightning_gc: OMGS profiles backward on dense steps, so warmup_steps="
+                f"lightning_gc: OMGS profiles backward on dense steps (profile_on='dense'), so warmup_steps="
                 f"{engine_fields.get('warmup_steps', EngineConfig.warmup_steps)} is raised to "
                 f"{omgs.dense_steps_needed} (1 + profile_skip_steps + profile_steps of OMGSConfig)."
             )

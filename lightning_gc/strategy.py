@@ -155,8 +155,10 @@ class GCStrategy(DDPStrategy):
         omgs: options of the OMGS profiler/planner (:class:`~lightning_gc.engine.omgs.OMGSConfig` or a
             dict of its fields). With ``plan="omgs"``/``"omgs_paper"`` the defaults apply when
             omitted; given with another plan, the job is profiled and the plan's predicted step
-            time logged next to the measured one, without changing the plan. Profiling needs
-            dense steps: ``warmup_steps`` is raised to ``OMGSConfig.dense_steps_needed`` if smaller.
+            time logged next to the measured one, without changing the plan. Backward is profiled
+            on the provisional plan's compressed steps (no extra dense step); with
+            ``profile_on="dense"`` (or ``overlap=False``) ``warmup_steps`` is raised to
+            ``OMGSConfig.dense_steps_needed`` if smaller (docs/omgs.md).
         overlap: run compressed exchanges on the engine's worker thread, overlapped with the rest
             of backward (default). ``False`` runs them synchronously inside DDP's hook: the same
             results bit for bit, slower; the oracle and a debugging aid.

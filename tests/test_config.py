@@ -44,7 +44,9 @@ def test_from_flat_builds_the_tree_and_round_trips():
 def test_omgs_fields_by_prefix_and_warmup_raised():
     cfg = GCConfig.from_flat(plan="omgs", omgs_profile_steps=4, omgs_profile_skip_steps=1)
     assert cfg.omgs == OMGSConfig(profile_steps=4, profile_skip_steps=1)
-    assert cfg.engine.warmup_steps == cfg.omgs.dense_steps_needed == 6
+    assert cfg.omgs.dense_steps_needed == 0 and cfg.engine.warmup_steps == 1  # compressed-step profile: no raise
+    dense = GCConfig.from_flat(plan="omgs", omgs_profile_steps=4, omgs_profile_skip_steps=1, omgs_profile_on="dense")
+    assert dense.engine.warmup_steps == dense.omgs.dense_steps_needed == 6
     assert GCConfig.from_flat(omgs={"profile_steps": 3}, omgs_profile_steps=5).omgs.profile_steps == 5  # field wins
 
 

@@ -204,6 +204,11 @@ class OMGSController(StepParticipant):
     owns the merge plan with ``plan="omgs"``/``"omgs_paper"`` (only predicts otherwise), re-plans
     when the compression ratio changes (:meth:`on_ratio_change`: the plan was fitted at the old
     ratio), and its checkpoint state (the agreed backward profile) is replicated.
+
+    Raises:
+        ValueError: the active exchange keeps state (the fit would disturb it), or
+            ``profile_on="compressed"`` with an engine that runs its exchanges inside backward
+            (``overlap=False``: the stamps would count them as backward; use ``profile_on="dense"``).
     """
 
     name = "omgs"
@@ -218,6 +223,13 @@ class OMGSController(StepParticipant):
                 "exchange's state (it remembers earlier steps); use a stateless collective (e.g. allgather) or "
                 "plan='layer'/'model'."
             )
+        if config.profile_on == "compressed" and not getattr(engine.config, "overlap", True):
+            raise ValueError(
+                "OMGSConfig(profile_on='compressed') with overlap=False: the engine runs every compressed exchange "
+                "inside backward, so the gradient-ready stamps would count selection and communication as backward. "
+                "Use omgs={'profile_on': 'dense'} (GCStrategy does this for overlap=False and raises warmup_steps "
+                "to cover the profile), or overlap=True."
+            )
         self.engine = engine
         self.config = config
         self.plan_kind = plan_kind
@@ -229,6 +241,8 @@ class OMGSController(StepParticipant):
         self.state = OMGSState()
         self._stamps: dict[int, float] = {}
         self._profile: list[list[float]] = []  # per profiled step: ready seconds per param
+        self._steps_seen = 0  # step boundaries this instance saw while profiling (replicated)
+        self._skipped = 0  # eligible steps skipped so far (profile_skip_steps; replicated)
         self._t_closure = 0.0
         self._t_backward = 0.0
         self._t_end = 0.0
@@ -237,10 +251,29 @@ class OMGSController(StepParticipant):
         self._window: list[float] = []
         self._replan_requested = False
         self.backward_s: list[float] | None = None
-        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
-        self._handles.append(module.register_forward_hook(self._on_forward))
+        self._param_handles: list[Any] = []
+        self._install_param_hooks()
+        self._forward_handle: Any = module.register_forward_hook(self._on_forward)
 
     # ------------------------------------------------------------------ stamps (autograd thread)
+    def _install_param_hooks(self) -> None:
+        if not self._param_handles:
+            self._param_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                                   for i, p in enumerate(self.params)]
+
+    def _remove_param_hooks(self) -> None:
+        """The per-parameter hooks: ~µs each, not needed once the profile is taken."""
+        for h in self._param_handles:
+            h.remove()
+        self._param_handles = []
+
+    def _set_profiling(self, on: bool) -> None:
+        self._profiling = on
+        if on:
+            self._install_param_hooks()
+        else:
+            self._remove_param_hooks()
+
     def _make_hook(self, pid: int) -> Callable[[Tensor], None]:
         def hook(_: Tensor) -> None:
             if self._in_closure and self._profiling:
@@ -269,9 +302,10 @@ class OMGSController(StepParticipant):
         self._plan_control = control
 
     def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._remove_param_hooks()
+        if self._forward_handle is not None:
+            self._forward_handle.remove()
+            self._forward_handle = None
 
     def close(self, timeout: float = 60.0) -> None:
         self.detach()
@@ -288,18 +322,19 @@ class OMGSController(StepParticipant):
         return copy.deepcopy({
             "state": self.state, "window": self._window, "replan": self._replan_requested,
             "profiling": self._profiling, "profile": self._profile, "backward_s": self.backward_s,
+            "seen": self._steps_seen, "skipped": self._skipped,
         }) | {"plan": self.engine.plan}
 
     def restore(self, snapshot: dict) -> None:
-        if snapshot["profiling"] != self._profiling:
-            raise RuntimeError(
-                "lightning_gc OMGS: a rollback crossed the end of the backward profile, whose hooks cannot be "
-                "re-installed; explore after OMGS has profiled (AdaptiveRatio's warmup_steps ≥ OMGSConfig's "
-                "dense_steps_needed)."
-            )
+        """Put the snapshot back. A rollback that crossed the end of the profile (an exploration
+        started while OMGS was still profiling compressed steps) puts the profile back too: its
+        hooks are re-installed and the profile goes on from where the snapshot was taken."""
         snap = copy.deepcopy({k: v for k, v in snapshot.items() if k != "plan"})
         self.state, self._window, self._replan_requested = snap["state"], snap["window"], snap["replan"]
         self._profile, self.backward_s = snap["profile"], snap["backward_s"]
+        self._steps_seen, self._skipped = snap["seen"], snap["skipped"]
+        if snap["profiling"] != self._profiling:
+            self._set_profiling(snap["profiling"])
         if self.engine.plan.signature() != snapshot["plan"].signature():
             self._plan_control.replace_plan(snapshot["plan"], verify=False)
 
@@ -314,11 +349,9 @@ class OMGSController(StepParticipant):
         if prof is None or list(state.get("names", [])) != self.names:
             return  # saved before profiling finished, or another model: profile again
         self.backward_s = [float(x) for x in prof]
+        self._profile = []
         if self._profiling:
-            self._profiling = False
-            for h in self._handles[:-1]:
-                h.remove()
-            self._handles = self._handles[-1:]
+            self._set_profiling(False)
         self._replan_requested = True
 
     def request_replan(self) -> None:
@@ -336,16 +369,21 @@ class OMGSController(StepParticipant):
         window = self._t_end - self._t_backward
         if self._profiling:
             cfg = self.config
-            if stats.dense and step >= 1 + cfg.profile_skip_steps and len(self._stamps) == len(self.params):
-                self._profile.append([self._stamps[i] - self._t_backward for i in range(len(self.params))])
-            if len(self._profile) >= cfg.profile_steps or (not stats.dense and self._profile):
+            self._steps_seen += 1
+            if self._profiled(step, stats.dense) and self._stamps:
+                self._profile.append(self._row())
+            if len(self._profile) >= cfg.profile_steps:
                 self._finish_profile()
                 self._plan_now("profiled")
-            elif not stats.dense and engine.world_size > 1 and not self._profile:
-                # no profile could be taken (too few dense steps): say so once, keep the plan in force
-                self._profiling = False
-                log.warning("lightning_gc OMGS: no dense step was profiled (warmup_steps too small); the plan "
-                            "stays %s.", engine.plan.kind)
+            elif cfg.profile_on == "dense" and not stats.dense:  # the dense warm-up is over
+                if self._profile:  # fewer dense steps than profile_steps: plan from those
+                    self._finish_profile()
+                    self._plan_now("profiled")
+                elif engine.world_size > 1:
+                    # no profile could be taken (too few dense steps): say so once, keep the plan in force
+                    self._set_profiling(False)
+                    log.warning("lightning_gc OMGS: no dense step was profiled (warmup_steps too small); the plan "
+                                "stays %s.", engine.plan.kind)
             return
         if self._replan_requested:
             self._replan_requested = False
@@ -367,6 +405,25 @@ class OMGSController(StepParticipant):
                 self._plan_now("drift")
 
     # ------------------------------------------------------------------ internals
+    def _profiled(self, step: int, dense: bool) -> bool:
+        """Whether the step that just ended is profiled; from replicated values only (the step
+        counter, dense or not, how many boundaries this instance saw), so all ranks agree."""
+        cfg = self.config
+        if cfg.profile_on == "dense":
+            return dense and step >= 1 + cfg.profile_skip_steps
+        if dense or self._steps_seen <= 1:  # the process's first step: DDP's lazy set-up, first allocations
+            return False
+        if self._skipped < cfg.profile_skip_steps:
+            self._skipped += 1
+            return False
+        return True
+
+    def _row(self) -> list[float]:
+        """Ready seconds per parameter of the step that just ended. A parameter without a stamp (no
+        gradient this step: DDP marks it ready when backward ends) takes the step's last stamp."""
+        last = max(self._stamps.values())
+        return [self._stamps.get(i, last) - self._t_backward for i in range(len(self.params))]
+
     def _agree_max(self, values: list[float]) -> list[float]:
         """Element-wise MAX over ranks (identical on every rank afterwards)."""
         t = torch.tensor(values, dtype=torch.float64)
@@ -377,13 +434,11 @@ class OMGSController(StepParticipant):
         return [float(x) for x in t.cpu()]
 
     def _finish_profile(self) -> None:
-        self._profiling = False
-        for h in self._handles[:-1]:  # the per-parameter hooks: ~µs each, no longer needed
-            h.remove()
-        self._handles = self._handles[-1:]
+        self._set_profiling(False)
         medians = [statistics.median(col) for col in zip(*self._profile)]
         self.backward_s = self._agree_max([max(m, 0.0) for m in medians])
-        rank_zero_info(f"lightning_gc OMGS: profiled {len(self._profile)} dense steps; backward "
+        on = "compressed steps of the provisional plan" if self.config.profile_on == "compressed" else "dense steps"
+        rank_zero_info(f"lightning_gc OMGS: profiled {len(self._profile)} {on}; backward "
                        f"{1e3 * max(self.backward_s, default=0.0):.2f} ms (MAX over ranks), {len(self.backward_s)} tensors")
 
     def _request(self, cost: OMGSCost) -> PlanRequest:
@@ -397,6 +452,7 @@ class OMGSController(StepParticipant):
         engine = self.engine
         if engine.world_size == 1 or self.backward_s is None:
             return
+        self._replan_requested = False  # this plan is fitted now, at the ratio in force
         cal = self.calibrate()
         cost = OMGSCost(
             gamma_s=cal.sparsify.gamma_s, ratio=float(engine.compressor.ratio) if engine.compressor.has_ratio else 1.0,
