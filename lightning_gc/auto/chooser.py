@@ -55,8 +55,11 @@ from .model import MethodCost, Prediction, Workload, calibrate_other, choose, ta
 
 log = logging.getLogger(__name__)
 
-#: the chooser's network probe: up to 1 MiB, so that a probe on a slow link stays around a second
-PROBE = ProbeConfig(sizes_bytes=(64, 16384, 262144, 1048576), warmup=1, repeats=5)
+#: the chooser's network probes: latency from small messages alone, first (a large message leaves bytes
+#: in the shaper's queue after its send completed, and a small one timed after it waits for them),
+#: then bandwidth from two large ones (up to 1 MiB: around a second on a slow link)
+PROBE_LATENCY = ProbeConfig(sizes_bytes=(64, 256), warmup=2, repeats=9)
+PROBE_BANDWIDTH = ProbeConfig(sizes_bytes=(262144, 1048576), warmup=1, repeats=5)
 
 
 def _int(name: str, value: Any, lo: int, hint: str) -> None:
@@ -378,18 +381,21 @@ class AutoChooser(StepParticipant):
         self._decide(step, "calibration", probe=False)
 
     def _probe(self) -> NetworkModel:
-        """α from the smallest probe message, β from the two largest (each rank's medians, then MAX).
+        """α from 64-byte ring shifts timed before any large message, β from the slope between
+        256 KiB and 1 MiB (each rank's medians, then the MAX).
 
-        Not the probe's least-squares line: on tc-shaped links (htb) small messages pass under the
-        shaper's burst while large ones are rate-limited, so the timings are not one line and the
-        fitted intercept came out at 1.4-17 ms (quickstart, 4 ranks, 1 Gbit/s to 20 Mbit/s) while
-        Top-k's measured 38 ms steps at 20 Mbit/s, with ~20 α-terms per step in the model, bound α
-        below 2 ms; that error alone decided against every engine candidate."""
+        Not one least-squares line over interleaved sizes (the probe's default): on tc-shaped links a
+        large message's send completes while its bytes still sit in the shaper's queue, and the small
+        message timed next waits behind them. Fitted that way, α came out at 1.4-17 ms, and taken from
+        the 64-byte message of the interleaved run at 3-105 ms (quickstart, 4 ranks, 1 Gbit/s to
+        20 Mbit/s), while Top-k's measured 31 ms steps at 20 Mbit/s, with ~20 α-terms per step in the
+        model, bound α below 2 ms; that error alone decided against every engine candidate."""
         engine = self.engine
-        res = probe_network(engine.process_group, PROBE, device=engine.device)
-        sizes, times = res.sizes_bytes, res.median_times_s
-        beta = max((times[-1] - times[-2]) / (sizes[-1] - sizes[-2]), 0.0)
-        alpha = max(times[0] - beta * sizes[0], 0.0)
+        small = probe_network(engine.process_group, PROBE_LATENCY, device=engine.device)
+        large = probe_network(engine.process_group, PROBE_BANDWIDTH, device=engine.device)
+        (s0, s1), (t0, t1) = large.sizes_bytes, large.median_times_s
+        beta = max((t1 - t0) / (s1 - s0), 0.0)
+        alpha = max(small.median_times_s[0] - beta * small.sizes_bytes[0], 0.0)
         a, b = _agree([alpha, beta], dist.ReduceOp.MAX, engine.process_group, engine.world_size)
         return NetworkModel(a, b)
 
