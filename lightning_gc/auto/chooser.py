@@ -334,6 +334,8 @@ class AutoChooser(StepParticipant):
         elif probe or self.network is None:
             self.network = self._probe()
         ws = engine.world_size
+        if not engine.network.pinned:
+            engine.adopt_network(self.network)  # AR-Topk's per-step choice uses it; auto owns re-probing
         ddp = next(c for c in self.costs if c.name == "ddp")
         if dense_wall_s is not None:
             other = calibrate_other(dense_wall_s, self.workload, ddp, self.network, ws)
@@ -433,6 +435,8 @@ class AutoChooser(StepParticipant):
         self.costs = None if costs is None else [MethodCost(**c) for c in costs]
         net = state.get("network")
         self.network = None if net is None else NetworkModel(*net)
+        if self.network is not None and not self.engine.network.pinned:
+            self.engine.adopt_network(self.network)
         self._reference, self._drifted = state.get("reference"), int(state.get("drifted", 0))
         self._settling = bool(state.get("settling", True))
         self._calibrated = set(state.get("calibrated", []))

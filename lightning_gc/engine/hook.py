@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.collectives import ring_allreduce_bytes
+from ..comm.cost_model import NetworkModel
 from ..comm.exchange import (
     AllreduceExchange,
     Exchange,
@@ -294,6 +295,15 @@ class GCEngine:
     def step_is_dense(self) -> bool:
         return (self.all_exact or self.world_size == 1 or self.step < self.config.warmup_steps
                 or self.dense_mode is not None)
+
+    def adopt_network(self, model: NetworkModel) -> None:
+        """Use ``model`` (agreed across ranks by the caller) as the network model from now on, and stop
+        probing on the engine's own schedule: the caller owns re-probing (``compressor="auto"``
+        probes with small messages first and re-probes on drift; the engine's own start probe sends
+        4 MiB messages, ~20 s at 20 Mbit/s on 4 ranks). Between steps, on every rank."""
+        self.synchronize()
+        self.tracker.state.model = model
+        self.tracker.policy = None
 
     def set_dense_mode(self, mode: str | None) -> None:
         """From the next step on, send every step dense on DDP's buckets (``"fp32"``: as DDP without a
