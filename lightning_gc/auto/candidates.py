@@ -5,8 +5,8 @@ torch's 16-bit compress hook; both on DDP's own buckets, overlapped with backwar
 method** (a lightning_gc compressor on the engine's one-group plan, with its natural collective).
 Defaults (docs/auto.md): the three baselines users already have (``ddp``, ``fp16``, ``lowrank``:
 our PowerSGD-family compressor, rank 2) and the compressors that pay on slow links (``topk`` 1 % on
-allgather, ``artopk`` 1 % choosing allgather/ART-Ring/ART-Tree by the cost model, ``qsgd``,
-``efsign``).
+allgather, ``qsgd``, ``efsign``); ``artopk`` (1 %, allgather/ART-Ring/ART-Tree by the cost model)
+and ``bf16`` on request.
 
 :func:`measure_method` turns one candidate into a :class:`~lightning_gc.auto.model.MethodCost` on
 this machine: its codec time comes from :func:`lightning_gc.bench.codec.time_codec` (the codec
@@ -68,7 +68,11 @@ CANDIDATES: dict[str, AutoCandidate] = {
     "lowrank": AutoCandidate("lowrank", "lowrank", None, {"rank": 2}),
 }
 #: the default candidate list, in tie-break order (earlier wins an exact tie)
-DEFAULT_CANDIDATES: tuple[str, ...] = ("ddp", "fp16", "lowrank", "topk", "artopk", "qsgd", "efsign")
+#: ``artopk`` is not among them: its per-step error on the *averaged* gradient sample equals Top-k's, but
+#: its aggregate keeps only one source rank's indices, which the sample cannot show; it needed 200 steps
+#: to Top-k's 125 on the quickstart MLP at 20 Mbit/s (docs/bench.md), and auto picked it there on a
+#: 0.9 ms lead in predicted step. Add it to ``candidates`` to let auto choose it.
+DEFAULT_CANDIDATES: tuple[str, ...] = ("ddp", "fp16", "lowrank", "topk", "qsgd", "efsign")
 
 
 def candidate(name: str) -> AutoCandidate:

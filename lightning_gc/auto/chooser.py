@@ -57,9 +57,17 @@ log = logging.getLogger(__name__)
 
 #: the chooser's network probes: latency from small messages alone, first (a large message leaves bytes
 #: in the shaper's queue after its send completed, and a small one timed after it waits for them),
-#: then bandwidth from two large ones (up to 1 MiB: around a second on a slow link)
+#: then bandwidth from two larger ones sized to the model (:func:`bandwidth_probe`)
 PROBE_LATENCY = ProbeConfig(sizes_bytes=(64, 256), warmup=2, repeats=9)
-PROBE_BANDWIDTH = ProbeConfig(sizes_bytes=(262144, 1048576), warmup=1, repeats=5)
+
+
+def bandwidth_probe(model_bytes: int) -> ProbeConfig:
+    """Ring shifts of ``S/4`` and ``S`` bytes, ``S`` = half the model's fp32 gradient within
+    [128 KiB, 1 MiB]: large enough to be bandwidth-bound on a 1 Gbit/s link, and never several dense
+    steps' worth of traffic on a slow one (a fixed 256 KiB + 1 MiB probe took 4.4 s at 20 Mbit/s on
+    the 84k-parameter quickstart MLP, whose dense step is 0.22 s)."""
+    s = int(min(max(model_bytes // 2, 128 * 1024), 1024 * 1024))
+    return ProbeConfig(sizes_bytes=(s // 4, s), warmup=1, repeats=3)
 
 
 def _int(name: str, value: Any, lo: int, hint: str) -> None:
@@ -383,8 +391,8 @@ class AutoChooser(StepParticipant):
         self._decide(step, "calibration", probe=False)
 
     def _probe(self) -> NetworkModel:
-        """α from 64-byte ring shifts timed before any large message, β from the slope between
-        256 KiB and 1 MiB (each rank's medians, then the MAX).
+        """α from 64-byte ring shifts timed before any large message, β from the slope between two
+        larger shifts (:func:`bandwidth_probe`; each rank's medians, then the MAX).
 
         Not one least-squares line over interleaved sizes (the probe's default): on tc-shaped links a
         large message's send completes while its bytes still sit in the shaper's queue, and the small
@@ -394,7 +402,8 @@ class AutoChooser(StepParticipant):
         model, bound α below 2 ms; that error alone decided against every engine candidate."""
         engine = self.engine
         small = probe_network(engine.process_group, PROBE_LATENCY, device=engine.device)
-        large = probe_network(engine.process_group, PROBE_BANDWIDTH, device=engine.device)
+        model_bytes = 4 * sum(p.numel() for p in self.params)
+        large = probe_network(engine.process_group, bandwidth_probe(model_bytes), device=engine.device)
         (s0, s1), (t0, t1) = large.sizes_bytes, large.median_times_s
         beta = max((t1 - t0) / (s1 - s0), 0.0)
         alpha = max(small.median_times_s[0] - beta * small.sizes_bytes[0], 0.0)
