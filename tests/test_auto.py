@@ -55,7 +55,7 @@ def test_ranks_choose_alike_and_the_choice_is_the_brute_force_minimum(tmp_path):
     reports, autos = _fit(tmp_path, _strategy(progress_weight=0.5))
     assert autos[0]["history"] == autos[1]["history"]  # every input and prediction agreed
     (h,) = autos[0]["history"]
-    assert h["trigger"] == "warmup" and h["step"] == 3  # 1 skipped + 3 profiled dense steps
+    assert h["trigger"] == "warmup" and h["step"] == 1  # 1 skipped + 1 profiled dense step
     assert h["network"] == [SLOW_LINK["network_alpha_s"], SLOW_LINK["network_beta_s_per_byte"]]
     want = argmin_by_hand(h["costs"], h["workload"], *h["network"], 2, 0.5)
     assert h["chosen"] == want
@@ -65,7 +65,7 @@ def test_ranks_choose_alike_and_the_choice_is_the_brute_force_minimum(tmp_path):
     if want in ("fp16", "bf16"):
         assert a["dense_mode"] == want and a["compressed_steps"] == 0
     else:
-        assert a["dense_mode"] is None and a["compressed_steps"] == 16 - 4
+        assert a["dense_mode"] is None and a["compressed_steps"] == 16 - 2
         assert all(s["spec"]["compressor"] for s in a["slots"] if "spec" in s)
     for k, v in reports[0]["params"].items():
         assert torch.equal(v, reports[1]["params"][k]), k
@@ -106,5 +106,5 @@ def test_bad_auto_settings_are_refused_at_construction(kwargs, match):
 def test_auto_config_round_trips_through_flat_names():
     cfg = GCConfig.from_flat(compressor="auto", auto_progress_weight=0.25, auto_candidates=("ddp", "qsgd"))
     assert cfg.auto.progress_weight == 0.25 and cfg.auto.candidates == ("ddp", "qsgd")
-    assert cfg.engine.warmup_steps == cfg.auto.dense_steps_needed == 4
+    assert cfg.engine.warmup_steps == cfg.auto.dense_steps_needed == 2
     assert GCConfig.from_flat(**cfg.to_flat()) == cfg

@@ -224,7 +224,7 @@ def test_auto_parses_without_a_ratio_and_its_options_reach_gc_strategy():
     # the profile's dense steps: skip_steps + profile_steps, at least warmup_steps
     assert build_strategy(parse_methods("auto:skip_steps=0:profile_steps=2", default_ratio=0.01)[0]) \
         .config.engine.warmup_steps == 2
-    assert auto_config(tuned).dense_steps_needed == 4 and auto_config(plain) == AutoConfig()
+    assert auto_config(tuned).dense_steps_needed == 2 and auto_config(plain) == AutoConfig()
 
 
 @pytest.mark.parametrize(

@@ -378,7 +378,7 @@ def test_sweep_table_and_plot_mark_autos_pick_per_link(tmp_path, monkeypatch):
 
 def test_resolve_refuses_a_warmup_shorter_than_autos_dense_profile():
     with pytest.raises(BenchError) as exc:
-        resolve(BenchConfig(methods="ddp,auto", warmup=3, steps=10))
+        resolve(BenchConfig(methods="ddp,auto:profile_steps=3", warmup=3, steps=10))
     msg = str(exc.value)
     assert "auto sends the first 4 steps dense (skip_steps=1 + profile_steps=3" in msg and "use --warmup 4" in msg
     with pytest.raises(BenchError, match="use --warmup 6"):

@@ -86,23 +86,32 @@ class AutoConfig:
             Raise it if compressed picks need many more steps than they save (docs/auto.md).
         skip_steps: dense steps not profiled first (allocator and thread warm-up).
         profile_steps: dense steps profiled; the engine's warm-up is raised to
-            ``skip_steps + profile_steps``.
+            ``skip_steps + profile_steps``. One by default: on a slow link every dense step costs the
+            full exchange (2.2 s on ``cnn`` width 16 at 20 Mbit/s, 4 ranks), and what one step gets
+            wrong the per-family calibration corrects (docs/auto.md). Raise it for a steadier first
+            decision on a fast link.
         repeats: timed runs per candidate when measuring codec costs (median).
         window: steps per drift window (median of the step walls).
         drift: relative change of a window's median step against the reference that counts as drift.
         patience: drifted windows in a row before re-deciding.
         min_interval: steps between two decisions at least.
+        probe_every: re-probe and decide again this many steps after the last decision even without
+            drift (0: never): a link that gets faster may not move the step of a compressed method
+            much (measured: Top-k-like ``lowrank`` kept its step when a 10 Mbit/s link went back to
+            1 Gbit/s, and auto stayed on it). Costs a probe (small on fast links; about one dense
+            step's traffic on slow ones).
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     progress_weight: float = 1.0
     skip_steps: int = 1
-    profile_steps: int = 3
+    profile_steps: int = 1
     repeats: int = 3
     window: int = 10
     drift: float = 0.3
     patience: int = 2
     min_interval: int = 30
+    probe_every: int = 100
 
     def __post_init__(self) -> None:
         cands = tuple(self.candidates)
@@ -126,6 +135,7 @@ class AutoConfig:
         _int("window", self.window, 2, "Use at least 2 steps per window.")
         _int("patience", self.patience, 1, "Use at least 1.")
         _int("min_interval", self.min_interval, 1, "Use at least 1.")
+        _int("probe_every", self.probe_every, 0, "Use 0 to re-decide on drift only.")
         d = self.drift
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not (0 < d):
             raise ValueError(f"auto_drift={d!r} must be > 0 (a relative change, e.g. 0.3).")
@@ -267,6 +277,9 @@ class AutoChooser(StepParticipant):
         moved = abs(med - self._reference) / self._reference > self.config.drift if self._reference > 0 else False
         self._drifted = self._drifted + 1 if moved else 0
         last = self._last_decision_step if self._last_decision_step is not None else -10**9
+        if self.config.probe_every and step - last >= self.config.probe_every:
+            self._decide(step, "periodic", probe=True)
+            return
         if self._drifted >= self.config.patience and step - last >= self.config.min_interval:
             rank_zero_info(f"lightning_gc auto: step {1e3 * med:.1f} ms vs {1e3 * self._reference:.1f} ms after the last "
                            f"decision (drift > {100 * self.config.drift:.0f}% for {self._drifted} windows): re-deciding")
