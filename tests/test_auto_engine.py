@@ -129,7 +129,7 @@ def _modes_ranks(rank: int, ws: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [3])  # 3: the fp16 sum's order matters (2 checked bit for bit below)
 def test_dense_modes_flush_error_memory_once_and_match_hand_written_collectives(world_size):
     res = run_distributed(_modes_ranks, world_size)
     for r in res:

@@ -24,13 +24,13 @@ SUBSET = [
      "precision": "32-true", "optimizer": "sgd", "resume": "fresh"},
     {"compressor": "qsgd", "sync": "diloco", "plan": "layer", "controller": "none", "accumulate": 2,
      "precision": "bf16-mixed", "optimizer": "sgd", "resume": "resumed"},
-    {"compressor": "topk", "sync": "osp", "plan": "layer", "controller": "none", "accumulate": 2,
-     "precision": "bf16-mixed", "optimizer": "adamw_clip", "resume": "resumed"},
-    {"compressor": "lowrank", "sync": "bsp", "plan": "layer", "controller": "none", "accumulate": 1,
-     "precision": "32-true", "optimizer": "sgd", "resume": "resumed"},
     {"compressor": "auto", "sync": "bsp", "plan": "model", "controller": "none", "accumulate": 2,
      "precision": "bf16-mixed", "optimizer": "adamw_clip", "resume": "resumed"},
 ]
+# Left to the full design (pytest -m matrix) to keep the suite under 15 minutes, because other suite
+# tests resume the same state: OSP + AdamW + clipping + accumulation + bf16 (tests/test_osp_lightning.py
+# resumes AdamW + clipping + bf16) and lowrank with the layer plan (tests/test_lowrank.py: the engine
+# recursion; the auto case above resumes engine slots).
 
 
 def test_the_design_covers_every_pair_and_the_stateful_product():

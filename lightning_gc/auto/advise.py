@@ -83,14 +83,8 @@ def parse_bandwidth(text: str) -> float:
     from ..bench import schedule
 
     try:
-        return float(schedule.parse_rate(text, what="--bandwidth"))
+        return float(schedule.parse_rate(text, what="--bandwidth", shaped=False))
     except schedule.ScheduleError as exc:
-        m = schedule._RATE_RE.match(text) if isinstance(text, str) else None
-        if m and m.group(3).lower() in schedule._UNITS:
-            number, exp, unit, _ = m.groups()
-            value = float(number) * (10 ** int(exp) if exp else 1) * schedule._UNITS[unit.lower()]
-            if math.isfinite(value) and value > schedule.MAX_RATE_BPS:
-                return value
         raise AdviseError(str(exc)) from None
 
 

@@ -47,8 +47,9 @@ class ScheduleError(ValueError):
     """A rate or schedule string that cannot be used; the message names the value, reason and fix."""
 
 
-def parse_rate(text: str, *, what: str = "rate") -> int:
-    """Parse ``"100mbit"`` -> ``100_000_000`` (bits per second)."""
+def parse_rate(text: str, *, what: str = "rate", shaped: bool = True) -> int:
+    """Parse ``"100mbit"`` -> ``100_000_000`` (bits per second). ``shaped=False`` accepts rates above
+    what ``tc`` can shape (``lightning-gc advise`` models a link, it does not shape one)."""
     if not isinstance(text, str):
         raise ScheduleError(f"{what} {text!r}: expected a string like '100mbit', got {type(text).__name__}")
     m = _RATE_RE.match(text)
@@ -76,7 +77,7 @@ def parse_rate(text: str, *, what: str = "rate") -> int:
             f"{what} {text!r} = {value:g} bit/s is below the minimum of {format_rate(MIN_RATE_BPS)}: "
             f"tc cannot shape that slowly and a training step would take hours; use at least '8kbit'"
         )
-    if value > MAX_RATE_BPS:
+    if value > MAX_RATE_BPS and shaped:
         raise ScheduleError(
             f"{what} {text!r} = {value:g} bit/s is above {format_rate(MAX_RATE_BPS)}, faster than any "
             f"emulated link here could carry; leave --bandwidth unset for an unshaped link instead"

@@ -34,7 +34,7 @@ def engine_state(engine: GCEngine) -> dict:
         "exchange": engine.exchange.state_dict(),
         "slots": engine.slot_specs(),
         "dense_mode": engine.dense_mode,
-        "dense_flush": engine._dense_flush,
+        "dense_flush": engine.dense_flush_pending,
     }
 
 
@@ -60,8 +60,7 @@ def load_engine_state(engine: GCEngine, state: dict, restore_memory: bool = True
     engine.tracker.load_state_dict(state.get("network") or {})
     engine.exchange.load_state_dict(state.get("exchange") or {}, world_size=engine.world_size)
     engine.load_slot_specs(state.get("slots") or [])
-    engine.dense_mode = state.get("dense_mode")
-    engine._dense_flush = bool(state.get("dense_flush", False))
+    engine.restore_dense_mode(state.get("dense_mode"), bool(state.get("dense_flush", False)))
     if not restore_memory:
         engine.clear_error_memory()
         return []

@@ -296,6 +296,18 @@ class GCEngine:
         return (self.all_exact or self.world_size == 1 or self.step < self.config.warmup_steps
                 or self.dense_mode is not None)
 
+    @property
+    def dense_flush_pending(self) -> bool:
+        """Whether error memory waits to be added to the next finite dense step (see set_dense_mode)."""
+        return self._dense_flush
+
+    def restore_dense_mode(self, mode: str | None, flush_pending: bool) -> None:
+        """Checkpoint restore of :attr:`dense_mode` and :attr:`dense_flush_pending` (replicated values
+        saved by every rank alike; not compared across ranks again)."""
+        if mode not in (None, "fp32", "fp16", "bf16"):
+            raise ValueError(f"saved dense mode {mode!r} is invalid: expected None, 'fp32', 'fp16' or 'bf16'.")
+        self.dense_mode, self._dense_flush = mode, bool(flush_pending)
+
     def adopt_network(self, model: NetworkModel) -> None:
         """Use ``model`` (agreed across ranks by the caller) as the network model from now on, and stop
         probing on the engine's own schedule: the caller owns re-probing (``compressor="auto"``
