@@ -17,6 +17,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from compression_oracles import topk_keep
 from dist_harness import gather_all, run_distributed
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -41,13 +42,6 @@ def _batch(rank: int, step: int):
 def _loss(m, x, y):
     return torch.nn.functional.cross_entropy(m(x), y)
 
-
-def _topk_keep(p: torch.Tensor, ratio: float) -> torch.Tensor:
-    k = max(1, int(torch.ceil(torch.tensor(ratio * p.numel())).item()))
-    idx = torch.topk(p.abs(), k).indices
-    out = torch.zeros_like(p)
-    out[idx] = p[idx]
-    return out
 
 
 def _fp16_mean(x: torch.Tensor, ws: int) -> torch.Tensor:
@@ -96,7 +90,7 @@ def _modes_ranks(rank: int, ws: int) -> dict:
             tol = 1e-6
         elif step in (1, 2, 7):
             ps = [all_flat[r] + mem[r] for r in range(ws)]
-            kept = [_topk_keep(p, RATIO) for p in ps]
+            kept = [topk_keep(p, RATIO) for p in ps]
             expect = sum(kept) / ws
             mem = [p - k for p, k in zip(ps, kept)]
             tol = 1e-6

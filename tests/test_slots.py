@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from compression_oracles import topk_keep
 from dist_harness import gather_all, run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -34,14 +35,6 @@ def _batch(rank: int, step: int):
 def _loss(m, x, y):
     return torch.nn.functional.cross_entropy(m(x), y)
 
-
-def _topk_keep(p: torch.Tensor, ratio: float) -> torch.Tensor:
-    """Dense tensor of p's k largest magnitudes (k = ceil(ratio·n)), zeros elsewhere."""
-    k = max(1, int(torch.ceil(torch.tensor(ratio * p.numel())).item()))
-    idx = torch.topk(p.abs(), k).indices
-    out = torch.zeros_like(p)
-    out[idx] = p[idx]
-    return out
 
 
 RATIO = 0.1
@@ -93,7 +86,7 @@ def _switch_ranks(rank: int, ws: int) -> dict:
                 mem[g.names] = [torch.zeros(g.numel) for _ in range(ws)]  # unknown here: re-read below
             else:  # Top-k with error feedback
                 ps = [gs[r] + mem[g.names][r] for r in range(ws)]
-                kept = [_topk_keep(p, RATIO) for p in ps]
+                kept = [topk_keep(p, RATIO) for p in ps]
                 expect = sum(kept) / ws
                 mem[g.names] = [p - k for p, k in zip(ps, kept)]
             if expect is not None:
