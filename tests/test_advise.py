@@ -333,6 +333,18 @@ def test_override_workload_scales_the_backward_profile():
     assert adv.override_workload(w) == w
 
 
+def test_compute_scale_multiplies_the_measured_compute_and_given_figures_replace_it():
+    w = ORACLE_WORKLOAD
+    o = adv.override_workload(w, compute_scale=2.5)
+    assert o.forward_s == pytest.approx(2.5 * w.forward_s) and o.optimizer_s == pytest.approx(2.5 * w.optimizer_s)
+    assert o.backward_s == pytest.approx(tuple(2.5 * t for t in w.backward_s))
+    assert o.other_s == w.other_s  # not compute: data loading and logging are the user's own figure
+    g = adv.override_workload(w, forward_ms=7, compute_scale=2.5)
+    assert g.forward_s == pytest.approx(0.007) and g.backward_s == pytest.approx(o.backward_s)
+    with pytest.raises(adv.AdviseError, match="compute-scale"):
+        adv.override_workload(w, compute_scale=0)
+
+
 class _Tiny(L.LightningModule):
     def __init__(self, hidden: int = 64) -> None:
         super().__init__()

@@ -345,7 +345,7 @@ def _agreement_rank(rank: int, ws: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("ws", [2, 3, 4])
+@pytest.mark.parametrize("ws", [2, 3, pytest.param(4, marks=pytest.mark.extended)])  # 4: 11 s, -m extended
 def test_shadow_decision_agreed_across_ranks_equals_hand_values(ws):
     res = run_distributed(_agreement_rank, ws, timeout=240)
     entries = [r["entry"] for r in res]

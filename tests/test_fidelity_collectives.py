@@ -151,7 +151,8 @@ def _worker(rank: int, ws: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"ws{n}")
+# ws4 (13 s on 2 cores) with -m extended: tests/test_comm_p2p.py checks the ring and tree at 4 ranks
+@pytest.fixture(scope="module", params=[2, 3, pytest.param(4, marks=pytest.mark.extended)], ids=lambda n: f"ws{n}")
 def spawned(request):
     ws = request.param
     return ws, run_distributed(_worker, ws, timeout=300)

@@ -81,7 +81,7 @@ def _calibrate(rank: int, ws: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("ws", [2, 3, 4])
+@pytest.mark.parametrize("ws", [2, 3, pytest.param(4, marks=pytest.mark.extended)])  # 4: 11 s, -m extended
 def test_calibration_fits_the_max_over_ranks(ws):
     res = run_distributed(_calibrate, ws, timeout=280)
     sizes = res[0]["sizes"]

@@ -192,7 +192,7 @@ def _probe_worker(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("ws", [2, 3, 4])
+@pytest.mark.parametrize("ws", [2, 3, pytest.param(4, marks=pytest.mark.extended)])  # 4: 10 s, -m extended
 def test_probe_agrees_by_max_at_even_and_odd_world_sizes(ws: int) -> None:
     # at 3 and 4 ranks the ring shift's left and right neighbours differ (at 2 they coincide)
     results = run_distributed(_probe_worker, ws, timeout=280)

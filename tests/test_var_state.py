@@ -97,7 +97,7 @@ def _worker(rank: int, ws: int) -> dict:
     return {"worst": worst, "saved": saved}
 
 
-@pytest.mark.parametrize("ws", [2, 3, 4])
+@pytest.mark.parametrize("ws", [2, 3, pytest.param(4, marks=pytest.mark.extended)])  # 4: 11 s, -m extended
 def test_var_smoothing_is_per_group_and_restored(ws):
     right = _sources(ws, "per_group")
     # the data must make every mistake visible

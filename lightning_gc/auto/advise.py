@@ -25,8 +25,8 @@ measurement functions as the live chooser (:mod:`lightning_gc.auto.chooser`) -- 
 
 **What the user gives instead** (:func:`override_workload`, ``codec_scale``): ``forward_ms``,
 ``backward_ms`` (the measured per-tensor profile is scaled to this total, so its shape is kept),
-``optimizer_ms``, ``other_ms``, and a factor on every measured codec time (a GPU's codec is 10-100x
-faster than this CPU's).
+``optimizer_ms``, ``other_ms``, a factor on the measured compute (``compute_scale``) and one on every
+measured codec time (``codec_scale``; a GPU's codec is 10-100x faster than this CPU's).
 
 **Limits.** The network is the alpha-beta model of :mod:`lightning_gc.comm.cost_model` (no
 contention, no hierarchy of links, no stragglers); compute and codec are this machine's unless
@@ -350,12 +350,19 @@ def profile_module(model: Any, datamodule: Any = None, *, skip_steps: int = 1, p
 
 
 def override_workload(workload: Workload, forward_ms: float | None = None, backward_ms: float | None = None,
-                      optimizer_ms: float | None = None, other_ms: float | None = None) -> Workload:
+                      optimizer_ms: float | None = None, other_ms: float | None = None,
+                      compute_scale: float = 1.0) -> Workload:
     """The workload with the user's figures in place of the measured ones (milliseconds; ``None`` keeps).
 
-    ``backward_ms`` scales the per-tensor profile to that total (its shape, the tensors' ready
-    order and relative times, is kept; a profile of all zeros is spread evenly)."""
-    w = workload
+    ``compute_scale`` first multiplies the measured forward, backward and optimizer times (a GPU's
+    compute is faster than this CPU's; 4 ranks sharing 2 cores are slower than one process alone);
+    a figure given explicitly replaces the scaled one. ``backward_ms`` scales the per-tensor profile
+    to that total (its shape, the tensors' ready order and relative times, is kept; a profile of
+    all zeros is spread evenly)."""
+    k = _check_nonneg("--compute-scale", compute_scale, "--compute-scale 0.05 for a GPU ~20x faster than this CPU",
+                      positive=True)
+    w = Workload(workload.forward_s * k, tuple(t * k for t in workload.backward_s), workload.numels,
+                 workload.optimizer_s * k, workload.other_s)
     fwd = w.forward_s if forward_ms is None else _check_nonneg("--forward-ms", forward_ms, "--forward-ms 12") / 1e3
     opt = w.optimizer_s if optimizer_ms is None else _check_nonneg("--optimizer-ms", optimizer_ms,
                                                                    "--optimizer-ms 3") / 1e3
@@ -523,7 +530,7 @@ def run(preset: str, world_size: int, bandwidth: str, latency: str = DEFAULT_LAT
         preset_args: dict[str, Any] | None = None, candidates: str | Sequence[str] = DEFAULT_CANDIDATES,
         progress_weight: float = 1.0, forward_ms: float | None = None, backward_ms: float | None = None,
         optimizer_ms: float | None = None, other_ms: float | None = None, codec_scale: float = 1.0,
-        skip_steps: int = 1, profile_steps: int = 3, repeats: int = 3, min_compress_numel: int = 1024,
+        compute_scale: float = 1.0, skip_steps: int = 1, profile_steps: int = 3, repeats: int = 3, min_compress_numel: int = 1024,
         seed: int = 0) -> Advice:
     """Build, profile and measure the workload, then advise (what the command does; inputs are
     checked before anything is built, so a typo costs no training)."""
@@ -533,6 +540,7 @@ def run(preset: str, world_size: int, bandwidth: str, latency: str = DEFAULT_LAT
     names = parse_candidates(candidates)
     w = _check_nonneg("--progress-weight", progress_weight, "--progress-weight 1 (0: step time only)")
     _check_nonneg("--codec-scale", codec_scale, "--codec-scale 0.05", positive=True)
+    _check_nonneg("--compute-scale", compute_scale, "--compute-scale 0.05", positive=True)
     for flag, v, ex in (("--forward-ms", forward_ms, "12"), ("--backward-ms", backward_ms, "25"),
                         ("--optimizer-ms", optimizer_ms, "3"), ("--other-ms", other_ms, "5")):
         if v is not None:
@@ -543,7 +551,7 @@ def run(preset: str, world_size: int, bandwidth: str, latency: str = DEFAULT_LAT
     model, data, label = build_module(preset, preset_args, seed)
     prof = profile_module(model, data, skip_steps=skip_steps, profile_steps=profile_steps,
                           min_compress_numel=min_compress_numel, seed=seed)
-    workload = override_workload(prof.workload, forward_ms, backward_ms, optimizer_ms, other_ms)
+    workload = override_workload(prof.workload, forward_ms, backward_ms, optimizer_ms, other_ms, compute_scale)
     costs = measure_costs(names, prof.flat, prof.ctx, n, prof.exact_bytes, repeats, codec_scale)
     timed = min(n, TIMING_PAYLOADS)
     timing = (f"codec ({'measured on this CPU' if codec_scale == 1 else f'measured on this CPU x {codec_scale:g}'}): "
@@ -561,9 +569,11 @@ def run(preset: str, world_size: int, bandwidth: str, latency: str = DEFAULT_LAT
                   "other_ms": other_ms},
         "measured_workload": prof.workload.as_dict(), "profile": prof.summary(), "tensor_order": list(prof.names),
         "skip_steps": skip_steps, "profile_steps": profile_steps, "repeats": repeats,
-        "min_compress_numel": min_compress_numel, "codec_scale": codec_scale, "timing_payloads": timed,
+        "min_compress_numel": min_compress_numel, "codec_scale": codec_scale, "compute_scale": compute_scale,
+        "timing_payloads": timed,
         "codec_timing": timing,
-        "compute_source": f"{skip_steps} skipped + {prof.steps} timed steps on this CPU, medians, unless given",
+        "compute_source": f"{skip_steps} skipped + {prof.steps} timed steps on this CPU, medians"
+                          + (f", x {compute_scale:g}" if compute_scale != 1 else "") + ", unless given",
         "torch_threads": torch.get_num_threads(),
     }
     return Advice(pick, preds, workload, costs, network, n, w, inputs)
@@ -618,6 +628,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--other-ms", type=_float_arg, default=None, help="time beyond the model (data, logging)")
     g.add_argument("--codec-scale", type=_float_arg, default=1.0,
                    help="factor on every measured codec time (e.g. 0.05 for a GPU ~20x faster than this CPU)")
+    g.add_argument("--compute-scale", type=_float_arg, default=1.0,
+                   help="factor on the measured forward, backward and optimizer times (e.g. 0.05 for a GPU; 2 for "
+                        "4 ranks sharing 2 cores); --forward-ms/--backward-ms/--optimizer-ms replace it")
     t = p.add_argument_group("measurement")
     t.add_argument("--skip-steps", type=int, default=1, help="training steps run first and not timed")
     t.add_argument("--profile-steps", type=int, default=3, help="training steps timed (medians)")
@@ -640,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         advice = run(args.preset, args.world_size, args.bandwidth, args.latency, preset_args=dict(args.preset_arg),
                      candidates=args.candidates, progress_weight=args.progress_weight, forward_ms=args.forward_ms,
                      backward_ms=args.backward_ms, optimizer_ms=args.optimizer_ms, other_ms=args.other_ms,
-                     codec_scale=args.codec_scale, skip_steps=args.skip_steps, profile_steps=args.profile_steps,
+                     codec_scale=args.codec_scale, compute_scale=args.compute_scale, skip_steps=args.skip_steps, profile_steps=args.profile_steps,
                      repeats=args.repeats, min_compress_numel=args.min_compress_numel, seed=args.seed)
     except (AdviseError, ValueError) as exc:
         print(f"lightning-gc advise: {exc}", file=sys.stderr)
