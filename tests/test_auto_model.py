@@ -13,6 +13,7 @@ from lightning_gc.auto.model import (
     Workload,
     calibrate_other,
     choose,
+    choose_measured,
     ddp_buckets,
     efficiency,
     predict,
@@ -79,6 +80,31 @@ def test_the_choice_is_the_brute_force_minimum(weight):
                                       net.beta_s_per_byte, n, weight)
         picks.add(best)
     assert len(picks) >= 3, picks  # the grid exercises several winners, not one by every measure
+
+
+@pytest.mark.parametrize("explore", [True, False])
+def test_measured_choice_is_the_brute_force_minimum_over_corrected_and_raw_predictions(explore):
+    rng = random.Random(11 + explore)
+    switched = 0
+    for _ in range(120):
+        wl = _workload(rng, rng.randint(1, 10))
+        net = NetworkModel(rng.choice([1e-5, 5e-4, 0.01]), 8 / rng.choice([1e7, 2e7, 1e8, 1e9, 1e10]))
+        n = rng.choice([2, 4, 8, 64])
+        costs = _costs(rng, wl.numel)
+        measured = rng.sample([c.name for c in costs], rng.randint(0, 3))
+        corr = {m: rng.uniform(-0.01, 0.05) for m in measured}
+        best, preds = choose_measured(costs, corr, wl, net, n, 1.0, explore=explore)
+        # by hand: a measured candidate carries its correction, an unmeasured one none; without
+        # exploration only the measured ones compete (all of them when none is measured)
+        hand = [{**c.as_dict(), "overhead_s": corr.get(c.name, 0.0)} for c in costs]
+        pool = hand if explore or not measured else [h for h in hand if h["name"] in corr]
+        assert best == argmin_by_hand(pool, wl.as_dict(), net.alpha_s, net.beta_s_per_byte, n, 1.0)
+        assert set(preds) == {c.name for c in costs}  # every candidate predicted, for the record
+        for h in hand:
+            assert preds[h["name"]].step_s == pytest.approx(
+                step_by_hand(h, wl.as_dict(), net.alpha_s, net.beta_s_per_byte, n), rel=1e-12, abs=1e-15)
+        switched += best != choose(costs, wl, net, n, 1.0)[0]
+    assert switched >= 10  # the corrections change the choice in a good share of the cases
 
 
 def test_ties_go_to_the_earlier_candidate_and_a_single_rank_sends_nothing():
@@ -202,3 +228,64 @@ def test_drift_waits_for_a_settled_reference_and_patience_then_switches_only_on_
     window(36, 2 * topk_step)  # drift again, the network unchanged: the same choice, nothing switched
     assert [h["trigger"] for h in chooser.history] == ["warmup", "calibration", "drift", "calibration", "drift"]
     assert chooser.chosen == "topk" and len(engine.calls) == n_calls
+
+
+def _slow_link_chooser(monkeypatch, explore: int):
+    """Two compressed candidates the raw model ranks lowrank < topk on a slow link (time per
+    progress), while lowrank really runs much slower than modelled: the quickstart case at 20 Mbit/s."""
+    import torch
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "_agree", lambda values, *a: [float(v) for v in values])
+    wl = Workload(0.001, (0.001,), (1_000_000,))
+    costs = [MethodCost("ddp", "bucket", 0.0),
+             MethodCost("lowrank", "lowrank", 0.0, 40_000.0, 0.3, True),
+             MethodCost("topk", "allgather", 0.0, 20_000.0, 0.5, True)]
+    engine = _FakeEngine(NetworkModel(1e-4, 8 / 2e7))
+    cfg = AutoConfig(candidates=("ddp", "lowrank", "topk"), window=2, explore=explore, probe_every=0)
+    chooser = AutoChooser(engine, cfg, torch.nn.Linear(1, 1), [])
+    chooser.workload, chooser.costs = wl, costs
+    chooser._decide(0, "warmup", probe=False, dense_wall_s=0.5)
+    return chooser, engine
+
+
+def _window(chooser, step, wall):
+    chooser._window = [wall, wall]
+    chooser._check_drift(step)
+
+
+@pytest.mark.parametrize("explore", [1, 0])
+def test_a_method_slower_than_modelled_is_charged_alone_and_the_runner_up_is_measured(monkeypatch, explore):
+    chooser, engine = _slow_link_chooser(monkeypatch, explore)
+    assert chooser.chosen == "lowrank" and chooser._corrections == {"ddp": 0.0}  # the warm-up ran DDP's path
+    raw = {k: p.step_s for k, p in chooser.predictions.items()}
+    tpp = {k: p.time_per_progress_s for k, p in chooser.predictions.items()}
+    assert tpp["lowrank"] < tpp["topk"] < tpp["ddp"]
+    lowrank_real = raw["lowrank"] + 0.03  # 30 ms the model does not see, lowrank's own
+    _window(chooser, 4, 1.0)  # settling
+    _window(chooser, 6, lowrank_real)  # lowrank's first window: its correction
+    assert chooser._corrections["lowrank"] == pytest.approx(0.03)
+    assert chooser.predictions["lowrank"].step_s == pytest.approx(lowrank_real)
+    if explore == 0:  # no exploration: the measured methods only (ddp is far slower): stays
+        assert chooser.chosen == "lowrank" and chooser.history[-1]["trigger"] == "calibration"
+        return
+    # topk's raw prediction still beats lowrank's measured time per progress: measured next
+    assert chooser.predictions["topk"].step_s == pytest.approx(raw["topk"])  # not charged lowrank's 30 ms
+    assert chooser.chosen == "topk" and engine.calls[-2:] == [("slot", "topk"), ("dense", None)]
+    assert chooser._explore_left == 0
+    _window(chooser, 8, 1.0)  # settling
+    _window(chooser, 10, raw["topk"] + 0.002)  # topk runs 2 ms over its model: still the best
+    assert chooser._corrections["topk"] == pytest.approx(0.002) and chooser.chosen == "topk"
+    assert [h["trigger"] for h in chooser.history] == ["warmup", "calibration", "calibration"]
+    n = len(chooser.history)
+    _window(chooser, 12, raw["topk"] + 0.002)  # both measured: no further calibration
+    assert len(chooser.history) == n
+    # a checkpoint carries the corrections and the exploration budget
+    state = chooser.state_dict()
+    other, _ = _slow_link_chooser(monkeypatch, explore)
+    other.load_state_dict(state)
+    assert other._corrections == chooser._corrections and other._explore_left == 0 and other.chosen == "topk"
+    with pytest.raises(ValueError, match="version 1"):
+        other.load_state_dict({**state, "version": 1})

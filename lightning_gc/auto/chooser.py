@@ -21,10 +21,14 @@ when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
    last decision, re-probes the network and decides again from the stored compute and codec
    measurements (trigger ``"drift"``); the method is switched only if the choice changed (every
    re-decision is in the history either way).
-5. **Calibrate**: the first reference window of a family of methods (DDP's buckets, or the engine's
-   compressed path) sets that family's ``overhead_s`` to measured − predicted, and the choice is
-   made again at once (trigger ``"calibration"``, no probe). So a family whose real step the model
-   misses (the engine's worker and agreements, Python per step) is judged by what it did.
+5. **Calibrate**: the first reference window of a method sets *that method's* correction
+   (measured − predicted step), and the choice is made again at once (trigger ``"calibration"``,
+   no probe) by :func:`~lightning_gc.auto.model.choose_measured`: measured methods with their
+   corrections, unmeasured ones by the raw (optimistic) model. So a method whose real step the model
+   misses (the engine's worker and agreements, Python per step, its own collective) is judged by
+   what it did, and an unmeasured one that the model still favours is measured next, at most
+   ``explore`` of them after each probed decision. The dense warm-up measured ``ddp`` (``other`` is
+   fitted to it), so ``ddp`` starts measured.
 
 Everything a decision used is in :attr:`AutoChooser.history` (checkpointed, replicated) and logged
 (see :mod:`lightning_gc.callbacks.monitor`, ``auto/*``); the end-of-fit summary names the choice.
@@ -32,7 +36,6 @@ Everything a decision used is in :attr:`AutoChooser.history` (checkpointed, repl
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import statistics
@@ -51,7 +54,7 @@ from ..comm.probe import ProbeConfig, probe_network
 from ..compressors import GroupContext
 from ..engine.session import StepParticipant
 from .candidates import DEFAULT_CANDIDATES, AutoCandidate, candidate, measure_method
-from .model import MethodCost, Prediction, Workload, calibrate_other, choose, table
+from .model import MethodCost, Prediction, Workload, calibrate_other, choose_measured, table
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +91,7 @@ class AutoConfig:
         profile_steps: dense steps profiled; the engine's warm-up is raised to
             ``skip_steps + profile_steps``. One by default: on a slow link every dense step costs the
             full exchange (2.2 s on ``cnn`` width 16 at 20 Mbit/s, 4 ranks), and what one step gets
-            wrong the per-family calibration corrects (docs/auto.md). Raise it for a steadier first
+            wrong the per-method calibration corrects (docs/auto.md). Raise it for a steadier first
             decision on a fast link.
         repeats: timed runs per candidate when measuring codec costs (median).
         window: steps per drift window (median of the step walls). A drift is acted on after
@@ -102,6 +105,11 @@ class AutoConfig:
             much (measured: Top-k-like ``lowrank`` kept its step when a 10 Mbit/s link went back to
             1 Gbit/s, and auto stayed on it). Costs a probe (small on fast links; about one dense
             step's traffic on slow ones).
+        explore: after a calibration, how many more not-yet-measured candidates may be installed
+            and measured (one ``window`` each, plus the settling window) because the raw model still
+            favours them, per probed decision; 0 settles on the measured methods at once. Measured:
+            with one correction for all compressed methods (no exploration), auto kept ``lowrank``
+            at 1.24x Top-k's step on the quickstart MLP at 20 Mbit/s.
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
@@ -114,6 +122,7 @@ class AutoConfig:
     patience: int = 2
     min_interval: int = 30
     probe_every: int = 100
+    explore: int = 2
 
     def __post_init__(self) -> None:
         cands = tuple(self.candidates)
@@ -138,6 +147,7 @@ class AutoConfig:
         _int("patience", self.patience, 1, "Use at least 1.")
         _int("min_interval", self.min_interval, 1, "Use at least 1.")
         _int("probe_every", self.probe_every, 0, "Use 0 to re-decide on drift only.")
+        _int("explore", self.explore, 0, "Use 0 to settle on measured methods after the first calibration.")
         d = self.drift
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not (0 < d):
             raise ValueError(f"auto_drift={d!r} must be > 0 (a relative change, e.g. 0.3).")
@@ -198,7 +208,9 @@ class AutoChooser(StepParticipant):
         self._profile: list[dict] = []
         self._reference: float | None = None
         self._settling = True
-        self._calibrated: set[str] = set()  # method families whose overhead was measured
+        #: measured step minus raw prediction, per method that has run (replicated: agreed windows)
+        self._corrections: dict[str, float] = {}
+        self._explore_left = config.explore
         self._drifted = 0
         self._window: list[float] = []
         self._last_decision_step: int | None = None
@@ -364,7 +376,15 @@ class AutoChooser(StepParticipant):
             other = calibrate_other(dense_wall_s, self.workload, ddp, self.network, ws)
             w = self.workload
             self.workload = Workload(w.forward_s, w.backward_s, w.numels, w.optimizer_s, other)
-        best, preds = choose(self.costs, self.workload, self.network, ws, self.config.progress_weight)
+            # the profiled steps ran DDP's path and `other` makes its prediction their wall: measured
+            self._corrections.setdefault("ddp", 0.0)
+        if trigger != "calibration":  # a probed decision: the model's pick, and a fresh exploration budget
+            self._explore_left = self.config.explore
+        explore = trigger != "calibration" or self._explore_left > 0
+        best, preds = choose_measured(self.costs, self._corrections, self.workload, self.network, ws,
+                                      self.config.progress_weight, explore=explore)
+        if trigger == "calibration" and best not in self._corrections:
+            self._explore_left -= 1
         previous = self.chosen
         if best != previous:
             self._apply(best)
@@ -377,6 +397,7 @@ class AutoChooser(StepParticipant):
                  "workload": self.workload.as_dict(), "costs": [c.as_dict() for c in self.costs],
                  "predictions": {k: v.as_dict() for k, v in preds.items()},
                  "dense_wall_s": dense_wall_s, "measured_step_s": None,
+                 "corrections": dict(self._corrections), "explore_left": self._explore_left,
                  # replicated state: the slowest rank's time, like every other figure here
                  "decide_s": _agree([time.perf_counter() - t0], dist.ReduceOp.MAX, engine.process_group, ws)[0]}
         self.history.append(entry)
@@ -390,19 +411,15 @@ class AutoChooser(StepParticipant):
                            + table(preds, best))
 
     def _calibrate(self, step: int, measured_s: float) -> None:
-        """The first time a family of methods (DDP's buckets, or the engine's compressed path) has run,
-        its measured step minus the model's prediction becomes that family's ``overhead_s`` (what the
-        model does not see: the engine's worker and agreements, Python per step, contention), and the
-        choice is made again without a new probe (trigger ``"calibration"``; at most once per family)."""
+        """The first time a method has run, its measured step minus the raw model's prediction becomes
+        that method's correction (what the model does not see: the engine's worker and agreements,
+        Python per step, contention, its own collective), and the choice is made again without a new
+        probe (trigger ``"calibration"``; once per method): see :func:`choose_measured`."""
         chosen = self.chosen
         assert chosen is not None and self.costs is not None
-        family = "bucket" if candidate(chosen).compressor is None else "engine"
-        if family in self._calibrated:
+        if chosen in self._corrections:
             return
-        self._calibrated.add(family)
-        error = measured_s - self.predictions[chosen].step_s
-        self.costs = [dataclasses.replace(c, overhead_s=c.overhead_s + error)
-                      if (c.wire == "bucket") == (family == "bucket") else c for c in self.costs]
+        self._corrections[chosen] = measured_s - self.predictions[chosen].step_s
         self._decide(step, "calibration", probe=False)
 
     def _probe(self) -> NetworkModel:
@@ -439,17 +456,20 @@ class AutoChooser(StepParticipant):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         return {
-            "version": 1, "chosen": self.chosen, "history": self.history,
+            "version": 2, "chosen": self.chosen, "history": self.history,
             "workload": self.workload.as_dict() if self.workload is not None else None,
             "costs": [c.as_dict() for c in self.costs] if self.costs is not None else None,
             "network": [self.network.alpha_s, self.network.beta_s_per_byte] if self.network is not None else None,
             "reference": self._reference, "drifted": self._drifted, "settling": self._settling,
-            "calibrated": sorted(self._calibrated), "last_decision_step": self._last_decision_step,
+            "corrections": dict(self._corrections), "explore_left": self._explore_left,
+            "last_decision_step": self._last_decision_step,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("version") != 1:
-            raise ValueError(f"unsupported auto chooser state version {state.get('version')!r} (this version reads 1).")
+        if state.get("version") != 2:
+            raise ValueError(f"unsupported auto chooser state version {state.get('version')!r}: this version reads 2 "
+                             "(version 1, per-family corrections, was written before the per-method ones); resume "
+                             "with the lightning_gc that wrote the checkpoint, or start the run anew.")
         self.chosen = state["chosen"]
         self.history = list(state["history"])
         wl = state.get("workload")
@@ -463,7 +483,8 @@ class AutoChooser(StepParticipant):
             self.engine.adopt_network(self.network)
         self._reference, self._drifted = state.get("reference"), int(state.get("drifted", 0))
         self._settling = bool(state.get("settling", True))
-        self._calibrated = set(state.get("calibrated", []))
+        self._corrections = {str(k): float(v) for k, v in state.get("corrections", {}).items()}
+        self._explore_left = int(state.get("explore_left", self.config.explore))
         self._last_decision_step = state.get("last_decision_step")
         self._window = []
         self._t_prev_end = None
