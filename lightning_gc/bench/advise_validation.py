@@ -22,10 +22,15 @@ this machine. Both come from the bench run itself, not from its step times: ``co
 the bench's per-rank compute (``compute_time_s``: training step, backward and optimizer replayed
 with no communication, on the ranks that shared the cores) divided by advise's single-process
 profile of the same step; ``codec_scale`` is the same factor (the codecs shared the cores the same
-way). The link is the bench's shaped rate with advise's default latency; no step time and no
-communication time of the bench enters the prediction.
+way). The link is the bench's shaped rate with advise's default latency.
 
-    python -m lightning_gc.bench.advise_validation bench_out/sweep.json --out bench_out/advise.md
+With ``--other-from LINK`` the user also knows their job's step on the network they have today:
+``other_ms`` (what a real step holds beyond compute and communication: the training loop, data,
+logging, processes sharing cores) is set so that advise's ``ddp`` prediction equals the bench's
+measured DDP step on ``LINK`` -- the live chooser's own calibration (``calibrate_other``) -- and the
+other links are predicted with it. Without it no step time of the bench enters any prediction.
+
+    python -m lightning_gc.bench.advise_validation bench_out/sweep.json --other-from 1gbit --out bench_out/advise.md
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ def _runs(doc: dict) -> list[dict]:
                      "give the JSON written by `lightning-gc bench --json`.")
 
 
-def validate_run(run: dict, repeats: int = 3) -> dict[str, Any]:
+def validate_run(run: dict, repeats: int = 3, other_ms: float | None = None) -> dict[str, Any]:
     """Advise for one bench run's preset, ranks and link; one row per modelled method."""
     import torch
 
@@ -71,7 +76,8 @@ def validate_run(run: dict, repeats: int = 3) -> dict[str, Any]:
     cluster = statistics.median(r["compute_time_s"] for r in ok if r.get("compute_time_s"))
     scale = cluster / single
     adv = advise_run(cfg["preset"], int(cfg["ranks"]), cfg["bandwidth"], preset_args=preset_args, candidates=names,
-                     repeats=repeats, seed=int(cfg.get("seed", 0)), compute_scale=scale, codec_scale=scale)
+                     repeats=repeats, seed=int(cfg.get("seed", 0)), compute_scale=scale, codec_scale=scale,
+                     other_ms=other_ms)
     rows = []
     for r in ok:
         p = adv.predictions[MODELS[r["method"]]]
@@ -80,15 +86,39 @@ def validate_run(run: dict, repeats: int = 3) -> dict[str, Any]:
                      "predicted_step_s": p.step_s, "error": (p.step_s - m) / m})
     return {"bandwidth": cfg["bandwidth"], "ranks": cfg["ranks"], "preset": cfg["preset"], "preset_args": preset_args,
             "compute_single_s": single, "compute_cluster_s": cluster, "scale": scale, "pick": adv.pick, "rows": rows,
-            "median_abs_error": statistics.median(abs(x["error"]) for x in rows)}
+            "other_ms": other_ms, "median_abs_error": statistics.median(abs(x["error"]) for x in rows)}
+
+
+def validate(doc: dict, repeats: int = 3, other_from: str | None = None) -> list[dict[str, Any]]:
+    """Every link of a bench document; with ``other_from``, ``other_ms`` calibrated on that link's
+    DDP step (see the module docstring) and the remaining links validated."""
+    runs = _runs(doc)
+    if other_from is None:
+        return [validate_run(r, repeats) for r in runs]
+    base = [r for r in runs if r["config"]["bandwidth"] == other_from]
+    if not base:
+        raise ValueError(f"--other-from {other_from!r}: no run on that link in the file (links: "
+                         f"{[r['config']['bandwidth'] for r in runs]}); name one of them.")
+    first = validate_run(base[0], repeats)
+    ddp = [r for r in first["rows"] if r["method"] == "ddp"]
+    if not ddp:
+        raise ValueError(f"--other-from {other_from!r}: the run on that link has no finished 'ddp' method to "
+                         "calibrate on; add ddp to the bench's --methods.")
+    other_ms = 1e3 * max(ddp[0]["measured_step_s"] - ddp[0]["predicted_step_s"], 0.0)
+    out = [validate_run(r, repeats, other_ms) for r in runs if r["config"]["bandwidth"] != other_from]
+    for res in out:
+        res["other_from"] = other_from
+    return out
 
 
 def report(results: list[dict]) -> str:
     lines = []
     for res in results:
         lines.append(f"### {res['preset']} {res['preset_args'] or ''} · {res['ranks']} ranks · {res['bandwidth']}")
+        other = (f"; other {res['other_ms']:.1f} ms (DDP's step at {res['other_from']})"
+                 if res.get("other_ms") is not None else "; other 0")
         lines.append(f"compute: {1e3 * res['compute_single_s']:.2f} ms alone, {1e3 * res['compute_cluster_s']:.2f} ms "
-                     f"per rank in the run (scale {res['scale']:.2f}); advise's pick: {res['pick']}")
+                     f"per rank in the run (scale {res['scale']:.2f}){other}; advise's pick: {res['pick']}")
         lines.append("")
         lines.append("| method | modelled as | measured step | predicted | error |")
         lines.append("|---|---|---:|---:|---:|")
@@ -108,12 +138,15 @@ def main(argv: list[str] | None = None) -> int:
                                 description="advise's predicted steps against a bench run's measured steps")
     p.add_argument("bench_json", type=Path, help="JSON written by `lightning-gc bench --json` (one run or a sweep)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per codec measurement")
+    p.add_argument("--other-from", default=None, metavar="LINK",
+                   help="calibrate advise's other_ms on the DDP step measured on this link of the file (e.g. 1gbit) "
+                        "and validate the other links")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown report here")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     try:
         doc = json.loads(args.bench_json.read_text())
-        results = [validate_run(r, args.repeats) for r in _runs(doc)]
+        results = validate(doc, args.repeats, args.other_from)
     except (OSError, ValueError) as exc:
         print(f"advise_validation: {exc}", file=sys.stderr)
         return 2
