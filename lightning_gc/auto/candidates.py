@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,16 +90,6 @@ def _relative_error(x: Tensor, sent: Tensor) -> float:
     return d2 if math.isfinite(d2) else 1e6  # an overflowing cast (fp16 past 65504) is as good as lost
 
 
-def _timed(fn, repeats: int) -> float:
-    fn()
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs)
-
-
 def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_size: int, repeats: int = 3,
                    exact_bytes: float = 0.0) -> MethodCost:
     """Measure one candidate on this rank (local values; the chooser agrees them across ranks).
@@ -110,14 +99,14 @@ def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_s
     and no codec; engine methods run :func:`~lightning_gc.bench.codec.time_codec` with ``world_size``
     payloads made from ``flat`` (slightly rescaled per rank, so aggregation does real work).
     """
-    from ..bench.codec import time_codec
+    from ..bench.codec import time_codec, time_runs
 
     if cand.compressor is None:
         if cand.name == "ddp":
             return MethodCost("ddp", "bucket", 0.0)
         dtype = torch.float16 if cand.name == "fp16" else torch.bfloat16
         out = torch.empty_like(flat)
-        cast_s = _timed(lambda: out.copy_(flat.to(dtype).div_(world_size)), repeats)
+        cast_s = statistics.median(time_runs(lambda: out.copy_(flat.to(dtype).div_(world_size)), repeats))
         return MethodCost(cand.name, "bucket", cast_s, delta2=_relative_error(flat, flat.to(dtype).float()))
     comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
     n = max(int(world_size), 1)

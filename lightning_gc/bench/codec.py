@@ -109,7 +109,9 @@ class Timing:
     runs: list[float] = field(default_factory=list)
 
 
-def _time(fn: Callable[[], object], repeats: int) -> list[float]:
+def time_runs(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of ``repeats`` calls of ``fn`` after one untimed warm-up call (allocator, lazy
+    initialisation); the codec bench and the ``auto`` chooser's measurement both time with it."""
     fn()  # warm-up (allocator, lazy initialisation)
     out = []
     for _ in range(repeats):
@@ -127,7 +129,7 @@ def _timing(runs: list[float], n: int, ref_s: float) -> dict:
 
 def _reference_add(a: torch.Tensor, b: torch.Tensor, repeats: int) -> list[float]:
     c = torch.empty_like(a)
-    return _time(lambda: torch.add(a, b, out=c), repeats)
+    return time_runs(lambda: torch.add(a, b, out=c), repeats)
 
 
 def _segments(n: int, parts: int) -> list[int]:
@@ -159,14 +161,14 @@ def _engine_passes(n: int, cfg: CodecBenchConfig, ref_s: float, g: torch.Tensor)
     sent = g * 0.25
     p = g + e
     out = {
-        "flatten": _time(lambda: torch.cat([v.reshape(-1) for v in views]), cfg.repeats),
-        "flatten_hugepages": _time(
+        "flatten": time_runs(lambda: torch.cat([v.reshape(-1) for v in views]), cfg.repeats),
+        "flatten_hugepages": time_runs(
             lambda: torch.cat([v.reshape(-1) for v in views], out=empty_output(n, g.dtype, g.device)), cfg.repeats
         ),
-        "ef_add": _time(lambda: g + e, cfg.repeats),
-        "ef_residual": _time(lambda: p - sent, cfg.repeats),
-        "norm2": _time(lambda: float(p.float().pow(2).sum()), cfg.repeats),
-        "writeback": _time(lambda: [v.copy_(mean[o:o + s]) for v, o, s in _offsets(views, segs)], cfg.repeats),
+        "ef_add": time_runs(lambda: g + e, cfg.repeats),
+        "ef_residual": time_runs(lambda: p - sent, cfg.repeats),
+        "norm2": time_runs(lambda: float(p.float().pow(2).sum()), cfg.repeats),
+        "writeback": time_runs(lambda: [v.copy_(mean[o:o + s]) for v, o, s in _offsets(views, segs)], cfg.repeats),
     }
     return {k: _timing(v, n, ref_s) for k, v in out.items()}
 
@@ -205,39 +207,39 @@ def time_codec(comp, xs: list[torch.Tensor], ctxs: list, repeats: int) -> dict:
     c0 = ctxs[0]
     res: dict = {"wire_format": comp.wire_format, "describe": comp.describe()}
     timings: dict[str, list[float]] = {}
-    timings["compress"] = _time(lambda: comp.compress(xs[0], c0), repeats)
+    timings["compress"] = time_runs(lambda: comp.compress(xs[0], c0), repeats)
     outs = [comp.compress(x, c) for x, c in zip(xs, ctxs)]
     res["payload_bytes"] = outs[0].nbytes
     fmt = comp.wire_format
     if fmt == "allgather":
         specs = comp.payload_specs(c0, xs[0].dtype)
-        timings["pack"] = _time(lambda: pack_payload(outs[0].payload), repeats)
+        timings["pack"] = time_runs(lambda: pack_payload(outs[0].payload), repeats)
         bufs = [pack_payload(o.payload) for o in outs]
-        timings["unpack"] = _time(lambda: [unpack_payload(b, specs) for b in bufs], repeats)
+        timings["unpack"] = time_runs(lambda: [unpack_payload(b, specs) for b in bufs], repeats)
         payloads = [unpack_payload(b, specs) for b in bufs]
-        timings["aggregate"] = _time(lambda: comp.aggregate_gathered(payloads, outs[0].meta, c0), repeats)
+        timings["aggregate"] = time_runs(lambda: comp.aggregate_gathered(payloads, outs[0].meta, c0), repeats)
         needs_sent = not getattr(comp, "sends_exact_subset", False)
     elif fmt in ("allreduce", "gradiveq"):  # gradiveq: coefficients add up (identity before a basis is fitted)
         summed = tuple(sum(o.payload[i] for o in outs) for i in range(len(outs[0].payload)))
         # aggregate_summed may work in place on the summed buffers (it owns them in the exchange)
-        timings["aggregate"] = _time(
+        timings["aggregate"] = time_runs(
             lambda: comp.aggregate_summed(tuple(t.clone() for t in summed), outs[0].meta, c0), repeats
         )
-        clone_s = _time(lambda: tuple(t.clone() for t in summed), repeats)
+        clone_s = time_runs(lambda: tuple(t.clone() for t in summed), repeats)
         timings["aggregate"] = [max(a - b, 0.0) for a, b in zip(timings["aggregate"], clone_s)]
         needs_sent = True
     elif fmt == "lowrank":  # P and Q add up; the mean is P̂·Q̄ᵀ, what decompress computes
         summed = tuple(sum(o.payload[i] for o in outs) for i in range(len(outs[0].payload)))
-        timings["aggregate"] = _time(lambda: comp.decompress(summed, outs[0].meta, c0), repeats)
+        timings["aggregate"] = time_runs(lambda: comp.decompress(summed, outs[0].meta, c0), repeats)
         needs_sent = True
     else:  # AR-Topk: the source's indices, every rank's values there summed, scattered into the mean
         idx = outs[0].payload[1]
         idx_long = idx.long()
-        timings["gather_values"] = _time(lambda: xs[0][idx_long].contiguous(), repeats)
+        timings["gather_values"] = time_runs(lambda: xs[0][idx_long].contiguous(), repeats)
         summed_v = sum(x[idx_long] for x in xs)
-        timings["aggregate"] = _time(lambda: scatter_sparse(summed_v / N, idx, n), repeats)
+        timings["aggregate"] = time_runs(lambda: scatter_sparse(summed_v / N, idx, n), repeats)
         needs_sent = False
-    timings["decompress"] = _time(lambda: comp.decompress(outs[0].payload, outs[0].meta, c0), repeats)
+    timings["decompress"] = time_runs(lambda: comp.decompress(outs[0].payload, outs[0].meta, c0), repeats)
     med = {k: statistics.median(v) for k, v in timings.items()}
     total = med["compress"] + med["aggregate"] + med.get("gather_values", 0.0)
     if needs_sent:
