@@ -141,7 +141,7 @@ FIXED += [("var_topk", "art_allreduce", {"smoothing": 0.7, "plan": "layer"})]
 AUTO = [("artopk_auto", "auto", {"pinned": LATENCY_BOUND}), ("artopk_auto", "auto", {"pinned": BANDWIDTH_BOUND})]
 
 
-@pytest.mark.parametrize("ws", [2, 3, 5])
+@pytest.mark.parametrize("ws", [2, 3, pytest.param(5, marks=pytest.mark.extended)])  # 5: 13 s, -m extended
 def test_star_var_match_reference_and_auto_choice_is_the_models(ws):
     cases = FIXED + AUTO if ws != 5 else [("star_topk", "art_tree"), ("var_topk", "art_ring")] + AUTO
     if ws >= 3:  # at 2 ranks ART-Ring can at best tie allgather (rule 5b, K = 0)

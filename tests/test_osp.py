@@ -679,18 +679,21 @@ def _check_case(res, case):
     return ref_splits, ref_imp
 
 
-_CASE_PARAMS = [(2, c) for c in CASES] + [(ws, c) for ws in (3, 4) for c in WS_CASES]
+# 4 ranks (one spawn for every case, ~14 s on 2 cores) with -m extended; 2 and 3 ranks in the suite
+_WS4 = pytest.mark.extended
+_CASE_PARAMS = ([pytest.param(2, c, id=f"ws2-{c}") for c in CASES]
+                + [pytest.param(ws, c, id=f"ws{ws}-{c}", marks=[_WS4] if ws == 4 else []) for ws in (3, 4)
+                   for c in WS_CASES])
 
 
-@pytest.mark.parametrize("oracle_runs, case", _CASE_PARAMS, indirect=["oracle_runs"],
-                         ids=[f"ws{ws}-{c}" for ws, c in _CASE_PARAMS])
+@pytest.mark.parametrize("oracle_runs, case", _CASE_PARAMS, indirect=["oracle_runs"])
 def test_osp_matches_delayed_correction_reference_and_ranks_agree(oracle_runs, case):
     ref_splits, _ = _check_case([r[case] for r in oracle_runs], case)
     if case.startswith("no_buffer_yet"):  # the scenario really deferred before any momentum buffer existed
         assert ref_splits[1], "step 1 (the first after the skipped step 0) deferred nothing"
 
 
-@pytest.mark.parametrize("oracle_runs", [2, 3, 4], indirect=True, ids=lambda ws: f"ws{ws}")
+@pytest.mark.parametrize("oracle_runs", [2, 3, pytest.param(4, marks=_WS4)], indirect=True, ids=lambda ws: f"ws{ws}")
 def test_the_split_flips_with_the_hand_computed_importance(oracle_runs):
     """Two equal layers, one deferrable: which one is deferred follows the importance Σ|g·p| of
     the previous step (two steps back for the layer deferred last), and it changes."""
@@ -822,7 +825,7 @@ def test_optimizers_without_exact_correction_are_refused():
     check_optimizer(torch.optim.AdamW(w))
 
 
-@pytest.mark.parametrize("oracle_runs", [2, 3, 4], indirect=True, ids=lambda ws: f"ws{ws}")
+@pytest.mark.parametrize("oracle_runs", [2, 3, pytest.param(4, marks=_WS4)], indirect=True, ids=lambda ws: f"ws{ws}")
 def test_error_memory_moving_into_the_deferred_stage_is_not_lost(oracle_runs):
     """Σ applied updates = lr·(Σ_t mean_r g_r,t − mean_r e_r,T): the error memory of layers that
     left the Top-k routine stage reached the optimizer through their deferred allreduce."""
@@ -833,7 +836,7 @@ def test_error_memory_moving_into_the_deferred_stage_is_not_lost(oracle_runs):
             torch.testing.assert_close(applied, expected, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("oracle_runs", [2, 3, 4], indirect=True, ids=lambda ws: f"ws{ws}")
+@pytest.mark.parametrize("oracle_runs", [2, 3, pytest.param(4, marks=_WS4)], indirect=True, ids=lambda ws: f"ws{ws}")
 def test_compressed_deferred_stage_keeps_its_residual_and_sends_fewer_bytes(oracle_runs):
     """Deferred stage through Top-k 10 % with error feedback: the same conservation identity holds
     (what Top-k did not send is held back, per rank, and reaches a later deferred send), the bytes
@@ -881,11 +884,12 @@ def test_osp_with_an_omgs_plan_is_refused_with_the_fix():
         GCStrategy(compressor="topk", plan="omgs", sync="osp")
 
 
-_NAN_PARAMS = [(2, *c) for c in NAN_CASES] + [(ws, *c) for ws in (3, 4) for c in WS_NAN_CASES]
+_NAN_PARAMS = ([pytest.param(2, *c, id=f"ws2-{c[1]}{c[0]}") for c in NAN_CASES]
+               + [pytest.param(ws, *c, id=f"ws{ws}-{c[1]}{c[0]}", marks=[_WS4] if ws == 4 else [])
+                  for ws in (3, 4) for c in WS_NAN_CASES])
 
 
-@pytest.mark.parametrize("oracle_runs, at, where", _NAN_PARAMS, indirect=["oracle_runs"],
-                         ids=[f"ws{ws}-{w}{at}" for ws, at, w in _NAN_PARAMS])
+@pytest.mark.parametrize("oracle_runs, at, where", _NAN_PARAMS, indirect=["oracle_runs"])
 def test_compressed_deferred_stage_keeps_every_residual_across_a_skipped_step(oracle_runs, at, where):
     """A non-finite gradient on rank 1 at step ``at`` with the Top-k deferred stage and error
     feedback: the step is skipped on every rank, and conservation still holds over the steps taken
@@ -931,7 +935,7 @@ def _hand_schedule(res, round_steps=3, steps=9):
     return out, total
 
 
-@pytest.mark.parametrize("oracle_runs", [2, 3, 4], indirect=True, ids=lambda ws: f"ws{ws}")
+@pytest.mark.parametrize("oracle_runs", [2, 3, pytest.param(4, marks=_WS4)], indirect=True, ids=lambda ws: f"ws{ws}")
 def test_schedule_bound_below_the_cap_equals_the_closed_form(oracle_runs):
     """Umax below the 0.8 cap, so the measured compute time, α, β and N set the budget: after
     every round the agreed Umax and budget equal the closed form computed from all ranks' clock
