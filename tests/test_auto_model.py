@@ -163,7 +163,9 @@ class _FakeEngine:
     def __init__(self, network):
         from types import SimpleNamespace
 
-        self.world_size, self.process_group, self.step = 4, None, 0
+        import torch
+
+        self.world_size, self.process_group, self.step, self.device = 4, None, 0, torch.device("cpu")
         self.network = SimpleNamespace(pinned=True, model=network)
         self.plan = SimpleNamespace(groups=[SimpleNamespace(gid=0, exact=False)])
         self.calls: list = []
@@ -188,7 +190,7 @@ def test_drift_waits_for_a_settled_reference_and_patience_then_switches_only_on_
     from lightning_gc.auto.chooser import AutoChooser, AutoConfig
 
     # 4 ranks in the model, one process here: the agreement is the identity
-    monkeypatch.setattr(chooser_mod, "_agree", lambda values, *a: [float(v) for v in values])
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
     wl = Workload(0.001, (0.001,), (1_000_000,))
     costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 80_000.0, 0.5, True)]
     engine = _FakeEngine(NetworkModel(0.0, 8 / 1e13))  # fast: ddp
@@ -238,7 +240,7 @@ def _slow_link_chooser(monkeypatch, explore: int):
     from lightning_gc.auto import chooser as chooser_mod
     from lightning_gc.auto.chooser import AutoChooser, AutoConfig
 
-    monkeypatch.setattr(chooser_mod, "_agree", lambda values, *a: [float(v) for v in values])
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
     wl = Workload(0.001, (0.001,), (1_000_000,))
     costs = [MethodCost("ddp", "bucket", 0.0),
              MethodCost("lowrank", "lowrank", 0.0, 40_000.0, 0.3, True),

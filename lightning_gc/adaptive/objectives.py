@@ -29,12 +29,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..comm import cost_model
 from ..comm.cost_model import NetworkModel
 from ..compressors.base import Compressor, GroupContext
+from ..engine.agreement import agree_values
 
 #: collectives the controller can predict, and the cost formula of each (seconds for one group)
 _SPARSE = ("allgather", "art_ring", "art_tree")
@@ -78,14 +78,7 @@ def agree(values: Sequence[float], group=None, device: torch.device | None = Non
 
     A collective: every rank must call it with the same number of values at the same point.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return [float(v) for v in values]
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    if device is not None and device.type == "cuda":
-        t = t.to(device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    n = dist.get_world_size(group)
-    return [float(x) / n for x in t.cpu().tolist()]
+    return agree_values(values, "mean", group, device)
 
 
 @dataclass

@@ -45,13 +45,13 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from ..comm.cost_model import NetworkModel
 from ..comm.probe import ProbeConfig, probe_network
 from ..compressors import GroupContext
+from ..engine.agreement import agree_values
 from ..engine.session import StepParticipant
 from .candidates import DEFAULT_CANDIDATES, AutoCandidate, candidate, measure_method
 from .model import MethodCost, Prediction, Workload, calibrate_other, choose_measured, table
@@ -175,14 +175,6 @@ class AutoConfig:
         return {**asdict(self), "candidates": list(self.candidates)}
 
 
-def _agree(values: list[float], op: Any, group: Any, world_size: int) -> list[float]:
-    if world_size <= 1:
-        return [float(v) for v in values]
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=op, group=group)
-    return [float(x) for x in t]
-
-
 class AutoChooser(StepParticipant):
     """Profiles, measures, chooses and re-chooses the method (see the module docstring)."""
 
@@ -277,7 +269,7 @@ class AutoChooser(StepParticipant):
 
     def _check_drift(self, step: int) -> None:
         engine = self.engine
-        med = _agree([statistics.median(self._window)], dist.ReduceOp.MAX, engine.process_group, engine.world_size)[0]
+        med = agree_values([statistics.median(self._window)], "max", engine.process_group, engine.device)[0]
         self._window = []
         if self._settling:  # the first window after a decision holds the switch itself: not a reference
             self._settling = False
@@ -315,7 +307,7 @@ class AutoChooser(StepParticipant):
         ready_by_param = [statistics.median(p["ready"][p["order"].index(i)] for p in prof) for i in range(n)]
         local = ([statistics.median(p["forward_s"] for p in prof), statistics.median(p["optimizer_s"] for p in prof),
                   statistics.median(p["wall_s"] for p in prof)] + ready_by_param)
-        agreed = _agree(local, dist.ReduceOp.MAX, engine.process_group, engine.world_size)
+        agreed = agree_values(local, "max", engine.process_group, engine.device)
         fwd, opt, wall = agreed[:3]
         ready = agreed[3:]
         # the ready order is fixed by the first rank's (replicated) view: sort the agreed times
@@ -354,7 +346,7 @@ class AutoChooser(StepParticipant):
         vals = []
         for m in local:
             vals += [m.codec_s, m.payload_bytes, m.delta2]
-        agreed = _agree(vals, dist.ReduceOp.MAX, engine.process_group, engine.world_size)
+        agreed = agree_values(vals, "max", engine.process_group, engine.device)
         self.costs = [MethodCost(m.name, m.wire, agreed[3 * k], agreed[3 * k + 1], agreed[3 * k + 2], m.error_feedback,
                                  m.sparse_ratio, m.value_bytes, m.exact_bytes) for k, m in enumerate(local)]
 
@@ -399,7 +391,7 @@ class AutoChooser(StepParticipant):
                  "dense_wall_s": dense_wall_s, "measured_step_s": None,
                  "corrections": dict(self._corrections), "explore_left": self._explore_left,
                  # replicated state: the slowest rank's time, like every other figure here
-                 "decide_s": _agree([time.perf_counter() - t0], dist.ReduceOp.MAX, engine.process_group, ws)[0]}
+                 "decide_s": agree_values([time.perf_counter() - t0], "max", engine.process_group, engine.device)[0]}
         self.history.append(entry)
         bw = self.network.bandwidth_bits_per_s
         head = (f"lightning_gc auto ({trigger}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
@@ -439,7 +431,7 @@ class AutoChooser(StepParticipant):
         (s0, s1), (t0, t1) = large.sizes_bytes, large.median_times_s
         beta = max((t1 - t0) / (s1 - s0), 0.0)
         alpha = max(small.median_times_s[0] - beta * small.sizes_bytes[0], 0.0)
-        a, b = _agree([alpha, beta], dist.ReduceOp.MAX, engine.process_group, engine.world_size)
+        a, b = agree_values([alpha, beta], "max", engine.process_group, engine.device)
         return NetworkModel(a, b)
 
     def _apply(self, name: str) -> None:

@@ -47,6 +47,33 @@ class StepReport:
         return cls(*(float(v) for v in t.cpu().tolist()))
 
 
+_OPS = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM}
+
+
+def agree_values(values, op: str, group=None, device: torch.device | None = None) -> list[float]:
+    """Element-wise ``"max"``, ``"sum"`` or ``"mean"`` over the ranks of ``group`` of a list of
+    floats, identical on every rank afterwards (one float64 all-reduce; through ``device`` when it is
+    a CUDA device, as NCCL needs); the values themselves without a process group or on one rank.
+
+    The one helper behind every measured figure the controllers agree on (the ``auto`` chooser's
+    MAX of times, OMGS's MAX of its profile and calibration, AdaptiveRatio's means). A collective:
+    every rank must call it with the same number of values at the same point."""
+    if op not in _OPS:
+        raise ValueError(f"agree_values(op={op!r}): use 'max', 'sum' or 'mean'.")
+    vals = [float(v) for v in values]
+    if not (dist.is_available() and dist.is_initialized()):
+        return vals
+    n = dist.get_world_size(group)
+    if n == 1:
+        return vals
+    t = torch.tensor(vals, dtype=torch.float64)
+    if device is not None and device.type == "cuda":
+        t = t.to(device)
+    dist.all_reduce(t, op=_OPS[op], group=group)
+    out = t.cpu().tolist()
+    return [float(x) / n for x in out] if op == "mean" else [float(x) for x in out]
+
+
 def agree(report: StepReport, group, world_size: int, device: torch.device) -> tuple[StepReport, int]:
     """Sum the reports of all ranks. Returns (summed report, bytes this rank sent)."""
     t = report.to_tensor(device)
