@@ -56,7 +56,14 @@ from torch import Tensor
 
 from ..comm.cost_model import NetworkModel
 from ..compressors import GroupContext
-from .candidates import CANDIDATES, DEFAULT_CANDIDATES, AutoCandidate, candidate, measure_method
+from .candidates import (
+    CANDIDATES,
+    DEFAULT_CANDIDATES,
+    AutoCandidate,
+    candidate,
+    measure_method,
+    rank_payloads,
+)
 from .model import MethodCost, Prediction, Workload, choose, table
 
 __all__ = ["Advice", "AdviseError", "Profile", "TIMING_PAYLOADS", "MAX_WORLD_SIZE", "advise", "aggregation_slope",
@@ -381,15 +388,12 @@ def override_workload(workload: Workload, forward_ms: float | None = None, backw
 # ---------------------------------------------------------------------------------------------- codec costs
 def _aggregate_s(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, payloads: int, repeats: int) -> float:
     """Seconds of an allgather method's aggregation of ``payloads`` payloads, timed by
-    :func:`lightning_gc.bench.codec.time_codec` on payloads made as measure_method makes them (fastest run)."""
+    :func:`lightning_gc.bench.codec.time_codec` on :func:`rank_payloads` (as measure_method times; fastest run)."""
     from ..bench.codec import time_codec
     from ..compressors import build_compressor
 
     comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
-    xs = [flat * (1.0 + 0.01 * r) for r in range(payloads)]
-    ctxs = [GroupContext(step=ctx.step, rank=r, world_size=payloads, segments=ctx.segments, group_id=ctx.group_id,
-                         seed=ctx.seed, device=flat.device, shapes=ctx.shapes, names=ctx.names)
-            for r in range(payloads)]
+    xs, ctxs = rank_payloads(flat, ctx, payloads)
     return min(time_codec(comp, xs, ctxs, repeats)["timings"]["aggregate"])
 
 

@@ -90,6 +90,17 @@ def _relative_error(x: Tensor, sent: Tensor) -> float:
     return d2 if math.isfinite(d2) else 1e6  # an overflowing cast (fp16 past 65504) is as good as lost
 
 
+def rank_payloads(flat: Tensor, ctx: GroupContext, world_size: int) -> tuple[list[Tensor], list[GroupContext]]:
+    """``world_size`` ranks' inputs for timing a codec on one machine: ``flat`` slightly rescaled per
+    rank (so that aggregation does real work) and each rank's context (``ctx`` with its rank and the
+    world size). :func:`measure_method` and ``lightning-gc advise``'s aggregation timings use it."""
+    n = max(int(world_size), 1)
+    xs = [flat * (1.0 + 0.01 * r) for r in range(n)]
+    ctxs = [GroupContext(step=ctx.step, rank=r, world_size=n, segments=ctx.segments, group_id=ctx.group_id,
+                         seed=ctx.seed, device=flat.device, shapes=ctx.shapes, names=ctx.names) for r in range(n)]
+    return xs, ctxs
+
+
 def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_size: int, repeats: int = 3,
                    exact_bytes: float = 0.0) -> MethodCost:
     """Measure one candidate on this rank (local values; the chooser agrees them across ranks).
@@ -109,10 +120,7 @@ def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_s
         cast_s = statistics.median(time_runs(lambda: out.copy_(flat.to(dtype).div_(world_size)), repeats))
         return MethodCost(cand.name, "bucket", cast_s, delta2=_relative_error(flat, flat.to(dtype).float()))
     comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
-    n = max(int(world_size), 1)
-    xs = [flat * (1.0 + 0.01 * r) for r in range(n)]
-    ctxs = [GroupContext(step=ctx.step, rank=r, world_size=n, segments=ctx.segments, group_id=ctx.group_id,
-                         seed=ctx.seed, device=flat.device, shapes=ctx.shapes, names=ctx.names) for r in range(n)]
+    xs, ctxs = rank_payloads(flat, ctx, world_size)
     raw = time_codec(comp, xs, ctxs, repeats)
     c = comp.compress(flat, ctxs[0])
     sent = comp.decompress(c.payload, c.meta, ctxs[0])
