@@ -11,22 +11,35 @@ from types import SimpleNamespace
 import pytest
 
 import lightning_gc.auto.advise as advise_mod
-from lightning_gc.auto.model import Workload
+from lightning_gc.auto.model import MethodCost, Workload
 from lightning_gc.bench import advise_validation as av
 
 BASE_STEP = {"1gbit": 0.010, "20mbit": 0.050}  # the stand-in's raw prediction per link (any method)
 SINGLE = Workload(0.001, (0.002,), (10,), 0.001)  # 4 ms of compute alone
 
 
-def _fake_run(calls):
-    def run(preset, world_size, bandwidth, *, preset_args=None, candidates=(), repeats=3, seed=0, compute_scale=1.0,
-            codec_scale=1.0, other_ms=None, **_):
-        calls.append({"bandwidth": bandwidth, "compute_scale": compute_scale, "codec_scale": codec_scale,
-                      "other_ms": other_ms, "candidates": list(candidates)})
-        extra = (other_ms or 0.0) / 1e3 + 0.004 * (compute_scale - 1.0)
-        preds = {c: SimpleNamespace(step_s=BASE_STEP[bandwidth] * (2 if c == "ddp" else 1) + extra) for c in candidates}
-        return SimpleNamespace(workload=SINGLE, predictions=preds, pick=min(preds, key=lambda k: preds[k].step_s))
-    return run
+def _fake_advise(calls):
+    """Stand-ins for advise.run (one measurement: 4 ms of compute, a 1 ms codec per candidate) and
+    advise.advise (a prediction that is a known function of what it is given)."""
+    def run(preset, world_size, bandwidth, *, preset_args=None, candidates=(), repeats=3, seed=0, **kw):
+        calls.append({"run": bandwidth, "candidates": list(candidates), "kw": kw})
+        costs = [MethodCost(c, "bucket" if c == "ddp" else "allgather", 0.001) for c in candidates]
+        return SimpleNamespace(workload=SINGLE, costs=costs, network=bandwidth, world_size=world_size,
+                               progress_weight=1.0)
+
+    def advise(workload, costs, network, world_size, progress_weight):
+        compute = workload.forward_s + workload.backward_total_s + workload.optimizer_s
+        calls.append({"compute_s": compute, "other_s": workload.other_s, "codec_s": [c.codec_s for c in costs]})
+        preds = {c.name: SimpleNamespace(step_s=BASE_STEP[network] * (2 if c.name == "ddp" else 1) + compute
+                                         + workload.other_s + c.codec_s) for c in costs}
+        return min(preds, key=lambda k: preds[k].step_s), preds
+    return run, advise
+
+
+def _patch(monkeypatch, calls):
+    run, advise = _fake_advise(calls)
+    monkeypatch.setattr(advise_mod, "run", run)
+    monkeypatch.setattr(advise_mod, "advise", advise)
 
 
 def _run(link, steps, compute=0.008):
@@ -39,32 +52,36 @@ def _run(link, steps, compute=0.008):
 
 def test_rows_compare_the_modelled_candidate_with_the_measured_step(monkeypatch):
     calls: list = []
-    monkeypatch.setattr(advise_mod, "run", _fake_run(calls))
+    _patch(monkeypatch, calls)
     res = av.validate_run(_run("20mbit", {"ddp": 0.125, "powersgd": 0.040, "lowrank": 0.060}))
-    assert calls[0]["compute_scale"] == 1.0 and calls[1]["compute_scale"] == pytest.approx(2.0)  # 8 ms / 4 ms
-    assert calls[1]["codec_scale"] == pytest.approx(2.0) and calls[1]["other_ms"] is None
-    assert calls[1]["candidates"] == ["ddp", "lowrank"]  # powersgd is modelled by lowrank; failed runs left out
+    measured, given = calls
+    assert measured["kw"] == {}  # measured once, unscaled
+    assert measured["candidates"] == ["ddp", "lowrank"]  # powersgd is modelled by lowrank; failed runs left out
+    assert given["compute_s"] == pytest.approx(0.008)  # scale 2 = 8 ms in the run / 4 ms alone
+    assert given["codec_s"] == pytest.approx([0.002, 0.002]) and given["other_s"] == 0.0
+    assert res["scale"] == pytest.approx(2.0)
     by = {r["method"]: r for r in res["rows"]}
     assert by["powersgd"]["model"] == "lowrank"
-    # stand-in: 50 ms (100 for ddp) + 4 ms of extra compute at scale 2
-    assert by["ddp"]["predicted_step_s"] == pytest.approx(0.104)
-    assert by["ddp"]["error"] == pytest.approx(0.104 / 0.125 - 1)
-    assert by["powersgd"]["error"] == pytest.approx(0.054 / 0.040 - 1)
+    # stand-in: 50 ms (100 for ddp) + 8 ms of compute + 2 ms of codec
+    assert by["ddp"]["predicted_step_s"] == pytest.approx(0.110)
+    assert by["ddp"]["error"] == pytest.approx(0.110 / 0.125 - 1)
+    assert by["powersgd"]["error"] == pytest.approx(0.060 / 0.040 - 1)
     assert res["median_abs_error"] == pytest.approx(sorted(abs(r["error"]) for r in res["rows"])[1])
 
 
 def test_other_from_calibrates_on_that_links_ddp_and_validates_the_others(monkeypatch):
     calls: list = []
-    monkeypatch.setattr(advise_mod, "run", _fake_run(calls))
+    _patch(monkeypatch, calls)
     doc = {"schema": "lightning_gc.bench.sweep/1",
            "runs": [_run("1gbit", {"ddp": 0.030, "topk": 0.020}), _run("20mbit", {"ddp": 0.125, "topk": 0.060})]}
+    # at 1gbit the stand-in predicts ddp 20 + 8 + 2 = 30 ms; measured 36 ms: other = 6 ms
+    doc["runs"][0]["results"][0]["step_time_s"] = 0.036
     out = av.validate(doc, other_from="1gbit")
     assert [r["bandwidth"] for r in out] == ["20mbit"]
-    # at 1gbit the stand-in predicts ddp 20 + 4 ms; measured 30 ms: other = 6 ms
     assert out[0]["other_ms"] == pytest.approx(6.0)
-    assert calls[-1]["other_ms"] == pytest.approx(6.0)
+    assert calls[-1]["other_s"] == pytest.approx(0.006)
     by = {r["method"]: r for r in out[0]["rows"]}
-    assert by["ddp"]["predicted_step_s"] == pytest.approx(0.100 + 0.004 + 0.006)
+    assert by["ddp"]["predicted_step_s"] == pytest.approx(0.100 + 0.008 + 0.002 + 0.006)
     assert "DDP's step at 1gbit" in av.report(out)
     with pytest.raises(ValueError, match="no run on that link"):
         av.validate(doc, other_from="10mbit")

@@ -534,8 +534,8 @@ def run(preset: str, world_size: int, bandwidth: str, latency: str = DEFAULT_LAT
         preset_args: dict[str, Any] | None = None, candidates: str | Sequence[str] = DEFAULT_CANDIDATES,
         progress_weight: float = 1.0, forward_ms: float | None = None, backward_ms: float | None = None,
         optimizer_ms: float | None = None, other_ms: float | None = None, codec_scale: float = 1.0,
-        compute_scale: float = 1.0, skip_steps: int = 1, profile_steps: int = 3, repeats: int = 3, min_compress_numel: int = 1024,
-        seed: int = 0) -> Advice:
+        compute_scale: float = 1.0, skip_steps: int = 1, profile_steps: int = 3, repeats: int = 3,
+        min_compress_numel: int = 1024, seed: int = 0) -> Advice:
     """Build, profile and measure the workload, then advise (what the command does; inputs are
     checked before anything is built, so a typo costs no training)."""
     n = _check_world_size(world_size)
@@ -657,8 +657,8 @@ def main(argv: list[str] | None = None) -> int:
         advice = run(args.preset, args.world_size, args.bandwidth, args.latency, preset_args=dict(args.preset_arg),
                      candidates=args.candidates, progress_weight=args.progress_weight, forward_ms=args.forward_ms,
                      backward_ms=args.backward_ms, optimizer_ms=args.optimizer_ms, other_ms=args.other_ms,
-                     codec_scale=args.codec_scale, compute_scale=args.compute_scale, skip_steps=args.skip_steps, profile_steps=args.profile_steps,
-                     repeats=args.repeats, min_compress_numel=args.min_compress_numel, seed=args.seed)
+                     codec_scale=args.codec_scale, compute_scale=args.compute_scale, skip_steps=args.skip_steps,
+                     profile_steps=args.profile_steps, repeats=args.repeats, min_compress_numel=args.min_compress_numel, seed=args.seed)
     except (AdviseError, ValueError) as exc:
         print(f"lightning-gc advise: {exc}", file=sys.stderr)
         return 2

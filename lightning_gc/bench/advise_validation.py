@@ -36,6 +36,7 @@ other links are predicted with it. Without it no step time of the bench enters a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -60,7 +61,7 @@ def validate_run(run: dict, repeats: int = 3, other_ms: float | None = None) -> 
     """Advise for one bench run's preset, ranks and link; one row per modelled method."""
     import torch
 
-    from ..auto.advise import run as advise_run
+    from ..auto import advise as advise_mod
 
     cfg = run["config"]
     torch.set_num_threads(int(cfg.get("threads") or 1))  # the ranks' own thread count
@@ -69,23 +70,25 @@ def validate_run(run: dict, repeats: int = 3, other_ms: float | None = None) -> 
         raise ValueError(f"advise_validation: no method of {sorted(MODELS)} finished in the run at {cfg['bandwidth']}.")
     names = sorted({MODELS[r["method"]] for r in ok}, key=list(MODELS.values()).index)
     preset_args = {k: v for k, v in (cfg.get("preset_args") or {}).items()}
-    base = advise_run(cfg["preset"], int(cfg["ranks"]), cfg["bandwidth"], preset_args=preset_args,
-                      candidates=names, repeats=repeats, seed=int(cfg.get("seed", 0)))
+    # measured once (profile and codecs); the scales are applied to that measurement, as
+    # override_workload and measure_costs apply --compute-scale and --codec-scale
+    base = advise_mod.run(cfg["preset"], int(cfg["ranks"]), cfg["bandwidth"], preset_args=preset_args,
+                          candidates=names, repeats=repeats, seed=int(cfg.get("seed", 0)))
     w = base.workload
     single = w.forward_s + w.backward_total_s + w.optimizer_s
     cluster = statistics.median(r["compute_time_s"] for r in ok if r.get("compute_time_s"))
     scale = cluster / single
-    adv = advise_run(cfg["preset"], int(cfg["ranks"]), cfg["bandwidth"], preset_args=preset_args, candidates=names,
-                     repeats=repeats, seed=int(cfg.get("seed", 0)), compute_scale=scale, codec_scale=scale,
-                     other_ms=other_ms)
+    workload = advise_mod.override_workload(w, other_ms=other_ms, compute_scale=scale)
+    costs = [dataclasses.replace(c, codec_s=c.codec_s * scale) for c in base.costs]
+    pick, predictions = advise_mod.advise(workload, costs, base.network, base.world_size, base.progress_weight)
     rows = []
     for r in ok:
-        p = adv.predictions[MODELS[r["method"]]]
+        p = predictions[MODELS[r["method"]]]
         m = r["step_time_s"]
         rows.append({"method": r["label"], "model": MODELS[r["method"]], "measured_step_s": m,
                      "predicted_step_s": p.step_s, "error": (p.step_s - m) / m})
     return {"bandwidth": cfg["bandwidth"], "ranks": cfg["ranks"], "preset": cfg["preset"], "preset_args": preset_args,
-            "compute_single_s": single, "compute_cluster_s": cluster, "scale": scale, "pick": adv.pick, "rows": rows,
+            "compute_single_s": single, "compute_cluster_s": cluster, "scale": scale, "pick": pick, "rows": rows,
             "other_ms": other_ms, "median_abs_error": statistics.median(abs(x["error"]) for x in rows)}
 
 
