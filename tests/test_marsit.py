@@ -49,6 +49,7 @@ from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
     ({"full_precision_every": -1}, r"full_precision_every=-1 is invalid.*integer ≥ 0"),
     ({"full_precision_every": 2.5}, r"full_precision_every=2.5 is invalid"),
     ({"full_precision_every": True}, r"full_precision_every=True is invalid"),
+    ({"release_compensation": 1}, r"release_compensation=1 is invalid.*True.*False"),
     ({"scale": "l2"}, r"scale='l2' is invalid: use 'l1'"),
     ({"seed": -3}, r"seed=-3 is invalid"),
 ])
@@ -318,11 +319,16 @@ def _batch(rank: int, step: int):
 
 
 
-def _engine_run(rank: int, ws: int) -> dict:
+def _engine_runs(rank: int, ws: int) -> dict:
+    """Both release rules in one spawn: {release_compensation: the run's figures}."""
+    return {release: _engine_run(rank, ws, release) for release in (True, False)}
+
+
+def _engine_run(rank: int, ws: int, release: bool) -> dict:
     model = _model()
     replica = copy.deepcopy(model)
     ddp = DDP(model, bucket_cap_mb=0.002)  # several buckets
-    comp = build_compressor("marsit", args={"full_precision_every": K})
+    comp = build_compressor("marsit", args={"full_precision_every": K, "release_compensation": release})
     engine = GCEngine(comp, EngineConfig(warmup_steps=1, min_compress_numel=100, seed=3),
                       list(model.named_parameters()))
     ddp.register_comm_hook(engine, gc_comm_hook)
@@ -346,8 +352,8 @@ def _engine_run(rank: int, ws: int) -> dict:
                 ref = sum(gs) / ws
             else:
                 ps = [gs[r] + ref_mem.get((r, g.gid), 0) for r in range(ws)]
-                if step % K == 0:
-                    ref = sum(gs_r / ws for gs_r in ps)
+                if step % K == 0:  # released: the mean of g + c (Algorithm 1); dropped: of g alone
+                    ref = sum(x / ws for x in (ps if release else gs))
                     for r in range(ws):
                         ref_mem[(r, g.gid)] = torch.zeros_like(ps[r])
                 else:
@@ -369,14 +375,17 @@ def _engine_run(rank: int, ws: int) -> dict:
 
 
 def test_engine_gradient_and_compensation_match_algorithm_1():
-    for r, res in enumerate(run_distributed(_engine_run, 3, timeout=300)):
-        assert res["grad"] <= 1e-5, f"rank {r}: gradient off by {res['grad']:.3g}"
-        assert res["mem"] <= 1e-5, f"rank {r}: compensation off by {res['mem']:.3g}"
-        assert res["flags"] == [None, False, False, True, False, False], res["flags"]  # step 0 is warm-up
-        assert res["fp_zero"] and all(res["fp_zero"])
-        for logged, true in res["norms"]:
-            assert math.isclose(logged, true, rel_tol=1e-4, abs_tol=1e-9)
-        assert res["norms"][2][1] > 0 and res["norms"][3][1] == 0.0  # one-bit leaves c, full precision resets it
+    """Algorithm 1 with the compensation released on full-precision rounds (the paper), and the
+    variant that drops it (``release_compensation=False``): a hand-written replay of both."""
+    for r, runs in enumerate(run_distributed(_engine_runs, 3, timeout=300)):
+        for release, res in runs.items():
+            assert res["grad"] <= 1e-5, f"rank {r} release={release}: gradient off by {res['grad']:.3g}"
+            assert res["mem"] <= 1e-5, f"rank {r}: compensation off by {res['mem']:.3g}"
+            assert res["flags"] == [None, False, False, True, False, False], res["flags"]  # step 0 is warm-up
+            assert res["fp_zero"] and all(res["fp_zero"])
+            for logged, true in res["norms"]:
+                assert math.isclose(logged, true, rel_tol=1e-4, abs_tol=1e-9)
+            assert res["norms"][2][1] > 0 and res["norms"][3][1] == 0.0  # one-bit leaves c, full precision resets it
 
 
 def test_bench_spellings_build_marsit_and_its_cascading_foil():

@@ -214,6 +214,14 @@ class Compressor(ABC):
         such as ``ratio`` is detected at setup instead of deadlocking a collective)."""
         return f"{self.name}({self.config!r})" if self.config is not None else self.name
 
+    def adds_memory(self, step: int) -> bool:
+        """Whether the engine adds the error memory to the gradient at optimizer step ``step``
+        (replicated: a function of the step only). ``True`` by default. A compressor returns
+        ``False`` for a step whose exchange should send the bare gradient and discard what the memory
+        held: its exchange returns ``sent = p``, so the memory restarts from zero (Marsit's
+        ``release_compensation=False``)."""
+        return True
+
     def advice(self, optimizers: Sequence[torch.optim.Optimizer], error_feedback: bool) -> list[str]:
         """Warnings about how this compressor meets the rest of the training setup (optimizers,
         error feedback), printed once at setup on rank zero by the strategy. The algorithm knows its

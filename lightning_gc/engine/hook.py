@@ -738,7 +738,9 @@ class GCEngine:
         flush = names in self._flush
         mem = self._memory.get(gid)
         # flat is a fresh tensor (torch.cat into a new output): add the memory in place
-        p = flat.add_(mem) if ((slot.error_feedback or flush) and mem is not None) else flat
+        # a flush always sends the memory; a compressor may discard it at this step (adds_memory)
+        add = flush or (slot.error_feedback and slot.compressor.adds_memory(ctx.step))
+        p = flat.add_(mem) if (add and mem is not None) else flat
         p2 = sq_norm(p)  # the gain needs it; a NaN/inf anywhere shows here
         if not math.isfinite(p2) and not bool(torch.isfinite(p).all()):  # p2 may overflow on finite p
             work.report.nonfinite_ranks = 1.0

@@ -77,11 +77,18 @@ class MarsitConfig:
     scale: rule for the global step size η_s: ``"l1"`` = mean over ranks of ``‖g + c‖₁/d``
         (agreed by a 4-byte allreduce each round), ``"none"`` = 1 (bare signs).
     seed: seed of the transient Bernoulli bits; ``None`` uses the strategy's ``seed``.
+    release_compensation: what a full-precision round does with the compensation ``c``.
+        ``True`` (the paper's Algorithm 1): it is sent with the gradient, the round's result is the
+        mean of ``g + c``, then ``c ← 0`` — the debt of K one-bit rounds released in one update.
+        ``False``: the round sends the mean of ``g`` alone and discards ``c`` (``c ← 0`` without
+        the release), so no burst reaches a momentum buffer or Adam's moments. See
+        docs/compressors.md for when each is better.
     """
 
     full_precision_every: int = 100
     scale: Literal["l1", "none"] = "l1"
     seed: int | None = None
+    release_compensation: bool = True
 
     def __post_init__(self) -> None:
         k = self.full_precision_every
@@ -95,6 +102,11 @@ class MarsitConfig:
             raise ValueError(
                 f"scale={self.scale!r} is invalid: use 'l1' (η_s = mean over ranks of ‖g + c‖₁/d) or "
                 "'none' (η_s = 1, bare signs)."
+            )
+        if not isinstance(self.release_compensation, bool):
+            raise ValueError(
+                f"release_compensation={self.release_compensation!r} is invalid: use True (a full-precision round "
+                "sends g + c, the paper's rule) or False (it sends g and discards c)."
             )
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):

@@ -48,6 +48,11 @@ class MarsitCompressor(Compressor):
         k = self.config.full_precision_every
         return k > 0 and step % k == 0
 
+    def adds_memory(self, step: int) -> bool:
+        """False on a full-precision round with ``release_compensation=False``: the engine then sends
+        the bare gradient and the exchange's ``sent = p`` leaves a zero compensation."""
+        return self.config.release_compensation or not self.full_precision_round(step)
+
     def local_scale(self, x: Tensor) -> Tensor:
         """This rank's contribution to η_s as a float32 tensor of one element."""
         if self.config.scale == "l1":
@@ -77,7 +82,8 @@ class MarsitCompressor(Compressor):
 
     def describe(self) -> str:
         c = self.config
-        return f"{self.name}(K={c.full_precision_every},scale={c.scale},seed={c.seed})"
+        release = "" if c.release_compensation else ",release_compensation=False"
+        return f"{self.name}(K={c.full_precision_every},scale={c.scale},seed={c.seed}{release})"
 
     def advice(self, optimizers, error_feedback: bool) -> list[str]:
         """Marsit's full-precision rounds release the accumulated compensation in one update; a
