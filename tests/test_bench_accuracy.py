@@ -77,14 +77,33 @@ def test_documents_that_differ_beyond_the_seed_are_refused():
     a = _doc(0, [_result("ddp", [(10, 2.0)])])
     with pytest.raises(AccuracyError, match="at least 2 seeds"):
         accuracy_rows([a])
-    with pytest.raises(AccuracyError, match="seeds .* repeat"):
-        accuracy_rows([a, _doc(0, [_result("ddp", [(10, 2.0)])])])
+    with pytest.raises(AccuracyError, match=r"seed 0: method\(s\) \['ddp'\] appear in two documents"):
+        accuracy_rows([a, _doc(0, [_result("ddp", [(10, 2.0)])]), _doc(1, [_result("ddp", [(10, 2.0)])])])
+    with pytest.raises(AccuracyError, match=r"at least 2 seeds; got seed\(s\) \[0\]"):
+        accuracy_rows([a, _doc(0, [_result("topk", [(10, 2.0)])])])
     with pytest.raises(AccuracyError, match="'steps': \\(600, 400\\)"):
         accuracy_rows([a, _doc(1, [_result("ddp", [(10, 2.0)])], steps=400)])
     with pytest.raises(AccuracyError, match="same --methods"):
         accuracy_rows([a, _doc(1, [_result("ddp", [(10, 2.0)]), _result("topk", [(10, 2.0)])])])
     with pytest.raises(AccuracyError, match="successful 'ddp'"):
         accuracy_rows([_doc(0, [_result("topk", [(10, 2.0)])]), _doc(1, [_result("topk", [(10, 2.0)])])])
+
+
+def test_documents_of_one_seed_are_merged():
+    """A later run of more methods with the same settings adds rows; DDP's budget and spread
+    still come from the seed's DDP, whichever document holds it."""
+    docs = [_doc(0, [_result("ddp", [(50, 3.0), (100, 2.40)], 2000.0)]),
+            _doc(1, [_result("ddp", [(60, 3.1), (120, 2.42)], 2000.0)]),
+            _doc(1, [_result("marsit", [(40, 3.3), (90, 2.60)], 50.0)]),
+            _doc(0, [_result("marsit", [(30, 3.2), (80, 2.50)], 70.0)])]
+    rows, summary = accuracy_rows(docs)
+    assert [r.label for r in rows] == ["ddp", "marsit"] and summary["seeds"] == [0, 1]
+    assert summary["budget_s"] == pytest.approx(110.0) and summary["ddp_spread"] == pytest.approx(0.02)
+    marsit = rows[1]
+    assert marsit.finals == [2.50, 2.60] and marsit.delta_vs_ddp == pytest.approx(2.55 - 2.41)
+    assert marsit.bytes_per_step == pytest.approx(60.0) and marsit.within_tolerance is False  # 0.14 > 0.06
+    with pytest.raises(AccuracyError, match="same --methods"):  # seed 1 lacks the extra run
+        accuracy_rows(docs[:3])
 
 
 def test_cli_writes_the_table_and_the_method_list_parses(tmp_path, capsys):
@@ -100,4 +119,5 @@ def test_cli_writes_the_table_and_the_method_list_parses(tmp_path, capsys):
     assert main([paths[0]]) == 2 and "at least 2 seeds" in capsys.readouterr().err
     assert main(["--methods"]) == 0 and capsys.readouterr().out.strip() == ADAMW_TABLE_METHODS
     labels = [s.label for s in parse_methods(ADAMW_TABLE_METHODS, default_ratio=0.01)]
-    assert labels[:3] == ["ddp", "fp16", "powersgd"] and len(labels) == len(set(labels)) == 21
+    assert labels[:3] == ["ddp", "fp16", "powersgd"] and len(labels) == len(set(labels)) == 23
+    assert "lowrank" in labels and labels[-1] == "auto"

@@ -25,6 +25,10 @@ Usage (``python -m lightning_gc.bench.accuracy --help``)::
         --val-batches 16 --seed 0 --methods "$(python -m lightning_gc.bench.accuracy --methods)" --json s0.json
     # ... the same with --seed 1 --json s1.json
     python -m lightning_gc.bench.accuracy s0.json s1.json --out table.md
+
+Further methods measured later with the same settings join the table: pass their documents too
+(``s0.json s1.json more_s0.json more_s1.json``); documents of one seed are merged, a method may
+appear only once per seed, and every seed must end up with the same methods.
 """
 
 from __future__ import annotations
@@ -38,11 +42,11 @@ from dataclasses import dataclass
 __all__ = ["ADAMW_TABLE_METHODS", "AccuracyError", "MethodRow", "accuracy_rows", "metric_at", "markdown", "main"]
 
 #: The methods of the AdamW accuracy table: DDP fp32, torch's fp16 and PowerSGD hooks, every
-#: lightning_gc compressor at its defaults (the bench adds ``--ratio`` to those that take one), and
-#: OSP, OMGS and the adaptive-ratio controller on Top-k.
+#: lightning_gc compressor at its defaults (the bench adds ``--ratio`` to those that take one),
+#: OSP, OMGS and the adaptive-ratio controller on Top-k, and the run-time choice ``auto``.
 ADAMW_TABLE_METHODS = (
     "ddp,fp16,powersgd,gc_dense,gc_fp16,gc_bf16,topk,lwtopk,mstopk,randomk,qsgd,signsgd,efsignsgd,marsit,"
-    "gradiveq,star_topk,var_topk,artopk_auto,topk:sync=osp,topk:plan=omgs,topk:adaptive=shadow"
+    "gradiveq,lowrank,star_topk,var_topk,artopk_auto,topk:sync=osp,topk:plan=omgs,topk:adaptive=shadow,auto"
 )
 
 # the configuration keys that must agree between the documents of one table (the seed may not)
@@ -89,24 +93,46 @@ def _mean(values: list[float | None]) -> float | None:
 
 
 def _check_same(docs: list[dict]) -> None:
-    if len(docs) < 2:
-        raise AccuracyError(f"an accuracy table needs runs of at least 2 seeds; got {len(docs)} document(s)")
-    seeds = [d["config"].get("seed") for d in docs]
-    if len(set(seeds)) != len(seeds):
-        raise AccuracyError(f"the documents' seeds {seeds} repeat; give one run per seed")
     first = docs[0]["config"]
     for doc in docs[1:]:
         diff = {k: (first.get(k), doc["config"].get(k)) for k in _SAME if first.get(k) != doc["config"].get(k)}
         if diff:
-            raise AccuracyError(f"the runs differ in more than the seed: {diff} (seed {first.get('seed')} vs "
-                                f"{doc['config'].get('seed')}); rerun with the same settings")
+            raise AccuracyError(f"the runs differ in more than the seed and the methods: {diff} (seed "
+                                f"{first.get('seed')} vs {doc['config'].get('seed')}); rerun with the same settings")
+
+
+def merge_by_seed(docs: list[dict]) -> list[dict]:
+    """One document per seed, in order of first appearance: the results of several documents of
+    the same seed (a second bench run of further methods with the same settings) are concatenated,
+    the first document's config kept. Refuses documents whose settings differ beyond the seed and
+    the methods, and a method that appears twice for one seed (which run would count?)."""
+    if not docs:
+        raise AccuracyError("no documents given: pass the bench JSON of each seed")
+    _check_same(docs)
+    merged: dict = {}
+    for doc in docs:
+        seed = doc["config"].get("seed")
+        if seed not in merged:
+            merged[seed] = {**doc, "results": list(doc["results"])}
+            continue
+        have = {r["label"] for r in merged[seed]["results"]}
+        dup = sorted(have & {r["label"] for r in doc["results"]})
+        if dup:
+            raise AccuracyError(f"seed {seed}: method(s) {dup} appear in two documents; keep one run of each "
+                                "method per seed")
+        merged[seed]["results"] += doc["results"]
+    out = list(merged.values())
+    if len(out) < 2:
+        raise AccuracyError(f"an accuracy table needs runs of at least 2 seeds; got seed(s) {list(merged)}")
+    return out
 
 
 def accuracy_rows(docs: list[dict], *, budget_s: float | None = None, tolerance: float | None = None,
                   tolerance_k: float = 3.0, tolerance_floor: float = 1e-3) -> tuple[list[MethodRow], dict]:
     """One :class:`MethodRow` per method label (in the first document's order) and a summary dict
-    (``mode``, ``metric``, ``seeds``, ``budget_s``, ``tolerance``, ``ddp_spread``)."""
-    _check_same(docs)
+    (``mode``, ``metric``, ``seeds``, ``budget_s``, ``tolerance``, ``ddp_spread``). ``docs`` may hold
+    several documents per seed (see :func:`merge_by_seed`)."""
+    docs = merge_by_seed(docs)
     mode, metric = docs[0]["config"]["mode"], docs[0]["config"]["metric"]
     by_label = [{r["label"]: r for r in d["results"]} for d in docs]
     labels = [r["label"] for r in docs[0]["results"]]
@@ -183,7 +209,7 @@ def markdown(rows: list[MethodRow], summary: dict, docs: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lightning_gc.bench.accuracy", description=__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs="*", help="bench JSON documents (--json), one per seed")
+    p.add_argument("runs", nargs="*", help="bench JSON documents (--json): one or more per seed, merged by seed")
     p.add_argument("--budget", type=float, default=None, help="wall-clock training budget in seconds "
                    "(default: DDP's mean training time)")
     p.add_argument("--tolerance", type=float, default=None, help="absolute tolerance on the mean final metric")
