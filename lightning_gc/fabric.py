@@ -122,6 +122,7 @@ class GCFabricStrategy(FabricDDPStrategy):
         self._session: StepSession | None = None
         self._pending_state: dict | None = None
         self._ddp: DistributedDataParallel | None = None
+        self._optimizers_seen: list = []
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -216,6 +217,11 @@ class GCFabricStrategy(FabricDDPStrategy):
     @override
     def setup_optimizer(self, optimizer: Any) -> Any:
         optimizer = super().setup_optimizer(optimizer)
+        if self._engine is not None and self._config.compression.error_feedback is None:
+            self._optimizers_seen.append(optimizer)  # the compressor's default knowing them, as GCStrategy
+            message = self._engine.adopt_error_feedback_default(self._optimizers_seen)
+            if message:
+                rank_zero_info(message)
         if self._engine is not None:  # the algorithm's own measured pitfalls with this optimizer, as GCStrategy
             for message in self._engine.compressor.advice([optimizer], self._engine.error_feedback):
                 rank_zero_warn(message)

@@ -397,6 +397,13 @@ class GCStrategy(DDPStrategy):
         super().setup(trainer)
         if self._sync == "osp":
             self._check_osp_setup(trainer)
+        if (self._engine is not None and self._sync != "diloco" and self._auto_config is None
+                and self._config.compression.error_feedback is None):
+            # the compressor's default knowing the optimizers; under DiLoCo the engine sends no gradients,
+            # and auto's candidates keep their own settings (docs/auto.md)
+            message = self._engine.adopt_error_feedback_default(self.optimizers)
+            if message:
+                rank_zero_info(message)
         if self._engine is not None:  # the algorithm's own measured pitfalls with this setup
             for message in self._engine.compressor.advice(self.optimizers, self._engine.error_feedback):
                 rank_zero_warn(message)

@@ -442,8 +442,9 @@ def _momentum_warnings(rank: int, world_size: int, tmp: str) -> list[bool]:
     import lightning as L
     from lit_models import TinyClassifier, make_loader
 
-    def warned(k: int, momentum: float) -> bool:
-        trainer = L.Trainer(strategy=GCStrategy(compressor="marsit", compressor_args={"full_precision_every": k}),
+    def warned(k: int, momentum: float, release: bool = True) -> bool:
+        args = {"full_precision_every": k, "release_compensation": release}
+        trainer = L.Trainer(strategy=GCStrategy(compressor="marsit", compressor_args=args),
                             accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                             enable_model_summary=False, enable_checkpointing=False, max_steps=1, default_root_dir=tmp)
         with warnings.catch_warnings(record=True) as caught:
@@ -451,10 +452,11 @@ def _momentum_warnings(rank: int, world_size: int, tmp: str) -> list[bool]:
             trainer.fit(TinyClassifier(momentum=momentum), make_loader(n=32))
         return any("amplifies" in str(w.message) and f"full_precision_every={k}" in str(w.message) for w in caught)
 
-    return [warned(3, 0.9), warned(3, 0.0), warned(0, 0.9)]
+    return [warned(3, 0.9), warned(3, 0.0), warned(0, 0.9), warned(3, 0.9, release=False)]
 
 
 def test_full_precision_rounds_with_momentum_warn_at_setup(tmp_path):
-    """K > 0 with a momentum optimizer warns (the release is amplified); momentum 0 or K = 0 do not."""
+    """K > 0 with a momentum optimizer warns (the release is amplified); momentum 0, K = 0 or a round
+    that drops the compensation (nothing released) do not."""
     (result,) = run_distributed(_momentum_warnings, 1, str(tmp_path), timeout=180)
-    assert result == [True, False, False]
+    assert result == [True, False, False, False]

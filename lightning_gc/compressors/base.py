@@ -142,6 +142,10 @@ class Compressor(ABC):
     lossy: ClassVar[bool] = True
     #: error feedback on by default?
     default_error_feedback: ClassVar[bool] = True
+    #: the default instead with an Adam-family optimizer (:func:`adam_family`); None: the same.
+    #: Error memory in gradient units meets Adam's per-coordinate normalisation badly for some
+    #: compressors (measured on the ``gpt`` preset: docs/compressors.md, "Error feedback under Adam").
+    adam_error_feedback: ClassVar[bool | None] = None
     #: what travels, in words (used in messages, e.g. when a collective is refused)
     wire_description: ClassVar[str] = "its compressed payload"
     #: the payload is exactly the input at some indices: ``payload = (values, int32 indices)``
@@ -214,6 +218,14 @@ class Compressor(ABC):
         such as ``ratio`` is detected at setup instead of deadlocking a collective)."""
         return f"{self.name}({self.config!r})" if self.config is not None else self.name
 
+    def error_feedback_default(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+        """Error feedback when the user gives none (``error_feedback=None``), once the optimizers are
+        known: :attr:`adam_error_feedback` if it is set and an optimizer is of the Adam family,
+        :attr:`default_error_feedback` otherwise. Identical on every rank (same optimizers)."""
+        if self.adam_error_feedback is not None and adam_family(optimizers):
+            return bool(self.adam_error_feedback)
+        return bool(self.default_error_feedback)
+
     def adds_memory(self, step: int) -> bool:
         """Whether the engine adds the error memory to the gradient at optimizer step ``step``
         (replicated: a function of the step only). ``True`` by default. A compressor returns
@@ -227,3 +239,9 @@ class Compressor(ABC):
         error feedback), printed once at setup on rank zero by the strategy. The algorithm knows its
         own measured pitfalls; the strategy carries no per-algorithm advice. None by default."""
         return []
+
+
+def adam_family(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    """Whether any parameter group of these optimizers keeps Adam's moments: it has ``betas``
+    (Adam, AdamW, NAdam, RAdam, Adamax, ... in torch.optim and most third-party variants)."""
+    return any("betas" in group for opt in optimizers for group in opt.param_groups)

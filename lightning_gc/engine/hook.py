@@ -317,6 +317,35 @@ class GCEngine:
         self.tracker.state.model = model
         self.tracker.policy = None
 
+    def set_error_feedback(self, on: bool) -> None:
+        """Turn the default slot's error feedback on or off (the strategy's setup, once the optimizers
+        are known: :meth:`Compressor.error_feedback_default`; a resumed run re-applies it after its
+        state was restored). Call it on every rank with the same value; it enters :meth:`signature`.
+        Refused while error memory exists and ``on`` is False: that would drop what was not sent."""
+        if not on and self._memory.groups:
+            raise RuntimeError(f"set_error_feedback(False) at step {self.step} with error memory held: turning error "
+                               "feedback off would drop what was not sent; pass error_feedback= to GCStrategy instead.")
+        self.error_feedback = bool(on) and self.compressor.lossy
+        self.default_slot = MethodSlot(None, self.compressor, self.exchange, self.error_feedback)
+
+    def adopt_error_feedback_default(self, optimizers) -> str | None:
+        """For ``error_feedback=None``: set the compressor's default knowing the optimizers
+        (:meth:`Compressor.error_feedback_default`). Returns a message to log when that changed it.
+        Collective when distributed (the ranks' signatures are compared): call it on every rank."""
+        ef = self.compressor.error_feedback_default(optimizers)
+        if self._memory.groups:  # restored from a run that kept memory (error feedback on): continue as it ran
+            ef = self.error_feedback
+        changed = ef != self.error_feedback
+        if changed:
+            self.set_error_feedback(ef)
+        if self.world_size > 1:  # every rank, changed or not: a rank that decided otherwise is named here
+            self._verify_identical(self.signature())
+        if not changed:
+            return None
+        names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
+        return (f"lightning_gc: error_feedback={ef} for compressor={self.compressor.name} with {names} (its default "
+                "with these optimizers; pass error_feedback= to choose; docs/compressors.md, 'Error feedback under Adam')")
+
     def set_dense_mode(self, mode: str | None) -> None:
         """From the next step on, send every step dense on DDP's buckets (``"fp32"``: as DDP without a
         hook; ``"fp16"``/``"bf16"``: as torch's ``fp16_compress_hook``/``bf16_compress_hook``), or
