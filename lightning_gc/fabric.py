@@ -217,7 +217,8 @@ class GCFabricStrategy(FabricDDPStrategy):
     @override
     def setup_optimizer(self, optimizer: Any) -> Any:
         optimizer = super().setup_optimizer(optimizer)
-        if self._engine is not None and self._config.compression.error_feedback is None:
+        if (self._engine is not None and self._config.compression.error_feedback is None
+                and self._config.sync == "bsp" and self._config.auto is None):
             self._optimizers_seen.append(optimizer)  # the compressor's default knowing them, as GCStrategy
             message = self._engine.adopt_error_feedback_default(self._optimizers_seen)
             if message:

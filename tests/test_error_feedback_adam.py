@@ -132,3 +132,27 @@ def _fit(rank: int, ws: int, tmp: str) -> list:
 def test_trainer_setup_applies_the_default_and_an_explicit_choice_wins(tmp_path):
     (result,) = run_distributed(_fit, 1, str(tmp_path), timeout=180)
     assert result == [False, True, True]  # AdamW default, AdamW with error_feedback=True, SGD default
+
+
+def _fabric_setup(rank: int, ws: int) -> list:
+    from lightning.fabric import Fabric
+    from lit_models import TinyClassifier
+    from test_fabric import _lightning_env
+
+    from lightning_gc import GCFabricStrategy
+
+    _lightning_env(rank, ws)
+    out = []
+    for make in (lambda p: torch.optim.AdamW(p, lr=1e-3), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)):
+        strategy = GCFabricStrategy(compressor="topk", ratio=0.1)
+        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
+        fabric.launch()
+        model = TinyClassifier()
+        fabric.setup(model, make(model.parameters()))
+        out.append(strategy.engine.error_feedback)
+    return out
+
+
+def test_fabric_setup_applies_the_default():
+    for res in run_distributed(_fabric_setup, 2, timeout=180):
+        assert res == [False, True]  # AdamW, then momentum SGD
