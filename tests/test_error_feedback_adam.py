@@ -93,13 +93,18 @@ def _engine_run(rank: int, ws: int, optimizer: str) -> dict:
 def test_engine_drops_error_feedback_under_adamw_and_sends_the_plain_top_k():
     """topk with AdamW: error feedback goes off, every compressed step is the mean of the ranks' own
     Top-k (nothing carried over), no memory exists. With SGD the default stays on."""
-    for r, res in enumerate(run_distributed(_engine_run, 2, "adamw", timeout=180)):
+    runs = run_distributed(_both, 2, timeout=180)
+    for r, res in enumerate(run["adamw"] for run in runs):
         assert res["ef_before"] is True and res["ef"] is False, res
         assert "error_feedback=False for compressor=topk with AdamW" in res["message"]
         assert res["worst"] <= 1e-6, f"rank {r}: mean gradient off the no-feedback reference by {res['worst']:.3g}"
         assert res["memory"] == 0
-    for res in run_distributed(_engine_run, 2, "sgd", timeout=180):
+    for res in (run["sgd"] for run in runs):
         assert res["ef"] is True and res["message"] is None and res["memory"] > 0
+
+
+def _both(rank: int, ws: int) -> dict:
+    return {opt: _engine_run(rank, ws, opt) for opt in ("adamw", "sgd")}
 
 
 def _mixed(rank: int, ws: int) -> dict:
