@@ -6,7 +6,7 @@ with Lightning Fabric, :mod:`lightning_gc.fabric`).
 """
 
 from .adaptive import AdaptiveRatio
-from .callbacks import GCMonitor
+from .callbacks import GCMonitor, GradientFidelity
 from .compressors import available_compressors, build_compressor
 from .engine import EngineConfig, GCEngine
 from .fabric import GCFabricStrategy, register_fabric_aliases
@@ -17,4 +17,4 @@ __version__ = "0.1.0"
 register_aliases()
 register_fabric_aliases()
 
-__all__ = ["AdaptiveRatio", "EngineConfig", "GCEngine", "GCMonitor", "GCFabricStrategy", "GCStrategy", "available_compressors", "build_compressor", "__version__"]
+__all__ = ["AdaptiveRatio", "EngineConfig", "GCEngine", "GCMonitor", "GCFabricStrategy", "GCStrategy", "GradientFidelity", "available_compressors", "build_compressor", "__version__"]

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--val-batches", type=_val_batches, default=8, help="validation batches (count or fraction)")
     w.add_argument("--target", type=float, default=None, help="metric target for time-to-target (default: preset's)")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--fidelity", action="store_true",
+                   help="measure every step how far each method's gradient and update are from exact DDP's "
+                        "(GradientFidelity: one extra dense allreduce per step, so not for timing runs; docs/bench.md)")
     m = p.add_argument_group("methods")
     m.add_argument("--methods", default="ddp,powersgd,fp16,topk",
                    help="comma-separated NAME[:KEY=VALUE...] entries, or 'all'; see --list-methods")
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps, budget_s=args.budget, warmup=args.warmup, compute_steps=args.compute_steps, eval_every=args.eval_every,
         val_batches=args.val_batches, target=args.target, seed=args.seed, threads=args.threads,
         shaper=args.shaper, shape_ingress=not args.no_shape_ingress, network=args.network,
-        timeout_s=args.timeout, logs_dir=args.logs,
+        timeout_s=args.timeout, logs_dir=args.logs, fidelity=args.fidelity,
     )
     if args.prepare and args.collect:
         print("lightning-gc bench: error: --prepare and --collect are two separate steps; give one of them",

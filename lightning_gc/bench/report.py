@@ -249,6 +249,7 @@ def markdown(doc: dict) -> str:
             f"| {_r(r['time_to_target_ratio_vs_ddp'])} | {_r(r.get('time_to_target_ratio_vs_best_baseline'))} |"
         )
     lines += _auto_section(doc)
+    lines += _fidelity_section(doc)
     errors = [r for r in doc["results"] if r["status"] != "ok"]
     if errors:
         lines += ["", "## Failed methods", ""]
@@ -281,6 +282,28 @@ def _link(network: dict | None) -> str:
         unit, scale = next(((u, f) for u, f in (("Gbit/s", 1e9), ("Mbit/s", 1e6)) if bits >= f), ("kbit/s", 1e3))
         rate = f"{bits / scale:.3g} {unit}"
     return rate if alpha is None else f"{rate}, α {_s(alpha)}"
+
+
+def _fidelity_section(doc: dict) -> list[str]:
+    """``--fidelity``: each method's mean gradient and update fidelity (none measured: no lines)."""
+    rows = [r for r in doc["results"] if r["status"] == "ok" and r.get("fidelity")]
+    if not rows:
+        return []
+
+    def f(x, fmt="{:.3g}"):
+        return "–" if x is None else fmt.format(x)
+
+    lines = ["", "## Gradient fidelity (`--fidelity`: means over the steps, then over the ranks)", "",
+             "| method | steps | grad rel. error ‖ĝ−ḡ‖²/‖ḡ‖² | grad cos | ‖ĝ‖/‖ḡ‖ | update cos | update rel. error |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        fd = r["fidelity"]
+        lines.append(f"| `{display_label(r)}` | {f(fd.get('steps'), '{:.0f}')} | {f(fd.get('grad_rel_error'))} "
+                     f"| {f(fd.get('grad_cos'))} | {f(fd.get('grad_norm_ratio'))} | {f(fd.get('update_cos'))} "
+                     f"| {f(fd.get('update_rel_error'))} |")
+    lines += ["", "ĝ: the gradient the optimizer received; ḡ: the exact mean of the ranks' gradients; update: "
+              "the real step against a shadow optimizer fed ḡ along the same run (docs/monitoring.md, GradientFidelity)."]
+    return lines
 
 
 def _auto_section(doc: dict) -> list[str]:

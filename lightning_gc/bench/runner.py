@@ -90,6 +90,7 @@ class BenchConfig:
     network: str = "auto"  # auto | netns | loopback
     timeout_s: float = 1800.0  # per method
     logs_dir: str | None = None  # keep per-rank logs here (default: temporary, removed)
+    fidelity: bool = False  # add GradientFidelity to every method (one extra dense allreduce per step)
     fail_rank: int | None = None  # test hook: this rank raises ...
     fail_step: int | None = None  # ... at this step
 
@@ -259,6 +260,7 @@ def worker_config(spec: MethodSpec, cfg: BenchConfig, r: dict, run_dir: str, *, 
         "run_dir": run_dir,
         "fail_rank": cfg.fail_rank,
         "fail_step": cfg.fail_step,
+        "fidelity": bool(cfg.fidelity),
     }
 
 
@@ -535,6 +537,10 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
                 break
 
     hook = ranks[0].get("comm_hook")
+    fid = [rk["fidelity"] for rk in ranks if rk.get("fidelity")]
+    if fid:  # --fidelity: each figure's mean over the steps, then over the ranks (local-step methods differ)
+        extra["fidelity"] = {k: (statistics.fmean(f[k] for f in fid) if all(f.get(k) is not None for f in fid)
+                                 else None) for k in fid[0]}
     result = {
         "method": spec.method,
         "label": spec.label,

@@ -317,6 +317,13 @@ def run(cfg: dict) -> dict:
     cb = _make_callback(cfg, global_rank, local_rank)
     # before the bench callback: a controller's exploration at a step's end counts in that step's time
     extra_callbacks = build_callbacks(spec)
+    fidelity = None
+    if cfg.get("fidelity"):
+        from lightning_gc.callbacks import GradientFidelity
+
+        # the presets clip inside configure_gradient_clipping: the shadow optimizer clips the same way
+        clip = float(getattr(preset.model, "hparams", {}).get("grad_clip", 0.0) or 0.0)
+        fidelity = GradientFidelity(clip_norm=clip if clip > 0 else None, log=False)
     eval_every = int(cfg["eval_every"])
     trainer = L.Trainer(
         accelerator="cpu",
@@ -333,7 +340,7 @@ def run(cfg: dict) -> dict:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[*extra_callbacks, cb],
+        callbacks=[*extra_callbacks, *([fidelity] if fidelity is not None else []), cb],
     )
     trainer.fit(preset.model, datamodule=preset.datamodule)
     if not cb.evals or cb.evals[-1]["step"] != cb.step:
@@ -383,6 +390,7 @@ def run(cfg: dict) -> dict:
             for c in extra_callbacks for h in getattr(c, "history", [])
         ] or None,
         "auto": _auto_state(strategy),
+        "fidelity": fidelity.summary() if fidelity is not None else None,
         "metric": preset.metric,
         "mode": preset.mode,
         "target": preset.target,

@@ -1,5 +1,6 @@
-"""Callbacks: monitoring and the end-of-fit summary."""
+"""Callbacks: monitoring, the end-of-fit summary, and the gradient-fidelity diagnostic."""
 
+from .fidelity import GradientFidelity
 from .monitor import GCMonitor
 
-__all__ = ["GCMonitor"]
+__all__ = ["GCMonitor", "GradientFidelity"]
