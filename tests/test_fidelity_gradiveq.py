@@ -223,7 +223,7 @@ ALTERNATIVES = {  # an alternative valid value for every option of every compres
     "lam": 0.2, "max_slice": 64, "reuse": 2, "pca_slices": 3, "warmup": 9, "sample_steps": 3, "compress_steps": 4,
     "loss_threshold": None, "sample_levels": 0, "sample_bucket": 64, "min_numel": 9, "compress_linear": False,
     "dim": 4, "coef_dtype": "float32", "outside_span": "mu", "dtype": ("bf16", "fp16"),
-    "rank": 3, "min_compression_rate": 1.5, "warm_start": False,
+    "rank": 3, "min_compression_rate": 1.5, "warm_start": False, "release_compensation": False,
 }
 
 
