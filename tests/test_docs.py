@@ -137,6 +137,9 @@ def test_monitoring_page_names_every_tag_the_code_logs():
     for path in (REPO / "lightning_gc" / "comm").glob("*.py"):
         tags |= {f"gc/{k}" for k in re.findall(r'metrics(?:\[|\.get\(|\.setdefault\()"([a-z_]+/[a-z_]+)"',
                                                 path.read_text())}
+    from lightning_gc.callbacks.fidelity import FIDELITY_KEYS
+
+    tags |= {f"gc/fidelity/{k}" for k in FIDELITY_KEYS}  # GradientFidelity logs gc/fidelity/<key>
     assert len(tags) > 25
     missing = sorted(t for t in tags if f"`{t}`" not in page)
     assert not missing, f"docs/monitoring.md does not describe {missing}"

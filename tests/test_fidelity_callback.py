@@ -167,7 +167,7 @@ def test_adamw_shadow_equals_a_hand_written_adamw_on_the_exact_mean(runs):
     v = torch.zeros(OUT, IN, dtype=torch.float64)
     for r in runs:
         assert len(r["topk/adamw"]["history"]) == STEPS
-    for t, (mean, sent, real_u, w) in enumerate(exp):
+    for t, (mean, _sent, real_u, w) in enumerate(exp):
         m = b1 * m + (1 - b1) * mean
         v = b2 * v + (1 - b2) * mean * mean
         mhat, vhat = m / (1 - b1 ** (t + 1)), v / (1 - b2 ** (t + 1))

@@ -59,9 +59,10 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-__all__ = ["GradientFidelity"]
+__all__ = ["FIDELITY_KEYS", "GradientFidelity"]
 
-_KEYS = ("grad_rel_error", "grad_cos", "grad_norm_ratio", "update_cos", "update_rel_error")
+#: the figures measured per step, logged as ``gc/fidelity/<key>``
+FIDELITY_KEYS = ("grad_rel_error", "grad_cos", "grad_norm_ratio", "update_cos", "update_rel_error")
 
 
 def _cos(a: Tensor, b: Tensor) -> float:
@@ -293,7 +294,7 @@ class GradientFidelity(pl.Callback):
         """Means over the measured steps of every figure (``None`` for one never measured), the
         number of steps, and the steps skipped for a non-finite gradient."""
         out: dict[str, float | int | None] = {"steps": len(self.history), "skipped_nonfinite": self.skipped_nonfinite}
-        for k in _KEYS:
+        for k in FIDELITY_KEYS:
             xs = [h[k] for h in self.history if k in h and math.isfinite(h[k])]
             out[k] = sum(xs) / len(xs) if xs else None
         return out
