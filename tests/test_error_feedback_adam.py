@@ -161,3 +161,34 @@ def _fabric_setup(rank: int, ws: int) -> list:
 def test_fabric_setup_applies_the_default():
     for res in run_distributed(_fabric_setup, 2, timeout=180):
         assert res == [False, True]  # AdamW, then momentum SGD
+
+
+def _fit_bf16(rank: int, ws: int, tmp: str) -> dict:
+    import lightning as L
+    from lit_models import TinyClassifier, make_loader
+    from test_fabric import _lightning_env
+
+    class AdamWClassifier(TinyClassifier):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    _lightning_env(rank, ws)
+    model = AdamWClassifier()
+    strategy = GCStrategy(compressor="topk", ratio=0.05)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=ws, precision="bf16-mixed", logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        max_steps=4, default_root_dir=tmp, use_distributed_sampler=False)
+    trainer.fit(model, make_loader(n=64, seed=rank))  # rank-dependent data
+    return {"ef": strategy.engine.error_feedback, "memory": len(strategy.engine.memory),
+            "compressed": strategy.engine.totals()["compressed_steps"],
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def test_bf16_mixed_adamw_default_keeps_ranks_bit_identical(tmp_path):
+    """The transformer recipe's precision: under bf16-mixed with AdamW the default turns error
+    feedback off on every rank, compressed steps run, and the replicas end bit-identical."""
+    a, b = run_distributed(_fit_bf16, 2, str(tmp_path), timeout=180)
+    for res in (a, b):
+        assert res["ef"] is False and res["memory"] == 0 and res["compressed"] >= 2, res
+    for name, p in a["params"].items():
+        assert torch.equal(p, b["params"][name]), name
