@@ -180,3 +180,22 @@ def test_adamw_shadow_equals_a_hand_written_adamw_on_the_exact_mean(runs):
     # under Adam the per-coordinate normalisation makes the update error differ from the gradient's
     h = runs[0]["topk/adamw"]["history"][-1]
     assert not math.isclose(h["update_cos"], h["grad_cos"], rel_tol=1e-3)
+
+
+def test_shadow_starts_from_the_real_state_and_never_moves_it():
+    """A resumed run's optimizer already has moments: the shadow starts from a copy of them, and its
+    own steps leave the real optimizer's state untouched (load_state_dict alone would share it)."""
+    from lightning_gc.callbacks.fidelity import _OptimizerTrack
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.tensor([1.0, -2.0, 3.0])
+    opt.step()
+    real = {k: v.clone() for k, v in opt.state[p].items()}
+    track = _OptimizerTrack(opt, {id(p): slice(0, 3)}, with_shadow=True)
+    (shadow_p,) = track.shadow.param_groups[0]["params"]
+    assert torch.equal(track.shadow.state[shadow_p]["exp_avg"], real["exp_avg"])
+    shadow_p.grad = torch.full((3,), 5.0)
+    track.shadow.step()
+    for k, v in real.items():
+        assert torch.equal(opt.state[p][k], v), k

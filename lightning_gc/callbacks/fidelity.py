@@ -50,6 +50,7 @@ with ``gradient_clip_algorithm="norm"``, else nothing is clipped. Runs with a ``
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -107,7 +108,9 @@ class _OptimizerTrack:
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": copies})
             try:
                 self.shadow = type(optimizer)(groups)
-                self.shadow.load_state_dict(optimizer.state_dict())  # a resumed run's moments carry over
+                # a resumed run's moments carry over; deep-copied, because load_state_dict keeps the very
+                # tensors it is given, and the shadow's steps would then move the real optimizer's state
+                self.shadow.load_state_dict(copy.deepcopy(optimizer.state_dict()))
             except Exception as exc:  # noqa: BLE001 - re-raised with the reason and the fix
                 raise ValueError(
                     f"GradientFidelity(update=True) could not build a shadow {type(optimizer).__name__} from the "
