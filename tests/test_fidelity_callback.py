@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 IN, OUT, BATCH, STEPS = 64, 4, 8, 5
 RATIO = 1 / 16  # k = 16 of the 256 weights, exactly
+WINDOW = 2  # window cosines at the ends of steps 1 and 3
 LR_SGD, LR_ADAM, BETAS, EPS, WD = 0.05, 0.01, (0.9, 0.95), 1e-8, 0.1
 
 
@@ -38,6 +39,8 @@ def test_invalid_settings_are_refused():
         GradientFidelity(every_n_steps=3)
     with pytest.raises(ValueError, match="clip_norm=-1.0 must be a norm > 0"):
         GradientFidelity(clip_norm=-1.0)
+    with pytest.raises(ValueError, match="window=-2 must be an integer >= 0"):
+        GradientFidelity(window=-2)
 
 
 def _fit(rank: int, ws: int, strategy_name: str, optimizer: str) -> dict:
@@ -73,7 +76,7 @@ def _fit(rank: int, ws: int, strategy_name: str, optimizer: str) -> dict:
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
     strategy = ("ddp" if strategy_name == "ddp" else
                 GCStrategy(compressor="topk", ratio=RATIO, error_feedback=False, warmup_steps=1, min_compress_numel=16))
-    fidelity, record = GradientFidelity(), Record()
+    fidelity, record = GradientFidelity(window=WINDOW), Record()
     model = Linear()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=ws, max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -153,6 +156,11 @@ def test_topk_gradient_error_equals_the_hand_reference(runs):
             # SGD is linear: the real update is −lr·sent and the shadow's −lr·mean
             assert torch.allclose(real_u, -LR_SGD * sent, atol=1e-6)
             assert h["update_cos"] == pytest.approx(_cos(sent, mean), rel=1e-5), (t, h)
+        for end in (1, 3):  # Σ over the window's two steps, by hand; nothing at the other steps
+            sums = [sum(exp[t][i] for t in (end - 1, end)) for i in (0, 1)]
+            assert hist[end]["grad_window_cos"] == pytest.approx(_cos(sums[1], sums[0]), rel=1e-6), (end, hist[end])
+            assert hist[end]["update_window_cos"] == pytest.approx(_cos(sums[1], sums[0]), rel=1e-5), end
+        assert all("grad_window_cos" not in hist[t] for t in (0, 2, 4))
         assert hist[0]["grad_rel_error"] < 1e-10  # the dense warm-up step
         assert min(h["grad_rel_error"] for h in hist[1:]) > 0.05  # 1/16 of the weights really is lossy
     s = runs[0]["topk/sgd"]["summary"]
@@ -163,6 +171,7 @@ def test_topk_gradient_error_equals_the_hand_reference(runs):
 def test_adamw_shadow_equals_a_hand_written_adamw_on_the_exact_mean(runs):
     exp = _expected(runs, "topk/adamw")
     b1, b2 = BETAS
+    shadow_steps = []
     m = torch.zeros(OUT, IN, dtype=torch.float64)
     v = torch.zeros(OUT, IN, dtype=torch.float64)
     for r in runs:
@@ -172,11 +181,17 @@ def test_adamw_shadow_equals_a_hand_written_adamw_on_the_exact_mean(runs):
         v = b2 * v + (1 - b2) * mean * mean
         mhat, vhat = m / (1 - b1 ** (t + 1)), v / (1 - b2 ** (t + 1))
         shadow_u = -LR_ADAM * WD * w - LR_ADAM * mhat / (vhat.sqrt() + EPS)
+        shadow_steps.append(shadow_u)
         for r in runs:
             h = r["topk/adamw"]["history"][t]
             assert h["update_cos"] == pytest.approx(_cos(real_u, shadow_u), abs=2e-5), (t, h)
             want = float((real_u - shadow_u).pow(2).sum() / shadow_u.pow(2).sum())
             assert h["update_rel_error"] == pytest.approx(want, rel=1e-3, abs=1e-6), (t, h, want)
+    for end in (1, 3):  # the window: the real displacement over two steps against the sum of the shadow's
+        real = sum(exp[t][2] for t in (end - 1, end))
+        want = _cos(real, shadow_steps[end - 1] + shadow_steps[end])
+        for r in runs:
+            assert r["topk/adamw"]["history"][end]["update_window_cos"] == pytest.approx(want, abs=2e-5), end
     # under Adam the per-coordinate normalisation makes the update error differ from the gradient's
     h = runs[0]["topk/adamw"]["history"][-1]
     assert not math.isclose(h["update_cos"], h["grad_cos"], rel_tol=1e-3)

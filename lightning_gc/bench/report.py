@@ -294,15 +294,18 @@ def _fidelity_section(doc: dict) -> list[str]:
         return "–" if x is None else fmt.format(x)
 
     lines = ["", "## Gradient fidelity (`--fidelity`: means over the steps, then over the ranks)", "",
-             "| method | steps | grad rel. error ‖ĝ−ḡ‖²/‖ḡ‖² | grad cos | ‖ĝ‖/‖ḡ‖ | update cos | update rel. error |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| method | steps | grad rel. error ‖ĝ−ḡ‖²/‖ḡ‖² | grad cos | ‖ĝ‖/‖ḡ‖ | update cos | update rel. error "
+             "| grad window cos | update window cos |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         fd = r["fidelity"]
         lines.append(f"| `{display_label(r)}` | {f(fd.get('steps'), '{:.0f}')} | {f(fd.get('grad_rel_error'))} "
                      f"| {f(fd.get('grad_cos'))} | {f(fd.get('grad_norm_ratio'))} | {f(fd.get('update_cos'))} "
-                     f"| {f(fd.get('update_rel_error'))} |")
+                     f"| {f(fd.get('update_rel_error'))} | {f(fd.get('grad_window_cos'))} "
+                     f"| {f(fd.get('update_window_cos'))} |")
     lines += ["", "ĝ: the gradient the optimizer received; ḡ: the exact mean of the ranks' gradients; update: "
-              "the real step against a shadow optimizer fed ḡ along the same run (docs/monitoring.md, GradientFidelity)."]
+              "the real step against a shadow optimizer fed ḡ along the same run; window: the same cosines of the sums "
+              "over 50 steps, where noise cancels and bias does not (docs/monitoring.md, GradientFidelity)."]
     return lines
 
 

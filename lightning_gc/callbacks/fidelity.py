@@ -16,6 +16,16 @@ Per measured optimizer step (this rank's view; on synchronous methods every rank
                                  update of a *shadow optimizer* (``update=True``)
 ``gc/fidelity/update_rel_error`` ``‖u − u*‖² / ‖u*‖²`` for the same pair
 
+and at the end of every ``window`` measured steps (``window`` > 0):
+
+``gc/fidelity/grad_window_cos``   cosine between ``Σ ĝ`` and ``Σ ḡ`` over the window
+``gc/fidelity/update_window_cos`` cosine between ``Σ u`` (the parameters' real displacement over the
+                                 window) and ``Σ u*`` (the sum of the shadow's steps)
+
+A per-step cosine cannot tell noise from bias: an unbiased estimator's errors (QSGD, random
+rounding) largely cancel over steps, a biased one's (low rank, a persistent selection) add up. The
+window cosines separate the two: noise leaves them well above the per-step ones, bias does not.
+
 How it is measured:
 
 * ``g_r``, this rank's own gradient, is copied in each parameter's
@@ -63,7 +73,8 @@ from torch import Tensor
 __all__ = ["FIDELITY_KEYS", "GradientFidelity"]
 
 #: the figures measured per step, logged as ``gc/fidelity/<key>``
-FIDELITY_KEYS = ("grad_rel_error", "grad_cos", "grad_norm_ratio", "update_cos", "update_rel_error")
+FIDELITY_KEYS = ("grad_rel_error", "grad_cos", "grad_norm_ratio", "update_cos", "update_rel_error", "grad_window_cos",
+                 "update_window_cos")
 
 
 def _cos(a: Tensor, b: Tensor) -> float:
@@ -98,6 +109,9 @@ class _OptimizerTrack:
                     self.offsets[id(p)] = slice(n, n + p.numel())
                     n += p.numel()
         self.pending: dict[str, Any] | None = None
+        # running sums over the current window: ĝ, ḡ (grad) and u, u* (update), with their step counts
+        self.sums: dict[str, Tensor] = {}
+        self.counts: dict[str, int] = {"grad": 0, "update": 0}
         self.shadow: torch.optim.Optimizer | None = None
         self.pairs: list[tuple[Tensor, Tensor]] = []  # (real parameter, shadow copy), in group order
         if with_shadow:
@@ -118,6 +132,22 @@ class _OptimizerTrack:
                     "alone."
                 ) from exc
 
+    def accumulate(self, kind: str, got: Tensor, ref: Tensor, window: int) -> float | None:
+        """Add one step's pair to the ``kind`` window; at its end, the window's cosine (and reset)."""
+        if window <= 0:
+            return None
+        for key, x in ((f"{kind}_got", got), (f"{kind}_ref", ref)):
+            if key in self.sums:
+                self.sums[key] += x
+            else:
+                self.sums[key] = x.clone()
+        self.counts[kind] += 1
+        if self.counts[kind] < window:
+            return None
+        cos = _cos(self.sums.pop(f"{kind}_got"), self.sums.pop(f"{kind}_ref"))
+        self.counts[kind] = 0
+        return cos
+
     def flat(self, tensors: list[Tensor | None]) -> Tensor:
         """``tensors`` (one per tracked parameter, ``None`` = zeros) as one float64 vector."""
         parts = [torch.zeros(p.numel(), dtype=torch.float64) if t is None else t.detach().reshape(-1).double()
@@ -137,13 +167,14 @@ class GradientFidelity(pl.Callback):
             Trainer's ``gradient_clip_val`` (norm algorithm), or no clipping. Pass the module's own
             norm when it clips in ``configure_gradient_clipping``.
         log: log the values under ``gc/fidelity/*`` each measured step.
+        window: measured steps per window of the window cosines (0 = none).
 
     After (or during) the fit, :meth:`summary` gives the means over the measured steps and
     :attr:`history` every step's values.
     """
 
     def __init__(self, every_n_steps: int = 1, update: bool = True, clip_norm: float | None = None,
-                 log: bool = True) -> None:
+                 log: bool = True, window: int = 50) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps={every_n_steps!r} must be an integer >= 1 (1 = every optimizer step).")
         if update and every_n_steps != 1:
@@ -153,6 +184,9 @@ class GradientFidelity(pl.Callback):
             )
         if clip_norm is not None and (isinstance(clip_norm, bool) or not float(clip_norm) > 0):
             raise ValueError(f"clip_norm={clip_norm!r} must be a norm > 0, or None (the Trainer's gradient_clip_val).")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"window={window!r} must be an integer >= 0 (measured steps per window; 0 = no window).")
+        self.window = window
         self.every_n_steps = every_n_steps
         self.update = bool(update)
         self.clip_norm = None if clip_norm is None else float(clip_norm)
@@ -241,6 +275,9 @@ class GradientFidelity(pl.Callback):
             return
         values = {"grad_rel_error": _rel_error(got, exact), "grad_cos": _cos(got, exact),
                   "grad_norm_ratio": float(got.norm()) / max(float(exact.norm()), 1e-300)}
+        window_cos = track.accumulate("grad", got, exact, self.window)
+        if window_cos is not None:
+            values["grad_window_cos"] = window_cos
         if self.update and track.shadow is not None:
             if self._clip is not None:
                 norm = float(exact.norm())
@@ -276,6 +313,9 @@ class GradientFidelity(pl.Callback):
         values = dict(pend["values"])
         values["update_cos"] = _cos(real_u, shadow_u)
         values["update_rel_error"] = _rel_error(real_u, shadow_u)
+        window_cos = track.accumulate("update", real_u, shadow_u, self.window)
+        if window_cos is not None:
+            values["update_window_cos"] = window_cos
         self._record(values)
 
     def _record(self, values: dict[str, float]) -> None:
@@ -294,8 +334,9 @@ class GradientFidelity(pl.Callback):
 
     # ------------------------------------------------------------------ results
     def summary(self) -> dict[str, float | int | None]:
-        """Means over the measured steps of every figure (``None`` for one never measured), the
-        number of steps, and the steps skipped for a non-finite gradient."""
+        """Means over the measured steps of every figure (over the windows for the window cosines;
+        ``None`` for one never measured), the number of steps, and the steps skipped for a
+        non-finite gradient."""
         out: dict[str, float | int | None] = {"steps": len(self.history), "skipped_nonfinite": self.skipped_nonfinite}
         for k in FIDELITY_KEYS:
             xs = [h[k] for h in self.history if k in h and math.isfinite(h[k])]
