@@ -305,7 +305,7 @@ def _fidelity_section(doc: dict) -> list[str]:
                      f"| {f(fd.get('update_window_cos'))} |")
     lines += ["", "ĝ: the gradient the optimizer received; ḡ: the exact mean of the ranks' gradients; update: "
               "the real step against a shadow optimizer fed ḡ along the same run; window: the same cosines of the sums "
-              "over 50 steps, where noise cancels and bias does not (docs/monitoring.md, GradientFidelity)."]
+              "over 50 steps, which show what error feedback delivers late (docs/monitoring.md, GradientFidelity)."]
     return lines
 
 
