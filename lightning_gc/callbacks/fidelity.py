@@ -218,6 +218,8 @@ class GradientFidelity(pl.Callback):
                            "are scaled and the aggregate is not, so nothing is measured; use 32-true or bf16-mixed.")
             return
         self._world = dist.get_world_size()
+        self._params, self._slots, self._tracks = [], {}, {}  # a second fit starts afresh (history is kept)
+        self._zeroed_at = -1
         seen: set[int] = set()
         offset = 0
         for p in pl_module.parameters():
