@@ -76,7 +76,7 @@ def _fit(rank: int, ws: int, strategy_name: str, optimizer: str) -> dict:
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
     strategy = ("ddp" if strategy_name == "ddp" else
                 GCStrategy(compressor="topk", ratio=RATIO, error_feedback=False, warmup_steps=1, min_compress_numel=16))
-    fidelity, record = GradientFidelity(window=WINDOW), Record()
+    fidelity, record = GradientFidelity(window=WINDOW, per_parameter=True), Record()
     model = Linear()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=ws, max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -163,6 +163,12 @@ def test_topk_gradient_error_equals_the_hand_reference(runs):
         assert all("grad_window_cos" not in hist[t] for t in (0, 2, 4))
         assert hist[0]["grad_rel_error"] < 1e-10  # the dense warm-up step
         assert min(h["grad_rel_error"] for h in hist[1:]) > 0.05  # 1/16 of the weights really is lossy
+    # one parameter: its per-parameter means are the run's, and it holds all of the energy
+    per = runs[0]["topk/sgd"]["summary"]["per_parameter"]
+    assert list(per) == ["w.weight"] and per["w.weight"]["steps"] == STEPS
+    assert per["w.weight"]["energy_share"] == pytest.approx(1.0)
+    want = sum(_cos(sent, mean) for mean, sent, _, _ in exp) / STEPS
+    assert per["w.weight"]["grad_cos"] == pytest.approx(want, rel=1e-6)
     s = runs[0]["topk/sgd"]["summary"]
     assert s["steps"] == STEPS and s["grad_rel_error"] == pytest.approx(
         sum(h["grad_rel_error"] for h in runs[0]["topk/sgd"]["history"]) / STEPS)

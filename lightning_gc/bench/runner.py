@@ -540,7 +540,9 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
     fid = [rk["fidelity"] for rk in ranks if rk.get("fidelity")]
     if fid:  # --fidelity: each figure's mean over the steps, then over the ranks (local-step methods differ)
         extra["fidelity"] = {k: (statistics.fmean(f[k] for f in fid) if all(f.get(k) is not None for f in fid)
-                                 else None) for k in fid[0]}
+                                 else None) for k in fid[0] if k != "per_parameter"}
+        if fid[0].get("per_parameter"):  # rank 0's (synchronous methods: every rank's is the same)
+            extra["fidelity"]["per_parameter"] = fid[0]["per_parameter"]
     result = {
         "method": spec.method,
         "label": spec.label,

@@ -323,7 +323,7 @@ def run(cfg: dict) -> dict:
 
         # the presets clip inside configure_gradient_clipping: the shadow optimizer clips the same way
         clip = float(getattr(preset.model, "hparams", {}).get("grad_clip", 0.0) or 0.0)
-        fidelity = GradientFidelity(clip_norm=clip if clip > 0 else None, log=False)
+        fidelity = GradientFidelity(clip_norm=clip if clip > 0 else None, log=False, per_parameter=True)
     eval_every = int(cfg["eval_every"])
     trainer = L.Trainer(
         accelerator="cpu",

@@ -170,13 +170,16 @@ class GradientFidelity(pl.Callback):
             norm when it clips in ``configure_gradient_clipping``.
         log: log the values under ``gc/fidelity/*`` each measured step.
         window: measured steps per window of the window cosines (0 = none).
+        per_parameter: with ``update=True``, also keep each parameter's mean gradient and update
+            cosines and its share of the exact gradient's energy (``summary()["per_parameter"]``),
+            to see which tensors a method misrepresents.
 
     After (or during) the fit, :meth:`summary` gives the means over the measured steps and
     :attr:`history` every step's values.
     """
 
     def __init__(self, every_n_steps: int = 1, update: bool = True, clip_norm: float | None = None,
-                 log: bool = True, window: int = 50) -> None:
+                 log: bool = True, window: int = 50, per_parameter: bool = False) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps={every_n_steps!r} must be an integer >= 1 (1 = every optimizer step).")
         if update and every_n_steps != 1:
@@ -189,6 +192,9 @@ class GradientFidelity(pl.Callback):
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ValueError(f"window={window!r} must be an integer >= 0 (measured steps per window; 0 = no window).")
         self.window = window
+        self.per_parameter = bool(per_parameter)
+        self._per_param: dict[str, dict[str, float]] = {}
+        self._names: dict[int, str] = {}
         self.every_n_steps = every_n_steps
         self.update = bool(update)
         self.clip_norm = None if clip_norm is None else float(clip_norm)
@@ -219,6 +225,7 @@ class GradientFidelity(pl.Callback):
             return
         self._world = dist.get_world_size()
         self._params, self._slots, self._tracks = [], {}, {}  # a second fit starts afresh (history is kept)
+        self._names = {id(p): n for n, p in pl_module.named_parameters()}
         self._zeroed_at = -1
         seen: set[int] = set()
         offset = 0
@@ -287,7 +294,7 @@ class GradientFidelity(pl.Callback):
                 norm = float(exact.norm())
                 factor = min(1.0, self._clip / (norm + 1e-6))  # clip_grad_norm_'s rule
                 exact = exact * factor
-            track.pending = {"values": values, "exact": exact, "before": track.flat(list(track.params))}
+            track.pending = {"values": values, "exact": exact, "got": got, "before": track.flat(list(track.params))}
         else:
             self._record(values)
 
@@ -320,6 +327,16 @@ class GradientFidelity(pl.Callback):
         window_cos = track.accumulate("update", real_u, shadow_u, self.window)
         if window_cos is not None:
             values["update_window_cos"] = window_cos
+        if self.per_parameter:
+            energy = max(float(pend["exact"].pow(2).sum()), 1e-300)
+            for p in track.params:
+                where = track.offsets[id(p)]
+                acc = self._per_param.setdefault(self._names.get(id(p), f"param{len(self._per_param)}"),
+                                                 {"grad_cos": 0.0, "update_cos": 0.0, "energy_share": 0.0, "steps": 0})
+                acc["grad_cos"] += _cos(pend["got"][where], pend["exact"][where])
+                acc["update_cos"] += _cos(real_u[where], shadow_u[where])
+                acc["energy_share"] += float(pend["exact"][where].pow(2).sum()) / energy
+                acc["steps"] += 1
         self._record(values)
 
     def _record(self, values: dict[str, float]) -> None:
@@ -337,12 +354,15 @@ class GradientFidelity(pl.Callback):
             self._fresh = {}
 
     # ------------------------------------------------------------------ results
-    def summary(self) -> dict[str, float | int | None]:
+    def summary(self) -> dict[str, Any]:
         """Means over the measured steps of every figure (over the windows for the window cosines;
         ``None`` for one never measured), the number of steps, and the steps skipped for a
         non-finite gradient."""
-        out: dict[str, float | int | None] = {"steps": len(self.history), "skipped_nonfinite": self.skipped_nonfinite}
+        out: dict[str, Any] = {"steps": len(self.history), "skipped_nonfinite": self.skipped_nonfinite}
         for k in FIDELITY_KEYS:
             xs = [h[k] for h in self.history if k in h and math.isfinite(h[k])]
             out[k] = sum(xs) / len(xs) if xs else None
+        if self.per_parameter:
+            out["per_parameter"] = {name: {k: (v / acc["steps"] if k != "steps" else v) for k, v in acc.items()}
+                                    for name, acc in self._per_param.items() if acc["steps"]}
         return out
