@@ -41,6 +41,8 @@ def test_invalid_settings_are_refused():
         GradientFidelity(clip_norm=-1.0)
     with pytest.raises(ValueError, match="window=-2 must be an integer >= 0"):
         GradientFidelity(window=-2)
+    with pytest.raises(ValueError, match="per_parameter=True with update=False"):
+        GradientFidelity(update=False, per_parameter=True)
 
 
 def _fit(rank: int, ws: int, strategy_name: str, optimizer: str) -> dict:

@@ -121,3 +121,21 @@ def test_gradiveq_recipe_keeps_error_feedback_off():
     block = yaml.safe_load((REPO / "recipes" / "gradiveq.yaml").read_text())["trainer"]["strategy"]["init_args"]
     assert block.get("error_feedback") in (None, False)
     assert build_compressor("gradiveq").default_error_feedback is False
+
+
+def test_gradient_fidelity_joins_a_recipe_from_yaml(tmp_path, monkeypatch):
+    """The diagnostic callback is configured in YAML like any callback: the gpt recipe plus one
+    ``trainer.callbacks`` entry builds it with the recipe's clipping norm."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_gc import GradientFidelity
+
+    monkeypatch.chdir(tmp_path)
+    cfg = yaml.safe_load((REPO / "recipes" / "gpt.yaml").read_text())
+    cfg["trainer"]["callbacks"].append({"class_path": "lightning_gc.GradientFidelity",
+                                        "init_args": {"clip_norm": 1.0, "window": 25}})
+    path = tmp_path / "gpt_fidelity.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cli = LightningCLI(args=["--config", str(path)], run=False)
+    (fid,) = [c for c in cli.trainer.callbacks if isinstance(c, GradientFidelity)]
+    assert fid.clip_norm == 1.0 and fid.window == 25 and fid.update

@@ -189,6 +189,9 @@ class GradientFidelity(pl.Callback):
             )
         if clip_norm is not None and (isinstance(clip_norm, bool) or not float(clip_norm) > 0):
             raise ValueError(f"clip_norm={clip_norm!r} must be a norm > 0, or None (the Trainer's gradient_clip_val).")
+        if per_parameter and not update:
+            raise ValueError("per_parameter=True with update=False: the per-parameter figures are taken with the "
+                             "update comparison; use update=True, or per_parameter=False.")
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ValueError(f"window={window!r} must be an integer >= 0 (measured steps per window; 0 = no window).")
         self.window = window
@@ -202,7 +205,6 @@ class GradientFidelity(pl.Callback):
         self.history: list[dict[str, float]] = []
         self.skipped_nonfinite = 0
         self._enabled = False
-        self._params: list[Tensor] = []
         self._slots: dict[int, slice] = {}
         self._local: Tensor | None = None
         self._armed = False
@@ -224,7 +226,8 @@ class GradientFidelity(pl.Callback):
                            "are scaled and the aggregate is not, so nothing is measured; use 32-true or bf16-mixed.")
             return
         self._world = dist.get_world_size()
-        self._params, self._slots, self._tracks = [], {}, {}  # a second fit starts afresh (history is kept)
+        self._slots, self._tracks = {}, {}  # a second fit starts afresh (history is kept)
+        params: list[Tensor] = []
         self._names = {id(p): n for n, p in pl_module.named_parameters()}
         self._zeroed_at = -1
         seen: set[int] = set()
@@ -233,11 +236,11 @@ class GradientFidelity(pl.Callback):
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            self._params.append(p)
+            params.append(p)
             self._slots[id(p)] = slice(offset, offset + p.numel())
             offset += p.numel()
         self._local = torch.zeros(offset, dtype=torch.float32)
-        for p in self._params:
+        for p in params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._capture(self._slots[id(p)])))
         self._clip = self.clip_norm
         if self._clip is None and trainer.gradient_clip_val and str(
