@@ -52,6 +52,7 @@ from .callbacks.monitor import step_metrics
 from .compressors import available_compressors, get_entry
 from .config import GCConfig
 from .engine import GCEngine, gc_comm_hook
+from .engine.exit import destroy_default_group_at_exit
 from .engine.omgs import OMGS_PLANS
 from .engine.session import StepSession
 from .strategy import CHECKPOINT_KEY, UNUSED_PARAMETERS_SUFFIX, GCStrategy
@@ -185,6 +186,11 @@ class GCFabricStrategy(FabricDDPStrategy):
             self._session.close(timeout=60.0)
 
     # ------------------------------------------------------------------ Fabric hooks
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_default_group_at_exit()  # an orderly gloo exit (lightning_gc/engine/exit.py)
+
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
         ddp = super().setup_module(module)

@@ -41,6 +41,7 @@ from .auto import AutoChooser, AutoConfig
 from .compressors import available_compressors, get_entry
 from .config import GCConfig
 from .engine import EngineConfig, GCEngine, gc_comm_hook
+from .engine.exit import destroy_default_group_at_exit
 from .engine.omgs import OMGSConfig, OMGSController
 from .engine.session import StepParticipant, StepSession
 from .summary import GCSummary, summarize
@@ -376,6 +377,11 @@ class GCStrategy(DDPStrategy):
         return summarize(self._engine, self._compressor_name, self.skipped_steps, self._diloco, self._auto)
 
     # ------------------------------------------------------------------ lifecycle
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_default_group_at_exit()  # an orderly gloo exit (lightning_gc/engine/exit.py)
+
     @override
     def setup(self, trainer: Any) -> None:
         if self._monitor:
