@@ -19,6 +19,11 @@ Every time is the median of ``repeats`` runs after one warm-up and is reported i
 elements per second, next to the reference, so a figure reads as "this pass costs as much as
 ``x`` streaming passes". Times are of *one* process with ``threads`` torch threads (default 1: a
 rank of the 4-rank emulated cluster on a 2-core machine gets one), not of a training step.
+
+``--device cuda`` runs the same passes on CUDA tensors (the reference add is then one pass of the
+GPU's memory); every timed call is bracketed by ``torch.cuda.synchronize()``, so a time is the
+kernels' time, not their launch. A compressor that fails on a device is recorded with its error
+and the others still run; the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class CodecBenchConfig:
         seed: seed of the synthetic gradients.
         keep_allocations: call :func:`lightning_gc.compressors.workspace.keep_large_allocations_cached`
             first (process-wide) to see what page faults on fresh large tensors cost.
+        device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``): where the groups live and the passes run.
     """
 
     sizes: tuple[int, ...] = (1_000_000, 11_000_000)
@@ -83,8 +89,17 @@ class CodecBenchConfig:
     threads: int = 1
     seed: int = 0
     keep_allocations: bool = False
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device={self.device!r} is not a torch device; use 'cpu' or 'cuda'") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: the codec bench runs on 'cpu' or 'cuda'")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but torch sees no CUDA device here; use --device cpu")
         if not self.sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in self.sizes):
             raise ValueError(f"sizes={self.sizes!r} must be positive element counts, e.g. (1_000_000, 11_000_000)")
         for name, lo in (("world_size", 1), ("repeats", 1), ("segments", 1), ("threads", 1)):
@@ -109,14 +124,24 @@ class Timing:
     runs: list[float] = field(default_factory=list)
 
 
+def _sync() -> None:
+    """Wait for queued CUDA kernels (a no-op where CUDA was never used): a wall-clock time of CUDA
+    work without it measures the kernel launches, not the kernels."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def time_runs(fn: Callable[[], object], repeats: int) -> list[float]:
     """Seconds of ``repeats`` calls of ``fn`` after one untimed warm-up call (allocator, lazy
-    initialisation); the codec bench and the ``auto`` chooser's measurement both time with it."""
+    initialisation); the codec bench and the ``auto`` chooser's measurement both time with it.
+    Each call is bracketed by a CUDA synchronisation where CUDA is in use."""
     fn()  # warm-up (allocator, lazy initialisation)
     out = []
     for _ in range(repeats):
+        _sync()
         t0 = time.perf_counter()
         fn()
+        _sync()
         out.append(time.perf_counter() - t0)
     return out
 
@@ -156,7 +181,7 @@ def _engine_passes(n: int, cfg: CodecBenchConfig, ref_s: float, g: torch.Tensor)
     for s in segs:
         views.append(bucket[off:off + s])
         off += s
-    e = torch.randn(n, generator=torch.Generator().manual_seed(cfg.seed + 99)) * 0.1
+    e = (torch.randn(n, generator=torch.Generator().manual_seed(cfg.seed + 99)) * 0.1).to(g.device)
     mean = g * 0.5
     sent = g * 0.25
     p = g + e
@@ -288,14 +313,15 @@ def run_codec_bench(cfg: CodecBenchConfig, log: Callable[[str], None] | None = N
         "schema": SCHEMA,
         "config": {**asdict(cfg), "sizes": list(cfg.sizes), "compressors": names},
         "machine": {"torch": torch.__version__, "python": platform.python_version(),
-                    "platform": platform.platform(), "threads": torch.get_num_threads()},
+                    "platform": platform.platform(), "threads": torch.get_num_threads(),
+                    "device": _device_name(cfg.device)},
         "sizes": [],
     }
     try:
         for n in cfg.sizes:
             gen = torch.Generator().manual_seed(cfg.seed + n)
             # rank-dependent scales so no rank dominates every coordinate by construction
-            xs = [torch.randn(n, generator=gen) * (1.0 + 0.25 * r) for r in range(cfg.world_size)]
+            xs = [(torch.randn(n, generator=gen) * (1.0 + 0.25 * r)).to(cfg.device) for r in range(cfg.world_size)]
             ref_runs = _reference_add(xs[0], xs[-1], cfg.repeats)
             ref_s = statistics.median(ref_runs)
             entry = {
@@ -308,7 +334,12 @@ def run_codec_bench(cfg: CodecBenchConfig, log: Callable[[str], None] | None = N
             log(f"size {n}: add {ref_s * 1e3:.2f} ms ({12 * n / ref_s / 1e9:.2f} GB/s)")
             for name in names:
                 t0 = time.perf_counter()
-                entry["compressors"][name] = _compressor_passes(name, xs, cfg, ref_s)
+                try:
+                    entry["compressors"][name] = _compressor_passes(name, xs, cfg, ref_s)
+                except Exception as exc:  # noqa: BLE001 - recorded; the other compressors still run
+                    entry["compressors"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+                    log(f"  {name:12s} FAILED: {type(exc).__name__}: {exc}")
+                    continue
                 r = entry["compressors"][name]
                 log(f"  {name:12s} compress {r['compress']['seconds'] * 1e3:9.2f} ms  aggregate "
                     f"{r['aggregate']['seconds'] * 1e3:9.2f} ms  engine codec {r['engine_codec_s'] * 1e3:9.2f} ms "
@@ -318,6 +349,19 @@ def run_codec_bench(cfg: CodecBenchConfig, log: Callable[[str], None] | None = N
     finally:
         torch.set_num_threads(old_threads)
     return doc
+
+
+def _device_name(device: str) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(dev)})"
+    return "cpu"
+
+
+def failed_compressors(doc: dict) -> list[str]:
+    """``"name at N elements: error"`` for every compressor that raised (empty when all ran)."""
+    return [f"{name} at {s['numel']:,} elements: {r['error']}"
+            for s in doc["sizes"] for name, r in s["compressors"].items() if "error" in r]
 
 
 def _fmt_rate(t: dict | None) -> str:
@@ -330,7 +374,8 @@ def markdown(doc: dict) -> str:
     """Tables: rate in millions of elements per second and, in brackets, time as multiples of the add."""
     cfg = doc["config"]
     lines = [
-        f"# Codec micro-benchmark (torch {doc['machine']['torch']}, {doc['machine']['threads']} thread(s), "
+        f"# Codec micro-benchmark (torch {doc['machine']['torch']}, {doc['machine'].get('device', 'cpu')}, "
+        f"{doc['machine']['threads']} thread(s), "
         f"N = {cfg['world_size']}, ratio {cfg['ratio']}"
         f"{', large allocations kept by malloc' if cfg.get('keep_allocations') else ''})",
         "",
@@ -362,6 +407,9 @@ def markdown(doc: dict) -> str:
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in s["compressors"].items():
+            if "error" in r:
+                lines.append(f"| {name} | failed: {r['error'][:200]} | | | | | | | |")
+                continue
             agg = r["aggregate"]
             if "gather_values" in r:
                 agg_txt = f"{_fmt_rate(agg)} + gather {_fmt_rate(r['gather_values'])}"
@@ -391,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compressors", default=None, help="comma-separated names (default: all)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the groups live: cpu or cuda (cuda:N)")
     p.add_argument("--keep-allocations", action="store_true",
                    help="let glibc keep freed large blocks (process-wide mallopt) to measure page-fault costs")
     p.add_argument("--json", default=None, metavar="FILE", help="write the result document here")
@@ -410,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             sizes=tuple(parse_size(s) for s in args.sizes.split(",") if s.strip()),
             world_size=args.world_size, ratio=args.ratio, repeats=args.repeats, segments=args.segments,
             compressors=tuple(c.strip() for c in args.compressors.split(",") if c.strip()) if args.compressors else None,
-            threads=args.threads, seed=args.seed, keep_allocations=args.keep_allocations,
+            threads=args.threads, seed=args.seed, keep_allocations=args.keep_allocations, device=args.device,
         )
     except ValueError as exc:
         print(f"codec bench: error: {exc}", file=sys.stderr)
@@ -427,6 +476,11 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.md, "w") as f:
             f.write(md)
         print(f"wrote {args.md}")
+    failed = failed_compressors(doc)
+    if failed:
+        print("codec bench: these compressors failed (recorded in the result):\n  " + "\n  ".join(failed),
+              file=sys.stderr)
+        return 1
     return 0
 
 

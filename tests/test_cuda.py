@@ -1,0 +1,215 @@
+"""The CUDA path: the engine with CUDA tensors, its side stream and events, several ranks on one GPU.
+
+Skipped where torch sees no CUDA device (the CI machine); run on a GPU with ``pytest -m cuda
+tests/test_cuda.py`` (docs/gpu.md says what was run, where, and what it found).
+
+Several ranks on **one** GPU: NCCL refuses two ranks of one communicator on the same device, so the
+ranks here use **gloo with CUDA tensors**: the model, the DDP buckets, the engine's flat groups,
+its compressors and its side stream are all on ``cuda:0``; gloo copies through host memory for its
+collectives. What that exercises is the CUDA path of lightning_gc itself (the worker's side
+stream, the events between the autograd stream and the worker, CUDA-aware futures, device
+placement in every compressor), not NCCL's transport.
+
+* Every compressor with a collective it can travel by (the pairs of the CPU stress test,
+  tests/test_engine_overlap.py): two replicas per rank, ``overlap=True`` and ``overlap=False``, must
+  produce bit-identical gradients at every step, and the parameters must be bit-identical across
+  ranks. Point-to-point collectives (our rings and trees) need ``isend``/``irecv`` on CUDA tensors;
+  where the backend has none (gloo), they are skipped with the probe's reason.
+* The plain dense method equals DDP without a hook bit for bit, on CUDA.
+* Stream and event correctness, checked rather than assumed: a delay is put on both sides of every
+  hand-over. On the autograd stream, each bucket is zeroed, a ~20 ms GPU sleep queued, and the
+  bucket restored before the hook sees it, so a worker that does not wait for the bucket's ready
+  event reads zeros; on the side stream, a GPU sleep is queued after every exchange, so a future
+  that does not make the autograd stream wait for the worker's kernels hands DDP a stale bucket.
+  The overlapped engine must still equal the synchronous one bit for bit. Removing the
+  ``wait_event`` or the future's device list on purpose makes this test fail (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_harness import run_distributed
+from test_engine_overlap import GQ_WARMUP, OTHER_STEPS, PAIRS, STEPS, _batch, _bitwise_equal, _engine, _model, _steps
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_gc.compressors import build_compressor
+from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+WORLD = 2
+P2P_COLLECTIVES = {"ring", "tree", "art_ring", "art_tree", "marsit", "marsit_cascade", "gradiveq_ring", "auto_sparse"}
+SLEEP_CYCLES = 40_000_000  # ~20 ms at ~2 GHz: far longer than any kernel of these tiny models
+
+
+def _p2p_probe(rank: int, ws: int) -> str:
+    torch.cuda.set_device(0)
+    send = torch.full((4,), float(rank + 1), device="cuda")
+    recv = torch.zeros(4, device="cuda")
+    right, left = (rank + 1) % ws, (rank - 1) % ws
+    ops = [dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, recv, left)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    torch.cuda.synchronize()
+    return "ok" if float(recv[0]) == float(left + 1) else f"received {recv.tolist()}, expected {left + 1}"
+
+
+@functools.cache
+def p2p_on_cuda() -> str:
+    """"ok" if the backend moves CUDA tensors by isend/irecv here, else why not."""
+    try:
+        got = run_distributed(_p2p_probe, WORLD, timeout=60)
+    except Exception as exc:  # noqa: BLE001 - the reason is the skip message
+        return f"gloo isend/irecv of CUDA tensors failed: {str(exc).strip().splitlines()[-1][:300]}"
+    return "ok" if all(g == "ok" for g in got) else f"gloo isend/irecv of CUDA tensors: {got}"
+
+
+def _delayed_hook(state: GCEngine, bucket: dist.GradBucket) -> torch.futures.Future:
+    """The autograd stream's side of the hand-over made slow: the bucket is zero for ~20 ms of GPU
+    time after the hook has been called, then restored; a worker that reads it without waiting for
+    the bucket's ready event reads zeros."""
+    buf = bucket.buffer()
+    saved = buf.clone()
+    buf.zero_()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    buf.copy_(saved)
+    return gc_comm_hook(state, bucket)
+
+
+_delayed_hook.__annotations__ = dict(gc_comm_hook.__annotations__)  # DDP rejects postponed (string) annotations
+
+
+def _cuda_pair(rank: int, ws: int, name: str, coll: str, delay: bool) -> dict:
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    models = [_model().to(dev), _model().to(dev)]
+    ddps = [DDP(m, device_ids=[0], bucket_cap_mb=0.002) for m in models]
+    engines = [_engine(m, name, coll, overlap) for m, overlap in zip(models, (True, False))]
+    threads: list[set[int]] = [set(), set()]
+    for eng, seen in zip(engines, threads):
+        run = eng.exchange.run
+
+        def traced(p, ctx, timer, _run=run, _seen=seen):
+            _seen.add(threading.get_ident())
+            out = _run(p, ctx, timer)
+            if delay:  # the worker's side of the hand-over made slow (its own stream on the overlapped engine)
+                torch.cuda._sleep(SLEEP_CYCLES)
+            return out
+
+        eng.exchange.run = traced
+    hook = _delayed_hook if delay else gc_comm_hook
+    for d, e in zip(ddps, engines):
+        d.register_comm_hook(e, hook)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    mismatch, diverged = [], []
+    for step in range(_steps(name)):
+        x, y = (t.to(dev) for t in _batch(rank, step))
+        for d, o in zip(ddps, opts):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(d(x), y).backward()
+        for e in engines:
+            e.before_optimizer_step()
+        for (na, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+            if not _bitwise_equal(a.grad, b.grad):
+                mismatch.append((step, na, float((a.grad - b.grad).abs().max())))
+        for o in opts:
+            o.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in models[0].parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(ws)]
+        dist.all_gather(gathered, flat)
+        if not all(_bitwise_equal(flat, g) for g in gathered):
+            diverged.append(step)
+    totals = [e.totals() for e in engines]
+    main = threading.get_ident()
+    stream = engines[0]._runner._stream if hasattr(engines[0]._runner, "_stream") else None
+    out = {
+        "mismatch": mismatch[:3], "diverged": diverged[:3],
+        "compressed": [t["compressed_steps"] for t in totals],
+        "sample": [t["sample_steps"] for t in totals],
+        "bytes": [t["bytes_sent"] for t in totals],
+        "worker_only": bool(threads[0]) and main not in threads[0],
+        "side_stream": stream is not None,
+        "on_cuda": all(p.is_cuda for m in models for p in m.parameters()),
+    }
+    for e in engines:
+        e.close()
+    return out
+
+
+def _check(key: str, results: list[dict]) -> None:
+    name = key.split("/")[0]
+    for r, got in enumerate(results):
+        assert got["on_cuda"], f"{key} rank {r}: parameters left the GPU"
+        assert not got["mismatch"], f"{key} rank {r}: overlapped != synchronous at {got['mismatch']}"
+        assert not got["diverged"], f"{key} rank {r}: ranks diverged at steps {got['diverged']}"
+        assert got["compressed"][0] == got["compressed"][1] and got["bytes"][0] == got["bytes"][1], f"{key}: {got}"
+        if name == "gradiveq":
+            assert got["compressed"][0] >= 1 and got["compressed"][0] + got["sample"][0] == STEPS - GQ_WARMUP, got
+        elif name != "dense":
+            assert got["compressed"][0] == OTHER_STEPS - 1, f"{key}: {got['compressed']}"
+            assert got["worker_only"] and got["side_stream"], f"{key}: not run on the worker's CUDA stream: {got}"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name,coll", PAIRS, ids=[f"{n}-{c}" for n, c in PAIRS])
+def test_cuda_overlapped_equals_synchronous_and_ranks_agree(name, coll):
+    if coll in P2P_COLLECTIVES:
+        reason = p2p_on_cuda()
+        if reason != "ok":
+            pytest.skip(f"{name}/{coll} needs point-to-point sends of CUDA tensors: {reason}")
+    _check(f"{name}/{coll}", run_distributed(_cuda_pair, WORLD, name, coll, False, timeout=240))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name,coll", [("dense", "allreduce"), ("topk", "allgather"), ("qsgd", "allgather"),
+                                       ("randomk", "allreduce"), ("lowrank", "lowrank"),
+                                       ("star_topk", "art_allreduce")])
+def test_cuda_stream_handover_survives_delays_on_both_sides(name, coll):
+    _check(f"{name}/{coll}", run_distributed(_cuda_pair, WORLD, name, coll, True, timeout=240))
+
+
+def _dense_vs_ddp(rank: int, ws: int) -> dict:
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    models = [_model().to(dev), _model().to(dev)]
+    ddps = [DDP(m, device_ids=[0], bucket_cap_mb=0.002) for m in models]
+    engine = GCEngine(build_compressor("dense"), EngineConfig(plan="layer", min_compress_numel=0, warmup_steps=0),
+                      list(models[0].named_parameters()))
+    ddps[0].register_comm_hook(engine, gc_comm_hook)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    worst = 0.0
+    for step in range(5):
+        x, y = (t.to(dev) for t in _batch(rank, step))
+        for d, o in zip(ddps, opts):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(d(x), y).backward()
+        engine.before_optimizer_step()
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            worst = max(worst, float((a.grad - b.grad).abs().max()))
+        for o in opts:
+            o.step()
+    engine.close()
+    return {"worst": worst, "equal": all(torch.equal(a, b) for a, b in zip(models[0].parameters(),
+                                                                           models[1].parameters()))}
+
+
+@pytest.mark.timeout(600)
+def test_cuda_dense_equals_ddp_without_hook():
+    for r, got in enumerate(run_distributed(_dense_vs_ddp, WORLD, timeout=240)):
+        assert got["equal"] and got["worst"] == 0.0, f"rank {r}: {got}"
+
+
+def test_codec_bench_runs_every_compressor_on_cuda():
+    from lightning_gc.bench.codec import CodecBenchConfig, failed_compressors, run_codec_bench
+
+    doc = run_codec_bench(CodecBenchConfig(sizes=(100_000,), repeats=1, device="cuda"))
+    assert doc["machine"]["device"].startswith("cuda")
+    assert failed_compressors(doc) == []
