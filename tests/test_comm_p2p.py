@@ -254,3 +254,45 @@ def test_ring_bytes_approach_model() -> None:
     # binomial tree over 5 ranks: 0 -> {1, 2, 4}, 2 -> {3}; leaves send once, inner nodes
     # 1 + children, the root only to its ceil(log2 5) = 3 children
     assert [tree_bytes_sent(10, 4, 5, r) for r in range(5)] == [120, 40, 80, 40, 40]
+
+
+# ------------------------------------------------------------------------------------------
+# refusal of point-to-point collectives where the backend cannot send the payloads' device
+# ------------------------------------------------------------------------------------------
+# written out by hand from what each exchange does (not the library's own set): the collectives
+# whose payloads travel by our isend/irecv rings and trees
+_HAND_P2P = {"ring", "tree", "art_ring", "art_tree", "auto_sparse", "marsit", "marsit_cascade", "gradiveq_ring"}
+
+
+@pytest.fixture
+def gloo_world_of_one():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_point_to_point_collectives_refused_for_cuda_tensors_on_gloo(gloo_world_of_one) -> None:
+    """gloo has no isend/irecv of CUDA tensors (on an H200 a rank died at its first ring step:
+    docs/gpu.md); every P2P collective is refused up front with the fix, nothing else is."""
+    from lightning_gc.comm.registry import available_collectives, compatible_collectives, make_exchange
+    from lightning_gc.compressors import available_compressors, build_compressor, takes_ratio
+
+    seen = set()
+    for name in available_compressors():
+        comp = build_compressor(name, ratio=0.1 if takes_ratio(name) else None)
+        for coll in compatible_collectives(comp):
+            seen.add(coll)
+            make_exchange(comp, coll, gloo_world_of_one, device=torch.device("cpu"))  # gloo sends CPU tensors
+            make_exchange(comp, coll, None, device="cuda")  # world size 1: no group, nothing travels
+            if coll in _HAND_P2P:
+                with pytest.raises(ValueError, match=rf"collective '{coll}' sends CUDA tensors point to point.*"
+                                                     r"'gloo' backend cannot.*NCCL backend") as err:
+                    make_exchange(comp, coll, gloo_world_of_one, device="cuda")
+                alternatives = [c for c in compatible_collectives(comp) if c not in _HAND_P2P]
+                assert (str(alternatives) if alternatives else "another compressor") in str(err.value)
+            else:
+                make_exchange(comp, coll, gloo_world_of_one, device="cuda")
+    assert seen == set(available_collectives())  # every collective was judged

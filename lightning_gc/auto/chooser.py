@@ -330,7 +330,8 @@ class AutoChooser(StepParticipant):
         views = []
         for pid in g.param_ids:
             grad = engine.params[pid].grad
-            views.append(torch.zeros(engine.params[pid].numel()) if grad is None else grad.detach().reshape(-1).float())
+            views.append(torch.zeros(engine.params[pid].numel(), device=engine.params[pid].device) if grad is None
+                         else grad.detach().reshape(-1).float())
         flat = torch.cat(views)
         ctx = GroupContext(step=engine.step, rank=engine.rank, world_size=engine.world_size, segments=g.numels,
                            group_id=g.gid, seed=engine.config.seed, device=flat.device,

@@ -284,7 +284,8 @@ def _compressor_passes(name: str, xs: list[torch.Tensor], cfg: CodecBenchConfig,
     comp = build_compressor(name, ratio=cfg.ratio if takes_ratio(name) else None)
     # lowrank compresses matrices: give each segment a near-square matrix shape (the others read no shapes)
     shapes = tuple(_near_square(s) for s in segs) if name == "lowrank" else ()
-    ctxs = [GroupContext(step=5, rank=r, world_size=N, segments=segs, seed=cfg.seed, shapes=shapes) for r in range(N)]
+    ctxs = [GroupContext(step=5, rank=r, world_size=N, segments=segs, seed=cfg.seed, shapes=shapes,
+                         device=xs[0].device) for r in range(N)]
     raw = time_codec(comp, xs, ctxs, cfg.repeats)
     res: dict = {"wire_format": raw["wire_format"], "describe": raw["describe"],
                  "payload_bytes": raw["payload_bytes"], "bytes_per_element": raw["payload_bytes"] / n,

@@ -141,7 +141,8 @@ class GCEngine:
         if self.world_size > 1:
             ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
             self.exchange_group = dist.new_group(ranks=ranks, backend=dist.get_backend(process_group))
-        self.exchange: Exchange = make_exchange(compressor, config.collective, self.exchange_group)
+        self.exchange: Exchange = make_exchange(compressor, config.collective, self.exchange_group,
+                                                device=self.device)
         self.exact_exchange = AllreduceExchange(DenseCompressor(), self.exchange_group)
         self.tracker = NetworkTracker(config, type(self.exchange).needs_network, self.world_size)
         self.exchange.network = self.tracker.state
@@ -490,7 +491,7 @@ class GCEngine:
             )
         self.synchronize()
         slot = build_slot(spec, self.exchange_group, self.tracker.state,
-                          type(self.exchange).needs_network) if spec is not None else self.default_slot
+                          type(self.exchange).needs_network, device=self.device) if spec is not None else self.default_slot
         if self.world_size > 1:
             described = "default" if spec is None else repr(spec.as_dict())
             self._verify_identical(f"set_group_method(group {gid} = {group.names}, {described})")
@@ -520,7 +521,7 @@ class GCEngine:
                 self._flush.add(names)
             elif e.get("spec") is not None:
                 self._slots[names] = build_slot(MethodSpec(**e["spec"]), self.exchange_group, self.tracker.state,
-                                                type(self.exchange).needs_network)
+                                                type(self.exchange).needs_network, device=self.device)
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish queued work, stop the worker and release the exchange process group."""
