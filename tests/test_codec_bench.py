@@ -58,12 +58,16 @@ def test_micro_benchmark_reports_every_compressor_with_consistent_fields():
             parts = r["compress"]["seconds"] + r["aggregate"]["seconds"] + r.get("gather_values", {}).get("seconds", 0)
             parts += r["decompress"]["seconds"] if r["needs_dense_sent"] else 0.0
             assert r["engine_codec_s"] == pytest.approx(parts)
-            assert r["needs_dense_sent"] == (r["wire_format"] in ("allreduce", "gradiveq", "lowrank")
+            # marsit: the merged bits are decoded into the mean (η·sign, dense), which is also its sent: one decode
+            assert r["needs_dense_sent"] == (r["wire_format"] in ("allreduce", "gradiveq", "lowrank", "marsit")
                                              or name in ("qsgd", "signsgd", "efsignsgd"))
             if r["wire_format"] == "allgather":
                 assert "pack" in r and "unpack" in r
         # bytes per element follow the formats: dense 4, casts 2, sign 1/8 + scale, Top-k 8·ratio
         c = s["compressors"]
+        # Marsit's aggregate is its ring's merges of packed bits, not AR-Topk's gather at indices (its
+        # packed bits were once read as indices there)
+        assert "gather_values" not in c["marsit"] and set(c["star_topk"]) >= {"gather_values"}
         assert c["dense"]["bytes_per_element"] == 4.0
         assert c["fp16"]["bytes_per_element"] == 2.0
         assert c["signsgd"]["payload_bytes"] == 4 + math.ceil(n / 8)

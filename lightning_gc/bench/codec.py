@@ -257,6 +257,19 @@ def time_codec(comp, xs: list[torch.Tensor], ctxs: list, repeats: int) -> dict:
         summed = tuple(sum(o.payload[i] for o in outs) for i in range(len(outs[0].payload)))
         timings["aggregate"] = time_runs(lambda: comp.decompress(summed, outs[0].meta, c0), repeats)
         needs_sent = True
+    elif fmt == "marsit":  # the ring's ⊙ merges: per rank N−1 hops, each merging one 1/N chunk of the bits
+        from lightning_gc.compressors.marsit.codec import merge_packed
+
+        bits = [o.payload[1] for o in outs]
+
+        def merges() -> None:
+            acc = torch.tensor_split(bits[0], N)
+            for hop in range(N - 1):
+                merge_packed(torch.tensor_split(bits[(hop + 1) % N], N)[hop], acc[hop], hop + 2,
+                             comp.transient_generator(c0, hop))
+
+        timings["aggregate"] = time_runs(merges, repeats)
+        needs_sent = True  # the merged bits decoded into the mean (η·sign), which is also its sent
     else:  # AR-Topk: the source's indices, every rank's values there summed, scattered into the mean
         idx = outs[0].payload[1]
         idx_long = idx.long()
