@@ -48,6 +48,7 @@ DOC_PAGES = {
     "diloco.md": "DiLoCo (sync='diloco'): rare outer steps on a compressed pseudo-gradient, for the slowest links",
     "osp.md": "OSP two-stage synchronisation (sync='osp')",
     "adaptive.md": "AdaptiveRatio, the run-time compression-ratio controller",
+    "gpu.md": "the CUDA path on a GPU: what ran on an H200, what was fixed, codec throughput; .ci/gpu",
 }
 
 
