@@ -220,6 +220,34 @@ def test_cuda_dense_equals_ddp_without_hook():
         assert got["equal"] and got["worst"] == 0.0, f"rank {r}: {got}"
 
 
+OSP_CASES = ["mixed_nesterov_wd", "no_buffer_yet_dampening_wd", "split_flips", "adamw_clip_norm",
+             "adamw_no_state_yet_amsgrad"]
+
+
+def _osp_cuda(rank: int, ws: int) -> dict:
+    from test_osp import CASES, _run_osp
+
+    torch.cuda.set_device(0)
+    return {case: _run_osp(rank, ws, CASES[case]["hyper"], CASES[case]["fraction"], CASES[case]["max_fraction"],
+                           "dense", 0.0001, CASES[case]["nan_at"], CASES[case]["scenario"], CASES[case]["opt"],
+                           CASES[case]["clip"], device="cuda")
+            for case in OSP_CASES}
+
+
+@pytest.mark.timeout(600)
+def test_cuda_osp_matches_the_delayed_correction_reference():
+    """OSP on CUDA (its deferred exchange on its own worker stream, the events around it): the
+    CPU suite's hand-written delayed-correction oracle (tests/test_osp.py), computed on the CPU from
+    every rank's batches, for SGD with Nesterov and weight decay, a skipped first step (no momentum
+    buffer yet), a split that flips, AdamW with norm clipping and AMSGrad from no state; ranks
+    bit-identical after every correction."""
+    from test_osp import _check_case
+
+    runs = run_distributed(_osp_cuda, WORLD, timeout=300)
+    for case in OSP_CASES:
+        _check_case([r[case] for r in runs], case)
+
+
 def test_codec_bench_runs_every_compressor_on_cuda():
     from lightning_gc.bench.codec import CodecBenchConfig, failed_compressors, run_codec_bench
 

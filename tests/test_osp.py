@@ -101,10 +101,12 @@ def _clip_plain(opt, clip):
 
 def _run_osp(rank: int, ws: int, hyper: dict, fraction: float, max_fraction: float, compressor: str,
              bucket_cap_mb: float, nan_at: int = -1, scenario: str = "mlp", opt_name: str = "SGD",
-             clip: tuple | None = None):
+             clip: tuple | None = None, device: str = "cpu"):
+    """One OSP run; ``device="cuda"``: model, buckets and OSP's exchanges on the GPU (tests/test_cuda.py),
+    batches gathered on the CPU for the reference, everything returned on the CPU."""
     make_model, make_batch = SCENARIOS[scenario]
-    model = make_model()
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    model = make_model().to(device)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, device_ids=[0] if device == "cuda" else None)
     named = [(n, p) for n, p in model.named_parameters()]
     engine = GCEngine(build_compressor(compressor), EngineConfig(min_compress_numel=0, warmup_steps=1), named)
     osp = OSPSync(engine, OSPConfig(deferred_fraction=fraction, max_fraction=max_fraction))
@@ -124,6 +126,7 @@ def _run_osp(rank: int, ws: int, hyper: dict, fraction: float, max_fraction: flo
         out["threshold"].append(osp.threshold)
         out["importance"].append(dict(zip((n for n, _ in named), osp.importance)))
         opt.zero_grad()
+        x, y = x.to(device), y.to(device)
         loss = _loss(ddp, x, y)
         if t == nan_at and rank == 1:
             loss = loss * float("nan")
@@ -131,7 +134,7 @@ def _run_osp(rank: int, ws: int, hyper: dict, fraction: float, max_fraction: flo
         bad = osp.before_optimizer_step(loss)
         bad = engine.before_optimizer_step() or bad
         out["bad"].append(bad)
-        out["after_correction"].append({n: p.detach().clone() for n, p in named})
+        out["after_correction"].append({n: p.detach().cpu().clone() for n, p in named})
         if bad:
             osp.skip_step()
             for p in model.parameters():
@@ -145,9 +148,9 @@ def _run_osp(rank: int, ws: int, hyper: dict, fraction: float, max_fraction: flo
         osp.after_optimizer_step()
         out["clip_factor"].append(osp.last_stats.clip_factor)
     osp.drain()
-    out["final"] = {n: p.detach().clone() for n, p in named}
+    out["final"] = {n: p.detach().cpu().clone() for n, p in named}
     out["stats"] = osp.last_stats
-    out["opt_state"] = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in named}
+    out["opt_state"] = {n: {k: v.cpu().clone() for k, v in opt.state[p].items()} for n, p in named}
     osp.close()
     engine.close()
     return out
