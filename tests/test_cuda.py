@@ -41,10 +41,9 @@ from test_engine_overlap import (
     PAIRS,
     STEPS,
     _batch,
-    _bitwise_equal,
     _engine,
     _model,
-    _steps,
+    train_replicas,
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -120,25 +119,7 @@ def _cuda_pair(rank: int, ws: int, name: str, coll: str, delay: bool) -> dict:
     hook = _delayed_hook if delay else gc_comm_hook
     for d, e in zip(ddps, engines):
         d.register_comm_hook(e, hook)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
-    mismatch, diverged = [], []
-    for step in range(_steps(name)):
-        x, y = (t.to(dev) for t in _batch(rank, step))
-        for d, o in zip(ddps, opts):
-            o.zero_grad()
-            torch.nn.functional.mse_loss(d(x), y).backward()
-        for e in engines:
-            e.before_optimizer_step()
-        for (na, a), b in zip(models[0].named_parameters(), models[1].parameters()):
-            if not _bitwise_equal(a.grad, b.grad):
-                mismatch.append((step, na, float((a.grad - b.grad).abs().max())))
-        for o in opts:
-            o.step()
-        flat = torch.cat([p.detach().reshape(-1) for p in models[0].parameters()])
-        gathered = [torch.empty_like(flat) for _ in range(ws)]
-        dist.all_gather(gathered, flat)
-        if not all(_bitwise_equal(flat, g) for g in gathered):
-            diverged.append(step)
+    mismatch, diverged = train_replicas(rank, ws, name, models, ddps, engines, dev)
     totals = [e.totals() for e in engines]
     main = threading.get_ident()
     stream = engines[0]._runner._stream if hasattr(engines[0]._runner, "_stream") else None

@@ -95,6 +95,32 @@ def _engine(model, name: str, coll: str, overlap: bool) -> GCEngine:
     return GCEngine(comp, cfg, list(model.named_parameters()))
 
 
+def train_replicas(rank: int, ws: int, name: str, models, ddps, engines, device="cpu") -> tuple[list, list]:
+    """Train the overlapped replica (``engines[0]``) and the synchronous one side by side on this
+    rank's data; returns the steps whose gradients differ between them (bit for bit) and the steps
+    after which the parameters differ across ranks. Shared with the CUDA tests (tests/test_cuda.py)."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    mismatch, diverged = [], []
+    for step in range(_steps(name)):
+        x, y = (t.to(device) for t in _batch(rank, step))
+        for d, o in zip(ddps, opts):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(d(x), y).backward()
+        for e in engines:
+            e.before_optimizer_step()
+        for (na, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+            if not _bitwise_equal(a.grad, b.grad):  # bitwise: a diverging method's NaNs must match too
+                mismatch.append((step, na, float((a.grad - b.grad).abs().max())))
+        for o in opts:
+            o.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in models[0].parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(ws)]
+        dist.all_gather(gathered, flat)
+        if not all(_bitwise_equal(flat, g) for g in gathered):
+            diverged.append(step)
+    return mismatch, diverged
+
+
 def _stress(rank: int, ws: int, pairs) -> dict:
     out = {}
     for name, coll in pairs:
@@ -113,25 +139,7 @@ def _stress(rank: int, ws: int, pairs) -> dict:
             eng.exchange.run = traced
         for d, e in zip(ddps, engines):
             d.register_comm_hook(e, gc_comm_hook)
-        opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
-        mismatch, diverged = [], []
-        for step in range(_steps(name)):
-            x, y = _batch(rank, step)
-            for d, o in zip(ddps, opts):
-                o.zero_grad()
-                torch.nn.functional.mse_loss(d(x), y).backward()
-            for e in engines:
-                e.before_optimizer_step()
-            for (na, a), b in zip(models[0].named_parameters(), models[1].parameters()):
-                if not _bitwise_equal(a.grad, b.grad):  # bitwise: a diverging method's NaNs must match too
-                    mismatch.append((step, na, float((a.grad - b.grad).abs().max())))
-            for o in opts:
-                o.step()
-            flat = torch.cat([p.detach().reshape(-1) for p in models[0].parameters()])
-            gathered = [torch.empty_like(flat) for _ in range(ws)]
-            dist.all_gather(gathered, flat)
-            if not all(_bitwise_equal(flat, g) for g in gathered):
-                diverged.append(step)
+        mismatch, diverged = train_replicas(rank, ws, name, models, ddps, engines)
         totals = [e.totals() for e in engines]
         main = threading.get_ident()
         out[f"{name}/{coll}"] = {
