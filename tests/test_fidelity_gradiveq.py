@@ -224,6 +224,7 @@ ALTERNATIVES = {  # an alternative valid value for every option of every compres
     "loss_threshold": None, "sample_levels": 0, "sample_bucket": 64, "min_numel": 9, "compress_linear": False,
     "dim": 4, "coef_dtype": "float32", "outside_span": "mu", "dtype": ("bf16", "fp16"),
     "rank": 3, "min_compression_rate": 1.5, "warm_start": False, "release_compensation": False,
+    "dense_names": (["tok_emb.weight"],),  # one alternative: a list of patterns
 }
 
 

@@ -66,8 +66,8 @@ def _q0(cols: int, salt: int) -> torch.Tensor:
     return torch.randn(cols, RANK, generator=torch.Generator().manual_seed(77 + salt))
 
 
-def _exchange(rank: int, ws: int, warm_start: bool = True) -> LowRankExchange:
-    comp = build_compressor("lowrank", args=dict(rank=RANK, warm_start=warm_start))
+def _exchange(rank: int, ws: int, warm_start: bool = True, dense_names: tuple[str, ...] = ()) -> LowRankExchange:
+    comp = build_compressor("lowrank", args=dict(rank=RANK, warm_start=warm_start, dense_names=dense_names))
     ex = make_exchange(comp, collective="lowrank")
     assert isinstance(ex, LowRankExchange)
     # the starting Q is set by the test, so the reference knows it
@@ -89,6 +89,9 @@ def _exchange_scenarios(rank: int, ws: int) -> dict:
     mean, sent, times = _run(ex, p, _ctx(rank, ws))
     out["one"] = dict(p_all=gather_all(p, ws), mean=mean, sent=sent, bytes_payload=times.bytes_payload,
                       q=ex.state_dict()["lowrank_q"])
+    # the same step with the 10×3×3 kernel (t3, compressed by the size rule) named dense
+    mean, sent, times = _run(_exchange(rank, ws, dense_names=("t3",)), p, _ctx(rank, ws))
+    out["named_dense"] = dict(mean=mean, sent=sent, bytes_payload=times.bytes_payload)
     # warm-started power iteration on a fixed mean: M_r = A + (r − (N−1)/2)·B, so M̄ = A exactly
     g = torch.Generator().manual_seed(3)
     u, _ = torch.linalg.qr(torch.randn(12, 10, generator=g))
@@ -165,6 +168,37 @@ def test_one_step_is_the_projection_of_the_mean_onto_the_agreed_subspace(exchang
         # conservation: the mean is the mean of what the ranks sent
     sents = [x["one"]["sent"].double() for x in exchange_runs]
     torch.testing.assert_close(sum(sents) / ws, one["mean"].double(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_matrix_named_in_dense_names_arrives_as_the_exact_mean(exchange_runs):
+    """dense_names=("t3",): the kernel the size rule compresses travels dense instead — the exact
+    mean arrives and each rank sent itself (no error memory) — while t0 is still projected exactly
+    as without the option; the bytes grow by t3's values less its factors."""
+    ws = len(exchange_runs)
+    inputs = [_split(p) for p in exchange_runs[0]["one"]["p_all"]]
+    want_bytes = 4 * (sum(_numel(s) for i, s in enumerate(SHAPES) if i != 0) + (12 + 10) * RANK)
+    for r, x in enumerate(exchange_runs):
+        got, plain = x["named_dense"], x["one"]
+        assert got["bytes_payload"] == want_bytes
+        mean, sent = _split(got["mean"]), _split(got["sent"])
+        avg3 = sum(inp[3].double() for inp in inputs) / ws
+        torch.testing.assert_close(mean[3].double(), avg3, rtol=1e-6, atol=1e-7)
+        assert torch.equal(sent[3], inputs[r][3])
+        # t0 as without the option (not bit for bit: the allreduce's buffer, hence gloo's chunking, changed)
+        torch.testing.assert_close(mean[0], _split(plain["mean"])[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sent[0], _split(plain["sent"])[0], rtol=1e-5, atol=1e-6)
+
+
+def test_dense_names_match_parameter_names_and_are_validated():
+    cfg = LowRankConfig(rank=RANK, dense_names=["t*3", "other"])  # a YAML list is kept as a tuple
+    assert cfg.dense_names == ("t*3", "other")
+    segs, shapes = tuple(_numel(s) for s in SHAPES), tuple(SHAPES)
+    assert [b.compressed for b in plan_blocks(segs, shapes, cfg, NAMES)] == [True, False, False, False, False]
+    assert [b.compressed for b in plan_blocks(segs, shapes, cfg)] == [True, False, False, True, False]  # no names
+    assert LowRankConfig(dense_names="t3").dense_names == ("t3",)  # a string is one pattern
+    for bad in ([""], [3], 3, ""):
+        with pytest.raises(ValueError, match="dense_names=.* is invalid"):
+            LowRankConfig(dense_names=bad)
 
 
 def test_warm_started_power_iteration_reaches_the_best_rank_r_approximation(exchange_runs):

@@ -32,8 +32,11 @@ Decisions where the paper and torch's hook leave room (docs/compressors.md, lowr
   exactly what is remembered.
 * **Which tensors are compressed**: a tensor with two or more dimensions whose matrix ``n × m``
   satisfies ``r < min(n, m)`` and ``n·m ≥ min_compression_rate·(n + m)·r`` (torch's rule, default
-  2); every other tensor (biases, norms, small matrices) is sent dense in fp32 with the first
-  allreduce, exactly, without error memory.
+  2), unless its parameter name matches one of ``dense_names``; every other tensor (biases, norms,
+  small matrices, the named ones) is sent dense in fp32 with the first allreduce, exactly, without
+  error memory. ``dense_names`` exists for matrices whose gradient a rank-r subspace serves badly:
+  under AdamW on the ``gpt`` preset the tied byte embedding carried 41 % of the gradient's energy
+  and was where ``lowrank``'s loss gap lay (docs/compressors.md).
 * **Initial Q**: standard normal from a generator shared by all ranks (the strategy's seed and the
   parameter's position), as torch does; not orthogonalised (``P̂`` is).
 * **Warm start state** (``Q̄`` per compressed tensor) is keyed by the parameter's name and shape,
@@ -44,11 +47,16 @@ Decisions where the paper and torch's hook leave room (docs/compressors.md, lowr
 Tuning. ``rank`` (r): 1 sends the least and converges slowest; the paper's accuracy matched SGD at
 r = 2 to 4 on its image and language models. ``min_compression_rate``: raise it to send more
 tensors dense. ``warm_start=False`` draws a fresh Q every step (the paper's ablation: worse).
+``dense_names``: parameter-name patterns (``fnmatch``: ``"tok_emb.weight"``, ``"*emb*"``) sent
+dense; it costs their full fp32 bytes every step, so name only the matrices that a per-parameter
+fidelity breakdown (``GradientFidelity(per_parameter=True)``) shows losing the most.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,11 +72,14 @@ class LowRankConfig:
         min_compression_rate: compress a matrix ``n × m`` only if ``n·m ≥ rate·(n + m)·r``; the
             others are sent dense (torch's rule, default 2).
         warm_start: reuse the previous step's ``Q̄`` (True, the paper's method) or draw a fresh one.
+        dense_names: ``fnmatch`` patterns of parameter names sent dense (exactly) even where they
+            would be compressed, e.g. ``("tok_emb.weight",)`` (a string is one pattern); empty by default.
     """
 
     rank: int = 2
     min_compression_rate: float = 2.0
     warm_start: bool = True
+    dense_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         r = self.rank
@@ -85,6 +96,17 @@ class LowRankConfig:
             )
         if not isinstance(self.warm_start, bool):
             raise ValueError(f"warm_start={self.warm_start!r} must be True or False.")
+        names = (self.dense_names,) if isinstance(self.dense_names, str) else self.dense_names  # one pattern
+        if not isinstance(names, Sequence) or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(
+                f"dense_names={self.dense_names!r} is invalid: it is a list of parameter-name patterns (fnmatch) "
+                "sent dense, e.g. ['tok_emb.weight'] or ['*emb*'] (or one pattern as a string)."
+            )
+        object.__setattr__(self, "dense_names", tuple(names))  # a YAML list becomes a hashable tuple
+
+    def sends_dense(self, name: str) -> bool:
+        """Whether parameter ``name`` is named by ``dense_names``."""
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.dense_names)
 
 
 @dataclass(frozen=True)
@@ -110,13 +132,17 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
     return n, int(math.prod(shape[1:]))
 
 
-def plan_blocks(segments: tuple[int, ...], shapes: tuple[tuple[int, ...], ...], config: LowRankConfig) -> list[Block]:
+def plan_blocks(segments: tuple[int, ...], shapes: tuple[tuple[int, ...], ...], config: LowRankConfig,
+                names: tuple[str, ...] = ()) -> list[Block]:
     """Which tensors of a group are compressed (see the module docstring), with their offsets.
 
-    Without shapes (a caller that knows only the flat group) every tensor is sent dense."""
+    Without shapes (a caller that knows only the flat group) every tensor is sent dense; without
+    names, ``dense_names`` cannot apply (every caller in the engine passes them)."""
     blocks, offset = [], 0
     for i, numel in enumerate(segments):
         nm = matrix_shape(shapes[i]) if i < len(shapes) else None
+        if nm is not None and i < len(names) and config.sends_dense(names[i]):
+            nm = None
         rows = cols = 0
         if nm is not None:
             n, m = nm

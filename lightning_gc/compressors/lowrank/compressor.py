@@ -41,7 +41,7 @@ class LowRankCompressor(Compressor):
         return min(1.0, 2 * 512 * self.config.rank / 512 ** 2)
 
     def blocks(self, ctx: GroupContext) -> list[Block]:
-        return plan_blocks(ctx.segments, ctx.shapes, self.config)
+        return plan_blocks(ctx.segments, ctx.shapes, self.config, ctx.names)
 
     def start_q(self, ctx: GroupContext, block: Block) -> Tensor:
         """A fresh ``Q`` for ``block``: shared by every rank (seed, step, group, tensor)."""
@@ -81,7 +81,8 @@ class LowRankCompressor(Compressor):
 
     def describe(self) -> str:
         c = self.config
-        return f"{self.name}(rank={c.rank},min_rate={c.min_compression_rate},warm={c.warm_start})"
+        dense = f",dense={list(c.dense_names)}" if c.dense_names else ""
+        return f"{self.name}(rank={c.rank},min_rate={c.min_compression_rate},warm={c.warm_start}{dense})"
 
 
 def _cat(tensors: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
