@@ -48,11 +48,15 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     except BaseException:  # noqa: BLE001 - forwarded to the parent verbatim
         queue.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+        # Deliver the report (the queue's feeder thread writes it), then leave without tearing torch
+        # down: a gloo process group destroyed at exit, or from one of its own worker threads that held
+        # the last reference to it, can abort a rank ("terminate called ... Resource deadlock
+        # avoided", exit -6) after its result was queued but before it was written, which the parent
+        # saw as a rank that "died without reporting" (CI, torch's PowerSGD hook test). That teardown
+        # is torch's, not what these tests check; lightning_gc's own is tested in test_teardown.py.
+        queue.close()
+        queue.join_thread()
+        os._exit(0)
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
