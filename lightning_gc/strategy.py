@@ -31,6 +31,7 @@ import torch
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
@@ -41,7 +42,7 @@ from .auto import AutoChooser, AutoConfig
 from .compressors import available_compressors, get_entry
 from .config import GCConfig
 from .engine import EngineConfig, GCEngine, gc_comm_hook
-from .engine.exit import destroy_default_group_at_exit
+from .engine.exit import ExitCleanMultiProcessingLauncher, destroy_default_group_at_exit
 from .engine.omgs import OMGSConfig, OMGSController
 from .engine.session import StepParticipant, StepSession
 from .summary import GCSummary, summarize
@@ -381,6 +382,12 @@ class GCStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         destroy_default_group_at_exit()  # an orderly gloo exit (lightning_gc/engine/exit.py)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _MultiProcessingLauncher:  # spawn/fork workers: an orderly exit too
+            self._launcher = ExitCleanMultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def setup(self, trainer: Any) -> None:

@@ -18,8 +18,12 @@ handler does nothing when no group is left.
 from __future__ import annotations
 
 import atexit
+import os
+import sys
+from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
 _registered = [False]
 
@@ -43,3 +47,26 @@ def destroy_default_group_at_exit() -> bool:
     atexit.register(_destroy_default_group)
     _registered[0] = True
     return True
+
+
+class ExitCleanMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's launcher for ``start_method="spawn"``/``"fork"``, whose worker processes leave
+    with ``os._exit(0)`` once their work is done and their results are on the return queue.
+
+    Why: a spawned worker that finishes its fit and then runs the interpreter's normal shutdown
+    tears torch's gloo objects down there, and that aborted a worker once in CI (``terminate called
+    without an active exception``, SIGABRT) after its fit had ended, which failed the launcher's
+    join and so the whole ``fit``. Everything a worker produces is written before this point: the
+    trainer's teardown has closed the loggers and checkpoints, rank 0 has put its results on the
+    return queue (a ``SimpleQueue``: the write is done when ``put`` returns), and standard output is
+    flushed here. What is skipped is what the interpreter would run at exit in a spawned worker
+    (``atexit`` handlers, finalisers); a forked worker never runs them anyway. A worker that raised
+    leaves the usual way, so the launcher reports its exception.
+    """
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        _destroy_default_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
