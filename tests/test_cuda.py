@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_distributed
+from test_comm_p2p import _HAND_P2P
 from test_engine_overlap import (
     GQ_WARMUP,
     OTHER_STEPS,
@@ -56,7 +57,7 @@ pytestmark = [
 ]
 
 WORLD = 2
-P2P_COLLECTIVES = {"ring", "tree", "art_ring", "art_tree", "marsit", "marsit_cascade", "gradiveq_ring", "auto_sparse"}
+P2P_COLLECTIVES = _HAND_P2P  # the CPU refusal test's hand-written list of point-to-point collectives
 SLEEP_CYCLES = 40_000_000  # ~20 ms at ~2 GHz: far longer than any kernel of these tiny models
 
 
