@@ -291,3 +291,33 @@ def test_a_method_slower_than_modelled_is_charged_alone_and_the_runner_up_is_mea
     assert other._corrections == chooser._corrections and other._explore_left == 0 and other.chosen == "topk"
     with pytest.raises(ValueError, match="version 1"):
         other.load_state_dict({**state, "version": 1})
+
+
+@pytest.fixture
+def _gloo_world_of_one():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_candidates_that_cannot_travel_on_this_backend_are_refused_at_setup(_gloo_world_of_one):
+    """gloo cannot send CUDA tensors point to point: ``artopk`` (``auto_sparse`` may pick ART-Ring or
+    ART-Tree) is refused when the chooser is built, not when auto first switches to it; the default
+    candidates (allgather / allreduce / buckets) are accepted, and CPU gradients accept ``artopk``."""
+    import torch
+
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    engine = _FakeEngine(NetworkModel(0.0, 8 / 1e9))
+    engine.world_size = 2  # as in a multi-rank run; the group's backend is what is judged
+    engine.device = torch.device("cuda")  # only the device type is read: no GPU needed
+    AutoChooser(engine, AutoConfig(), torch.nn.Linear(1, 1), [])  # the defaults all travel
+    with pytest.raises(ValueError, match=r"auto candidate 'artopk' cannot run here: collective 'auto_sparse' "
+                                         r"sends CUDA tensors point to point.*drop 'artopk' from auto_candidates"):
+        AutoChooser(engine, AutoConfig(candidates=("ddp", "topk", "artopk")), torch.nn.Linear(1, 1), [])
+    engine.device = torch.device("cpu")
+    AutoChooser(engine, AutoConfig(candidates=("ddp", "topk", "artopk")), torch.nn.Linear(1, 1), [])
