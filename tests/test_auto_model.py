@@ -321,3 +321,55 @@ def test_candidates_that_cannot_travel_on_this_backend_are_refused_at_setup(_glo
         AutoChooser(engine, AutoConfig(candidates=("ddp", "topk", "artopk")), torch.nn.Linear(1, 1), [])
     engine.device = torch.device("cpu")
     AutoChooser(engine, AutoConfig(candidates=("ddp", "topk", "artopk")), torch.nn.Linear(1, 1), [])
+
+
+def test_a_severe_drift_re_decides_after_one_window_a_moderate_one_waits_for_patience(monkeypatch):
+    """A window at >= severe_drift x the reference (either way) re-decides at once; +50 % waits for
+    ``patience`` windows; ``min_interval`` still holds; ``severe_drift=0`` turns the shortcut off."""
+    import torch
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    wl = Workload(0.001, (0.001,), (1_000_000,))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 80_000.0, 0.5, True)]
+
+    def settled(severe, min_interval=1):
+        engine = _FakeEngine(NetworkModel(0.0, 8 / 1e13))
+        cfg = AutoConfig(candidates=("ddp", "topk"), window=2, drift=0.3, patience=3, min_interval=min_interval,
+                         probe_every=0, severe_drift=severe)
+        ch = AutoChooser(engine, cfg, torch.nn.Linear(1, 1), [])
+        ch.workload, ch.costs = wl, costs
+        ch._decide(0, "warmup", probe=False)
+        ref = ch.predictions["ddp"].step_s
+        _window(ch, 2, 9.0)  # settling
+        _window(ch, 4, ref)  # reference (calibration: no error, no switch)
+        assert [h["trigger"] for h in ch.history] == ["warmup", "calibration"]
+        return ch, ref
+
+    ch, ref = settled(2.0)
+    _window(ch, 6, 1.5 * ref)  # moderate: 1 of 3 windows
+    _window(ch, 8, 1.9 * ref)  # just under 2x: 2 of 3
+    assert [h["trigger"] for h in ch.history] == ["warmup", "calibration"]
+    _window(ch, 10, 1.0 * ref)  # back: the count restarts
+    _window(ch, 12, 2.0 * ref)  # 2x: at once, although only one window drifted
+    assert [h["trigger"] for h in ch.history] == ["warmup", "calibration", "drift"]
+
+    ch, ref = settled(2.0)
+    _window(ch, 6, 0.5 * ref)  # twice as fast counts as well (a link that came back)
+    assert [h["trigger"] for h in ch.history][-1] == "drift"
+
+    ch, ref = settled(0)
+    for step in (6, 8):
+        _window(ch, step, 10 * ref)  # off: even 10x waits for patience
+    assert [h["trigger"] for h in ch.history] == ["warmup", "calibration"]
+    _window(ch, 10, 10 * ref)
+    assert [h["trigger"] for h in ch.history][-1] == "drift"
+
+    ch, ref = settled(2.0, min_interval=50)
+    _window(ch, 6, 10 * ref)  # within min_interval of the last decision: not yet
+    assert [h["trigger"] for h in ch.history] == ["warmup", "calibration"]
+
+    with pytest.raises(ValueError, match=r"auto_severe_drift=1.0 must be 0 \(off\) or a factor > 1"):
+        AutoConfig(severe_drift=1.0)

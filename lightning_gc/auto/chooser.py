@@ -17,7 +17,8 @@ when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
    dense mode flushes it into its next step).
 4. **Watch**: the median step of every ``window`` steps (agreed, MAX) is compared with a reference:
    the second window after the decision (the first holds the switch itself). A drift of more than
-   ``drift`` (relative) for ``patience`` windows in a row, at least ``min_interval`` steps after the
+   ``drift`` (relative) for ``patience`` windows in a row (one window if the step moved by
+   ``severe_drift``× or more), at least ``min_interval`` steps after the
    last decision, re-probes the network and decides again from the stored compute and codec
    measurements (trigger ``"drift"``); the method is switched only if the choice changed (every
    re-decision is in the history either way).
@@ -99,6 +100,14 @@ class AutoConfig:
             numerics cost 20 steps of 0.24 s before auto moved (quickstart MLP, 4 ranks).
         drift: relative change of a window's median step against the reference that counts as drift.
         patience: drifted windows in a row before re-deciding.
+        severe_drift: a window whose median step is at least this many times the reference, or at
+            most its inverse, re-decides at once, without waiting for ``patience`` (``min_interval``
+            still applies); 0 turns it off. A link that fell tenfold makes the step of a dense mode
+            several times longer, and every step spent waiting for a second window costs that much
+            (on the quickstart MLP a 16-bit step at 10 Mbit/s is ~0.2 s against Top-k's ~0.05 s;
+            docs/auto.md, "A changing link"). A median of ``window`` steps moves by 2x only if most of the window moved, so a single
+            slow step (a validation, a pause) does not trigger it; a false trigger costs one probe
+            and usually keeps the method.
         min_interval: steps between two decisions at least.
         probe_every: re-probe and decide again this many steps after the last decision even without
             drift (0: never): a link that gets faster may not move the step of a compressed method
@@ -120,6 +129,7 @@ class AutoConfig:
     window: int = 5
     drift: float = 0.3
     patience: int = 2
+    severe_drift: float = 2.0
     min_interval: int = 30
     probe_every: int = 100
     explore: int = 2
@@ -145,6 +155,10 @@ class AutoConfig:
         _int("repeats", self.repeats, 1, "Use at least 1.")
         _int("window", self.window, 2, "Use at least 2 steps per window.")
         _int("patience", self.patience, 1, "Use at least 1.")
+        sv = self.severe_drift
+        if isinstance(sv, bool) or not isinstance(sv, (int, float)) or not math.isfinite(sv) or not (sv == 0 or sv > 1):
+            raise ValueError(f"auto_severe_drift={sv!r} must be 0 (off) or a factor > 1 (e.g. 2.0: a window at twice or "
+                             "half the reference step re-decides at once).")
         _int("min_interval", self.min_interval, 1, "Use at least 1.")
         _int("probe_every", self.probe_every, 0, "Use 0 to re-decide on drift only.")
         _int("explore", self.explore, 0, "Use 0 to settle on measured methods after the first calibration.")
@@ -307,13 +321,17 @@ class AutoChooser(StepParticipant):
             return
         moved = abs(med - self._reference) / self._reference > self.config.drift if self._reference > 0 else False
         self._drifted = self._drifted + 1 if moved else 0
+        sv = self.config.severe_drift
+        severe = bool(sv) and self._reference > 0 and med > 0 and max(med / self._reference, self._reference / med) >= sv
         last = self._last_decision_step if self._last_decision_step is not None else -10**9
         if self.config.probe_every and step - last >= self.config.probe_every:
             self._decide(step, "periodic", probe=True)
             return
-        if self._drifted >= self.config.patience and step - last >= self.config.min_interval:
+        if (self._drifted >= self.config.patience or severe) and step - last >= self.config.min_interval:
+            why = (f"at least {sv:g}x in one window" if severe and self._drifted < self.config.patience else
+                   f"drift > {100 * self.config.drift:.0f}% for {self._drifted} windows")
             rank_zero_info(f"lightning_gc auto: step {1e3 * med:.1f} ms vs {1e3 * self._reference:.1f} ms after the last "
-                           f"decision (drift > {100 * self.config.drift:.0f}% for {self._drifted} windows): re-deciding")
+                           f"decision ({why}): re-deciding")
             self._decide(step, "drift", probe=True)
 
     # ------------------------------------------------------------------ measurement

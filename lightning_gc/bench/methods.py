@@ -46,7 +46,7 @@ runs the simple compress–allreduce–decompress path instead of the ring of Al
 picks one method among its candidates and may re-decide on drift (:mod:`lightning_gc.auto`). Its
 options are the :class:`~lightning_gc.auto.chooser.AutoConfig` fields, bare or as ``auto_<field>``
 (``candidates``, ``progress_weight``, ``skip_steps``, ``profile_steps``, ``repeats``, ``window``,
-``drift``, ``patience``, ``min_interval``); ``candidates`` joins names with ``+`` (``,`` separates
+``drift``, ``patience``, ``severe_drift``, ``min_interval``, ...); ``candidates`` joins names with ``+`` (``,`` separates
 methods, ``:`` options), e.g. ``auto,auto:progress_weight=0.5,auto:candidates=ddp+fp16+topk``.
 The GCStrategy engine keys (``warmup_steps``, ``network_alpha_s``, ``probe_*``, ``seed``,
 ``bucket_cap_mb``, ...) go to ``GCStrategy`` as for any compressor. ``auto`` takes no ``ratio``
