@@ -373,3 +373,61 @@ def test_a_severe_drift_re_decides_after_one_window_a_moderate_one_waits_for_pat
 
     with pytest.raises(ValueError, match=r"auto_severe_drift=1.0 must be 0 \(off\) or a factor > 1"):
         AutoConfig(severe_drift=1.0)
+
+
+def test_a_correction_holds_for_the_link_it_was_measured_on(monkeypatch):
+    """The quickstart run on a 1 Gbit/s -> 10 Mbit/s -> 1 Gbit/s link: ``lowrank`` runs far under its
+    prediction on the slow link; carried back to the fast link that correction made it look faster
+    than DDP, and auto stayed on it at 2.3x DDP's step. A correction is used only on a link within
+    a factor 2 of the one it was measured on; a method already measured there keeps its newest
+    figure without a re-decision."""
+    import torch
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    fast, slow = NetworkModel(1e-4, 8 / 1e9), NetworkModel(1e-4, 8 / 1e7)
+    wl = Workload(0.001, (0.001,), (1_000_000,))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("lowrank", "lowrank", 0.06, 40_000.0, 0.3, True)]
+    engine = _FakeEngine(fast)
+    cfg = AutoConfig(candidates=("ddp", "lowrank"), window=2, explore=0, probe_every=0, severe_drift=0)
+    ch = AutoChooser(engine, cfg, torch.nn.Linear(1, 1), [])
+    ch.workload, ch.costs = wl, costs
+    ch._decide(0, "warmup", probe=False)
+    raw_fast = {k: p.step_s for k, p in ch.predictions.items()}  # nothing measured yet: the raw model
+    assert ch.chosen == "ddp"
+    _window(ch, 2, 9.0)
+    _window(ch, 4, raw_fast["ddp"] + 0.002)  # ddp measured 2 ms over the model on the fast link
+    assert ch._corrections == {"ddp": pytest.approx(0.002)}
+
+    engine.network.model = slow
+    ch._decide(6, "periodic", probe=True)
+    raw_slow = {k: p.step_s for k, p in ch.predictions.items()}
+    assert ch.chosen == "lowrank"
+    _window(ch, 8, 9.0)
+    _window(ch, 10, raw_slow["lowrank"] - 0.05)  # 50 ms under the model on the slow link
+    assert ch._corrections["lowrank"] == pytest.approx(-0.05)
+    assert ch.chosen == "lowrank" and ch.history[-1]["trigger"] == "calibration"
+    # with -50 ms lowrank would look faster than DDP on the fast link: the premise of the test
+    assert (raw_fast["lowrank"] - 0.05) * 1.3 < raw_fast["ddp"] + 0.002 < raw_fast["lowrank"]
+
+    engine.network.model = fast
+    ch._decide(12, "periodic", probe=True)
+    assert ch.chosen == "ddp"
+    assert ch.predictions["lowrank"].step_s == pytest.approx(raw_fast["lowrank"])  # judged by the raw model
+    assert ch.predictions["ddp"].step_s == pytest.approx(raw_fast["ddp"] + 0.002)  # its fast-link correction holds
+    n = len(ch.history)
+    _window(ch, 14, 9.0)
+    _window(ch, 16, 0.5 * raw_fast["ddp"])  # ddp measured again, faster: the newer figure, no re-decision
+    assert ch._corrections["ddp"] == pytest.approx(-0.5 * raw_fast["ddp"]) and len(ch.history) == n
+
+    engine.network.model = slow  # back on the slow link, lowrank's slow-link correction counts again
+    ch._decide(18, "periodic", probe=True)
+    assert ch.chosen == "lowrank"
+    assert ch.predictions["lowrank"].step_s == pytest.approx(raw_slow["lowrank"] - 0.05)
+
+    state = ch.state_dict()  # the tags survive a checkpoint
+    other = AutoChooser(_FakeEngine(slow), cfg, torch.nn.Linear(1, 1), [])
+    other.load_state_dict(state)
+    assert other._valid_corrections() == ch._valid_corrections()

@@ -189,6 +189,13 @@ class AutoConfig:
         return {**asdict(self), "candidates": list(self.candidates)}
 
 
+#: a per-method correction measured on a link whose bandwidth differs from the current one by more
+#: than this factor is not used (:meth:`AutoChooser._valid_corrections`); probes of one 1 Gbit/s
+#: link varied well within it
+STALE_NETWORK_FACTOR = 2.0
+_BETA_FLOOR = 1e-12  # s/byte (8 Tbit/s): an unlimited link (β = 0) compares as a very fast one
+
+
 def _check_candidates_can_travel(candidates: list[AutoCandidate], engine: Any) -> None:
     """Refuse, at setup, an engine candidate whose collective this backend cannot run on the
     gradients' device (point-to-point rings and trees of CUDA tensors on gloo: ``artopk``'s
@@ -241,6 +248,9 @@ class AutoChooser(StepParticipant):
         self._settling = True
         #: measured step minus raw prediction, per method that has run (replicated: agreed windows)
         self._corrections: dict[str, float] = {}
+        #: per method: the network's β (s/byte) when its correction was measured (see _valid_corrections)
+        self._correction_beta: dict[str, float] = {}
+        self._used_corrections: dict[str, float] = {}  # the corrections the current predictions used
         self._explore_left = config.explore
         self._drifted = 0
         self._window: list[float] = []
@@ -414,12 +424,15 @@ class AutoChooser(StepParticipant):
             self.workload = Workload(w.forward_s, w.backward_s, w.numels, w.optimizer_s, other)
             # the profiled steps ran DDP's path and `other` makes its prediction their wall: measured
             self._corrections.setdefault("ddp", 0.0)
+            self._correction_beta.setdefault("ddp", self.network.beta_s_per_byte)
         if trigger != "calibration":  # a probed decision: the model's pick, and a fresh exploration budget
             self._explore_left = self.config.explore
         explore = trigger != "calibration" or self._explore_left > 0
-        best, preds = choose_measured(self.costs, self._corrections, self.workload, self.network, ws,
+        valid = self._valid_corrections()
+        best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
                                       self.config.progress_weight, explore=explore)
-        if trigger == "calibration" and best not in self._corrections:
+        self._used_corrections = valid
+        if trigger == "calibration" and best not in valid:
             self._explore_left -= 1
         previous = self.chosen
         if best != previous:
@@ -433,7 +446,7 @@ class AutoChooser(StepParticipant):
                  "workload": self.workload.as_dict(), "costs": [c.as_dict() for c in self.costs],
                  "predictions": {k: v.as_dict() for k, v in preds.items()},
                  "dense_wall_s": dense_wall_s, "measured_step_s": None,
-                 "corrections": dict(self._corrections), "explore_left": self._explore_left,
+                 "corrections": dict(valid), "explore_left": self._explore_left,
                  # replicated state: the slowest rank's time, like every other figure here
                  "decide_s": agree_values([time.perf_counter() - t0], "max", engine.process_group, engine.device)[0]}
         self.history.append(entry)
@@ -447,16 +460,40 @@ class AutoChooser(StepParticipant):
                            + table(preds, best))
 
     def _calibrate(self, step: int, measured_s: float) -> None:
-        """The first time a method has run, its measured step minus the raw model's prediction becomes
-        that method's correction (what the model does not see: the engine's worker and agreements,
-        Python per step, contention, its own collective), and the choice is made again without a new
-        probe (trigger ``"calibration"``; once per method): see :func:`choose_measured`."""
+        """Every reference window sets the running method's correction: its measured step minus the
+        raw model's prediction (what the model does not see: the engine's worker and agreements,
+        Python per step, contention, its own collective), tagged with the network it was measured on.
+        If the method had no valid correction before (it had not run, or only on another network),
+        the choice is made again at once without a new probe (trigger ``"calibration"``): see
+        :func:`choose_measured`. A method already measured on this network just keeps the newer
+        figure (no re-decision, so two measured methods cannot take turns)."""
         chosen = self.chosen
-        assert chosen is not None and self.costs is not None
-        if chosen in self._corrections:
-            return
-        self._corrections[chosen] = measured_s - self.predictions[chosen].step_s
-        self._decide(step, "calibration", probe=False)
+        assert chosen is not None and self.costs is not None and self.network is not None
+        was_valid = chosen in self._valid_corrections()
+        raw = self.predictions[chosen].step_s - self._used_corrections.get(chosen, 0.0)
+        self._corrections[chosen] = measured_s - raw
+        self._correction_beta[chosen] = self.network.beta_s_per_byte
+        if not was_valid:
+            self._decide(step, "calibration", probe=False)
+
+    def _valid_corrections(self) -> dict[str, float]:
+        """The corrections measured on a network like the current one. An additive correction holds
+        for the link it was measured on: measured on the quickstart MLP, ``lowrank`` ran 24 ms under
+        its prediction at a probed 7.5 Mbit/s; carried to the link back at 920 Mbit/s it predicted
+        19.8 ms for a method that ran 39.9 ms, and auto stayed on it at 2.3x DDP's step. A correction
+        whose network's bandwidth differs from the current one by more than
+        :data:`STALE_NETWORK_FACTOR` is left out, and its method is judged by the raw model again
+        (and explored, if that favours it)."""
+        if self.network is None:
+            return dict(self._corrections)
+        now = self.network.beta_s_per_byte + _BETA_FLOOR
+        out = {}
+        for name, corr in self._corrections.items():
+            then = self._correction_beta.get(name)
+            if then is not None and max(now / (then + _BETA_FLOOR), (then + _BETA_FLOOR) / now) > STALE_NETWORK_FACTOR:
+                continue
+            out[name] = corr
+        return out
 
     def _probe(self) -> NetworkModel:
         """α from 64-byte ring shifts timed before any large message, β from the slope between two
@@ -498,6 +535,7 @@ class AutoChooser(StepParticipant):
             "network": [self.network.alpha_s, self.network.beta_s_per_byte] if self.network is not None else None,
             "reference": self._reference, "drifted": self._drifted, "settling": self._settling,
             "corrections": dict(self._corrections), "explore_left": self._explore_left,
+            "correction_beta": dict(self._correction_beta), "used_corrections": dict(self._used_corrections),
             "last_decision_step": self._last_decision_step,
         }
 
@@ -520,6 +558,9 @@ class AutoChooser(StepParticipant):
         self._reference, self._drifted = state.get("reference"), int(state.get("drifted", 0))
         self._settling = bool(state.get("settling", True))
         self._corrections = {str(k): float(v) for k, v in state.get("corrections", {}).items()}
+        # written before corrections were tagged with their network: every correction counts as current
+        self._correction_beta = {str(k): float(v) for k, v in state.get("correction_beta", {}).items()}
+        self._used_corrections = {str(k): float(v) for k, v in state.get("used_corrections", {}).items()}
         self._explore_left = int(state.get("explore_left", self.config.explore))
         self._last_decision_step = state.get("last_decision_step")
         self._window = []
