@@ -431,3 +431,21 @@ def test_a_correction_holds_for_the_link_it_was_measured_on(monkeypatch):
     other = AutoChooser(_FakeEngine(slow), cfg, torch.nn.Linear(1, 1), [])
     other.load_state_dict(state)
     assert other._valid_corrections() == ch._valid_corrections()
+
+
+def test_a_negative_correction_is_a_measured_step_and_is_not_floored_at_the_profiled_compute():
+    """The raw model never predicts below forward + backward + optimizer; a measured method that ran
+    faster than that (the profiled warm-up step is slow) is predicted at its measurement, so two
+    measured methods under the floor still rank by what they did."""
+    from lightning_gc.auto.model import predict
+
+    wl = Workload(0.05, (0.1,), (1_000_000,), optimizer_s=0.05, other_s=0.02)  # compute 0.2 s
+    net = NetworkModel(1e-4, 8 / 1e9)
+    raw = predict(MethodCost("topk", "allgather", 0.01, 40_000.0), wl, net, 4).step_s
+    assert raw >= 0.2  # the raw model is floored at the compute
+    for overhead in (-0.15, -0.1, 0.03):
+        got = predict(MethodCost("topk", "allgather", 0.01, 40_000.0, overhead_s=overhead), wl, net, 4).step_s
+        assert got == pytest.approx(raw + overhead)
+    a = predict(MethodCost("topk", "allgather", 0.01, 40_000.0, overhead_s=-0.15), wl, net, 4).step_s
+    b = predict(MethodCost("topk", "allgather", 0.01, 40_000.0, overhead_s=-0.10), wl, net, 4).step_s
+    assert a < b < 0.2

@@ -124,7 +124,8 @@ class MethodCost:
         exact_bytes: bytes of the small tensors the engine sends exactly beside the group.
         overhead_s: measured per-step time of this method's path beyond the model (signed; the live
             chooser sets it per method from the method's first measured window, see
-            :func:`choose_measured`); the predicted step never drops below the compute.
+            :func:`choose_measured`). Without it (or with a positive one) the predicted step never
+            drops below the profiled compute; a negative one is a measured step and is not floored.
     """
 
     name: str
@@ -172,6 +173,9 @@ class Prediction:
     def as_dict(self) -> dict:
         return asdict(self)
 
+
+#: floor of a prediction with a negative (measured) correction
+MIN_PREDICTED_STEP_S = 1e-4
 
 def ddp_buckets(numels: Sequence[int], first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
                 bucket_bytes: int = DDP_BUCKET_BYTES) -> list[int]:
@@ -251,7 +255,12 @@ def predict(cost: MethodCost, workload: Workload, network: NetworkModel, world_s
         comm_total = tc + control + exact
         codec = cost.codec_s
         end = bwd_end + codec + comm_total
-    step = max(w.forward_s + end + w.optimizer_s + w.other_s + cost.overhead_s, compute)
+    step = w.forward_s + end + w.optimizer_s + w.other_s + cost.overhead_s
+    # the raw model (overhead 0 or more) never predicts below the profiled compute. A negative
+    # correction is a measurement that the method ran faster than that: the profiled warm-up step is
+    # slower than a settled one (gpt, 1 Gbit/s: profiled compute 199 ms, settled 16-bit steps 103 ms
+    # in all). Flooring it at the profiled compute made every measured method look alike.
+    step = max(step, compute) if cost.overhead_s >= 0 else max(step, MIN_PREDICTED_STEP_S)
     eff = efficiency(cost, n, progress_weight)
     return Prediction(cost.name, step, compute, codec, comm_total, max(step - compute - w.other_s, 0.0), eff,
                       step / eff, details)
