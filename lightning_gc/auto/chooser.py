@@ -105,9 +105,9 @@ class AutoConfig:
             still applies); 0 turns it off. A link that fell tenfold makes the step of a dense mode
             several times longer, and every step spent waiting for a second window costs that much
             (on the quickstart MLP a 16-bit step at 10 Mbit/s is ~0.2 s against Top-k's ~0.05 s;
-            docs/auto.md, "A changing link"). A median of ``window`` steps moves by 2x only if most of the window moved, so a single
-            slow step (a validation, a pause) does not trigger it; a false trigger costs one probe
-            and usually keeps the method.
+            docs/auto.md, "A changing link"). A median of ``window`` steps moves by 2x only if most
+            of the window moved, so a single slow step (a validation, a pause) does not trigger it;
+            a false trigger costs one probe and usually keeps the method.
         min_interval: steps between two decisions at least.
         probe_every: re-probe and decide again this many steps after the last decision even without
             drift (0: never): a link that gets faster may not move the step of a compressed method
@@ -201,10 +201,10 @@ def _check_candidates_can_travel(candidates: list[AutoCandidate], engine: Any) -
     gradients' device (point-to-point rings and trees of CUDA tensors on gloo: ``artopk``'s
     ``auto_sparse`` may pick ART-Ring or ART-Tree). Without this, the run would fail at the step
     where auto first switched to it, after the profile and measurements."""
+    import torch.distributed as dist
+
     from ..comm.registry import check_point_to_point, validate_collective
     from ..compressors import build_compressor
-
-    import torch.distributed as dist
 
     if engine.world_size <= 1 or not dist.is_initialized():
         return
@@ -250,7 +250,6 @@ class AutoChooser(StepParticipant):
         self._corrections: dict[str, float] = {}
         #: per method: the network's β (s/byte) when its correction was measured (see _valid_corrections)
         self._correction_beta: dict[str, float] = {}
-        self._used_corrections: dict[str, float] = {}  # the corrections the current predictions used
         self._explore_left = config.explore
         self._drifted = 0
         self._window: list[float] = []
@@ -431,7 +430,6 @@ class AutoChooser(StepParticipant):
         valid = self._valid_corrections()
         best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
                                       self.config.progress_weight, explore=explore)
-        self._used_corrections = valid
         if trigger == "calibration" and best not in valid:
             self._explore_left -= 1
         previous = self.chosen
@@ -470,7 +468,8 @@ class AutoChooser(StepParticipant):
         chosen = self.chosen
         assert chosen is not None and self.costs is not None and self.network is not None
         was_valid = chosen in self._valid_corrections()
-        raw = self.predictions[chosen].step_s - self._used_corrections.get(chosen, 0.0)
+        # the last decision's predictions used the corrections its history entry records
+        raw = self.predictions[chosen].step_s - self.history[-1]["corrections"].get(chosen, 0.0)
         self._corrections[chosen] = measured_s - raw
         self._correction_beta[chosen] = self.network.beta_s_per_byte
         if not was_valid:
@@ -535,7 +534,7 @@ class AutoChooser(StepParticipant):
             "network": [self.network.alpha_s, self.network.beta_s_per_byte] if self.network is not None else None,
             "reference": self._reference, "drifted": self._drifted, "settling": self._settling,
             "corrections": dict(self._corrections), "explore_left": self._explore_left,
-            "correction_beta": dict(self._correction_beta), "used_corrections": dict(self._used_corrections),
+            "correction_beta": dict(self._correction_beta),
             "last_decision_step": self._last_decision_step,
         }
 
@@ -560,7 +559,6 @@ class AutoChooser(StepParticipant):
         self._corrections = {str(k): float(v) for k, v in state.get("corrections", {}).items()}
         # written before corrections were tagged with their network: every correction counts as current
         self._correction_beta = {str(k): float(v) for k, v in state.get("correction_beta", {}).items()}
-        self._used_corrections = {str(k): float(v) for k, v in state.get("used_corrections", {}).items()}
         self._explore_left = int(state.get("explore_left", self.config.explore))
         self._last_decision_step = state.get("last_decision_step")
         self._window = []

@@ -177,6 +177,7 @@ class Prediction:
 #: floor of a prediction with a negative (measured) correction
 MIN_PREDICTED_STEP_S = 1e-4
 
+
 def ddp_buckets(numels: Sequence[int], first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
                 bucket_bytes: int = DDP_BUCKET_BYTES) -> list[int]:
     """Bucket sizes in tensors, in ready order: a bucket closes once its fp32 bytes reach its cap
