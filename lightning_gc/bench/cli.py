@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--val-batches", type=_val_batches, default=8, help="validation batches (count or fraction)")
     w.add_argument("--target", type=float, default=None, help="metric target for time-to-target (default: preset's)")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--repeat", type=int, default=1, metavar="R",
+                   help="run the method list R times in interleaved rounds and report each method's median over the "
+                        "rounds, ratios taken within each round (the machine's speed drifts between methods; "
+                        "docs/bench.md, 'Repeats')")
     w.add_argument("--fidelity", action="store_true",
                    help="measure every step how far each method's gradient and update are from exact DDP's "
                         "(GradientFidelity: one extra dense allreduce per step, so not for timing runs; docs/bench.md)")
@@ -175,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps, budget_s=args.budget, warmup=args.warmup, compute_steps=args.compute_steps, eval_every=args.eval_every,
         val_batches=args.val_batches, target=args.target, seed=args.seed, threads=args.threads,
         shaper=args.shaper, shape_ingress=not args.no_shape_ingress, network=args.network,
-        timeout_s=args.timeout, logs_dir=args.logs, fidelity=args.fidelity,
+        timeout_s=args.timeout, logs_dir=args.logs, fidelity=args.fidelity, repeat=args.repeat,
     )
     if args.prepare and args.collect:
         print("lightning-gc bench: error: --prepare and --collect are two separate steps; give one of them",

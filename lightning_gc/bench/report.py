@@ -225,7 +225,10 @@ def markdown(doc: dict) -> str:
          f"steps)" if c.get("budget_s") else f"{c['steps']} steps per method")
         + f", first {c['warmup']} not timed; compute time from {c['compute_steps']} "
         f"replayed steps without gradient sync. Bytes are per rank per step. Ratios are against `ddp` in this run "
-        f"and against the best torch baseline in this run ({_best_baselines(doc)}).",
+        f"and against the best torch baseline in this run ({_best_baselines(doc)})."
+        + (f" **{c['rounds']} rounds**: every method ran once per round, rounds one after another; each row is the "
+           "method's median over the rounds, and each ratio the median of the ratios within a round (per round: "
+           "'Rounds' below)." if (c.get("rounds") or 1) > 1 else ""),
         "",
         f"| method | step (median) | IQR |{' step (mean) |' if varying else ''} compute | exposed comm | "
         f"{'floor (mean)' if varying else 'floor'} | step / DDP | step / best baseline | engine bytes | wire bytes "
@@ -248,6 +251,7 @@ def markdown(doc: dict) -> str:
             f"| {_s(r['time_to_target_s']) if r['time_to_target_s'] is not None else 'not reached'} "
             f"| {_r(r['time_to_target_ratio_vs_ddp'])} | {_r(r.get('time_to_target_ratio_vs_best_baseline'))} |"
         )
+    lines += _rounds_section(doc)
     lines += _auto_section(doc)
     lines += _fidelity_section(doc)
     errors = [r for r in doc["results"] if r["status"] != "ok"]
@@ -270,6 +274,33 @@ def markdown(doc: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _rounds_section(doc: dict) -> list[str]:
+    """Per method and round (``--repeat``): step and time to target, each with its ratio to that
+    round's best baseline, so the spread behind the medians is visible."""
+    rows = [r for r in doc["results"] if r.get("rounds")]
+    if not rows:
+        return []
+    n = max(len(r["rounds"]) for r in rows)
+    lines = ["", "## Rounds", "",
+             "Each round's median step and time to target, in brackets the ratio to that round's best baseline; "
+             "the row above is their median (the step's from the round marked *).", "",
+             "| method | " + " | ".join(f"round {k + 1}" for k in range(n)) + " |",
+             "|---|" + "---|" * n]
+    for r in rows:
+        cells = []
+        for rd in r["rounds"]:
+            if rd["status"] != "ok":
+                cells.append("failed")
+                continue
+            ttt = "not reached" if rd["time_to_target_s"] is None else (
+                f"{_s(rd['time_to_target_s'])} ({_r(rd.get('time_to_target_ratio_vs_best_baseline'))})")
+            mark = "*" if r.get("median_round") == rd["round"] else ""
+            cells.append(f"{mark}{_s(rd['step_time_s'])} ({_r(rd.get('ratio_vs_best_baseline'))}); TTT {ttt}"
+                         + (f"; picked {rd['auto_pick']}" if rd.get("auto_pick") else ""))
+        lines.append(f"| `{r['label']}` | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _link(network: dict | None) -> str:

@@ -39,6 +39,7 @@ from lightning_gc.bench.methods import (
     parse_methods,
     ring_factor,
 )
+from lightning_gc.bench.repeats import combine_rounds
 from lightning_gc.bench.report import auto_pick
 from lightning_gc.bench.schedule import Schedule, format_rate, parse_rate, parse_schedule
 from lightning_gc.bench.worker import PEER_LOST_EXIT
@@ -91,6 +92,7 @@ class BenchConfig:
     timeout_s: float = 1800.0  # per method
     logs_dir: str | None = None  # keep per-rank logs here (default: temporary, removed)
     fidelity: bool = False  # add GradientFidelity to every method (one extra dense allreduce per step)
+    repeat: int = 1  # rounds of the whole method list, interleaved; combined per method (repeats.py)
     fail_rank: int | None = None  # test hook: this rank raises ...
     fail_step: int | None = None  # ... at this step
 
@@ -121,6 +123,7 @@ def resolve(cfg: BenchConfig) -> dict:
             f"smaller --warmup"
         )
     _check_int("--compute-steps", cfg.compute_steps, 1, "e.g. --compute-steps 5")
+    repeat = _check_int("--repeat", cfg.repeat, 1, "e.g. --repeat 3 (each method runs 3 times, in rounds)")
     budget_s = cfg.budget_s
     if budget_s is not None:
         if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
@@ -190,6 +193,7 @@ def resolve(cfg: BenchConfig) -> dict:
         "boundaries": boundaries,
         "specs": specs,
         "threads": threads,
+        "repeat": repeat,
     }
 
 
@@ -664,7 +668,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     restore_signals = netns.install_signal_handlers()
     cluster: netns.EmulatedCluster | None = None
     tmp_root = None
-    results: list[dict] = []
+    rounds: list[list[dict]] = []
     started = time.time()
     try:
         if emulated:
@@ -683,31 +687,12 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
             os.makedirs(base, exist_ok=True)
         else:
             tmp_root = base = tempfile.mkdtemp(prefix="lgc-bench-")
-        for i, spec in enumerate(specs):
-            log(f"[{i + 1}/{len(specs)}] {spec.label}: {r['ranks']} ranks on {r['hosts']} host(s), "
-                f"{r['steps']} steps ({r['warmup']} warm-up), preset {cfg.preset}")
-            t0 = time.monotonic()
-            run_dir = os.path.join(base, f"{i:02d}-{spec.label.replace(':', '_').replace('=', '-')}")
-            try:
-                rank_results = run_method(spec, i, cfg, r, cluster, run_dir, log)
-            except RankFailure as exc:
-                log(f"  [{spec.label}] FAILED: {exc}")
-                results.append(failed_result(spec, str(exc)))
-                continue
-            target = cfg.target if cfg.target is not None else rank_results[0]["target"]
-            res = aggregate(spec, rank_results, r, count_wire=emulated, target=target)
-            res["wall_time_s"] = time.monotonic() - t0
-            results.append(res)
-            if res["status"] != "ok":
-                log(f"  [{spec.label}] INVALID: {res['error']}")
-            else:
-                log(f"  [{spec.label}] done in {res['wall_time_s']:.0f}s: step {res['step_time_s']:.3f}s "
-                    f"(IQR {res['step_time_iqr_s']:.3f}), compute {_fmt_s(res['compute_time_s'])}, "
-                    f"engine {_fmt_b(res['bytes_per_step'])}/step, wire {_fmt_b(res['wire_bytes_per_step'])}/step, "
-                    f"{res['metric']} {_fmt_v(res['final_metric'])}"
-                    + (f", OSP deferred {res['osp_deferred_fraction_mean']:.0%} of the model on average"
-                       if res.get("osp_deferred_fraction_mean") is not None else "")
-                    + (f", auto picked {auto_pick(res)}" if res.get("auto") else ""))
+        rounds: list[list[dict]] = []
+        for rnd in range(r["repeat"]):
+            results = []
+            for i, spec in enumerate(specs):
+                results.append(_run_one(spec, i, rnd, cfg, r, cluster, base, emulated, log))
+            rounds.append(results)
     finally:
         if cluster is not None:
             cluster.destroy()
@@ -724,12 +709,46 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
         "latency_emulation": False,
         "wire_counter": "tx_bytes of the host interface (Ethernet+IP+TCP headers included)" if emulated else None,
     }
-    return build_document(cfg, r, results, network, started)
+    return build_document(cfg, r, rounds, network, started)
 
 
-def build_document(cfg: BenchConfig, r: dict, results: list[dict], network: dict, started: float) -> dict:
-    """The JSON document (schema in docs/bench.md) from the aggregated results."""
-    add_ratios(results)
+def _run_one(spec: MethodSpec, i: int, rnd: int, cfg: BenchConfig, r: dict, cluster, base: str, emulated: bool,
+             log: Callable[[str], None]) -> dict:
+    """Run and aggregate one method of one round (a failure becomes a failed result, the run goes on)."""
+    specs, many = r["specs"], r["repeat"] > 1
+    where = f"round {rnd + 1}/{r['repeat']}, " if many else ""
+    log(f"[{where}{i + 1}/{len(specs)}] {spec.label}: {r['ranks']} ranks on {r['hosts']} host(s), "
+        f"{r['steps']} steps ({r['warmup']} warm-up), preset {cfg.preset}")
+    t0 = time.monotonic()
+    name = f"{i:02d}-{spec.label.replace(':', '_').replace('=', '-')}" + (f"-round{rnd + 1}" if many else "")
+    try:
+        # a distinct port per run: a port of the previous round may still be in TIME_WAIT
+        rank_results = run_method(spec, i + rnd * len(specs), cfg, r, cluster, os.path.join(base, name), log)
+    except RankFailure as exc:
+        log(f"  [{spec.label}] FAILED: {exc}")
+        return failed_result(spec, str(exc))
+    target = cfg.target if cfg.target is not None else rank_results[0]["target"]
+    res = aggregate(spec, rank_results, r, count_wire=emulated, target=target)
+    res["wall_time_s"] = time.monotonic() - t0
+    if res["status"] != "ok":
+        log(f"  [{spec.label}] INVALID: {res['error']}")
+    else:
+        log(f"  [{spec.label}] done in {res['wall_time_s']:.0f}s: step {res['step_time_s']:.3f}s "
+            f"(IQR {res['step_time_iqr_s']:.3f}), compute {_fmt_s(res['compute_time_s'])}, "
+            f"engine {_fmt_b(res['bytes_per_step'])}/step, wire {_fmt_b(res['wire_bytes_per_step'])}/step, "
+            f"{res['metric']} {_fmt_v(res['final_metric'])}"
+            + (f", OSP deferred {res['osp_deferred_fraction_mean']:.0%} of the model on average"
+               if res.get("osp_deferred_fraction_mean") is not None else "")
+            + (f", auto picked {auto_pick(res)}" if res.get("auto") else ""))
+    return res
+
+
+def build_document(cfg: BenchConfig, r: dict, rounds: list[list[dict]], network: dict, started: float) -> dict:
+    """The JSON document (schema in docs/bench.md) from the aggregated results: one list per round
+    (``--repeat``), each with its own ratios, combined per method when there are several."""
+    for results in rounds:
+        add_ratios(results)
+    results = rounds[0] if len(rounds) == 1 else combine_rounds(rounds)
     first_ok = next((x for x in results if x["status"] == "ok"), None)
     sched = r["schedule"]
     config = {
@@ -748,6 +767,7 @@ def build_document(cfg: BenchConfig, r: dict, results: list[dict], network: dict
         "mode": first_ok["mode"] if first_ok else None,
         "target": first_ok["target"] if first_ok else cfg.target,
         "versions": _versions(),
+        "rounds": len(rounds),
         "started_unix": started,
     }
     return {
@@ -778,6 +798,11 @@ def prepare(cfg: BenchConfig, plan_dir: str, *, ifname: str | None = None, maste
             f"the emulated cluster instead"
         )
     r = resolve(cfg)
+    if r["repeat"] > 1:
+        raise BenchError(
+            f"--repeat {cfg.repeat} with --prepare: a real cluster's methods are launched by hand, one after another; "
+            "run the plan again (a new --prepare directory) and compare the reports, or drop --repeat"
+        )
     plan_dir = os.path.abspath(plan_dir)
     os.makedirs(plan_dir, exist_ok=True)
     commands, run_dirs = [], []
@@ -842,7 +867,7 @@ def collect(plan_dir: str, log: Callable[[str], None] = print) -> dict:
         "wire_counter": (f"tx_bytes of {ifname} on each node: ALL traffic of that NIC, not only training"
                          if ifname else None),
     }
-    return build_document(cfg, r, results, network, os.path.getmtime(path))
+    return build_document(cfg, r, [results], network, os.path.getmtime(path))
 
 
 def _versions() -> dict:
