@@ -449,3 +449,56 @@ def test_a_negative_correction_is_a_measured_step_and_is_not_floored_at_the_prof
     a = predict(MethodCost("topk", "allgather", 0.01, 40_000.0, overhead_s=-0.15), wl, net, 4).step_s
     b = predict(MethodCost("topk", "allgather", 0.01, 40_000.0, overhead_s=-0.10), wl, net, 4).step_s
     assert a < b < 0.2
+
+
+# --------------------------------------------------------------------------- the bandwidth probe's size
+BURST = 64 * 1024  # the bench shaper's token bucket (lightning_gc/bench/netns.py: tc_burst_bytes)
+
+
+def _shaped_link(alpha: float, beta: float, sent: list[int]):
+    """A simulated tc-shaped link: a message of S bytes takes α + max(S − bucket, 0)·β (the bucket's
+    bytes leave at line rate). Returns the ``measure`` callable of probe_bandwidth: the slope between
+    S/4 and S and the S-byte message's time, recording every message a real probe would send (one
+    warm-up and three timed runs of each size)."""
+    def t(size: int) -> float:
+        return alpha + max(size - BURST, 0) * beta
+
+    def measure(size: int) -> tuple[float, float]:
+        small = size // 4
+        sent.extend([small, size] * 4)
+        return (t(size) - t(small)) / (size - small), t(size)
+    return measure
+
+
+@pytest.mark.parametrize("rate_bps, want_size", [(20e6, 256 * 1024), (10e6, 256 * 1024), (1e9, 1024 * 1024)])
+def test_the_bandwidth_probe_is_sized_to_the_link_and_its_slope_is_the_links_beta(rate_bps, want_size):
+    from lightning_gc.auto.chooser import probe_bandwidth, probe_cap_bytes
+
+    beta = 8 / rate_bps
+    sent: list[int] = []
+    cap = probe_cap_bytes(4 * 1_000_000)  # a 1M-parameter model: capped at 1 MiB
+    assert cap == 1024 * 1024
+    got, size = probe_bandwidth(_shaped_link(3e-4, beta, sent), cap)
+    assert size == want_size
+    # both messages above the bucket: the bucket is a constant offset and the slope is exact
+    assert got == pytest.approx(beta, rel=1e-9)
+    if rate_bps < 1e8:  # a slow link: one round of 256 KiB + 64 KiB messages, not the 1 MiB cap
+        assert sum(sent) == 4 * (256 + 64) * 1024
+        assert sum(sent) * 4 == 4 * (1024 + 256) * 1024  # a quarter of the fixed-size probe's bytes
+    else:  # a fast link: the first round is too short (1.8 ms), the cap is measured next
+        assert sum(sent) == 4 * (256 + 64 + 1024 + 256) * 1024
+
+
+def test_a_small_model_probes_at_its_cap_at_once_and_growth_is_bounded():
+    from lightning_gc.auto.chooser import PROBE_TARGET_S, next_probe_bytes, probe_bandwidth, probe_cap_bytes
+
+    cap = probe_cap_bytes(4 * 84_000)  # the quickstart MLP: half its fp32 gradient
+    assert cap == 2 * 84_000
+    sent: list[int] = []
+    _, size = probe_bandwidth(_shaped_link(1e-4, 8 / 1e9, sent), cap)
+    assert size == cap and sum(sent) == 4 * (cap + cap // 4)  # one round, as before this rule
+    assert next_probe_bytes(cap, 1e-4, cap) is None
+    assert next_probe_bytes(1000, PROBE_TARGET_S / 4, 10**9) is None  # long enough
+    assert next_probe_bytes(1000, PROBE_TARGET_S / 2000, 10**9) == 1000 * 2000  # x target / time
+    assert next_probe_bytes(1000, PROBE_TARGET_S / 4.5, 10**9) == 4500
+    assert next_probe_bytes(1000, 1e-6, 5000) == 5000  # never past the cap

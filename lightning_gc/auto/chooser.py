@@ -61,17 +61,54 @@ log = logging.getLogger(__name__)
 
 #: the chooser's network probes: latency from small messages alone, first (a large message leaves bytes
 #: in the shaper's queue after its send completed, and a small one timed after it waits for them),
-#: then bandwidth from two larger ones sized to the model (:func:`bandwidth_probe`)
+#: then bandwidth from two larger ones sized to the link (:func:`next_probe_bytes`)
 PROBE_LATENCY = ProbeConfig(sizes_bytes=(64, 256), warmup=2, repeats=9)
+#: the bandwidth probe's large message starts at this size (or the cap, if smaller); its small one is
+#: a quarter of it. Both stay above a shaper's token bucket (64 KiB on the bench's links,
+#: lightning_gc.bench.netns.tc_burst_bytes): a bucket's worth of bytes goes out at line rate, and the
+#: slope between two messages that both exceed it is the link's β, unbiased
+PROBE_START_BYTES = 256 * 1024
+#: the large message is grown until it takes at least a quarter of this (bandwidth-bound wherever α
+#: is well under 5 ms), by the factor that would make it take this long
+PROBE_TARGET_S = 0.02
 
 
-def bandwidth_probe(model_bytes: int) -> ProbeConfig:
-    """Ring shifts of ``S/4`` and ``S`` bytes, ``S`` = half the model's fp32 gradient within
-    [128 KiB, 1 MiB]: large enough to be bandwidth-bound on a 1 Gbit/s link, and never several dense
-    steps' worth of traffic on a slow one (a fixed 256 KiB + 1 MiB probe took 4.4 s at 20 Mbit/s on
-    the 84k-parameter quickstart MLP, whose dense step is 0.22 s)."""
-    s = int(min(max(model_bytes // 2, 128 * 1024), 1024 * 1024))
-    return ProbeConfig(sizes_bytes=(s // 4, s), warmup=1, repeats=3)
+def probe_cap_bytes(model_bytes: int) -> int:
+    """The largest probe message: half the model's fp32 gradient within [128 KiB, 1 MiB], so that a
+    probe is never several dense steps' worth of traffic on a slow link (a fixed 256 KiB + 1 MiB probe
+    took 4.4 s at 20 Mbit/s on the 84k-parameter quickstart MLP, whose dense step is 0.22 s)."""
+    return int(min(max(model_bytes // 2, 128 * 1024), 1024 * 1024))
+
+
+def next_probe_bytes(size: int, large_s: float, cap: int) -> int | None:
+    """The next large-message size of the bandwidth probe, or ``None`` when ``size`` was enough.
+
+    ``large_s``: the (agreed) median time of the ``size``-byte message. It was enough when it took at
+    least ``PROBE_TARGET_S / 4`` (then ``size·β`` dominates α) or ``size`` is already ``cap``; else the
+    probe grows it by ``PROBE_TARGET_S / large_s`` (so more than 4×), at most to ``cap``. Why not always
+    the cap: on ``cnn`` or ``gpt`` at 20 Mbit/s a 1 MiB probe (with its 256 KiB partner, a warm-up
+    and three timed runs) sends ~5 MiB per rank, about 2 s, at the first decision and at every
+    periodic or drift re-probe; 256 KiB messages already take 0.1 s each there. On a fast link the
+    first, small round costs a few milliseconds before the cap is measured, as before."""
+    if size >= cap or large_s >= PROBE_TARGET_S / 4:
+        return None
+    grow = size * PROBE_TARGET_S / max(large_s, 1e-9)
+    return int(min(cap, round(grow)))  # > 4x size: large_s < PROBE_TARGET_S / 4
+
+
+def probe_bandwidth(measure: Callable[[int], tuple[float, float]], cap: int) -> tuple[float, int]:
+    """β (s/byte) from the slope between ``S/4``- and ``S``-byte messages, ``S`` grown from
+    :data:`PROBE_START_BYTES` (or ``cap``) by :func:`next_probe_bytes`; returns β and the last ``S``.
+
+    ``measure(S)`` returns that slope and the ``S``-byte message's time, both agreed across ranks (the
+    loop's decisions must be identical on every rank)."""
+    size = min(PROBE_START_BYTES, cap)
+    while True:
+        beta, large_s = measure(size)
+        nxt = next_probe_bytes(size, large_s, cap)
+        if nxt is None:
+            return beta, size
+        size = nxt
 
 
 def _int(name: str, value: Any, lo: int, hint: str) -> None:
@@ -251,6 +288,8 @@ class AutoChooser(StepParticipant):
         #: per method: the network's β (s/byte) when its correction was measured (see _valid_corrections)
         self._correction_beta: dict[str, float] = {}
         self._explore_left = config.explore
+        #: the large message of the last bandwidth probe (bytes; 0 before any probe or with a pinned network)
+        self.probe_bytes = 0
         self._drifted = 0
         self._window: list[float] = []
         self._last_decision_step: int | None = None
@@ -440,7 +479,7 @@ class AutoChooser(StepParticipant):
             self._reference, self._drifted, self._window, self._settling = None, 0, [], True
         self._last_decision_step = step
         entry = {"step": step, "trigger": trigger, "chosen": best, "previous": previous,
-                 "network": [self.network.alpha_s, self.network.beta_s_per_byte],
+                 "network": [self.network.alpha_s, self.network.beta_s_per_byte], "probe_bytes": self.probe_bytes,
                  "workload": self.workload.as_dict(), "costs": [c.as_dict() for c in self.costs],
                  "predictions": {k: v.as_dict() for k, v in preds.items()},
                  "dense_wall_s": dense_wall_s, "measured_step_s": None,
@@ -496,7 +535,8 @@ class AutoChooser(StepParticipant):
 
     def _probe(self) -> NetworkModel:
         """α from 64-byte ring shifts timed before any large message, β from the slope between two
-        larger shifts (:func:`bandwidth_probe`; each rank's medians, then the MAX).
+        larger shifts, ``S/4`` and ``S`` bytes (each rank's medians, then the MAX), ``S`` grown from
+        :data:`PROBE_START_BYTES` until its message is bandwidth-bound (:func:`next_probe_bytes`).
 
         Not one least-squares line over interleaved sizes (the probe's default): on tc-shaped links a
         large message's send completes while its bytes still sit in the shaper's queue, and the small
@@ -506,13 +546,19 @@ class AutoChooser(StepParticipant):
         model, bound α below 2 ms; that error alone decided against every engine candidate."""
         engine = self.engine
         small = probe_network(engine.process_group, PROBE_LATENCY, device=engine.device)
-        model_bytes = 4 * sum(p.numel() for p in self.params)
-        large = probe_network(engine.process_group, bandwidth_probe(model_bytes), device=engine.device)
-        (s0, s1), (t0, t1) = large.sizes_bytes, large.median_times_s
-        beta = max((t1 - t0) / (s1 - s0), 0.0)
+
+        def measure(size: int) -> tuple[float, float]:
+            large = probe_network(engine.process_group, ProbeConfig(sizes_bytes=(size // 4, size), warmup=1, repeats=3),
+                                  device=engine.device)
+            (s0, s1), (t0, t1) = large.sizes_bytes, large.median_times_s
+            beta, t_large = agree_values([max((t1 - t0) / (s1 - s0), 0.0), t1], "max", engine.process_group,
+                                         engine.device)
+            return beta, t_large
+
+        beta, self.probe_bytes = probe_bandwidth(measure, probe_cap_bytes(4 * sum(p.numel() for p in self.params)))
         alpha = max(small.median_times_s[0] - beta * small.sizes_bytes[0], 0.0)
-        a, b = agree_values([alpha, beta], "max", engine.process_group, engine.device)
-        return NetworkModel(a, b)
+        a = agree_values([alpha], "max", engine.process_group, engine.device)[0]
+        return NetworkModel(a, beta)
 
     def _apply(self, name: str) -> None:
         engine = self.engine
