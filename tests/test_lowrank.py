@@ -246,6 +246,53 @@ def test_one_rank_compress_reproduces_a_matrix_of_rank_at_most_r():
     assert c.nbytes == 4 * (13 + 54 + (12 + 10) * 2 + (10 + 9) * 2)
 
 
+def _with_spectrum(rows: int, cols: int, sv: list[float], g: torch.Generator) -> torch.Tensor:
+    u, _ = torch.linalg.qr(torch.randn(rows, len(sv), generator=g))
+    v, _ = torch.linalg.qr(torch.randn(cols, len(sv), generator=g))
+    return u @ torch.diag(torch.tensor(sv)) @ v.t()
+
+
+def test_warm_compress_is_the_warm_started_iteration_and_tends_to_the_best_rank_r_error():
+    """The oracle: a matrix built with known singular values, whose best rank-2 error is
+    Σ_{i>2} s_i² / Σ s_i² (Eckart–Young), and the dense tensors of the group sent exactly."""
+    comp = build_compressor("lowrank", args=dict(rank=RANK))
+    g = torch.Generator().manual_seed(3)
+    sv12, sv10 = [10.0, 8.0, 5.0, 4.0, 3.0, 2.0, 1.0], [9.0, 6.0, 4.0, 3.0, 1.0]
+    parts = [_with_spectrum(12, 10, sv12, g), torch.randn(7, generator=g), torch.randn(3, 2, generator=g),
+             _with_spectrum(10, 9, sv10, g).reshape(10, 3, 3), torch.randn(6, 3, 3, generator=g)]
+    x = torch.cat([t.reshape(-1) for t in parts])
+    ctx = _ctx(0, 1)
+
+    def err(c):
+        y = comp.decompress(c.payload, c.meta, ctx)
+        return float((y - x).pow(2).sum() / x.pow(2).sum())
+
+    best = (sum(s * s for s in sv12[2:]) + sum(s * s for s in sv10[2:])) / float(x.pow(2).sum())
+    cold, warm2, warm30 = err(comp.compress(x, ctx)), err(comp.warm_compress(x, ctx, 2)), err(comp.warm_compress(x, ctx, 30))
+    assert err(comp.warm_compress(x, ctx, 1)) == cold  # one step is the cold start
+    assert best < warm2 < cold
+    assert warm30 == pytest.approx(best, rel=1e-4)
+    with pytest.raises(ValueError, match=r"steps must be an integer >= 1"):
+        comp.warm_compress(x, ctx, 0)
+
+
+def test_auto_measures_lowrank_after_one_warm_step():
+    from lightning_gc.auto.candidates import WARM_STEPS, candidate, measure_method
+
+    assert WARM_STEPS == 2
+    g = torch.Generator().manual_seed(4)
+    x = torch.cat([_with_spectrum(12, 10, [10.0, 8.0, 5.0, 4.0, 3.0], g).reshape(-1)]
+                  + [torch.randn(s, generator=g).reshape(-1) for s in SHAPES[1:]])
+    ctx = _ctx(0, 1)
+    comp = build_compressor("lowrank", args=dict(rank=RANK))
+    c = comp.warm_compress(x, ctx, 2)
+    want = float((comp.decompress(c.payload, c.meta, ctx) - x).pow(2).sum() / x.pow(2).sum())
+    cold = comp.compress(x, ctx)
+    cold_err = float((comp.decompress(cold.payload, cold.meta, ctx) - x).pow(2).sum() / x.pow(2).sum())
+    got = measure_method(candidate("lowrank"), x, ctx, world_size=2, repeats=1).delta2
+    assert got == pytest.approx(want, rel=1e-6) and got < cold_err
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(rank=0), "rank=0 is invalid"),
     (dict(rank=1.5), "rank=1.5 is invalid"),

@@ -71,6 +71,10 @@ CANDIDATES: dict[str, AutoCandidate] = {
 #: its aggregate keeps only one source rank's indices, which the sample cannot show; it needed 200 steps
 #: to Top-k's 125 on the quickstart MLP at 20 Mbit/s (docs/bench.md), and auto picked it there on a
 #: 0.9 ms lead in predicted step. Add it to ``candidates`` to let auto choose it.
+#: warm-started compressors' error is measured after this many steps on the live gradient (see
+#: LowRankCompressor.warm_compress): the cold start and one warm-started step
+WARM_STEPS = 2
+
 DEFAULT_CANDIDATES: tuple[str, ...] = ("ddp", "fp16", "lowrank", "topk", "qsgd", "efsign")
 
 
@@ -122,7 +126,10 @@ def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_s
     comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
     xs, ctxs = rank_payloads(flat, ctx, world_size)
     raw = time_codec(comp, xs, ctxs, repeats)
-    c = comp.compress(flat, ctxs[0])
+    # the error of what the method sends once running: a warm-started compressor (lowrank) after
+    # one warm step, not its cold start from a random Q (LowRankCompressor.warm_compress)
+    warm = getattr(comp, "warm_compress", None)
+    c = warm(flat, ctxs[0], WARM_STEPS) if warm is not None else comp.compress(flat, ctxs[0])
     sent = comp.decompress(c.payload, c.meta, ctxs[0])
     wire = _WIRE.get(raw["wire_format"])
     if wire is None:

@@ -48,18 +48,42 @@ class LowRankCompressor(Compressor):
         return initial_q(block.cols, self.config.rank, ctx.shared_generator(salt=block.index + 1), ctx.device)
 
     def compress(self, x: Tensor, ctx: GroupContext) -> Compressed:
+        return self._compress(x, ctx, {})[0]
+
+    def warm_compress(self, x: Tensor, ctx: GroupContext, steps: int) -> Compressed:
+        """``x`` compressed as by the ``steps``-th of as many warm-started steps on this same gradient:
+        each step's ``Q = Mᵀ·P̂`` starts the next (``steps`` power iterations from the shared random
+        start; ``steps=1`` is :meth:`compress`).
+
+        Why: the method runs warm-started, and one iteration from a random ``Q`` is not what it sends
+        after a few steps. Measured on one rank's gradient at step 5 (rank 2, the share of energy
+        left out): `cnn` width 16 0.72 cold, 0.555 after one warm step, 0.523 at the SVD optimum;
+        quickstart MLP 0.437, 0.359, 0.343. ``compressor="auto"`` measures the method's error this
+        way (``steps=2``): with the cold figure it rated ``lowrank`` at 0.55 progress per step on `cnn`
+        at 20 Mbit/s and never tried it, while it had the best time to target of all methods."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"warm_compress(steps={steps!r}): steps must be an integer >= 1 (1 = a cold start)")
+        starts: dict[int, Tensor] = {}
+        for _ in range(steps):
+            out, starts = self._compress(x, ctx, starts)
+        return out
+
+    def _compress(self, x: Tensor, ctx: GroupContext, starts: dict[int, Tensor]) -> tuple[Compressed, dict[int, Tensor]]:
         blocks = self.blocks(ctx)
         dense = [x[b.offset:b.offset + b.numel] for b in blocks if not b.compressed]
-        ps, qs = [], []
+        ps, qs, nxt = [], [], {}
         for b in blocks:
             if not b.compressed:
                 continue
             m = x[b.offset:b.offset + b.numel].view(b.rows, b.cols).float()
-            p_hat = orthonormal(m @ self.start_q(ctx, b))
+            q0 = starts.get(b.index)
+            p_hat = orthonormal(m @ (self.start_q(ctx, b) if q0 is None else q0))
+            q = m.t() @ p_hat
+            nxt[b.index] = q
             ps.append(p_hat.reshape(-1))
-            qs.append((m.t() @ p_hat).reshape(-1))
+            qs.append(q.reshape(-1))
         return Compressed((_cat(dense, x.dtype, x.device), _cat(ps, torch.float32, x.device),
-                           _cat(qs, torch.float32, x.device)), meta=(x.dtype, blocks))
+                           _cat(qs, torch.float32, x.device)), meta=(x.dtype, blocks)), nxt
 
     def decompress(self, payload: tuple[Tensor, ...], meta: Any, ctx: GroupContext) -> Tensor:
         dtype, blocks = meta
