@@ -59,8 +59,7 @@ class LowRankCompressor(Compressor):
         after a few steps. Measured on one rank's gradient at step 5 (rank 2, the share of energy
         left out): `cnn` width 16 0.72 cold, 0.555 after one warm step, 0.523 at the SVD optimum;
         quickstart MLP 0.437, 0.359, 0.343. ``compressor="auto"`` measures the method's error this
-        way (``steps=2``): with the cold figure it rated ``lowrank`` at 0.55 progress per step on `cnn`
-        at 20 Mbit/s and never tried it, while it had the best time to target of all methods."""
+        way (``steps=2``), so that its progress proxy rates the method that will run."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"warm_compress(steps={steps!r}): steps must be an integer >= 1 (1 = a cold start)")
         starts: dict[int, Tensor] = {}
