@@ -125,8 +125,11 @@ def test_the_document_and_report_of_three_rounds():
     assert "**3 rounds**" in md and "## Rounds" in md
     topk_row = next(line for line in md.splitlines() if line.startswith("| `topk:ratio=0.01` | *30.0 ms"))
     assert "(1.5×)" in topk_row and "44.0 ms (1.1×)" in topk_row and "not reached" in topk_row
+    sweep = report.sweep_markdown(report.sweep_document([doc, doc], ["1gbit", "20mbit"]))
+    assert "3 rounds each, `--repeat`" in sweep
     one = build_document(cfg, r, rounds[:1], {"mode": "loopback"}, 0.0)
     assert "## Rounds" not in report.markdown(one) and "rounds" not in one["results"][0]
+    assert "rounds each" not in report.sweep_markdown(report.sweep_document([one], ["1gbit"]))
 
 
 def test_repeat_is_validated_and_refused_for_a_prepared_cluster(tmp_path):

@@ -573,7 +573,10 @@ def sweep_markdown(sweep: dict) -> str:
     lines = [
         f"# lightning-gc bench sweep — preset `{c['preset']}`, {c['ranks']} ranks, links {', '.join(links)}",
         "",
-        f"One bench run per link (same methods, seed and steps). *step*: median step time; *TTT*: time to "
+        f"One bench run per link (same methods, seed and steps"
+        + (f"; {c['rounds']} rounds each, `--repeat`: medians over the rounds, ratios taken within a round"
+           if (c.get("rounds") or 1) > 1 else "")
+        + "). *step*: median step time; *TTT*: time to "
         f"{metric} {op} {_v(target)}. In brackets: the ratio to the best torch baseline of that link's run "
         "(the fastest of ddp, fp16, powersgd per step, resp. to the target)"
         + ("; for `auto`, the method it picked on that link (`ddp→topk`: it re-decided)."
