@@ -91,6 +91,10 @@ def combine_rounds(rounds: Sequence[Sequence[dict]]) -> list[dict]:
         if [x["label"] for x in rnd] != labels:
             raise ValueError(f"combine_rounds: round {k} ran {[x['label'] for x in rnd]}, round 0 ran {labels}; "
                              "every round must run the same methods in the same order")
+    # a round whose reference (DDP, the best baseline) did not reach the target has no time-to-target
+    # ratio and is left out; one where the reference reached it and a method did not counts as
+    # infinitely slow for that method
+    ddp_reached = [_ddp_reached(rnd) for rnd in rounds]
     combined = []
     for j, label in enumerate(labels):
         reps = [rnd[j] for rnd in rounds]
@@ -105,17 +109,13 @@ def combine_rounds(rounds: Sequence[Sequence[dict]]) -> list[dict]:
             continue
         step = statistics.median_low([x["step_time_s"] for x in reps])
         k_med = next(k for k, x in enumerate(reps) if x["step_time_s"] == step)
-        out = copy.deepcopy(reps[k_med])
-        out["step_time_s"] = step
+        out = copy.deepcopy(reps[k_med])  # its step_time_s is the low median
         out["median_round"] = k_med
         for f in MEDIAN_FIELDS:
             out[f] = _median_or_none([x.get(f) for x in reps])
         out["time_to_target_s"] = _median_unreached([x.get("time_to_target_s") for x in reps])
         for f in STEP_RATIO_FIELDS:
             out[f] = _median_or_none([x.get(f) for x in reps])
-        # a round whose reference (DDP, the best baseline) did not reach the target has no ratio and is
-        # left out; one where the reference reached it and this method did not counts as infinitely slow
-        ddp_reached = [_ddp_reached(rnd) for rnd in rounds]
         out["time_to_target_ratio_vs_ddp"] = _median_unreached(
             [x.get("time_to_target_ratio_vs_ddp") for x, ok in zip(reps, ddp_reached) if ok])
         out["time_to_target_ratio_vs_best_baseline"] = _median_unreached(

@@ -687,7 +687,6 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
             os.makedirs(base, exist_ok=True)
         else:
             tmp_root = base = tempfile.mkdtemp(prefix="lgc-bench-")
-        rounds: list[list[dict]] = []
         for rnd in range(r["repeat"]):
             results = []
             for i, spec in enumerate(specs):
