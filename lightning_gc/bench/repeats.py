@@ -96,7 +96,7 @@ def combine_rounds(rounds: Sequence[Sequence[dict]]) -> list[dict]:
     # infinitely slow for that method
     ddp_reached = [_ddp_reached(rnd) for rnd in rounds]
     combined = []
-    for j, label in enumerate(labels):
+    for j in range(len(labels)):
         reps = [rnd[j] for rnd in rounds]
         summaries = [round_summary(k, x) for k, x in enumerate(reps)]
         failed = next((x for x in reps if x["status"] != "ok"), None)
