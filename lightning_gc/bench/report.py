@@ -573,7 +573,7 @@ def sweep_markdown(sweep: dict) -> str:
     lines = [
         f"# lightning-gc bench sweep — preset `{c['preset']}`, {c['ranks']} ranks, links {', '.join(links)}",
         "",
-        f"One bench run per link (same methods, seed and steps"
+        "One bench run per link (same methods, seed and steps"
         + (f"; {c['rounds']} rounds each, `--repeat`: medians over the rounds, ratios taken within a round"
            if (c.get("rounds") or 1) > 1 else "")
         + "). *step*: median step time; *TTT*: time to "
