@@ -7,6 +7,7 @@ chooser recorded (agreed across ranks) with the hand-written equations of tests/
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import lightning as L
@@ -24,22 +25,51 @@ SLOW_LINK = dict(network_alpha_s=2e-3, network_beta_s_per_byte=8 / 2e6)  # 2 Mbi
 
 
 class AutoReport(L.Callback):
-    def __init__(self, out: Path) -> None:
+    """Saves each rank's chooser state, and the rank's own local gradients of the steps ``keep_steps``
+    (copied by this callback's own hooks, independently of the chooser's sampling)."""
+
+    def __init__(self, out: Path, keep_steps: tuple[int, ...] = ()) -> None:
         self.out = out
+        self.keep_steps = keep_steps
+        self.grads: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_fit_start(self, trainer, pl_module):
+        def keep(name):
+            def hook(p):
+                if trainer.global_step in self.keep_steps:  # the step whose backward this is (0-based)
+                    self.grads.setdefault(trainer.global_step, {})[name] = p.grad.detach().clone()
+            return hook
+        for name, p in pl_module.named_parameters():
+            p.register_post_accumulate_grad_hook(keep(name))
 
     def on_train_end(self, trainer, pl_module):
         a, e = trainer.strategy.auto, trainer.strategy.engine
         torch.save({"history": a.history, "chosen": a.chosen, "dense_mode": e.dense_mode, "slots": e.slot_specs(),
-                    "compressed_steps": e.totals()["compressed_steps"]},
+                    "compressed_steps": e.totals()["compressed_steps"], "gain_checks": a.gain_checks,
+                    "grads": self.grads},
                    self.out / f"auto{trainer.global_rank}.pt")
 
 
-def _fit(tmp: Path, strategy: GCStrategy, ckpt_path=None, callbacks=(), **kw):
+def errors_by_hand(grads: dict[str, torch.Tensor], min_numel: int = 16) -> dict[str, float]:
+    """One rank's relative error of what ddp, fp16, Top-k 1 % and EF-signSGD send for its gradient
+    (the tensors of at least ``min_numel`` elements, flattened; each of these errors is independent
+    of the order): written from the methods' definitions, not from lightning_gc."""
+    x = torch.cat([g.reshape(-1).double() for g in grads.values() if g.numel() >= min_numel])
+    x2 = float(x.pow(2).sum())
+    k = math.ceil(0.01 * x.numel())
+    sign = torch.where(x >= 0, 1.0, -1.0).double()
+    return {"ddp": 0.0,
+            "fp16": float((x.half().double() - x).pow(2).sum()) / x2,
+            "topk": 1.0 - float(x.pow(2).sort(descending=True).values[:k].sum()) / x2,
+            "efsign": float((x.abs().mean() * sign - x).pow(2).sum()) / x2}
+
+
+def _fit(tmp: Path, strategy: GCStrategy, ckpt_path=None, callbacks=(), keep_steps=(), **kw):
     out = tmp / "report"
     out.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(tmp),
-                        callbacks=[ReportCallback(str(out)), AutoReport(out), *callbacks],
+                        callbacks=[ReportCallback(str(out)), AutoReport(out, keep_steps), *callbacks],
                         **{"max_epochs": 2, "enable_checkpointing": False, **kw})
     trainer.fit(TinyClassifier(), make_loader(), ckpt_path=ckpt_path)
     return ([torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)],
@@ -56,7 +86,7 @@ def _strategy(**auto):
 def test_ranks_choose_alike_and_the_choice_is_the_brute_force_minimum(tmp_path):
     reports, autos = _fit(tmp_path, _strategy(progress_weight=0.5))
     assert autos[0]["history"] == autos[1]["history"]  # every input and prediction agreed
-    (h,) = autos[0]["history"]
+    (h,) = autos[0]["history"]  # gain_every 50: no re-measurement in 16 steps
     assert h["trigger"] == "warmup" and h["step"] == 1  # 1 skipped + 1 profiled dense step
     assert h["network"] == [SLOW_LINK["network_alpha_s"], SLOW_LINK["network_beta_s_per_byte"]]
     want = argmin_by_hand(h["costs"], h["workload"], *h["network"], 2, 0.5)
@@ -75,15 +105,18 @@ def test_ranks_choose_alike_and_the_choice_is_the_brute_force_minimum(tmp_path):
 
 def test_a_resumed_run_keeps_the_choice_and_is_exact(tmp_path):
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
-    full, full_auto = _fit(tmp_path / "a", _strategy(candidates=["ddp", "topk", "efsign"]), callbacks=[ckpt],
-                           enable_checkpointing=True)
+    # gain_every 7: the step after the warm-up's decision (1) + 7 - 1 = 7 arms the sampling of step 8,
+    # so the epoch-0 checkpoint (after step 7) is saved armed, and the resumed run samples step 8
+    kw = dict(candidates=["ddp", "topk", "efsign"], gain_every=7, gain_drift=0.0)
+    full, full_auto = _fit(tmp_path / "a", _strategy(**kw), callbacks=[ckpt], enable_checkpointing=True)
     first = sorted((tmp_path / "ckpt").glob("epoch=0*.ckpt"))[0]
-    resumed, resumed_auto = _fit(tmp_path / "b", _strategy(candidates=["ddp", "topk", "efsign"]),
-                                 ckpt_path=str(first))
-    def decisions(history):  # measured_step_s: the first window after the decision, measured by the run itself
-        return [{k: v for k, v in h.items() if k != "measured_step_s"} for h in history]
+    resumed, resumed_auto = _fit(tmp_path / "b", _strategy(**kw), ckpt_path=str(first))
+    def decisions(history):  # measured by the run itself: the first window after the decision, the decision's time
+        return [{k: v for k, v in h.items() if k not in ("measured_step_s", "decide_s")} for h in history]
 
     assert decisions(resumed_auto[0]["history"]) == decisions(full_auto[0]["history"])  # no second profile
+    assert [c["step"] for c in full_auto[0]["gain_checks"]] == [8, 15]
+    assert resumed_auto[0]["gain_checks"] == full_auto[0]["gain_checks"]
     assert resumed_auto[0]["chosen"] == full_auto[0]["chosen"] != "ddp"
     for r in range(2):
         for k, v in full[r]["params"].items():
@@ -99,6 +132,8 @@ def test_a_resumed_run_keeps_the_choice_and_is_exact(tmp_path):
     (dict(compressor="auto", auto={"candidates": ["ddp", "zip"]}), "candidate 'zip' is unknown"),
     (dict(compressor="auto", auto={"progress_weight": -1}), "progress_weight=-1"),
     (dict(compressor="auto", auto={"windw": 3}), r"unknown option\(s\) \['windw'\]"),
+    (dict(compressor="auto", auto={"gain_every": -1}), "auto_gain_every=-1 must be an integer >= 0"),
+    (dict(compressor="auto", auto={"gain_drift": float("nan")}), "auto_gain_drift=nan must be a finite number"),
 ])
 def test_bad_auto_settings_are_refused_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -106,7 +141,50 @@ def test_bad_auto_settings_are_refused_at_construction(kwargs, match):
 
 
 def test_auto_config_round_trips_through_flat_names():
-    cfg = GCConfig.from_flat(compressor="auto", auto_progress_weight=0.25, auto_candidates=("ddp", "qsgd"))
-    assert cfg.auto.progress_weight == 0.25 and cfg.auto.candidates == ("ddp", "qsgd")
+    cfg = GCConfig.from_flat(compressor="auto", auto_progress_weight=0.25, auto_candidates=("ddp", "qsgd"),
+                             auto_gain_every=20)
+    assert cfg.auto.progress_weight == 0.25 and cfg.auto.candidates == ("ddp", "qsgd") and cfg.auto.gain_every == 20
     assert cfg.engine.warmup_steps == cfg.auto.dense_steps_needed == 2
     assert GCConfig.from_flat(**cfg.to_flat()) == cfg
+
+
+def test_errors_are_the_ranks_mean_on_local_gradients_and_re_measured_every_gain_every_steps(tmp_path):
+    """The warm-up measures every candidate's error on each rank's *local* gradient of the profiled
+    step (step 1) and agrees the mean; every ``gain_every`` (4) steps the next step's local gradients
+    are measured again (steps 5, 9, 13). With ``gain_drift=0`` each re-measurement re-decides (trigger
+    ``gain``), and each choice is the brute-force minimum on its inputs. The ranks' batches differ,
+    so a MAX over ranks or the averaged gradient gives other values."""
+    steps = (1, 5, 9, 13)
+    reports, autos = _fit(tmp_path, _strategy(progress_weight=0.5, gain_every=4, gain_drift=0.0), keep_steps=steps)
+    assert autos[0]["history"] == autos[1]["history"] and autos[0]["gain_checks"] == autos[1]["gain_checks"]
+    hist = autos[0]["history"]
+    assert [(h["step"], h["trigger"]) for h in hist] == [(1, "warmup"), (5, "gain"), (9, "gain"), (13, "gain")]
+    checks = autos[0]["gain_checks"]
+    assert [c["step"] for c in checks] == [5, 9, 13] and all(c["redecided"] for c in checks)
+    for h in hist:
+        per_rank = [errors_by_hand(autos[r]["grads"][h["step"]]) for r in range(2)]
+        got = {c["name"]: c["delta2"] for c in h["costs"]}
+        for name in ("ddp", "fp16", "topk", "efsign"):
+            want = (per_rank[0][name] + per_rank[1][name]) / 2
+            assert got[name] == pytest.approx(want, rel=1e-5, abs=1e-12), (h["step"], name)
+        assert per_rank[0]["topk"] != pytest.approx(per_rank[1]["topk"], rel=1e-3)  # the ranks' errors differ
+        assert h["chosen"] == argmin_by_hand(h["costs"], h["workload"], *h["network"], 2, 0.5)
+    for c, h in zip(checks, hist[1:]):
+        assert c["delta2"] == {k["name"]: k["delta2"] for k in h["costs"]}
+    for k, v in reports[0]["params"].items():
+        assert torch.equal(v, reports[1]["params"][k]), k
+
+
+def test_monitor_reports_the_latest_measured_errors():
+    """gc/auto_delta2/<m>: the last re-measurement's agreed errors, or the warm-up's before any."""
+    from types import SimpleNamespace
+
+    from lightning_gc.auto.model import MethodCost
+    from lightning_gc.callbacks.monitor import auto_metrics
+
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 1e-3, 100.0, 0.6, True)]
+    auto = SimpleNamespace(chosen="topk", config=SimpleNamespace(candidates=("ddp", "topk")), predictions={},
+                           history=[], costs=costs, gain_checks=[])
+    assert auto_metrics(auto)["gc/auto_delta2/topk"] == 0.6 and auto_metrics(auto)["gc/auto_method"] == 1.0
+    auto.gain_checks = [{"step": 5, "delta2": {"ddp": 0.0, "topk": 0.45}, "moved": 0.1, "redecided": False}]
+    assert auto_metrics(auto)["gc/auto_delta2/topk"] == 0.45

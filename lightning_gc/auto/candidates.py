@@ -11,7 +11,7 @@ and ``bf16`` on request.
 :func:`measure_method` turns one candidate into a :class:`~lightning_gc.auto.model.MethodCost` on
 this machine: its codec time comes from :func:`lightning_gc.bench.codec.time_codec` (the codec
 micro-benchmark's one timing function) run on the live gradient, its bytes from the payload it
-really produces, and its error ``delta2`` from decompressing that payload.
+really produces, and its error ``delta2`` (:func:`measure_error`) from decompressing that payload.
 """
 
 from __future__ import annotations
@@ -105,6 +105,23 @@ def rank_payloads(flat: Tensor, ctx: GroupContext, world_size: int) -> tuple[lis
     return xs, ctxs
 
 
+def measure_error(cand: AutoCandidate, flat: Tensor, ctx: GroupContext) -> float:
+    """The relative error ``δ² = ‖C(g) − g‖² / ‖g‖²`` of what ``cand`` sends for the gradient ``flat``
+    (this rank's own, as each rank compresses its own): a 16-bit cast's rounding, a compressor's
+    decompressed payload — for a warm-started compressor (``lowrank``) after :data:`WARM_STEPS`
+    steps, not its cold start from a random ``Q`` (``LowRankCompressor.warm_compress``). ``ddp`` is
+    exact (0). The chooser's progress proxy (:func:`lightning_gc.auto.model.efficiency`)."""
+    if cand.compressor is None:
+        if cand.name == "ddp":
+            return 0.0
+        dtype = torch.float16 if cand.name == "fp16" else torch.bfloat16
+        return _relative_error(flat, flat.to(dtype).float())
+    comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
+    warm = getattr(comp, "warm_compress", None)
+    c = warm(flat, ctx, WARM_STEPS) if warm is not None else comp.compress(flat, ctx)
+    return _relative_error(flat, comp.decompress(c.payload, c.meta, ctx))
+
+
 def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_size: int, repeats: int = 3,
                    exact_bytes: float = 0.0) -> MethodCost:
     """Measure one candidate on this rank (local values; the chooser agrees them across ranks).
@@ -112,7 +129,8 @@ def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_s
     ``flat``: the model's compressed group as the engine flattens it (a live gradient); ``ctx``: its
     group context (segments and shapes of its tensors). Bucket modes cost their cast (two passes)
     and no codec; engine methods run :func:`~lightning_gc.bench.codec.time_codec` with ``world_size``
-    payloads made from ``flat`` (slightly rescaled per rank, so aggregation does real work).
+    payloads made from ``flat`` (slightly rescaled per rank, so aggregation does real work). The
+    error is :func:`measure_error`'s.
     """
     from ..bench.codec import time_codec, time_runs
 
@@ -122,20 +140,15 @@ def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_s
         dtype = torch.float16 if cand.name == "fp16" else torch.bfloat16
         out = torch.empty_like(flat)
         cast_s = statistics.median(time_runs(lambda: out.copy_(flat.to(dtype).div_(world_size)), repeats))
-        return MethodCost(cand.name, "bucket", cast_s, delta2=_relative_error(flat, flat.to(dtype).float()))
+        return MethodCost(cand.name, "bucket", cast_s, delta2=measure_error(cand, flat, ctx))
     comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
     xs, ctxs = rank_payloads(flat, ctx, world_size)
     raw = time_codec(comp, xs, ctxs, repeats)
-    # the error of what the method sends once running: a warm-started compressor (lowrank) after
-    # one warm step, not its cold start from a random Q (LowRankCompressor.warm_compress)
-    warm = getattr(comp, "warm_compress", None)
-    c = warm(flat, ctxs[0], WARM_STEPS) if warm is not None else comp.compress(flat, ctxs[0])
-    sent = comp.decompress(c.payload, c.meta, ctxs[0])
     wire = _WIRE.get(raw["wire_format"])
     if wire is None:
         raise ValueError(f"auto cannot model compressor {cand.compressor!r} (wire format {raw['wire_format']!r}); "
                          f"use one of the candidates {', '.join(CANDIDATES)}.")
     ratio = float(comp.ratio) if comp.has_ratio else 0.0
     return MethodCost(cand.name, wire, float(raw["engine_codec_s"]), float(raw["payload_bytes"]),
-                      _relative_error(flat, sent), bool(comp.default_error_feedback and comp.lossy),
+                      measure_error(cand, flat, ctxs[0]), bool(comp.default_error_feedback and comp.lossy),
                       sparse_ratio=ratio, value_bytes=float(flat.element_size()), exact_bytes=float(exact_bytes))

@@ -42,7 +42,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -54,8 +54,8 @@ from ..comm.probe import ProbeConfig, probe_network
 from ..compressors import GroupContext
 from ..engine.agreement import agree_values
 from ..engine.session import StepParticipant
-from .candidates import DEFAULT_CANDIDATES, AutoCandidate, candidate, measure_method
-from .model import MethodCost, Prediction, Workload, calibrate_other, choose_measured, table
+from .candidates import DEFAULT_CANDIDATES, AutoCandidate, candidate, measure_error, measure_method
+from .model import MethodCost, Prediction, Workload, calibrate_other, choose_measured, efficiency, table
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,18 @@ class AutoConfig:
             favours them, per probed decision; 0 settles on the measured methods at once. Measured:
             with one correction for all compressed methods (no exploration), auto kept ``lowrank``
             at 1.24x Top-k's step on the quickstart MLP at 20 Mbit/s.
+        gain_every: every this many steps after the last measurement of the candidates' errors, the
+            next step's local gradients are copied (post-accumulate-grad hooks; nothing is sent) and
+            every candidate's ``delta2`` is measured on them again, between steps (0: only at the
+            warm-up). A gradient's compressibility changes as training goes on: on ``cnn`` width
+            16 (4 ranks' mean) ``lowrank``'s error fell from 0.69 at step 2 to 0.49 at step 40 while
+            Top-k's stayed at 0.53-0.60, which reverses their ranking (docs/auto.md, "Gain").
+            Costs one copy of the gradient and one compression per candidate, no communication
+            beyond one agreement of a few floats.
+        gain_drift: the re-measured errors re-decide (trigger ``"gain"``, no probe) when some
+            candidate's progress per step (``1/(1 + w·delta2)``) moved by more than this, relative,
+            from the value the last decision used; smaller changes are not acted on (and the stored
+            errors kept, so a slow drift still adds up against them).
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
@@ -170,6 +182,8 @@ class AutoConfig:
     min_interval: int = 30
     probe_every: int = 100
     explore: int = 2
+    gain_every: int = 50
+    gain_drift: float = 0.1
 
     def __post_init__(self) -> None:
         cands = tuple(self.candidates)
@@ -199,6 +213,11 @@ class AutoConfig:
         _int("min_interval", self.min_interval, 1, "Use at least 1.")
         _int("probe_every", self.probe_every, 0, "Use 0 to re-decide on drift only.")
         _int("explore", self.explore, 0, "Use 0 to settle on measured methods after the first calibration.")
+        _int("gain_every", self.gain_every, 0, "Use 0 to measure the candidates' errors at the warm-up only.")
+        gd = self.gain_drift
+        if isinstance(gd, bool) or not isinstance(gd, (int, float)) or not math.isfinite(gd) or gd < 0:
+            raise ValueError(f"auto_gain_drift={gd!r} must be a finite number >= 0 (a relative change of a "
+                             "candidate's progress per step, e.g. 0.1; 0 re-decides on every re-measurement).")
         d = self.drift
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not (0 < d):
             raise ValueError(f"auto_drift={d!r} must be > 0 (a relative change, e.g. 0.3).")
@@ -297,15 +316,51 @@ class AutoChooser(StepParticipant):
         self._t_start = self._t_fwd = self._t_closure_end = 0.0
         self._t_prev_end: float | None = None
         self._handles: list[Any] = []
+        #: this rank's local gradients of the step being sampled (parameter index → copy), or None when
+        #: no step is sampled: the warm-up's dense steps (the last profiled one is measured) and, every
+        #: ``gain_every`` steps, one armed step (see _arm_sample)
+        self._sample: dict[int, Tensor] | None = None
+        self._sample_handles: list[Any] = []
+        #: the step whose gradients the candidates' stored errors were last measured on (replicated)
+        self._last_gain_step: int | None = None
+        #: every re-measurement of the errors (replicated, checkpointed): step, each candidate's
+        #: agreed delta2, the largest relative change of progress per step, whether it re-decided
+        self.gain_checks: list[dict] = []
         if engine.world_size > 1:
+            self._sample = {}
             self._handles = [p.register_post_accumulate_grad_hook(self._stamp(i)) for i, p in enumerate(self.params)]
             self._handles.append(module.register_forward_hook(self._on_forward))
 
     # ------------------------------------------------------------------ timing (autograd / main thread)
     def _stamp(self, i: int) -> Callable[[Tensor], None]:
-        def hook(_: Tensor) -> None:
-            self._stamps[i] = time.perf_counter()
+        def hook(param: Tensor) -> None:
+            self._stamps[i] = time.perf_counter()  # before the copy: the copy is not backward's time
+            self._keep(i, param)
         return hook
+
+    def _keep(self, i: int, param: Tensor) -> None:
+        """Copy a parameter's local gradient if this step is sampled. A post-accumulate-grad hook runs
+        when the tensor's gradient is complete on this rank and before DDP's reducer (a hook of the
+        same autograd node, run after it) or the engine has touched it, so it is this rank's own
+        gradient; under gradient accumulation the last micro-batch's copy (the full sum) is kept."""
+        if self._sample is not None and param.grad is not None:
+            self._sample[i] = param.grad.detach().clone()
+
+    def _arm_sample(self) -> None:
+        """Copy the next step's local gradients (for the errors' re-measurement, see ``gain_every``)."""
+        self._disarm_sample()
+        self._sample = {}
+
+        def keeper(i: int) -> Callable[[Tensor], None]:
+            return lambda param: self._keep(i, param)
+        self._sample_handles = [p.register_post_accumulate_grad_hook(keeper(i)) for i, p in enumerate(self.params)]
+
+    def _disarm_sample(self) -> dict[int, Tensor] | None:
+        sample, self._sample = self._sample, None
+        for h in self._sample_handles:
+            h.remove()
+        self._sample_handles = []
+        return sample
 
     def _on_forward(self, *_: Any) -> None:
         self._t_fwd = time.perf_counter()
@@ -346,13 +401,18 @@ class AutoChooser(StepParticipant):
                 self._first_decision(step)
                 self._t_prev_end = time.perf_counter()  # the measurement is not a step
             return
-        if wall is None:
-            return
-        self.measured.append(wall)
-        self._window.append(wall)
-        if len(self._window) >= self.config.window:
+        if wall is not None:  # None on the first step after a resume
+            self.measured.append(wall)
+            self._window.append(wall)
+        if self._sample_handles:  # this step was sampled: measure the errors again
+            self._check_gain(step, self._disarm_sample() or {})
+            self._t_prev_end = time.perf_counter()  # the measurement is not a step
+        elif len(self._window) >= self.config.window:
             self._check_drift(step)
             self._t_prev_end = time.perf_counter()
+        every = self.config.gain_every
+        if every and self._last_gain_step is not None and step + 1 - self._last_gain_step >= every:
+            self._arm_sample()
 
     def _check_drift(self, step: int) -> None:
         engine = self.engine
@@ -408,39 +468,72 @@ class AutoChooser(StepParticipant):
             durations.append(max(ready[i] - t_prev, 0.0))
             t_prev = max(ready[i], t_prev)
         self.workload = Workload(fwd, tuple(durations), tuple(self.params[i].numel() for i in order), opt, 0.0)
-        self._measure_costs()
+        self._measure_costs(self._disarm_sample() or {})
+        self._last_gain_step = step
         self._decide(step, "warmup", probe=True, dense_wall_s=wall)
 
-    def _group_sample(self) -> tuple[Tensor, GroupContext, float]:
-        """The compressed group's averaged gradient as the engine flattens it, its context, and the
-        bytes of the tensors sent exactly beside it."""
+    def _group_sample(self, grads: dict[int, Tensor]) -> tuple[Tensor, GroupContext, float]:
+        """The compressed group's local gradient (``grads``: parameter index → this rank's copy) as
+        the engine flattens it, its context, and the bytes of the tensors sent exactly beside it.
+        A tensor without a gradient on this rank counts as zeros, as the engine sends it."""
         engine = self.engine
         lossy = [g for g in engine.plan.groups if not g.exact]
         exact_bytes = float(sum(4 * n for g in engine.plan.groups if g.exact for n in g.numels))
         g = lossy[0]
+        index = {id(p): i for i, p in enumerate(self.params)}
         views = []
         for pid in g.param_ids:
-            grad = engine.params[pid].grad
-            views.append(torch.zeros(engine.params[pid].numel(), device=engine.params[pid].device) if grad is None
-                         else grad.detach().reshape(-1).float())
+            param = engine.params[pid]
+            grad = grads.get(index[id(param)])
+            views.append(torch.zeros(param.numel(), device=param.device) if grad is None
+                         else grad.reshape(-1).float())
         flat = torch.cat(views)
         ctx = GroupContext(step=engine.step, rank=engine.rank, world_size=engine.world_size, segments=g.numels,
                            group_id=g.gid, seed=engine.config.seed, device=flat.device,
                            shapes=tuple(tuple(engine.params[pid].shape) for pid in g.param_ids), names=g.names)
         return flat, ctx, exact_bytes
 
-    def _measure_costs(self) -> None:
+    def _measure_costs(self, grads: dict[int, Tensor]) -> None:
+        """Every candidate's codec time, payload and error on this rank's local gradient of the last
+        profiled step, agreed: MAX of times and payloads (the slowest rank sets a synchronous step),
+        the MEAN of the errors (each rank compresses its own gradient; the model's ``delta2/N`` for
+        a method without error feedback averages independent per-rank errors)."""
         engine = self.engine
-        flat, ctx, exact_bytes = self._group_sample()
+        flat, ctx, exact_bytes = self._group_sample(grads)
         local = [measure_method(c, flat, ctx, engine.world_size, self.config.repeats, exact_bytes)
                  for c in self.candidates]
-        # agree: MAX of codec time, payload and error (identical payloads stay identical)
         vals = []
         for m in local:
-            vals += [m.codec_s, m.payload_bytes, m.delta2]
+            vals += [m.codec_s, m.payload_bytes]
         agreed = agree_values(vals, "max", engine.process_group, engine.device)
-        self.costs = [MethodCost(m.name, m.wire, agreed[3 * k], agreed[3 * k + 1], agreed[3 * k + 2], m.error_feedback,
+        errors = agree_values([m.delta2 for m in local], "mean", engine.process_group, engine.device)
+        self.costs = [MethodCost(m.name, m.wire, agreed[2 * k], agreed[2 * k + 1], errors[k], m.error_feedback,
                                  m.sparse_ratio, m.value_bytes, m.exact_bytes) for k, m in enumerate(local)]
+
+    def _check_gain(self, step: int, grads: dict[int, Tensor]) -> None:
+        """Measure every candidate's error again on this step's local gradients (agreed mean, as at
+        the warm-up) and re-decide (trigger ``"gain"``, no probe) if some candidate's progress per
+        step moved by more than ``gain_drift`` from what the last decision used."""
+        engine = self.engine
+        assert self.costs is not None
+        flat, ctx, _ = self._group_sample(grads)
+        errors = agree_values([measure_error(c, flat, ctx) for c in self.candidates], "mean",
+                              engine.process_group, engine.device)
+        ws, w = engine.world_size, self.config.progress_weight
+        moved = 0.0
+        for old, d2 in zip(self.costs, errors):
+            before, after = efficiency(old, ws, w), efficiency(replace(old, delta2=d2), ws, w)
+            moved = max(moved, abs(after - before) / before)
+        act = moved > self.config.gain_drift
+        self.gain_checks.append({"step": step, "delta2": dict(zip((c.name for c in self.costs), errors)),
+                                 "moved": moved, "redecided": act})
+        self._last_gain_step = step
+        if not act:
+            return
+        self.costs = [replace(c, delta2=d2) for c, d2 in zip(self.costs, errors)]
+        rank_zero_info(f"lightning_gc auto: the candidates' errors moved (progress per step by up to "
+                       f"{100 * moved:.0f}%): re-deciding")
+        self._decide(step, "gain", probe=False)
 
     # ------------------------------------------------------------------ decision
     def _decide(self, step: int, trigger: str, probe: bool, dense_wall_s: float | None = None) -> None:
@@ -582,6 +675,8 @@ class AutoChooser(StepParticipant):
             "corrections": dict(self._corrections), "explore_left": self._explore_left,
             "correction_beta": dict(self._correction_beta),
             "last_decision_step": self._last_decision_step,
+            "last_gain_step": self._last_gain_step, "gain_checks": self.gain_checks,
+            "sampling": bool(self._sample_handles),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -607,16 +702,23 @@ class AutoChooser(StepParticipant):
         self._correction_beta = {str(k): float(v) for k, v in state.get("correction_beta", {}).items()}
         self._explore_left = int(state.get("explore_left", self.config.explore))
         self._last_decision_step = state.get("last_decision_step")
+        # written before the errors were re-measured: the last decision's step stands for the last measurement
+        self._last_gain_step = state.get("last_gain_step", self._last_decision_step)
+        self.gain_checks = list(state.get("gain_checks", []))
         self._window = []
         self._t_prev_end = None
         if self.chosen is not None:
             self._remove_hooks()
+            self._disarm_sample()
+            if state.get("sampling"):  # saved between arming a sampled step and measuring it
+                self._arm_sample()
             if self.history:
                 preds = self.history[-1]["predictions"]
                 self.predictions = {k: Prediction(**v) for k, v in preds.items()}
 
     def close(self, timeout: float = 60.0) -> None:
         self._remove_hooks()
+        self._disarm_sample()
 
     def decisions(self) -> list[dict]:
         """Every decision in brief: step, trigger, the choice, its predicted step, the step measured

@@ -421,8 +421,12 @@ def _auto_state(strategy) -> dict | None:
             "time_per_progress_s": {name: float(p["time_per_progress_s"]) for name, p in preds.items()},
             "network": {"alpha_s": _num(net[0]), "beta_s_per_byte": _num(net[1])},
             "dense_wall_s": _num(h.get("dense_wall_s")), "decide_s": _num(h.get("decide_s")),
+            "delta2": {c["name"]: float(c["delta2"]) for c in h.get("costs") or []},
         })
-    return {"chosen": chooser.chosen, "candidates": list(chooser.config.candidates), "decisions": decisions}
+    gains = [{"step": int(c["step"]), "delta2": {k: float(v) for k, v in c["delta2"].items()},
+              "moved": float(c["moved"]), "redecided": bool(c["redecided"])} for c in getattr(chooser, "gain_checks", [])]
+    return {"chosen": chooser.chosen, "candidates": list(chooser.config.candidates), "decisions": decisions,
+            "gain_checks": gains}
 
 
 def _omgs_state(strategy) -> dict | None:

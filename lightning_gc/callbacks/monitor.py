@@ -58,6 +58,8 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 ``gc/auto_predicted_step_ms`` compressor="auto": the model's step for the method in force (ms, all ranks)
 ``gc/auto_measured_step_ms``  compressor="auto": the median step of the first window after the decision
                        (ms, MAX over ranks)
+``gc/auto_delta2/<m>`` compressor="auto": candidate ``m``'s latest measured relative error (the ranks'
+                       mean on local gradients; re-measured every ``auto_gain_every`` steps)
 ====================  ========================================================================
 
 Logging frequency follows the Trainer's ``log_every_n_steps``, with one exception: the step where
@@ -142,6 +144,12 @@ def auto_metrics(auto: Any) -> dict[str, float]:
     measured = auto.history[-1].get("measured_step_s") if auto.history else None
     if measured is not None:
         out["gc/auto_measured_step_ms"] = 1e3 * measured
+    if auto.gain_checks:  # the latest measured errors, acted on or not
+        for name, d2 in auto.gain_checks[-1]["delta2"].items():
+            out[f"gc/auto_delta2/{name}"] = float(d2)
+    elif auto.costs is not None:
+        for c in auto.costs:
+            out[f"gc/auto_delta2/{c.name}"] = float(c.delta2)
     return out
 
 
