@@ -76,6 +76,8 @@ def round_summary(index: int, result: dict) -> dict:
               "best_baseline_step", "best_baseline_ttt"):
         out[k] = result.get(k)
     out["auto_pick"] = auto_pick(result) if result.get("auto") else None
+    if result.get("auto"):  # every round's decisions, not only the median round's (the row's `auto`)
+        out["auto"] = result["auto"]
     if result["status"] != "ok":
         out["error"] = result.get("error")
     return out
