@@ -134,6 +134,32 @@ def test_calibrated_other_makes_the_ddp_prediction_the_measured_step():
     assert calibrate_other(0.0, wl, ddp, net, 4) == 0.0  # never negative
 
 
+def test_calibrated_beta_makes_the_ddp_prediction_the_measured_step_and_is_never_raised():
+    """A DDP step shorter than the probed link predicts lowers β until the hand-written model's DDP
+    step (other = 0) equals it; a longer one leaves β (other explains it); at most 4x lower."""
+    from auto_oracle import step_by_hand
+
+    from lightning_gc.auto.model import MIN_BETA_SCALE, calibrate_beta
+
+    rng = random.Random(7)
+    ddp = MethodCost("ddp", "bucket", 0.0)
+    for _ in range(30):
+        wl = _workload(rng, rng.randint(1, 8))
+        d = dict(wl.as_dict(), other_s=0.0)
+        n = rng.choice([2, 4, 16])
+        alpha, beta = rng.uniform(1e-5, 1e-3), 8 / rng.uniform(1e7, 1e9)
+        net = NetworkModel(alpha, beta)
+        probed = step_by_hand(ddp.as_dict(), d, alpha, beta, n)
+        true = step_by_hand(ddp.as_dict(), d, alpha, beta * rng.uniform(0.3, 0.95), n)
+        got = calibrate_beta(true, wl, ddp, net, n)
+        assert beta * MIN_BETA_SCALE <= got <= beta
+        assert step_by_hand(ddp.as_dict(), d, alpha, got, n) == pytest.approx(true, rel=1e-9)
+        assert calibrate_beta(probed + 0.01, wl, ddp, net, n) == beta  # slower than modelled: β kept
+        floor = step_by_hand(ddp.as_dict(), d, alpha, beta * MIN_BETA_SCALE, n)
+        if floor < probed:  # communication shows in the step: a step below the floor is not believed
+            assert calibrate_beta(floor * 0.5, wl, ddp, net, n) == pytest.approx(beta * MIN_BETA_SCALE)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(wire="smoke"), "not a wire format"),
     (dict(name="fp8", wire="bucket"), "not one of"),
@@ -230,6 +256,40 @@ def test_drift_waits_for_a_settled_reference_and_patience_then_switches_only_on_
     window(36, 2 * topk_step)  # drift again, the network unchanged: the same choice, nothing switched
     assert [h["trigger"] for h in chooser.history] == ["warmup", "calibration", "drift", "calibration", "drift"]
     assert chooser.chosen == "topk" and len(engine.calls) == n_calls
+
+
+def test_the_warm_up_dense_step_scales_every_probed_beta(monkeypatch):
+    """The probe under-reads a slow link (small messages, the slowest rank's view); the profiled DDP
+    step, shorter than the probed β predicts, sets a scale that every later probe gets too."""
+    import torch
+    from auto_oracle import step_by_hand
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    wl = Workload(0.01, (0.01, 0.01), (500_000, 500_000))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 80_000.0, 0.5, True)]
+    engine = _FakeEngine(None)
+    engine.network.pinned = False
+    engine.adopt_network = lambda net: engine.calls.append(("adopt", net.beta_s_per_byte))
+    probes = iter([NetworkModel(1e-4, 8 / 10e6), NetworkModel(1e-4, 8 / 5e6)])  # 10 Mbit/s, then 5
+    monkeypatch.setattr(AutoChooser, "_probe", lambda self: next(probes))
+    ch = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), probe_every=0), torch.nn.Linear(1, 1), [])
+    ch.workload, ch.costs = wl, costs
+    d = dict(wl.as_dict(), other_s=0.0)
+    wall = step_by_hand(costs[0].as_dict(), d, 1e-4, 8 / 16e6, 4)  # the DDP step ran as at 16 Mbit/s
+    ch._decide(1, "warmup", probe=True, dense_wall_s=wall)
+    assert ch.beta_scale == pytest.approx(10 / 16, rel=1e-6)
+    assert ch.network.beta_s_per_byte == pytest.approx(8 / 16e6, rel=1e-6)
+    assert ch.workload.other_s == pytest.approx(0.0, abs=1e-9)  # the link explains the step
+    assert ch.history[-1]["beta_scale"] == ch.beta_scale and engine.calls[0] == ("adopt", ch.network.beta_s_per_byte)
+    ch._decide(50, "periodic", probe=True)
+    assert ch.network.beta_s_per_byte == pytest.approx(8 / 5e6 * 10 / 16, rel=1e-6)
+    state = ch.state_dict()
+    other = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), probe_every=0), torch.nn.Linear(1, 1), [])
+    other.load_state_dict(state)
+    assert other.beta_scale == ch.beta_scale
 
 
 def _slow_link_chooser(monkeypatch, explore: int):

@@ -55,7 +55,16 @@ from ..compressors import GroupContext
 from ..engine.agreement import agree_values
 from ..engine.session import StepParticipant
 from .candidates import DEFAULT_CANDIDATES, AutoCandidate, candidate, measure_error, measure_method
-from .model import MethodCost, Prediction, Workload, calibrate_other, choose_measured, efficiency, table
+from .model import (
+    MethodCost,
+    Prediction,
+    Workload,
+    calibrate_beta,
+    calibrate_other,
+    choose_measured,
+    efficiency,
+    table,
+)
 
 log = logging.getLogger(__name__)
 
@@ -309,6 +318,9 @@ class AutoChooser(StepParticipant):
         self._explore_left = config.explore
         #: the large message of the last bandwidth probe (bytes; 0 before any probe or with a pinned network)
         self.probe_bytes = 0
+        #: every probe's β is multiplied by this (replicated): the warm-up's profiled DDP step divided
+        #: by what the model gave it at the probed β, when shorter (model.calibrate_beta); 1 otherwise
+        self.beta_scale = 1.0
         self._drifted = 0
         self._window: list[float] = []
         self._last_decision_step: int | None = None
@@ -541,14 +553,19 @@ class AutoChooser(StepParticipant):
         assert self.workload is not None and self.costs is not None
         t0 = time.perf_counter()
         engine.synchronize()
-        if engine.network.pinned and engine.network.model is not None:  # network_alpha_s/beta given: no probe
+        ws = engine.world_size
+        ddp = next(c for c in self.costs if c.name == "ddp")
+        pinned = engine.network.pinned and engine.network.model is not None
+        if pinned:  # network_alpha_s/beta given: no probe, and the user's figures are not recalibrated
             self.network = engine.network.model
         elif probe or self.network is None:
-            self.network = self._probe()
-        ws = engine.world_size
+            probed = self._probe()
+            if dense_wall_s is not None:  # the profiled DDP step bounds the link's β from above
+                beta = calibrate_beta(dense_wall_s, self.workload, ddp, probed, ws)
+                self.beta_scale = beta / probed.beta_s_per_byte if probed.beta_s_per_byte > 0 else 1.0
+            self.network = NetworkModel(probed.alpha_s, probed.beta_s_per_byte * self.beta_scale)
         if not engine.network.pinned:
             engine.adopt_network(self.network)  # AR-Topk's per-step choice uses it; auto owns re-probing
-        ddp = next(c for c in self.costs if c.name == "ddp")
         if dense_wall_s is not None:
             other = calibrate_other(dense_wall_s, self.workload, ddp, self.network, ws)
             w = self.workload
@@ -573,6 +590,7 @@ class AutoChooser(StepParticipant):
         self._last_decision_step = step
         entry = {"step": step, "trigger": trigger, "chosen": best, "previous": previous,
                  "network": [self.network.alpha_s, self.network.beta_s_per_byte], "probe_bytes": self.probe_bytes,
+                 "beta_scale": self.beta_scale,
                  "workload": self.workload.as_dict(), "costs": [c.as_dict() for c in self.costs],
                  "predictions": {k: v.as_dict() for k, v in preds.items()},
                  "dense_wall_s": dense_wall_s, "measured_step_s": None,
@@ -675,7 +693,7 @@ class AutoChooser(StepParticipant):
             "corrections": dict(self._corrections), "explore_left": self._explore_left,
             "correction_beta": dict(self._correction_beta),
             "last_decision_step": self._last_decision_step,
-            "last_gain_step": self._last_gain_step, "gain_checks": self.gain_checks,
+            "last_gain_step": self._last_gain_step, "gain_checks": self.gain_checks, "beta_scale": self.beta_scale,
             "sampling": bool(self._sample_handles),
         }
 
@@ -705,6 +723,7 @@ class AutoChooser(StepParticipant):
         # written before the errors were re-measured: the last decision's step stands for the last measurement
         self._last_gain_step = state.get("last_gain_step", self._last_decision_step)
         self.gain_checks = list(state.get("gain_checks", []))
+        self.beta_scale = float(state.get("beta_scale", 1.0))  # written before the calibration: none
         self._window = []
         self._t_prev_end = None
         if self.chosen is not None:
