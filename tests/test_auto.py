@@ -79,8 +79,9 @@ def _fit(tmp: Path, strategy: GCStrategy, ckpt_path=None, callbacks=(), keep_ste
 def _strategy(**auto):
     # one decision only: no window completes (calibration, drift) and no periodic re-probe; those decide
     # from measured step times, which differ between two runs (tests/test_auto_model.py covers them)
+    # early_comm_ratio 0: the warm-up profiles step 1 whatever step 0's exposed communication was
     return GCStrategy(compressor="auto", start_method="spawn", min_compress_numel=16,
-                      auto={"window": 1000, "probe_every": 0, **auto}, **SLOW_LINK)
+                      auto={"window": 1000, "probe_every": 0, "early_comm_ratio": 0.0, **auto}, **SLOW_LINK)
 
 
 def test_ranks_choose_alike_and_the_choice_is_the_brute_force_minimum(tmp_path):
@@ -133,6 +134,7 @@ def test_a_resumed_run_keeps_the_choice_and_is_exact(tmp_path):
     (dict(compressor="auto", auto={"progress_weight": -1}), "progress_weight=-1"),
     (dict(compressor="auto", auto={"windw": 3}), r"unknown option\(s\) \['windw'\]"),
     (dict(compressor="auto", auto={"gain_every": -1}), "auto_gain_every=-1 must be an integer >= 0"),
+    (dict(compressor="auto", auto={"early_comm_ratio": -0.5}), "auto_early_comm_ratio=-0.5 must be a finite"),
     (dict(compressor="auto", auto={"gain_drift": float("nan")}), "auto_gain_drift=nan must be a finite number"),
 ])
 def test_bad_auto_settings_are_refused_at_construction(kwargs, match):
@@ -146,6 +148,19 @@ def test_auto_config_round_trips_through_flat_names():
     assert cfg.auto.progress_weight == 0.25 and cfg.auto.candidates == ("ddp", "qsgd") and cfg.auto.gain_every == 20
     assert cfg.engine.warmup_steps == cfg.auto.dense_steps_needed == 2
     assert GCConfig.from_flat(**cfg.to_flat()) == cfg
+
+
+def test_a_first_dense_step_that_waited_on_the_network_is_profiled_and_ends_the_warm_up(tmp_path):
+    """early_comm_ratio: step 0's exposed communication against the rest of it; with a ratio this
+    small any wait counts, so the decision comes after step 0 (not 1) and step 1 is the chosen method's."""
+    reports, autos = _fit(tmp_path, _strategy(candidates=["ddp", "topk", "efsign"], early_comm_ratio=1e-9))
+    assert autos[0]["history"] == autos[1]["history"]
+    (h,) = autos[0]["history"]
+    assert h["trigger"] == "warmup" and h["step"] == 0
+    assert h["chosen"] == argmin_by_hand(h["costs"], h["workload"], *h["network"], 2, 1.0) != "ddp"
+    assert autos[0]["dense_mode"] is None and autos[0]["compressed_steps"] == 16 - 1  # one dense step only
+    for k, v in reports[0]["params"].items():
+        assert torch.equal(v, reports[1]["params"][k]), k
 
 
 def test_errors_are_the_ranks_mean_on_local_gradients_and_re_measured_every_gain_every_steps(tmp_path):

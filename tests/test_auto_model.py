@@ -194,10 +194,14 @@ class _FakeEngine:
         self.world_size, self.process_group, self.step, self.device = 4, None, 0, torch.device("cpu")
         self.network = SimpleNamespace(pinned=True, model=network)
         self.plan = SimpleNamespace(groups=[SimpleNamespace(gid=0, exact=False)])
+        self.config = SimpleNamespace(warmup_steps=1, seed=0)
         self.calls: list = []
 
     def raise_warmup_steps(self, steps):
         pass
+
+    def shorten_warmup_steps(self, steps):
+        self.config.warmup_steps = min(self.config.warmup_steps, steps)
 
     def synchronize(self):
         pass

@@ -257,6 +257,15 @@ class GCEngine:
         if steps > self.config.warmup_steps:
             self.config = dataclasses.replace(self.config, warmup_steps=int(steps))
 
+    def shorten_warmup_steps(self, steps: int) -> None:
+        """Make the dense warm-up ``steps`` optimizer steps if it is longer (never lengthens it; at
+        least 0). Between steps, with the same value on every rank, and only to end the warm-up no
+        earlier than the next step (``steps >= self.step``): the ``auto`` chooser ends the warm-up it
+        raised when its first dense step already told it enough (docs/auto.md)."""
+        steps = max(int(steps), 0)
+        if steps < self.config.warmup_steps:
+            self.config = dataclasses.replace(self.config, warmup_steps=steps)
+
     def error_memory_by_name(self) -> dict[str, Tensor]:
         """Per-parameter copies (CPU) of the error-feedback memory of the current plan."""
         return self._memory.by_name(self.plan)
