@@ -33,12 +33,17 @@ What it measures (written to ``<run_dir>/rank<G>.json``):
 * ``auto`` (``GCStrategy(compressor="auto")`` only, else ``None``): what the run-time chooser picked
   and why, from ``strategy.auto.history`` at the end of training (replicated, so every rank writes
   the same): ``chosen`` (the method in force at the end), ``candidates``, and one entry per
-  decision in ``decisions`` — ``step``, ``trigger`` (``warmup`` | ``drift``), ``chosen``,
+  decision in ``decisions`` — ``step``, ``trigger`` (``warmup``, ``calibration``, ``drift``,
+  ``periodic``, ``gain``), ``chosen``,
   ``previous``, ``predicted_step_s`` (the model's step for the pick), ``measured_step_s`` (the
   chooser's reference after the decision: the median of a ``window`` of steps once the switch has
   settled, slowest rank; ``None`` if the run ended before that window), ``predictions``
   (candidate → predicted step), ``time_per_progress_s`` (candidate → what the choice minimised),
-  ``network`` (the probed ``alpha_s``, ``beta_s_per_byte``), ``dense_wall_s``, ``decide_s``.
+  ``network`` (the probed ``alpha_s``, ``beta_s_per_byte``), ``dense_wall_s``, ``decide_s``,
+  ``delta2`` (candidate → the error the decision used), ``beta_scale`` (the probe's calibration),
+  ``compute_s`` (forward + backward + optimizer of the workload it used) and ``settled_compute_s``
+  (the same after the first window's re-measurement, warm-up decision only); and ``gain_checks``
+  (every re-measurement of the errors: ``step``, ``delta2``, ``moved``, ``redecided``).
 """
 
 from __future__ import annotations
@@ -403,6 +408,13 @@ def _num(x) -> float | None:
     return None if x is None else float(x)
 
 
+def _compute_s(workload: dict | None) -> float | None:
+    """Forward + backward + optimizer seconds of an auto workload record, or ``None``."""
+    if not workload:
+        return None
+    return float(workload["forward_s"]) + float(sum(workload["backward_s"])) + float(workload["optimizer_s"])
+
+
 def _auto_state(strategy) -> dict | None:
     """``compressor="auto"``: the chooser's decisions (see the module docstring), or ``None``."""
     chooser = getattr(strategy, "auto", None)
@@ -422,6 +434,9 @@ def _auto_state(strategy) -> dict | None:
             "network": {"alpha_s": _num(net[0]), "beta_s_per_byte": _num(net[1])},
             "dense_wall_s": _num(h.get("dense_wall_s")), "decide_s": _num(h.get("decide_s")),
             "delta2": {c["name"]: float(c["delta2"]) for c in h.get("costs") or []},
+            "beta_scale": _num(h.get("beta_scale")),
+            "compute_s": _compute_s(h.get("workload")),
+            "settled_compute_s": _compute_s((h.get("settled") or {}).get("workload")),
         })
     gains = [{"step": int(c["step"]), "delta2": {k: float(v) for k, v in c["delta2"].items()},
               "moved": float(c["moved"]), "redecided": bool(c["redecided"])} for c in getattr(chooser, "gain_checks", [])]
