@@ -13,7 +13,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from auto_oracle import argmin_by_hand, step_by_hand
+from auto_oracle import argmin_by_hand
 from lit_models import ReportCallback, TinyClassifier, make_loader
 
 from lightning_gc import GCStrategy
@@ -161,26 +161,6 @@ def test_a_first_dense_step_that_waited_on_the_network_is_profiled_and_ends_the_
     assert autos[0]["dense_mode"] is None and autos[0]["compressed_steps"] == 16 - 1  # one dense step only
     for k, v in reports[0]["params"].items():
         assert torch.equal(v, reports[1]["params"][k]), k
-
-
-def test_the_first_window_after_the_warm_up_replaces_the_profiled_compute(tmp_path):
-    """The profiled dense step's forward and backward times are replaced by the medians of the first
-    window after the decision (steps 2-3 with window 2); the optimizer time and `other` stay, and the
-    next decision (the calibration) predicts with that workload."""
-    reports, autos = _fit(tmp_path, _strategy(candidates=["ddp", "topk", "efsign"], window=2))
-    hist = autos[0]["history"]
-    assert hist == autos[1]["history"]
-    warm, nxt = hist[0], hist[1]
-    assert warm["settled"]["step"] == 3 and nxt["step"] == 5 and nxt["trigger"] == "calibration"
-    settled = warm["settled"]["workload"]
-    assert nxt["workload"] == settled
-    assert sorted(settled["numels"]) == sorted(warm["workload"]["numels"])
-    assert settled["optimizer_s"] == warm["workload"]["optimizer_s"] and settled["other_s"] == warm["workload"]["other_s"]
-    assert (settled["forward_s"], settled["backward_s"]) != (warm["workload"]["forward_s"], warm["workload"]["backward_s"])
-    # the calibration's correction is relative to the settled raw model: hand-computed from its inputs
-    chosen = warm["chosen"]
-    raw = step_by_hand(next(c for c in nxt["costs"] if c["name"] == chosen), settled, *nxt["network"], 2)
-    assert nxt["corrections"][chosen] == pytest.approx(warm["measured_step_s"] - raw, rel=1e-6, abs=1e-9)
 
 
 def test_errors_are_the_ranks_mean_on_local_gradients_and_re_measured_every_gain_every_steps(tmp_path):

@@ -180,10 +180,13 @@ class AutoConfig:
         early_comm_ratio: if the first (skipped) dense step's exposed communication (end of backward's
             closure after the last gradient was ready, where DDP waits for its buckets) is at least
             this many times the rest of its wall, that step is profiled and decided on at once and
-            the dense warm-up ends there (0: never; the configured ``warmup_steps`` still holds).
-            On a slow link a dense step is mostly the exchange (2.1 s of a 2.2 s step on ``cnn``
-            width 16 at 20 Mbit/s), so a second one costs far more than a cleaner profile is worth;
-            on a fast one it is cheap, and the skipped step's one-off costs stay out of the profile.
+            the dense warm-up ends there (0, the default: never; a configured ``warmup_steps``
+            above ``skip_steps + profile_steps`` still holds). On a slow link a dense step is mostly
+            the exchange (2.1 s of a 2.2 s step on ``cnn`` width 16 at 20 Mbit/s), so the second one
+            costs far more than the profile gains. Off by default: the first step's profile carries
+            one-off costs that make every unmeasured candidate look slower, and on ``cnn`` at
+            20 Mbit/s auto then stayed on Top-k where it otherwise moved to ``lowrank``, the better
+            method there (docs/auto.md, "Measured"). 1 is a reasonable value to try.
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
@@ -200,7 +203,7 @@ class AutoConfig:
     explore: int = 2
     gain_every: int = 50
     gain_drift: float = 0.1
-    early_comm_ratio: float = 1.0
+    early_comm_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         cands = tuple(self.candidates)
@@ -234,8 +237,8 @@ class AutoConfig:
         er = self.early_comm_ratio
         if isinstance(er, bool) or not isinstance(er, (int, float)) or not math.isfinite(er) or er < 0:
             raise ValueError(f"auto_early_comm_ratio={er!r} must be a finite number >= 0 (0: always profile after "
-                             "skip_steps; default 1: decide on the first dense step when it waited on the network "
-                             "at least as long as it did anything else).")
+                             "skip_steps, the default; 1: decide on the first dense step when it waited on the "
+                             "network at least as long as it did anything else).")
         gd = self.gain_drift
         if isinstance(gd, bool) or not isinstance(gd, (int, float)) or not math.isfinite(gd) or gd < 0:
             raise ValueError(f"auto_gain_drift={gd!r} must be a finite number >= 0 (a relative change of a "
@@ -347,8 +350,6 @@ class AutoChooser(StepParticipant):
         self._t_start = self._t_fwd = self._t_closure_end = 0.0
         self._t_prev_end: float | None = None
         self._handles: list[Any] = []
-        #: per-step timings of the first window after the warm-up decision (None outside it)
-        self._settle_profile: list[dict] | None = None
         #: this rank's local gradients of the step being sampled (parameter index → copy), or None when
         #: no step is sampled: the warm-up's dense steps (the last profiled one is measured) and, every
         #: ``gain_every`` steps, one armed step (see _arm_sample)
@@ -438,8 +439,6 @@ class AutoChooser(StepParticipant):
         if wall is not None:  # None on the first step after a resume
             self.measured.append(wall)
             self._window.append(wall)
-            if self._settle_profile is not None and len(self._stamps) == len(self.params):
-                self._settle_profile.append(self._profile_entry(t_end, wall))
         if self._sample_handles:  # this step was sampled: measure the errors again
             self._check_gain(step, self._disarm_sample() or {})
             self._t_prev_end = time.perf_counter()  # the measurement is not a step
@@ -478,8 +477,6 @@ class AutoChooser(StepParticipant):
         self._window = []
         if self._settling:  # the first window after a decision holds the switch itself: not a reference
             self._settling = False
-            if self._settle_profile is not None:  # ... but its compute is a settled one
-                self._resettle(step)
             return
         if self._reference is None:
             self._reference = med
@@ -503,75 +500,34 @@ class AutoChooser(StepParticipant):
             self._decide(step, "drift", probe=True)
 
     # ------------------------------------------------------------------ measurement
-    def _agreed_workload(self, prof: list[dict]) -> tuple[Workload, float] | None:
-        """The workload of the profiled steps ``prof`` (medians over steps, then the MAX over ranks:
-        forward, each tensor's readiness, optimizer, wall), and their wall; ``None`` on every rank if
-        any rank has no profiled step. A collective: every rank calls it at the same point."""
+    def _first_decision(self, step: int) -> None:
+        engine = self.engine
+        engine.synchronize()
+        self._remove_hooks()
+        if not self._profile:
+            raise RuntimeError(
+                "lightning_gc auto: no dense step could be profiled (every gradient must reach backward on every "
+                "step); pass find_unused_parameters=False models, or raise auto_profile_steps/warmup_steps.")
+        prof = self._profile
+        order = prof[-1]["order"]
         n = len(self.params)
-        if prof:  # per-tensor ready times by parameter (medians over steps)
-            ready_by_param = [statistics.median(p["ready"][p["order"].index(i)] for p in prof) for i in range(n)]
-            local = [0.0, statistics.median(p["forward_s"] for p in prof),
-                     statistics.median(p["optimizer_s"] for p in prof),
-                     statistics.median(p["wall_s"] for p in prof)] + ready_by_param
-        else:
-            local = [1.0] + [0.0] * (3 + n)
-        agreed = agree_values(local, "max", self.engine.process_group, self.engine.device)
-        if agreed[0] > 0:
-            return None
-        fwd, opt, wall = agreed[1:4]
-        ready = agreed[4:]
-        # the ready order is fixed by the agreed (replicated) times
+        # per-tensor ready times in the last profile's order (medians over steps), then durations
+        ready_by_param = [statistics.median(p["ready"][p["order"].index(i)] for p in prof) for i in range(n)]
+        local = ([statistics.median(p["forward_s"] for p in prof), statistics.median(p["optimizer_s"] for p in prof),
+                  statistics.median(p["wall_s"] for p in prof)] + ready_by_param)
+        agreed = agree_values(local, "max", engine.process_group, engine.device)
+        fwd, opt, wall = agreed[:3]
+        ready = agreed[3:]
+        # the ready order is fixed by the first rank's (replicated) view: sort the agreed times
         order = sorted(range(n), key=lambda i: (ready[i], i))
         t_prev, durations = 0.0, []
         for i in order:
             durations.append(max(ready[i] - t_prev, 0.0))
             t_prev = max(ready[i], t_prev)
-        return Workload(fwd, tuple(durations), tuple(self.params[i].numel() for i in order), opt, 0.0), wall
-
-    def _first_decision(self, step: int) -> None:
-        engine = self.engine
-        engine.synchronize()
-        got = self._agreed_workload(self._profile)
-        if got is None:
-            self._remove_hooks()
-            raise RuntimeError(
-                "lightning_gc auto: no dense step could be profiled (every gradient must reach backward on every "
-                "step); pass find_unused_parameters=False models, or raise auto_profile_steps/warmup_steps.")
-        self.workload, wall = got
-        # the timing hooks stay for the first window after the decision: its steps' compute replaces
-        # the profiled step's (see _resettle)
-        self._settle_profile = []
+        self.workload = Workload(fwd, tuple(durations), tuple(self.params[i].numel() for i in order), opt, 0.0)
         self._measure_costs(self._disarm_sample() or {})
         self._last_gain_step = step
         self._decide(step, "warmup", probe=True, dense_wall_s=wall)
-
-    def _resettle(self, step: int) -> None:
-        """Replace the workload's forward and backward times by those of the first window after the
-        warm-up decision (its steps: the chosen method's, whose exchange starts after backward or
-        overlaps it without delaying it), keeping the profiled optimizer time (it waits for the
-        exchange on compressed steps) and the calibrated ``other``, then re-predict every candidate.
-
-        The profiled dense step carries one-off costs (the first step's allocations and DDP's bucket
-        rebuild, a thread pool warming up): on ``gpt`` at 1 Gbit/s its compute was 199 ms against a
-        settled 16-bit step of 103 ms in all; on ``cnn`` width 16 at 20 Mbit/s, profiling step 0
-        (``early_comm_ratio``), the raw model put ``lowrank`` at 279 ms against the 166 ms it ran.
-        ``other`` was fitted as that step's wall minus the model's DDP step on the same inflated
-        compute, so the one-off costs cancel there and ``other`` stays valid."""
-        prof, self._settle_profile = self._settle_profile or [], None
-        self._remove_hooks()
-        got = self._agreed_workload(prof)
-        if got is None or self.workload is None or self.costs is None or self.network is None:
-            return
-        w, (settled, _) = self.workload, got
-        self.workload = Workload(settled.forward_s, settled.backward_s, settled.numels, w.optimizer_s, w.other_s)
-        used = self.history[-1]["corrections"] if self.history else self._valid_corrections()
-        _, self.predictions = choose_measured(self.costs, used, self.workload, self.network, self.engine.world_size,
-                                              self.config.progress_weight)
-        if self.history:
-            self.history[-1]["settled"] = {"step": step, "workload": self.workload.as_dict()}
-        rank_zero_info(f"lightning_gc auto: compute re-measured on steps after the warm-up: forward "
-                       f"{1e3 * settled.forward_s:.1f} ms (profiled {1e3 * w.forward_s:.1f}), backward "
-                       f"{1e3 * settled.backward_total_s:.1f} ms (profiled {1e3 * w.backward_total_s:.1f})")
 
     def _group_sample(self, grads: dict[int, Tensor]) -> tuple[Tensor, GroupContext, float]:
         """The compressed group's local gradient (``grads``: parameter index → this rank's copy) as
@@ -784,7 +740,6 @@ class AutoChooser(StepParticipant):
             "last_decision_step": self._last_decision_step,
             "last_gain_step": self._last_gain_step, "gain_checks": self.gain_checks, "beta_scale": self.beta_scale,
             "sampling": bool(self._sample_handles), "warmup_steps": int(self.engine.config.warmup_steps),
-            "settle_profile": self._settle_profile,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -818,10 +773,8 @@ class AutoChooser(StepParticipant):
             self.engine.shorten_warmup_steps(int(state["warmup_steps"]))
         self._window = []
         self._t_prev_end = None
-        self._settle_profile = state.get("settle_profile")
         if self.chosen is not None:
-            if self._settle_profile is None:  # else the timing hooks stay until the window ends
-                self._remove_hooks()
+            self._remove_hooks()
             self._disarm_sample()
             if state.get("sampling"):  # saved between arming a sampled step and measuring it
                 self._arm_sample()

@@ -41,8 +41,7 @@ What it measures (written to ``<run_dir>/rank<G>.json``):
   (candidate → predicted step), ``time_per_progress_s`` (candidate → what the choice minimised),
   ``network`` (the probed ``alpha_s``, ``beta_s_per_byte``), ``dense_wall_s``, ``decide_s``,
   ``delta2`` (candidate → the error the decision used), ``beta_scale`` (the probe's calibration),
-  ``compute_s`` (forward + backward + optimizer of the workload it used) and ``settled_compute_s``
-  (the same after the first window's re-measurement, warm-up decision only); and ``gain_checks``
+  ``compute_s`` (forward + backward + optimizer of the workload it used); and ``gain_checks``
   (every re-measurement of the errors: ``step``, ``delta2``, ``moved``, ``redecided``).
 """
 
@@ -436,7 +435,6 @@ def _auto_state(strategy) -> dict | None:
             "delta2": {c["name"]: float(c["delta2"]) for c in h.get("costs") or []},
             "beta_scale": _num(h.get("beta_scale")),
             "compute_s": _compute_s(h.get("workload")),
-            "settled_compute_s": _compute_s((h.get("settled") or {}).get("workload")),
         })
     gains = [{"step": int(c["step"]), "delta2": {k: float(v) for k, v in c["delta2"].items()},
               "moved": float(c["moved"]), "redecided": bool(c["redecided"])} for c in getattr(chooser, "gain_checks", [])]
