@@ -271,20 +271,27 @@ def test_worker_records_the_choosers_decisions_from_its_history():
 
     history = [
         {"step": 3, "trigger": "warmup", "chosen": "ddp", "previous": None, "network": [1e-4, 8e-9],
-         "workload": {}, "costs": [], "predictions": {"ddp": pred(0.05, 0.05), "topk": pred(0.03, 0.06)},
+         "workload": {"forward_s": 0.01, "backward_s": [0.02, 0.01], "optimizer_s": 0.005},
+         "costs": [{"name": "ddp", "delta2": 0.0}, {"name": "topk", "delta2": 0.6}], "beta_scale": 0.8,
+         "predictions": {"ddp": pred(0.05, 0.05), "topk": pred(0.03, 0.06)},
          "dense_wall_s": 0.05, "measured_step_s": 0.052, "decide_s": 0.2},
         {"step": 40, "trigger": "drift", "chosen": "topk", "previous": "ddp", "network": [1e-4, 8e-8],
          "workload": {}, "costs": [], "predictions": {"ddp": pred(0.4, 0.4), "topk": pred(0.04, 0.08)},
          "dense_wall_s": None, "measured_step_s": None, "decide_s": 0.3},
     ]
-    chooser = SimpleNamespace(chosen="topk", history=history, config=AutoConfig(candidates=("ddp", "topk")))
+    gains = [{"step": 53, "delta2": {"ddp": 0.0, "topk": 0.5}, "moved": 0.07, "redecided": False}]
+    chooser = SimpleNamespace(chosen="topk", history=history, config=AutoConfig(candidates=("ddp", "topk")),
+                              gain_checks=gains)
     rec = _auto_state(SimpleNamespace(auto=chooser))
     assert rec["chosen"] == "topk" and rec["candidates"] == ["ddp", "topk"]
     first, second = rec["decisions"]
     assert first == {"step": 3, "trigger": "warmup", "chosen": "ddp", "previous": None, "predicted_step_s": 0.05,
                      "measured_step_s": 0.052, "predictions": {"ddp": 0.05, "topk": 0.03},
                      "time_per_progress_s": {"ddp": 0.05, "topk": 0.06},
-                     "network": {"alpha_s": 1e-4, "beta_s_per_byte": 8e-9}, "dense_wall_s": 0.05, "decide_s": 0.2}
+                     "network": {"alpha_s": 1e-4, "beta_s_per_byte": 8e-9}, "dense_wall_s": 0.05, "decide_s": 0.2,
+                     "delta2": {"ddp": 0.0, "topk": 0.6}, "beta_scale": 0.8, "compute_s": pytest.approx(0.045)}
     assert second["predicted_step_s"] == 0.04 and second["measured_step_s"] is None and second["previous"] == "ddp"
+    assert second["delta2"] == {} and second["beta_scale"] is None and second["compute_s"] is None
+    assert rec["gain_checks"] == gains
     assert _auto_state(SimpleNamespace(auto=None)) is None
     assert _auto_state(DDPStrategy()) is None
