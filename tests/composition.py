@@ -90,8 +90,12 @@ def design() -> list[dict[str, Any]]:
              if c["sync"] in ("osp", "diloco")]
     # auto trains in BSP with the one-group plan only, which all pairs never draws: add its trainable cases
     base = {n: v[0] for n, v in FACTORS.items()}
+    # auto's options: errors re-measured (and re-decided) every 3 steps across the resume point (4); in
+    # the second case the first dense step ends the warm-up (any wait on the network counts)
     auto = [{**base, "compressor": "auto", "resume": "resumed", **extra} for extra in
-            ({}, {"accumulate": 2, "precision": "bf16-mixed", "optimizer": "adamw_clip"})]
+            ({"auto_options": {"gain_every": 3, "gain_drift": 0.0}},
+             {"accumulate": 2, "precision": "bf16-mixed", "optimizer": "adamw_clip",
+              "auto_options": {"gain_every": 3, "gain_drift": 0.0, "early_comm_ratio": 1e-9}})]
     for case in all_pairs(FACTORS) + stateful_product() + adamw + auto:
         key = tuple(case[n] for n in FACTORS)
         if key not in seen:
@@ -162,6 +166,8 @@ def _strategy(case: dict[str, Any]):
     if case["compressor"] == "gradiveq":  # short phases so that 8 steps sample, fit and compress
         args["compressor_args"] = {"warmup": 1, "sample_steps": 2, "compress_steps": 3, "min_numel": 256,
                                    "max_slice": 256, "pca_slices": 4}
+    if case.get("auto_options"):
+        args["auto"] = dict(case["auto_options"])
     if case["plan"] == "omgs":
         args["omgs"] = {"profile_skip_steps": 0, "profile_steps": 2, "calibration_sizes": 3,
                         "calibration_repeats": 1, "replan_window": 2}
