@@ -105,18 +105,20 @@ def rank_payloads(flat: Tensor, ctx: GroupContext, world_size: int) -> tuple[lis
     return xs, ctxs
 
 
-def measure_error(cand: AutoCandidate, flat: Tensor, ctx: GroupContext) -> float:
+def measure_error(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, comp: Any = None) -> float:
     """The relative error ``δ² = ‖C(g) − g‖² / ‖g‖²`` of what ``cand`` sends for the gradient ``flat``
     (this rank's own, as each rank compresses its own): a 16-bit cast's rounding, a compressor's
     decompressed payload — for a warm-started compressor (``lowrank``) after :data:`WARM_STEPS`
     steps, not its cold start from a random ``Q`` (``LowRankCompressor.warm_compress``). ``ddp`` is
-    exact (0). The chooser's progress proxy (:func:`lightning_gc.auto.model.efficiency`)."""
+    exact (0). The chooser's progress proxy (:func:`lightning_gc.auto.model.efficiency`). ``comp``: the
+    candidate's compressor if the caller built one already (a fresh one otherwise)."""
     if cand.compressor is None:
         if cand.name == "ddp":
             return 0.0
         dtype = torch.float16 if cand.name == "fp16" else torch.bfloat16
         return _relative_error(flat, flat.to(dtype).float())
-    comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
+    if comp is None:
+        comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
     warm = getattr(comp, "warm_compress", None)
     c = warm(flat, ctx, WARM_STEPS) if warm is not None else comp.compress(flat, ctx)
     return _relative_error(flat, comp.decompress(c.payload, c.meta, ctx))
@@ -150,5 +152,5 @@ def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_s
                          f"use one of the candidates {', '.join(CANDIDATES)}.")
     ratio = float(comp.ratio) if comp.has_ratio else 0.0
     return MethodCost(cand.name, wire, float(raw["engine_codec_s"]), float(raw["payload_bytes"]),
-                      measure_error(cand, flat, ctxs[0]), bool(comp.default_error_feedback and comp.lossy),
+                      measure_error(cand, flat, ctxs[0], comp), bool(comp.default_error_feedback and comp.lossy),
                       sparse_ratio=ratio, value_bytes=float(flat.element_size()), exact_bytes=float(exact_bytes))
