@@ -47,6 +47,14 @@ FACTORS: dict[str, tuple] = {
 }
 STATEFUL = ("controller", "sync", "plan", "resume")
 STEPS, RESUME_AT = 8, 4
+# "cuda": the two ranks share one GPU (Trainer(accelerator="cuda", devices=1, num_nodes=2), one rank per
+# "node", gloo with CUDA tensors; docs/gpu.md). NCCL refuses two ranks on one GPU, and gloo has no
+# point-to-point path for CUDA tensors, so GradiVeQ takes its allreduce path and Marsit (ring only) is
+# refused there; everything else is the CPU design unchanged.
+DEVICE = os.environ.get("GC_COMPOSITION_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"GC_COMPOSITION_DEVICE={DEVICE!r}: the composition matrix runs on 'cpu' (the default) or "
+                     f"'cuda' (two gloo ranks on one GPU)")
 
 
 def all_pairs(factors: dict[str, tuple], seed: int = 0) -> list[dict[str, Any]]:
@@ -115,6 +123,14 @@ def expected_refusal(case: dict[str, Any]) -> str | None:
     """The refusal a case must meet (a regex of its message), or None if it must train.
 
     The table of docs/concepts.md ("What composes"): each entry names why."""
+    refusal = _expected_refusal_on_cpu(case)
+    if DEVICE == "cuda" and case["compressor"] == "marsit":  # whichever check comes first refuses it
+        p2p = r"sends CUDA tensors point to point.*gloo has no point-to-point path"
+        return f"(?:{refusal})|(?:{p2p})" if refusal else p2p
+    return refusal
+
+
+def _expected_refusal_on_cpu(case: dict[str, Any]) -> str | None:
     c, sync, plan, ctrl = case["compressor"], case["sync"], case["plan"], case["controller"]
     if c == "auto":  # the BSP one-group plan only; it chooses the method itself
         if sync == "diloco" and plan == "omgs":
@@ -166,6 +182,8 @@ def _strategy(case: dict[str, Any]):
     if case["compressor"] == "gradiveq":  # short phases so that 8 steps sample, fit and compress
         args["compressor_args"] = {"warmup": 1, "sample_steps": 2, "compress_steps": 3, "min_numel": 256,
                                    "max_slice": 256, "pca_slices": 4}
+        if DEVICE == "cuda":  # its ring is point to point (see DEVICE)
+            args["collective"] = "gradiveq_allreduce"
     if case.get("auto_options"):
         args["auto"] = dict(case["auto_options"])
     if case["plan"] == "omgs":
@@ -222,20 +240,25 @@ def _fit(case: dict[str, Any], tmp: str, max_steps: int, ckpt_path: str | None, 
     L.seed_everything(11, verbose=False)
     model = Model()
     trainer = L.Trainer(
-        strategy=_strategy(case), accelerator="cpu", devices=2, precision=case["precision"],
+        strategy=_strategy(case), accelerator=DEVICE, devices=1 if DEVICE == "cuda" else 2,
+        num_nodes=2 if DEVICE == "cuda" else 1, precision=case["precision"],
         gradient_clip_val=0.5 if case["optimizer"] == "adamw_clip" else None,
         accumulate_grad_batches=case["accumulate"], max_epochs=max_steps // RESUME_AT, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=save_at is not None, default_root_dir=tmp,
         callbacks=callbacks, num_sanity_val_steps=0)
     n = 2 * 16 * case["accumulate"] * RESUME_AT  # 2 ranks × batch 16 × accumulation × steps per epoch
     trainer.fit(model, make_loader(n=n, batch_size=16), ckpt_path=ckpt_path)
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    return {"params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
             "step": trainer.global_step, "skipped": trainer.strategy.skipped_steps,
+            "device": next(model.parameters()).device.type,
             "start_step": start_step[0] if start_step else None}
 
 
 def _ranks(rank: int, world_size: int, case: dict[str, Any], tmp: str) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
+    if DEVICE == "cuda":  # one rank per "node", each on the one GPU (cuda:0)
+        os.environ.update(LOCAL_RANK="0", RANK=str(rank), NODE_RANK=str(rank), WORLD_SIZE=str(world_size))
+    else:
+        os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
     out = {"full": _fit(case, tmp, STEPS, None, RESUME_AT if case["resume"] == "resumed" else None)}
     if case["resume"] == "resumed":
         out["resumed"] = _fit(case, tmp, STEPS, os.path.join(tmp, "mid-epoch=0.ckpt"), None)  # epoch 0's end
@@ -259,6 +282,7 @@ def check_case(case: dict[str, Any], tmp: str) -> str:
                              f"got {str(e)[-3000:]}") from e
     assert refusal is None, f"{case_id(case)}: trained, but the table says it is refused ({refusal})"
     assert a["full"]["step"] == STEPS
+    assert a["full"]["device"] == b["full"]["device"] == DEVICE, (a["full"]["device"], b["full"]["device"], DEVICE)
     if case["resume"] == "resumed":  # the resumed run trained the second half itself
         assert a["resumed"]["start_step"] == b["resumed"]["start_step"] == RESUME_AT
     inexact = known_inexact(case)
