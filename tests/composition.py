@@ -226,10 +226,12 @@ def _fit(case: dict[str, Any], tmp: str, max_steps: int, ckpt_path: str | None, 
     # from the middle of an epoch would replay a different data order with a plain DataLoader)
     callbacks = _callbacks(case)
     start_step: list[int] = []
+    devices: list[str] = []  # where the model trained (Lightning moves it back to the CPU at teardown)
 
     class _Start(L.Callback):
         def on_train_start(self, trainer, pl_module):
             start_step.append(trainer.global_step)
+            devices.append(pl_module.device.type)
 
     callbacks.append(_Start())
     if save_at is not None:
@@ -250,7 +252,7 @@ def _fit(case: dict[str, Any], tmp: str, max_steps: int, ckpt_path: str | None, 
     trainer.fit(model, make_loader(n=n, batch_size=16), ckpt_path=ckpt_path)
     return {"params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
             "step": trainer.global_step, "skipped": trainer.strategy.skipped_steps,
-            "device": next(model.parameters()).device.type,
+            "device": devices[0] if devices else None,
             "start_step": start_step[0] if start_step else None}
 
 
