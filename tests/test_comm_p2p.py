@@ -296,3 +296,25 @@ def test_point_to_point_collectives_refused_for_cuda_tensors_on_gloo(gloo_world_
             else:
                 make_exchange(comp, coll, gloo_world_of_one, device="cuda")
     assert seen == set(available_collectives())  # every collective was judged
+
+
+def test_auto_default_slot_avoids_point_to_point_for_cuda_on_gloo(gloo_world_of_one) -> None:
+    """compressor='auto' keeps AR-Topk's auto_sparse in the engine's default slot; on a GPU with gloo
+    (2 ranks on one H200, docs/gpu.md) that slot was refused at setup, so auto could not run there at
+    all. Its default slot now falls back to a collective gloo can send (Top-k over allgather) where,
+    and only where, the point-to-point one cannot travel."""
+    from types import SimpleNamespace
+
+    from lightning_gc import GCStrategy
+    from lightning_gc.comm.registry import make_exchange
+    from lightning_gc.compressors import build_compressor
+
+    strategy = GCStrategy(compressor="auto")
+    strategy._model = None  # no DDP wrapper here: the world group
+    base = build_compressor("artopk_auto", ratio=0.01)
+    cuda_param = [("w", SimpleNamespace(device=torch.device("cuda", 0)))]
+    on_cuda = strategy._auto_default_compressor(base, cuda_param)
+    assert on_cuda.name == "topk"
+    make_exchange(on_cuda, "auto", gloo_world_of_one, device="cuda")  # allgather: gloo can send it
+    on_cpu = strategy._auto_default_compressor(base, [("w", torch.zeros(2))])
+    assert on_cpu is base  # CPU gradients on gloo: the point-to-point default stays

@@ -184,6 +184,18 @@ def _probe_worker(rank: int, world_size: int) -> dict:
         out["replicated"] = None
     except ValueError as exc:
         out["replicated"] = str(exc)
+    # CUDA gradients on gloo: the probe's messages go in host memory (gloo has no point-to-point path
+    # for CUDA tensors; a ring shift of CUDA tensors killed ranks on an H200, docs/gpu.md). Here (no
+    # GPU in CI) a probe that put its buffers on "cuda" would fail at the first allocation.
+    import torch
+
+    from lightning_gc.comm.probe import _probe_device
+    out["cuda_on_gloo"] = (str(_probe_device(None, "cuda")), str(_probe_device(None, torch.device("cuda", 0))),
+                           str(_probe_device(None, "cpu")), str(_probe_device(None, None)))
+    for collective in ("ring_shift", "ring_allreduce"):
+        res = probe_network(config=ProbeConfig(sizes_bytes=(64, 4096), warmup=1, repeats=2, collective=collective),
+                            device="cuda")
+        out[f"cuda_on_gloo_{collective}"] = res.world_size
     # a single-rank group: nothing to measure, exact zero model
     solo = dist.new_group([0])
     if rank == 0:
@@ -208,3 +220,6 @@ def test_probe_agrees_by_max_at_even_and_odd_world_sizes(ws: int) -> None:
         assert r["mismatch"] is not None and "different arguments on different ranks" in r["mismatch"]
         assert r["replicated"] is not None and "network model differs across ranks" in r["replicated"]
     assert results[0]["solo"] == (1, NetworkModel(0.0, 0.0))
+    for r in results:
+        assert r["cuda_on_gloo"] == ("cpu", "cpu", "cpu", "cpu")
+        assert r["cuda_on_gloo_ring_shift"] == r["cuda_on_gloo_ring_allreduce"] == ws

@@ -271,6 +271,18 @@ def _default_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
+def _probe_device(group: dist.ProcessGroup | None, device: torch.device | str | None) -> torch.device:
+    """Where the probe's messages live: ``device`` (default: :func:`_default_device`), except CUDA on a
+    backend other than NCCL, where they live in host memory. gloo has no point-to-point path for CUDA
+    tensors (a ring shift of CUDA tensors failed with "writev ... Bad address" on an H200, docs/gpu.md),
+    and for its collectives it copies CUDA tensors through host memory anyway, so host buffers measure
+    the same link."""
+    dev = torch.device(device) if device is not None else _default_device(group)
+    if dev.type == "cuda" and "nccl" not in str(dist.get_backend(group)).lower():
+        return torch.device("cpu")
+    return dev
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -315,7 +327,7 @@ def probe_network(
             f"group={group!r}; call the probe only on ranks that belong to the group"
         )
     n = dist.get_world_size(group)
-    dev = torch.device(device) if device is not None else _default_device(group)
+    dev = _probe_device(group, device)
     if n == 1:
         return ProbeResult(NetworkModel(0.0, 0.0), config.collective, 1, config.sizes_bytes, (), None)
     _check_same_args(config.fingerprint(), group, dev)
