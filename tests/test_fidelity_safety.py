@@ -11,7 +11,9 @@ rank 0, or only reports the first rank, fails:
 * the engine's **setup signature** (a rank-dependent compressor option);
 * ``GCEngine.set_ratio``, ``GCEngine.replace_plan`` and ``GCEngine.set_group_method`` (values
   compared before anything changes);
-* the probe's **argument fingerprint** (``probe_network``) and ``ensure_replicated``.
+* the probe's **argument fingerprint** (``probe_network``) and ``ensure_replicated``;
+* a **payload of the wrong size** on one rank (a compressor bug): zeros travel in its place, so no
+  rank waits in the allgather, and every rank stops at the step's close with the count of such ranks.
 """
 
 from __future__ import annotations
@@ -153,6 +155,45 @@ def _probe(rank: int, odd: int) -> tuple[str, str]:
     return probe, repl
 
 
+def _payload(rank: int, odd: int) -> str:
+    """Top-k whose payload on rank ``odd`` at step 2 is one element short (values and indices)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gc.compressors.base import Compressed
+    from lightning_gc.engine import gc_comm_hook
+
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    engine = _engine(model)
+    ddp.register_comm_hook(engine, gc_comm_hook)
+    compress = engine.compressor.compress
+
+    def short(x, ctx):
+        c = compress(x, ctx)
+        if engine.step == 3 and rank == odd:  # engine.step already counts the step being exchanged (2)
+            return Compressed(tuple(t[:-1] for t in c.payload), c.meta)
+        return c
+
+    engine.compressor.compress = short
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        for step in range(4):
+            x, y = _batch(rank, step)
+            ddp.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            engine.before_optimizer_step()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(0.1 * p.grad)
+            before = [p.detach().clone() for p in model.parameters()]
+        return "no error"
+    except RuntimeError as e:
+        changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        return f"{e} [parameters changed: {changed}]"
+    finally:
+        engine.close()
+
+
 def _all(rank: int, ws: int) -> dict:
     out = {}
     for odd in range(ws):
@@ -163,6 +204,7 @@ def _all(rank: int, ws: int) -> dict:
         out["replace_plan", odd] = _replace_plan(rank, odd)
         out["set_group_method", odd] = _set_group_method(rank, odd)
         out["probe", odd] = _probe(rank, odd)
+        out["payload", odd] = _payload(rank, odd)
     return out
 
 
@@ -229,3 +271,13 @@ def test_probe_arguments_and_replicated_network_checked_whichever_rank_differs(r
         assert "different arguments on different ranks" in probe, (rank, probe)
         assert "network model differs across ranks" in repl, (rank, repl)
         assert "beta in [8e-08, 9e-08]" in repl, (rank, repl)
+
+
+@pytest.mark.parametrize("odd", range(WS))
+def test_payload_of_the_wrong_size_stops_every_rank_without_a_hang(runs, odd):
+    for rank, res in enumerate(runs):
+        msg = res["payload", odd]
+        assert f"at step 2 1 of {WS} ranks produced a compressed payload of another size" in msg, (rank, msg)
+        here = "this rank's: payload of" if rank == odd else "not this rank's"
+        assert here in msg, (rank, msg)
+        assert "[parameters changed: False]" in msg, (rank, msg)  # the step was not applied

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -79,18 +80,28 @@ def _part_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
-def allgather_payload(payload: tuple[Tensor, ...], specs, group=None) -> tuple[list[tuple[Tensor, ...]], int, int]:
+def allgather_payload(payload: tuple[Tensor, ...], specs, group=None,
+                      on_mismatch: Callable[[str], None] | None = None) -> tuple[list[tuple[Tensor, ...]], int, int]:
     """All-gather one fixed-size payload per rank in a single collective.
+
+    A payload whose size differs from what every rank expects (a compressor bug: a rank-dependent
+    size) cannot take part in the allgather. Without ``on_mismatch`` that is raised here, on this rank
+    alone (the other ranks then wait in the collective). With it, ``on_mismatch`` receives the
+    message and a payload of zeros of the expected size is sent in its place (zero bytes decode to a
+    valid, empty contribution in every format), so every rank completes the collective; the caller
+    must then stop the step on every rank (the engine does, through its closing report).
 
     Returns (payloads of all ranks in rank order, modelled bytes sent, payload bytes).
     """
     buf = pack_payload(payload)
     expected = packed_nbytes(specs)
     if buf.numel() != expected:
-        raise RuntimeError(
-            f"payload of {buf.numel()} bytes differs from the {expected} bytes every rank expects; "
-            "a compressor produced a rank-dependent size, which would deadlock the allgather."
-        )
+        message = (f"payload of {buf.numel()} bytes differs from the {expected} bytes every rank expects; "
+                   "a compressor produced a rank-dependent size, which would deadlock the allgather.")
+        if on_mismatch is None:
+            raise RuntimeError(message)
+        on_mismatch(message)
+        buf = torch.zeros(expected, dtype=torch.uint8, device=buf.device)
     ws = dist.get_world_size(group)
     bufs = [torch.empty_like(buf) for _ in range(ws)]
     dist.all_gather(bufs, buf, group=group)

@@ -118,6 +118,10 @@ class ExchangeTimes:
         full_precision: Marsit: True on a full-precision round, False on a one-bit round.
         overlapped_compress_s: codec seconds hidden behind transfers (GradiVeQ's ring).
         metrics: compressor-specific per-step values, logged as ``gc/<key>`` (GradiVeQ's phase, ...).
+        malformed: ``None`` (the default): a payload of the wrong size is raised at once, on its
+            rank. A list (the engine's steps): the message is recorded here, zeros are sent in its
+            place so that no rank waits in the allgather, and the owner stops the step on every rank
+            (:func:`~lightning_gc.comm.collectives.allgather_payload`).
     """
 
     compress_s: float = 0.0
@@ -129,6 +133,12 @@ class ExchangeTimes:
     full_precision: bool | None = None
     overlapped_compress_s: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    malformed: list[str] | None = None
+
+    def on_malformed_payload(self) -> Callable[[str], None] | None:
+        """What :func:`~lightning_gc.comm.collectives.allgather_payload` calls on a payload of the
+        wrong size: record it (see ``malformed``), or ``None`` to raise."""
+        return self.malformed.append if self.malformed is not None else None
 
     def add_choice(self, collective: str, predicted_s: float | None) -> None:
         """Record a model-chosen collective and its predicted time."""
@@ -296,7 +306,7 @@ class AllgatherExchange(Exchange):
         comp = timer.run("compress", lambda: c.compress(p, ctx))
         specs = c.payload_specs(ctx, p.dtype)
         payloads, nbytes, payload_bytes = timer.run(
-            "comm", lambda: allgather_payload(comp.payload, specs, self.group)
+            "comm", lambda: allgather_payload(comp.payload, specs, self.group, timer.times.on_malformed_payload())
         )
         timer.times.bytes_sent += nbytes
         timer.times.bytes_payload += payload_bytes

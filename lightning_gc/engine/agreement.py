@@ -38,6 +38,7 @@ class StepReport:
     exchange_comm_s: float = 0.0
     predicted_comm_s: float = 0.0
     has_prediction: float = 0.0
+    malformed_ranks: float = 0.0
 
     def to_tensor(self, device: torch.device) -> torch.Tensor:
         return torch.tensor(dataclasses.astuple(self), dtype=torch.float64, device=device)

@@ -603,7 +603,9 @@ class GCEngine:
         c = self.compressor  # StepStats.ratio: the ratio option, or the payload's weight without one
         stats = StepStats(step=self.step, dense=dense,
                           ratio=1.0 if dense else float(c.ratio if c.has_ratio else c.payload_fraction))
-        times = ExchangeTimes()
+        # a payload of the wrong size is recorded, sent as zeros and stops the step on every rank at the
+        # close (below), instead of raising on its rank alone while the others wait in the collective
+        times = ExchangeTimes(malformed=[])
         work = _StepWork(self.step, dense, stats, times, Timer(self.device, times))
         if dense and self.dense_mode is not None and self.step >= self.config.warmup_steps:
             work.dense_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.dense_mode)
@@ -818,10 +820,20 @@ class GCEngine:
         work.report.exchange_comm_s = work.exchange_comm_s
         if predicted is not None:
             work.report.predicted_comm_s, work.report.has_prediction = float(predicted), 1.0
+        work.report.malformed_ranks = 1.0 if work.times.malformed else 0.0
         t0 = time.perf_counter()
         total, nbytes = agree(work.report, self.exchange_group, self.world_size, self.device)
         work.control_comm_s += time.perf_counter() - t0
         work.times.bytes_sent += nbytes
+        if total.malformed_ranks > 0:  # on every rank alike: the step's futures fail, training stops
+            here = f"this rank's: {work.times.malformed[0]}" if work.times.malformed else "not this rank's"
+            raise RuntimeError(
+                f"lightning_gc: at step {work.step} {int(total.malformed_ranks)} of {self.world_size} ranks produced a "
+                f"compressed payload of another size than every rank expects ({here}). Zeros were sent in its "
+                "place so that no rank waits in the collective, and training stops here on every rank: the step "
+                f"is not applied. A payload size that depends on a rank's data is a bug of the compressor "
+                f"({self.compressor.name!r}, or a group's own method); please report it with its configuration."
+            )
         s = work.stats
         s.exchange_comm_s = work.exchange_comm_s
         s.full_precision = work.times.full_precision

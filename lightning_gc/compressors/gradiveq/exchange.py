@@ -322,7 +322,8 @@ class GradiVeQExchange(Exchange):
             q = self.qsgd
             comp = timer.run("compress", lambda: q.compress(p, ctx))
             specs = q.payload_specs(ctx, p.dtype)
-            payloads, nbytes, payload_bytes = timer.run("comm", lambda: allgather_payload(comp.payload, specs, self.group))
+            payloads, nbytes, payload_bytes = timer.run("comm", lambda: allgather_payload(comp.payload, specs, self.group,
+                                                                                        timer.times.on_malformed_payload()))
             timer.times.bytes_sent += nbytes
             timer.times.bytes_payload += payload_bytes
             mean = timer.run("compress", lambda: q.aggregate_gathered(payloads, comp.meta, ctx))
