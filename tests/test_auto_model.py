@@ -566,3 +566,73 @@ def test_a_small_model_probes_at_its_cap_at_once_and_growth_is_bounded():
     assert next_probe_bytes(1000, PROBE_TARGET_S / 2000, 10**9) == 1000 * 2000  # x target / time
     assert next_probe_bytes(1000, PROBE_TARGET_S / 4.5, 10**9) == 4500
     assert next_probe_bytes(1000, 1e-6, 5000) == 5000  # never past the cap
+
+
+def _dense_pair_chooser(monkeypatch, margin: float):
+    """ddp and fp16 (and Top-k) on a fast link, after a warm-up whose DDP step was slow (its first
+    steps), so the model puts DDP well above the 16-bit hook: the ``gpt`` case at 1 Gbit/s."""
+    import torch
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    wl = Workload(0.02, (0.03, 0.03), (400_000, 400_000))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("fp16", "bucket", 0.001),
+             MethodCost("topk", "allgather", 0.004, 64_000.0, 0.6, True)]
+    engine = _FakeEngine(NetworkModel(1e-4, 8 / 8e8))
+    cfg = AutoConfig(candidates=("ddp", "fp16", "topk"), window=2, explore=0, probe_every=0, family_margin=margin)
+    chooser = AutoChooser(engine, cfg, torch.nn.Linear(1, 1), [])
+    chooser.workload, chooser.costs = wl, costs
+    chooser._decide(0, "warmup", probe=False, dense_wall_s=0.2)  # the profiled DDP step: 200 ms
+    return chooser, engine
+
+
+@pytest.mark.parametrize("margin", [0.15, 0.0])
+def test_a_dense_sibling_within_the_margin_runs_one_window_and_the_faster_is_kept(monkeypatch, margin):
+    chooser, engine = _dense_pair_chooser(monkeypatch, margin)
+    assert chooser.chosen == "fp16" and chooser._corrections == {"ddp": 0.0}
+    raw = {k: p.step_s for k, p in chooser.predictions.items()}
+    assert raw["fp16"] < raw["ddp"] == pytest.approx(0.2)  # ddp: the profiled step itself
+    fp16_real = raw["fp16"] - 0.06  # the steady 16-bit step: 60 ms under the warm-up-based model
+    # by hand: ddp's raw prediction plus fp16's correction, against fp16's measured step (both exact
+    # enough that progress is ~1: compare per unit of progress as the rule does)
+    tpp = {k: p.time_per_progress_s / p.step_s for k, p in chooser.predictions.items()}
+    ddp_moved = (raw["ddp"] + (fp16_real - raw["fp16"])) * tpp["ddp"]
+    within = ddp_moved <= (1 + margin) * fp16_real * tpp["fp16"]
+    assert within == (margin > 0)  # the premise: the 15 % margin admits DDP, 0 does not
+    _window(chooser, 2, 1.0)  # settling
+    _window(chooser, 4, fp16_real)  # fp16's first window
+    assert chooser._corrections["fp16"] == pytest.approx(-0.06)
+    if not within:  # no trial: the calibration keeps fp16 among the measured (explore=0)
+        assert chooser.chosen == "fp16" and [h["trigger"] for h in chooser.history] == ["warmup", "calibration"]
+        return
+    assert chooser.chosen == "ddp" and engine.calls[-1] == ("dense", "fp32")
+    assert [h["trigger"] for h in chooser.history] == ["warmup", "family"]
+    state = chooser.state_dict()  # a checkpoint taken during the trial resumes it
+    _window(chooser, 6, 1.0)  # settling
+    ddp_real = fp16_real - 0.011  # DDP really runs 11 ms faster (gpt at 1 Gbit/s: 126 vs 137 ms)
+    _window(chooser, 8, ddp_real)
+    assert chooser._corrections["ddp"] == pytest.approx(ddp_real - raw["ddp"])
+    assert chooser.chosen == "ddp" and [h["trigger"] for h in chooser.history] == ["warmup", "family", "calibration"]
+    assert chooser.predictions["ddp"].step_s == pytest.approx(ddp_real)
+    assert chooser.predictions["fp16"].step_s == pytest.approx(fp16_real)
+    n = len(chooser.history)
+    _window(chooser, 10, ddp_real)  # both measured: no further trial or calibration
+    assert len(chooser.history) == n
+
+    other, _ = _dense_pair_chooser(monkeypatch, margin)
+    other.load_state_dict(state)
+    assert other._family_trial == "ddp" and other.chosen == "ddp" and other._windowed == {"fp16"}
+    _window(other, 6, 1.0)
+    _window(other, 8, fp16_real + 0.02)  # this time DDP is the slower one: back to fp16
+    assert other.chosen == "fp16" and other.history[-1]["trigger"] == "calibration"
+    assert other._family_trial is None
+
+
+def test_family_margin_is_validated():
+    from lightning_gc.auto.chooser import AutoConfig
+
+    for bad in (-0.1, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="auto_family_margin"):
+            AutoConfig(family_margin=bad)

@@ -30,6 +30,14 @@ when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
    what it did, and an unmeasured one that the model still favours is measured next, at most
    ``explore`` of them after each probed decision. The dense warm-up measured ``ddp`` (``other`` is
    fitted to it), so ``ddp`` starts measured.
+6. **Try the dense sibling**: the dense modes (``ddp``, ``fp16``, ``bf16``) run the same path on
+   DDP's buckets and differ only in the bytes and the cast, so the first window of one of them also
+   tells what the model misses for the others. A sibling not yet measured in a window on this link,
+   whose raw prediction plus the measured one's correction lies within ``family_margin`` of the
+   measured step (time per unit of progress), runs the next window (trigger ``"family"``), and the
+   choice is then made among the measured methods. Measured on ``gpt`` at 1 Gbit/s (4 ranks, 2
+   cores): auto picked ``fp16`` (136 ms) from a warm-up whose DDP step had taken 206 ms, while DDP
+   ran 126 ms in steady state, so auto's step was 1.09x the faster of the two (docs/auto.md).
 
 Everything a decision used is in :attr:`AutoChooser.history` (checkpointed, replicated) and logged
 (see :mod:`lightning_gc.callbacks.monitor`, ``auto/*``); the end-of-fit summary names the choice.
@@ -187,6 +195,14 @@ class AutoConfig:
             one-off costs that make every unmeasured candidate look slower, and on ``cnn`` at
             20 Mbit/s auto then stayed on Top-k where it otherwise moved to ``lowrank``, the better
             method there (docs/auto.md, "Measured"). 1 is a reasonable value to try.
+        family_margin: after the first window of a dense mode (``ddp``, ``fp16``, ``bf16``), a dense
+            sibling not yet measured on this link is run for one window when its raw prediction plus
+            the measured mode's correction (what the model misses on that shared path) is within
+            this fraction of the measured step, per unit of progress; then auto keeps the faster.
+            The model cannot tell apart two paths this close: on ``gpt`` at 1 Gbit/s it put the
+            16-bit hook 13 ms under DDP, and DDP ran 11 ms faster (4 ranks on 2 cores: the cast's
+            passes over memory compete with backward). Costs at most one window on a step within
+            the margin; 0 tries a sibling only if it is predicted at least as fast.
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
@@ -204,6 +220,7 @@ class AutoConfig:
     gain_every: int = 50
     gain_drift: float = 0.1
     early_comm_ratio: float = 0.0
+    family_margin: float = 0.15
 
     def __post_init__(self) -> None:
         cands = tuple(self.candidates)
@@ -239,6 +256,10 @@ class AutoConfig:
             raise ValueError(f"auto_early_comm_ratio={er!r} must be a finite number >= 0 (0: always profile after "
                              "skip_steps, the default; 1: decide on the first dense step when it waited on the "
                              "network at least as long as it did anything else).")
+        fm = self.family_margin
+        if isinstance(fm, bool) or not isinstance(fm, (int, float)) or not math.isfinite(fm) or fm < 0:
+            raise ValueError(f"auto_family_margin={fm!r} must be a finite number >= 0 (a relative margin, e.g. 0.15; "
+                             "0: try a dense sibling only if the transferred correction makes it at least as fast).")
         gd = self.gain_drift
         if isinstance(gd, bool) or not isinstance(gd, (int, float)) or not math.isfinite(gd) or gd < 0:
             raise ValueError(f"auto_gain_drift={gd!r} must be a finite number >= 0 (a relative change of a "
@@ -338,6 +359,10 @@ class AutoChooser(StepParticipant):
         #: per method: the network's β (s/byte) when its correction was measured (see _valid_corrections)
         self._correction_beta: dict[str, float] = {}
         self._explore_left = config.explore
+        #: methods whose correction comes from a window of their own (not only the warm-up's profile)
+        self._windowed: set[str] = set()
+        #: the dense sibling being run for one window (step 6 of the module docstring), or None
+        self._family_trial: str | None = None
         #: the large message of the last bandwidth probe (bytes; 0 before any probe or with a pinned network)
         self.probe_bytes = 0
         #: every probe's β is multiplied by this (replicated): the warm-up's profiled DDP step divided
@@ -593,7 +618,8 @@ class AutoChooser(StepParticipant):
         self._decide(step, "gain", probe=False)
 
     # ------------------------------------------------------------------ decision
-    def _decide(self, step: int, trigger: str, probe: bool, dense_wall_s: float | None = None) -> None:
+    def _decide(self, step: int, trigger: str, probe: bool, dense_wall_s: float | None = None,
+                force: str | None = None) -> None:
         engine = self.engine
         assert self.workload is not None and self.costs is not None
         t0 = time.perf_counter()
@@ -618,13 +644,16 @@ class AutoChooser(StepParticipant):
             # the profiled steps ran DDP's path and `other` makes its prediction their wall: measured
             self._corrections.setdefault("ddp", 0.0)
             self._correction_beta.setdefault("ddp", self.network.beta_s_per_byte)
-        if trigger != "calibration":  # a probed decision: the model's pick, and a fresh exploration budget
+        if trigger not in ("calibration", "family"):  # a new decision: the model's pick, a fresh exploration budget
             self._explore_left = self.config.explore
-        explore = trigger != "calibration" or self._explore_left > 0
+            self._family_trial = None
+        explore = trigger not in ("calibration", "family") or self._explore_left > 0
         valid = self._valid_corrections()
         best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
                                       self.config.progress_weight, explore=explore)
-        if trigger == "calibration" and best not in valid:
+        if force is not None:  # a dense sibling's trial window (see _dense_sibling): every prediction as usual
+            best = force
+        elif trigger == "calibration" and best not in valid:
             self._explore_left -= 1
         previous = self.chosen
         if best != previous:
@@ -667,8 +696,44 @@ class AutoChooser(StepParticipant):
         raw = self.predictions[chosen].step_s - self.history[-1]["corrections"].get(chosen, 0.0)
         self._corrections[chosen] = measured_s - raw
         self._correction_beta[chosen] = self.network.beta_s_per_byte
+        self._windowed.add(chosen)
+        if self._family_trial is not None:  # the sibling's window: choose among what has been measured
+            self._family_trial = None
+            self._decide(step, "calibration", probe=False)
+            return
+        sibling = self._dense_sibling(chosen, measured_s - raw, measured_s)
+        if sibling is not None:
+            self._family_trial = sibling
+            self._decide(step, "family", probe=False, force=sibling)
+            return
         if not was_valid:
             self._decide(step, "calibration", probe=False)
+
+    def _dense_sibling(self, chosen: str, correction: float, measured_s: float) -> str | None:
+        """The dense mode to run next for one window (step 6 of the module docstring), or None.
+
+        ``chosen`` must be a dense mode just measured in a window with ``correction``; a sibling
+        qualifies if it was not measured in a window of its own on this link and its raw prediction
+        plus that correction, per unit of progress, is within ``family_margin`` of ``measured_s`` per
+        unit of progress; the best-predicted one is returned."""
+        dense = [c for c in self.config.candidates if candidate(c).compressor is None]
+        if chosen not in dense or len(dense) < 2:
+            return None
+        valid, used = self._valid_corrections(), self.history[-1]["corrections"]
+
+        def per_progress(name: str, step_s: float) -> float:
+            p = self.predictions[name]
+            return step_s * (p.time_per_progress_s / p.step_s) if p.step_s > 0 else step_s
+
+        limit = (1.0 + self.config.family_margin) * per_progress(chosen, measured_s)
+        best, best_t = None, math.inf
+        for name in dense:
+            if name == chosen or (name in self._windowed and name in valid) or name not in self.predictions:
+                continue
+            t = per_progress(name, self.predictions[name].step_s - used.get(name, 0.0) + correction)
+            if t <= limit and t < best_t:
+                best, best_t = name, t
+        return best
 
     def _valid_corrections(self) -> dict[str, float]:
         """The corrections measured on a network like the current one. An additive correction holds
@@ -737,6 +802,7 @@ class AutoChooser(StepParticipant):
             "reference": self._reference, "drifted": self._drifted, "settling": self._settling,
             "corrections": dict(self._corrections), "explore_left": self._explore_left,
             "correction_beta": dict(self._correction_beta),
+            "windowed": sorted(self._windowed), "family_trial": self._family_trial,
             "last_decision_step": self._last_decision_step,
             "last_gain_step": self._last_gain_step, "gain_checks": self.gain_checks, "beta_scale": self.beta_scale,
             "sampling": bool(self._sample_handles), "warmup_steps": int(self.engine.config.warmup_steps),
@@ -764,6 +830,9 @@ class AutoChooser(StepParticipant):
         # written before corrections were tagged with their network: every correction counts as current
         self._correction_beta = {str(k): float(v) for k, v in state.get("correction_beta", {}).items()}
         self._explore_left = int(state.get("explore_left", self.config.explore))
+        # written before the dense-sibling trial: every corrected method counts as measured in a window
+        self._windowed = {str(n) for n in state.get("windowed", self._corrections)}
+        self._family_trial = state.get("family_trial")
         self._last_decision_step = state.get("last_decision_step")
         # written before the errors were re-measured: the last decision's step stands for the last measurement
         self._last_gain_step = state.get("last_gain_step", self._last_decision_step)
