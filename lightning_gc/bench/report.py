@@ -361,7 +361,9 @@ def _auto_section(doc: dict) -> list[str]:
         return []
     return [
         "", "## What `auto` picked", "",
-        "One row per decision (`warmup`: after the profiled dense steps; `drift`: the step time moved). *link*: "
+        "One row per decision, by trigger: `warmup` (after the profiled dense steps), `calibration` (a method's "
+        "first measured window), `family` (a dense sibling run for one window), `drift` (the step time moved), "
+        "`periodic` (a scheduled re-probe), `gain` (the candidates' errors, measured again, moved). *link*: "
         "the network as auto probed it; *predicted*: its model's step for the pick; *measured*: auto's own "
         "measurement after the decision, the median of a window of steps once the switch has settled (slowest "
         "rank; – if the run ended first). Per candidate: the predicted step and, in brackets, the predicted time "
