@@ -147,7 +147,10 @@ def test_shaped_dense_run_respects_the_link_rate(tmp_path):
         # at most the step's last message, the allgather half of the gradient
         assert c["tx_bytes"] >= dense_bytes * res["measured_steps"] - dense_bytes // 2, c
     assert res["link_utilization"] <= 1.01 + (burst + 65536) * 8 / (rate * sum(res["step_times_s"][2:]))
-    assert res["wire_bytes_per_step"] >= res["bytes_per_step"] == pytest.approx(dense_bytes)
+    # per step, the same lower bound: the last message may still wait in the egress queue when the window
+    # closes (seen once on CI: 261 229 wire bytes per step against the 263 168 of the byte model, 0.7 % short)
+    assert res["bytes_per_step"] == pytest.approx(dense_bytes)
+    assert res["wire_bytes_per_step"] >= dense_bytes - dense_bytes // 2 / res["measured_steps"]
     _assert_no_leftovers(_prefix_from(lines), str(tmp_path))
 
 
