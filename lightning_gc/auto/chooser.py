@@ -359,10 +359,6 @@ class AutoChooser(StepParticipant):
         #: per method: the network's β (s/byte) when its correction was measured (see _valid_corrections)
         self._correction_beta: dict[str, float] = {}
         self._explore_left = config.explore
-        #: methods whose correction comes from a window of their own (not only the warm-up's profile)
-        self._windowed: set[str] = set()
-        #: the dense sibling being run for one window (step 6 of the module docstring), or None
-        self._family_trial: str | None = None
         #: the large message of the last bandwidth probe (bytes; 0 before any probe or with a pinned network)
         self.probe_bytes = 0
         #: every probe's β is multiplied by this (replicated): the warm-up's profiled DDP step divided
@@ -646,7 +642,6 @@ class AutoChooser(StepParticipant):
             self._correction_beta.setdefault("ddp", self.network.beta_s_per_byte)
         if trigger not in ("calibration", "family"):  # a new decision: the model's pick, a fresh exploration budget
             self._explore_left = self.config.explore
-            self._family_trial = None
         explore = trigger not in ("calibration", "family") or self._explore_left > 0
         valid = self._valid_corrections()
         best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
@@ -696,18 +691,25 @@ class AutoChooser(StepParticipant):
         raw = self.predictions[chosen].step_s - self.history[-1]["corrections"].get(chosen, 0.0)
         self._corrections[chosen] = measured_s - raw
         self._correction_beta[chosen] = self.network.beta_s_per_byte
-        self._windowed.add(chosen)
-        if self._family_trial is not None:  # the sibling's window: choose among what has been measured
-            self._family_trial = None
+        if self.in_family_trial:  # the sibling's window: choose among what has been measured
             self._decide(step, "calibration", probe=False)
             return
         sibling = self._dense_sibling(chosen, measured_s - raw, measured_s)
         if sibling is not None:
-            self._family_trial = sibling
             self._decide(step, "family", probe=False, force=sibling)
             return
         if not was_valid:
             self._decide(step, "calibration", probe=False)
+
+    @property
+    def in_family_trial(self) -> bool:
+        """Whether a dense sibling is running its one window (the last decision was its trial)."""
+        return bool(self.history) and self.history[-1]["trigger"] == "family"
+
+    def _windowed(self) -> set[str]:
+        """The methods measured in a window of their own (a decision whose step was then measured),
+        not only by the warm-up's profile; derived from the history, so a checkpoint carries it."""
+        return {h["chosen"] for h in self.history if h.get("measured_step_s") is not None}
 
     def _dense_sibling(self, chosen: str, correction: float, measured_s: float) -> str | None:
         """The dense mode to run next for one window (step 6 of the module docstring), or None.
@@ -726,9 +728,9 @@ class AutoChooser(StepParticipant):
             return step_s * (p.time_per_progress_s / p.step_s) if p.step_s > 0 else step_s
 
         limit = (1.0 + self.config.family_margin) * per_progress(chosen, measured_s)
-        best, best_t = None, math.inf
+        best, best_t, windowed = None, math.inf, self._windowed()
         for name in dense:
-            if name == chosen or (name in self._windowed and name in valid) or name not in self.predictions:
+            if name == chosen or (name in windowed and name in valid) or name not in self.predictions:
                 continue
             t = per_progress(name, self.predictions[name].step_s - used.get(name, 0.0) + correction)
             if t <= limit and t < best_t:
@@ -802,7 +804,6 @@ class AutoChooser(StepParticipant):
             "reference": self._reference, "drifted": self._drifted, "settling": self._settling,
             "corrections": dict(self._corrections), "explore_left": self._explore_left,
             "correction_beta": dict(self._correction_beta),
-            "windowed": sorted(self._windowed), "family_trial": self._family_trial,
             "last_decision_step": self._last_decision_step,
             "last_gain_step": self._last_gain_step, "gain_checks": self.gain_checks, "beta_scale": self.beta_scale,
             "sampling": bool(self._sample_handles), "warmup_steps": int(self.engine.config.warmup_steps),
@@ -830,9 +831,6 @@ class AutoChooser(StepParticipant):
         # written before corrections were tagged with their network: every correction counts as current
         self._correction_beta = {str(k): float(v) for k, v in state.get("correction_beta", {}).items()}
         self._explore_left = int(state.get("explore_left", self.config.explore))
-        # written before the dense-sibling trial: every corrected method counts as measured in a window
-        self._windowed = {str(n) for n in state.get("windowed", self._corrections)}
-        self._family_trial = state.get("family_trial")
         self._last_decision_step = state.get("last_decision_step")
         # written before the errors were re-measured: the last decision's step stands for the last measurement
         self._last_gain_step = state.get("last_gain_step", self._last_decision_step)
