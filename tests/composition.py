@@ -98,10 +98,11 @@ def design() -> list[dict[str, Any]]:
              if c["sync"] in ("osp", "diloco")]
     # auto trains in BSP with the one-group plan only, which all pairs never draws: add its trainable cases
     base = {n: v[0] for n, v in FACTORS.items()}
-    # auto's options: errors re-measured (and re-decided) every 3 steps across the resume point (4); in
+    # auto's options (family_margin travels through the Trainer; its trial needs a calibrated window, later
+    # than 8 steps): errors re-measured (and re-decided) every 3 steps across the resume point (4); in
     # the second case the first dense step ends the warm-up (any wait on the network counts)
     auto = [{**base, "compressor": "auto", "resume": "resumed", **extra} for extra in
-            ({"auto_options": {"gain_every": 3, "gain_drift": 0.0}},
+            ({"auto_options": {"gain_every": 3, "gain_drift": 0.0, "family_margin": 0.5}},
              {"accumulate": 2, "precision": "bf16-mixed", "optimizer": "adamw_clip",
               "auto_options": {"gain_every": 3, "gain_drift": 0.0, "early_comm_ratio": 1e-9}})]
     for case in all_pairs(FACTORS) + stateful_product() + adamw + auto:
