@@ -9,7 +9,7 @@ osp_round_steps=50, ...)``, the same names under ``init_args`` in a LightningCLI
     ├── engine:      EngineConfig        plan, plan_threshold, min_compress_numel, warmup_steps, ...
     ├── sync:        "bsp" | "osp" | "diloco"
     ├── osp:         OSPConfig           deferred_fraction, round_steps, deferred_compressor, deferred_ratio
-    ├── diloco:      DiLoCoConfig        inner_steps, outer_optimizer, outer_args, fragments, overlap_steps, mixing
+    ├── diloco:      DiLoCoConfig        inner_steps, outer_optimizer, outer_args, fragments, overlap_steps, mixing, error_decay
     ├── omgs:        OMGSConfig | None   profile_steps, ... (None: no OMGS)
     ├── auto:        AutoConfig | None   compressor="auto": candidates, progress_weight, ... (docs/auto.md)
     ├── nonfinite:   "skip" | "propagate"
@@ -90,7 +90,7 @@ FLAT_FIELDS: dict[str, tuple[str, str | None]] = {
                                   "probe_drift", "probe_patience", "overlap")},
     **{f"osp_{n}": ("osp", n) for n in ("deferred_fraction", "round_steps", "deferred_compressor", "deferred_ratio")},
     **{f"diloco_{n}": ("diloco", n) for n in ("inner_steps", "outer_optimizer", "outer_args", "fragments",
-                                              "overlap_steps", "mixing")},
+                                              "overlap_steps", "mixing", "error_decay")},
     "sync": ("sync", None),
     "omgs": ("omgs", None),
     "auto": ("auto", None),
@@ -171,6 +171,12 @@ class GCConfig:
                 "with plan='model'/'layer'/'threshold', or plan='omgs' with sync='bsp'."
             )
         collective, ef = self.compression.resolved()
+        if self.sync == "diloco" and self.diloco.error_decay != 1.0 and (self.compression.compressor == "dense" or not ef):
+            raise ValueError(
+                f"diloco_error_decay={self.diloco.error_decay!r} with compressor={self.compression.compressor!r} and "
+                f"error_feedback={ef}: the decay applies to the error memory of a compressed pseudo-gradient, and there is "
+                "none. Use a compressor with error_feedback=True (e.g. compressor='topk'), or drop diloco_error_decay."
+            )
         if (self.engine.collective, self.engine.error_feedback) != (collective, ef):
             object.__setattr__(self, "engine", dataclasses.replace(self.engine, collective=collective,
                                                                    error_feedback=ef))

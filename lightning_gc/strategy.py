@@ -191,6 +191,9 @@ class GCStrategy(DDPStrategy):
             ``sync="diloco"``: F fragments synchronised in turn, each exchange overlapped with the
             next τ inner steps on a worker thread, merged as ``α·θ_local + (1 − α)·θ_outer``
             (defaults 1, 0, 0: plain DiLoCo). See docs/diloco.md.
+        diloco_error_decay: with ``sync="diloco"`` and a compressed Δ: SparseLoCo's β, the error
+            memory is scaled by it before it is added to the next Δ (1.0: plain error feedback;
+            SparseLoCo: 0.95 with outer SGD lr 1 and no momentum).
         process_group_backend, timeout, start_method: as in ``DDPStrategy``.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (e.g. ``bucket_cap_mb``;
             with a plan other than ``"model"`` it defaults to 1 MB instead of DDP's 25 MB, so that
@@ -249,6 +252,7 @@ class GCStrategy(DDPStrategy):
         diloco_fragments: int = 1,
         diloco_overlap_steps: int = 0,
         diloco_mixing: float = 0.0,
+        diloco_error_decay: float = 1.0,
         **kwargs: Any,
     ) -> None:
         if isinstance(accelerator, str) and accelerator not in AcceleratorRegistry:
@@ -281,6 +285,7 @@ class GCStrategy(DDPStrategy):
             diloco_inner_steps=diloco_inner_steps, diloco_outer_optimizer=diloco_outer_optimizer,
             diloco_outer_args=diloco_outer_args, diloco_fragments=diloco_fragments,
             diloco_overlap_steps=diloco_overlap_steps, diloco_mixing=diloco_mixing,
+            diloco_error_decay=diloco_error_decay,
         )
         cfg = self._config
         self._compressor_config = cfg.compression.compressor_config()

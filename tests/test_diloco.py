@@ -49,13 +49,15 @@ def _local_move(rank, outer_step):
     return [torch.randn(s, generator=g) * (0.5 + rank) * (-1) ** (rank + outer_step) for s in SHAPES]
 
 
-def _run_outer_steps(rank, world_size, compressor_name, outer_optimizer, outer_args, steps, nan_rank=-1):
+def _run_outer_steps(rank, world_size, compressor_name, outer_optimizer, outer_args, steps, nan_rank=-1,
+                     error_decay=1.0):
     from lightning_gc.compressors import build_compressor
 
     params = [t.clone() for t in _theta0()]
     engine = _Traffic(params, rank, world_size)
     compressor = build_compressor(compressor_name, ratio=0.05) if compressor_name != "dense" else None
-    sync = DiLoCoSync(engine, DiLoCoConfig(inner_steps=1, outer_optimizer=outer_optimizer, outer_args=outer_args),
+    sync = DiLoCoSync(engine, DiLoCoConfig(inner_steps=1, outer_optimizer=outer_optimizer, outer_args=outer_args,
+                                                 error_decay=error_decay),
                       compressor, error_feedback=compressor is not None and compressor.default_error_feedback)
     record = []
     for k in range(steps):
@@ -101,19 +103,21 @@ def test_outer_step_equals_a_hand_written_nesterov_reference(world_size):
         assert out[0][k]["stats"]["delta_norm"] == pytest.approx(float(delta.norm()), rel=1e-5)
 
 
-def test_compressed_delta_with_error_feedback_conserves_what_was_not_sent():
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+def test_compressed_delta_with_error_feedback_conserves_what_was_not_sent(decay):
     """Top-k 5 % on Δ with error feedback, plain outer SGD at lr 1 (θ_outer ← θ_outer − mean):
-    per rank, memory_after + sent = Δ + memory_before where ``sent`` holds exactly the largest
-    entries of Δ + memory_before (a support checked with torch.topk, not the library's selection);
-    the applied mean is the average of what the ranks sent."""
+    per rank, memory_after + sent = Δ + β·memory_before where ``sent`` holds exactly the largest
+    entries of Δ + β·memory_before (a support checked with torch.topk, not the library's
+    selection); the applied mean is the average of what the ranks sent. β = 1: plain error
+    feedback; β = 0.5: SparseLoCo's decayed memory (``diloco_error_decay``)."""
     world_size = 3
-    out = run_distributed(_run_outer_steps, world_size, "topk", "SGD", {"lr": 1.0}, 3)
+    out = run_distributed(_run_outer_steps, world_size, "topk", "SGD", {"lr": 1.0}, 3, -1, decay)
     for k in range(3):
         sents = []
         for r in range(world_size):
             rec = out[r][k]
             delta = _flat(rec["outer_before"]) - _flat(rec["local"])
-            carried = delta + (rec["memory_before"] if rec["memory_before"] is not None else 0)
+            carried = delta + (decay * rec["memory_before"] if rec["memory_before"] is not None else 0)
             sent = carried - rec["memory_after"]
             nz = sent.nonzero().reshape(-1)
             expect = torch.topk(carried.abs(), nz.numel()).indices
@@ -146,6 +150,17 @@ def test_dense_delta_counts_ring_bytes_and_memory_stays_empty():
 
 
 # --------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(compressor="topk", diloco_error_decay=0.0), r"diloco_error_decay=0\.0 must be a number in \(0, 1\]"),
+    (dict(compressor="topk", diloco_error_decay=1.5), r"diloco_error_decay=1\.5 must be"),
+    (dict(compressor="dense", diloco_error_decay=0.9), r"error memory of a compressed pseudo-gradient, and there is none"),
+    (dict(compressor="topk", error_feedback=False, diloco_error_decay=0.9), r"error_feedback=False"),
+])
+def test_bad_error_decay_is_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        GCStrategy(sync="diloco", **kw)
 
 
 def test_diloco_options_are_refused_without_diloco():

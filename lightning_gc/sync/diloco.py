@@ -112,6 +112,11 @@ class DiLoCoConfig:
         mixing: Streaming DiLoCo's α: when a fragment's outer step is applied, its parameters become
             ``α·θ_local + (1 − α)·θ_outer``; 0 (default) takes θ_outer and drops the τ local steps
             the fragment made meanwhile, values towards 1 keep more of them.
+        error_decay: β of SparseLoCo's error feedback on a compressed Δ: before compressing, the
+            memory is scaled by β (``Δ + β·e``), so what was not sent fades by β per outer step.
+            1.0 (default) keeps everything not sent until it is sent (plain error feedback);
+            SparseLoCo uses 0.95 with outer SGD lr 1 and no outer momentum, where the decayed memory
+            itself plays the part of the outer momentum. Needs a compressor with error feedback.
     """
 
     inner_steps: int = 50
@@ -120,6 +125,7 @@ class DiLoCoConfig:
     fragments: int = 1
     overlap_steps: int = 0
     mixing: float = 0.0
+    error_decay: float = 1.0
 
     def __post_init__(self) -> None:
         h = self.inner_steps
@@ -139,6 +145,10 @@ class DiLoCoConfig:
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
             raise ValueError(f"diloco_mixing={a!r} must be a number in [0, 1] (the weight of the local parameters when "
                              "a fragment's outer step is applied). E.g. 0.0.")
+        b = self.error_decay
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 < b <= 1.0:
+            raise ValueError(f"diloco_error_decay={b!r} must be a number in (0, 1] (the factor applied to the error "
+                             "memory of a compressed Δ at each outer step). E.g. 1.0 (keep all) or 0.95 (SparseLoCo).")
         if self.outer_args is not None and not isinstance(self.outer_args, Mapping):
             raise ValueError(f"diloco_outer_args={self.outer_args!r} must be a dict of the outer optimizer's "
                              "keyword arguments, e.g. {'lr': 0.7, 'momentum': 0.9, 'nesterov': True}.")
@@ -343,7 +353,8 @@ class DiLoCoSync(StepParticipant):
             delta = torch.cat([(self.theta_outer[i] - self.params[i].detach().to(torch.float32)).reshape(-1)
                                for i in idx])
             if self.error_feedback and p in self.memories:
-                delta = delta + self.memories[p]
+                decay = self.config.error_decay
+                delta = delta + (self.memories[p] if decay == 1.0 else decay * self.memories[p])
         job = _Exchange(fragment=p, sent_at=self.inner_step,
                         due=self.inner_step + self.config.overlap_steps if due is None else due, delta=delta)
         ctx = None
