@@ -142,6 +142,59 @@ def test_a_non_finite_delta_on_one_rank_discards_the_round_on_every_rank():
     assert torch.equal(_flat(out[0][2]["after"]), _flat(out[1][2]["after"]))
 
 
+def _short_payload(rank, world_size):
+    """Top-k Δ whose payload on rank ``odd`` is one element short at the second outer step, for each
+    ``odd`` in turn: what every rank raises, and whether θ_outer and the error memory moved."""
+    from lightning_gc.compressors import build_compressor
+    from lightning_gc.compressors.base import Compressed
+
+    out = {}
+    for odd in range(world_size):
+        params = [t.clone() for t in _theta0()]
+        compressor = build_compressor("topk", ratio=0.05)
+        compress = compressor.compress
+        sync = DiLoCoSync(_Traffic(params, rank, world_size), DiLoCoConfig(inner_steps=1), compressor,
+                          error_feedback=True)
+
+        def short(x, ctx, _compress=compress, _odd=odd, _sync=sync):
+            c = _compress(x, ctx)
+            if rank == _odd and _sync.outer_steps == 1:
+                return Compressed(tuple(t[:-1] for t in c.payload), c.meta)
+            return c
+
+        compressor.compress = short
+        try:
+            for k in range(3):
+                with torch.no_grad():
+                    for p, d in zip(params, _local_move(rank, k)):
+                        p.add_(d)
+                outer = _flat(sync.theta_outer).clone()
+                memory = sync.memory.clone() if sync.memory is not None else None
+                sync.outer_step()
+            out[odd] = "no error"
+        except RuntimeError as e:
+            kept = torch.equal(_flat(sync.theta_outer), outer) and torch.equal(sync.memory, memory)
+            out[odd] = f"{e!r} {e.__cause__!r} [outer and memory kept: {kept}]"
+        finally:
+            sync.close()
+    return out
+
+
+def test_a_payload_of_the_wrong_size_stops_every_rank_without_a_hang():
+    """A compressor bug on one rank (each rank in turn): zeros travel in its place, so no rank waits
+    in the collective, and every rank raises at the outer step with the count of such ranks; θ_outer
+    and the error memory are left as they were."""
+    ws = 3
+    out = run_distributed(_short_payload, ws, timeout=240)
+    for odd in range(ws):
+        for rank in range(ws):
+            msg = out[rank][odd]
+            assert f"1 of {ws} ranks produced a compressed pseudo-gradient of another size" in msg, (odd, rank, msg)
+            here = "this rank's: payload of" if rank == odd else "not this rank's"
+            assert here in msg, (odd, rank, msg)
+            assert "[outer and memory kept: True]" in msg, (odd, rank, msg)
+
+
 def test_dense_delta_counts_ring_bytes_and_memory_stays_empty():
     out = run_distributed(_run_outer_steps, 2, "dense", "SGD", None, 1)
     n = sum(math.prod(s) for s in SHAPES)

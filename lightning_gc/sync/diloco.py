@@ -378,7 +378,7 @@ class DiLoCoSync(StepParticipant):
             t0 = time.perf_counter()
             delta, job.delta = job.delta, None
             assert delta is not None
-            bad = torch.tensor([0.0 if bool(torch.isfinite(delta).all()) else 1.0])
+            bad = torch.tensor([0.0 if bool(torch.isfinite(delta).all()) else 1.0], device=self._comm_device())
             if self.group is not None:
                 dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
             job.bad = bool(bad.item() > 0)
@@ -401,8 +401,18 @@ class DiLoCoSync(StepParticipant):
             return comm.to(delta.device)
         from ..comm.exchange import ExchangeTimes, Timer, error_feedback_residual
 
-        times = ExchangeTimes()
+        # a payload of the wrong size (a compressor bug) is recorded and sent as zeros rather than raised
+        # on its rank alone while the others wait in the collective; every rank then raises below
+        times = ExchangeTimes(malformed=[])
         mean, sent = self.exchange.run(delta, ctx, Timer(delta.device, times))
+        flag = torch.tensor([1.0 if times.malformed else 0.0], device=self._comm_device())
+        dist.all_reduce(flag, group=self.group)
+        if flag.item() > 0:
+            here = f"this rank's: {times.malformed[0]}" if times.malformed else "not this rank's"
+            raise RuntimeError(
+                f"{int(flag.item())} of {self.world_size} ranks produced a compressed pseudo-gradient of another size "
+                f"than the compressor declares ({here}); the outer step is not taken on any rank. This is a bug of the "
+                f"compressor {getattr(getattr(self.exchange, 'compressor', None), 'name', '?')!r}: report it.")
         if self.error_feedback:
             job.residual = error_feedback_residual(delta, sent, in_place=False)
         job.bytes_sent += int(times.bytes_sent)
