@@ -82,10 +82,37 @@ def _flat(ts):
     return torch.cat([t.reshape(-1) for t in ts])
 
 
+def _three_rank_scenarios(rank, world_size):
+    """The 3-rank scenarios in one launch (a spawn costs more than the scenarios themselves)."""
+    return {
+        "published": _run_outer_steps(rank, world_size, "dense", "SGD", None, 3),
+        **{("topk", decay): _run_outer_steps(rank, world_size, "topk", "SGD", {"lr": 1.0}, 3, -1, decay)
+           for decay in (1.0, 0.5)},
+        "short": _short_payload(rank, world_size),
+    }
+
+
+def _two_rank_scenarios(rank, world_size):
+    return {"published": _run_outer_steps(rank, world_size, "dense", "SGD", None, 3),
+            "nan": _run_outer_steps(rank, world_size, "dense", "SGD", None, 3, 1)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    out = run_distributed(_two_rank_scenarios, 2, timeout=300)
+    return {key: [o[key] for o in out] for key in out[0]}
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    out = run_distributed(_three_rank_scenarios, 3, timeout=300)
+    return {key: [o[key] for o in out] for key in out[0]}
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_outer_step_equals_a_hand_written_nesterov_reference(world_size):
+def test_outer_step_equals_a_hand_written_nesterov_reference(world_size, request):
     """Published outer optimizer (SGD lr 0.7, momentum 0.9, Nesterov), dense Δ, three outer steps."""
-    out = run_distributed(_run_outer_steps, world_size, "dense", "SGD", None, 3)
+    out = request.getfixturevalue({2: "two_ranks", 3: "three_ranks"}[world_size])["published"]
     for r in range(1, world_size):  # every rank loads the same θ_outer, bit for bit
         for k in range(3):
             assert torch.equal(_flat(out[r][k]["after"]), _flat(out[0][k]["after"]))
@@ -104,14 +131,14 @@ def test_outer_step_equals_a_hand_written_nesterov_reference(world_size):
 
 
 @pytest.mark.parametrize("decay", [1.0, 0.5])
-def test_compressed_delta_with_error_feedback_conserves_what_was_not_sent(decay):
+def test_compressed_delta_with_error_feedback_conserves_what_was_not_sent(decay, three_ranks):
     """Top-k 5 % on Δ with error feedback, plain outer SGD at lr 1 (θ_outer ← θ_outer − mean):
     per rank, memory_after + sent = Δ + β·memory_before where ``sent`` holds exactly the largest
     entries of Δ + β·memory_before (a support checked with torch.topk, not the library's
     selection); the applied mean is the average of what the ranks sent. β = 1: plain error
     feedback; β = 0.5: SparseLoCo's decayed memory (``diloco_error_decay``)."""
     world_size = 3
-    out = run_distributed(_run_outer_steps, world_size, "topk", "SGD", {"lr": 1.0}, 3, -1, decay)
+    out = three_ranks["topk", decay]
     for k in range(3):
         sents = []
         for r in range(world_size):
@@ -132,8 +159,8 @@ def test_compressed_delta_with_error_feedback_conserves_what_was_not_sent(decay)
             assert torch.equal(_flat(out[r][k]["after"]), _flat(out[0][k]["after"]))
 
 
-def test_a_non_finite_delta_on_one_rank_discards_the_round_on_every_rank():
-    out = run_distributed(_run_outer_steps, 2, "dense", "SGD", None, 3, 1)
+def test_a_non_finite_delta_on_one_rank_discards_the_round_on_every_rank(two_ranks):
+    out = two_ranks["nan"]
     for r in range(2):
         assert [rec["stats"]["discarded"] for rec in out[r]] == [False, True, False]
         # the discarded round: every rank is back at θ_outer of before the round
@@ -180,12 +207,12 @@ def _short_payload(rank, world_size):
     return out
 
 
-def test_a_payload_of_the_wrong_size_stops_every_rank_without_a_hang():
+def test_a_payload_of_the_wrong_size_stops_every_rank_without_a_hang(three_ranks):
     """A compressor bug on one rank (each rank in turn): zeros travel in its place, so no rank waits
     in the collective, and every rank raises at the outer step with the count of such ranks; θ_outer
     and the error memory are left as they were."""
     ws = 3
-    out = run_distributed(_short_payload, ws, timeout=240)
+    out = three_ranks["short"]
     for odd in range(ws):
         for rank in range(ws):
             msg = out[rank][odd]
@@ -195,8 +222,8 @@ def test_a_payload_of_the_wrong_size_stops_every_rank_without_a_hang():
             assert "[outer and memory kept: True]" in msg, (odd, rank, msg)
 
 
-def test_dense_delta_counts_ring_bytes_and_memory_stays_empty():
-    out = run_distributed(_run_outer_steps, 2, "dense", "SGD", None, 1)
+def test_dense_delta_counts_ring_bytes_and_memory_stays_empty(two_ranks):
+    out = two_ranks["published"]
     n = sum(math.prod(s) for s in SHAPES)
     assert out[0][0]["stats"]["bytes_sent"] == 4 * n  # ring allreduce at N = 2: 2·(N−1)/N · 4n
     assert out[0][0]["memory_after"] is None
