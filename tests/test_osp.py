@@ -324,6 +324,53 @@ def _run_conservation(rank: int, ws: int, ics_compressor: str = "dense", nan_at:
     return out, stats
 
 
+def _run_short_ics(rank: int, ws: int) -> dict:
+    """A compressed deferred stage whose payload on rank ``odd`` is one element short at step 3 (a
+    compressor bug), for each ``odd`` in turn: what every rank raises, at which step, and whether the
+    step's parameters moved."""
+    from lightning_gc.compressors.base import Compressed
+
+    out = {}
+    for odd in range(ws):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
+        ddp = DDP(model, bucket_cap_mb=0.0001)
+        engine = GCEngine(build_compressor("topk", 0.05), EngineConfig(min_compress_numel=0, warmup_steps=0),
+                          list(model.named_parameters()))
+        osp = OSPSync(engine, OSPConfig(deferred_fraction=0.5, deferred_compressor="topk", deferred_ratio=0.1))
+        ddp.register_comm_hook((osp, {"step": {}, "poison": set()}), _recording_hook)
+        compress = osp._ics_exchange.compressor.compress
+
+        def short(x, ctx, _compress=compress, _odd=odd):
+            c = _compress(x, ctx)
+            return Compressed(tuple(t[:-1] for t in c.payload), c.meta) if rank == _odd and ctx.step == 3 else c
+
+        osp._ics_exchange.compressor.compress = short
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        t = -1
+        try:
+            for t in range(6):
+                x, y = _batch(rank, t)
+                opt.zero_grad()
+                loss = _loss(ddp, x, y)
+                loss.backward()
+                before = [p.detach().clone() for p in model.parameters()]
+                bad = osp.before_optimizer_step(loss)
+                bad = engine.before_optimizer_step() or bad
+                osp.prepare_step(opt)
+                opt.step()
+                engine.after_optimizer_step()
+                osp.after_optimizer_step()
+            out[odd] = "no error"
+        except RuntimeError as e:
+            moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            out[odd] = f"at step {t}: {e} ({e.__cause__}) [parameters moved: {moved}]"
+        finally:
+            osp.close()
+            engine.close()
+    return out
+
+
 def _run_schedule(rank: int, ws: int, pinned: bool = True):
     """S(Gu) schedule with 3-step rounds: losses, the agreed budget and the splits per step
     (``pinned=False``: no network model in the engine, so OSP probes its own group once)."""
@@ -542,6 +589,7 @@ def _all_scenarios(rank: int, ws: int):
     out["schedule"] = _run_schedule(rank, ws)
     out["schedule_probed"] = _run_schedule(rank, ws, False)
     out["resume"] = _run_resume(rank, ws)
+    out["short_ics"] = _run_short_ics(rank, ws)
     return out
 
 
@@ -854,6 +902,21 @@ def test_compressed_deferred_stage_keeps_its_residual_and_sends_fewer_bytes(orac
             torch.testing.assert_close(applied, expected, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
     for r in range(1, len(runs)):
         assert torch.equal(runs[0]["conservation_ics_topk"][1][4], runs[r]["conservation_ics_topk"][1][4])
+
+
+def test_a_deferred_payload_of_the_wrong_size_stops_every_rank_without_a_hang(runs):
+    """A compressor bug on one rank's deferred stage (each rank in turn): zeros travel in its place,
+    the ranks' workers agree on it, and every rank raises at the next step, before the deferred
+    layers are corrected or the step is taken."""
+    ws = len(runs)
+    for odd in range(ws):
+        for rank in range(ws):
+            msg = runs[rank]["short_ics"][odd]
+            assert msg.startswith("at step 4: "), (odd, rank, msg)  # step 3's exchange, surfaced at step 4
+            assert f"1 of {ws} ranks produced a compressed deferred (ICS) payload of another size" in msg, (odd, rank, msg)
+            here = "this rank's: payload of" if rank == odd else "not this rank's"
+            assert here in msg, (odd, rank, msg)
+            assert "[parameters moved: False]" in msg, (odd, rank, msg)
 
 
 def test_schedule_budget_follows_the_rank_averaged_loss(runs):

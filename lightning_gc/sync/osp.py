@@ -444,9 +444,21 @@ class OSPSync(StepParticipant):
             segments=tuple(self.numels[pid] for pid in pending.pids), group_id=_ICS_GROUP_ID, seed=self.engine.config.seed,
             device=pending.flat.device, shapes=tuple(tuple(self.params[pid].shape) for pid in pending.pids),
             names=tuple(self.names[pid] for pid in pending.pids))
-        times = ExchangeTimes()
+        # a payload of the wrong size (a compressor bug) is recorded and sent as zeros rather than raised on
+        # its rank alone while the others wait in the collective; the ranks' workers then agree on it (a
+        # 1-element allreduce, overlapped like the exchange) and every rank raises at the next step
+        times = ExchangeTimes(malformed=[])
         p = pending.flat
         mean, sent = self._ics_exchange.run(p, ctx, Timer(p.device, times))
+        flag = torch.tensor([1.0 if times.malformed else 0.0], device=self._comm_device())
+        dist.all_reduce(flag, group=self.group)
+        if flag.item() > 0:
+            here = f"this rank's: {times.malformed[0]}" if times.malformed else "not this rank's"
+            raise RuntimeError(
+                f"{int(flag.item())} of {self.world_size} ranks produced a compressed deferred (ICS) payload of another "
+                f"size than the compressor declares ({here}); the deferred layers are not corrected on any rank. This "
+                f"is a bug of the compressor {getattr(getattr(self._ics_exchange, 'compressor', None), 'name', '?')!r}: "
+                "report it.")
         if self._ics_error_feedback:
             pending.residual = error_feedback_residual(p, sent, in_place=False)
         pending.flat = mean.to(p.dtype).reshape(-1)
