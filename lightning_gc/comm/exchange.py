@@ -35,6 +35,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..compressors.base import Compressor, GroupContext
@@ -139,6 +140,20 @@ class ExchangeTimes:
         """What :func:`~lightning_gc.comm.collectives.allgather_payload` calls on a payload of the
         wrong size: record it (see ``malformed``), or ``None`` to raise."""
         return self.malformed.append if self.malformed is not None else None
+
+    def raise_if_malformed_anywhere(self, group: Any, device: torch.device, world_size: int, what: str,
+                                    compressor: str, consequence: str) -> None:
+        """After an exchange run with ``malformed=[]``, outside the engine's steps (DiLoCo's outer
+        exchange, OSP's deferred stage): agree across ``group`` (a 1-element allreduce, called on
+        every rank) on how many ranks produced a payload of the wrong size, and raise on every rank if
+        any did. ``what`` names the payload, ``consequence`` what is not done."""
+        flag = torch.tensor([1.0 if self.malformed else 0.0], device=device)
+        dist.all_reduce(flag, group=group)
+        if flag.item() > 0:
+            here = f"this rank's: {self.malformed[0]}" if self.malformed else "not this rank's"
+            raise RuntimeError(
+                f"{int(flag.item())} of {world_size} ranks produced {what} of another size than the compressor declares "
+                f"({here}); {consequence} This is a bug of the compressor {compressor!r}: report it.")
 
     def add_choice(self, collective: str, predicted_s: float | None) -> None:
         """Record a model-chosen collective and its predicted time."""

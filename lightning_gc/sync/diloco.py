@@ -405,14 +405,9 @@ class DiLoCoSync(StepParticipant):
         # on its rank alone while the others wait in the collective; every rank then raises below
         times = ExchangeTimes(malformed=[])
         mean, sent = self.exchange.run(delta, ctx, Timer(delta.device, times))
-        flag = torch.tensor([1.0 if times.malformed else 0.0], device=self._comm_device())
-        dist.all_reduce(flag, group=self.group)
-        if flag.item() > 0:
-            here = f"this rank's: {times.malformed[0]}" if times.malformed else "not this rank's"
-            raise RuntimeError(
-                f"{int(flag.item())} of {self.world_size} ranks produced a compressed pseudo-gradient of another size "
-                f"than the compressor declares ({here}); the outer step is not taken on any rank. This is a bug of the "
-                f"compressor {getattr(getattr(self.exchange, 'compressor', None), 'name', '?')!r}: report it.")
+        times.raise_if_malformed_anywhere(self.group, self._comm_device(), self.world_size, "a compressed pseudo-gradient",
+                                          self.exchange.compressor.name,
+                                          "the outer step is not taken on any rank.")
         if self.error_feedback:
             job.residual = error_feedback_residual(delta, sent, in_place=False)
         job.bytes_sent += int(times.bytes_sent)

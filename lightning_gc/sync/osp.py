@@ -450,15 +450,10 @@ class OSPSync(StepParticipant):
         times = ExchangeTimes(malformed=[])
         p = pending.flat
         mean, sent = self._ics_exchange.run(p, ctx, Timer(p.device, times))
-        flag = torch.tensor([1.0 if times.malformed else 0.0], device=self._comm_device())
-        dist.all_reduce(flag, group=self.group)
-        if flag.item() > 0:
-            here = f"this rank's: {times.malformed[0]}" if times.malformed else "not this rank's"
-            raise RuntimeError(
-                f"{int(flag.item())} of {self.world_size} ranks produced a compressed deferred (ICS) payload of another "
-                f"size than the compressor declares ({here}); the deferred layers are not corrected on any rank. This "
-                f"is a bug of the compressor {getattr(getattr(self._ics_exchange, 'compressor', None), 'name', '?')!r}: "
-                "report it.")
+        times.raise_if_malformed_anywhere(self.group, self._comm_device(), self.world_size,
+                                          "a compressed deferred (ICS) payload",
+                                          self._ics_exchange.compressor.name,
+                                          "the deferred layers are not corrected on any rank.")
         if self._ics_error_feedback:
             pending.residual = error_feedback_residual(p, sent, in_place=False)
         pending.flat = mean.to(p.dtype).reshape(-1)
