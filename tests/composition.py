@@ -105,8 +105,11 @@ def design() -> list[dict[str, Any]]:
             ({"auto_options": {"gain_every": 3, "gain_drift": 0.0, "family_margin": 0.5}},
              {"accumulate": 2, "precision": "bf16-mixed", "optimizer": "adamw_clip",
               "auto_options": {"gain_every": 3, "gain_drift": 0.0, "early_comm_ratio": 1e-9}})]
-    for case in all_pairs(FACTORS) + stateful_product() + adamw + auto:
-        key = tuple(case[n] for n in FACTORS)
+    # GCStrategy options beyond the factors: SparseLoCo's decayed error memory on a Top-k Δ, resumed inside a
+    # round (the memory is decayed at every outer step and carried across the checkpoint)
+    options = [{**base, "sync": "diloco", "resume": "resumed", "options": {"diloco_error_decay": 0.9}}]
+    for case in all_pairs(FACTORS) + stateful_product() + adamw + auto + options:
+        key = tuple(case[n] for n in FACTORS) + tuple(sorted(case.get("options", {}).items()))
         if key not in seen:
             seen.add(key)
             out.append(case)
@@ -114,7 +117,7 @@ def design() -> list[dict[str, Any]]:
 
 
 def case_id(case: dict[str, Any]) -> str:
-    return "-".join(str(case[n]) for n in FACTORS)
+    return "-".join([str(case[n]) for n in FACTORS] + [f"{k}={v}" for k, v in sorted(case.get("options", {}).items())])
 
 
 RATIO_COMPRESSORS = ("topk", "star_topk")
@@ -187,6 +190,7 @@ def _strategy(case: dict[str, Any]):
             args["collective"] = "gradiveq_allreduce"
     if case.get("auto_options"):
         args["auto"] = dict(case["auto_options"])
+    args.update(case.get("options", {}))
     if case["plan"] == "omgs":
         args["omgs"] = {"profile_skip_steps": 0, "profile_steps": 2, "calibration_sizes": 3,
                         "calibration_repeats": 1, "replan_window": 2}
