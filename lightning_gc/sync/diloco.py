@@ -353,8 +353,7 @@ class DiLoCoSync(StepParticipant):
             delta = torch.cat([(self.theta_outer[i] - self.params[i].detach().to(torch.float32)).reshape(-1)
                                for i in idx])
             if self.error_feedback and p in self.memories:
-                decay = self.config.error_decay
-                delta = delta + (self.memories[p] if decay == 1.0 else decay * self.memories[p])
+                delta = delta + self.config.error_decay * self.memories[p]  # β = 1: plain error feedback
         job = _Exchange(fragment=p, sent_at=self.inner_step,
                         due=self.inner_step + self.config.overlap_steps if due is None else due, delta=delta)
         ctx = None
