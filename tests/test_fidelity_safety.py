@@ -170,7 +170,9 @@ def _payload(rank: int, odd: int) -> str:
 
     def short(x, ctx):
         c = compress(x, ctx)
-        if engine.step == 3 and rank == odd:  # engine.step already counts the step being exchanged (2)
+        # the exchanged step from its context: engine.step is advanced by the main thread while the worker
+        # compresses, so keyed on it the short payload could land on another step, or none, under load
+        if ctx.step == 2 and rank == odd:
             return Compressed(tuple(t[:-1] for t in c.payload), c.meta)
         return c
 
