@@ -313,8 +313,11 @@ def test_auto_default_slot_avoids_point_to_point_for_cuda_on_gloo(gloo_world_of_
     strategy._model = None  # no DDP wrapper here: the world group
     base = build_compressor("artopk_auto", ratio=0.01)
     cuda_param = [("w", SimpleNamespace(device=torch.device("cuda", 0)))]
-    on_cuda = strategy._auto_default_compressor(base, cuda_param)
-    assert on_cuda.name == "topk"
-    make_exchange(on_cuda, "auto", gloo_world_of_one, device="cuda")  # allgather: gloo can send it
-    on_cpu = strategy._auto_default_compressor(base, [("w", torch.zeros(2))])
-    assert on_cpu is base  # CPU gradients on gloo: the point-to-point default stays
+    on_cuda, collective = strategy._auto_default_compressor(base, cuda_param)
+    assert (on_cuda.name, collective) == ("topk", "allgather")
+    # the engine is built with the returned collective: the configured auto_sparse cannot carry Top-k
+    # (a GPU run failed there when only the compressor fell back)
+    assert strategy._engine_config.collective == "auto_sparse"
+    make_exchange(on_cuda, collective, gloo_world_of_one, device="cuda")  # allgather: gloo can send it
+    on_cpu, collective = strategy._auto_default_compressor(base, [("w", torch.zeros(2))])
+    assert on_cpu is base and collective == "auto_sparse"  # CPU gradients on gloo: the P2P default stays
