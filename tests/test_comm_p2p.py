@@ -321,3 +321,45 @@ def test_auto_default_slot_avoids_point_to_point_for_cuda_on_gloo(gloo_world_of_
     make_exchange(on_cuda, collective, gloo_world_of_one, device="cuda")  # allgather: gloo can send it
     on_cpu, collective = strategy._auto_default_compressor(base, [("w", torch.zeros(2))])
     assert on_cpu is base and collective == "auto_sparse"  # CPU gradients on gloo: the P2P default stays
+
+
+_AUTO_FALLBACK_SCRIPT = """
+import sys, lightning as L
+sys.path.insert(0, {tests!r})
+import lightning_gc.comm.registry as registry
+from lightning_gc import GCStrategy
+from lit_models import TinyClassifier, make_loader
+
+real = registry.check_point_to_point
+def as_if_on_cuda(compressor, collective, group, device):  # the check's answer for CUDA gradients on gloo
+    return real(compressor, collective, group, "cuda")
+registry.check_point_to_point = as_if_on_cuda
+
+trainer = L.Trainer(strategy=GCStrategy(compressor="auto"), accelerator="cpu", devices=2, max_steps=4,
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(TinyClassifier(), make_loader())
+engine = trainer.strategy.engine
+with open(f"result_rank{{trainer.global_rank}}.txt", "w") as fh:
+    fh.write(f"{{engine.compressor.name}} {{engine.exchange.name}} {{engine.step}}")
+"""
+
+
+def test_auto_trains_where_its_point_to_point_default_cannot_travel(tmp_path) -> None:
+    """The whole path, in a Lightning fit on 2 processes: where the point-to-point check refuses
+    auto_sparse (emulated here; on a GPU it is gloo with CUDA gradients), the engine is built with the
+    fallback's compressor *and* collective. A fallback of the compressor alone raised at setup
+    ("'topk' cannot travel by collective='auto_sparse'"), which only a GPU run showed."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    script = tmp_path / "auto_fallback.py"
+    script.write_text(_AUTO_FALLBACK_SCRIPT.format(tests=str(tests)))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = sorted(p.read_text() for p in tmp_path.glob("result_rank*.txt"))
+    assert results == ["topk allgather 4"] * 2, results
