@@ -543,8 +543,9 @@ def test_the_bandwidth_probe_is_sized_to_the_link_and_its_slope_is_the_links_bet
     sent: list[int] = []
     cap = probe_cap_bytes(4 * 1_000_000)  # a 1M-parameter model: capped at 1 MiB
     assert cap == 1024 * 1024
-    got, size = probe_bandwidth(_shaped_link(3e-4, beta, sent), cap)
+    got, size, large_s = probe_bandwidth(_shaped_link(3e-4, beta, sent), cap)
     assert size == want_size
+    assert large_s == pytest.approx(3e-4 + (want_size - BURST) * beta)  # the link check's reference
     # both messages above the bucket: the bucket is a constant offset and the slope is exact
     assert got == pytest.approx(beta, rel=1e-9)
     if rate_bps < 1e8:  # a slow link: one round of 256 KiB + 64 KiB messages, not the 1 MiB cap
@@ -560,7 +561,7 @@ def test_a_small_model_probes_at_its_cap_at_once_and_growth_is_bounded():
     cap = probe_cap_bytes(4 * 84_000)  # the quickstart MLP: half its fp32 gradient
     assert cap == 2 * 84_000
     sent: list[int] = []
-    _, size = probe_bandwidth(_shaped_link(1e-4, 8 / 1e9, sent), cap)
+    _, size, _ = probe_bandwidth(_shaped_link(1e-4, 8 / 1e9, sent), cap)
     assert size == cap and sum(sent) == 4 * (cap + cap // 4)  # one round, as before this rule
     assert next_probe_bytes(cap, 1e-4, cap) is None
     assert next_probe_bytes(1000, PROBE_TARGET_S / 4, 10**9) is None  # long enough
@@ -637,3 +638,94 @@ def test_family_margin_is_validated():
     for bad in (-0.1, float("nan"), True, "0.1"):
         with pytest.raises(ValueError, match="auto_family_margin"):
             AutoConfig(family_margin=bad)
+
+
+# ---------------------------------------------------------------------- the link check of a re-decision
+class _ShapedProbe:
+    """Stands in for ``probe_network`` on a simulated tc-shaped link (α + bytes above the bucket · β),
+    recording every message a real probe would send: ``warmup + repeats`` runs of every size."""
+
+    def __init__(self, rate_bps: float) -> None:
+        self.alpha, self.beta, self.sent = 2e-4, 8 / rate_bps, []
+
+    def __call__(self, group, config, device=None):
+        from types import SimpleNamespace
+
+        self.sent.extend(list(config.sizes_bytes) * (config.warmup + config.repeats))
+        times = tuple(self.alpha + max(s - BURST, 0) * self.beta for s in config.sizes_bytes)
+        return SimpleNamespace(sizes_bytes=tuple(config.sizes_bytes), median_times_s=times)
+
+
+@pytest.mark.parametrize("check", [1.5, 0.0])
+def test_a_re_decision_checks_the_link_with_one_message_and_probes_again_only_when_it_moved(monkeypatch, check):
+    import torch
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    link = _ShapedProbe(20e6)
+    monkeypatch.setattr(chooser_mod, "probe_network", link)
+    wl = Workload(0.001, (0.001,), (84_000,))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 8_000.0, 0.5, True)]
+    engine = _FakeEngine(None)
+    engine.network.pinned = False
+    engine.adopt_network = lambda net: None
+    params = [("w", torch.zeros(84_000, requires_grad=True))]  # the quickstart MLP's size: the probe's cap is half its gradient
+    cap = 2 * 84_000
+    ch = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), probe_check=check), torch.nn.Linear(1, 1), params)
+    ch.workload, ch.costs = wl, costs
+    ch._decide(1, "warmup", probe=True)
+    small = 80 * 1024  # a quarter of the cap would sit inside the shaper's bucket: floored above it
+    full_probe = [64, 256] * 11 + [small, cap] * 4  # latency (2 warm-up + 9), then one sized round
+    assert link.sent == full_probe and ch.probe_bytes == cap
+    assert ch.probe_time_s == pytest.approx(2e-4 + (cap - BURST) * 8 / 20e6)
+    assert ch.history[-1]["link_check"] is None  # a first decision always probes in full
+    beta_20 = ch.network.beta_s_per_byte
+    assert beta_20 == pytest.approx(8 / 20e6)
+
+    link.sent = []
+    ch._decide(101, "periodic", probe=True)  # the same link
+    if check:
+        assert link.sent == [small, cap]  # the check alone: a quarter of the probe's sized round
+        assert ch.history[-1]["link_check"] == {"check_s": ch.probe_time_s, "probe_s": ch.probe_time_s,
+                                                "bytes": cap, "unchanged": True}
+    else:
+        assert link.sent == full_probe and ch.history[-1]["link_check"] is None
+    assert ch.network.beta_s_per_byte == pytest.approx(beta_20)
+
+    link.sent, link.beta = [], 8 / 10e6  # the link fell to 10 Mbit/s: the check moved ~2x
+    ch._decide(201, "drift", probe=True)
+    assert link.sent == ([small, cap] if check else []) + full_probe
+    assert ch.network.beta_s_per_byte == pytest.approx(8 / 10e6)
+    if check:
+        moved = ch.history[-1]["link_check"]
+        assert not moved["unchanged"] and moved["check_s"] / moved["probe_s"] > 1.5
+        assert ch.probe_time_s == pytest.approx(2e-4 + (cap - BURST) * 8 / 10e6)  # the new reference
+
+    link.sent, link.beta = [], 8 / 10e6 * 1.4  # 40 % slower, inside the 1.5x check: the network is kept
+    ch._decide(301, "periodic", probe=True)
+    assert link.sent == ([small, cap] if check else full_probe)
+    assert ch.network.beta_s_per_byte == pytest.approx(8 / 10e6 if check else 8 / 10e6 * 1.4)
+
+    state = ch.state_dict()  # the reference travels with a checkpoint
+    other = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), probe_check=check), torch.nn.Linear(1, 1),
+                        params)
+    other.load_state_dict(state)
+    assert (other.probe_bytes, other.probe_time_s) == (ch.probe_bytes, ch.probe_time_s)
+
+
+@pytest.mark.parametrize("bad", [1.0, 0.5, -1, float("inf"), True, "1.5"])
+def test_probe_check_is_validated(bad):
+    from lightning_gc.auto.chooser import AutoConfig
+
+    with pytest.raises(ValueError, match="auto_probe_check=.* must be 0 .* or a factor > 1"):
+        AutoConfig(probe_check=bad)
+
+
+def test_link_unchanged_is_a_symmetric_factor_band():
+    from lightning_gc.auto.chooser import link_unchanged
+
+    assert link_unchanged(0.1, 0.1, 1.5) and link_unchanged(0.15, 0.1, 1.5) and link_unchanged(0.1, 0.15, 1.5)
+    assert not link_unchanged(0.151, 0.1, 1.5) and not link_unchanged(0.1, 0.151, 1.5)
+    assert not link_unchanged(0.1, 0.0, 1.5)  # no reference: probe

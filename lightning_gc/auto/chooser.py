@@ -85,6 +85,18 @@ PROBE_LATENCY = ProbeConfig(sizes_bytes=(64, 256), warmup=2, repeats=9)
 #: lightning_gc.bench.netns.tc_burst_bytes): a bucket's worth of bytes goes out at line rate, and the
 #: slope between two messages that both exceed it is the link's β, unbiased
 PROBE_START_BYTES = 256 * 1024
+#: ... except that the small one is never below this: a quarter of a small model's capped message (the
+#: quickstart MLP's 168 kB cap gives 42 kB) would sit inside the 64 KiB bucket, leave at line rate, and
+#: tilt the slope: on a simulated 20 Mbit/s shaped link that probe read 24.6 Mbit/s
+#: (tests/test_auto_model.py). The cap's floor (128 KiB) keeps the large one above it.
+PROBE_SMALL_MIN_BYTES = 80 * 1024
+
+
+def probe_small_bytes(size: int) -> int:
+    """The bandwidth probe's small message for a large one of ``size`` bytes (see above)."""
+    return max(size // 4, PROBE_SMALL_MIN_BYTES)
+
+
 #: the large message is grown until it takes at least a quarter of this (bandwidth-bound wherever α
 #: is well under 5 ms), by the factor that would make it take this long
 PROBE_TARGET_S = 0.02
@@ -113,9 +125,10 @@ def next_probe_bytes(size: int, large_s: float, cap: int) -> int | None:
     return int(min(cap, round(grow)))  # > 4x size: large_s < PROBE_TARGET_S / 4
 
 
-def probe_bandwidth(measure: Callable[[int], tuple[float, float]], cap: int) -> tuple[float, int]:
+def probe_bandwidth(measure: Callable[[int], tuple[float, float]], cap: int) -> tuple[float, int, float]:
     """β (s/byte) from the slope between ``S/4``- and ``S``-byte messages, ``S`` grown from
-    :data:`PROBE_START_BYTES` (or ``cap``) by :func:`next_probe_bytes`; returns β and the last ``S``.
+    :data:`PROBE_START_BYTES` (or ``cap``) by :func:`next_probe_bytes`; returns β, the last ``S`` and
+    that ``S``-byte message's time (the reference of :func:`link_unchanged`).
 
     ``measure(S)`` returns that slope and the ``S``-byte message's time, both agreed across ranks (the
     loop's decisions must be identical on every rank)."""
@@ -124,8 +137,23 @@ def probe_bandwidth(measure: Callable[[int], tuple[float, float]], cap: int) -> 
         beta, large_s = measure(size)
         nxt = next_probe_bytes(size, large_s, cap)
         if nxt is None:
-            return beta, size
+            return beta, size, large_s
         size = nxt
+
+
+def link_unchanged(check_s: float, probe_s: float, factor: float) -> bool:
+    """Whether a link check's message time ``check_s`` says the link is the one last probed, whose
+    same-size message took ``probe_s``: within ``factor`` of it either way (``factor`` > 1).
+
+    The check exists to spare the full probe (latency, then two message sizes, each timed three times
+    after a warm-up) at a periodic or drift re-decision on a link that did not change: on the quickstart
+    MLP at 20 Mbit/s each full re-probe cost 0.47-0.52 s of a 6 s run to the target (docs/auto.md).
+    The changes that matter are large (a correction is not carried over a 2x change of β, and a
+    link that fell from 1 Gbit/s to 10 Mbit/s moves this time by more than 10x), so a coarse factor
+    (1.5 by default) keeps one message's noise from forcing a probe."""
+    if probe_s <= 0 or check_s <= 0:
+        return False
+    return 1.0 / factor <= check_s / probe_s <= factor
 
 
 def _int(name: str, value: Any, lo: int, hint: str) -> None:
@@ -167,7 +195,13 @@ class AutoConfig:
             drift (0: never): a link that gets faster may not move the step of a compressed method
             much (measured: Top-k-like ``lowrank`` kept its step when a 10 Mbit/s link went back to
             1 Gbit/s, and auto stayed on it). Costs a probe (small on fast links; about one dense
-            step's traffic on slow ones).
+            step's traffic on slow ones), or only a link check (``probe_check``).
+        probe_check: a periodic or drift re-decision first sends one message of the last probe's
+            size (after its small partner, as in the probe) and compares its time with that
+            probe's: within this factor either way, the link is taken as unchanged and the decision
+            uses the stored network, without the full probe (latency, then two sizes three times
+            each after a warm-up: about 4x the traffic). 0: always the full probe. On the quickstart
+            MLP at 20 Mbit/s a full re-probe cost 0.47-0.52 s of a 6 s run to the target.
         explore: after a calibration, how many more not-yet-measured candidates may be installed
             and measured (one ``window`` each, plus the settling window) because the raw model still
             favours them, per probed decision; 0 settles on the measured methods at once. Measured:
@@ -216,6 +250,7 @@ class AutoConfig:
     severe_drift: float = 2.0
     min_interval: int = 30
     probe_every: int = 100
+    probe_check: float = 1.5
     explore: int = 2
     gain_every: int = 50
     gain_drift: float = 0.1
@@ -249,6 +284,10 @@ class AutoConfig:
                              "half the reference step re-decides at once).")
         _int("min_interval", self.min_interval, 1, "Use at least 1.")
         _int("probe_every", self.probe_every, 0, "Use 0 to re-decide on drift only.")
+        pc = self.probe_check
+        if isinstance(pc, bool) or not isinstance(pc, (int, float)) or not math.isfinite(pc) or not (pc == 0 or pc > 1):
+            raise ValueError(f"auto_probe_check={pc!r} must be 0 (always the full probe) or a factor > 1 (e.g. 1.5: a "
+                             "check message within 1.5x of the last probe's time keeps the probed network).")
         _int("explore", self.explore, 0, "Use 0 to settle on measured methods after the first calibration.")
         _int("gain_every", self.gain_every, 0, "Use 0 to measure the candidates' errors at the warm-up only.")
         er = self.early_comm_ratio
@@ -361,6 +400,8 @@ class AutoChooser(StepParticipant):
         self._explore_left = config.explore
         #: the large message of the last bandwidth probe (bytes; 0 before any probe or with a pinned network)
         self.probe_bytes = 0
+        #: that message's time in the last full probe (agreed, MAX over ranks): the link check's reference
+        self.probe_time_s = 0.0
         #: every probe's β is multiplied by this (replicated): the warm-up's profiled DDP step divided
         #: by what the model gave it at the probed β, when shorter (model.calibrate_beta); 1 otherwise
         self.beta_scale = 1.0
@@ -623,14 +664,21 @@ class AutoChooser(StepParticipant):
         ws = engine.world_size
         ddp = next(c for c in self.costs if c.name == "ddp")
         pinned = engine.network.pinned and engine.network.model is not None
+        link_check: dict | None = None  # a re-decision's check of the link before (or instead of) a probe
         if pinned:  # network_alpha_s/beta given: no probe, and the user's figures are not recalibrated
             self.network = engine.network.model
         elif probe or self.network is None:
-            probed = self._probe()
-            if dense_wall_s is not None:  # the profiled DDP step bounds the link's β from above
-                beta = calibrate_beta(dense_wall_s, self.workload, ddp, probed, ws)
-                self.beta_scale = beta / probed.beta_s_per_byte if probed.beta_s_per_byte > 0 else 1.0
-            self.network = NetworkModel(probed.alpha_s, probed.beta_s_per_byte * self.beta_scale)
+            if probe and dense_wall_s is None and self.network is not None and self.config.probe_check \
+                    and self.probe_bytes > 0 and self.probe_time_s > 0:
+                check_s = self._check_link()
+                link_check = {"check_s": check_s, "probe_s": self.probe_time_s, "bytes": self.probe_bytes,
+                              "unchanged": link_unchanged(check_s, self.probe_time_s, self.config.probe_check)}
+            if link_check is None or not link_check["unchanged"]:
+                probed = self._probe()
+                if dense_wall_s is not None:  # the profiled DDP step bounds the link's β from above
+                    beta = calibrate_beta(dense_wall_s, self.workload, ddp, probed, ws)
+                    self.beta_scale = beta / probed.beta_s_per_byte if probed.beta_s_per_byte > 0 else 1.0
+                self.network = NetworkModel(probed.alpha_s, probed.beta_s_per_byte * self.beta_scale)
         if not engine.network.pinned:
             engine.adopt_network(self.network)  # AR-Topk's per-step choice uses it; auto owns re-probing
         if dense_wall_s is not None:
@@ -659,7 +707,7 @@ class AutoChooser(StepParticipant):
         self._last_decision_step = step
         entry = {"step": step, "trigger": trigger, "chosen": best, "previous": previous,
                  "network": [self.network.alpha_s, self.network.beta_s_per_byte], "probe_bytes": self.probe_bytes,
-                 "beta_scale": self.beta_scale,
+                 "beta_scale": self.beta_scale, "link_check": link_check,
                  "workload": self.workload.as_dict(), "costs": [c.as_dict() for c in self.costs],
                  "predictions": {k: v.as_dict() for k, v in preds.items()},
                  "dense_wall_s": dense_wall_s, "measured_step_s": None,
@@ -668,8 +716,11 @@ class AutoChooser(StepParticipant):
                  "decide_s": agree_values([time.perf_counter() - t0], "max", engine.process_group, engine.device)[0]}
         self.history.append(entry)
         bw = self.network.bandwidth_bits_per_s
+        checked = "" if link_check is None else (
+            f" (link check: {1e3 * link_check['check_s']:.1f} ms vs {1e3 * link_check['probe_s']:.1f} ms at the last "
+            f"probe, {'unchanged, not re-probed' if link_check['unchanged'] else 'changed, re-probed'})")
         head = (f"lightning_gc auto ({trigger}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
-                f"{bw / 1e6:.1f} Mbit/s; ")
+                f"{bw / 1e6:.1f} Mbit/s{checked}; ")
         if best == previous:
             rank_zero_info(head + f"kept {best!r} (predicted {1e3 * preds[best].step_s:.1f} ms/step)")
         else:
@@ -771,17 +822,30 @@ class AutoChooser(StepParticipant):
         small = probe_network(engine.process_group, PROBE_LATENCY, device=engine.device)
 
         def measure(size: int) -> tuple[float, float]:
-            large = probe_network(engine.process_group, ProbeConfig(sizes_bytes=(size // 4, size), warmup=1, repeats=3),
+            large = probe_network(engine.process_group,
+                                  ProbeConfig(sizes_bytes=(probe_small_bytes(size), size), warmup=1, repeats=3),
                                   device=engine.device)
             (s0, s1), (t0, t1) = large.sizes_bytes, large.median_times_s
             beta, t_large = agree_values([max((t1 - t0) / (s1 - s0), 0.0), t1], "max", engine.process_group,
                                          engine.device)
             return beta, t_large
 
-        beta, self.probe_bytes = probe_bandwidth(measure, probe_cap_bytes(4 * sum(p.numel() for p in self.params)))
+        beta, self.probe_bytes, self.probe_time_s = probe_bandwidth(
+            measure, probe_cap_bytes(4 * sum(p.numel() for p in self.params)))
         alpha = max(small.median_times_s[0] - beta * small.sizes_bytes[0], 0.0)
         a = agree_values([alpha], "max", engine.process_group, engine.device)[0]
         return NetworkModel(a, beta)
+
+    def _check_link(self) -> float:
+        """One message of the last probe's size, after its small partner (the order the probe
+        times them in), timed on every rank and agreed (MAX): compared with that probe's time by
+        :func:`link_unchanged`. About a quarter of a full probe's traffic, and no latency round."""
+        engine = self.engine
+        size = self.probe_bytes
+        r = probe_network(engine.process_group,
+                          ProbeConfig(sizes_bytes=(probe_small_bytes(size), size), warmup=0, repeats=1),
+                          device=engine.device)
+        return agree_values([r.median_times_s[1]], "max", engine.process_group, engine.device)[0]
 
     def _apply(self, name: str) -> None:
         engine = self.engine
@@ -807,6 +871,7 @@ class AutoChooser(StepParticipant):
             "last_decision_step": self._last_decision_step,
             "last_gain_step": self._last_gain_step, "gain_checks": self.gain_checks, "beta_scale": self.beta_scale,
             "sampling": bool(self._sample_handles), "warmup_steps": int(self.engine.config.warmup_steps),
+            "probe_bytes": self.probe_bytes, "probe_time_s": self.probe_time_s,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -836,6 +901,8 @@ class AutoChooser(StepParticipant):
         self._last_gain_step = state.get("last_gain_step", self._last_decision_step)
         self.gain_checks = list(state.get("gain_checks", []))
         self.beta_scale = float(state.get("beta_scale", 1.0))  # written before the calibration: none
+        # written before the link check: no reference, so the next re-decision probes in full
+        self.probe_bytes, self.probe_time_s = int(state.get("probe_bytes", 0)), float(state.get("probe_time_s", 0.0))
         if self.chosen is not None and state.get("warmup_steps") is not None:  # an early end of the warm-up
             self.engine.shorten_warmup_steps(int(state["warmup_steps"]))
         self._window = []

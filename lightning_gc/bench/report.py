@@ -355,7 +355,10 @@ def _auto_section(doc: dict) -> list[str]:
                 (f"**{name} {_s(step)}**" if name == d["chosen"] else f"{name} {_s(step)}")
                 + (f" ({_s(tpp[name])})" if name in tpp else "")
                 for name, step in d["predictions"].items())
-            rows.append(f"| `{r['label']}` | {d['step']} | {d['trigger']} | {d['chosen']} | {_link(d.get('network'))} "
+            check = d.get("link_check")
+            checked = "" if not check else (" (check: unchanged, not re-probed)" if check["unchanged"] else
+                                            " (check: moved, re-probed)")
+            rows.append(f"| `{r['label']}` | {d['step']} | {d['trigger']} | {d['chosen']} | {_link(d.get('network'))}{checked} "
                         f"| {_s(d['predicted_step_s'])} | {_s(d['measured_step_s'])} | {cands} |")
     if not rows:
         return []
@@ -364,7 +367,8 @@ def _auto_section(doc: dict) -> list[str]:
         "One row per decision, by trigger: `warmup` (after the profiled dense steps), `calibration` (a method's "
         "first measured window), `family` (a dense sibling run for one window), `drift` (the step time moved), "
         "`periodic` (a scheduled re-probe), `gain` (the candidates' errors, measured again, moved). *link*: "
-        "the network as auto probed it; *predicted*: its model's step for the pick; *measured*: auto's own "
+        "the network as auto probed it (a periodic or drift re-decision first times one message against the last "
+        "probe and probes again only if it moved: *check*); *predicted*: its model's step for the pick; *measured*: auto's own "
         "measurement after the decision, the median of a window of steps once the switch has settled (slowest "
         "rank; – if the run ended first). Per candidate: the predicted step and, in brackets, the predicted time "
         "per unit of progress, which the pick minimises.",

@@ -434,12 +434,22 @@ def _auto_state(strategy) -> dict | None:
             "dense_wall_s": _num(h.get("dense_wall_s")), "decide_s": _num(h.get("decide_s")),
             "delta2": {c["name"]: float(c["delta2"]) for c in h.get("costs") or []},
             "beta_scale": _num(h.get("beta_scale")),
+            "link_check": _link_check(h.get("link_check")),
             "compute_s": _compute_s(h.get("workload")),
         })
     gains = [{"step": int(c["step"]), "delta2": {k: float(v) for k, v in c["delta2"].items()},
               "moved": float(c["moved"]), "redecided": bool(c["redecided"])} for c in getattr(chooser, "gain_checks", [])]
     return {"chosen": chooser.chosen, "candidates": list(chooser.config.candidates), "decisions": decisions,
             "gain_checks": gains}
+
+
+def _link_check(check: dict | None) -> dict | None:
+    """A re-decision's link check (``AutoChooser``, ``probe_check``): the check message's time, the last
+    full probe's time for that size, and whether the link counted as unchanged (no full probe)."""
+    if not check:
+        return None
+    return {"check_s": _num(check.get("check_s")), "probe_s": _num(check.get("probe_s")),
+            "bytes": int(check.get("bytes", 0)), "unchanged": bool(check.get("unchanged"))}
 
 
 def _omgs_state(strategy) -> dict | None:
