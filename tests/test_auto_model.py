@@ -646,14 +646,17 @@ class _ShapedProbe:
     recording every message a real probe would send: ``warmup + repeats`` runs of every size."""
 
     def __init__(self, rate_bps: float) -> None:
-        self.alpha, self.beta, self.sent = 2e-4, 8 / rate_bps, []
+        self.alpha, self.beta, self.sent, self.noise = 2e-4, 8 / rate_bps, [], 2.3e-3
 
     def __call__(self, group, config, device=None):
         from types import SimpleNamespace
 
         self.sent.extend(list(config.sizes_bytes) * (config.warmup + config.repeats))
         times = tuple(self.alpha + max(s - BURST, 0) * self.beta for s in config.sizes_bytes)
-        return SimpleNamespace(sizes_bytes=tuple(config.sizes_bytes), median_times_s=times)
+        # a busy host: scheduling delays add 2.3 ms to every size's median (a constant, so the slope
+        # keeps β), while the fastest repeat got through undelayed
+        return SimpleNamespace(sizes_bytes=tuple(config.sizes_bytes), min_times_s=times,
+                               median_times_s=tuple(t + self.noise for t in times))
 
 
 @pytest.mark.parametrize("check", [1.5, 0.0])
@@ -679,7 +682,9 @@ def test_a_re_decision_checks_the_link_with_one_message_and_probes_again_only_wh
     small = 80 * 1024  # a quarter of the cap would sit inside the shaper's bucket: floored above it
     full_probe = [64, 256] * 11 + [small, cap] * 4  # latency (2 warm-up + 9), then one sized round
     assert link.sent == full_probe and ch.probe_bytes == cap
-    assert ch.probe_time_s == pytest.approx(2e-4 + (cap - BURST) * 8 / 20e6)
+    assert ch.probe_time_s == pytest.approx(2e-4 + (cap - BURST) * 8 / 20e6 + link.noise)
+    # α from the fastest 64-byte shift, not the median that the host's noise inflated to 2.5 ms
+    assert ch.network.alpha_s == pytest.approx(2e-4 - 64 * 8 / 20e6)
     assert ch.history[-1]["link_check"] is None  # a first decision always probes in full
     beta_20 = ch.network.beta_s_per_byte
     assert beta_20 == pytest.approx(8 / 20e6)
@@ -701,7 +706,7 @@ def test_a_re_decision_checks_the_link_with_one_message_and_probes_again_only_wh
     if check:
         moved = ch.history[-1]["link_check"]
         assert not moved["unchanged"] and moved["check_s"] / moved["probe_s"] > 1.5
-        assert ch.probe_time_s == pytest.approx(2e-4 + (cap - BURST) * 8 / 10e6)  # the new reference
+        assert ch.probe_time_s == pytest.approx(2e-4 + (cap - BURST) * 8 / 10e6 + link.noise)  # the new reference
 
     link.sent, link.beta = [], 8 / 10e6 * 1.4  # 40 % slower, inside the 1.5x check: the network is kept
     ch._decide(301, "periodic", probe=True)

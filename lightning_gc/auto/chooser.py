@@ -832,7 +832,10 @@ class AutoChooser(StepParticipant):
 
         beta, self.probe_bytes, self.probe_time_s = probe_bandwidth(
             measure, probe_cap_bytes(4 * sum(p.numel() for p in self.params)))
-        alpha = max(small.median_times_s[0] - beta * small.sizes_bytes[0], 0.0)
+        # each rank's fastest 64-byte shift, not its median: on 2 cores shared by 4 ranks a median of
+        # 2.5 ms was read once where other runs read 0.2-0.3 ms, and with ~20 α-terms per compressed
+        # step that alone put every compressor above the 16-bit hook at 20 Mbit/s (docs/auto.md)
+        alpha = max(small.min_times_s[0] - beta * small.sizes_bytes[0], 0.0)
         a = agree_values([alpha], "max", engine.process_group, engine.device)[0]
         return NetworkModel(a, beta)
 

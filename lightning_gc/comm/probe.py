@@ -262,6 +262,9 @@ class ProbeResult:
     sizes_bytes: tuple[int, ...]
     median_times_s: tuple[float, ...]
     local_fit: LinearFit | None
+    #: this rank's fastest timed run per size: a latency estimate that scheduling noise on a busy host
+    #: (which only ever adds time) does not inflate unless it hits every repeat
+    min_times_s: tuple[float, ...] = ()
 
 
 def _default_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -383,7 +386,8 @@ def probe_network(
     agreed = torch.tensor([local.alpha_s, local.beta_s_per_byte], dtype=torch.float64, device=dev)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     network = NetworkModel(float(agreed[0]), float(agreed[1]))
-    return ProbeResult(network, config.collective, n, tuple(sizes), tuple(medians), fit)
+    mins = tuple(max(min(ts), 1e-9) for ts in samples)
+    return ProbeResult(network, config.collective, n, tuple(sizes), tuple(medians), fit, mins)
 
 
 def ensure_replicated(network: NetworkModel, group: dist.ProcessGroup | None = None) -> None:
