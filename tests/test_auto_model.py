@@ -279,7 +279,7 @@ def test_the_warm_up_dense_step_scales_every_probed_beta(monkeypatch):
     engine.network.pinned = False
     engine.adopt_network = lambda net: engine.calls.append(("adopt", net.beta_s_per_byte))
     probes = iter([NetworkModel(1e-4, 8 / 10e6), NetworkModel(1e-4, 8 / 5e6)])  # 10 Mbit/s, then 5
-    monkeypatch.setattr(AutoChooser, "_probe", lambda self: next(probes))
+    monkeypatch.setattr(AutoChooser, "_probe", lambda self, latency=None: next(probes))
     ch = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), probe_every=0), torch.nn.Linear(1, 1), [])
     ch.workload, ch.costs = wl, costs
     d = dict(wl.as_dict(), other_s=0.0)
@@ -734,3 +734,64 @@ def test_link_unchanged_is_a_symmetric_factor_band():
     assert link_unchanged(0.1, 0.1, 1.5) and link_unchanged(0.15, 0.1, 1.5) and link_unchanged(0.1, 0.15, 1.5)
     assert not link_unchanged(0.151, 0.1, 1.5) and not link_unchanged(0.1, 0.151, 1.5)
     assert not link_unchanged(0.1, 0.0, 1.5)  # no reference: probe
+
+
+@pytest.mark.parametrize("exposed_s, dense_probe_s", [(0.2, 0.1), (0.05, 0.1), (0.2, 0.0)])
+def test_a_dense_step_that_waited_on_the_network_measures_beta_instead_of_the_bandwidth_probe(
+        monkeypatch, exposed_s, dense_probe_s):
+    """A profiled DDP step that waited at least dense_probe_s for its buckets sets β: the value at which
+    the hand-written DDP step (tests/auto_oracle.py) equals the measured wall, with other_s = 0; only the
+    latency round is sent. Below the threshold, or with it off, the bandwidth probe runs as before."""
+    import torch
+    from auto_oracle import step_by_hand
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    link = _ShapedProbe(26e6)  # what the probe would read: not the link the step ran on
+    monkeypatch.setattr(chooser_mod, "probe_network", link)
+    wl = Workload(0.0004, (0.0001, 0.0001), (42_000, 42_000))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 8_000.0, 0.5, True)]
+    engine = _FakeEngine(None)
+    engine.network.pinned = False
+    engine.adopt_network = lambda net: None
+    params = [("w", torch.zeros(84_000, requires_grad=True))]
+    cfg = AutoConfig(candidates=("ddp", "topk"), dense_probe_s=dense_probe_s)
+    ch = AutoChooser(engine, cfg, torch.nn.Linear(1, 1), params)
+    ch.workload, ch.costs = wl, costs
+    true_beta = 8 / 20e6
+    alpha = link.alpha - 64 * true_beta  # the latency round's fastest 64-byte shift is α + 64·β
+    wall = step_by_hand(costs[0].as_dict(), dict(wl.as_dict(), other_s=0.0), alpha, true_beta, 4)
+    ch._decide(1, "warmup", probe=True, dense_wall_s=wall, dense_exposed_s=exposed_s)
+    h = ch.history[-1]
+    if exposed_s >= dense_probe_s > 0:
+        assert link.sent == [64, 256] * 11  # the latency round only
+        assert ch.network.beta_s_per_byte == pytest.approx(true_beta, rel=1e-6)
+        assert ch.network.alpha_s == pytest.approx(alpha, rel=1e-6)
+        assert ch.workload.other_s == pytest.approx(0.0, abs=1e-9)  # the link explains the whole step
+        assert h["network_source"] == "dense_step" and ch.probe_time_s == 0.0
+        link.sent = []
+        ch._decide(101, "periodic", probe=True)  # no reference for a check yet: the full probe
+        assert link.sent == [64, 256] * 11 + [80 * 1024, 2 * 84_000] * 4
+        assert ch.history[-1]["network_source"] == "probe" and ch.history[-1]["link_check"] is None
+    else:
+        assert link.sent == [64, 256] * 11 + [80 * 1024, 2 * 84_000] * 4
+        assert h["network_source"] == "probe"
+        # the probe over-read the link (26 Mbit/s): the DDP step, slower than it predicts, is other's
+        assert ch.network.beta_s_per_byte == pytest.approx(8 / 26e6, rel=1e-6)
+
+
+def test_no_beta_explains_a_dense_step_shorter_than_its_compute():
+    from lightning_gc.auto.model import beta_from_dense_step
+
+    wl = Workload(0.01, (0.01,), (1000,))
+    assert beta_from_dense_step(0.015, wl, MethodCost("ddp", "bucket", 0.0), 1e-4, 4) is None
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), True])
+def test_dense_probe_s_is_validated(bad):
+    from lightning_gc.auto.chooser import AutoConfig
+
+    with pytest.raises(ValueError, match="auto_dense_probe_s=.* must be a finite number of seconds >= 0"):
+        AutoConfig(dense_probe_s=bad)

@@ -67,6 +67,7 @@ from .model import (
     MethodCost,
     Prediction,
     Workload,
+    beta_from_dense_step,
     calibrate_beta,
     calibrate_other,
     choose_measured,
@@ -202,6 +203,15 @@ class AutoConfig:
             uses the stored network, without the full probe (latency, then two sizes three times
             each after a warm-up: about 4x the traffic). 0: always the full probe. On the quickstart
             MLP at 20 Mbit/s a full re-probe cost 0.47-0.52 s of a 6 s run to the target.
+        dense_probe_s: when the profiled dense step waited at least this long (seconds, slowest rank)
+            for DDP's buckets after its last gradient was ready, that step is the bandwidth
+            measurement: β is the value at which the model's DDP step equals it
+            (``model.beta_from_dense_step``), α comes from the latency round alone, and the warm-up's
+            bandwidth probe is skipped (the first periodic or drift re-decision then probes in full).
+            Such a step is hundreds of kilobytes per rank sent anyway; the probe it replaces cost about
+            0.4 s on the quickstart MLP at 20 Mbit/s (a tenth of its run to the target) and read that
+            link at 18-38 Mbit/s across runs. 0: always probe. Below the threshold (a fast link) the
+            step's wait is mostly the framework's and the collective's CPU time, not the link.
         explore: after a calibration, how many more not-yet-measured candidates may be installed
             and measured (one ``window`` each, plus the settling window) because the raw model still
             favours them, per probed decision; 0 settles on the measured methods at once. Measured:
@@ -251,6 +261,7 @@ class AutoConfig:
     min_interval: int = 30
     probe_every: int = 100
     probe_check: float = 1.5
+    dense_probe_s: float = 0.1
     explore: int = 2
     gain_every: int = 50
     gain_drift: float = 0.1
@@ -284,6 +295,10 @@ class AutoConfig:
                              "half the reference step re-decides at once).")
         _int("min_interval", self.min_interval, 1, "Use at least 1.")
         _int("probe_every", self.probe_every, 0, "Use 0 to re-decide on drift only.")
+        dp = self.dense_probe_s
+        if isinstance(dp, bool) or not isinstance(dp, (int, float)) or not math.isfinite(dp) or dp < 0:
+            raise ValueError(f"auto_dense_probe_s={dp!r} must be a finite number of seconds >= 0 (0: always probe the "
+                             "bandwidth; e.g. 0.1: a dense step that waited 0.1 s on the network measures it).")
         pc = self.probe_check
         if isinstance(pc, bool) or not isinstance(pc, (int, float)) or not math.isfinite(pc) or not (pc == 0 or pc > 1):
             raise ValueError(f"auto_probe_check={pc!r} must be 0 (always the full probe) or a factor > 1 (e.g. 1.5: a "
@@ -515,7 +530,9 @@ class AutoChooser(StepParticipant):
         order = sorted(range(len(self.params)), key=lambda i: self._stamps[i])
         return {"forward_s": self._t_fwd - self._t_start, "order": order,
                 "ready": [self._stamps[i] - self._t_fwd for i in order],
-                "optimizer_s": max(t_end - self._t_closure_end, 0.0), "wall_s": wall}
+                "optimizer_s": max(t_end - self._t_closure_end, 0.0), "wall_s": wall,
+                # DDP's wait for its buckets: the end of the closure after the last gradient was ready
+                "exposed_s": max(self._t_closure_end - max(self._stamps.values()), 0.0)}
 
     def _early(self, t_end: float, complete: bool) -> bool:
         """Whether a skipped dense step's exposed communication (closure end after the last
@@ -576,10 +593,11 @@ class AutoChooser(StepParticipant):
         # per-tensor ready times in the last profile's order (medians over steps), then durations
         ready_by_param = [statistics.median(p["ready"][p["order"].index(i)] for p in prof) for i in range(n)]
         local = ([statistics.median(p["forward_s"] for p in prof), statistics.median(p["optimizer_s"] for p in prof),
-                  statistics.median(p["wall_s"] for p in prof)] + ready_by_param)
+                  statistics.median(p["wall_s"] for p in prof), statistics.median(p["exposed_s"] for p in prof)]
+                 + ready_by_param)
         agreed = agree_values(local, "max", engine.process_group, engine.device)
-        fwd, opt, wall = agreed[:3]
-        ready = agreed[3:]
+        fwd, opt, wall, exposed = agreed[:4]
+        ready = agreed[4:]
         # the ready order is fixed by the first rank's (replicated) view: sort the agreed times
         order = sorted(range(n), key=lambda i: (ready[i], i))
         t_prev, durations = 0.0, []
@@ -589,7 +607,7 @@ class AutoChooser(StepParticipant):
         self.workload = Workload(fwd, tuple(durations), tuple(self.params[i].numel() for i in order), opt, 0.0)
         self._measure_costs(self._disarm_sample() or {})
         self._last_gain_step = step
-        self._decide(step, "warmup", probe=True, dense_wall_s=wall)
+        self._decide(step, "warmup", probe=True, dense_wall_s=wall, dense_exposed_s=exposed)
 
     def _group_sample(self, grads: dict[int, Tensor]) -> tuple[Tensor, GroupContext, float]:
         """The compressed group's local gradient (``grads``: parameter index → this rank's copy) as
@@ -656,7 +674,7 @@ class AutoChooser(StepParticipant):
 
     # ------------------------------------------------------------------ decision
     def _decide(self, step: int, trigger: str, probe: bool, dense_wall_s: float | None = None,
-                force: str | None = None) -> None:
+                force: str | None = None, dense_exposed_s: float | None = None) -> None:
         engine = self.engine
         assert self.workload is not None and self.costs is not None
         t0 = time.perf_counter()
@@ -665,16 +683,31 @@ class AutoChooser(StepParticipant):
         ddp = next(c for c in self.costs if c.name == "ddp")
         pinned = engine.network.pinned and engine.network.model is not None
         link_check: dict | None = None  # a re-decision's check of the link before (or instead of) a probe
+        source = "pinned" if pinned else "kept"  # where this decision's network came from
+        dense_beta = latency = None  # β from a communication-bound profiled dense step (dense_probe_s)
+        if not pinned and probe and dense_wall_s is not None and dense_exposed_s is not None \
+                and self.config.dense_probe_s and dense_exposed_s >= self.config.dense_probe_s:
+            latency = self._probe_latency()
+            # agreed before β is solved from it, so that every rank solves the same equation
+            alpha0 = agree_values([latency.min_times_s[0]], "max", engine.process_group, engine.device)[0]
+            dense_beta = beta_from_dense_step(dense_wall_s, self.workload, ddp, alpha0, ws,
+                                              latency_bytes=latency.sizes_bytes[0])
         if pinned:  # network_alpha_s/beta given: no probe, and the user's figures are not recalibrated
             self.network = engine.network.model
+        elif dense_beta is not None:  # the dense step measured the link: no bandwidth probe
+            alpha = max(alpha0 - dense_beta * latency.sizes_bytes[0], 0.0)
+            self.network, self.beta_scale, source = NetworkModel(alpha, dense_beta), 1.0, "dense_step"
+            self.probe_bytes, self.probe_time_s = 0, 0.0  # no reference for a link check: the next one probes
         elif probe or self.network is None:
+            source = "probe"
             if probe and dense_wall_s is None and self.network is not None and self.config.probe_check \
                     and self.probe_bytes > 0 and self.probe_time_s > 0:
                 check_s = self._check_link()
                 link_check = {"check_s": check_s, "probe_s": self.probe_time_s, "bytes": self.probe_bytes,
                               "unchanged": link_unchanged(check_s, self.probe_time_s, self.config.probe_check)}
+                source = "check" if link_check["unchanged"] else "probe"
             if link_check is None or not link_check["unchanged"]:
-                probed = self._probe()
+                probed = self._probe(latency)
                 if dense_wall_s is not None:  # the profiled DDP step bounds the link's β from above
                     beta = calibrate_beta(dense_wall_s, self.workload, ddp, probed, ws)
                     self.beta_scale = beta / probed.beta_s_per_byte if probed.beta_s_per_byte > 0 else 1.0
@@ -707,7 +740,8 @@ class AutoChooser(StepParticipant):
         self._last_decision_step = step
         entry = {"step": step, "trigger": trigger, "chosen": best, "previous": previous,
                  "network": [self.network.alpha_s, self.network.beta_s_per_byte], "probe_bytes": self.probe_bytes,
-                 "beta_scale": self.beta_scale, "link_check": link_check,
+                 "beta_scale": self.beta_scale, "link_check": link_check, "network_source": source,
+                 "dense_exposed_s": dense_exposed_s,
                  "workload": self.workload.as_dict(), "costs": [c.as_dict() for c in self.costs],
                  "predictions": {k: v.as_dict() for k, v in preds.items()},
                  "dense_wall_s": dense_wall_s, "measured_step_s": None,
@@ -807,7 +841,7 @@ class AutoChooser(StepParticipant):
             out[name] = corr
         return out
 
-    def _probe(self) -> NetworkModel:
+    def _probe(self, latency: Any = None) -> NetworkModel:
         """α from 64-byte ring shifts timed before any large message, β from the slope between two
         larger shifts, ``S/4`` and ``S`` bytes (each rank's medians, then the MAX), ``S`` grown from
         :data:`PROBE_START_BYTES` until its message is bandwidth-bound (:func:`next_probe_bytes`).
@@ -819,7 +853,7 @@ class AutoChooser(StepParticipant):
         20 Mbit/s), while Top-k's measured 31 ms steps at 20 Mbit/s, with ~20 α-terms per step in the
         model, bound α below 2 ms; that error alone decided against every engine candidate."""
         engine = self.engine
-        small = probe_network(engine.process_group, PROBE_LATENCY, device=engine.device)
+        small = latency if latency is not None else self._probe_latency()  # the warm-up's may have run already
 
         def measure(size: int) -> tuple[float, float]:
             large = probe_network(engine.process_group,
@@ -838,6 +872,11 @@ class AutoChooser(StepParticipant):
         alpha = max(small.min_times_s[0] - beta * small.sizes_bytes[0], 0.0)
         a = agree_values([alpha], "max", engine.process_group, engine.device)[0]
         return NetworkModel(a, beta)
+
+    def _probe_latency(self) -> Any:
+        """The latency round (:data:`PROBE_LATENCY`), timed before any large message; ``min_times_s[0]``
+        is this rank's fastest 64-byte shift (not agreed: the caller agrees what it derives)."""
+        return probe_network(self.engine.process_group, PROBE_LATENCY, device=self.engine.device)
 
     def _check_link(self) -> float:
         """One message of the last probe's size, after its small partner (the order the probe

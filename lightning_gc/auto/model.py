@@ -346,6 +346,40 @@ def calibrate_beta(measured_step_s: float, workload: Workload, ddp_cost: MethodC
     return 0.5 * (lo + hi)
 
 
+def beta_from_dense_step(measured_step_s: float, workload: Workload, ddp_cost: MethodCost, latency_s: float,
+                         world_size: int, latency_bytes: int = 0, **bucket_kw: int) -> float | None:
+    """The β (s/byte) at which the model's ``ddp`` step, with ``other_s = 0``, equals a measured dense
+    (DDP) step; ``None`` when no β does (the step is shorter than its compute and latency alone).
+    α is ``latency_s − latency_bytes·β`` (a small message's measured time), at least 0, so the two
+    are solved together.
+
+    For a step that waited long on the network (``AutoConfig.dense_probe_s``): its several hundred
+    kilobytes to megabytes per rank, sent while the step is timed anyway, measure the link better than
+    a probe's shorter messages and cost nothing extra. Everything beyond compute is charged to the
+    link, so β comes out slightly high by the step's framework time (~20 ms of the quickstart MLP's
+    0.23 s DDP step at 20 Mbit/s); per-method calibration corrects what that leaves. Bisection on
+    ``log β`` over ``[1e-13, 1e-3]`` s/byte (80 Tbit/s to 8 kbit/s); the prediction does not decrease
+    with β."""
+    base = Workload(workload.forward_s, workload.backward_s, workload.numels, workload.optimizer_s, 0.0)
+
+    def step(beta: float) -> float:
+        alpha = max(latency_s - latency_bytes * beta, 0.0)
+        return predict(ddp_cost, base, NetworkModel(alpha, beta), world_size, **bucket_kw).step_s
+
+    lo, hi, measured = math.log(1e-13), math.log(1e-3), float(measured_step_s)
+    if step(math.exp(lo)) >= measured:
+        return None
+    if step(math.exp(hi)) <= measured:
+        return math.exp(hi)
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        if step(math.exp(mid)) > measured:
+            hi = mid
+        else:
+            lo = mid
+    return math.exp(0.5 * (lo + hi))
+
+
 def calibrate_other(measured_step_s: float, workload: Workload, ddp_cost: MethodCost, network: NetworkModel,
                     world_size: int, **bucket_kw: int) -> float:
     """``other_s`` that makes the model's ``ddp`` step equal a measured dense (DDP) step: the time a
