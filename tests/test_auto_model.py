@@ -659,25 +659,35 @@ class _ShapedProbe:
                                median_times_s=tuple(t + self.noise for t in times))
 
 
-@pytest.mark.parametrize("check", [1.5, 0.0])
-def test_a_re_decision_checks_the_link_with_one_message_and_probes_again_only_when_it_moved(monkeypatch, check):
+def _probing_chooser(monkeypatch, rate_bps: float, **cfg):
+    """An AutoChooser on the quickstart MLP's size (the probe's cap is half its gradient) whose probes
+    go to a simulated shaped link; one process, so the agreement is the identity."""
     import torch
 
     from lightning_gc.auto import chooser as chooser_mod
     from lightning_gc.auto.chooser import AutoChooser, AutoConfig
 
     monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
-    link = _ShapedProbe(20e6)
+    link = _ShapedProbe(rate_bps)
     monkeypatch.setattr(chooser_mod, "probe_network", link)
-    wl = Workload(0.001, (0.001,), (84_000,))
-    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 8_000.0, 0.5, True)]
     engine = _FakeEngine(None)
     engine.network.pinned = False
     engine.adopt_network = lambda net: None
-    params = [("w", torch.zeros(84_000, requires_grad=True))]  # the quickstart MLP's size: the probe's cap is half its gradient
+    params = [("w", torch.zeros(84_000, requires_grad=True))]
+    ch = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), **cfg), torch.nn.Linear(1, 1), params)
+    ch.workload = Workload(0.001, (0.001,), (84_000,))
+    ch.costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 8_000.0, 0.5, True)]
+    return ch, link, engine, params
+
+
+@pytest.mark.parametrize("check", [1.5, 0.0])
+def test_a_re_decision_checks_the_link_with_one_message_and_probes_again_only_when_it_moved(monkeypatch, check):
+    import torch
+
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    ch, link, engine, params = _probing_chooser(monkeypatch, 20e6, probe_check=check)
     cap = 2 * 84_000
-    ch = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), probe_check=check), torch.nn.Linear(1, 1), params)
-    ch.workload, ch.costs = wl, costs
     ch._decide(1, "warmup", probe=True)
     small = 80 * 1024  # a quarter of the cap would sit inside the shaper's bucket: floored above it
     full_probe = [64, 256] * 11 + [small, cap] * 4  # latency (2 warm-up + 9), then one sized round
@@ -742,39 +752,29 @@ def test_a_dense_step_that_waited_on_the_network_measures_beta_instead_of_the_ba
     """A profiled DDP step that waited at least dense_probe_s for its buckets sets β: the value at which
     the hand-written DDP step (tests/auto_oracle.py) equals the measured wall, with other_s = 0; only the
     latency round is sent. Below the threshold, or with it off, the bandwidth probe runs as before."""
-    import torch
     from auto_oracle import step_by_hand
 
-    from lightning_gc.auto import chooser as chooser_mod
-    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
-
-    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
-    link = _ShapedProbe(26e6)  # what the probe would read: not the link the step ran on
-    monkeypatch.setattr(chooser_mod, "probe_network", link)
-    wl = Workload(0.0004, (0.0001, 0.0001), (42_000, 42_000))
-    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 8_000.0, 0.5, True)]
-    engine = _FakeEngine(None)
-    engine.network.pinned = False
-    engine.adopt_network = lambda net: None
-    params = [("w", torch.zeros(84_000, requires_grad=True))]
-    cfg = AutoConfig(candidates=("ddp", "topk"), dense_probe_s=dense_probe_s)
-    ch = AutoChooser(engine, cfg, torch.nn.Linear(1, 1), params)
-    ch.workload, ch.costs = wl, costs
+    ch, link, _, _ = _probing_chooser(monkeypatch, 26e6, dense_probe_s=dense_probe_s)  # the probe would read 26
+    wl = ch.workload = Workload(0.0004, (0.0001, 0.0001), (42_000, 42_000))
+    costs = ch.costs
     true_beta = 8 / 20e6
     alpha = link.alpha - 64 * true_beta  # the latency round's fastest 64-byte shift is α + 64·β
     wall = step_by_hand(costs[0].as_dict(), dict(wl.as_dict(), other_s=0.0), alpha, true_beta, 4)
     ch._decide(1, "warmup", probe=True, dense_wall_s=wall, dense_exposed_s=exposed_s)
     h = ch.history[-1]
     if exposed_s >= dense_probe_s > 0:
-        assert link.sent == [64, 256] * 11  # the latency round only
+        assert link.sent == [64, 256] * 11 + [80 * 1024, 2 * 84_000]  # latency, then the check's reference
         assert ch.network.beta_s_per_byte == pytest.approx(true_beta, rel=1e-6)
         assert ch.network.alpha_s == pytest.approx(alpha, rel=1e-6)
         assert ch.workload.other_s == pytest.approx(0.0, abs=1e-9)  # the link explains the whole step
-        assert h["network_source"] == "dense_step" and ch.probe_time_s == 0.0
+        assert h["network_source"] == "dense_step"
+        # the link check's reference: the probe's large message, timed once after its partner
+        assert ch.probe_bytes == 2 * 84_000
+        assert ch.probe_time_s == pytest.approx(link.alpha + (2 * 84_000 - BURST) * link.beta + link.noise)
         link.sent = []
-        ch._decide(101, "periodic", probe=True)  # no reference for a check yet: the full probe
-        assert link.sent == [64, 256] * 11 + [80 * 1024, 2 * 84_000] * 4
-        assert ch.history[-1]["network_source"] == "probe" and ch.history[-1]["link_check"] is None
+        ch._decide(101, "periodic", probe=True)  # the same 20 Mbit/s link: the check alone
+        assert link.sent == [80 * 1024, 2 * 84_000] and ch.history[-1]["network_source"] == "check"
+        assert ch.network.beta_s_per_byte == pytest.approx(true_beta, rel=1e-6)
     else:
         assert link.sent == [64, 256] * 11 + [80 * 1024, 2 * 84_000] * 4
         assert h["network_source"] == "probe"
@@ -795,3 +795,27 @@ def test_dense_probe_s_is_validated(bad):
 
     with pytest.raises(ValueError, match="auto_dense_probe_s=.* must be a finite number of seconds >= 0"):
         AutoConfig(dense_probe_s=bad)
+
+
+def test_a_severe_drift_probes_at_once_and_a_moderate_one_checks_the_link_first(monkeypatch):
+    ch, link, _, _ = _probing_chooser(monkeypatch, 20e6, window=2, patience=2, min_interval=1, probe_every=0)
+    ch._decide(1, "warmup", probe=True)
+    full_probe = [64, 256] * 11 + [80 * 1024, 2 * 84_000] * 4
+    step = ch.predictions[ch.chosen].step_s
+
+    def window(at, wall):
+        ch._window = [wall, wall]
+        ch._check_drift(at)
+
+    window(3, 1.0)  # settling
+    window(5, step)  # reference (and calibration)
+    link.sent = []
+    window(7, 1.5 * step)
+    window(9, 1.5 * step)  # +50 % for two windows: a moderate drift checks the link first; unchanged
+    assert ch.history[-1]["trigger"] == "drift" and link.sent == [80 * 1024, 2 * 84_000]
+    window(11, 1.0)
+    window(13, step)  # the new reference
+    link.sent = []
+    window(15, 3 * step)  # 3x in one window: severe, the full probe without a check
+    assert ch.history[-1]["trigger"] == "drift" and link.sent == full_probe
+    assert ch.history[-1]["link_check"] is None and ch.history[-1]["network_source"] == "probe"

@@ -197,7 +197,7 @@ class AutoConfig:
             much (measured: Top-k-like ``lowrank`` kept its step when a 10 Mbit/s link went back to
             1 Gbit/s, and auto stayed on it). Costs a probe (small on fast links; about one dense
             step's traffic on slow ones), or only a link check (``probe_check``).
-        probe_check: a periodic or drift re-decision first sends one message of the last probe's
+        probe_check: a periodic or (moderate) drift re-decision first sends one message of the last probe's
             size (after its small partner, as in the probe) and compares its time with that
             probe's: within this factor either way, the link is taken as unchanged and the decision
             uses the stored network, without the full probe (latency, then two sizes three times
@@ -576,7 +576,9 @@ class AutoChooser(StepParticipant):
                    f"drift > {100 * self.config.drift:.0f}% for {self._drifted} windows")
             rank_zero_info(f"lightning_gc auto: step {1e3 * med:.1f} ms vs {1e3 * self._reference:.1f} ms after the last "
                            f"decision ({why}): re-deciding")
-            self._decide(step, "drift", probe=True)
+            # a window at severe_drift x or more: the link most likely moved, and a check would only add
+            # its message to the full probe (on a link that fell to 10 Mbit/s, 0.2 s on the quickstart MLP)
+            self._decide(step, "drift", probe=True, check_link=not severe)
 
     # ------------------------------------------------------------------ measurement
     def _first_decision(self, step: int) -> None:
@@ -674,7 +676,7 @@ class AutoChooser(StepParticipant):
 
     # ------------------------------------------------------------------ decision
     def _decide(self, step: int, trigger: str, probe: bool, dense_wall_s: float | None = None,
-                force: str | None = None, dense_exposed_s: float | None = None) -> None:
+                force: str | None = None, dense_exposed_s: float | None = None, check_link: bool = True) -> None:
         engine = self.engine
         assert self.workload is not None and self.costs is not None
         t0 = time.perf_counter()
@@ -697,10 +699,15 @@ class AutoChooser(StepParticipant):
         elif dense_beta is not None:  # the dense step measured the link: no bandwidth probe
             alpha = max(alpha0 - dense_beta * latency.sizes_bytes[0], 0.0)
             self.network, self.beta_scale, source = NetworkModel(alpha, dense_beta), 1.0, "dense_step"
-            self.probe_bytes, self.probe_time_s = 0, 0.0  # no reference for a link check: the next one probes
+            # the link check's reference, timed as every later check will be (after its small partner, so the
+            # shaper's bucket is in the same state): a quarter of a probe's bytes. Without it the first
+            # periodic re-decision probed in full: 0.5 s at 20 Mbit/s on the quickstart MLP, and that probe
+            # read the link at 32-40 Mbit/s (docs/auto.md)
+            self.probe_bytes = probe_cap_bytes(4 * sum(p.numel() for p in self.params))
+            self.probe_time_s = self._check_link()
         elif probe or self.network is None:
             source = "probe"
-            if probe and dense_wall_s is None and self.network is not None and self.config.probe_check \
+            if check_link and probe and dense_wall_s is None and self.network is not None and self.config.probe_check \
                     and self.probe_bytes > 0 and self.probe_time_s > 0:
                 check_s = self._check_link()
                 link_check = {"check_s": check_s, "probe_s": self.probe_time_s, "bytes": self.probe_bytes,

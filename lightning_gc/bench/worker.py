@@ -434,7 +434,7 @@ def _auto_state(strategy) -> dict | None:
             "dense_wall_s": _num(h.get("dense_wall_s")), "decide_s": _num(h.get("decide_s")),
             "delta2": {c["name"]: float(c["delta2"]) for c in h.get("costs") or []},
             "beta_scale": _num(h.get("beta_scale")),
-            "link_check": _link_check(h.get("link_check")),
+            "link_check": _link_check(h.get("link_check")), "network_source": h.get("network_source"),
             "compute_s": _compute_s(h.get("workload")),
         })
     gains = [{"step": int(c["step"]), "delta2": {k: float(v) for k, v in c["delta2"].items()},
