@@ -172,6 +172,9 @@ def _probe_worker(rank: int, world_size: int) -> dict:
         local = network_from_fit(res.local_fit, collective, world_size)
         out[collective] = (res.network.alpha_s, res.network.beta_s_per_byte,
                            local.alpha_s, local.beta_s_per_byte, res.world_size)
+        # the fastest run per size (auto's latency estimate): one per size, never above the median
+        out[f"{collective}_min"] = (len(res.min_times_s) == len(res.median_times_s) == 2
+                                    and all(0 < m <= med for m, med in zip(res.min_times_s, res.median_times_s)))
     # a rank with different arguments: every rank fails fast with the same error, nobody hangs
     try:
         probe_network(config=ProbeConfig(sizes_bytes=(64, 1024), repeats=1 + rank))
@@ -216,6 +219,7 @@ def test_probe_agrees_by_max_at_even_and_odd_world_sizes(ws: int) -> None:
         # agreement rule: the MAX over the ranks' own fits
         assert alpha == max(v[2] for v in vals) and beta == max(v[3] for v in vals)
         assert all(v[4] == ws for v in vals)
+        assert all(r[f"{collective}_min"] for r in results)
     for r in results:
         assert r["mismatch"] is not None and "different arguments on different ranks" in r["mismatch"]
         assert r["replicated"] is not None and "network model differs across ranks" in r["replicated"]
