@@ -674,7 +674,7 @@ def _probing_chooser(monkeypatch, rate_bps: float, **cfg):
     engine.network.pinned = False
     engine.adopt_network = lambda net: None
     params = [("w", torch.zeros(84_000, requires_grad=True))]
-    ch = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), **cfg), torch.nn.Linear(1, 1), params)
+    ch = AutoChooser(engine, AutoConfig(**{"candidates": ("ddp", "topk"), **cfg}), torch.nn.Linear(1, 1), params)
     ch.workload = Workload(0.001, (0.001,), (84_000,))
     ch.costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 8_000.0, 0.5, True)]
     return ch, link, engine, params
@@ -819,3 +819,37 @@ def test_a_severe_drift_probes_at_once_and_a_moderate_one_checks_the_link_first(
     window(15, 3 * step)  # 3x in one window: severe, the full probe without a check
     assert ch.history[-1]["trigger"] == "drift" and link.sent == full_probe
     assert ch.history[-1]["link_check"] is None and ch.history[-1]["network_source"] == "probe"
+
+
+def test_a_dense_mode_whose_link_fell_measures_the_new_beta_from_its_drifted_window(monkeypatch):
+    """DDP runs on a fast link; the link falls to 10 Mbit/s and DDP's window doubles (severe drift). That
+    window, a dense step that waited long on the network, gives the new β (the hand-written step at
+    10 Mbit/s is what it measured): only the latency round and the check's reference are sent, not the
+    full probe (0.9 s on the quickstart MLP at 10 Mbit/s), and auto moves to Top-k."""
+    from auto_oracle import step_by_hand
+
+    ch, link, _, _ = _probing_chooser(monkeypatch, 1e9, window=2, patience=2, min_interval=1, probe_every=0)
+    ch.workload = Workload(0.0004, (0.0001, 0.0001), (42_000, 42_000))
+    fast_wall = step_by_hand(ch.costs[0].as_dict(), dict(ch.workload.as_dict(), other_s=0.0), link.alpha, link.beta, 4)
+    ch._decide(1, "warmup", probe=True, dense_wall_s=fast_wall + 0.004, dense_exposed_s=0.005)  # 4 ms of framework
+    assert ch.chosen == "ddp" and ch.history[-1]["network_source"] == "probe"
+    other = ch.workload.other_s
+    assert other > 0.0
+
+    def window(at, wall):
+        ch._window = [wall, wall]
+        ch._check_drift(at)
+
+    step = ch.predictions["ddp"].step_s
+    window(3, 1.0)  # settling
+    window(5, step)  # reference
+    link.sent, link.beta = [], 8 / 10e6
+    alpha = link.alpha - 64 * link.beta  # the latency round's fastest 64-byte shift is α + 64·β
+    slow_wall = step_by_hand(ch.costs[0].as_dict(), dict(ch.workload.as_dict(), other_s=other), alpha, link.beta, 4)
+    window(7, slow_wall)  # many times the reference: severe
+    h = ch.history[-1]
+    assert h["trigger"] == "drift" and h["network_source"] == "dense_step"
+    assert link.sent == [64, 256] * 11 + [80 * 1024, 2 * 84_000]  # latency, then the check's new reference
+    assert ch.network.beta_s_per_byte == pytest.approx(8 / 10e6, rel=1e-6)
+    assert ch.network.alpha_s == pytest.approx(alpha, rel=1e-6)
+    assert ch.chosen == "topk" and ch.workload.other_s == other  # other_s is the warm-up's, kept

@@ -72,6 +72,7 @@ from .model import (
     calibrate_other,
     choose_measured,
     efficiency,
+    predict,
     table,
 )
 
@@ -211,7 +212,9 @@ class AutoConfig:
             Such a step is hundreds of kilobytes per rank sent anyway; the probe it replaces cost about
             0.4 s on the quickstart MLP at 20 Mbit/s (a tenth of its run to the target) and read that
             link at 18-38 Mbit/s across runs. 0: always probe. Below the threshold (a fast link) the
-            step's wait is mostly the framework's and the collective's CPU time, not the link.
+            step's wait is mostly the framework's and the collective's CPU time, not the link. A drift
+            re-decision while a dense mode runs uses its drifted window the same way (the window's
+            median less the mode's step on a free network is its wait).
         explore: after a calibration, how many more not-yet-measured candidates may be installed
             and measured (one ``window`` each, plus the settling window) because the raw model still
             favours them, per probed decision; 0 settles on the measured methods at once. Measured:
@@ -578,7 +581,7 @@ class AutoChooser(StepParticipant):
                            f"decision ({why}): re-deciding")
             # a window at severe_drift x or more: the link most likely moved, and a check would only add
             # its message to the full probe (on a link that fell to 10 Mbit/s, 0.2 s on the quickstart MLP)
-            self._decide(step, "drift", probe=True, check_link=not severe)
+            self._decide(step, "drift", probe=True, check_link=not severe, drift_wall_s=med)
 
     # ------------------------------------------------------------------ measurement
     def _first_decision(self, step: int) -> None:
@@ -676,7 +679,8 @@ class AutoChooser(StepParticipant):
 
     # ------------------------------------------------------------------ decision
     def _decide(self, step: int, trigger: str, probe: bool, dense_wall_s: float | None = None,
-                force: str | None = None, dense_exposed_s: float | None = None, check_link: bool = True) -> None:
+                force: str | None = None, dense_exposed_s: float | None = None, check_link: bool = True,
+                drift_wall_s: float | None = None) -> None:
         engine = self.engine
         assert self.workload is not None and self.costs is not None
         t0 = time.perf_counter()
@@ -686,13 +690,22 @@ class AutoChooser(StepParticipant):
         pinned = engine.network.pinned and engine.network.model is not None
         link_check: dict | None = None  # a re-decision's check of the link before (or instead of) a probe
         source = "pinned" if pinned else "kept"  # where this decision's network came from
-        dense_beta = latency = None  # β from a communication-bound profiled dense step (dense_probe_s)
-        if not pinned and probe and dense_wall_s is not None and dense_exposed_s is not None \
-                and self.config.dense_probe_s and dense_exposed_s >= self.config.dense_probe_s:
+        dense_beta = latency = None  # β from a dense step that waited long on the network (dense_probe_s)
+        dense = None  # (that step's wall, its wait on the network, the dense method it ran)
+        if dense_wall_s is not None and dense_exposed_s is not None:  # the warm-up's profiled DDP step
+            dense = (dense_wall_s, dense_exposed_s, ddp)
+        elif drift_wall_s is not None and self.chosen is not None and candidate(self.chosen).compressor is None:
+            # a drift window of a dense mode: its median step less the step the model gives it on a free network
+            cost = next(c for c in self.costs if c.name == self.chosen)
+            free = predict(cost, self.workload, NetworkModel(0.0, 0.0), ws).step_s
+            dense = (drift_wall_s, drift_wall_s - free, cost)
+        if not pinned and probe and dense is not None and self.config.dense_probe_s \
+                and dense[1] >= self.config.dense_probe_s:
             latency = self._probe_latency()
             # agreed before β is solved from it, so that every rank solves the same equation
             alpha0 = agree_values([latency.min_times_s[0]], "max", engine.process_group, engine.device)[0]
-            dense_beta = beta_from_dense_step(dense_wall_s, self.workload, ddp, alpha0, ws,
+            # what the model already charges to other_s (calibrated at the warm-up; 0 there) is not the link's
+            dense_beta = beta_from_dense_step(dense[0] - self.workload.other_s, self.workload, dense[2], alpha0, ws,
                                               latency_bytes=latency.sizes_bytes[0])
         if pinned:  # network_alpha_s/beta given: no probe, and the user's figures are not recalibrated
             self.network = engine.network.model
