@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import random
 
 import pytest
@@ -853,3 +854,14 @@ def test_a_dense_mode_whose_link_fell_measures_the_new_beta_from_its_drifted_win
     assert ch.network.beta_s_per_byte == pytest.approx(8 / 10e6, rel=1e-6)
     assert ch.network.alpha_s == pytest.approx(alpha, rel=1e-6)
     assert ch.chosen == "topk" and ch.workload.other_s == other  # other_s is the warm-up's, kept
+
+
+def test_the_check_size_without_a_probe_is_what_the_probe_would_settle_on():
+    from lightning_gc.auto.chooser import check_bytes
+
+    cap = 1024 * 1024  # a model of 2 MiB of fp32 gradient or more
+    assert check_bytes(NetworkModel(1e-4, 8 / 20e6), cap) == 256 * 1024  # 0.1 s at 20 Mbit/s: long enough
+    # at 1 Gbit/s 256 KiB takes 2.2 ms: grown to the size that takes 5 ms (α + S·β = 5 ms)
+    assert check_bytes(NetworkModel(1e-4, 8 / 1e9), cap) == math.ceil((0.005 - 1e-4) / (8 / 1e9))
+    assert check_bytes(NetworkModel(1e-4, 8 / 100e9), cap) == cap  # never past the cap
+    assert check_bytes(NetworkModel(1e-4, 8 / 20e6), 168_000) == 168_000  # a small model: its cap

@@ -143,6 +143,18 @@ def probe_bandwidth(measure: Callable[[int], tuple[float, float]], cap: int) -> 
         size = nxt
 
 
+def check_bytes(network: NetworkModel, cap: int) -> int:
+    """The link check's message size where no probe chose one (β from a dense step): what the bandwidth
+    probe would have settled on for this network, the start size (or the cap) grown until the message
+    takes :data:`PROBE_TARGET_S` / 4. Not the cap: on ``cnn`` width 16 at 20 Mbit/s a 1 MiB check with
+    its 256 KiB partner took 0.52 s, where 256 KiB (the probe's size there) takes 0.13 s."""
+    size = min(PROBE_START_BYTES, cap)
+    beta = network.beta_s_per_byte
+    if beta > 0 and network.alpha_s + size * beta < PROBE_TARGET_S / 4:
+        size = min(cap, max(size, math.ceil((PROBE_TARGET_S / 4 - network.alpha_s) / beta)))
+    return size
+
+
 def link_unchanged(check_s: float, probe_s: float, factor: float) -> bool:
     """Whether a link check's message time ``check_s`` says the link is the one last probed, whose
     same-size message took ``probe_s``: within ``factor`` of it either way (``factor`` > 1).
@@ -716,7 +728,7 @@ class AutoChooser(StepParticipant):
             # shaper's bucket is in the same state): a quarter of a probe's bytes. Without it the first
             # periodic re-decision probed in full: 0.5 s at 20 Mbit/s on the quickstart MLP, and that probe
             # read the link at 32-40 Mbit/s (docs/auto.md)
-            self.probe_bytes = probe_cap_bytes(4 * sum(p.numel() for p in self.params))
+            self.probe_bytes = check_bytes(self.network, probe_cap_bytes(4 * sum(p.numel() for p in self.params)))
             self.probe_time_s = self._check_link()
         elif probe or self.network is None:
             source = "probe"
