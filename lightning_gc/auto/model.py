@@ -326,24 +326,14 @@ def calibrate_beta(measured_step_s: float, workload: Workload, ddp_cost: MethodC
     ``[MIN_BETA_SCALE·β, β]``: never raised (a slow dense step is explained by ``other_s`` instead,
     :func:`calibrate_other`), and lowered by at most 4×, as a step faster than even that is more
     likely a profile that over-counts compute than a link 4× faster than probed."""
-    base = Workload(workload.forward_s, workload.backward_s, workload.numels, workload.optimizer_s, 0.0)
-
-    def step(beta: float) -> float:
-        return predict(ddp_cost, base, NetworkModel(network.alpha_s, beta), world_size, **bucket_kw).step_s
-
-    measured, hi = float(measured_step_s), float(network.beta_s_per_byte)
-    if hi <= 0.0 or step(hi) <= measured:
+    hi = float(network.beta_s_per_byte)
+    if hi <= 0.0:
         return hi
     lo = hi * MIN_BETA_SCALE
-    if step(lo) >= measured:
-        return lo
-    for _ in range(60):  # the interval shrinks 2^60-fold: far below any timing's resolution
-        mid = 0.5 * (lo + hi)
-        if step(mid) > measured:
-            hi = mid
-        else:
-            lo = mid
-    return 0.5 * (lo + hi)
+    # the unbounded solution, clamped to [lo, hi]: the prediction does not decrease with β, so the clamp
+    # is the bounded solution (none at all: even β → 0 is too slow, so the lower bound)
+    beta = beta_from_dense_step(measured_step_s, workload, ddp_cost, network.alpha_s, world_size, **bucket_kw)
+    return lo if beta is None else min(max(beta, lo), hi)
 
 
 def beta_from_dense_step(measured_step_s: float, workload: Workload, ddp_cost: MethodCost, latency_s: float,
