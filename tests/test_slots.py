@@ -164,3 +164,45 @@ def test_slots_refuse_exact_groups_and_survive_a_checkpoint():
     assert other.slot_of(0).describe() == engine.slot_of(0).describe()
     assert "levels=3" in other.slot_of(0).describe() or "3" in other.slot_of(0).describe()
     assert other.slot_of(1) is other.default_slot
+
+
+def _resume_ranks(rank: int, ws: int) -> dict:
+    """Group 0 on PowerSGD-style low rank (warm start: its ``Q̄`` carries from step to step) in a
+    slot, checkpointed after step 3: the resumed engine's next two steps equal the uninterrupted
+    run's bit for bit (a slot rebuilt without its exchange state restarts ``Q̄`` and differs)."""
+    cfg = EngineConfig(plan="layer", warmup_steps=1, min_compress_numel=1000)
+
+    def build(model):
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        engine = GCEngine(build_compressor("topk", ratio=RATIO), cfg, list(model.named_parameters()))
+        ddp.register_comm_hook(engine, gc_comm_hook)
+        return ddp, engine
+
+    def train(model, ddp, steps):
+        for step in steps:
+            x, y = _batch(rank, step)
+            ddp.zero_grad()
+            _loss(ddp, x, y).backward()
+            torch.optim.SGD(model.parameters(), lr=0.05).step()
+
+    model = _model()
+    ddp, engine = build(model)
+    gid = next(g.gid for g in engine.plan.groups if not g.exact)
+    engine.set_group_method(gid, MethodSpec("lowrank", compressor_args={"rank": 2}))
+    train(model, ddp, range(4))
+    state, params = engine.state_dict(), copy.deepcopy(model.state_dict())
+    train(model, ddp, range(4, 6))
+    resumed = _model()
+    resumed.load_state_dict(params)
+    ddp2, engine2 = build(resumed)
+    engine2.load_state_dict(state)
+    train(resumed, ddp2, range(4, 6))
+    out = {n: bool(torch.equal(p, dict(resumed.named_parameters())[n])) for n, p in model.named_parameters()}
+    engine.close()
+    engine2.close()
+    return out
+
+
+def test_a_slots_exchange_state_survives_a_checkpoint():
+    for r in run_distributed(_resume_ranks, 2):
+        assert all(r.values()), r

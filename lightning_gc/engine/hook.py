@@ -514,9 +514,11 @@ class GCEngine:
             self._flush.add(group.names)
 
     def slot_specs(self) -> list[dict]:
-        """The groups' own methods (checkpoint state): names, spec, and whether memory awaits a flush."""
-        return [{"names": list(k), "spec": v.spec.as_dict() if v.spec else None} for k, v in self._slots.items()] + \
-            [{"names": list(k), "flush": True} for k in self._flush]
+        """The groups' own methods (checkpoint state): names, spec, the slot's exchange state (e.g. the
+        low-rank warm start ``Q̄``: without it a resumed run restarts it and differs), and whether
+        memory awaits a flush."""
+        return [{"names": list(k), "spec": v.spec.as_dict() if v.spec else None, "exchange": v.exchange.state_dict()}
+                for k, v in self._slots.items()] + [{"names": list(k), "flush": True} for k in self._flush]
 
     def load_slot_specs(self, entries: list[dict]) -> None:
         """Rebuild the slots of :meth:`slot_specs` (groups not in the current plan are skipped)."""
@@ -529,8 +531,11 @@ class GCEngine:
             if e.get("flush"):
                 self._flush.add(names)
             elif e.get("spec") is not None:
-                self._slots[names] = build_slot(MethodSpec(**e["spec"]), self.exchange_group, self.tracker.state,
-                                                type(self.exchange).needs_network, device=self.device)
+                slot = build_slot(MethodSpec(**e["spec"]), self.exchange_group, self.tracker.state,
+                                  type(self.exchange).needs_network, device=self.device)
+                # written before slots carried their exchange's state: a fresh one (as the run had then)
+                slot.exchange.load_state_dict(e.get("exchange") or {}, world_size=self.world_size)
+                self._slots[names] = slot
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish queued work, stop the worker and release the exchange process group."""
