@@ -359,6 +359,108 @@ def test_a_method_slower_than_modelled_is_charged_alone_and_the_runner_up_is_mea
         other.load_state_dict({**state, "version": 1})
 
 
+def test_compute_shift_is_the_smallest_speed_up_every_settled_method_showed():
+    from lightning_gc.auto.model import compute_shift
+
+    assert compute_shift([]) == 0.0  # nothing measured in a window: the raw model
+    assert compute_shift([-0.13]) == pytest.approx(-0.13)
+    assert compute_shift([-0.13, -0.02, -0.2]) == pytest.approx(-0.02)  # the least speed-up
+    assert compute_shift([-0.13, 0.01]) == 0.0  # one method ran over its prediction: nothing shared
+    assert compute_shift([0.03]) == 0.0  # a positive correction is never shared
+
+
+def test_the_measured_choice_with_a_shift_is_the_brute_force_minimum():
+    """Settled methods carry their corrections; every other one (``ddp`` with its profile correction
+    included) its correction, if any, plus the shift. By hand, against the hand-written equations."""
+    rng = random.Random(29)
+    moved = 0
+    for _ in range(150):
+        wl = _workload(rng, rng.randint(1, 10))
+        net = NetworkModel(rng.choice([1e-5, 5e-4, 0.01]), 8 / rng.choice([1e7, 2e7, 1e8, 1e9, 1e10]))
+        n = rng.choice([2, 4, 8, 64])
+        costs = _costs(rng, wl.numel)
+        measured = rng.sample([c.name for c in costs], rng.randint(1, 3))
+        corr = {m: rng.uniform(-0.05, 0.02) for m in measured}
+        settled = rng.sample(measured, rng.randint(1, len(measured)))  # 1+: the shift comes from a window
+        shift = -rng.uniform(0.2, 0.9) * (wl.forward_s + wl.backward_total_s + wl.optimizer_s)
+        explore = rng.random() < 0.7
+        best, preds = choose_measured(costs, corr, wl, net, n, 1.0, explore=explore, shift_s=shift, settled=settled)
+        hand = [{**c.as_dict(), "overhead_s": corr.get(c.name, 0.0) + (0.0 if c.name in settled else shift)}
+                for c in costs]
+        pool = hand if explore else [h for h in hand if h["name"] in corr]
+        assert best == argmin_by_hand(pool, wl.as_dict(), net.alpha_s, net.beta_s_per_byte, n, 1.0)
+        for h in hand:
+            assert preds[h["name"]].step_s == pytest.approx(
+                step_by_hand(h, wl.as_dict(), net.alpha_s, net.beta_s_per_byte, n), rel=1e-12, abs=1e-15)
+        moved += best != choose_measured(costs, corr, wl, net, n, 1.0, explore=explore, settled=settled)[0]
+    assert moved >= 10  # the shift changes the choice in a good share of the cases
+
+
+def _fast_settled_chooser(monkeypatch, shift: bool):
+    """The ``lm`` case at 100 Mbit/s: the warm-up's profiled compute (0.2 s) is far above a settled
+    step's; ``lowrank`` is picked and runs 0.15 s under its raw prediction."""
+    import torch
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    wl = Workload(0.05, (0.1,), (1_000_000,), optimizer_s=0.05)
+    costs = [MethodCost("ddp", "bucket", 0.0),
+             MethodCost("lowrank", "lowrank", 0.0, 40_000.0, 0.05, True),
+             MethodCost("topk", "allgather", 0.005, 60_000.0, 0.2, True)]
+    engine = _FakeEngine(NetworkModel(1e-4, 8 / 1e8))
+    cfg = AutoConfig(candidates=("ddp", "lowrank", "topk"), window=2, probe_every=0, compute_shift=shift)
+    chooser = AutoChooser(engine, cfg, torch.nn.Linear(1, 1), [])
+    chooser.workload, chooser.costs = wl, costs
+    chooser._decide(0, "warmup", probe=False, dense_wall_s=0.3)
+    return chooser, engine
+
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_a_speed_up_every_measured_method_showed_lowers_the_unmeasured_predictions(monkeypatch, shift):
+    from dataclasses import replace
+
+    chooser, engine = _fast_settled_chooser(monkeypatch, shift)
+    raw = {k: p.step_s for k, p in chooser.predictions.items()}
+    assert chooser.chosen == "lowrank"
+    _window(chooser, 4, 1.0)  # settling
+    _window(chooser, 6, raw["lowrank"] - 0.15)  # lowrank's first window: 0.15 s under the raw model
+    assert chooser._corrections["lowrank"] == pytest.approx(-0.15)
+    want = -0.15 if shift else 0.0
+    assert chooser.history[-1]["shift_s"] == pytest.approx(want) and chooser.history[-1]["settled"] == ["lowrank"]
+    for name in ("ddp", "topk"):  # ddp's profile correction (0) is not a window of its own: shifted too
+        assert chooser.predictions[name].step_s == pytest.approx(raw[name] + want)
+    assert chooser.chosen == "lowrank"
+    # the errors re-measured: lowrank's grew (0.05 -> 0.6), Top-k's did not
+    chooser.costs = [replace(c, delta2=0.6) if c.name == "lowrank" else c for c in chooser.costs]
+    chooser._decide(8, "gain", probe=False)
+    if not shift:  # judged by the raw model, Top-k looks 0.2 s slower than it is and is never tried
+        assert chooser.chosen == "lowrank"
+        return
+    assert chooser.chosen == "topk" and engine.calls[-2:] == [("slot", "topk"), ("dense", None)]
+    _window(chooser, 10, 1.0)  # settling
+    _window(chooser, 12, raw["topk"] - 0.155)
+    # its correction is against the raw prediction, not the shifted one the decision used
+    assert chooser._corrections["topk"] == pytest.approx(-0.155)
+    assert chooser.history[-1]["settled"] == ["lowrank", "topk"]
+    assert chooser.history[-1]["shift_s"] == pytest.approx(-0.15)  # the smaller of the two speed-ups
+    assert chooser.chosen == "topk"  # measured, it beats lowrank per unit of progress
+    state = chooser.state_dict()
+    other, _ = _fast_settled_chooser(monkeypatch, shift)
+    other.load_state_dict(state)
+    other._decide(14, "gain", probe=False)
+    chooser._decide(14, "gain", probe=False)
+    assert other.chosen == chooser.chosen and other.history[-1]["shift_s"] == chooser.history[-1]["shift_s"]
+
+
+def test_compute_shift_is_validated():
+    from lightning_gc.auto.chooser import AutoConfig
+
+    with pytest.raises(ValueError, match="auto_compute_shift"):
+        AutoConfig(compute_shift=1)
+
+
 @pytest.fixture
 def _gloo_world_of_one():
     import torch.distributed as dist

@@ -71,7 +71,9 @@ from .model import (
     calibrate_beta,
     calibrate_other,
     choose_measured,
+    compute_shift,
     efficiency,
+    overhead_used,
     predict,
     table,
 )
@@ -262,6 +264,12 @@ class AutoConfig:
             16-bit hook 13 ms under DDP, and DDP ran 11 ms faster (4 ranks on 2 cores: the cast's
             passes over memory compete with backward). Costs at most one window on a step within
             the margin; 0 tries a sibling only if it is predicted at least as fast.
+        compute_shift: when every method measured in a window of its own ran faster than the raw
+            model said, lower the prediction of every method not yet measured so by the smallest of
+            those speed-ups (``model.compute_shift``): the warm-up's profiled compute is slower than
+            a settled step's, which the raw model otherwise charges to every method it has not run.
+            On ``lm`` at 100 Mbit/s it put Top-k at 244 ms where it ran 102 ms, and auto never tried
+            it. False: unmeasured methods by the raw model (the earlier behaviour).
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
@@ -282,6 +290,7 @@ class AutoConfig:
     gain_drift: float = 0.1
     early_comm_ratio: float = 0.0
     family_margin: float = 0.15
+    compute_shift: bool = True
 
     def __post_init__(self) -> None:
         cands = tuple(self.candidates)
@@ -325,6 +334,9 @@ class AutoConfig:
             raise ValueError(f"auto_early_comm_ratio={er!r} must be a finite number >= 0 (0: always profile after "
                              "skip_steps, the default; 1: decide on the first dense step when it waited on the "
                              "network at least as long as it did anything else).")
+        if not isinstance(self.compute_shift, bool):
+            raise ValueError(f"auto_compute_shift={self.compute_shift!r} must be true or false (true: a speed-up "
+                             "every measured method showed also lowers the unmeasured methods' predictions).")
         fm = self.family_margin
         if isinstance(fm, bool) or not isinstance(fm, (int, float)) or not math.isfinite(fm) or fm < 0:
             raise ValueError(f"auto_family_margin={fm!r} must be a finite number >= 0 (a relative margin, e.g. 0.15; "
@@ -358,6 +370,15 @@ class AutoConfig:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "candidates": list(self.candidates)}
+
+
+def _overhead_in(entry: dict, name: str) -> float:
+    """What a history entry's decision added to ``name``'s raw prediction (``model.overhead_used``);
+    entries written before the compute shift have neither ``settled`` nor ``shift_s``."""
+    settled = entry.get("settled")
+    corrections = entry["corrections"]
+    return overhead_used(name, corrections, float(entry.get("shift_s", 0.0)),
+                         set(corrections) if settled is None else set(settled))
 
 
 #: a per-method correction measured on a link whose bandwidth differs from the current one by more
@@ -757,8 +778,10 @@ class AutoChooser(StepParticipant):
             self._explore_left = self.config.explore
         explore = trigger not in ("calibration", "family") or self._explore_left > 0
         valid = self._valid_corrections()
+        settled = sorted(self._windowed() & set(valid))
+        shift = compute_shift([valid[m] for m in settled]) if self.config.compute_shift else 0.0
         best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
-                                      self.config.progress_weight, explore=explore)
+                                      self.config.progress_weight, explore=explore, shift_s=shift, settled=settled)
         if force is not None:  # a dense sibling's trial window (see _dense_sibling): every prediction as usual
             best = force
         elif trigger == "calibration" and best not in valid:
@@ -777,7 +800,7 @@ class AutoChooser(StepParticipant):
                  "workload": self.workload.as_dict(), "costs": [c.as_dict() for c in self.costs],
                  "predictions": {k: v.as_dict() for k, v in preds.items()},
                  "dense_wall_s": dense_wall_s, "measured_step_s": None,
-                 "corrections": dict(valid), "explore_left": self._explore_left,
+                 "corrections": dict(valid), "settled": settled, "shift_s": shift, "explore_left": self._explore_left,
                  # replicated state: the slowest rank's time, like every other figure here
                  "decide_s": agree_values([time.perf_counter() - t0], "max", engine.process_group, engine.device)[0]}
         self.history.append(entry)
@@ -804,8 +827,8 @@ class AutoChooser(StepParticipant):
         chosen = self.chosen
         assert chosen is not None and self.costs is not None and self.network is not None
         was_valid = chosen in self._valid_corrections()
-        # the last decision's predictions used the corrections its history entry records
-        raw = self.predictions[chosen].step_s - self.history[-1]["corrections"].get(chosen, 0.0)
+        # the last decision's predictions used the corrections (and shift) its history entry records
+        raw = self.predictions[chosen].step_s - _overhead_in(self.history[-1], chosen)
         self._corrections[chosen] = measured_s - raw
         self._correction_beta[chosen] = self.network.beta_s_per_byte
         if self.in_family_trial:  # the sibling's window: choose among what has been measured
@@ -838,7 +861,7 @@ class AutoChooser(StepParticipant):
         dense = [c for c in self.config.candidates if candidate(c).compressor is None]
         if chosen not in dense or len(dense) < 2:
             return None
-        valid, used = self._valid_corrections(), self.history[-1]["corrections"]
+        valid, last = self._valid_corrections(), self.history[-1]
 
         def per_progress(name: str, step_s: float) -> float:
             p = self.predictions[name]
@@ -849,7 +872,7 @@ class AutoChooser(StepParticipant):
         for name in dense:
             if name == chosen or (name in windowed and name in valid) or name not in self.predictions:
                 continue
-            t = per_progress(name, self.predictions[name].step_s - used.get(name, 0.0) + correction)
+            t = per_progress(name, self.predictions[name].step_s - _overhead_in(last, name) + correction)
             if t <= limit and t < best_t:
                 best, best_t = name, t
         return best
