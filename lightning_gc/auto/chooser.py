@@ -28,7 +28,9 @@ when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
    corrections, unmeasured ones by the raw (optimistic) model. So a method whose real step the model
    misses (the engine's worker and agreements, Python per step, its own collective) is judged by
    what it did, and an unmeasured one that the model still favours is measured next, at most
-   ``explore`` of them after each probed decision. The dense warm-up measured ``ddp`` (``other`` is
+   ``explore`` of them after each probed decision. Unmeasured ones are predicted by the raw model
+   lowered by the least speed-up every measured method showed against it (``compute_shift``: the
+   warm-up's profiled compute is slower than a settled step's, for every method alike). The dense warm-up measured ``ddp`` (``other`` is
    fitted to it), so ``ddp`` starts measured.
 6. **Try the dense sibling**: the dense modes (``ddp``, ``fp16``, ``bf16``) run the same path on
    DDP's buckets and differ only in the bytes and the cast, so the first window of one of them also
@@ -808,8 +810,10 @@ class AutoChooser(StepParticipant):
         checked = "" if link_check is None else (
             f" (link check: {1e3 * link_check['check_s']:.1f} ms vs {1e3 * link_check['probe_s']:.1f} ms at the last "
             f"probe, {'unchanged, not re-probed' if link_check['unchanged'] else 'changed, re-probed'})")
+        shifted = (f"methods not yet measured predicted {1e3 * -shift:.1f} ms under the raw model (the least "
+                   f"speed-up of {', '.join(settled)}); ") if shift else ""
         head = (f"lightning_gc auto ({trigger}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
-                f"{bw / 1e6:.1f} Mbit/s{checked}; ")
+                f"{bw / 1e6:.1f} Mbit/s{checked}; {shifted}")
         if best == previous:
             rank_zero_info(head + f"kept {best!r} (predicted {1e3 * preds[best].step_s:.1f} ms/step)")
         else:

@@ -47,8 +47,9 @@ documented trade-off, not a law: see docs/auto.md for how it was chosen and how 
 **Choice** (:func:`choose`): the candidate with the least time per unit of progress; exact ties go
 to the earlier candidate in the given order (the defaults list the cheaper-to-run methods first).
 The live chooser decides with :func:`choose_measured`: a candidate it has run is predicted with its
-own measured correction, one it has not by the raw model (optimistic), so a candidate that the
-model favours is measured before the choice settles.
+own measured correction, one it has not by the raw model (optimistic) lowered by the speed-up every
+measured method showed (:func:`compute_shift`: the warm-up's profiled compute is slower than a
+settled step's), so a candidate that the model favours is measured before the choice settles.
 """
 
 from __future__ import annotations
