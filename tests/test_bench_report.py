@@ -330,6 +330,16 @@ def test_the_link_column_says_where_each_decisions_network_came_from():
                                                  "100 Mbit/s, α 0.1 ms (check: moved, re-probed)"]
 
 
+def test_a_decision_with_a_compute_shift_names_the_shifted_methods():
+    shifted = dict(_decision(2, "calibration", "topk", 0.012, None), shift_s=-0.074, settled=["topk"])
+    plain = dict(_decision(3, "gain", "topk", 0.012, None), shift_s=0.0, settled=["topk"])
+    doc = _auto_doc(record=_auto_record(shifted, plain))
+    report.validate_document(doc)
+    rows = [line for line in report.markdown(doc).splitlines() if line.startswith("| `auto` | ")]
+    assert rows[0].endswith("; ddp, fp16 shifted -74.0 ms |"), rows[0]
+    assert "shifted" not in rows[1]  # no shift: nothing added
+
+
 @pytest.mark.parametrize(
     "mutate, fragment",
     [

@@ -355,6 +355,10 @@ def _auto_section(doc: dict) -> list[str]:
                 (f"**{name} {_s(step)}**" if name == d["chosen"] else f"{name} {_s(step)}")
                 + (f" ({_s(tpp[name])})" if name in tpp else "")
                 for name, step in d["predictions"].items())
+            if d.get("shift_s"):  # the compute shift (docs/auto.md, step 7)
+                settled = set(d.get("settled") or [])
+                unmeasured = [n for n in d["predictions"] if n not in settled]
+                cands += f"; {', '.join(unmeasured)} shifted {_s(d['shift_s'])}"
             check = d.get("link_check")
             checked = "" if not check else (" (check: unchanged, not re-probed)" if check["unchanged"] else
                                             " (check: moved, re-probed)")
@@ -374,7 +378,8 @@ def _auto_section(doc: dict) -> list[str]:
         "β itself: *β from the dense step*); *predicted*: its model's step for the pick; *measured*: auto's own "
         "measurement after the decision, the median of a window of steps once the switch has settled (slowest "
         "rank; – if the run ended first). Per candidate: the predicted step and, in brackets, the predicted time "
-        "per unit of progress, which the pick minimises.",
+        "per unit of progress, which the pick minimises; *shifted*: the methods not yet measured in a window of "
+        "their own, predicted by the raw model lowered by the least speed-up the measured ones showed (docs/auto.md).",
         "",
         "| method | step | trigger | picked | link (probed) | predicted step | measured step "
         "| candidates: predicted step (per progress) |",

@@ -436,6 +436,8 @@ def _auto_state(strategy) -> dict | None:
             "beta_scale": _num(h.get("beta_scale")),
             "link_check": _link_check(h.get("link_check")), "network_source": h.get("network_source"),
             "compute_s": _compute_s(h.get("workload")),
+            # the compute shift (docs/auto.md, step 7): added to the methods not measured in a window of their own
+            "shift_s": _num(h.get("shift_s")), "settled": list(h.get("settled") or []),
         })
     gains = [{"step": int(c["step"]), "delta2": {k: float(v) for k, v in c["delta2"].items()},
               "moved": float(c["moved"]), "redecided": bool(c["redecided"])} for c in getattr(chooser, "gain_checks", [])]
