@@ -251,23 +251,28 @@ class AutoConfig:
         early_comm_ratio: if the first (skipped) dense step's exposed communication (end of backward's
             closure after the last gradient was ready, where DDP waits for its buckets) is at least
             this many times the rest of its wall, that step is profiled and decided on at once and
-            the dense warm-up ends there (0, the default: never; a configured ``warmup_steps``
-            above ``skip_steps + profile_steps`` still holds). On a slow link a dense step is mostly
-            the exchange (2.1 s of a 2.2 s step on ``cnn`` width 16 at 20 Mbit/s), so the second one
-            costs far more than the profile gains. Off by default: the first step's profile carries
-            one-off costs that make every unmeasured candidate look slower, and on ``cnn`` at
-            20 Mbit/s auto then stayed on Top-k where it otherwise moved to ``lowrank``, the better
-            method there (docs/auto.md, "Measured"). 1 is a reasonable value to try.
+            the dense warm-up ends there (0: never; a configured ``warmup_steps`` above
+            ``skip_steps + profile_steps`` still holds). So on a slow link auto runs no dense step
+            beyond the engine's own first one: a dense step there is mostly the exchange (2.1 s of a
+            2.2 s step on ``cnn`` width 16 at 20 Mbit/s), and the second one costs far more than the
+            profile gains. The first step's profile carries one-off costs that make every
+            unmeasured candidate look slower; this was off by default until ``compute_shift``
+            removed that bias after the first window (on ``cnn`` at 20 Mbit/s auto had stayed on
+            Top-k; with the shift it moved to ``lowrank`` at step 10). Measured with both in the
+            same bench run: on the quickstart MLP at 20 Mbit/s its time to target was lower than
+            with 0 in all 3 rounds (4.66, 4.63, 4.22 s against 4.77, 5.43, 5.55 s), on ``cnn``
+            equal (29.5 against 29.7 s) (docs/auto.md, "Measured").
         family_margin: after the first window of a dense mode (``ddp``, ``fp16``, ``bf16``), a dense
             sibling not yet measured on this link is run for one window when its raw prediction plus
             the measured mode's correction (what the model misses on that shared path) is within
             this fraction of the measured step, per unit of progress; then auto keeps the faster.
             The model cannot tell apart two paths this close: on ``gpt`` at 1 Gbit/s it put the
             16-bit hook 13 ms under DDP, and DDP ran 11 ms faster (4 ranks on 2 cores: the cast's
-            passes over memory compete with backward); on the quickstart MLP at 1 Gbit/s it put DDP
-            at 1.17x the 16-bit hook's measured step (the 0.15 of earlier versions: no trial), and
-            DDP ran 0.83x of it. Costs at most one window on a step within the margin; 0 tries a
-            sibling only if it is predicted at least as fast.
+            passes over memory compete with backward). Costs at most one window on a step within
+            the margin; 0 tries a sibling only if it is predicted at least as fast. 0.3 was tried
+            on the quickstart MLP at 1 Gbit/s (3 rounds each): the trial then ran in every round,
+            and auto's step was 1.27/1.03/1.18x the faster of DDP and fp16 against 1.22/0.91/1.40x
+            with 0.15, no difference that run-to-run noise does not cover (docs/auto.md).
         compute_shift: when every method measured in a window of its own ran faster than the raw
             model said, lower the prediction of every method not yet measured so by the smallest of
             those speed-ups (``model.compute_shift``): the warm-up's profiled compute is slower than
@@ -292,8 +297,8 @@ class AutoConfig:
     explore: int = 2
     gain_every: int = 50
     gain_drift: float = 0.1
-    early_comm_ratio: float = 0.0
-    family_margin: float = 0.3
+    early_comm_ratio: float = 1.0
+    family_margin: float = 0.15
     compute_shift: bool = True
 
     def __post_init__(self) -> None:
@@ -336,14 +341,14 @@ class AutoConfig:
         er = self.early_comm_ratio
         if isinstance(er, bool) or not isinstance(er, (int, float)) or not math.isfinite(er) or er < 0:
             raise ValueError(f"auto_early_comm_ratio={er!r} must be a finite number >= 0 (0: always profile after "
-                             "skip_steps, the default; 1: decide on the first dense step when it waited on the "
+                             "skip_steps; 1, the default: decide on the first dense step when it waited on the "
                              "network at least as long as it did anything else).")
         if not isinstance(self.compute_shift, bool):
             raise ValueError(f"auto_compute_shift={self.compute_shift!r} must be true or false (true: a speed-up "
                              "every measured method showed also lowers the unmeasured methods' predictions).")
         fm = self.family_margin
         if isinstance(fm, bool) or not isinstance(fm, (int, float)) or not math.isfinite(fm) or fm < 0:
-            raise ValueError(f"auto_family_margin={fm!r} must be a finite number >= 0 (a relative margin, e.g. 0.3; "
+            raise ValueError(f"auto_family_margin={fm!r} must be a finite number >= 0 (a relative margin, e.g. 0.15; "
                              "0: try a dense sibling only if the transferred correction makes it at least as fast).")
         gd = self.gain_drift
         if isinstance(gd, bool) or not isinstance(gd, (int, float)) or not math.isfinite(gd) or gd < 0:
