@@ -72,10 +72,7 @@ def test_the_choice_is_the_brute_force_minimum(weight):
     rng = random.Random(int(weight * 10) + 1)
     picks = set()
     for _ in range(120):
-        wl = _workload(rng, rng.randint(1, 10))
-        net = NetworkModel(rng.choice([1e-5, 5e-4, 0.01]), 8 / rng.choice([1e7, 2e7, 1e8, 1e9, 1e10]))
-        n = rng.choice([2, 4, 8, 64])
-        costs = _costs(rng, wl.numel)
+        wl, net, n, costs = _random_case(rng)
         rng.shuffle(costs)
         best, preds = choose(costs, wl, net, n, weight)
         assert best == argmin_by_hand([c.as_dict() for c in costs], wl.as_dict(), net.alpha_s,
@@ -84,15 +81,19 @@ def test_the_choice_is_the_brute_force_minimum(weight):
     assert len(picks) >= 3, picks  # the grid exercises several winners, not one by every measure
 
 
+def _random_case(rng: random.Random) -> tuple[Workload, NetworkModel, int, list[MethodCost]]:
+    """A random workload, network, world size and candidate list for the brute-force choice tests."""
+    wl = _workload(rng, rng.randint(1, 10))
+    net = NetworkModel(rng.choice([1e-5, 5e-4, 0.01]), 8 / rng.choice([1e7, 2e7, 1e8, 1e9, 1e10]))
+    return wl, net, rng.choice([2, 4, 8, 64]), _costs(rng, wl.numel)
+
+
 @pytest.mark.parametrize("explore", [True, False])
 def test_measured_choice_is_the_brute_force_minimum_over_corrected_and_raw_predictions(explore):
     rng = random.Random(11 + explore)
     switched = 0
     for _ in range(120):
-        wl = _workload(rng, rng.randint(1, 10))
-        net = NetworkModel(rng.choice([1e-5, 5e-4, 0.01]), 8 / rng.choice([1e7, 2e7, 1e8, 1e9, 1e10]))
-        n = rng.choice([2, 4, 8, 64])
-        costs = _costs(rng, wl.numel)
+        wl, net, n, costs = _random_case(rng)
         measured = rng.sample([c.name for c in costs], rng.randint(0, 3))
         corr = {m: rng.uniform(-0.01, 0.05) for m in measured}
         best, preds = choose_measured(costs, corr, wl, net, n, 1.0, explore=explore)
@@ -375,10 +376,7 @@ def test_the_measured_choice_with_a_shift_is_the_brute_force_minimum():
     rng = random.Random(29)
     moved = 0
     for _ in range(150):
-        wl = _workload(rng, rng.randint(1, 10))
-        net = NetworkModel(rng.choice([1e-5, 5e-4, 0.01]), 8 / rng.choice([1e7, 2e7, 1e8, 1e9, 1e10]))
-        n = rng.choice([2, 4, 8, 64])
-        costs = _costs(rng, wl.numel)
+        wl, net, n, costs = _random_case(rng)
         measured = rng.sample([c.name for c in costs], rng.randint(1, 3))
         corr = {m: rng.uniform(-0.05, 0.02) for m in measured}
         settled = rng.sample(measured, rng.randint(1, len(measured)))  # 1+: the shift comes from a window
