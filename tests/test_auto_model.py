@@ -748,12 +748,14 @@ class _ShapedProbe:
 
     def __init__(self, rate_bps: float) -> None:
         self.alpha, self.beta, self.sent, self.noise = 2e-4, 8 / rate_bps, [], 2.3e-3
+        self.stalls: list[float] = []  # seconds added to the next calls' times (a descheduled rank)
 
     def __call__(self, group, config, device=None):
         from types import SimpleNamespace
 
         self.sent.extend(list(config.sizes_bytes) * (config.warmup + config.repeats))
-        times = tuple(self.alpha + max(s - BURST, 0) * self.beta for s in config.sizes_bytes)
+        stall = self.stalls.pop(0) if self.stalls else 0.0
+        times = tuple(self.alpha + max(s - BURST, 0) * self.beta + stall for s in config.sizes_bytes)
         # a busy host: scheduling delays add 2.3 ms to every size's median (a constant, so the slope
         # keeps β), while the fastest repeat got through undelayed
         return SimpleNamespace(sizes_bytes=tuple(config.sizes_bytes), min_times_s=times,
@@ -805,18 +807,25 @@ def test_a_re_decision_checks_the_link_with_one_message_and_probes_again_only_wh
     if check:
         assert link.sent == [small, cap]  # the check alone: a quarter of the probe's sized round
         assert ch.history[-1]["link_check"] == {"check_s": ch.probe_time_s, "probe_s": ch.probe_time_s,
-                                                "bytes": cap, "unchanged": True}
+                                                "bytes": cap, "unchanged": True, "retimed": False}
     else:
         assert link.sent == full_probe and ch.history[-1]["link_check"] is None
     assert ch.network.beta_s_per_byte == pytest.approx(beta_20)
 
-    link.sent, link.beta = [], 8 / 10e6  # the link fell to 10 Mbit/s: the check moved ~2x
+    if check:  # one check message stalled (0.4 s, a descheduled rank): timed again, the faster kept
+        link.sent, link.stalls = [], [0.4]
+        ch._decide(151, "periodic", probe=True)
+        assert link.sent == [small, cap] * 2 and ch.history[-1]["link_check"]["retimed"]
+        assert ch.history[-1]["link_check"]["unchanged"] and ch.history[-1]["network_source"] == "check"
+        assert ch.network.beta_s_per_byte == pytest.approx(beta_20)
+
+    link.sent, link.beta = [], 8 / 10e6  # the link fell to 10 Mbit/s: the check moved ~2x, twice
     ch._decide(201, "drift", probe=True)
-    assert link.sent == ([small, cap] if check else []) + full_probe
+    assert link.sent == ([small, cap] * 2 if check else []) + full_probe
     assert ch.network.beta_s_per_byte == pytest.approx(8 / 10e6)
     if check:
         moved = ch.history[-1]["link_check"]
-        assert not moved["unchanged"] and moved["check_s"] / moved["probe_s"] > 1.5
+        assert not moved["unchanged"] and moved["retimed"] and moved["check_s"] / moved["probe_s"] > 1.5
         assert ch.probe_time_s == pytest.approx(2e-4 + (cap - BURST) * 8 / 10e6 + link.noise)  # the new reference
 
     link.sent, link.beta = [], 8 / 10e6 * 1.4  # 40 % slower, inside the 1.5x check: the network is kept

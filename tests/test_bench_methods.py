@@ -297,7 +297,8 @@ def test_worker_records_the_choosers_decisions_from_its_history():
     assert second["delta2"] == {} and second["beta_scale"] is None and second["compute_s"] is None
     assert second["network_source"] == "check"
     assert second["shift_s"] == -0.012 and second["settled"] == ["ddp"]
-    assert second["link_check"] == {"check_s": 0.07, "probe_s": 0.065, "bytes": 168_000, "unchanged": True}
+    assert second["link_check"] == {"check_s": 0.07, "probe_s": 0.065, "bytes": 168_000, "unchanged": True,
+                                    "retimed": False}
     assert rec["gain_checks"] == gains
     assert _auto_state(SimpleNamespace(auto=None)) is None
     assert _auto_state(DDPStrategy()) is None

@@ -360,8 +360,9 @@ def _auto_section(doc: dict) -> list[str]:
                 unmeasured = [n for n in d["predictions"] if n not in settled]
                 cands += f"; {', '.join(unmeasured)} shifted {_s(d['shift_s'])}"
             check = d.get("link_check")
-            checked = "" if not check else (" (check: unchanged, not re-probed)" if check["unchanged"] else
-                                            " (check: moved, re-probed)")
+            twice = " twice" if check and check.get("retimed") else ""  # a first message that looked moved
+            checked = "" if not check else (f" (check{twice}: unchanged, not re-probed)" if check["unchanged"] else
+                                            f" (check{twice}: moved, re-probed)")
             if d.get("network_source") == "dense_step":
                 checked = " (β from the dense step)"
             rows.append(f"| `{r['label']}` | {d['step']} | {d['trigger']} | {d['chosen']} | {_link(d.get('network'))}{checked} "
@@ -374,8 +375,8 @@ def _auto_section(doc: dict) -> list[str]:
         "first measured window), `family` (a dense sibling run for one window), `drift` (the step time moved), "
         "`periodic` (a scheduled re-probe), `gain` (the candidates' errors, measured again, moved). *link*: "
         "the network as auto probed it (a periodic or drift re-decision first times one message against the last "
-        "probe and probes again only if it moved: *check*; a warm-up step that waited long on the network gives "
-        "β itself: *β from the dense step*); *predicted*: its model's step for the pick; *measured*: auto's own "
+        "probe (a message that looks moved is timed once more: *check twice*) and probes again only if it "
+        "moved: *check*; a warm-up step that waited long on the network gives β itself: *β from the dense step*); *predicted*: its model's step for the pick; *measured*: auto's own "
         "measurement after the decision, the median of a window of steps once the switch has settled (slowest "
         "rank; – if the run ended first). Per candidate: the predicted step and, in brackets, the predicted time "
         "per unit of progress, which the pick minimises; *shifted*: the methods not yet measured in a window of "

@@ -447,11 +447,13 @@ def _auto_state(strategy) -> dict | None:
 
 def _link_check(check: dict | None) -> dict | None:
     """A re-decision's link check (``AutoChooser``, ``probe_check``): the check message's time, the last
-    full probe's time for that size, and whether the link counted as unchanged (no full probe)."""
+    full probe's time for that size, whether the link counted as unchanged (no full probe) and
+    whether a first message that looked moved was timed again (the faster kept)."""
     if not check:
         return None
     return {"check_s": _num(check.get("check_s")), "probe_s": _num(check.get("probe_s")),
-            "bytes": int(check.get("bytes", 0)), "unchanged": bool(check.get("unchanged"))}
+            "bytes": int(check.get("bytes", 0)), "unchanged": bool(check.get("unchanged")),
+            "retimed": bool(check.get("retimed", False))}
 
 
 def _omgs_state(strategy) -> dict | None:
