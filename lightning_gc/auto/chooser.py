@@ -30,8 +30,8 @@ when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
    what it did, and an unmeasured one that the model still favours is measured next, at most
    ``explore`` of them after each probed decision. Unmeasured ones are predicted by the raw model
    lowered by the least speed-up every measured method showed against it (``compute_shift``: the
-   warm-up's profiled compute is slower than a settled step's, for every method alike). The dense warm-up measured ``ddp`` (``other`` is
-   fitted to it), so ``ddp`` starts measured.
+   warm-up's profiled compute is slower than a settled step's, for every method alike). The dense
+   warm-up measured ``ddp`` (``other`` is fitted to it), so ``ddp`` starts measured.
 6. **Try the dense sibling**: the dense modes (``ddp``, ``fp16``, ``bf16``) run the same path on
    DDP's buckets and differ only in the bytes and the cast, so the first window of one of them also
    tells what the model misses for the others. A sibling not yet measured in a window on this link,
@@ -384,10 +384,7 @@ class AutoConfig:
 def _overhead_in(entry: dict, name: str) -> float:
     """What a history entry's decision added to ``name``'s raw prediction (``model.overhead_used``);
     entries written before the compute shift have neither ``settled`` nor ``shift_s``."""
-    settled = entry.get("settled")
-    corrections = entry["corrections"]
-    return overhead_used(name, corrections, float(entry.get("shift_s", 0.0)),
-                         set(corrections) if settled is None else set(settled))
+    return overhead_used(name, entry["corrections"], float(entry.get("shift_s", 0.0)), entry.get("settled"))
 
 
 #: a per-method correction measured on a link whose bandwidth differs from the current one by more

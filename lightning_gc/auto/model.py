@@ -308,19 +308,21 @@ def choose_measured(costs: Sequence[MethodCost], corrections: Mapping[str, float
     not in ``settled`` (the methods measured in a window of their own; ``None``: every name in
     ``corrections``), on top of its correction if it has one (``ddp``'s from the warm-up profile).
     The pool without exploration is unchanged: the names in ``corrections``."""
-    done = set(corrections) if settled is None else set(settled)
-    eff = [dataclasses.replace(c, overhead_s=overhead_used(c.name, corrections, shift_s, done)) for c in costs]
+    eff = [dataclasses.replace(c, overhead_s=overhead_used(c.name, corrections, shift_s, settled)) for c in costs]
     preds = {c.name: predict(c, workload, network, world_size, progress_weight, **bucket_kw) for c in eff}
     pool = eff if explore else [c for c in eff if c.name in corrections]
     best, _ = choose(pool or eff, workload, network, world_size, progress_weight, **bucket_kw)
     return best, preds
 
 
-def overhead_used(name: str, corrections: Mapping[str, float], shift_s: float, settled: Collection[str]) -> float:
+def overhead_used(name: str, corrections: Mapping[str, float], shift_s: float,
+                  settled: Collection[str] | None) -> float:
     """What :func:`choose_measured` adds to ``name``'s raw prediction: its correction if it was
-    measured in a window of its own (``settled``), else its correction (if any) plus ``shift_s``."""
+    measured in a window of its own (``settled``; ``None``: every name in ``corrections``), else its
+    correction (if any) plus ``shift_s``."""
     corr = float(corrections.get(name, 0.0))
-    return corr if name in settled else corr + float(shift_s)
+    done = corrections if settled is None else settled
+    return corr if name in done else corr + float(shift_s)
 
 
 def compute_shift(settled_corrections: Sequence[float]) -> float:
