@@ -87,7 +87,7 @@ FLAT_FIELDS: dict[str, tuple[str, str | None]] = {
     **{n: ("compression", n) for n in ("compressor", "ratio", "compressor_args", "collective", "error_feedback")},
     **{n: ("engine", n) for n in ("plan", "plan_threshold", "min_compress_numel", "warmup_steps", "check_finite",
                                   "seed", "network_alpha_s", "network_beta_s_per_byte", "probe_every",
-                                  "probe_drift", "probe_patience", "overlap")},
+                                  "probe_drift", "probe_patience", "overlap", "check_every")},
     **{f"osp_{n}": ("osp", n) for n in ("deferred_fraction", "round_steps", "deferred_compressor", "deferred_ratio")},
     **{f"diloco_{n}": ("diloco", n) for n in ("inner_steps", "outer_optimizer", "outer_args", "fragments",
                                               "overlap_steps", "mixing", "error_decay")},

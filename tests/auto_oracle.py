@@ -49,12 +49,10 @@ def step_by_hand(cost: dict, wl: dict, alpha: float, beta: float, n: int) -> flo
     if cost["wire"] == "bucket":
         per = 4 if cost["name"] == "ddp" else 2
         net_free = 0.0
-        for k, b in enumerate(buckets_by_hand(numels)):
+        for b in buckets_by_hand(numels):
             ready = sum(bwd[: b[-1] + 1])
             elems = sum(numels[i] for i in b)
-            start = max(ready, net_free)
-            if k == 0:  # the engine's opening check, an 8-byte allgather, when the first bucket arrives
-                start += allgather(alpha, beta, 8, n)
+            start = max(ready, net_free)  # the engine's steady dense path: DDP's buckets and nothing else
             net_free = start + cost["codec_s"] * elems / total + ring(alpha, beta, per * elems, n)
         end = max(sum(bwd), net_free)
     else:
@@ -68,7 +66,7 @@ def step_by_hand(cost: dict, wl: dict, alpha: float, beta: float, n: int) -> flo
         else:
             group = max(total - int(cost["exact_bytes"] // 4), 1)  # the exact small tensors are not in M
             comm = sparse_best(alpha, beta, group, n, cost["sparse_ratio"], cost["value_bytes"])
-        comm += 2 * ring(alpha, beta, 64, n)  # the engine's opening check and closing agreement
+        comm += ring(alpha, beta, 11 * 8, n)  # the engine's closing report: 11 float64 fields
         if cost["exact_bytes"] > 0:
             comm += ring(alpha, beta, cost["exact_bytes"], n)
         end = sum(bwd) + cost["codec_s"] + comm

@@ -39,8 +39,8 @@ def _log2_rounds(n: int) -> int:
 
 def _oracle_step(cost: MethodCost, w: Workload, alpha: float, beta: float, n: int) -> float:
     """Hand-written step time (docs/auto.md, docs/cost_model.md): bucket modes on DDP's bucket
-    timeline behind the engine's opening check; engine methods after backward, with their two
-    64-byte agreements and the exact tensors' allreduce."""
+    timeline (the engine's steady dense path adds no message); engine methods after backward, with
+    the closing report (11 float64 fields) and the exact tensors' allreduce."""
     bwd = sum(w.backward_s)
     base = w.forward_s + w.optimizer_s + w.other_s
     if n == 1:
@@ -59,13 +59,11 @@ def _oracle_step(cost: MethodCost, w: Workload, alpha: float, beta: float, n: in
         if cur:
             buckets.append(cur)
         end = 0.0
-        for j, b in enumerate(buckets):
+        for b in buckets:
             ready = sum(w.backward_s[: b[-1] + 1])  # the bucket's last tensor is ready
             elems = sum(w.numels[k] for k in b)
             cast = cost.codec_s * elems / total
-            # the engine's opening check, an 8-byte allgather, goes out with the first bucket
-            check = alpha * _log2_rounds(n) + (n - 1) * 8 * beta if j == 0 else 0.0
-            end = max(ready, end) + check + cast + _ring(alpha, beta, bytes_per_elem * elems, n)
+            end = max(ready, end) + cast + _ring(alpha, beta, bytes_per_elem * elems, n)
         return base + max(bwd, end)
     B = cost.payload_bytes
     lg = _log2_rounds(n)
@@ -82,7 +80,7 @@ def _oracle_step(cost: MethodCost, w: Workload, alpha: float, beta: float, n: in
         comm = min(alpha * lg + (idx + val) * beta * (n - 1),
                    alpha * (2 * (n - 1) + lg) + beta * (idx * lg + val * 2 * (n - 1) / n),
                    3 * alpha * lg + beta * lg * (idx + 2 * val))
-    control = 2 * _ring(alpha, beta, 64, n)
+    control = _ring(alpha, beta, 88, n)
     exact = _ring(alpha, beta, cost.exact_bytes, n) if cost.exact_bytes > 0 else 0.0
     return base + bwd + cost.codec_s + comm + control + exact
 
@@ -257,9 +255,8 @@ def test_slow_link_picks_a_compressor_fast_link_picks_a_dense_mode(mlp_profile):
     pick, preds = adv.advise(prof.workload, costs, NetworkModel(0.0, 0.0), 4, progress_weight=0)
     assert pick in ("ddp", "fp16"), pick
     assert preds["ddp"].exposed_s == pytest.approx(0.0, abs=1e-12)
-    # a huge bandwidth with a latency: DDP exposes at most its opening check (2 alpha) and its last bucket
-    # (6 alpha) after backward, every engine method at least its two agreements and the exact tensors'
-    # allreduce (18 alpha) plus its codec
+    # a huge bandwidth with a latency: DDP exposes at most its last bucket (6 alpha) after backward, every
+    # engine method at least its closing report and the exact tensors' allreduce (12 alpha) plus its codec
     pick, preds = adv.advise(prof.workload, costs, NetworkModel.from_bandwidth(1e15, 1e-4), 4)
     assert pick in ("ddp", "fp16"), pick
 

@@ -941,7 +941,7 @@ def test_a_dense_mode_whose_link_fell_measures_the_new_beta_from_its_drifted_win
     ch, link, _, _ = _probing_chooser(monkeypatch, 1e9, window=2, patience=2, min_interval=1, probe_every=0)
     ch.workload = Workload(0.0004, (0.0001, 0.0001), (42_000, 42_000))
     fast_wall = step_by_hand(ch.costs[0].as_dict(), dict(ch.workload.as_dict(), other_s=0.0), link.alpha, link.beta, 4)
-    ch._decide(1, "warmup", probe=True, dense_wall_s=fast_wall + 0.004, dense_exposed_s=0.005)  # 4 ms of framework
+    ch._decide(1, "warmup", probe=True, dense_wall_s=fast_wall + 0.006, dense_exposed_s=0.005)  # 6 ms of framework
     assert ch.chosen == "ddp" and ch.history[-1]["network_source"] == "probe"
     other = ch.workload.other_s
     assert other > 0.0

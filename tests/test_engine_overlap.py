@@ -6,7 +6,7 @@
   (exchanges inside the hook). After every step the gradients must be bit-identical between the
   two, and parameters identical across ranks. The exchanges must really have run on the worker
   thread (recorded thread ids), not on the hook's.
-* Fail fast: ranks about to issue different exchange sequences (a ratio changed behind the
+* Fail fast (``check_every=1``): ranks about to issue different exchange sequences (a ratio changed behind the
   engine's back on one rank; a step counter that differs) raise a clear error on every rank
   within seconds instead of hanging or aborting in C++.
 * set_ratio: a rank-dependent ratio is refused on every rank; an agreed one changes k from the next
@@ -191,7 +191,8 @@ def _mismatch(rank: int, ws: int, how: str) -> str:
     model = _model()
     ddp = DDP(model, bucket_cap_mb=0.002)
     engine = GCEngine(build_compressor("topk", ratio=0.1),
-                      EngineConfig(plan="layer", min_compress_numel=0, warmup_steps=1), list(model.named_parameters()))
+                      EngineConfig(plan="layer", min_compress_numel=0, warmup_steps=1, check_every=1),
+                      list(model.named_parameters()))
     ddp.register_comm_hook(engine, gc_comm_hook)
     try:
         for step in range(4):

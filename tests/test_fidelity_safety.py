@@ -5,9 +5,13 @@ raise (nobody hangs, nobody proceeds), naming the ranks by what they would have 
 is checked as a value (``[[0, 2], [1]]`` when rank 1 differs), so a check that compares only with
 rank 0, or only reports the first rank, fails:
 
-* the engine's **opening check** (the per-step descriptor): a ratio changed behind the engine's
-  back, a step counter that differs, a network model that differs (for a model-chosen collective),
-  a plan installed without the agreement (the plan digest of each step);
+* the engine's **opening check** (the step's descriptor, with ``check_every=1``: before every
+  step): a ratio changed behind the engine's back, a step counter that differs, a network model
+  that differs (for a model-chosen collective), a plan installed without the agreement (the plan
+  digest of each step);
+* the **closing report's** copy of the same check (the default schedule, no opening check on that
+  step): a ratio changed by too little to change k, a step counter moved to another compressed
+  step — the exchanges complete, and every rank stops at the close before the step is applied;
 * the engine's **setup signature** (a rank-dependent compressor option);
 * ``GCEngine.set_ratio``, ``GCEngine.replace_plan`` and ``GCEngine.set_group_method`` (values
   compared before anything changes);
@@ -55,9 +59,9 @@ def _opening(rank: int, odd: int, how: str) -> str:
     model = _model()
     ddp = DDP(model, bucket_cap_mb=0.001)
     if how == "network":  # a model-chosen collective: the agreed network model is part of each step
-        engine = _engine(model, "artopk_auto", network_alpha_s=1e-4, network_beta_s_per_byte=8e-8)
+        engine = _engine(model, "artopk_auto", network_alpha_s=1e-4, network_beta_s_per_byte=8e-8, check_every=1)
     else:
-        engine = _engine(model)
+        engine = _engine(model, check_every=1)
     ddp.register_comm_hook(engine, gc_comm_hook)
     try:
         for step in range(4):
@@ -79,6 +83,41 @@ def _opening(rank: int, odd: int, how: str) -> str:
         return "no error"
     except RuntimeError as e:
         return str(e)
+    finally:
+        engine.close()
+
+
+def _closing(rank: int, odd: int, how: str) -> str:
+    """The default schedule (no opening check at step 2): a divergence that keeps every payload's size."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gc.engine import gc_comm_hook
+
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    engine = _engine(model)
+    assert engine.config.check_every > 3  # so step 2 opens without the check on every rank
+    ddp.register_comm_hook(engine, gc_comm_hook)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        for step in range(4):
+            if step == 2 and rank == odd:
+                if how == "ratio":  # 0.1 → 0.1005: k is the same for every tensor (52, 4, 26, 1)
+                    engine.compressor.config = dataclasses.replace(engine.compressor.config, ratio=0.1005)
+                else:  # another compressed step: other shared random streams, the same sizes
+                    engine.step = 7
+            x, y = _batch(rank, step)
+            ddp.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            engine.before_optimizer_step()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(0.1 * p.grad)
+            before = [p.detach().clone() for p in model.parameters()]
+        return f"no error [opening checks: {engine.opening_checks}]"
+    except RuntimeError as e:
+        changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        return f"{e} [parameters changed: {changed}] [opening checks: {engine.opening_checks}]"
     finally:
         engine.close()
 
@@ -201,6 +240,8 @@ def _all(rank: int, ws: int) -> dict:
     for odd in range(ws):
         for how in ("ratio", "step", "network", "plan"):
             out["opening", how, odd] = _opening(rank, odd, how)
+        for how in ("ratio", "step"):
+            out["closing", how, odd] = _closing(rank, odd, how)
         out["setup", odd] = _setup(rank, odd)
         out["set_ratio", odd] = _set_ratio(rank, odd)
         out["replace_plan", odd] = _replace_plan(rank, odd)
@@ -229,6 +270,19 @@ def test_opening_check_fails_fast_on_every_rank_whichever_rank_differs(runs, how
         assert "about to issue different exchanges" in msg, (rank, msg)
         assert f"Ranks grouped by what they would do: {_grouping(odd)}" in msg, (rank, msg)
         assert "at step 2 " in msg or "at step 0 " in msg, msg
+
+
+@pytest.mark.parametrize("odd", range(WS))
+@pytest.mark.parametrize("how", ["ratio", "step"])
+def test_closing_report_stops_every_rank_before_the_step_is_applied(runs, how, odd):
+    for rank, res in enumerate(runs):
+        msg = res["closing", how, odd]
+        at = 7 if how == "step" and rank == odd else 2  # each rank names the step it believes it ran
+        assert f"at step {at} the ranks issued different exchanges (found by the step's closing report" in msg, (rank, msg)
+        assert f"Ranks grouped by what they would do: {_grouping(odd)}" in msg, (rank, msg)
+        assert "[parameters changed: False]" in msg, (rank, msg)
+        # only the dense warm-up step 0 opened with the check: steps 1 and 2 did not
+        assert "[opening checks: 1]" in msg, (rank, msg)
 
 
 @pytest.mark.parametrize("odd", range(WS))
@@ -283,3 +337,42 @@ def test_payload_of_the_wrong_size_stops_every_rank_without_a_hang(runs, odd):
         here = "this rank's: payload of" if rank == odd else "not this rank's"
         assert here in msg, (rank, msg)
         assert "[parameters changed: False]" in msg, (rank, msg)  # the step was not applied
+
+
+def _schedule(rank: int, ws: int) -> list[int]:
+    """The steps that opened with the check, under check_every=3, a plan installed with verify=False
+    before step 5 and a checkpoint load before step 10."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gc.engine import gc_comm_hook
+    from lightning_gc.plans import build_plan
+
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    engine = _engine(model, check_every=3)
+    ddp.register_comm_hook(engine, gc_comm_hook)
+    checked = []
+    try:
+        for step in range(12):
+            if step == 5:
+                engine.replace_plan(build_plan(engine.names, [p.numel() for p in engine.params], kind="layer",
+                                               min_compress_numel=0), verify=False)
+            if step == 10:
+                engine.load_state_dict(engine.state_dict())
+            n = engine.opening_checks
+            x, y = _batch(rank, step)
+            ddp.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            engine.before_optimizer_step()
+            if engine.opening_checks > n:
+                checked.append(step)
+        return checked
+    finally:
+        engine.close()
+
+
+def test_opening_check_schedule_is_the_documented_one_on_every_rank():
+    # by hand: 0 (a dense warm-up step always checks), 3, 6, 9 (multiples of check_every), 5 (after a plan
+    # installed without a comparison), 10 (after a checkpoint load)
+    for checked in run_distributed(_schedule, 2, timeout=120):
+        assert checked == [0, 3, 5, 6, 9, 10], checked

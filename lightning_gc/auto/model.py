@@ -22,11 +22,12 @@ share one definition and every rank computes the same choice from the same (agre
   ready order are cut into DDP's buckets (first bucket ``first_bucket_bytes``, then
   ``bucket_bytes``, both counted in fp32 bytes as DDP does); bucket ``b``'s ring allreduce starts
   when its last tensor is ready and the previous bucket's allreduce has ended, so communication
-  overlaps backward; the engine's per-step opening check (an 8-byte allgather) goes before the
-  first bucket. The 16-bit modes halve the bytes and add their cast (``codec_s``).
+  overlaps backward (the engine runs these steps on its steady dense path: no opening check and no
+  closing report). The 16-bit modes halve the bytes and add their cast (``codec_s``).
 * every compressor runs in the engine with the ``"model"`` plan: one group, exchanged after
   backward ends (nothing to overlap with), costing ``codec_s`` + the collective's time for
-  ``payload_bytes`` + the engine's two small agreements per step + the ring allreduce of the small
+  ``payload_bytes`` + the engine's closing report (an 88-byte allreduce; its opening check runs
+  only every ``check_every`` steps and is left out) + the ring allreduce of the small
   tensors it sends exactly (``exact_bytes``).
 
 ``step = forward + max(backward end, last exchange end) + optimizer + other + overhead`` (never
@@ -67,8 +68,9 @@ BUCKET_MODES: dict[str, int] = {"ddp": 4, "fp16": 2, "bf16": 2}
 #: DDP's defaults: the first bucket is small so that communication starts early
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
-#: the engine's per-step control messages (opening check and closing agreement), bytes each
-ENGINE_CONTROL_BYTES = 64
+#: the engine's per-step control message on a compressed step: the closing report, 11 float64 fields
+#: (:class:`lightning_gc.engine.agreement.StepReport`)
+ENGINE_CONTROL_BYTES = 88
 
 
 @dataclass(frozen=True)
@@ -233,17 +235,16 @@ def predict(cost: MethodCost, workload: Workload, network: NetworkModel, world_s
     elif cost.wire == "bucket":
         per_elem = BUCKET_MODES[cost.name]
         total_elems = w.numel
-        # the engine's opening check (an 8-byte allgather) runs when the first bucket arrives, before it
-        control = cost_model.allgather_cost(a, b, 8, n)
-        t_ready, t_net, i, comm_total = 0.0, 0.0, 0, control
+        # DDP's own timeline: the engine's steady dense path adds no message of its own
+        t_ready, t_net, i, comm_total = 0.0, 0.0, 0, 0.0
         sizes = ddp_buckets(w.numels, first_bucket_bytes, bucket_bytes)
-        for k, size in enumerate(sizes):
+        for size in sizes:
             t_ready += sum(w.backward_s[i:i + size])
             elems = sum(w.numels[i:i + size])
             # the cast of a 16-bit mode scales with the bucket's share of the model
             cast = cost.codec_s * elems / total_elems
             tc = cost_model.ring_allreduce_cost(a, b, per_elem * elems, n)
-            t_net = max(t_ready, t_net) + (control if k == 0 else 0.0) + cast + tc
+            t_net = max(t_ready, t_net) + cast + tc
             comm_total += tc
             i += size
         codec = cost.codec_s
@@ -252,7 +253,7 @@ def predict(cost: MethodCost, workload: Workload, network: NetworkModel, world_s
     else:
         # the compressed group: the model without the small tensors sent exactly beside it
         tc = comm_seconds(cost, network, n, max(w.numel - int(cost.exact_bytes // 4), 1))
-        control = 2 * cost_model.ring_allreduce_cost(a, b, ENGINE_CONTROL_BYTES, n)
+        control = cost_model.ring_allreduce_cost(a, b, ENGINE_CONTROL_BYTES, n)
         exact = cost_model.ring_allreduce_cost(a, b, cost.exact_bytes, n) if cost.exact_bytes > 0 else 0.0
         comm_total = tc + control + exact
         codec = cost.codec_s

@@ -112,8 +112,13 @@ def descriptor_hash(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def check_descriptor(text: str, step: int, group, world_size: int, device: torch.device) -> int:
-    """All-gather the hash of ``text``; raise on every rank if ranks differ. Returns bytes sent."""
+def check_descriptor(text: str, step: int, group, world_size: int, device: torch.device, *,
+                     at_close: bool = False) -> int:
+    """All-gather the hash of ``text``; raise on every rank if ranks differ. Returns bytes sent.
+
+    ``at_close``: the engine's closing report already found that the ranks' hashes differ and every
+    rank calls this to name them; the message then says the exchanges were issued (and the step is
+    not applied) instead of about to be."""
     mine = torch.tensor([descriptor_hash(text)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine, group=group)
@@ -122,11 +127,15 @@ def check_descriptor(text: str, step: int, group, world_size: int, device: torch
         by_hash: dict[int, list[int]] = {}
         for r, h in enumerate(hashes):
             by_hash.setdefault(h, []).append(r)
+        what = ("issued different exchanges (found by the step's closing report; the step is not applied and "
+                "training stops here on every rank)" if at_close else
+                "are about to issue different exchanges and would deadlock or abort")
         raise RuntimeError(
-            f"lightning_gc: at step {step} the ranks are about to issue different exchanges and would "
-            f"deadlock or abort. Ranks grouped by what they would do: {list(by_hash.values())}. This "
-            f"rank's step: {text}. Every rank must run the same plan, compressor options, ratio, "
-            "collective and step counter; change the ratio or plan only through GCEngine.set_ratio / "
+            f"lightning_gc: at step {step} the ranks {what}. Ranks grouped by what they would do: "
+            f"{list(by_hash.values())}. This rank's step: {text}. Every rank must run the same plan, compressor "
+            "options, ratio, collective and step counter; change the ratio or plan only through GCEngine.set_ratio / "
             "replace_plan (which check the ranks agree), and resume every rank from the same checkpoint."
+            + ("" if not at_close else " To stop before the exchanges instead, pass check_every=1 (an opening "
+               "check before every step).")
         )
     return allgather_bytes(8, world_size)

@@ -6,8 +6,8 @@ every rank. The hook itself does almost nothing: it records which parameters hav
 (``overlap=True``, the default) or the hook's own thread (``overlap=False``, the synchronous
 oracle) — then returns a Future for the bucket. In submission order, identical on every rank:
 
-1. **open**: the opening check (:mod:`.agreement`: every rank is about to do the same thing), and
-   on compressed steps a network probe if the tracker's policy asks for one;
+1. **open**: the opening check when it is due (:mod:`.agreement`: every rank is about to do the
+   same thing), and on compressed steps a network probe if the tracker's policy asks for one;
 2. **one job per plan group**, submitted as soon as the group is complete:
    ``p = g + e`` (error feedback), ``mean, sent = exchange(p)``, ``e' = p − sent`` staged, ``mean``
    written back into the gradients' slots of their buckets;
@@ -23,7 +23,9 @@ Futures at the end of backward, by which time statistics are final.
 
 Every decision that changes communication — dense vs compressed step, plan, k, randomness,
 collective — is a function of replicated values (the step counter, the plan built from identical
-parameter lists, the agreed network model), and the opening check verifies it every step.
+parameter lists, the agreed network model). Every compressed step's closing report verifies it
+(a hash of the step's descriptor travels in it), and the opening check verifies it before the
+exchanges on a replicated schedule (:mod:`.agreement`, ``EngineConfig.check_every``).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from ..compressors.dense import DenseCompressor
 from ..compressors.workspace import empty_output
 from ..plans import Plan, build_plan
 from . import checkpoint
-from .agreement import StepReport, agree, check_descriptor
+from .agreement import StepReport, agree, check_descriptor, descriptor_hash
 from .config import EngineConfig
 from .memory import ErrorMemory
 from .network import NetworkTracker
@@ -82,6 +84,7 @@ class _StepWork:
     written: list[list[Tensor]] = field(default_factory=list)  # lossy groups' views, for NaN on a bad step
     flushed: list[tuple[str, ...]] = field(default_factory=list)  # groups whose memory this step sent out
     report: StepReport = field(default_factory=StepReport)
+    descriptor: str = ""  # what this rank does this step (the opening check's and closing report's hash)
     control_comm_s: float = 0.0  # opening check + closing report
     exchange_comm_s: float = 0.0  # inside the compressed groups' exchanges (what the cost model predicts)
     error: BaseException | None = None
@@ -158,6 +161,11 @@ class GCEngine:
         self.all_exact = all(g.exact for g in self.plan.groups)
         self._planned = frozenset(self.plan.group_of())  # param ids the plan sends (OSP may defer others)
         self.step = 0
+        #: the next step opens with the opening check whatever ``check_every`` says: the first step,
+        #: and after a change no collective compared (set from replicated events only)
+        self._check_next = True
+        #: opening checks run so far (a diagnostic; identical on every rank)
+        self.opening_checks = 0
         self.gain_ewma: float | None = None
         self._last_stats: StepStats | None = None
         self._last_nonfinite = False
@@ -317,6 +325,7 @@ class GCEngine:
         if mode not in (None, "fp32", "fp16", "bf16"):
             raise ValueError(f"saved dense mode {mode!r} is invalid: expected None, 'fp32', 'fp16' or 'bf16'.")
         self.dense_mode, self._dense_flush = mode, bool(flush_pending)
+        self._check_next = True
 
     def adopt_network(self, model: NetworkModel) -> None:
         """Use ``model`` (agreed across ranks by the caller) as the network model from now on, and stop
@@ -326,6 +335,7 @@ class GCEngine:
         self.synchronize()
         self.tracker.state.model = model
         self.tracker.policy = None
+        self._check_next = True
 
     def set_error_feedback(self, on: bool) -> None:
         """Turn the default slot's error feedback on or off (the strategy's setup, once the optimizers
@@ -469,6 +479,8 @@ class GCEngine:
         self.synchronize()
         if verify and self.world_size > 1:
             self._verify_identical(f"plan {plan.signature()}")
+        elif not verify:  # nothing compared it: the next step's opening check does
+            self._check_next = True
         dtypes = [p.dtype for p in self.params]
         missing = self._memory.remap(self.plan, plan, dtypes, self.device)
         kept = {g.names for g in plan.groups if not g.exact}
@@ -625,8 +637,12 @@ class GCEngine:
         self._work = work
         self._readiness.begin()
         if self.world_size > 1 and not work.steady:
-            descriptor = self._descriptor(work)
-            self._runner.submit(lambda: self._guard(work, self._job_open, work, descriptor))
+            work.descriptor = self._descriptor(work)
+            # dense steps outside the steady path (warm-up, a flush, a plan's deferred layers) have no
+            # closing report: they always check; compressed steps on the replicated schedule
+            check = dense or self._check_next or work.step % self.config.check_every == 0
+            self._check_next = False
+            self._runner.submit(lambda: self._guard(work, self._job_open, work, check))
 
     def _descriptor(self, work: _StepWork) -> str:
         if work.dense:
@@ -685,13 +701,18 @@ class GCEngine:
                     pass
         work.finished.set()
 
-    def _job_open(self, work: _StepWork, descriptor: str) -> None:
-        t0 = time.perf_counter()
-        work.times.bytes_sent += check_descriptor(descriptor, work.step, self.exchange_group,
-                                                  self.world_size, self.device)
-        work.control_comm_s += time.perf_counter() - t0
+    def _job_open(self, work: _StepWork, check: bool) -> None:
+        if check:
+            t0 = time.perf_counter()
+            work.times.bytes_sent += check_descriptor(work.descriptor, work.step, self.exchange_group,
+                                                      self.world_size, self.device)
+            work.control_comm_s += time.perf_counter() - t0
+            self.opening_checks += 1
         if not work.dense:
-            work.stats.probe_s += self.tracker.maybe_probe(work.step, self.exchange_group, self.device)
+            probe_s = self.tracker.maybe_probe(work.step, self.exchange_group, self.device)
+            work.stats.probe_s += probe_s
+            if probe_s > 0:  # a new agreed network model: the next step's descriptor differs
+                self._check_next = True
 
     def _job_dense_bucket(self, work: _StepWork, buffer: Tensor, fut: torch.futures.Future, ready_event,
                           views: list[Tensor] | None = None,
@@ -826,10 +847,14 @@ class GCEngine:
         if predicted is not None:
             work.report.predicted_comm_s, work.report.has_prediction = float(predicted), 1.0
         work.report.malformed_ranks = 1.0 if work.times.malformed else 0.0
+        work.report.set_digest(descriptor_hash(work.descriptor))
         t0 = time.perf_counter()
         total, nbytes = agree(work.report, self.exchange_group, self.world_size, self.device)
         work.control_comm_s += time.perf_counter() - t0
         work.times.bytes_sent += nbytes
+        if not total.digests_agree(self.world_size):  # on every rank alike: name the ranks, then stop
+            check_descriptor(work.descriptor, work.step, self.exchange_group, self.world_size, self.device,
+                             at_close=True)
         if total.malformed_ranks > 0:  # on every rank alike: the step's futures fail, training stops
             here = f"this rank's: {work.times.malformed[0]}" if work.times.malformed else "not this rank's"
             raise RuntimeError(
@@ -911,7 +936,9 @@ class GCEngine:
     def load_state_dict(self, state: dict, restore_memory: bool = True) -> list[str]:
         """Restore from :meth:`state_dict`. Returns names whose memory was missing (reset to 0)."""
         self.synchronize()
-        return checkpoint.load_engine_state(self, state, restore_memory)
+        missing = checkpoint.load_engine_state(self, state, restore_memory)
+        self._check_next = True  # a resumed rank must prove it resumed from the same checkpoint
+        return missing
 
 
 def gc_comm_hook(engine: GCEngine, bucket: dist.GradBucket) -> torch.futures.Future:

@@ -63,7 +63,7 @@ from ..compressors.base import GroupContext
 from ..plans import ParamFacts, Plan, PlanRequest, get_planner
 from ..plans.omgs import GroupTimes, OMGSCost, is_provisional, partition_from_plan, predict_plan
 from ..plans.omgs_fit import LineFit, SparsifyFit, fit_comm, fit_line, fit_sparsify
-from .agreement import agree_values
+from .agreement import StepReport, agree_values
 from .ports import EngineView, PlanControl
 from .session import StepParticipant
 
@@ -558,12 +558,12 @@ class OMGSController(StepParticipant):
                 if r > 0:
                     runs.append(time.perf_counter() - t0)
             exact_local = statistics.median(runs)
-        small = torch.zeros(4, dtype=torch.float64, device=dev)
+        # the closing report's shape; the opening check runs every check_every steps only (agreement.py)
+        small = StepReport().to_tensor(dev)
         runs = []
         for r in range(self.config.calibration_repeats + 1):
             t0 = time.perf_counter()
-            dist.all_reduce(small, group=engine.exchange_group)  # the closing report's shape
-            dist.all_reduce(small[:1], group=engine.exchange_group)  # the opening check
+            dist.all_reduce(small, group=engine.exchange_group)
             if r > 0:
                 runs.append(time.perf_counter() - t0)
         over_local = statistics.median(runs)

@@ -341,7 +341,7 @@ class OMGSCost:
     rank's message, e.g. k values + k int32 indices for Top-k, so ``beta`` here is per byte *of one
     rank's payload* at this world size, which for an allgather includes the (N-1) factor).
     ``exact_s``: the extra job of the small tensors sent exactly; ``overhead_s``: per-step fixed
-    work on the worker (opening check and closing report). ``sparsify_on``: see the module docs.
+    work on the worker (the closing report; the opening check runs every ``check_every`` steps only). ``sparsify_on``: see the module docs.
     ``tie_tolerance``: a planner setting carried with the model — ``plan="omgs"`` returns the plan
     with the fewest groups whose modelled iteration time is within this fraction of the minimum
     (0: only exact ties; see :func:`fewest_groups_partition`).
