@@ -325,7 +325,6 @@ class GCEngine:
         if mode not in (None, "fp32", "fp16", "bf16"):
             raise ValueError(f"saved dense mode {mode!r} is invalid: expected None, 'fp32', 'fp16' or 'bf16'.")
         self.dense_mode, self._dense_flush = mode, bool(flush_pending)
-        self._check_next = True
 
     def adopt_network(self, model: NetworkModel) -> None:
         """Use ``model`` (agreed across ranks by the caller) as the network model from now on, and stop
@@ -933,11 +932,20 @@ class GCEngine:
         self.synchronize()
         return checkpoint.engine_state(self)
 
-    def load_state_dict(self, state: dict, restore_memory: bool = True) -> list[str]:
-        """Restore from :meth:`state_dict`. Returns names whose memory was missing (reset to 0)."""
+    @property
+    def check_pending(self) -> bool:
+        """Whether the next step opens with the opening check whatever ``check_every`` says."""
+        return self._check_next
+
+    def load_state_dict(self, state: dict, restore_memory: bool = True, check_next: bool = True) -> list[str]:
+        """Restore from :meth:`state_dict`. Returns names whose memory was missing (reset to 0).
+
+        ``check_next``: open the next step with the opening check (a resumed rank proves it resumed
+        from the same checkpoint as the others). A rollback to an in-memory snapshot of this same run
+        passes the value it had then, so that the run continues exactly as one that never explored."""
         self.synchronize()
         missing = checkpoint.load_engine_state(self, state, restore_memory)
-        self._check_next = True  # a resumed rank must prove it resumed from the same checkpoint
+        self._check_next = bool(check_next)
         return missing
 
 

@@ -130,6 +130,7 @@ class SessionSnapshot:
     participants: dict[str, Any]
     skipped_steps: int
     extra: dict[str, Any] = field(default_factory=dict)
+    check_pending: bool = False  # the engine's opening-check flag at the snapshot
 
 
 class StepSession:
@@ -305,6 +306,7 @@ class StepSession:
             participants={p.name: p.snapshot() for p in self.participants},
             skipped_steps=self.skipped_steps,
             extra=copy.deepcopy(extra or {}),
+            check_pending=self.engine.check_pending,
         )
 
     def restore(self, snap: SessionSnapshot) -> None:
@@ -312,7 +314,7 @@ class StepSession:
         self.engine.synchronize()
         for p in self.participants:
             p.restore(snap.participants.get(p.name))
-        self.engine.load_state_dict(copy.deepcopy(snap.engine_state))
+        self.engine.load_state_dict(copy.deepcopy(snap.engine_state), check_next=snap.check_pending)
         self.engine.restore_reporting_state(snap.engine_reporting)
         self.skipped_steps = snap.skipped_steps
 
