@@ -134,6 +134,7 @@ def test_a_resumed_run_keeps_the_choice_and_is_exact(tmp_path):
     (dict(compressor="auto", auto={"progress_weight": -1}), "progress_weight=-1"),
     (dict(compressor="auto", auto={"windw": 3}), r"unknown option\(s\) \['windw'\]"),
     (dict(compressor="auto", auto={"gain_every": -1}), "auto_gain_every=-1 must be an integer >= 0"),
+    (dict(compressor="auto", auto={"gain_first": -1}), "auto_gain_first=-1 must be an integer >= 0"),
     (dict(compressor="auto", auto={"early_comm_ratio": -0.5}), "auto_early_comm_ratio=-0.5 must be a finite"),
     (dict(compressor="auto", auto={"gain_drift": float("nan")}), "auto_gain_drift=nan must be a finite number"),
 ])
@@ -188,6 +189,15 @@ def test_errors_are_the_ranks_mean_on_local_gradients_and_re_measured_every_gain
         assert c["delta2"] == {k["name"]: k["delta2"] for k in h["costs"]}
     for k, v in reports[0]["params"].items():
         assert torch.equal(v, reports[1]["params"][k]), k
+
+
+def test_the_first_re_measurement_comes_after_gain_first_steps_then_every_gain_every(tmp_path):
+    """By hand: the warm-up decides at step 1; the first re-measurement waits min(gain_every, gain_first) =
+    5 steps (the sampled step 1 + 5 = 6), the next gain_every = 9 more (15). Without gain_first the first
+    would wait 9 (step 10)."""
+    _, autos = _fit(tmp_path, _strategy(gain_every=9, gain_first=5, gain_drift=0.0))
+    for a in autos:
+        assert [c["step"] for c in a["gain_checks"]] == [6, 15], a["gain_checks"]
 
 
 def test_monitor_reports_the_latest_measured_errors():

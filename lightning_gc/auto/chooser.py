@@ -244,6 +244,13 @@ class AutoConfig:
             Top-k's stayed at 0.53-0.60, which reverses their ranking (docs/auto.md, "Gain").
             Costs one copy of the gradient and one compression per candidate, no communication
             beyond one agreement of a few floats.
+        gain_first: the first re-measurement after the warm-up's comes this many steps after it, or
+            after ``gain_every`` if that is sooner (0: after ``gain_every``). Why earlier than the
+            rest: the warm-up measures the errors on the first gradients of training, which are
+            unlike later ones. On ``lm`` at 100 Mbit/s (4 ranks) ``lowrank``'s weighted error
+            ``w·delta2`` was 0.013 at the warm-up (step 1) and 0.43 at step 51, Top-k's 0.18 and
+            0.32: auto ran ``lowrank`` until the re-measurement at step 51 moved it to Top-k
+            (docs/auto.md, "Gain"). One gradient copy and one compression per candidate.
         gain_drift: the re-measured errors re-decide (trigger ``"gain"``, no probe) when some
             candidate's progress per step (``1/(1 + w·delta2)``) moved by more than this, relative,
             from the value the last decision used; smaller changes are not acted on (and the stored
@@ -296,6 +303,7 @@ class AutoConfig:
     dense_probe_s: float = 0.1
     explore: int = 2
     gain_every: int = 50
+    gain_first: int = 20
     gain_drift: float = 0.1
     early_comm_ratio: float = 1.0
     family_margin: float = 0.15
@@ -338,6 +346,7 @@ class AutoConfig:
                              "check message within 1.5x of the last probe's time keeps the probed network).")
         _int("explore", self.explore, 0, "Use 0 to settle on measured methods after the first calibration.")
         _int("gain_every", self.gain_every, 0, "Use 0 to measure the candidates' errors at the warm-up only.")
+        _int("gain_first", self.gain_first, 0, "Use e.g. 20 steps after the warm-up; 0 waits gain_every steps.")
         er = self.early_comm_ratio
         if isinstance(er, bool) or not isinstance(er, (int, float)) or not math.isfinite(er) or er < 0:
             raise ValueError(f"auto_early_comm_ratio={er!r} must be a finite number >= 0 (0: always profile after "
@@ -564,7 +573,9 @@ class AutoChooser(StepParticipant):
         elif len(self._window) >= self.config.window:
             self._check_drift(step)
             self._t_prev_end = time.perf_counter()
-        every = self.config.gain_every
+        every, first = self.config.gain_every, self.config.gain_first
+        if every and first and not self.gain_checks:  # not re-measured yet: the warm-up's errors are the first
+            every = min(every, first)
         if every and self._last_gain_step is not None and step + 1 - self._last_gain_step >= every:
             self._arm_sample()
 
