@@ -98,14 +98,28 @@ def _closing(rank: int, odd: int, how: str) -> str:
     engine = _engine(model)
     assert engine.config.check_every > 3  # so step 2 opens without the check on every rank
     ddp.register_comm_hook(engine, gc_comm_hook)
+
+    def diverge(step: int) -> None:
+        if step == 2 and rank == odd:
+            if how == "ratio":  # 0.1 → 0.1005: k is the same for every tensor (52, 4, 26, 1)
+                engine.compressor.config = dataclasses.replace(engine.compressor.config, ratio=0.1005)
+            else:  # another compressed step: other shared random streams, the same sizes
+                engine.step = 7
+
+    try:
+        return f"{_sgd_steps(rank, model, ddp, engine, diverge)} [opening checks: {engine.opening_checks}]"
+    finally:
+        engine.close()
+
+
+def _sgd_steps(rank: int, model, ddp, engine, before_step=None) -> str:
+    """Four SGD steps through ``ddp``; the error's text and whether the failing step changed the
+    parameters (``[parameters changed: …]``), or ``"no error"``."""
     before = [p.detach().clone() for p in model.parameters()]
     try:
         for step in range(4):
-            if step == 2 and rank == odd:
-                if how == "ratio":  # 0.1 → 0.1005: k is the same for every tensor (52, 4, 26, 1)
-                    engine.compressor.config = dataclasses.replace(engine.compressor.config, ratio=0.1005)
-                else:  # another compressed step: other shared random streams, the same sizes
-                    engine.step = 7
+            if before_step is not None:
+                before_step(step)
             x, y = _batch(rank, step)
             ddp.zero_grad()
             torch.nn.functional.mse_loss(ddp(x), y).backward()
@@ -114,12 +128,10 @@ def _closing(rank: int, odd: int, how: str) -> str:
                 for p in model.parameters():
                     p.sub_(0.1 * p.grad)
             before = [p.detach().clone() for p in model.parameters()]
-        return f"no error [opening checks: {engine.opening_checks}]"
+        return "no error"
     except RuntimeError as e:
         changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
-        return f"{e} [parameters changed: {changed}] [opening checks: {engine.opening_checks}]"
-    finally:
-        engine.close()
+        return f"{e} [parameters changed: {changed}]"
 
 
 def _setup(rank: int, odd: int) -> str:
@@ -216,21 +228,8 @@ def _payload(rank: int, odd: int) -> str:
         return c
 
     engine.compressor.compress = short
-    before = [p.detach().clone() for p in model.parameters()]
     try:
-        for step in range(4):
-            x, y = _batch(rank, step)
-            ddp.zero_grad()
-            torch.nn.functional.mse_loss(ddp(x), y).backward()
-            engine.before_optimizer_step()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.sub_(0.1 * p.grad)
-            before = [p.detach().clone() for p in model.parameters()]
-        return "no error"
-    except RuntimeError as e:
-        changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
-        return f"{e} [parameters changed: {changed}]"
+        return _sgd_steps(rank, model, ddp, engine)
     finally:
         engine.close()
 
