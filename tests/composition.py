@@ -99,19 +99,23 @@ def design() -> list[dict[str, Any]]:
     # auto trains in BSP with the one-group plan only, which all pairs never draws: add its trainable cases
     base = {n: v[0] for n, v in FACTORS.items()}
     # auto's options (family_margin travels through the Trainer; its trial needs a calibrated window, later
-    # than 8 steps): errors re-measured (and re-decided) every 3 steps across the resume point (4); in
+    # than 8 steps): errors re-measured (and re-decided) every 3 steps across the resume point (4), the first
+    # time after 2 (gain_first) in the first case; in
     # the second case the first dense step ends the warm-up (any wait on the network counts), and compute_shift
     # (which acts only after a calibrated window) travels switched off. The first also
     # reads β from the warm-up's DDP step (any exposed wait counts): its pick varies with timing, and when it
     # is low rank the checkpoint falls inside its run, so the slot's warm start Q̄ must be checkpointed
     auto = [{**base, "compressor": "auto", "resume": "resumed", **extra} for extra in
-            ({"auto_options": {"gain_every": 3, "gain_drift": 0.0, "family_margin": 0.5, "dense_probe_s": 1e-9, "probe_check": 2.0}},
+            ({"auto_options": {"gain_every": 3, "gain_first": 2, "gain_drift": 0.0, "family_margin": 0.5,
+                               "dense_probe_s": 1e-9, "probe_check": 2.0}},
              {"accumulate": 2, "precision": "bf16-mixed", "optimizer": "adamw_clip",
               "auto_options": {"gain_every": 3, "gain_drift": 0.0, "early_comm_ratio": 1e-9,
                                "compute_shift": False}})]
     # GCStrategy options beyond the factors: SparseLoCo's decayed error memory on a Top-k Δ, resumed inside a
-    # round (the memory is decayed at every outer step and carried across the checkpoint)
-    options = [{**base, "sync": "diloco", "resume": "resumed", "options": {"diloco_error_decay": 0.9}}]
+    # round (the memory is decayed at every outer step and carried across the checkpoint); the opening check
+    # every 3 steps across the resume point (the resumed run checks its first step, then on the schedule)
+    options = [{**base, "sync": "diloco", "resume": "resumed", "options": {"diloco_error_decay": 0.9}},
+               {**base, "resume": "resumed", "options": {"check_every": 3}}]
     for case in all_pairs(FACTORS) + stateful_product() + adamw + auto + options:
         key = tuple(case[n] for n in FACTORS) + tuple(sorted(case.get("options", {}).items()))
         if key not in seen:
