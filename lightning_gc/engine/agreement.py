@@ -60,7 +60,8 @@ class StepReport:
     def set_digest(self, digest: int) -> None:
         """This rank's share of the descriptor check: the hash's halves and their squares."""
         hi, lo = (digest >> 16) & 0xFFFF, digest & 0xFFFF
-        self.digest_hi, self.digest_hi2, self.digest_lo, self.digest_lo2 = float(hi), float(hi * hi), float(lo), float(lo * lo)
+        self.digest_hi, self.digest_hi2 = float(hi), float(hi * hi)
+        self.digest_lo, self.digest_lo2 = float(lo), float(lo * lo)
 
     def digests_agree(self, world_size: int) -> bool:
         """On the summed report: whether every rank's hash was the same (zero variance of both halves)."""

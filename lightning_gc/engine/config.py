@@ -53,10 +53,10 @@ class EngineConfig:
             caught at that step's close, before the step is applied. Why not every step: the
             check is one more latency-bound collective on the critical path; on 4 ranks at
             20 Mbit/s it took 6–23 ms, and the default made the median Top-k and ``lowrank`` steps
-            3 % and 5 % shorter than ``check_every=1`` (docs/concepts.md, "The opening check"). ``1`` checks every step: a rank that would
-            send something of another size then fails with a message instead of inside the
-            collective (gloo aborts the process on a size mismatch); use it while debugging a
-            custom controller that changes compression settings.
+            3 % and 5 % shorter than ``check_every=1`` (docs/concepts.md, "The opening check").
+            ``1`` checks every step: a rank that would send something of another size then fails
+            with a message instead of inside the collective (gloo aborts the process on a size
+            mismatch); use it while debugging a custom controller that changes compression settings.
     """
 
     plan: str = "model"
