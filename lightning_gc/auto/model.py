@@ -58,19 +58,19 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from ..comm import cost_model
 from ..comm.cost_model import NetworkModel
+from ..engine.agreement import StepReport
 
 #: candidates that run on DDP's own bucket path (the value: bytes per element on the wire)
 BUCKET_MODES: dict[str, int] = {"ddp": 4, "fp16": 2, "bf16": 2}
 #: DDP's defaults: the first bucket is small so that communication starts early
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
-#: the engine's per-step control message on a compressed step: the closing report, 11 float64 fields
-#: (:class:`lightning_gc.engine.agreement.StepReport`)
-ENGINE_CONTROL_BYTES = 88
+#: the engine's per-step control message on a compressed step: the closing report, one float64 per field
+ENGINE_CONTROL_BYTES = 8 * len(fields(StepReport))
 
 
 @dataclass(frozen=True)
