@@ -8,6 +8,14 @@ import warnings
 import pytest
 
 
+def pytest_configure(config):
+    """Name the modules the ranks' forkserver preloads before any test can start it
+    (tests/dist_harness.py, ``START_METHOD``)."""
+    from dist_harness import context
+
+    context()
+
+
 @pytest.fixture(autouse=True)
 def _restore_sigint_disposition():
     """Give every test the SIGINT disposition the suite started with.

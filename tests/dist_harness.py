@@ -23,6 +23,23 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+#: How ranks start. ``forkserver`` (the default): one server process imports torch, lightning and
+#: lightning_gc once for the whole session, and each rank is a fork of it, so a rank does not pay
+#: the ~5 s of imports that a ``spawn``ed one does (most of a small multi-process test's time on
+#: 2 cores). Each rank still starts from a clean interpreter state (the server runs no test code),
+#: and gets the parent's environment of the moment (``_entry`` applies it). ``GC_TEST_START_METHOD=
+#: spawn`` restores fresh interpreters.
+START_METHOD = os.environ.get("GC_TEST_START_METHOD", "forkserver")
+PRELOAD = ["torch", "torch.distributed", "lightning", "lightning_gc"]
+
+
+def context() -> Any:
+    """The multiprocessing context ranks start from (see :data:`START_METHOD`)."""
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (once per session)
+    return ctx
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -30,10 +47,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any,
+           environ: dict[str, str] | None = None) -> None:
     import torch
     import torch.distributed as dist
 
+    if environ is not None:  # a forkserver child has the server's environment and cwd, not the test's
+        cwd = environ.pop("_GC_TEST_CWD", os.getcwd())
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -60,10 +83,12 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    environ = {**os.environ, "_GC_TEST_CWD": os.getcwd()}
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, environ))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
