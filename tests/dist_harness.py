@@ -1,12 +1,13 @@
 """Run a function on several gloo ranks from inside pytest.
 
-``run_distributed(fn, world_size, *args)`` spawns ``world_size`` fresh processes, initialises a
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (forks of a preloading
+forkserver by default, see ``START_METHOD``), initialises a
 gloo process group on a free loopback port, calls ``fn(rank, world_size, *args)`` on every rank and
 returns the list of per-rank return values (pickled back through a queue). Any exception on any
 rank is re-raised in the parent with that rank's traceback, and a hung group is killed after
 ``timeout`` seconds, so a deadlock fails the test instead of hanging the suite.
 
-``fn`` must be defined at module level (spawned processes import it by name).
+``fn`` must be defined at module level (the ranks import it by name).
 """
 
 from __future__ import annotations
