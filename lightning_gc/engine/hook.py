@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._finite import all_finite
 from ..comm.collectives import ring_allreduce_bytes
 from ..comm.cost_model import NetworkModel
 from ..comm.exchange import (
@@ -750,7 +751,7 @@ class GCEngine:
                 out = f.value()[0]
                 if half is not None:
                     out = data.copy_(out)
-                bad = not bool(torch.isfinite(out).all())
+                bad = not all_finite(out)
                 if views is not None:
                     offset = 0
                     for v in views:
@@ -788,7 +789,7 @@ class GCEngine:
                            shapes=tuple(self._shapes[n] for n in group.names), names=group.names)
         if group.exact:
             mean, _ = self.exact_exchange.run(flat, ctx, timer)
-            if not bool(torch.isfinite(mean).all()):  # identical on all ranks after the sum
+            if not all_finite(mean):  # identical on all ranks after the sum
                 work.report.nonfinite_ranks = 1.0
         else:
             mean = self._exchange_lossy(work, gid, flat, ctx, timer)
@@ -808,7 +809,7 @@ class GCEngine:
         add = flush or (slot.error_feedback and slot.compressor.adds_memory(ctx.step))
         p = flat.add_(mem) if (add and mem is not None) else flat
         p2 = sq_norm(p)  # the gain needs it; a NaN/inf anywhere shows here
-        if not math.isfinite(p2) and not bool(torch.isfinite(p).all()):  # p2 may overflow on finite p
+        if not math.isfinite(p2) and not all_finite(p):  # p2 may overflow on finite p
             work.report.nonfinite_ranks = 1.0
         if self.group_observer is not None:
             self.group_observer(gid, p, ctx)

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
+from .._finite import all_finite
 from ..comm.collectives import ring_allreduce_bytes
 from ..comm.worker import InlineRunner, OrderedWorker
 from ..engine.ports import EngineControl
@@ -377,7 +378,7 @@ class DiLoCoSync(StepParticipant):
             t0 = time.perf_counter()
             delta, job.delta = job.delta, None
             assert delta is not None
-            bad = torch.tensor([0.0 if bool(torch.isfinite(delta).all()) else 1.0], device=self._comm_device())
+            bad = torch.tensor([0.0 if all_finite(delta) else 1.0], device=self._comm_device())
             if self.group is not None:
                 dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
             job.bad = bool(bad.item() > 0)

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._finite import all_finite
 from ..comm.collectives import ring_allreduce_bytes
 from ..comm.worker import InlineRunner, OrderedWorker
 from ..engine.ports import EngineControl, PlanControl
@@ -247,7 +248,7 @@ class OSPSync(StepParticipant):
             self._t_backward_end = time.perf_counter()
             # the engine closes its step when it sees this bucket: a non-finite deferred gradient
             # must count there too, or the routine stage's error memory of a skipped step is kept
-            self._local_bad = any(not bool(torch.isfinite(t).all()) for t in self._captured.values())
+            self._local_bad = any(not all_finite(t) for t in self._captured.values())
             if self._local_bad:
                 self.engine.report_nonfinite()
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..._finite import all_finite
 from ..base import Compressed, Compressor, GroupContext
 from .codec import (
     Block,
@@ -92,7 +93,7 @@ class GradiVeQCompressor(Compressor):
     # ------------------------------------------------------------------ samples and fit
     def add_sample(self, mean: Tensor, ctx: GroupContext) -> bool:
         """Record the aggregated mean of a sample step (identical on all ranks). False if non-finite."""
-        if not bool(torch.isfinite(mean).all()):
+        if not all_finite(mean):
             return False
         key = group_key(ctx)
         st = self.samples.get(ctx.group_id)

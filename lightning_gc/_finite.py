@@ -1,0 +1,26 @@
+"""One check shared by the engine, the sync models and the compressors: are all of a tensor's
+elements finite (cheaply)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["all_finite"]
+
+
+def all_finite(t: Tensor) -> bool:
+    """Whether every element of ``t`` is finite: exact, and in one fused reduction when it is.
+
+    ``torch.isfinite(t).all()`` writes a bool tensor of ``t``'s size and then reduces it: 8.5 ms for
+    3.4 M fp32 elements on one CPU thread, against 0.2 ms for a sum. On the engine's dense path that
+    check ran once per DDP bucket between the allreduce and the bucket's future, and it was what made
+    the engine's dense step 1.1-1.25x DDP's on a 1.1 M-parameter MLP (4 ranks on 2 cores). A NaN or
+    ±inf anywhere makes the sum (accumulated in fp32) NaN or ±inf, so a finite sum proves every
+    element finite; a non-finite sum (a non-finite element, or finite ones whose sum overflows fp32)
+    is settled by the element-wise check."""
+    if t.numel() == 0:
+        return True
+    if bool(torch.isfinite(t.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(t).all())
