@@ -974,3 +974,28 @@ def test_the_check_size_without_a_probe_is_what_the_probe_would_settle_on():
     assert check_bytes(NetworkModel(1e-4, 8 / 1e9), cap) == math.ceil((0.005 - 1e-4) / (8 / 1e9))
     assert check_bytes(NetworkModel(1e-4, 8 / 100e9), cap) == cap  # never past the cap
     assert check_bytes(NetworkModel(1e-4, 8 / 20e6), 168_000) == 168_000  # a small model: its cap
+
+
+def test_topk3_candidate_sends_three_percent_and_its_error_is_the_exact_top_k_residual():
+    """The opt-in ``topk3`` candidate is Top-k at 3 % on allgather: its payload is k values (fp32)
+    and k int32 indices with k = round(0.03·n), and its error is that of keeping the k largest
+    magnitudes, computed here by sorting (not the library's selection)."""
+    import torch
+
+    from lightning_gc.auto.candidates import candidate, measure_method
+    from lightning_gc.compressors import GroupContext
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(10_000, generator=g) * torch.linspace(0.1, 3.0, 10_000)
+    ctx = GroupContext(step=5, rank=0, world_size=1, segments=(10_000,), group_id=0, seed=0, device=x.device,
+                       shapes=((10_000,),), names=("w",))
+    c3, c1 = candidate("topk3"), candidate("topk")
+    assert (c3.compressor, c3.ratio, c3.collective) == ("topk", 0.03, "allgather")
+    m3 = measure_method(c3, x, ctx, world_size=2, repeats=1)
+    m1 = measure_method(c1, x, ctx, world_size=2, repeats=1)
+    assert (m3.wire, m3.payload_bytes, m1.payload_bytes) == ("allgather", 300 * 8, 100 * 8)
+    order = x.abs().sort(descending=True).values
+    for m, k in ((m3, 300), (m1, 100)):
+        want = float(order[k:].double().pow(2).sum() / order.double().pow(2).sum())
+        assert m.delta2 == pytest.approx(want, rel=1e-9)
+    assert m3.delta2 < m1.delta2
