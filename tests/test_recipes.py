@@ -139,3 +139,18 @@ def test_gradient_fidelity_joins_a_recipe_from_yaml(tmp_path, monkeypatch):
     cli = LightningCLI(args=["--config", str(path)], run=False)
     (fid,) = [c for c in cli.trainer.callbacks if isinstance(c, GradientFidelity)]
     assert fid.clip_norm == 1.0 and fid.window == 25 and fid.update
+
+
+def test_auto_recipe_takes_the_opt_in_candidates(tmp_path, monkeypatch):
+    """recipes/auto.yaml with ``auto.candidates`` naming the opt-in ``topk3``: the strategy is built
+    with exactly that list, in that order (the tie-break order), from YAML alone."""
+    from lightning.pytorch.cli import LightningCLI
+
+    cfg = yaml.safe_load((REPO / "recipes" / "auto.yaml").read_text())
+    wanted = ["ddp", "fp16", "lowrank", "topk", "topk3", "qsgd", "efsign"]
+    cfg["trainer"]["strategy"]["init_args"]["auto"]["candidates"] = wanted
+    path = tmp_path / "auto_topk3.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    monkeypatch.chdir(tmp_path)
+    cli = LightningCLI(args=["--config", str(path)], run=False)
+    assert list(cli.trainer.strategy._config.auto.candidates) == wanted
