@@ -573,11 +573,22 @@ class AutoChooser(StepParticipant):
         elif len(self._window) >= self.config.window:
             self._check_drift(step)
             self._t_prev_end = time.perf_counter()
+        if self._gain_due(step):
+            self._arm_sample()
+
+    def _gain_due(self, step: int) -> bool:
+        """Whether the next step's gradients are sampled to measure the candidates' errors again:
+        ``gain_first`` (then ``gain_every``) steps after the last measurement, and not while a method
+        is on trial (:attr:`in_trial`). A re-decision in the middle of a trial cut it short: its
+        window was never measured, and the trial ran again later. On ``cnn`` width 16 at 1 Gbit/s
+        the re-measurement at step 21 ended DDP's trial window, begun at step 11, and DDP ran a second
+        trial from step 31: 20 of 100 steps on the slower dense path (docs/auto.md). Deferred, the
+        sample is taken at the first step after the trial's window is measured."""
         every, first = self.config.gain_every, self.config.gain_first
         if every and first and not self.gain_checks:  # not re-measured yet: the warm-up's errors are the first
             every = min(every, first)
-        if every and self._last_gain_step is not None and step + 1 - self._last_gain_step >= every:
-            self._arm_sample()
+        due = bool(every) and self._last_gain_step is not None and step + 1 - self._last_gain_step >= every
+        return due and not self.in_trial
 
     def _profile_entry(self, t_end: float, wall: float) -> dict:
         order = sorted(range(len(self.params)), key=lambda i: self._stamps[i])
@@ -872,6 +883,17 @@ class AutoChooser(StepParticipant):
     def in_family_trial(self) -> bool:
         """Whether a dense sibling is running its one window (the last decision was its trial)."""
         return bool(self.history) and self.history[-1]["trigger"] == "family"
+
+    @property
+    def in_trial(self) -> bool:
+        """Whether the running method is on trial, its window not measured yet: a dense sibling's one
+        window (:attr:`in_family_trial`), or a method an exploration installed (a ``"calibration"``
+        decision) that has no correction on this link. Derived from the history and the corrections,
+        so a checkpoint carries it and every rank reads the same."""
+        if not self.history:
+            return False
+        trigger = self.history[-1]["trigger"]
+        return trigger == "family" or (trigger == "calibration" and self.chosen not in self._valid_corrections())
 
     def _windowed(self) -> set[str]:
         """The methods measured in a window of their own (a decision whose step was then measured),
