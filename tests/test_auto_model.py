@@ -452,6 +452,61 @@ def test_a_speed_up_every_measured_method_showed_lowers_the_unmeasured_predictio
     assert other.chosen == chooser.chosen and other.history[-1]["shift_s"] == chooser.history[-1]["shift_s"]
 
 
+def test_the_shift_comes_from_the_dense_modes_measured_on_any_link(monkeypatch):
+    """The changing-link case on the quickstart MLP: fp16, measured at a fast link, ran 30 ms under
+    the raw model (the warm-up's slow compute). The link falls; the shift still comes from fp16
+    (``shift_from``), not from ``lowrank``, picked next and only 5 ms under the raw model (its own
+    cost): so Top-k, predicted with fp16's speed-up, is measured next and kept. With the shift taken
+    from ``lowrank`` (the least speed-up on this link, the earlier rule) Top-k would be predicted
+    25 ms slower, above ``lowrank``'s measured time per unit of progress, and never tried."""
+    import torch
+    from auto_oracle import step_by_hand
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    wl = Workload(0.002, (0.002,), (1_000_000,))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("fp16", "bucket", 0.0005),
+             MethodCost("lowrank", "lowrank", 0.001, 40_000.0, 0.3, True),
+             MethodCost("topk", "allgather", 0.001, 20_000.0, 0.5, True)]
+    engine = _FakeEngine(NetworkModel(1e-4, 8 / 1e10))
+    cfg = AutoConfig(candidates=("ddp", "fp16", "lowrank", "topk"), window=2, explore=1, probe_every=0,
+                     family_margin=0.0)
+    chooser = AutoChooser(engine, cfg, torch.nn.Linear(1, 1), [])
+    chooser.workload, chooser.costs = wl, costs
+    chooser._decide(0, "warmup", probe=False, dense_wall_s=0.04)
+    assert chooser.chosen == "fp16"
+    _window(chooser, 2, 1.0)
+    _window(chooser, 4, chooser.predictions["fp16"].step_s - 0.03)
+    assert chooser._corrections["fp16"] == pytest.approx(-0.03) and chooser.chosen == "fp16"
+    slow = NetworkModel(1e-4, 8 / 1e7)  # 10 Mbit/s: fp16's correction is stale here
+    engine.network.model = slow
+    chooser._decide(10, "drift", probe=False)
+    h = chooser.history[-1]
+    assert h["settled"] == [] and h["shift_from"] == ["fp16"] and h["shift_s"] == pytest.approx(-0.03)
+    other = h["workload"]["other_s"]
+
+    def raw(name):  # the raw model by hand, with the warm-up's fitted `other`
+        c = next(c for c in costs if c.name == name).as_dict()
+        return step_by_hand(c, {**wl.as_dict(), "other_s": other}, slow.alpha_s, slow.beta_s_per_byte, 4)
+
+    for name in ("lowrank", "topk"):
+        assert chooser.predictions[name].step_s == pytest.approx(raw(name) - 0.03, rel=1e-9)
+    assert chooser.chosen == "lowrank"  # the better per unit of progress by the shifted model
+    _window(chooser, 12, 1.0)
+    _window(chooser, 14, raw("lowrank") - 0.005)  # lowrank: only 5 ms under the raw model
+    h = chooser.history[-1]
+    assert h["settled"] == ["lowrank"] and h["shift_from"] == ["fp16"] and h["shift_s"] == pytest.approx(-0.03)
+    eff = {k: p.step_s / p.time_per_progress_s for k, p in chooser.predictions.items()}
+    lowrank_tpp = (raw("lowrank") - 0.005) / eff["lowrank"]
+    assert (raw("topk") - 0.03) / eff["topk"] < lowrank_tpp < (raw("topk") - 0.005) / eff["topk"]  # the premise
+    assert chooser.chosen == "topk" and h["trigger"] == "calibration"
+    _window(chooser, 16, 1.0)
+    _window(chooser, 18, raw("topk") - 0.02)
+    assert chooser.chosen == "topk" and chooser._corrections["topk"] == pytest.approx(-0.02)
+
+
 def test_compute_shift_is_validated():
     from lightning_gc.auto.chooser import AutoConfig
 

@@ -337,11 +337,13 @@ def test_the_link_column_says_where_each_decisions_network_came_from():
 def test_a_decision_with_a_compute_shift_names_the_shifted_methods():
     shifted = dict(_decision(2, "calibration", "topk", 0.012, None), shift_s=-0.074, settled=["topk"])
     plain = dict(_decision(3, "gain", "topk", 0.012, None), shift_s=0.0, settled=["topk"])
-    doc = _auto_doc(record=_auto_record(shifted, plain))
+    dense = dict(_decision(4, "drift", "topk", 0.012, None), shift_s=-0.03, settled=[], shift_from=["fp16"])
+    doc = _auto_doc(record=_auto_record(shifted, plain, dense))
     report.validate_document(doc)
     rows = [line for line in report.markdown(doc).splitlines() if line.startswith("| `auto` | ")]
     assert rows[0].endswith("; ddp, fp16 shifted -74.0 ms |"), rows[0]
     assert "shifted" not in rows[1]  # no shift: nothing added
+    assert rows[2].endswith("; ddp, fp16, topk shifted -30.0 ms (from fp16) |"), rows[2]
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,8 @@ when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
    what it did, and an unmeasured one that the model still favours is measured next, at most
    ``explore`` of them after each probed decision. Unmeasured ones are predicted by the raw model
    lowered by the least speed-up every measured method showed against it (``compute_shift``: the
-   warm-up's profiled compute is slower than a settled step's, for every method alike). The dense
+   warm-up's profiled compute is slower than a settled step's, for every method alike), taken from
+   the dense modes measured in a window (on any link) when there are any (``_shift_basis``). The dense
    warm-up measured ``ddp`` (``other`` is fitted to it), so ``ddp`` starts measured.
 6. **Try the dense sibling**: the dense modes (``ddp``, ``fp16``, ``bf16``) run the same path on
    DDP's buckets and differ only in the bytes and the cast, so the first window of one of them also
@@ -285,7 +286,10 @@ class AutoConfig:
             those speed-ups (``model.compute_shift``): the warm-up's profiled compute is slower than
             a settled step's, which the raw model otherwise charges to every method it has not run.
             On ``lm`` at 100 Mbit/s it put Top-k at 244 ms where it ran 102 ms, and auto never tried
-            it. False: unmeasured methods by the raw model (the earlier behaviour).
+            it. The speed-ups are the dense modes' measured in a window, on any link, when there
+            are any (their path is the profiled one; a compressed method's correction carries its
+            own costs too), else every method's measured on this link. False: unmeasured methods by
+            the raw model (the earlier behaviour).
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
@@ -815,7 +819,8 @@ class AutoChooser(StepParticipant):
         explore = trigger not in ("calibration", "family") or self._explore_left > 0
         valid = self._valid_corrections()
         settled = sorted(self._windowed() & set(valid))
-        shift = compute_shift([valid[m] for m in settled]) if self.config.compute_shift else 0.0
+        shift_from = self._shift_basis(valid, settled)
+        shift = compute_shift([self._corrections[m] for m in shift_from]) if self.config.compute_shift else 0.0
         best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
                                       self.config.progress_weight, explore=explore, shift_s=shift, settled=settled)
         if force is not None:  # a dense sibling's trial window (see _dense_sibling): every prediction as usual
@@ -836,7 +841,8 @@ class AutoChooser(StepParticipant):
                  "workload": self.workload.as_dict(), "costs": [c.as_dict() for c in self.costs],
                  "predictions": {k: v.as_dict() for k, v in preds.items()},
                  "dense_wall_s": dense_wall_s, "measured_step_s": None,
-                 "corrections": dict(valid), "settled": settled, "shift_s": shift, "explore_left": self._explore_left,
+                 "corrections": dict(valid), "settled": settled, "shift_s": shift, "shift_from": shift_from,
+                 "explore_left": self._explore_left,
                  # replicated state: the slowest rank's time, like every other figure here
                  "decide_s": agree_values([time.perf_counter() - t0], "max", engine.process_group, engine.device)[0]}
         self.history.append(entry)
@@ -845,7 +851,7 @@ class AutoChooser(StepParticipant):
             f" (link check: {1e3 * link_check['check_s']:.1f} ms vs {1e3 * link_check['probe_s']:.1f} ms at the last "
             f"probe, {'unchanged, not re-probed' if link_check['unchanged'] else 'changed, re-probed'})")
         shifted = (f"methods not yet measured predicted {1e3 * -shift:.1f} ms under the raw model (the least "
-                   f"speed-up of {', '.join(settled)}); ") if shift else ""
+                   f"speed-up of {', '.join(shift_from)}); ") if shift else ""
         head = (f"lightning_gc auto ({trigger}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
                 f"{bw / 1e6:.1f} Mbit/s{checked}; {shifted}")
         if best == previous:
@@ -925,6 +931,24 @@ class AutoChooser(StepParticipant):
             if t <= limit and t < best_t:
                 best, best_t = name, t
         return best
+
+    def _shift_basis(self, valid: dict[str, float], settled: list[str]) -> list[str]:
+        """The methods whose corrections the compute shift is taken from (:func:`compute_shift`):
+        the dense modes measured in a window of their own, on any link, if there are any; else every
+        method measured in a window on this link (``settled``).
+
+        Why the dense modes: the warm-up profiled a DDP step and fitted ``other`` to it, so a dense
+        mode's path is the one the raw model describes best, and its correction is mostly what the
+        shift is for, the warm-up's slow compute, which does not depend on the link. A compressed
+        method's correction adds its own unmodelled cost, and the least speed-up of all then lets
+        that method hold every unmeasured one back. Measured on the quickstart MLP on a link that
+        fell from 1 Gbit/s to 10 Mbit/s: fp16 had run 32 ms under the raw model at 1 Gbit/s; on the
+        slow link `lowrank`, picked first, ran only 10 ms under it (its own CPU cost), so Top-k was
+        predicted 53.6 ms, where static Top-k ran 38 ms in the same run, and was never tried
+        (docs/auto.md). A dense correction measured on another link still counts: it is the
+        compute part that carries over, and taking the least speed-up keeps it conservative."""
+        dense = sorted(m for m in self._windowed() if m in self._corrections and candidate(m).compressor is None)
+        return dense if dense else list(settled)
 
     def _valid_corrections(self) -> dict[str, float]:
         """The corrections measured on a network like the current one. An additive correction holds

@@ -358,7 +358,9 @@ def _auto_section(doc: dict) -> list[str]:
             if d.get("shift_s"):  # the compute shift (docs/auto.md, step 7)
                 settled = set(d.get("settled") or [])
                 unmeasured = [n for n in d["predictions"] if n not in settled]
-                cands += f"; {', '.join(unmeasured)} shifted {_s(d['shift_s'])}"
+                basis = d.get("shift_from") or []
+                cands += f"; {', '.join(unmeasured)} shifted {_s(d['shift_s'])}" + (
+                    f" (from {', '.join(basis)})" if basis else "")
             check = d.get("link_check")
             twice = " twice" if check and check.get("retimed") else ""  # a first message that looked moved
             checked = "" if not check else (f" (check{twice}: unchanged, not re-probed)" if check["unchanged"] else
