@@ -452,15 +452,11 @@ def test_a_speed_up_every_measured_method_showed_lowers_the_unmeasured_predictio
     assert other.chosen == chooser.chosen and other.history[-1]["shift_s"] == chooser.history[-1]["shift_s"]
 
 
-def test_the_shift_comes_from_the_dense_modes_measured_on_any_link(monkeypatch):
-    """The changing-link case on the quickstart MLP: fp16, measured at a fast link, ran 30 ms under
-    the raw model (the warm-up's slow compute). The link falls; the shift still comes from fp16
-    (``shift_from``), not from ``lowrank``, picked next and only 5 ms under the raw model (its own
-    cost): so Top-k, predicted with fp16's speed-up, is measured next and kept. With the shift taken
-    from ``lowrank`` (the least speed-up on this link, the earlier rule) Top-k would be predicted
-    25 ms slower, above ``lowrank``'s measured time per unit of progress, and never tried."""
+def _fp16_measured_on_a_fast_link(monkeypatch, **cfg):
+    """fp16 picked at a 10 Gbit/s link and measured 30 ms under the raw model (the warm-up's slow
+    compute); lowrank and Top-k are the compressed candidates. Returns the chooser, its engine and
+    the costs and workload."""
     import torch
-    from auto_oracle import step_by_hand
 
     from lightning_gc.auto import chooser as chooser_mod
     from lightning_gc.auto.chooser import AutoChooser, AutoConfig
@@ -471,8 +467,8 @@ def test_the_shift_comes_from_the_dense_modes_measured_on_any_link(monkeypatch):
              MethodCost("lowrank", "lowrank", 0.001, 40_000.0, 0.3, True),
              MethodCost("topk", "allgather", 0.001, 20_000.0, 0.5, True)]
     engine = _FakeEngine(NetworkModel(1e-4, 8 / 1e10))
-    cfg = AutoConfig(candidates=("ddp", "fp16", "lowrank", "topk"), window=2, explore=1, probe_every=0,
-                     family_margin=0.0)
+    cfg = AutoConfig(**{"candidates": ("ddp", "fp16", "lowrank", "topk"), "window": 2, "explore": 1,
+                        "probe_every": 0, "family_margin": 0.0, **cfg})
     chooser = AutoChooser(engine, cfg, torch.nn.Linear(1, 1), [])
     chooser.workload, chooser.costs = wl, costs
     chooser._decide(0, "warmup", probe=False, dense_wall_s=0.04)
@@ -480,6 +476,19 @@ def test_the_shift_comes_from_the_dense_modes_measured_on_any_link(monkeypatch):
     _window(chooser, 2, 1.0)
     _window(chooser, 4, chooser.predictions["fp16"].step_s - 0.03)
     assert chooser._corrections["fp16"] == pytest.approx(-0.03) and chooser.chosen == "fp16"
+    return chooser, engine, costs, wl
+
+
+def test_the_shift_comes_from_the_dense_modes_measured_on_any_link(monkeypatch):
+    """The changing-link case on the quickstart MLP: fp16, measured at a fast link, ran 30 ms under
+    the raw model (the warm-up's slow compute). The link falls; the shift still comes from fp16
+    (``shift_from``), not from ``lowrank``, picked next and only 5 ms under the raw model (its own
+    cost): so Top-k, predicted with fp16's speed-up, is measured next and kept. With the shift taken
+    from ``lowrank`` (the least speed-up on this link, the earlier rule) Top-k would be predicted
+    25 ms slower, above ``lowrank``'s measured time per unit of progress, and never tried."""
+    from auto_oracle import step_by_hand
+
+    chooser, engine, costs, wl = _fp16_measured_on_a_fast_link(monkeypatch)
     slow = NetworkModel(1e-4, 8 / 1e7)  # 10 Mbit/s: fp16's correction is stale here
     engine.network.model = slow
     chooser._decide(10, "drift", probe=False)
@@ -505,6 +514,32 @@ def test_the_shift_comes_from_the_dense_modes_measured_on_any_link(monkeypatch):
     _window(chooser, 16, 1.0)
     _window(chooser, 18, raw("topk") - 0.02)
     assert chooser.chosen == "topk" and chooser._corrections["topk"] == pytest.approx(-0.02)
+
+
+def test_a_reference_window_far_off_a_measured_prediction_re_decides_instead_of_calibrating(monkeypatch):
+    """fp16 was measured on the fast link; a later decision keeps it, and the link falls before its
+    reference window: that window runs 10x its (measured) prediction. It is not taken as the
+    reference (it would hide the fall from every later window): auto re-decides with a probe
+    (trigger ``drift``) on the slow link. A method never measured on this link, off by as much in
+    its first window, is calibrated as usual."""
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=6)
+    chooser._decide(6, "periodic", probe=True)  # the link unchanged: fp16 kept, a new reference due
+    assert chooser.chosen == "fp16" and chooser._reference is None
+    fp16_pred = chooser.predictions["fp16"].step_s
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)  # the link falls to 10 Mbit/s
+    _window(chooser, 8, 1.0)  # settling
+    _window(chooser, 10, 10 * fp16_pred)  # 4 steps after the decision: within min_interval, skipped
+    assert chooser._reference is None and chooser.history[-1]["trigger"] == "periodic"
+    _window(chooser, 12, 10 * fp16_pred)
+    assert chooser._reference is None
+    h = chooser.history[-1]
+    assert h["trigger"] == "drift" and h["step"] == 12 and chooser.chosen == "lowrank"
+    assert h["network"][1] == pytest.approx(8 / 1e7)
+    _window(chooser, 14, 1.0)  # settling
+    lowrank_pred = chooser.predictions["lowrank"].step_s
+    _window(chooser, 16, 3 * lowrank_pred)  # never measured on this link: its window calibrates it
+    assert h["measured_step_s"] == pytest.approx(3 * lowrank_pred)  # taken as its window, not as a drift
+    assert chooser.history[-1]["trigger"] == "calibration" and chooser._corrections["lowrank"] > 0
 
 
 def test_compute_shift_is_validated():

@@ -625,7 +625,17 @@ class AutoChooser(StepParticipant):
         if self._settling:  # the first window after a decision holds the switch itself: not a reference
             self._settling = False
             return
+        last = self._last_decision_step if self._last_decision_step is not None else -10**9
         if self._reference is None:
+            if self._link_moved_under(med):
+                # not a reference: a step measured across a link change would hide that change from
+                # every later window. Re-decided with a probe, at most once per min_interval steps
+                if step - last >= self.config.min_interval:
+                    rank_zero_info(f"lightning_gc auto: {self.chosen!r} ran {1e3 * med:.1f} ms, predicted "
+                                   f"{1e3 * self.predictions[self.chosen].step_s:.1f} ms from its own measured "
+                                   f"step on this link: the link moved, re-deciding")
+                    self._decide(step, "drift", probe=True, check_link=False, drift_wall_s=med)
+                return
             self._reference = med
             if self.history:
                 self.history[-1]["measured_step_s"] = med
@@ -635,7 +645,6 @@ class AutoChooser(StepParticipant):
         self._drifted = self._drifted + 1 if moved else 0
         sv = self.config.severe_drift
         severe = bool(sv) and self._reference > 0 and med > 0 and max(med / self._reference, self._reference / med) >= sv
-        last = self._last_decision_step if self._last_decision_step is not None else -10**9
         if self.config.probe_every and step - last >= self.config.probe_every:
             self._decide(step, "periodic", probe=True)
             return
@@ -931,6 +940,26 @@ class AutoChooser(StepParticipant):
             if t <= limit and t < best_t:
                 best, best_t = name, t
         return best
+
+    def _link_moved_under(self, measured_s: float) -> bool:
+        """Whether a reference window's median is ``severe_drift`` times or more off the running
+        method's prediction although that prediction carried the method's own correction, measured
+        in a window on this link: then the window, not the model, is what changed (the link moved
+        between the decision and the window). A method not yet measured so is expected to be off
+        (that is what its first window calibrates), and is never judged here.
+
+        Why: on the quickstart MLP, with the link falling from 1 Gbit/s to 10 Mbit/s at step 100,
+        auto switched to fp16 (measured before, 19.5 ms) at step 100; the switch's reference window
+        fell on the slow link and read 222 ms, and that became the drift reference, so no later
+        window looked drifted: fp16 ran 222 ms steps until the periodic re-probe at step 200, where
+        Top-k ran 36 ms (docs/auto.md)."""
+        sv, chosen = self.config.severe_drift, self.chosen
+        if not sv or chosen is None or not self.history or chosen not in self.predictions:
+            return False
+        calibrated = chosen in (self.history[-1].get("corrections") or {}) and chosen in self._windowed()
+        predicted = self.predictions[chosen].step_s
+        return calibrated and predicted > 0 and measured_s > 0 and max(measured_s / predicted,
+                                                                         predicted / measured_s) >= sv
 
     def _shift_basis(self, valid: dict[str, float], settled: list[str]) -> list[str]:
         """The methods whose corrections the compute shift is taken from (:func:`compute_shift`):
