@@ -542,6 +542,30 @@ def test_a_reference_window_far_off_a_measured_prediction_re_decides_instead_of_
     assert chooser.history[-1]["trigger"] == "calibration" and chooser._corrections["lowrank"] > 0
 
 
+def test_the_periodic_re_probe_counts_from_the_last_look_at_the_link(monkeypatch):
+    """probe_every (20) counts from the last decision that probed (the warm-up at step 0 here), not
+    from a calibration (step 4) or a ``gain`` re-decision (step 12), which do not look at the link:
+    the periodic re-probe comes at step 20, not 32; a checkpoint carries the count."""
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, probe_every=20)
+    assert [(h["step"], h["trigger"]) for h in chooser.history] == [(0, "warmup"), (4, "calibration")]
+    chooser._decide(12, "gain", probe=False)
+    assert chooser.chosen == "fp16"
+    _window(chooser, 14, 1.0)  # settling
+    ref = chooser.predictions["fp16"].step_s
+    _window(chooser, 16, ref)  # reference
+    state = copy.deepcopy(chooser.state_dict())  # a checkpoint: saved as it is now
+    _window(chooser, 18, ref)
+    assert chooser.history[-1]["trigger"] == "gain"
+    _window(chooser, 20, ref)
+    assert (chooser.history[-1]["step"], chooser.history[-1]["trigger"]) == (20, "periodic")
+    resumed, _, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, probe_every=20)
+    resumed.load_state_dict(state)
+    assert resumed.history[-1]["trigger"] == "gain"
+    _window(resumed, 18, ref)
+    _window(resumed, 20, ref)
+    assert (resumed.history[-1]["step"], resumed.history[-1]["trigger"]) == (20, "periodic")
+
+
 def test_compute_shift_is_validated():
     from lightning_gc.auto.chooser import AutoConfig
 
@@ -828,8 +852,6 @@ def test_a_gain_re_measurement_waits_until_a_trial_window_is_measured(monkeypatc
     window, or a method an exploration installed) is not taken until that window has been measured;
     before and after a trial it is taken when due. The ``cnn`` case at 1 Gbit/s: the first
     re-measurement (20 steps after the warm-up's) came inside DDP's trial and cut it short."""
-    import copy
-
     chooser, _ = _dense_pair_chooser(monkeypatch, 0.15)
     chooser._last_gain_step = 1  # the warm-up's errors, measured on step 1
     due = 1 + chooser.config.gain_first - 1  # by hand: gain_first (20) steps after step 1's sample

@@ -210,11 +210,15 @@ class AutoConfig:
             of the window moved, so a single slow step (a validation, a pause) does not trigger it;
             a false trigger costs one probe and usually keeps the method.
         min_interval: steps between two decisions at least.
-        probe_every: re-probe and decide again this many steps after the last decision even without
-            drift (0: never): a link that gets faster may not move the step of a compressed method
-            much (measured: Top-k-like ``lowrank`` kept its step when a 10 Mbit/s link went back to
-            1 Gbit/s, and auto stayed on it). Costs a probe (small on fast links; about one dense
-            step's traffic on slow ones), or only a link check (``probe_check``).
+        probe_every: re-probe and decide again this many steps after the last decision that looked at
+            the link (a probe or a link check: warm-up, drift, periodic; not a calibration, a trial or a
+            ``gain`` re-decision) even without drift (0: never): a link that gets faster may not move
+            the step of a compressed method much (measured: Top-k-like ``lowrank`` kept its step when
+            a 10 Mbit/s link went back to 1 Gbit/s, and auto stayed on it). Costs a probe (small on
+            fast links; about one dense step's traffic on slow ones), or only a link check
+            (``probe_check``). Counted from any decision before, a ``gain`` re-decision at step 172
+            put the re-probe at step 273 on the quickstart MLP, 73 steps into a link back at 1 Gbit/s
+            that Top-k's step did not show (docs/auto.md).
         probe_check: a periodic or (moderate) drift re-decision first sends one message of the last probe's
             size (after its small partner, as in the probe) and compares its time with that
             probe's: within this factor either way, the link is taken as unchanged and the decision
@@ -478,6 +482,9 @@ class AutoChooser(StepParticipant):
         self._drifted = 0
         self._window: list[float] = []
         self._last_decision_step: int | None = None
+        # the last decision that looked at the link (a probe, a link check, a dense step's β): the
+        # periodic re-probe counts from it, not from a calibration's, a trial's or a gain re-decision's
+        self._last_link_step: int | None = None
         self._stamps: dict[int, float] = {}
         self._t_start = self._t_fwd = self._t_closure_end = 0.0
         self._t_prev_end: float | None = None
@@ -645,7 +652,8 @@ class AutoChooser(StepParticipant):
         self._drifted = self._drifted + 1 if moved else 0
         sv = self.config.severe_drift
         severe = bool(sv) and self._reference > 0 and med > 0 and max(med / self._reference, self._reference / med) >= sv
-        if self.config.probe_every and step - last >= self.config.probe_every:
+        last_link = self._last_link_step if self._last_link_step is not None else last
+        if self.config.probe_every and step - last_link >= self.config.probe_every:
             self._decide(step, "periodic", probe=True)
             return
         if (self._drifted >= self.config.patience or severe) and step - last >= self.config.min_interval:
@@ -843,6 +851,8 @@ class AutoChooser(StepParticipant):
         if best != previous or trigger != "calibration":  # a calibration that keeps the method keeps its reference
             self._reference, self._drifted, self._window, self._settling = None, 0, [], True
         self._last_decision_step = step
+        if probe or dense_wall_s is not None:
+            self._last_link_step = step
         entry = {"step": step, "trigger": trigger, "chosen": best, "previous": previous,
                  "network": [self.network.alpha_s, self.network.beta_s_per_byte], "probe_bytes": self.probe_bytes,
                  "beta_scale": self.beta_scale, "link_check": link_check, "network_source": source,
@@ -1067,7 +1077,7 @@ class AutoChooser(StepParticipant):
             "reference": self._reference, "drifted": self._drifted, "settling": self._settling,
             "corrections": dict(self._corrections), "explore_left": self._explore_left,
             "correction_beta": dict(self._correction_beta),
-            "last_decision_step": self._last_decision_step,
+            "last_decision_step": self._last_decision_step, "last_link_step": self._last_link_step,
             "last_gain_step": self._last_gain_step, "gain_checks": self.gain_checks, "beta_scale": self.beta_scale,
             "sampling": bool(self._sample_handles), "warmup_steps": int(self.engine.config.warmup_steps),
             "probe_bytes": self.probe_bytes, "probe_time_s": self.probe_time_s,
@@ -1096,6 +1106,8 @@ class AutoChooser(StepParticipant):
         self._correction_beta = {str(k): float(v) for k, v in state.get("correction_beta", {}).items()}
         self._explore_left = int(state.get("explore_left", self.config.explore))
         self._last_decision_step = state.get("last_decision_step")
+        # written before the periodic re-probe counted from the last look at the link: the last decision
+        self._last_link_step = state.get("last_link_step", self._last_decision_step)
         # written before the errors were re-measured: the last decision's step stands for the last measurement
         self._last_gain_step = state.get("last_gain_step", self._last_decision_step)
         self.gain_checks = list(state.get("gain_checks", []))
