@@ -566,6 +566,16 @@ def test_the_periodic_re_probe_counts_from_the_last_look_at_the_link(monkeypatch
     assert (resumed.history[-1]["step"], resumed.history[-1]["trigger"]) == (20, "periodic")
 
 
+def test_the_state_is_a_snapshot(monkeypatch):
+    """state_dict() is the state of its moment: later decisions do not change a dict already taken."""
+    chooser, _, _, _ = _fp16_measured_on_a_fast_link(monkeypatch)
+    state = chooser.state_dict()
+    n = len(state["history"])
+    chooser._decide(12, "gain", probe=False)
+    chooser.history[0]["chosen"] = "changed"
+    assert len(state["history"]) == n and state["history"][0]["chosen"] == "fp16"
+
+
 def test_compute_shift_is_validated():
     from lightning_gc.auto.chooser import AutoConfig
 

@@ -48,6 +48,7 @@ Everything a decision used is in :attr:`AutoChooser.history` (checkpointed, repl
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import statistics
@@ -1070,7 +1071,8 @@ class AutoChooser(StepParticipant):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         return {
-            "version": 2, "chosen": self.chosen, "history": self.history,
+            # copies: the state of this moment, not lists that later decisions append to
+            "version": 2, "chosen": self.chosen, "history": copy.deepcopy(self.history),
             "workload": self.workload.as_dict() if self.workload is not None else None,
             "costs": [c.as_dict() for c in self.costs] if self.costs is not None else None,
             "network": [self.network.alpha_s, self.network.beta_s_per_byte] if self.network is not None else None,
@@ -1078,7 +1080,7 @@ class AutoChooser(StepParticipant):
             "corrections": dict(self._corrections), "explore_left": self._explore_left,
             "correction_beta": dict(self._correction_beta),
             "last_decision_step": self._last_decision_step, "last_link_step": self._last_link_step,
-            "last_gain_step": self._last_gain_step, "gain_checks": self.gain_checks, "beta_scale": self.beta_scale,
+            "last_gain_step": self._last_gain_step, "gain_checks": copy.deepcopy(self.gain_checks), "beta_scale": self.beta_scale,
             "sampling": bool(self._sample_handles), "warmup_steps": int(self.engine.config.warmup_steps),
             "probe_bytes": self.probe_bytes, "probe_time_s": self.probe_time_s,
         }
