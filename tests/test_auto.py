@@ -137,6 +137,8 @@ def test_a_resumed_run_keeps_the_choice_and_is_exact(tmp_path):
     (dict(compressor="auto", auto={"gain_first": -1}), "auto_gain_first=-1 must be an integer >= 0"),
     (dict(compressor="auto", auto={"early_comm_ratio": -0.5}), "auto_early_comm_ratio=-0.5 must be a finite"),
     (dict(compressor="auto", auto={"gain_drift": float("nan")}), "auto_gain_drift=nan must be a finite number"),
+    (dict(compressor="auto", auto={"explore_margin": 1.0}), r"auto_explore_margin=1.0 must be a number in \[0, 1\)"),
+    (dict(compressor="auto", auto={"explore_margin": -0.1}), r"auto_explore_margin=-0.1 must be a number in \[0, 1\)"),
 ])
 def test_bad_auto_settings_are_refused_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -360,6 +360,31 @@ def test_a_method_slower_than_modelled_is_charged_alone_and_the_runner_up_is_mea
         other.load_state_dict({**state, "version": 1})
 
 
+def test_a_calibration_explores_only_on_a_lead_of_explore_margin(monkeypatch):
+    """After lowrank's window, Top-k (unmeasured) leads lowrank's measured time per unit of progress
+    by some fraction L (by hand from the recorded predictions). With explore_margin just under L it is
+    explored (one of the budget spent); just over L the calibration stays on lowrank and keeps the
+    budget. The oracle is the lead itself, computed from the predictions, not from the chooser."""
+    from dataclasses import replace
+
+    def run(margin):
+        chooser, engine = _slow_link_chooser(monkeypatch, 1)
+        chooser.config = replace(chooser.config, explore_margin=margin)
+        raw = chooser.predictions["lowrank"].step_s
+        _window(chooser, 4, 1.0)
+        _window(chooser, 6, raw + 0.03)
+        return chooser
+
+    probe = run(0.0)
+    tpp = {k: p.time_per_progress_s for k, p in probe.predictions.items()}
+    lead = 1.0 - tpp["topk"] / tpp["lowrank"]
+    assert probe.chosen == "topk" and 0.05 < lead < 0.95  # the premise: a real lead, explored at margin 0
+    under, over = run(lead - 0.01), run(lead + 0.01)
+    assert under.chosen == "topk" and under._explore_left == 0
+    assert over.chosen == "lowrank" and over._explore_left == 1
+    assert over.history[-1]["trigger"] == "calibration" and over.history[-1]["chosen"] == "lowrank"
+
+
 def test_compute_shift_is_the_smallest_speed_up_every_settled_method_showed():
     from lightning_gc.auto.model import compute_shift
 
