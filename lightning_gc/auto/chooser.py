@@ -242,16 +242,18 @@ class AutoConfig:
             favours them, per probed decision; 0 settles on the measured methods at once. Measured:
             with one correction for all compressed methods (no exploration), auto kept ``lowrank``
             at 1.24x Top-k's step on the quickstart MLP at 20 Mbit/s.
-        explore_margin: an exploration after a calibration installs a method not yet measured on
-            this link only if its (optimistic, shifted) prediction per unit of progress is at least
-            this fraction below the best measured method's; else auto stays among the measured ones.
+        explore_margin: a decision installs a method not yet measured on this link only if its
+            (optimistic, shifted) prediction per unit of progress is at least this fraction below
+            that of the best method measured in a window on this link; else it takes that method.
             Why: the raw model leaves out what a real path adds, so a small predicted lead is mostly
             the model's optimism, and a window on the wrong method costs its steps and, for a lossy
             one, progress. On the quickstart MLP at 20 Mbit/s auto explored EF-signSGD on a 3 % lead
             over Top-k's measured figure (10 steps, then back to Top-k) and reached the target 1.75x
-            later than static Top-k; the explorations that paid in these runs led by 18-36 %
-            (docs/auto.md). Probed decisions (warm-up, drift, periodic) and ``gain`` re-decisions
-            choose by the plain minimum.
+            later than static Top-k; with the margin on calibrations only, the next periodic
+            re-decision (link unchanged, the same predictions) installed it on a 1.8 % lead. The
+            explorations that paid in these runs led by 12-36 % (``lm``'s move to Top-k at a ``gain``
+            re-decision: 11.9 %) (docs/auto.md). Without a method measured in a window on this link
+            (the warm-up, a link that moved) the plain minimum decides.
         gain_every: every this many steps after the last measurement of the candidates' errors, the
             next step's local gradients are copied (post-accumulate-grad hooks; nothing is sent) and
             every candidate's ``delta2`` is measured on them again, between steps (0: only at the
@@ -859,9 +861,10 @@ class AutoChooser(StepParticipant):
                                       self.config.progress_weight, explore=explore, shift_s=shift, settled=settled)
         if force is not None:  # a dense sibling's trial window (see _dense_sibling): every prediction as usual
             best = force
-        elif trigger == "calibration" and best not in valid:
-            best = self._explore_or_stay(best, preds, valid)
-            if best not in valid:
+        else:
+            if best not in valid:  # an unmeasured method: it must lead the measured ones by explore_margin
+                best = self._explore_or_stay(best, preds, settled)
+            if trigger == "calibration" and best not in valid:
                 self._explore_left -= 1
         previous = self.chosen
         if best != previous:
@@ -898,11 +901,12 @@ class AutoChooser(StepParticipant):
             rank_zero_info(head + f"chose {best!r}" + (f" (was {previous!r})" if previous else "") + "\n"
                            + table(preds, best))
 
-    def _explore_or_stay(self, best: str, preds: dict, valid: dict[str, float]) -> str:
-        """``best``, an unmeasured method a calibration's choice would explore, if its predicted time
-        per unit of progress leads the best measured method's by at least ``explore_margin``; else
-        that measured method (ties to the earlier candidate)."""
-        measured = [c for c in self.config.candidates if c in valid and c in preds]
+    def _explore_or_stay(self, best: str, preds: dict, settled: list[str]) -> str:
+        """``best``, an unmeasured method the plain minimum would install, if its predicted time per
+        unit of progress leads the best method measured in a window on this link (``settled``) by at
+        least ``explore_margin``; else that measured method (ties to the earlier candidate). Without
+        such a method (the warm-up, a link that moved) the plain minimum stands."""
+        measured = [c for c in self.config.candidates if c in settled and c in preds]
         if not measured:
             return best
         stay = min(measured, key=lambda c: preds[c].time_per_progress_s)
