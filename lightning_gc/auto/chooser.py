@@ -245,15 +245,20 @@ class AutoConfig:
         explore_margin: a decision installs a method not yet measured on this link only if its
             (optimistic, shifted) prediction per unit of progress is at least this fraction below
             that of the best method measured in a window on this link; else it takes that method.
+            Not for a ``gain`` re-decision, which acts on re-measured errors (new information about
+            the measured methods themselves): on ``lm`` at 100 Mbit/s the move from ``lowrank`` to
+            Top-k at step 71, which made auto reach the target 0.98x the 16-bit hook's time in one
+            run, led by 6.3 % in the next; with the margin there too auto stayed on ``lowrank`` until
+            step 221 and took 1.28x.
             Why: the raw model leaves out what a real path adds, so a small predicted lead is mostly
             the model's optimism, and a window on the wrong method costs its steps and, for a lossy
             one, progress. On the quickstart MLP at 20 Mbit/s auto explored EF-signSGD on a 3 % lead
             over Top-k's measured figure (10 steps, then back to Top-k) and reached the target 1.75x
             later than static Top-k; with the margin on calibrations only, the next periodic
             re-decision (link unchanged, the same predictions) installed it on a 1.8 % lead. The
-            explorations that paid in these runs led by 12-36 % (``lm``'s move to Top-k at a ``gain``
-            re-decision: 11.9 %) (docs/auto.md). Without a method measured in a window on this link
-            (the warm-up, a link that moved) the plain minimum decides.
+            explorations after a calibration that paid in these runs led by 18-36 % (docs/auto.md).
+            Without a method measured in a window on this link (the warm-up, a link that moved) the
+            plain minimum decides.
         gain_every: every this many steps after the last measurement of the candidates' errors, the
             next step's local gradients are copied (post-accumulate-grad hooks; nothing is sent) and
             every candidate's ``delta2`` is measured on them again, between steps (0: only at the
@@ -862,7 +867,7 @@ class AutoChooser(StepParticipant):
         if force is not None:  # a dense sibling's trial window (see _dense_sibling): every prediction as usual
             best = force
         else:
-            if best not in valid:  # an unmeasured method: it must lead the measured ones by explore_margin
+            if best not in valid and trigger != "gain":  # an unmeasured method must lead by explore_margin
                 best = self._explore_or_stay(best, preds, settled)
             if trigger == "calibration" and best not in valid:
                 self._explore_left -= 1
