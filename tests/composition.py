@@ -103,12 +103,12 @@ def design() -> list[dict[str, Any]]:
     # time after 2 (gain_first) in the first case; in
     # the second case the first dense step ends the warm-up (any wait on the network counts), and compute_shift
     # (which acts only after a calibrated window) travels switched off, and the opt-in topk3 is a candidate. The first also
-    # reads β from the warm-up's DDP step (any exposed wait counts) and explores on any lead (explore_margin 0): its
+    # reads β from the warm-up's DDP step (any exposed wait counts) and explores only on a 10 % lead (explore_margin 0.1): its
     # pick varies with timing, and when it
     # is low rank the checkpoint falls inside its run, so the slot's warm start Q̄ must be checkpointed
     auto = [{**base, "compressor": "auto", "resume": "resumed", **extra} for extra in
             ({"auto_options": {"gain_every": 3, "gain_first": 2, "gain_drift": 0.0, "family_margin": 0.5,
-                               "dense_probe_s": 1e-9, "probe_check": 2.0, "explore_margin": 0.0}},
+                               "dense_probe_s": 1e-9, "probe_check": 2.0, "explore_margin": 0.1}},
              {"accumulate": 2, "precision": "bf16-mixed", "optimizer": "adamw_clip",
               "auto_options": {"gain_every": 3, "gain_drift": 0.0, "early_comm_ratio": 1e-9,
                                "compute_shift": False,

@@ -258,7 +258,12 @@ class AutoConfig:
             re-decision (link unchanged, the same predictions) installed it on a 1.8 % lead. The
             explorations after a calibration that paid in these runs led by 18-36 % (docs/auto.md).
             Without a method measured in a window on this link (the warm-up, a link that moved) the
-            plain minimum decides.
+            plain minimum decides. Off (0) by default: on the quickstart MLP at 20 Mbit/s 0.1 brought
+            auto's time to target to 1.06/1.10/1.07x the best static method's against 1.18/1.16/1.12x
+            with 0 (3 rounds, one run), but on ``lm`` at 100 Mbit/s it kept ``lowrank`` after a drift
+            re-decision where fp16, predicted 2.6 % ahead, was the better method (1.63x the 16-bit
+            hook's time, against 0.98x in an earlier run without it). Try 0.1 where the candidates'
+            steps are close and a wrong lossy pick costs progress.
         gain_every: every this many steps after the last measurement of the candidates' errors, the
             next step's local gradients are copied (post-accumulate-grad hooks; nothing is sent) and
             every candidate's ``delta2`` is measured on them again, between steps (0: only at the
@@ -328,7 +333,7 @@ class AutoConfig:
     probe_check: float = 1.5
     dense_probe_s: float = 0.1
     explore: int = 2
-    explore_margin: float = 0.1
+    explore_margin: float = 0.0
     gain_every: int = 50
     gain_first: int = 20
     gain_drift: float = 0.1
