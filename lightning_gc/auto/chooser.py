@@ -245,25 +245,19 @@ class AutoConfig:
         explore_margin: a decision installs a method not yet measured on this link only if its
             (optimistic, shifted) prediction per unit of progress is at least this fraction below
             that of the best method measured in a window on this link; else it takes that method.
-            Not for a ``gain`` re-decision, which acts on re-measured errors (new information about
-            the measured methods themselves): on ``lm`` at 100 Mbit/s the move from ``lowrank`` to
-            Top-k at step 71, which made auto reach the target 0.98x the 16-bit hook's time in one
-            run, led by 6.3 % in the next; with the margin there too auto stayed on ``lowrank`` until
-            step 221 and took 1.28x.
-            Why: the raw model leaves out what a real path adds, so a small predicted lead is mostly
-            the model's optimism, and a window on the wrong method costs its steps and, for a lossy
-            one, progress. On the quickstart MLP at 20 Mbit/s auto explored EF-signSGD on a 3 % lead
-            over Top-k's measured figure (10 steps, then back to Top-k) and reached the target 1.75x
-            later than static Top-k; with the margin on calibrations only, the next periodic
-            re-decision (link unchanged, the same predictions) installed it on a 1.8 % lead. The
-            explorations after a calibration that paid in these runs led by 18-36 % (docs/auto.md).
-            Without a method measured in a window on this link (the warm-up, a link that moved) the
-            plain minimum decides. Off (0) by default: on the quickstart MLP at 20 Mbit/s 0.1 brought
-            auto's time to target to 1.06/1.10/1.07x the best static method's against 1.18/1.16/1.12x
-            with 0 (3 rounds, one run), but on ``lm`` at 100 Mbit/s it kept ``lowrank`` after a drift
-            re-decision where fp16, predicted 2.6 % ahead, was the better method (1.63x the 16-bit
-            hook's time, against 0.98x in an earlier run without it). Try 0.1 where the candidates'
-            steps are close and a wrong lossy pick costs progress.
+            Without such a method (the warm-up, a link that moved) the plain minimum decides, and a
+            ``gain`` re-decision always does: it acts on re-measured errors, new information about
+            the measured methods themselves. Why: the raw model leaves out what a real path adds,
+            so a small predicted lead is often the model's optimism, and a window on the wrong
+            method costs its steps and, for a lossy one, progress. Off (0) by default, measured
+            (docs/auto.md): on the quickstart MLP at 20 Mbit/s, where auto had explored EF-signSGD on
+            a 3 % lead and reached the target 1.75x later than static Top-k, 0.1 gave 1.06/1.10/1.07x
+            the best static method's time against 1.18/1.16/1.12x with 0 (3 rounds, one run); on
+            ``lm`` at 100 Mbit/s 0.1 kept ``lowrank`` after a drift re-decision where fp16, predicted
+            2.6 % ahead, was the better method (1.63x the 16-bit hook's time; 0.98x in an earlier run
+            without it), and applied to ``gain`` re-decisions too it held ``lowrank`` against
+            Top-k's 6.3 % lead (1.28x). Try 0.1 where the candidates' steps are close and a wrong
+            lossy pick costs progress.
         gain_every: every this many steps after the last measurement of the candidates' errors, the
             next step's local gradients are copied (post-accumulate-grad hooks; nothing is sent) and
             every candidate's ``delta2`` is measured on them again, between steps (0: only at the
@@ -390,8 +384,8 @@ class AutoConfig:
         em = self.explore_margin
         if isinstance(em, bool) or not isinstance(em, (int, float)) or not math.isfinite(em) or not 0 <= em < 1:
             raise ValueError(f"auto_explore_margin={em!r} must be a number in [0, 1) (a relative lead, e.g. 0.1: an "
-                             "unmeasured method is explored after a calibration only if predicted 10% faster per "
-                             "unit of progress than the best measured one; 0: any lead).")
+                             "unmeasured method replaces the best measured one only if predicted 10% faster per "
+                             "unit of progress; 0: any lead, the default).")
         fm = self.family_margin
         if isinstance(fm, bool) or not isinstance(fm, (int, float)) or not math.isfinite(fm) or fm < 0:
             raise ValueError(f"auto_family_margin={fm!r} must be a finite number >= 0 (a relative margin, e.g. 0.15; "
