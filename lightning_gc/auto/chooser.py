@@ -161,6 +161,11 @@ def check_bytes(network: NetworkModel, cap: int) -> int:
     return size
 
 
+def factor_apart(a: float, b: float, factor: float) -> bool:
+    """Whether two positive times are ``factor`` or more apart, either way (a severe drift)."""
+    return a > 0 and b > 0 and max(a / b, b / a) >= factor
+
+
 def link_unchanged(check_s: float, probe_s: float, factor: float) -> bool:
     """Whether a link check's message time ``check_s`` says the link is the one last probed, whose
     same-size message took ``probe_s``: within ``factor`` of it either way (``factor`` > 1).
@@ -674,7 +679,7 @@ class AutoChooser(StepParticipant):
         moved = abs(med - self._reference) / self._reference > self.config.drift if self._reference > 0 else False
         self._drifted = self._drifted + 1 if moved else 0
         sv = self.config.severe_drift
-        severe = bool(sv) and self._reference > 0 and med > 0 and max(med / self._reference, self._reference / med) >= sv
+        severe = bool(sv) and factor_apart(med, self._reference, sv)
         last_link = self._last_link_step if self._last_link_step is not None else last
         if self.config.probe_every and step - last_link >= self.config.probe_every:
             self._decide(step, "periodic", probe=True)
@@ -858,8 +863,9 @@ class AutoChooser(StepParticipant):
             self._explore_left = self.config.explore
         explore = trigger not in ("calibration", "family") or self._explore_left > 0
         valid = self._valid_corrections()
-        settled = sorted(self._windowed() & set(valid))
-        shift_from = self._shift_basis(valid, settled)
+        windowed = self._windowed()
+        settled = sorted(windowed & set(valid))
+        shift_from = self._shift_basis(windowed, settled)
         shift = compute_shift([self._corrections[m] for m in shift_from]) if self.config.compute_shift else 0.0
         best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
                                       self.config.progress_weight, explore=explore, shift_s=shift, settled=settled)
@@ -1005,14 +1011,12 @@ class AutoChooser(StepParticipant):
         if not sv or chosen is None or not self.history or chosen not in self.predictions:
             return False
         calibrated = chosen in (self.history[-1].get("corrections") or {}) and chosen in self._windowed()
-        predicted = self.predictions[chosen].step_s
-        return calibrated and predicted > 0 and measured_s > 0 and max(measured_s / predicted,
-                                                                         predicted / measured_s) >= sv
+        return calibrated and factor_apart(measured_s, self.predictions[chosen].step_s, sv)
 
-    def _shift_basis(self, valid: dict[str, float], settled: list[str]) -> list[str]:
+    def _shift_basis(self, windowed: set[str], settled: list[str]) -> list[str]:
         """The methods whose corrections the compute shift is taken from (:func:`compute_shift`):
-        the dense modes measured in a window of their own, on any link, if there are any; else every
-        method measured in a window on this link (``settled``).
+        the dense modes measured in a window of their own (``windowed``), on any link, if there are
+        any; else every method measured in a window on this link (``settled``).
 
         Why the dense modes: the warm-up profiled a DDP step and fitted ``other`` to it, so a dense
         mode's path is the one the raw model describes best, and its correction is mostly what the
@@ -1024,7 +1028,7 @@ class AutoChooser(StepParticipant):
         predicted 53.6 ms, where static Top-k ran 38 ms in the same run, and was never tried
         (docs/auto.md). A dense correction measured on another link still counts: it is the
         compute part that carries over, and taking the least speed-up keeps it conservative."""
-        dense = sorted(m for m in self._windowed() if m in self._corrections and candidate(m).compressor is None)
+        dense = sorted(m for m in windowed if m in self._corrections and candidate(m).compressor is None)
         return dense if dense else list(settled)
 
     def _valid_corrections(self) -> dict[str, float]:
