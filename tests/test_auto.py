@@ -8,6 +8,7 @@ chooser recorded (agreed across ranks) with the hand-written equations of tests/
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import lightning as L
@@ -204,6 +205,34 @@ def test_the_first_re_measurement_comes_after_gain_first_steps_then_every_gain_e
     _, autos = _fit(tmp_path, _strategy(gain_every=9, gain_first=5, gain_drift=0.0))
     for a in autos:
         assert [c["step"] for c in a["gain_checks"]] == [6, 15], a["gain_checks"]
+
+
+class SleepFrom(L.Callback):
+    """From global step ``start`` on, rank ``rank`` sleeps ``seconds`` after every training batch:
+    every later step of both ranks takes that much longer (rank 0 waits for rank 1's exchange)."""
+
+    def __init__(self, start: int, rank: int, seconds: float) -> None:
+        self.start, self.rank, self.seconds = start, rank, seconds
+
+    def on_train_batch_end(self, trainer, *_):
+        if trainer.global_rank == self.rank and trainer.global_step >= self.start:
+            time.sleep(self.seconds)
+
+
+def test_a_severe_drift_is_seen_within_severe_steps_on_every_rank_alike(tmp_path):
+    """8-step windows: the warm-up decides at step 1, the settling window ends at 9 and the reference
+    window at 17 (a calibration). From step 22 on, rank 1 sleeps 0.3 s per step (tens of times the
+    step). The every-step test (``severe_steps`` 3, each step's agreed wall read one step later)
+    re-decides at step 24, when the median of steps 21-23 holds two slow steps; the window test would
+    first see it at step 25. Both ranks record the same decisions."""
+    kw = dict(candidates=["ddp", "topk", "efsign"], window=8, explore=0, min_interval=3, gain_every=0,
+              severe_drift=5.0, severe_steps=3)
+    _, autos = _fit(tmp_path, _strategy(SLOWER_LINK, **kw), callbacks=[SleepFrom(22, 1, 0.3)], max_epochs=4)
+    assert autos[0]["history"] == autos[1]["history"]
+    hist = autos[0]["history"]
+    assert [(h["step"], h["trigger"]) for h in hist[:2]] == [(1, "warmup"), (17, "calibration")]
+    drifts = [(h["step"], h["trigger"], h["drift_test"]) for h in hist[2:]]
+    assert drifts[0] == (24, "drift", "steps"), drifts
 
 
 def test_monitor_reports_the_latest_measured_errors():

@@ -596,6 +596,80 @@ def test_the_periodic_re_probe_counts_from_the_last_look_at_the_link(monkeypatch
     assert (resumed.history[-1]["step"], resumed.history[-1]["trigger"]) == (20, "periodic")
 
 
+def _walls(chooser, walls):
+    """Step ends with these walls ({step: wall}), as after_optimizer_step feeds the every-step test."""
+    for step, wall in walls.items():
+        chooser._check_severe_steps(step, wall)
+
+
+@pytest.mark.parametrize("factor", [10.0, 0.3])
+def test_severe_drift_is_seen_within_severe_steps_of_the_change(monkeypatch, factor):
+    """fp16 runs at its reference (measured at step 4); from step 10 every step takes ``factor``
+    times as long (a link that fell tenfold, or a much faster one). Each step's agreed wall is read
+    at the next step's end, and the step right after a decision (5) is left out, so the median of
+    the last 3 (steps 9-11) is off by the factor at step 12: auto re-decides there with a probe
+    (trigger ``drift``, test ``steps``), where the 5-step windows would first see it at step 14 or
+    later. A single slow step does not move the median; ``min_interval`` holds the decision back;
+    ``severe_steps=0`` turns the test off."""
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    ref = chooser._reference
+    assert ref is not None and chooser._last_decision_step == 4 and chooser.chosen == "fp16"
+    if factor > 1:
+        engine.network.model = NetworkModel(1e-4, 8 / 1e7)  # the link falls to 10 Mbit/s
+    _walls(chooser, {s: ref for s in range(5, 10)} | {s: factor * ref for s in range(10, 12)})
+    assert chooser.history[-1]["step"] == 4  # the median of steps 8-10 still holds two steps at the reference
+    _walls(chooser, {12: factor * ref})
+    h = chooser.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"]) == (12, "drift", "steps")
+    if factor > 1:  # re-decided on the slow link: a compressed method
+        assert chooser.chosen == "lowrank" and h["network"][1] == pytest.approx(8 / 1e7)
+
+    one, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    _walls(one, {s: ref for s in range(5, 10)} | {10: factor * ref} | {s: ref for s in range(11, 20)})
+    assert one.history[-1]["step"] == 4  # one slow (or fast) step: no decision
+
+    held, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=10)
+    _walls(held, {s: ref for s in range(5, 10)} | {s: factor * ref for s in range(10, 14)})
+    assert held.history[-1]["step"] == 4  # within min_interval of step 4
+    _walls(held, {14: factor * ref})
+    assert (held.history[-1]["step"], held.history[-1]["drift_test"]) == (14, "steps")
+
+    off, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4, severe_steps=0)
+    _walls(off, {s: ref for s in range(5, 10)} | {s: factor * ref for s in range(10, 20)})
+    assert off.history[-1]["step"] == 4
+
+
+def test_before_its_reference_a_calibrated_method_is_judged_by_its_prediction_every_step(monkeypatch):
+    """A periodic decision at step 6 keeps fp16 (measured on this link): no reference until its
+    second window. The link falls at once; steps 8-10 (7 is the switch's step, left out) run 10x
+    fp16's prediction, which carried its own correction: at step 11 auto re-decides (test
+    ``steps``). The method it moves to, never measured on the slow link, runs 3x its raw
+    prediction: that is what its first window calibrates, not a drift, and nothing re-decides."""
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    chooser._decide(6, "periodic", probe=True)
+    assert chooser.chosen == "fp16" and chooser._reference is None
+    fp16_pred = chooser.predictions["fp16"].step_s
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)
+    _walls(chooser, {s: 10 * fp16_pred for s in range(7, 11)})
+    assert chooser.history[-1]["step"] == 6
+    _walls(chooser, {11: 10 * fp16_pred})
+    h = chooser.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"]) == (11, "drift", "steps") and chooser.chosen == "lowrank"
+    lowrank_pred = chooser.predictions["lowrank"].step_s
+    _walls(chooser, {s: 3 * lowrank_pred for s in range(12, 30)})
+    assert chooser.history[-1]["step"] == 11
+
+
+def test_every_step_severe_test_is_validated():
+    from lightning_gc.auto.chooser import AutoConfig
+
+    with pytest.raises(ValueError, match=r"auto_severe_steps=1 would re-decide on one slow step"):
+        AutoConfig(severe_steps=1)
+    with pytest.raises(ValueError, match=r"auto_severe_steps=-1 must be an integer >= 0"):
+        AutoConfig(severe_steps=-1)
+    assert AutoConfig(severe_steps=0).severe_steps == 0
+
+
 def test_the_state_is_a_snapshot(monkeypatch):
     """state_dict() is the state of its moment: later decisions do not change a dict already taken."""
     chooser, _, _, _ = _fp16_measured_on_a_fast_link(monkeypatch)

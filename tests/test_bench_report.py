@@ -303,6 +303,14 @@ def test_markdown_names_autos_pick_and_lists_its_decisions():
     assert "## What `auto` picked" not in report.markdown(doc)  # no auto, no section
 
 
+def test_a_drift_decision_names_the_test_that_saw_it():
+    drift = dict(_decision(40, "drift", "topk", 0.012, None, previous="fp16"), drift_test="steps")
+    doc = _auto_doc(record=_auto_record(_decision(0, "warmup", "fp16", 0.022, 0.023), drift))
+    report.validate_document(doc)
+    rows = [line for line in report.markdown(doc).splitlines() if line.startswith("| `auto` | ")]
+    assert [r.split(" | ")[1:3] for r in rows] == [["0", "warmup"], ["40", "drift (steps)"]]
+
+
 def test_a_re_decision_shows_the_sequence_and_a_run_without_a_decision_says_so():
     record = _auto_record(_decision(0, "warmup", "ddp", 0.04, 0.041), _decision(2, "drift", "ddp", 0.04, None),
                           _decision(3, "drift", "topk", 0.012, None, previous="ddp"))

@@ -21,7 +21,10 @@ when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
    ``severe_drift``× or more), at least ``min_interval`` steps after the
    last decision, re-probes the network and decides again from the stored compute and codec
    measurements (trigger ``"drift"``); the method is switched only if the choice changed (every
-   re-decision is in the history either way).
+   re-decision is in the history either way). The ``severe_drift`` test is also made every step,
+   on the median of the last ``severe_steps`` agreed step walls (an all-reduce issued at each
+   step's end and read at the next: ``_check_severe_steps``), so that a link that fell is seen
+   within a few steps rather than at the end of the window it fell in.
 5. **Calibrate**: the first reference window of a method sets *that method's* correction
    (measured − predicted step), and the choice is made again at once (trigger ``"calibration"``,
    no probe) by :func:`~lightning_gc.auto.model.choose_measured`: measured methods with their
@@ -64,7 +67,7 @@ from torch import Tensor
 from ..comm.cost_model import NetworkModel
 from ..comm.probe import ProbeConfig, probe_network
 from ..compressors import GroupContext
-from ..engine.agreement import agree_values
+from ..engine.agreement import agree_values, agree_values_async
 from ..engine.session import StepParticipant
 from .candidates import DEFAULT_CANDIDATES, AutoCandidate, candidate, measure_error, measure_method
 from .model import (
@@ -215,6 +218,16 @@ class AutoConfig:
             docs/auto.md, "A changing link"). A median of ``window`` steps moves by 2x only if most
             of the window moved, so a single slow step (a validation, a pause) does not trigger it;
             a false trigger costs one probe and usually keeps the method.
+        severe_steps: the same severe test, also made every step on the median of the last this many
+            steps (each step's wall agreed across ranks by an all-reduce issued at its end and read
+            at the next step's end, so the step never waits for it; the step right after a decision
+            is left out). Compared with the reference, or, before the reference window, with the
+            running method's prediction when that carries its own correction measured on this link
+            (the test of a reference window, ``_link_moved_under``). 0: windows only. Why: a window
+            check sees a fall only at the window's end, and with 5-step windows a dense mode ran 7
+            steps of ~220 ms on a link fallen to 10 Mbit/s before auto moved (quickstart MLP), where
+            Top-k runs ~37 ms; a median of 3 moves within 2-3 steps of the fall (plus the one step the
+            read lags), and one slow step (a validation, a checkpoint) does not move it. At least 2.
         min_interval: steps between two decisions at least.
         probe_every: re-probe and decide again this many steps after the last decision that looked at
             the link (a probe or a link check: warm-up, drift, periodic; not a calibration, a trial or a
@@ -327,6 +340,7 @@ class AutoConfig:
     drift: float = 0.3
     patience: int = 2
     severe_drift: float = 2.0
+    severe_steps: int = 3
     min_interval: int = 30
     probe_every: int = 100
     probe_check: float = 1.5
@@ -365,6 +379,10 @@ class AutoConfig:
         if isinstance(sv, bool) or not isinstance(sv, (int, float)) or not math.isfinite(sv) or not (sv == 0 or sv > 1):
             raise ValueError(f"auto_severe_drift={sv!r} must be 0 (off) or a factor > 1 (e.g. 2.0: a window at twice or "
                              "half the reference step re-decides at once).")
+        _int("severe_steps", self.severe_steps, 0, "Use 0 to test severe drift on windows only, or e.g. 3.")
+        if self.severe_steps == 1:
+            raise ValueError("auto_severe_steps=1 would re-decide on one slow step: a step's wall includes any "
+                             "validation or checkpoint before it. Use 0 (windows only) or at least 2 (e.g. 3).")
         _int("min_interval", self.min_interval, 1, "Use at least 1.")
         _int("probe_every", self.probe_every, 0, "Use 0 to re-decide on drift only.")
         dp = self.dense_probe_s
@@ -509,6 +527,10 @@ class AutoChooser(StepParticipant):
         self.beta_scale = 1.0
         self._drifted = 0
         self._window: list[float] = []
+        #: agreed step walls (MAX over ranks) for the every-step severe test (severe_steps), the oldest
+        #: first, and the all-reduce of the last step's wall still to be read (its step, its reader)
+        self._recent: list[float] = []
+        self._recent_pending: tuple[int, Callable[[], list[float]]] | None = None
         self._last_decision_step: int | None = None
         # the last decision that looked at the link (a probe, a link check, a dense step's β): the
         # periodic re-probe counts from it, not from a calibration's, a trial's or a gain re-decision's
@@ -612,6 +634,8 @@ class AutoChooser(StepParticipant):
         elif len(self._window) >= self.config.window:
             self._check_drift(step)
             self._t_prev_end = time.perf_counter()
+        if wall is not None and self._last_decision_step != step:
+            self._check_severe_steps(step, wall)
         if self._gain_due(step):
             self._arm_sample()
 
@@ -653,6 +677,40 @@ class AutoChooser(StepParticipant):
                                               self.engine.device)
         return not missing and exposed > 0.0 and exposed >= ratio * rest
 
+    def _check_severe_steps(self, step: int, wall: float) -> None:
+        """The every-step severe test (``severe_steps``; see :class:`AutoConfig`). Reads the agreed
+        wall of the step before (issued there; complete by now), issues this step's, and re-decides
+        with a probe (trigger ``drift``) when the median of the last ``severe_steps`` agreed walls is
+        ``severe_drift`` or more off the reference (or off a calibrated prediction, before the
+        reference window), at least ``min_interval`` steps after the last decision. Every input is
+        agreed, so every rank takes the same path."""
+        n, sv, engine = self.config.severe_steps, self.config.severe_drift, self.engine
+        if not n or not sv:
+            return
+        last = self._last_decision_step if self._last_decision_step is not None else -10**9
+        if self._recent_pending is not None:
+            at, read = self._recent_pending
+            self._recent_pending = None
+            value = read()[0]
+            if at > last + 1:  # not the decision's step, nor the switch's first step
+                self._recent = (self._recent + [value])[-n:]
+        self._recent_pending = (step, agree_values_async([wall], "max", engine.process_group, engine.device))
+        if len(self._recent) < n or step - last < self.config.min_interval:
+            return
+        med = statistics.median(self._recent)
+        if self._reference is not None:
+            if not factor_apart(med, self._reference, sv):
+                return
+            basis = f"{1e3 * self._reference:.1f} ms after the last decision"
+        elif self._link_moved_under(med):
+            basis = f"{1e3 * self.predictions[self.chosen].step_s:.1f} ms predicted from its own measured step"
+        else:
+            return
+        rank_zero_info(f"lightning_gc auto: the last {n} steps ran {1e3 * med:.1f} ms (median) against {basis} "
+                       f"(at least {sv:g}x apart): re-deciding")
+        self._decide(step, "drift", probe=True, check_link=False, drift_wall_s=med, detail="steps")
+        self._t_prev_end = time.perf_counter()  # the decision is not a step
+
     def _check_drift(self, step: int) -> None:
         engine = self.engine
         med = agree_values([statistics.median(self._window)], "max", engine.process_group, engine.device)[0]
@@ -669,7 +727,8 @@ class AutoChooser(StepParticipant):
                     rank_zero_info(f"lightning_gc auto: {self.chosen!r} ran {1e3 * med:.1f} ms, predicted "
                                    f"{1e3 * self.predictions[self.chosen].step_s:.1f} ms from its own measured "
                                    f"step on this link: the link moved, re-deciding")
-                    self._decide(step, "drift", probe=True, check_link=False, drift_wall_s=med)
+                    self._decide(step, "drift", probe=True, check_link=False, drift_wall_s=med,
+                                 detail="reference_window")
                 return
             self._reference = med
             if self.history:
@@ -691,7 +750,7 @@ class AutoChooser(StepParticipant):
                            f"decision ({why}): re-deciding")
             # a window at severe_drift x or more: the link most likely moved, and a check would only add
             # its message to the full probe (on a link that fell to 10 Mbit/s, 0.2 s on the quickstart MLP)
-            self._decide(step, "drift", probe=True, check_link=not severe, drift_wall_s=med)
+            self._decide(step, "drift", probe=True, check_link=not severe, drift_wall_s=med, detail="window")
 
     # ------------------------------------------------------------------ measurement
     def _first_decision(self, step: int) -> None:
@@ -790,7 +849,7 @@ class AutoChooser(StepParticipant):
     # ------------------------------------------------------------------ decision
     def _decide(self, step: int, trigger: str, probe: bool, dense_wall_s: float | None = None,
                 force: str | None = None, dense_exposed_s: float | None = None, check_link: bool = True,
-                drift_wall_s: float | None = None) -> None:
+                drift_wall_s: float | None = None, detail: str | None = None) -> None:
         engine = self.engine
         assert self.workload is not None and self.costs is not None
         t0 = time.perf_counter()
@@ -882,6 +941,7 @@ class AutoChooser(StepParticipant):
         self.chosen, self.predictions = best, preds
         if best != previous or trigger != "calibration":  # a calibration that keeps the method keeps its reference
             self._reference, self._drifted, self._window, self._settling = None, 0, [], True
+            self._recent = []
         self._last_decision_step = step
         if probe or dense_wall_s is not None:
             self._last_link_step = step
@@ -894,6 +954,8 @@ class AutoChooser(StepParticipant):
                  "dense_wall_s": dense_wall_s, "measured_step_s": None,
                  "corrections": dict(valid), "settled": settled, "shift_s": shift, "shift_from": shift_from,
                  "explore_left": self._explore_left,
+                 # which test saw a drift: "window", "steps" (severe_steps), "reference_window"
+                 "drift_test": detail,
                  # replicated state: the slowest rank's time, like every other figure here
                  "decide_s": agree_values([time.perf_counter() - t0], "max", engine.process_group, engine.device)[0]}
         self.history.append(entry)
@@ -1160,6 +1222,7 @@ class AutoChooser(StepParticipant):
         if self.chosen is not None and state.get("warmup_steps") is not None:  # an early end of the warm-up
             self.engine.shorten_warmup_steps(int(state["warmup_steps"]))
         self._window = []
+        self._recent, self._recent_pending = [], None  # walls of the process that saved: not carried
         self._t_prev_end = None
         if self.chosen is not None:
             self._remove_hooks()
@@ -1173,6 +1236,9 @@ class AutoChooser(StepParticipant):
     def close(self, timeout: float = 60.0) -> None:
         self._remove_hooks()
         self._disarm_sample()
+        if self._recent_pending is not None:  # every rank issued it: wait, so no collective is left in flight
+            self._recent_pending[1]()
+            self._recent_pending = None
 
     def decisions(self) -> list[dict]:
         """Every decision in brief: step, trigger, the choice, its predicted step, the step measured

@@ -367,14 +367,16 @@ def _auto_section(doc: dict) -> list[str]:
                                             f" (check{twice}: moved, re-probed)")
             if d.get("network_source") == "dense_step":
                 checked = " (β from the dense step)"
-            rows.append(f"| `{r['label']}` | {d['step']} | {d['trigger']} | {d['chosen']} | {_link(d.get('network'))}{checked} "
+            trigger = d["trigger"] + (f" ({d['drift_test']})" if d.get("drift_test") else "")
+            rows.append(f"| `{r['label']}` | {d['step']} | {trigger} | {d['chosen']} | {_link(d.get('network'))}{checked} "
                         f"| {_s(d['predicted_step_s'])} | {_s(d['measured_step_s'])} | {cands} |")
     if not rows:
         return []
     return [
         "", "## What `auto` picked", "",
         "One row per decision, by trigger: `warmup` (after the profiled dense steps), `calibration` (a method's "
-        "first measured window), `family` (a dense sibling run for one window), `drift` (the step time moved), "
+        "first measured window), `family` (a dense sibling run for one window), `drift` (the step time moved; in brackets which test saw it: *window*, "
+        "*steps* (the median of the last few steps, tested every step) or *reference_window*), "
         "`periodic` (a scheduled re-probe), `gain` (the candidates' errors, measured again, moved). *link*: "
         "the network as auto probed it (a periodic or drift re-decision first times one message against the last "
         "probe (a message that looks moved is timed once more: *check twice*) and probes again only if it "

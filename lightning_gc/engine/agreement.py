@@ -31,6 +31,7 @@ step (docs/concepts.md, "The opening check").
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,30 @@ def agree_values(values, op: str, group=None, device: torch.device | None = None
     dist.all_reduce(t, op=_OPS[op], group=group)
     out = t.cpu().tolist()
     return [float(x) / n for x in out] if op == "mean" else [float(x) for x in out]
+
+
+def agree_values_async(values, op: str, group=None, device: torch.device | None = None) -> Callable[[], list[float]]:
+    """:func:`agree_values`, issued now and read later: returns a function that waits for the
+    all-reduce and gives the agreed values (identical on every rank). For a figure agreed every step
+    without a round trip in the step: issued at one step's end, it completes while the next step
+    computes, and reading it there costs no wait. A collective: every rank issues it at the same
+    point; reading it is local (each rank may read it when it likes, or never)."""
+    if op not in _OPS:
+        raise ValueError(f"agree_values_async(op={op!r}): use 'max', 'sum' or 'mean'.")
+    vals = [float(v) for v in values]
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return lambda: list(vals)
+    n = dist.get_world_size(group)
+    t = torch.tensor(vals, dtype=torch.float64)
+    if device is not None and device.type == "cuda":
+        t = t.to(device)
+    work = dist.all_reduce(t, op=_OPS[op], group=group, async_op=True)
+
+    def read() -> list[float]:
+        work.wait()
+        out = t.cpu().tolist()
+        return [float(x) / n for x in out] if op == "mean" else [float(x) for x in out]
+    return read
 
 
 def agree(report: StepReport, group, world_size: int, device: torch.device) -> tuple[StepReport, int]:
