@@ -660,6 +660,69 @@ def test_before_its_reference_a_calibrated_method_is_judged_by_its_prediction_ev
     assert chooser.history[-1]["step"] == 11
 
 
+def _lowrank_with_an_exchange_reference(monkeypatch, exchange_s, **cfg):
+    """The link fell to 10 Mbit/s; a drift decision at step 6 moved fp16 to lowrank; its reference
+    window (steps 9-12, the calibration at 12 keeps it) ran its predicted step, each step with
+    ``exchange_s`` in the compressed exchange (agreed)."""
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4, explore=0, **cfg)
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)
+    chooser._decide(6, "drift", probe=True)
+    assert chooser.chosen == "lowrank"
+    _window(chooser, 8, 1.0)  # settling
+    step_s = chooser.predictions["lowrank"].step_s
+    for s in range(9, 13):
+        chooser._check_severe_steps(s, step_s, exchange_s)
+    _window(chooser, 12, step_s)
+    assert [(h["step"], h["trigger"]) for h in chooser.history][-1] == (12, "calibration")
+    assert chooser.chosen == "lowrank" and chooser._reference == pytest.approx(step_s)
+    return chooser, engine, step_s
+
+
+def test_a_link_that_came_back_is_seen_in_a_compressed_methods_exchange(monkeypatch):
+    """lowrank's reference window (55.5 ms steps, 20 ms of them in its exchange) on the fallen link;
+    from step 15 the link is back at 10 Gbit/s: the step falls to 45 ms (under the 2x step test),
+    the exchange to 2 ms. The median of the last 3 exchanges (14-16) is 10x off at step 16, and 18
+    ms is over a tenth of the step: auto re-decides there (test ``exchange``) and the probe's fast
+    link puts it back on fp16. A checkpoint carries the exchange reference. An exchange that moves
+    by as large a factor but by less than a tenth of the step (4 ms → 1 ms), or for one step only,
+    re-decides nothing; nor does anything with ``severe_steps=0``."""
+    chooser, engine, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02)
+    assert chooser._reference_exchange == pytest.approx(0.02)
+    state = copy.deepcopy(chooser.state_dict())
+    engine.network.model = NetworkModel(1e-4, 8 / 1e10)
+    for s, (w, x) in {13: (step_s, 0.02), 14: (step_s, 0.02), 15: (0.045, 0.002)}.items():
+        chooser._check_severe_steps(s, w, x)
+    assert chooser.history[-1]["step"] == 12
+    chooser._check_severe_steps(16, 0.045, 0.002)
+    h = chooser.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"]) == (16, "drift", "exchange") and chooser.chosen == "fp16"
+    assert h["network"][1] == pytest.approx(8 / 1e10)
+
+    resumed, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4, explore=0)
+    resumed.load_state_dict(state)
+    assert resumed._reference_exchange == pytest.approx(0.02)
+    engine.network.model = NetworkModel(1e-4, 8 / 1e10)
+    for s, (w, x) in {13: (step_s, 0.02), 14: (step_s, 0.02), 15: (0.045, 0.002), 16: (0.045, 0.002)}.items():
+        resumed._check_severe_steps(s, w, x)
+    assert (resumed.history[-1]["step"], resumed.history[-1]["drift_test"]) == (16, "exchange")  # as uninterrupted
+
+    small, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.004)
+    for s in range(13, 30):
+        small._check_severe_steps(s, step_s, 0.001)  # 4x, but 3 ms of a 55 ms step
+    assert small.history[-1]["step"] == 12
+
+    once, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02)
+    for s in range(13, 30):
+        once._check_severe_steps(s, step_s, 0.002 if s == 20 else 0.02)
+    assert once.history[-1]["step"] == 12
+
+    off, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02, severe_steps=0)
+    assert off._reference_exchange is None
+    for s in range(13, 30):
+        off._check_severe_steps(s, 0.045, 0.002)
+    assert off.history[-1]["step"] == 12
+
+
 def test_every_step_severe_test_is_validated():
     from lightning_gc.auto.chooser import AutoConfig
 

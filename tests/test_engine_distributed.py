@@ -123,6 +123,7 @@ def _check_compressor(rank: int, ws: int, name: str, ratio, ef: bool, warmup: in
     worst_grad, worst_mem, worst_norm = 0.0, 0.0, 0.0
     gains: list[tuple] = []  # (step, engine's gain, engine's ewma, reference gain, reference ewma)
     ewma = None
+    exchange: list[tuple] = []  # per step: this rank's time in the exchanges, the closing report's mean over ranks
     for step in range(STEPS):
         replica.load_state_dict(model.state_dict())
         x, y = _batch(rank, step)
@@ -160,13 +161,14 @@ def _check_compressor(rank: int, ws: int, name: str, ratio, ef: bool, warmup: in
             b = cfg.gain_ewma_beta
             ewma = ref_gain if ewma is None else b * ewma + (1 - b) * ref_gain
             gains.append((step, engine.last_step.gain, engine.last_step.gain_ewma, ref_gain, ewma))
+        exchange.append((engine.last_step.exchange_comm_s, engine.last_step.exchange_comm_mean_s))
         opt.step()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         assert all(torch.equal(flat, o) for o in gather_all(flat, ws)), f"{name}: ranks diverged at step {step}"
         true_norm = sum(float(m.double().pow(2).sum()) for m in engine.memory.values()) ** 0.5
         worst_norm = max(worst_norm, abs(engine.last_step.error_norm - true_norm) / (true_norm + 1e-12))
     return {"grad": worst_grad, "mem": worst_mem, "norm": worst_norm, "steps": engine.step, "calls": engine.hook_calls,
-            "gains": gains}
+            "gains": gains, "exchange": exchange}
 
 
 CASES = [
@@ -193,6 +195,13 @@ def test_aggregate_and_error_memory_match_reference(ws, cases):
             assert res["steps"] == STEPS and res["calls"] > STEPS  # several buckets per step
             if key.startswith(("topk", "lwtopk", "mstopk", "randomk", "signsgd", "efsignsgd")):
                 _check_gains(key, r, res["gains"])
+        # the exchange time's mean over ranks (auto's exchange test reads it): the same on every rank, the
+        # mean of the ranks' own times, and none on the dense warm-up step
+        per_step = list(zip(*(results[r][key]["exchange"] for r in range(ws))))
+        assert all(own[1] is None for own in per_step[0]), key
+        for step, own in enumerate(per_step[1:], start=1):
+            assert len({o[1] for o in own}) == 1, (key, step, own)
+            assert own[0][1] == pytest.approx(sum(o[0] for o in own) / ws, rel=1e-9, abs=1e-12), (key, step, own)
 
 
 def _check_gains(key: str, rank: int, gains: list[tuple]) -> None:

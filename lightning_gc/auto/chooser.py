@@ -87,6 +87,11 @@ from .model import (
 
 log = logging.getLogger(__name__)
 
+#: the exchange test (``_check_severe_steps``) re-decides only on a change of the exchange time of at
+#: least this share of the reference step: an exchange of a few hundred microseconds on a fast link
+#: moves by 2x with the host's scheduling alone, and a change that small would not change the pick
+EXCHANGE_SHARE = 0.1
+
 #: the chooser's network probes: latency from small messages alone, first (a large message leaves bytes
 #: in the shaper's queue after its send completed, and a small one timed after it waits for them),
 #: then bandwidth from two larger ones sized to the link (:func:`next_probe_bytes`)
@@ -531,6 +536,10 @@ class AutoChooser(StepParticipant):
         #: first, and the all-reduce of the last step's wall still to be read (its step, its reader)
         self._recent: list[float] = []
         self._recent_pending: tuple[int, Callable[[], list[float]]] | None = None
+        #: a compressed method's exchange times of the last steps (the closing report's mean over ranks),
+        #: and their median when the reference window ended (the exchange test's reference; None before)
+        self._recent_exchange: list[float] = []
+        self._reference_exchange: float | None = None
         self._last_decision_step: int | None = None
         # the last decision that looked at the link (a probe, a link check, a dense step's β): the
         # periodic re-probe counts from it, not from a calibration's, a trial's or a gain re-decision's
@@ -635,7 +644,11 @@ class AutoChooser(StepParticipant):
             self._check_drift(step)
             self._t_prev_end = time.perf_counter()
         if wall is not None and self._last_decision_step != step:
-            self._check_severe_steps(step, wall)
+            exchange_s = None
+            if candidate(self.chosen).compressor is not None:  # agreed by the step's closing report
+                stats = engine.last_step
+                exchange_s = None if stats is None or stats.dense else stats.exchange_comm_mean_s
+            self._check_severe_steps(step, wall, exchange_s)
         if self._gain_due(step):
             self._arm_sample()
 
@@ -677,13 +690,23 @@ class AutoChooser(StepParticipant):
                                               self.engine.device)
         return not missing and exposed > 0.0 and exposed >= ratio * rest
 
-    def _check_severe_steps(self, step: int, wall: float) -> None:
-        """The every-step severe test (``severe_steps``; see :class:`AutoConfig`). Reads the agreed
-        wall of the step before (issued there; complete by now), issues this step's, and re-decides
-        with a probe (trigger ``drift``) when the median of the last ``severe_steps`` agreed walls is
-        ``severe_drift`` or more off the reference (or off a calibrated prediction, before the
-        reference window), at least ``min_interval`` steps after the last decision. Every input is
-        agreed, so every rank takes the same path."""
+    def _check_severe_steps(self, step: int, wall: float, exchange_s: float | None = None) -> None:
+        """The every-step severe tests (``severe_steps``; see :class:`AutoConfig`), at least
+        ``min_interval`` steps after the last decision; each re-decides with a probe (trigger
+        ``drift``). Every input is agreed, so every rank takes the same path.
+
+        * **The step** (test ``steps``): reads the agreed wall of the step before (issued there;
+          complete by now) and issues this step's; the median of the last ``severe_steps`` agreed
+          walls ``severe_drift`` or more off the reference (or off a calibrated prediction, before
+          the reference window).
+        * **The exchange** (test ``exchange``; compressed methods): ``exchange_s``, this step's time
+          in the compressed exchanges averaged over the ranks (the step's closing report, agreed
+          already), against the same median taken when the reference window ended. Off by
+          ``severe_drift`` or more *and* by at least :data:`EXCHANGE_SHARE` of the reference step.
+          Why: a compressed method's step can hide a link that came back; on the quickstart MLP
+          ``lowrank`` went from 53 to 43 ms when 10 Mbit/s returned to 1 Gbit/s, under the step
+          test's 2x, while its exchange fell several times over, and auto ran it to the end of the
+          run where fp16 takes ~24 ms (docs/auto.md)."""
         n, sv, engine = self.config.severe_steps, self.config.severe_drift, self.engine
         if not n or not sv:
             return
@@ -695,20 +718,31 @@ class AutoChooser(StepParticipant):
             if at > last + 1:  # not the decision's step, nor the switch's first step
                 self._recent = (self._recent + [value])[-n:]
         self._recent_pending = (step, agree_values_async([wall], "max", engine.process_group, engine.device))
-        if len(self._recent) < n or step - last < self.config.min_interval:
+        if exchange_s is not None and step > last + 1:
+            self._recent_exchange = (self._recent_exchange + [exchange_s])[-n:]
+        if step - last < self.config.min_interval:
             return
-        med = statistics.median(self._recent)
-        if self._reference is not None:
-            if not factor_apart(med, self._reference, sv):
-                return
-            basis = f"{1e3 * self._reference:.1f} ms after the last decision"
-        elif self._link_moved_under(med):
-            basis = f"{1e3 * self.predictions[self.chosen].step_s:.1f} ms predicted from its own measured step"
-        else:
+        test = basis = None
+        if len(self._recent) >= n:
+            med = statistics.median(self._recent)
+            if self._reference is not None:
+                if factor_apart(med, self._reference, sv):
+                    test, basis = "steps", f"{1e3 * self._reference:.1f} ms after the last decision"
+            elif self._link_moved_under(med):
+                test = "steps"
+                basis = f"{1e3 * self.predictions[self.chosen].step_s:.1f} ms predicted from its own measured step"
+            what = f"the last {n} steps ran {1e3 * med:.1f} ms (median)"
+        ref_x = self._reference_exchange
+        if test is None and ref_x and self._reference and len(self._recent_exchange) >= n:
+            med_x = statistics.median(self._recent_exchange)
+            if factor_apart(med_x, ref_x, sv) and abs(med_x - ref_x) >= EXCHANGE_SHARE * self._reference:
+                test, what = "exchange", f"the last {n} steps' exchanges took {1e3 * med_x:.1f} ms (median)"
+                basis = f"{1e3 * ref_x:.1f} ms in the reference window (step {1e3 * self._reference:.1f} ms)"
+        if test is None:
             return
-        rank_zero_info(f"lightning_gc auto: the last {n} steps ran {1e3 * med:.1f} ms (median) against {basis} "
-                       f"(at least {sv:g}x apart): re-deciding")
-        self._decide(step, "drift", probe=True, check_link=False, drift_wall_s=med, detail="steps")
+        rank_zero_info(f"lightning_gc auto: {what} against {basis} (at least {sv:g}x apart): re-deciding")
+        self._decide(step, "drift", probe=True, check_link=False,
+                     drift_wall_s=statistics.median(self._recent) if test == "steps" else None, detail=test)
         self._t_prev_end = time.perf_counter()  # the decision is not a step
 
     def _check_drift(self, step: int) -> None:
@@ -731,6 +765,9 @@ class AutoChooser(StepParticipant):
                                  detail="reference_window")
                 return
             self._reference = med
+            n = self.config.severe_steps
+            self._reference_exchange = statistics.median(self._recent_exchange) if n and len(
+                self._recent_exchange) >= n else None
             if self.history:
                 self.history[-1]["measured_step_s"] = med
             self._calibrate(step, med)
@@ -941,7 +978,7 @@ class AutoChooser(StepParticipant):
         self.chosen, self.predictions = best, preds
         if best != previous or trigger != "calibration":  # a calibration that keeps the method keeps its reference
             self._reference, self._drifted, self._window, self._settling = None, 0, [], True
-            self._recent = []
+            self._recent, self._recent_exchange, self._reference_exchange = [], [], None
         self._last_decision_step = step
         if probe or dense_wall_s is not None:
             self._last_link_step = step
@@ -1180,6 +1217,7 @@ class AutoChooser(StepParticipant):
             "costs": [c.as_dict() for c in self.costs] if self.costs is not None else None,
             "network": [self.network.alpha_s, self.network.beta_s_per_byte] if self.network is not None else None,
             "reference": self._reference, "drifted": self._drifted, "settling": self._settling,
+            "reference_exchange": self._reference_exchange,
             "corrections": dict(self._corrections), "explore_left": self._explore_left,
             "correction_beta": dict(self._correction_beta),
             "last_decision_step": self._last_decision_step, "last_link_step": self._last_link_step,
@@ -1223,6 +1261,8 @@ class AutoChooser(StepParticipant):
             self.engine.shorten_warmup_steps(int(state["warmup_steps"]))
         self._window = []
         self._recent, self._recent_pending = [], None  # walls of the process that saved: not carried
+        self._recent_exchange = []
+        self._reference_exchange = state.get("reference_exchange")
         self._t_prev_end = None
         if self.chosen is not None:
             self._remove_hooks()

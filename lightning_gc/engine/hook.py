@@ -866,6 +866,7 @@ class GCEngine:
             )
         s = work.stats
         s.exchange_comm_s = work.exchange_comm_s
+        s.exchange_comm_mean_s = total.exchange_comm_s / self.world_size
         s.full_precision = work.times.full_precision
         s.compressor_metrics = work.times.metrics or None
         bad = total.nonfinite_ranks > 0

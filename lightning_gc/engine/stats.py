@@ -34,6 +34,8 @@ class StepStats:
     predicted_comm_s: float | None = None  # alpha-beta prediction for the chosen collectives
     exchange_comm_s: float = 0.0  # time inside the compressed exchanges' collectives (after the opening
     # check, which lines the ranks up, so it excludes most of the wait for slower ranks)
+    exchange_comm_mean_s: float | None = None  # exchange_comm_s averaged over the ranks (from the step's
+    # closing report: identical on every rank, so a decision may use it); None on dense steps
     alpha_s: float | None = None  # network model in force
     beta_s_per_byte: float | None = None
     probe_s: float = 0.0  # time spent probing the network during this step
