@@ -685,7 +685,8 @@ def test_a_link_that_came_back_is_seen_in_a_compressed_methods_exchange(monkeypa
     ms is over a tenth of the step: auto re-decides there (test ``exchange``) and the probe's fast
     link puts it back on fp16. A checkpoint carries the exchange reference. An exchange that moves
     by as large a factor but by less than a tenth of the step (4 ms → 1 ms), or for one step only,
-    re-decides nothing; nor does anything with ``severe_steps=0``."""
+    or that gets slower (a shaper's burst allowance spent), re-decides nothing; nor does anything
+    with ``severe_steps=0``."""
     chooser, engine, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02)
     assert chooser._reference_exchange == pytest.approx(0.02)
     state = copy.deepcopy(chooser.state_dict())
@@ -705,6 +706,11 @@ def test_a_link_that_came_back_is_seen_in_a_compressed_methods_exchange(monkeypa
     for s, (w, x) in {13: (step_s, 0.02), 14: (step_s, 0.02), 15: (0.045, 0.002), 16: (0.045, 0.002)}.items():
         resumed._check_severe_steps(s, w, x)
     assert (resumed.history[-1]["step"], resumed.history[-1]["drift_test"]) == (16, "exchange")  # as uninterrupted
+
+    slower, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02)
+    for s in range(13, 30):
+        slower._check_severe_steps(s, step_s, 0.2)  # 10x slower: the step test's business, not this one's
+    assert slower.history[-1]["step"] == 12
 
     small, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.004)
     for s in range(13, 30):
