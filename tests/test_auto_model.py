@@ -729,6 +729,33 @@ def test_a_link_that_came_back_is_seen_in_a_compressed_methods_exchange(monkeypa
     assert off.history[-1]["step"] == 12
 
 
+@pytest.mark.parametrize("test", ["exchange", "steps"])
+def test_a_faster_exchange_checks_the_link_before_probing_and_a_severe_step_probes_at_once(monkeypatch, test):
+    """On an unpinned network: the exchange test's decision first times the check message, and a
+    check within probe_check of the last probe keeps the stored network without a probe (a shaper's
+    burst on an unchanged link); the step test's decision (a fall or rise of 2x or more) probes at once."""
+    from lightning_gc.auto.chooser import AutoChooser
+
+    chooser, engine, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02)
+    engine.network.pinned = False
+    engine.adopt_network = lambda net: None
+    chooser.probe_bytes, chooser.probe_time_s = 100_000, 0.08
+    calls = []
+    monkeypatch.setattr(AutoChooser, "_check_link", lambda self: calls.append("check") or 0.08)
+    monkeypatch.setattr(AutoChooser, "_probe", lambda self, latency=None: calls.append("probe") or self.network)
+    stored = chooser.network
+    walls = {"exchange": (step_s, 0.002), "steps": (5 * step_s, 0.02)}[test]
+    for s in range(13, 17):
+        chooser._check_severe_steps(s, *walls)
+    h = chooser.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"]) == (16, "drift", test)
+    if test == "exchange":
+        assert calls == ["check"] and h["network_source"] == "check" and h["link_check"]["unchanged"]
+        assert chooser.network == stored and chooser.chosen == "lowrank"
+    else:
+        assert calls == ["probe"] and h["link_check"] is None and h["network_source"] == "probe"
+
+
 def test_every_step_severe_test_is_validated():
     from lightning_gc.auto.chooser import AutoConfig
 
