@@ -550,24 +550,23 @@ def test_a_reference_window_far_off_a_measured_prediction_re_decides_instead_of_
     """fp16 was measured on the fast link; a later decision keeps it, and the link falls before its
     reference window: that window runs 10x its (measured) prediction. It is not taken as the
     reference (it would hide the fall from every later window): auto re-decides with a probe
-    (trigger ``drift``) on the slow link. A method never measured on this link, off by as much in
-    its first window, is calibrated as usual."""
-    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=6)
+    (trigger ``drift``, test ``reference_window``) on the slow link, although within
+    ``min_interval`` of the last decision (a periodic one, not a severe one). A method never measured
+    on this link, off by as much in its first window, is calibrated as usual."""
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=30)
     chooser._decide(6, "periodic", probe=True)  # the link unchanged: fp16 kept, a new reference due
     assert chooser.chosen == "fp16" and chooser._reference is None
     fp16_pred = chooser.predictions["fp16"].step_s
     engine.network.model = NetworkModel(1e-4, 8 / 1e7)  # the link falls to 10 Mbit/s
     _window(chooser, 8, 1.0)  # settling
-    _window(chooser, 10, 10 * fp16_pred)  # 4 steps after the decision: within min_interval, skipped
-    assert chooser._reference is None and chooser.history[-1]["trigger"] == "periodic"
-    _window(chooser, 12, 10 * fp16_pred)
+    _window(chooser, 10, 10 * fp16_pred)
     assert chooser._reference is None
     h = chooser.history[-1]
-    assert h["trigger"] == "drift" and h["step"] == 12 and chooser.chosen == "lowrank"
+    assert (h["step"], h["trigger"], h["drift_test"]) == (10, "drift", "reference_window") and chooser.chosen == "lowrank"
     assert h["network"][1] == pytest.approx(8 / 1e7)
-    _window(chooser, 14, 1.0)  # settling
+    _window(chooser, 12, 1.0)  # settling
     lowrank_pred = chooser.predictions["lowrank"].step_s
-    _window(chooser, 16, 3 * lowrank_pred)  # never measured on this link: its window calibrates it
+    _window(chooser, 14, 3 * lowrank_pred)  # never measured on this link: its window calibrates it
     assert h["measured_step_s"] == pytest.approx(3 * lowrank_pred)  # taken as its window, not as a drift
     assert chooser.history[-1]["trigger"] == "calibration" and chooser._corrections["lowrank"] > 0
 
@@ -628,11 +627,15 @@ def test_severe_drift_is_seen_within_severe_steps_of_the_change(monkeypatch, fac
     _walls(one, {s: ref for s in range(5, 10)} | {10: factor * ref} | {s: ref for s in range(11, 20)})
     assert one.history[-1]["step"] == 4  # one slow (or fast) step: no decision
 
-    held, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=10)
-    _walls(held, {s: ref for s in range(5, 10)} | {s: factor * ref for s in range(10, 14)})
-    assert held.history[-1]["step"] == 4  # within min_interval of step 4
-    _walls(held, {14: factor * ref})
-    assert (held.history[-1]["step"], held.history[-1]["drift_test"]) == (14, "steps")
+    held, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=30)
+    _walls(held, {s: ref for s in range(5, 10)} | {s: factor * ref for s in range(10, 13)})
+    assert (held.history[-1]["step"], held.history[-1]["drift_test"]) == (12, "steps")  # 8 steps after a calibration
+    _window(held, 14, 1.0)  # settling
+    new_ref = held.predictions[held.chosen].step_s
+    _window(held, 16, new_ref)  # the reference
+    n = len(held.history)
+    _walls(held, {s: new_ref / factor for s in range(17, 43)})  # back: held until 30 steps after step 12
+    assert len(held.history) == n + 1 and (held.history[-1]["step"], held.history[-1]["drift_test"]) == (42, "steps")
 
     off, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4, severe_steps=0)
     _walls(off, {s: ref for s in range(5, 10)} | {s: factor * ref for s in range(10, 20)})
@@ -748,7 +751,9 @@ def test_a_faster_exchange_checks_the_link_before_probing_and_a_severe_step_prob
     for s in range(13, 17):
         chooser._check_severe_steps(s, *walls)
     h = chooser.history[-1]
-    assert (h["step"], h["trigger"], h["drift_test"]) == (16, "drift", test)
+    # the exchange test reads this step's agreed time (step 13, right after the calibration at 12, is left
+    # out: the median over 12, 14, 15 is fast at 15); the step test reads each wall one step later (at 16)
+    assert (h["step"], h["trigger"], h["drift_test"]) == ({"exchange": 15, "steps": 16}[test], "drift", test)
     if test == "exchange":
         assert calls == ["check"] and h["network_source"] == "check" and h["link_check"]["unchanged"]
         assert chooser.network == stored and chooser.chosen == "lowrank"
@@ -858,8 +863,15 @@ def test_a_severe_drift_re_decides_after_one_window_a_moderate_one_waits_for_pat
     assert [h["trigger"] for h in ch.history][-1] == "drift"
 
     ch, ref = settled(2.0, min_interval=50)
-    _window(ch, 6, 10 * ref)  # within min_interval of the last decision: not yet
+    for step in (6, 8, 10):
+        _window(ch, step, 1.5 * ref)  # moderate, 3 windows (patience): within min_interval of any decision
     assert [h["trigger"] for h in ch.history] == ["warmup", "calibration"]
+    _window(ch, 12, 10 * ref)  # severe: min_interval holds it only after another severe re-decision
+    assert [(h["step"], h["trigger"], h["drift_test"]) for h in ch.history[2:]] == [(12, "drift", "severe_window")]
+    _window(ch, 14, 1.0)  # settling
+    _window(ch, 16, ref)  # the reference
+    _window(ch, 18, 10 * ref)  # 6 steps after the severe re-decision at 12: held
+    assert len(ch.history) == 3
 
     with pytest.raises(ValueError, match=r"auto_severe_drift=1.0 must be 0 \(off\) or a factor > 1"):
         AutoConfig(severe_drift=1.0)

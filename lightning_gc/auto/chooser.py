@@ -19,7 +19,7 @@ when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
    the second window after the decision (the first holds the switch itself). A drift of more than
    ``drift`` (relative) for ``patience`` windows in a row (one window if the step moved by
    ``severe_drift``× or more), at least ``min_interval`` steps after the
-   last decision, re-probes the network and decides again from the stored compute and codec
+   last decision (a severe one: after the last severe one), re-probes the network and decides again from the stored compute and codec
    measurements (trigger ``"drift"``); the method is switched only if the choice changed (every
    re-decision is in the history either way). The ``severe_drift`` test is also made every step,
    on the median of the last ``severe_steps`` agreed step walls (an all-reduce issued at each
@@ -91,6 +91,9 @@ log = logging.getLogger(__name__)
 #: least this share of the reference step: an exchange of a few hundred microseconds on a fast link
 #: moves by 2x with the host's scheduling alone, and a change that small would not change the pick
 EXCHANGE_SHARE = 0.1
+
+#: the tests of ``severe_drift`` as a decision's history records them (``drift_test``)
+SEVERE_TESTS = ("severe_window", "steps", "exchange", "reference_window")
 
 #: the chooser's network probes: latency from small messages alone, first (a large message leaves bytes
 #: in the shaper's queue after its send completed, and a small one timed after it waits for them),
@@ -216,8 +219,9 @@ class AutoConfig:
         drift: relative change of a window's median step against the reference that counts as drift.
         patience: drifted windows in a row before re-deciding.
         severe_drift: a window whose median step is at least this many times the reference, or at
-            most its inverse, re-decides at once, without waiting for ``patience`` (``min_interval``
-            still applies); 0 turns it off. A link that fell tenfold makes the step of a dense mode
+            most its inverse, re-decides at once, without waiting for ``patience`` or for
+            ``min_interval`` after another kind of decision (only after the last severe one: see
+            ``min_interval``); 0 turns it off. A link that fell tenfold makes the step of a dense mode
             several times longer, and every step spent waiting for a second window costs that much
             (on the quickstart MLP a 16-bit step at 10 Mbit/s is ~0.2 s against Top-k's ~0.05 s;
             docs/auto.md, "A changing link"). A median of ``window`` steps moves by 2x only if most
@@ -237,7 +241,14 @@ class AutoConfig:
             tested the same way against its reference window's, when it moved by at least
             :data:`EXCHANGE_SHARE` of the reference step: a link that came back shows there where the
             step barely moves (``lowrank`` 53 → 43 ms on the quickstart MLP). At least 2.
-        min_interval: steps between two decisions at least.
+        min_interval: steps between a decision and a drift re-decision at least; a severe one
+            (``severe_drift``, any of its tests) waits this long only after the last severe one.
+            Why: the interval keeps moderate noise from switching methods back and forth, but a step
+            2x off is a moved link, and each step spent waiting costs that much: on the quickstart
+            MLP a moderate drift re-decision at step 80 kept DDP, the link fell at step 90, and the
+            interval held DDP at ~440 ms per step until step 110, where Top-k runs ~37 ms (1.56x the
+            best static method's mean step that round; docs/auto.md). Each severe re-decision costs
+            one probe, so the interval between severe ones still bounds the probes.
         probe_every: re-probe and decide again this many steps after the last decision that looked at
             the link (a probe or a link check: warm-up, drift, periodic; not a calibration, a trial or a
             ``gain`` re-decision) even without drift (0: never): a link that gets faster may not move
@@ -696,8 +707,8 @@ class AutoChooser(StepParticipant):
 
     def _check_severe_steps(self, step: int, wall: float, exchange_s: float | None = None) -> None:
         """The every-step severe tests (``severe_steps``; see :class:`AutoConfig`), at least
-        ``min_interval`` steps after the last decision; each re-decides with a probe (trigger
-        ``drift``). Every input is agreed, so every rank takes the same path.
+        ``min_interval`` steps after the last severe re-decision (:meth:`_severe_held`); each
+        re-decides with a probe (trigger ``drift``). Every input is agreed, so every rank takes the same path.
 
         * **The step** (test ``steps``): reads the agreed wall of the step before (issued there;
           complete by now) and issues this step's; the median of the last ``severe_steps`` agreed
@@ -734,7 +745,7 @@ class AutoChooser(StepParticipant):
         self._recent_pending = (step, agree_values_async([wall], "max", engine.process_group, engine.device))
         if exchange_s is not None and step > last + 1:
             self._recent_exchange = (self._recent_exchange + [exchange_s])[-n:]
-        if step - last < self.config.min_interval:
+        if self._severe_held(step):
             return
         test = basis = None
         if len(self._recent) >= n:
@@ -775,8 +786,8 @@ class AutoChooser(StepParticipant):
         if self._reference is None:
             if self._link_moved_under(med):
                 # not a reference: a step measured across a link change would hide that change from
-                # every later window. Re-decided with a probe, at most once per min_interval steps
-                if step - last >= self.config.min_interval:
+                # every later window. Re-decided with a probe (severe: see _severe_held)
+                if not self._severe_held(step):
                     rank_zero_info(f"lightning_gc auto: {self.chosen!r} ran {1e3 * med:.1f} ms, predicted "
                                    f"{1e3 * self.predictions[self.chosen].step_s:.1f} ms from its own measured "
                                    f"step on this link: the link moved, re-deciding")
@@ -799,14 +810,24 @@ class AutoChooser(StepParticipant):
         if self.config.probe_every and step - last_link >= self.config.probe_every:
             self._decide(step, "periodic", probe=True)
             return
-        if (self._drifted >= self.config.patience or severe) and step - last >= self.config.min_interval:
+        moderate = self._drifted >= self.config.patience and step - last >= self.config.min_interval
+        if moderate or (severe and not self._severe_held(step)):
             why = (f"at least {sv:g}x in one window" if severe and self._drifted < self.config.patience else
                    f"drift > {100 * self.config.drift:.0f}% for {self._drifted} windows")
             rank_zero_info(f"lightning_gc auto: step {1e3 * med:.1f} ms vs {1e3 * self._reference:.1f} ms after the last "
                            f"decision ({why}): re-deciding")
             # a window at severe_drift x or more: the link most likely moved, and a check would only add
             # its message to the full probe (on a link that fell to 10 Mbit/s, 0.2 s on the quickstart MLP)
-            self._decide(step, "drift", probe=True, check_link=not severe, drift_wall_s=med, detail="window")
+            self._decide(step, "drift", probe=True, check_link=not severe, drift_wall_s=med,
+                         detail="severe_window" if severe else "window")
+
+    def _severe_held(self, step: int) -> bool:
+        """Whether a severe re-decision (any test of ``severe_drift``: a window, the last steps, a
+        reference window, the exchange) must wait: within ``min_interval`` steps of the last severe
+        one. Not after other decisions (see ``min_interval`` in :class:`AutoConfig`). From the
+        history, so a checkpoint carries it and every rank reads the same."""
+        last = max((h["step"] for h in self.history if h.get("drift_test") in SEVERE_TESTS), default=None)
+        return last is not None and step - last < self.config.min_interval
 
     # ------------------------------------------------------------------ measurement
     def _first_decision(self, step: int) -> None:
@@ -1010,7 +1031,8 @@ class AutoChooser(StepParticipant):
                  "dense_wall_s": dense_wall_s, "measured_step_s": None,
                  "corrections": dict(valid), "settled": settled, "shift_s": shift, "shift_from": shift_from,
                  "explore_left": self._explore_left,
-                 # which test saw a drift: "window", "steps" (severe_steps), "reference_window"
+                 # which test saw a drift: "window" (moderate, patience), "severe_window", "steps",
+                 # "exchange" (severe_steps), "reference_window"
                  "drift_test": detail,
                  # replicated state: the slowest rank's time, like every other figure here
                  "decide_s": agree_values([time.perf_counter() - t0], "max", engine.process_group, engine.device)[0]}

@@ -375,8 +375,9 @@ def _auto_section(doc: dict) -> list[str]:
     return [
         "", "## What `auto` picked", "",
         "One row per decision, by trigger: `warmup` (after the profiled dense steps), `calibration` (a method's "
-        "first measured window), `family` (a dense sibling run for one window), `drift` (the step time moved; in brackets which test saw it: *window*, "
-        "*steps* (the median of the last few steps, tested every step) or *reference_window*), "
+        "first measured window), `family` (a dense sibling run for one window), `drift` (the step time moved; in brackets which test saw it: "
+        "*window* (moderate, for `patience` windows), *severe_window*, *steps* (the median of the last few steps, "
+        "tested every step), *exchange* (a compressed method's exchange got much faster) or *reference_window*), "
         "`periodic` (a scheduled re-probe), `gain` (the candidates' errors, measured again, moved). *link*: "
         "the network as auto probed it (a periodic or drift re-decision first times one message against the last "
         "probe (a message that looks moved is timed once more: *check twice*) and probes again only if it "
