@@ -760,8 +760,8 @@ class AutoChooser(StepParticipant):
         ref_x = self._reference_exchange
         if test is None and ref_x and self._reference and len(self._recent_exchange) >= n:
             med_x = statistics.median(self._recent_exchange)
-            # faster only: a fall shows in the step test, and on a shaped link the exchange of a few
-            # kilobytes also doubles on a steady link when the shaper's burst allowance runs out
+            # faster only: a fall shows in the step test, and a small exchange's time on a shaped, steady
+            # link has two modes (likely the shaper's burst allowance; see the docstring)
             if med_x * sv <= ref_x and ref_x - med_x >= EXCHANGE_SHARE * self._reference:
                 test, what = "exchange", f"the last {n} steps' exchanges took {1e3 * med_x:.1f} ms (median)"
                 basis = f"{1e3 * ref_x:.1f} ms in the reference window (step {1e3 * self._reference:.1f} ms)"
@@ -769,8 +769,8 @@ class AutoChooser(StepParticipant):
             return
         rank_zero_info(f"lightning_gc auto: {what} against {basis} (at least {sv:g}x apart): re-deciding")
         # the step test saw a fall, or a rise, of 2x or more: the link most likely moved, and a check would only
-        # add its message to the probe. A faster exchange may be the shaper's burst allowance on an unchanged
-        # link (below): the check (a quarter of the probe's bytes, above any burst) tells, and spares the probe
+        # add its message to the probe. A faster exchange may come from an unchanged link (see the docstring):
+        # the check (one message above any burst allowance) tells, and spares the probe
         self._decide(step, "drift", probe=True, check_link=test == "exchange",
                      drift_wall_s=statistics.median(self._recent) if test == "steps" else None, detail=test)
         self._t_prev_end = time.perf_counter()  # the decision is not a step
