@@ -826,7 +826,7 @@ class AutoChooser(StepParticipant):
         reference window, the exchange) must wait: within ``min_interval`` steps of the last severe
         one. Not after other decisions (see ``min_interval`` in :class:`AutoConfig`). From the
         history, so a checkpoint carries it and every rank reads the same."""
-        last = max((h["step"] for h in self.history if h.get("drift_test") in SEVERE_TESTS), default=None)
+        last = next((h["step"] for h in reversed(self.history) if h.get("drift_test") in SEVERE_TESTS), None)
         return last is not None and step - last < self.config.min_interval
 
     # ------------------------------------------------------------------ measurement

@@ -88,20 +88,7 @@ def agree_values(values, op: str, group=None, device: torch.device | None = None
     The one helper behind every measured figure the controllers agree on (the ``auto`` chooser's
     MAX of times, OMGS's MAX of its profile and calibration, AdaptiveRatio's means). A collective:
     every rank must call it with the same number of values at the same point."""
-    if op not in _OPS:
-        raise ValueError(f"agree_values(op={op!r}): use 'max', 'sum' or 'mean'.")
-    vals = [float(v) for v in values]
-    if not (dist.is_available() and dist.is_initialized()):
-        return vals
-    n = dist.get_world_size(group)
-    if n == 1:
-        return vals
-    t = torch.tensor(vals, dtype=torch.float64)
-    if device is not None and device.type == "cuda":
-        t = t.to(device)
-    dist.all_reduce(t, op=_OPS[op], group=group)
-    out = t.cpu().tolist()
-    return [float(x) / n for x in out] if op == "mean" else [float(x) for x in out]
+    return agree_values_async(values, op, group, device)()
 
 
 def agree_values_async(values, op: str, group=None, device: torch.device | None = None) -> Callable[[], list[float]]:
@@ -111,7 +98,7 @@ def agree_values_async(values, op: str, group=None, device: torch.device | None 
     computes, and reading it there costs no wait. A collective: every rank issues it at the same
     point; reading it is local (each rank may read it when it likes, or never)."""
     if op not in _OPS:
-        raise ValueError(f"agree_values_async(op={op!r}): use 'max', 'sum' or 'mean'.")
+        raise ValueError(f"agree_values(op={op!r}): use 'max', 'sum' or 'mean'.")
     vals = [float(v) for v in values]
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return lambda: list(vals)
