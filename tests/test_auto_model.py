@@ -199,6 +199,15 @@ class _FakeEngine:
         self.plan = SimpleNamespace(groups=[SimpleNamespace(gid=0, exact=False)])
         self.config = SimpleNamespace(warmup_steps=1, seed=0)
         self.calls: list = []
+        self.dense_mode = None  # as GCEngine: a dense mode runs every step on DDP's buckets
+        self.last_step = None  # _walls sets it: the stats of the step that just ended
+        self.carried = None  # carry_wall's value, for the next step's closing report
+
+    def step_is_dense(self):
+        return self.dense_mode is not None
+
+    def carry_wall(self, wall_s):
+        self.carried = wall_s
 
     def raise_warmup_steps(self, steps):
         pass
@@ -211,6 +220,7 @@ class _FakeEngine:
 
     def set_dense_mode(self, mode):
         self.calls.append(("dense", mode))
+        self.dense_mode = mode
 
     def set_group_method(self, gid, spec):
         self.calls.append(("slot", spec.compressor))
@@ -596,9 +606,23 @@ def test_the_periodic_re_probe_counts_from_the_last_look_at_the_link(monkeypatch
 
 
 def _walls(chooser, walls):
-    """Step ends with these walls ({step: wall}), as after_optimizer_step feeds the every-step test."""
+    """Step ends with these walls ({step: wall}), as after_optimizer_step feeds the every-step test.
+    A _FakeEngine plays GCEngine's part: a compressed step's closing report carries the wall handed
+    to carry_wall before it (one rank here: the mean is the value); a dense step drops it."""
     for step, wall in walls.items():
-        chooser._check_severe_steps(step, wall)
+        _step_end(chooser, step, wall)
+
+
+def _step_end(chooser, step, wall, exchange_s=None):
+    """One step's end for the every-step tests: its wall and (compressed steps) its agreed exchange."""
+    from types import SimpleNamespace
+
+    engine = chooser.engine
+    if isinstance(engine, _FakeEngine):
+        dense, carried, engine.carried = engine.step_is_dense(), engine.carried, None
+        engine.last_step = SimpleNamespace(step=step, dense=dense, carried_wall_mean_s=None if dense else carried,
+                                           exchange_comm_mean_s=exchange_s)
+    chooser._check_severe_steps(step, wall, exchange_s)
 
 
 @pytest.mark.parametrize("factor", [10.0, 0.3])
@@ -674,7 +698,7 @@ def _lowrank_with_an_exchange_reference(monkeypatch, exchange_s, **cfg):
     _window(chooser, 8, 1.0)  # settling
     step_s = chooser.predictions["lowrank"].step_s
     for s in range(9, 13):
-        chooser._check_severe_steps(s, step_s, exchange_s)
+        _step_end(chooser, s, step_s, exchange_s)
     _window(chooser, 12, step_s)
     assert [(h["step"], h["trigger"]) for h in chooser.history][-1] == (12, "calibration")
     assert chooser.chosen == "lowrank" and chooser._reference == pytest.approx(step_s)
@@ -695,9 +719,9 @@ def test_a_link_that_came_back_is_seen_in_a_compressed_methods_exchange(monkeypa
     state = copy.deepcopy(chooser.state_dict())
     engine.network.model = NetworkModel(1e-4, 8 / 1e10)
     for s, (w, x) in {13: (step_s, 0.02), 14: (step_s, 0.02), 15: (0.045, 0.002)}.items():
-        chooser._check_severe_steps(s, w, x)
+        _step_end(chooser, s, w, x)
     assert chooser.history[-1]["step"] == 12
-    chooser._check_severe_steps(16, 0.045, 0.002)
+    _step_end(chooser, 16, 0.045, 0.002)
     h = chooser.history[-1]
     assert (h["step"], h["trigger"], h["drift_test"]) == (16, "drift", "exchange") and chooser.chosen == "fp16"
     assert h["network"][1] == pytest.approx(8 / 1e10)
@@ -707,28 +731,28 @@ def test_a_link_that_came_back_is_seen_in_a_compressed_methods_exchange(monkeypa
     assert resumed._reference_exchange == pytest.approx(0.02)
     engine.network.model = NetworkModel(1e-4, 8 / 1e10)
     for s, (w, x) in {13: (step_s, 0.02), 14: (step_s, 0.02), 15: (0.045, 0.002), 16: (0.045, 0.002)}.items():
-        resumed._check_severe_steps(s, w, x)
+        _step_end(resumed, s, w, x)
     assert (resumed.history[-1]["step"], resumed.history[-1]["drift_test"]) == (16, "exchange")  # as uninterrupted
 
     slower, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02)
     for s in range(13, 30):
-        slower._check_severe_steps(s, step_s, 0.2)  # 10x slower: the step test's business, not this one's
+        _step_end(slower, s, step_s, 0.2)  # 10x slower: the step test's business, not this one's
     assert slower.history[-1]["step"] == 12
 
     small, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.004)
     for s in range(13, 30):
-        small._check_severe_steps(s, step_s, 0.001)  # 4x, but 3 ms of a 55 ms step
+        _step_end(small, s, step_s, 0.001)  # 4x, but 3 ms of a 55 ms step
     assert small.history[-1]["step"] == 12
 
     once, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02)
     for s in range(13, 30):
-        once._check_severe_steps(s, step_s, 0.002 if s == 20 else 0.02)
+        _step_end(once, s, step_s, 0.002 if s == 20 else 0.02)
     assert once.history[-1]["step"] == 12
 
     off, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02, severe_steps=0)
     assert off._reference_exchange is None
     for s in range(13, 30):
-        off._check_severe_steps(s, 0.045, 0.002)
+        _step_end(off, s, 0.045, 0.002)
     assert off.history[-1]["step"] == 12
 
 
@@ -749,7 +773,7 @@ def test_a_faster_exchange_checks_the_link_before_probing_and_a_severe_step_prob
     stored = chooser.network
     walls = {"exchange": (step_s, 0.002), "steps": (5 * step_s, 0.02)}[test]
     for s in range(13, 17):
-        chooser._check_severe_steps(s, *walls)
+        _step_end(chooser, s, *walls)
     h = chooser.history[-1]
     # the exchange test reads this step's agreed time (step 13, right after the calibration at 12, is left
     # out: the median over 12, 14, 15 is fast at 15); the step test reads each wall one step later (at 16)

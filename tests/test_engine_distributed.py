@@ -127,6 +127,8 @@ def _check_compressor(rank: int, ws: int, name: str, ratio, ef: bool, warmup: in
     for step in range(STEPS):
         replica.load_state_dict(model.state_dict())
         x, y = _batch(rank, step)
+        if step != 2:  # a value for this step's closing report; none before step 2 (so that mean is None)
+            engine.carry_wall(0.25 * (rank + 1) + step)
         replica.zero_grad()
         _loss(replica, x, y).backward()
         local = {n: p.grad.detach().reshape(-1).clone() for n, p in replica.named_parameters()}
@@ -161,7 +163,8 @@ def _check_compressor(rank: int, ws: int, name: str, ratio, ef: bool, warmup: in
             b = cfg.gain_ewma_beta
             ewma = ref_gain if ewma is None else b * ewma + (1 - b) * ref_gain
             gains.append((step, engine.last_step.gain, engine.last_step.gain_ewma, ref_gain, ewma))
-        exchange.append((engine.last_step.exchange_comm_s, engine.last_step.exchange_comm_mean_s))
+        exchange.append((engine.last_step.exchange_comm_s, engine.last_step.exchange_comm_mean_s,
+                         engine.last_step.carried_wall_mean_s))
         opt.step()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         assert all(torch.equal(flat, o) for o in gather_all(flat, ws)), f"{name}: ranks diverged at step {step}"
@@ -198,10 +201,14 @@ def test_aggregate_and_error_memory_match_reference(ws, cases):
         # the exchange time's mean over ranks (auto's exchange test reads it): the same on every rank, the
         # mean of the ranks' own times, and none on the dense warm-up step
         per_step = list(zip(*(results[r][key]["exchange"] for r in range(ws))))
-        assert all(own[1] is None for own in per_step[0]), key
+        assert all(own[1] is None and own[2] is None for own in per_step[0]), key  # a dense step drops the value
         for step, own in enumerate(per_step[1:], start=1):
             assert len({o[1] for o in own}) == 1, (key, step, own)
             assert own[0][1] == pytest.approx(sum(o[0] for o in own) / ws, rel=1e-9, abs=1e-12), (key, step, own)
+            # the value each rank carried into the step (GCEngine.carry_wall), averaged over the ranks; the
+            # one carried into the dense step 0 went nowhere, and step 2 had none
+            want = None if step == 2 else sum(0.25 * (r + 1) + step for r in range(ws)) / ws
+            assert all(o[2] == want for o in own), (key, step, own)
 
 
 def _check_gains(key: str, rank: int, gains: list[tuple]) -> None:

@@ -550,7 +550,7 @@ class AutoChooser(StepParticipant):
         #: agreed step walls (MAX over ranks) for the every-step severe test (severe_steps), the oldest
         #: first, and the all-reduce of the last step's wall still to be read (its step, its reader)
         self._recent: list[float] = []
-        self._recent_pending: tuple[int, Callable[[], list[float]]] | None = None
+        self._recent_pending: tuple[int, Callable[[], float | None]] | None = None
         #: a compressed method's exchange times of the last steps (the closing report's mean over ranks),
         #: and their median when the reference window ended (the exchange test's reference; None before)
         self._recent_exchange: list[float] = []
@@ -732,17 +732,17 @@ class AutoChooser(StepParticipant):
           this test starts begins with the link check (``probe_check``: one message of the last
           probe's size, above any burst allowance), and on an unchanged link the stored network
           decides without the probe."""
-        n, sv, engine = self.config.severe_steps, self.config.severe_drift, self.engine
+        n, sv = self.config.severe_steps, self.config.severe_drift
         if not n or not sv:
             return
         last = self._last_decision_step if self._last_decision_step is not None else -10**9
         if self._recent_pending is not None:
             at, read = self._recent_pending
             self._recent_pending = None
-            value = read()[0]
-            if at > last + 1:  # not the decision's step, nor the switch's first step
+            value = read()
+            if value is not None and at > last + 1:  # not the decision's step, nor the switch's first step
                 self._recent = (self._recent + [value])[-n:]
-        self._recent_pending = (step, agree_values_async([wall], "max", engine.process_group, engine.device))
+        self._recent_pending = (step, self._agree_wall_later(step, wall))
         if exchange_s is not None and step > last + 1:
             self._recent_exchange = (self._recent_exchange + [exchange_s])[-n:]
         if self._severe_held(step):
@@ -774,6 +774,28 @@ class AutoChooser(StepParticipant):
         self._decide(step, "drift", probe=True, check_link=test == "exchange",
                      drift_wall_s=statistics.median(self._recent) if test == "steps" else None, detail=test)
         self._t_prev_end = time.perf_counter()  # the decision is not a step
+
+    def _agree_wall_later(self, step: int, wall: float) -> Callable[[], float | None]:
+        """Issue the agreement of step ``step``'s ``wall``; the returned function reads it at the next
+        step's end (None if it was lost: see below). Before a compressed step the wall rides in that
+        step's closing report (:meth:`GCEngine.carry_wall`; the mean over ranks, no message of its
+        own); before a dense one it is an 8-byte all-reduce of its own, issued now and complete by
+        then (the MAX). The two differ by how far apart the ranks leave a step, which the 2x tests do
+        not see. Why: the separate all-reduce is one more latency-bound collective per step on the
+        process group the exchanges use; at 20 Mbit/s auto's Top-k steps took 1.1-3.5 ms (3-10 %)
+        longer with it than without the every-step test (docs/auto.md). A decision made after this
+        call may turn the next step dense: its report never comes, the value is None and the test
+        skips it (the step after a decision is left out anyway)."""
+        engine = self.engine
+        if engine.step_is_dense():
+            read = agree_values_async([wall], "max", engine.process_group, engine.device)
+            return lambda: read()[0]
+        engine.carry_wall(wall)
+
+        def carried() -> float | None:
+            stats = engine.last_step
+            return stats.carried_wall_mean_s if stats is not None and stats.step == step + 1 else None
+        return carried
 
     def _check_drift(self, step: int) -> None:
         engine = self.engine

@@ -15,7 +15,8 @@ blocks backward:
   so every rank runs it on the same steps.
 * **Closing report** (compressed steps, after the step's last exchange): one float64 sum-allreduce
   of named fields — how many ranks saw a non-finite gradient, Σ‖sent‖² and Σ‖p‖² for the
-  compression gain, the exchange time with its model prediction for the network tracker, and the
+  compression gain, the exchange time with its model prediction for the network tracker, a figure a
+  caller asked to have agreed (``GCEngine.carry_wall``: the ``auto`` chooser's step wall), and the
   same hash as the opening check, as its two 16-bit halves and their squares: the ranks agree iff
   ``N·Σh² = (Σh)²`` for both halves (exact in float64 up to ~1400 ranks). So every compressed step is
   checked, at no extra message; a difference found here stops the step on every rank before its
@@ -53,6 +54,8 @@ class StepReport:
     predicted_comm_s: float = 0.0
     has_prediction: float = 0.0
     malformed_ranks: float = 0.0
+    carried_wall_s: float = 0.0  # a caller's per-step figure (GCEngine.carry_wall), summed over ranks
+    carried_ranks: float = 0.0  # how many ranks carried one
     digest_hi: float = 0.0  # the step's descriptor hash, upper 16 bits (summed over ranks)
     digest_hi2: float = 0.0  # ... squared
     digest_lo: float = 0.0  # lower 16 bits

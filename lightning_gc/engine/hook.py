@@ -158,6 +158,7 @@ class GCEngine:
         #: (in 16 bits for the latter two), as DDP without a hook or with torch's 16-bit hook would run
         self.dense_mode: str | None = None
         self._dense_flush = False  # error memory awaits its flush into the next dense step's buckets
+        self._carried_wall: float | None = None  # GCEngine.carry_wall: for the next step's closing report
         self._pid_of = {id(p): i for i, p in enumerate(self.params)}
         self.all_exact = all(g.exact for g in self.plan.groups)
         self._planned = frozenset(self.plan.group_of())  # param ids the plan sends (OSP may defer others)
@@ -265,6 +266,18 @@ class GCEngine:
         the same value on every rank: the warm-up decides, per step, what every rank sends."""
         if steps > self.config.warmup_steps:
             self.config = dataclasses.replace(self.config, warmup_steps=int(steps))
+
+    def carry_wall(self, wall_s: float) -> None:
+        """Have ``wall_s`` (this rank's figure; the ``auto`` chooser hands in the wall time of the step
+        that just ended) averaged over the ranks by the *next* step's closing report, at no message of
+        its own: the mean is that step's :attr:`StepStats.carried_wall_mean_s`, identical on every rank.
+        A dense next step has no closing report and drops the value (``carried_wall_mean_s`` None), so a
+        caller that needs the figure anyway checks :meth:`step_is_dense` first and agrees it itself.
+        Call it between steps, on every rank alike: a rank that did not carry one makes the mean None
+        on every rank. Why: a separate 8-byte all-reduce per step is one more latency-bound collective
+        on the process group, ahead of the next step's exchanges (docs/auto.md, "Seeing a link change
+        within a few steps")."""
+        self._carried_wall = float(wall_s)
 
     def shorten_warmup_steps(self, steps: int) -> None:
         """Make the dense warm-up ``steps`` optimizer steps if it is longer (never lengthens it; at
@@ -624,6 +637,9 @@ class GCEngine:
         # close (below), instead of raising on its rank alone while the others wait in the collective
         times = ExchangeTimes(malformed=[])
         work = _StepWork(self.step, dense, stats, times, Timer(self.device, times))
+        if self._carried_wall is not None:  # taken by this step's closing report (a dense step drops it)
+            work.report.carried_wall_s, work.report.carried_ranks = self._carried_wall, 1.0
+            self._carried_wall = None
         if dense and self.dense_mode is not None and self.step >= self.config.warmup_steps:
             work.dense_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.dense_mode)
             work.carried_flush = self._dense_flush
@@ -867,6 +883,8 @@ class GCEngine:
         s = work.stats
         s.exchange_comm_s = work.exchange_comm_s
         s.exchange_comm_mean_s = total.exchange_comm_s / self.world_size
+        if total.carried_ranks == self.world_size:
+            s.carried_wall_mean_s = total.carried_wall_s / self.world_size
         s.full_precision = work.times.full_precision
         s.compressor_metrics = work.times.metrics or None
         bad = total.nonfinite_ranks > 0

@@ -36,6 +36,9 @@ class StepStats:
     # check, which lines the ranks up, so it excludes most of the wait for slower ranks)
     exchange_comm_mean_s: float | None = None  # exchange_comm_s averaged over the ranks (from the step's
     # closing report: identical on every rank, so a decision may use it); None on dense steps
+    carried_wall_mean_s: float | None = None  # the value every rank handed to GCEngine.carry_wall before
+    # this step, averaged over the ranks by the step's closing report; None on dense steps and when not
+    # every rank carried one
     alpha_s: float | None = None  # network model in force
     beta_s_per_byte: float | None = None
     probe_s: float = 0.0  # time spent probing the network during this step
