@@ -690,15 +690,16 @@ def test_before_its_reference_a_calibrated_method_is_judged_by_its_prediction_ev
 def _lowrank_with_an_exchange_reference(monkeypatch, exchange_s, **cfg):
     """The link fell to 10 Mbit/s; a drift decision at step 6 moved fp16 to lowrank; its reference
     window (steps 9-12, the calibration at 12 keeps it) ran its predicted step, each step with
-    ``exchange_s`` in the compressed exchange (agreed)."""
+    ``exchange_s`` in the compressed exchange (agreed; or one value per step, a list)."""
     chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4, explore=0, **cfg)
     engine.network.model = NetworkModel(1e-4, 8 / 1e7)
     chooser._decide(6, "drift", probe=True)
     assert chooser.chosen == "lowrank"
     _window(chooser, 8, 1.0)  # settling
     step_s = chooser.predictions["lowrank"].step_s
-    for s in range(9, 13):
-        _step_end(chooser, s, step_s, exchange_s)
+    per_step = exchange_s if isinstance(exchange_s, list) else [exchange_s] * 4
+    for s, x in zip(range(9, 13), per_step):
+        _step_end(chooser, s, step_s, x)
     _window(chooser, 12, step_s)
     assert [(h["step"], h["trigger"]) for h in chooser.history][-1] == (12, "calibration")
     assert chooser.chosen == "lowrank" and chooser._reference == pytest.approx(step_s)
@@ -754,6 +755,23 @@ def test_a_link_that_came_back_is_seen_in_a_compressed_methods_exchange(monkeypa
     for s in range(13, 30):
         _step_end(off, s, 0.045, 0.002)
     assert off.history[-1]["step"] == 12
+
+
+def test_the_exchange_reference_is_the_reference_windows_fastest_exchange(monkeypatch):
+    """A small exchange on a steady shaped link has two modes (measured: Top-k at 20 Mbit/s). The
+    reference window caught the slow one in 3 of its 4 steps (20 ms) and the fast one once (8 ms):
+    the reference is 8 ms, so later steps in the fast mode (2.5x under the window's median, by 12 ms,
+    more than a tenth of the step) re-decide nothing; a link that came back (0.5 ms) still does."""
+    steady, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, [0.02, 0.008, 0.02, 0.02])
+    assert steady._reference_exchange == pytest.approx(0.008)
+    for s in range(13, 40):
+        _step_end(steady, s, step_s, 0.008)
+    assert steady.history[-1]["step"] == 12
+    back, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, [0.02, 0.008, 0.02, 0.02])
+    for s in range(13, 16):
+        _step_end(back, s, step_s, 0.0005)
+    h = back.history[-1]  # step 13 is left out (the step after the calibration): 12, 14, 15 at step 15
+    assert (h["step"], h["trigger"], h["drift_test"]) == (15, "drift", "exchange")
 
 
 @pytest.mark.parametrize("test", ["exchange", "steps"])

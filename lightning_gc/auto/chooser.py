@@ -554,6 +554,7 @@ class AutoChooser(StepParticipant):
         #: a compressed method's exchange times of the last steps (the closing report's mean over ranks),
         #: and their median when the reference window ended (the exchange test's reference; None before)
         self._recent_exchange: list[float] = []
+        self._window_exchange: list[float] = []  # the agreed exchanges of the current window's steps
         self._reference_exchange: float | None = None
         self._last_decision_step: int | None = None
         # the last decision that looked at the link (a probe, a link check, a dense step's β): the
@@ -716,8 +717,12 @@ class AutoChooser(StepParticipant):
           the reference window).
         * **The exchange** (test ``exchange``; compressed methods): ``exchange_s``, this step's time
           in the compressed exchanges averaged over the ranks (the step's closing report, agreed
-          already), against the same median taken when the reference window ended: ``severe_drift``
-          times or more *faster* and by at least :data:`EXCHANGE_SHARE` of the reference step.
+          already), against the fastest exchange of the reference window: the median of the last
+          ``severe_steps`` ``severe_drift`` times or more *faster* and by at least
+          :data:`EXCHANGE_SHARE` of the reference step. The fastest, not the median: the median let
+          a reference window that caught the slow mode of a two-mode exchange (below) fire on the
+          fast one; with the median, Top-k on a steady 20 Mbit/s link re-decided twice per
+          300-step run (quickstart MLP, 3 rounds), each time with a link check.
           Why: a compressed method's step can hide a link that came back; on the quickstart MLP
           ``lowrank`` went from 53 to 43 ms when 10 Mbit/s returned to 1 Gbit/s, under the step
           test's 2x, and auto ran it to the end of the run where fp16 takes ~24 ms (docs/auto.md);
@@ -745,6 +750,7 @@ class AutoChooser(StepParticipant):
         self._recent_pending = (step, self._agree_wall_later(step, wall))
         if exchange_s is not None and step > last + 1:
             self._recent_exchange = (self._recent_exchange + [exchange_s])[-n:]
+            self._window_exchange.append(exchange_s)
         if self._severe_held(step):
             return
         test = basis = None
@@ -801,6 +807,7 @@ class AutoChooser(StepParticipant):
         engine = self.engine
         med = agree_values([statistics.median(self._window)], "max", engine.process_group, engine.device)[0]
         self._window = []
+        window_exchange, self._window_exchange = self._window_exchange, []
         if self._settling:  # the first window after a decision holds the switch itself: not a reference
             self._settling = False
             return
@@ -818,8 +825,10 @@ class AutoChooser(StepParticipant):
                 return
             self._reference = med
             n = self.config.severe_steps
-            self._reference_exchange = statistics.median(self._recent_exchange) if n and len(
-                self._recent_exchange) >= n else None
+            # the window's fastest exchange, not its median: a small exchange's time on a steady shaped link
+            # has two modes (see _check_severe_steps), and a reference in the slow one made the fast one
+            # look like a link that came back
+            self._reference_exchange = min(window_exchange) if n and len(window_exchange) >= n else None
             if self.history:
                 self.history[-1]["measured_step_s"] = med
             self._calibrate(step, med)
@@ -1041,6 +1050,7 @@ class AutoChooser(StepParticipant):
         if best != previous or trigger != "calibration":  # a calibration that keeps the method keeps its reference
             self._reference, self._drifted, self._window, self._settling = None, 0, [], True
             self._recent, self._recent_exchange, self._reference_exchange = [], [], None
+            self._window_exchange = []
         self._last_decision_step = step
         if probe or dense_wall_s is not None:
             self._last_link_step = step
@@ -1324,7 +1334,7 @@ class AutoChooser(StepParticipant):
             self.engine.shorten_warmup_steps(int(state["warmup_steps"]))
         self._window = []
         self._recent, self._recent_pending = [], None  # walls of the process that saved: not carried
-        self._recent_exchange = []
+        self._recent_exchange, self._window_exchange = [], []
         self._reference_exchange = state.get("reference_exchange")
         self._t_prev_end = None
         if self.chosen is not None:
