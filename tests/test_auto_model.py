@@ -786,7 +786,7 @@ def test_a_faster_exchange_checks_the_link_before_probing_and_a_severe_step_prob
     engine.adopt_network = lambda net: None
     chooser.probe_bytes, chooser.probe_time_s = 100_000, 0.08
     calls = []
-    monkeypatch.setattr(AutoChooser, "_check_link", lambda self: calls.append("check") or 0.08)
+    monkeypatch.setattr(AutoChooser, "_check_link", lambda self: calls.append("check") or (0.08, 8e-7))
     monkeypatch.setattr(AutoChooser, "_probe", lambda self, latency=None: calls.append("probe") or self.network)
     stored = chooser.network
     walls = {"exchange": (step_s, 0.002), "steps": (5 * step_s, 0.02)}[test]
@@ -1234,17 +1234,28 @@ def test_a_re_decision_checks_the_link_with_one_message_and_probes_again_only_wh
 
     link.sent, link.beta = [], 8 / 10e6  # the link fell to 10 Mbit/s: the check moved ~2x, twice
     ch._decide(201, "drift", probe=True)
-    assert link.sent == ([small, cap] * 2 if check else []) + full_probe
+    # the check's message is bandwidth-bound (its 80 ms > 5 ms): its slope is the new β, no full probe
+    assert link.sent == ([small, cap] * 2 if check else full_probe)
     assert ch.network.beta_s_per_byte == pytest.approx(8 / 10e6)
+    # α kept from the last full probe with the check (that probe's 64-byte term at 20 Mbit/s); probed without
+    assert ch.network.alpha_s == pytest.approx(2e-4 - 64 * 8 / (20e6 if check else 10e6))
     if check:
         moved = ch.history[-1]["link_check"]
         assert not moved["unchanged"] and moved["retimed"] and moved["check_s"] / moved["probe_s"] > 1.5
+        assert moved["beta_s_per_byte"] == pytest.approx(8 / 10e6) and ch.history[-1]["network_source"] == "check_slope"
         assert ch.probe_time_s == pytest.approx(2e-4 + (cap - BURST) * 8 / 10e6 + link.noise)  # the new reference
 
     link.sent, link.beta = [], 8 / 10e6 * 1.4  # 40 % slower, inside the 1.5x check: the network is kept
     ch._decide(301, "periodic", probe=True)
     assert link.sent == ([small, cap] if check else full_probe)
     assert ch.network.beta_s_per_byte == pytest.approx(8 / 10e6 if check else 8 / 10e6 * 1.4)
+
+    if check:  # back to 1 Gbit/s: the check moved, but its message (3.6 ms) is not bandwidth-bound: full probe
+        link.sent, link.beta = [], 8 / 1e9
+        ch._decide(401, "periodic", probe=True)
+        assert link.sent[:4] == [small, cap] * 2 and link.sent[4:26] == [64, 256] * 11
+        assert ch.history[-1]["network_source"] == "probe" and not ch.history[-1]["link_check"]["unchanged"]
+        assert ch.network.beta_s_per_byte == pytest.approx(8 / 1e9)
 
     state = ch.state_dict()  # the reference travels with a checkpoint
     other = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), probe_check=check), torch.nn.Linear(1, 1),

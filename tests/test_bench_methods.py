@@ -300,7 +300,7 @@ def test_worker_records_the_choosers_decisions_from_its_history():
     assert second["network_source"] == "check"
     assert second["shift_s"] == -0.012 and second["settled"] == ["ddp"] and second["shift_from"] == ["fp16"]
     assert second["link_check"] == {"check_s": 0.07, "probe_s": 0.065, "bytes": 168_000, "unchanged": True,
-                                    "retimed": False}
+                                    "retimed": False, "beta_s_per_byte": None}
     assert rec["gain_checks"] == gains
     assert _auto_state(SimpleNamespace(auto=None)) is None
     assert _auto_state(DDPStrategy()) is None

@@ -994,24 +994,33 @@ class AutoChooser(StepParticipant):
             # periodic re-decision probed in full: 0.5 s at 20 Mbit/s on the quickstart MLP, and that probe
             # read the link at 32-40 Mbit/s (docs/auto.md)
             self.probe_bytes = check_bytes(self.network, probe_cap_bytes(4 * sum(p.numel() for p in self.params)))
-            self.probe_time_s = self._check_link()
+            self.probe_time_s = self._check_link()[0]
         elif probe or self.network is None:
             source = "probe"
             if check_link and probe and dense_wall_s is None and self.network is not None and self.config.probe_check \
                     and self.probe_bytes > 0 and self.probe_time_s > 0:
-                check_s, retimed = self._check_link(), False
+                (check_s, check_beta), retimed = self._check_link(), False
                 if not link_unchanged(check_s, self.probe_time_s, self.config.probe_check):
                     # a message that looks moved is timed once more and the faster kept: this host's
                     # scheduling only adds time. One check on `lm` at 20 Mbit/s read 0.40 s against
                     # 0.12 s, the full probe that followed read the link at half its rate, and auto
                     # left the method it was on (docs/auto.md). Every rank agreed the first time, so
                     # every rank times the second message.
-                    check_s, retimed = min(check_s, self._check_link()), True
+                    (check_s, check_beta), retimed = min((check_s, check_beta), self._check_link()), True
                 link_check = {"check_s": check_s, "probe_s": self.probe_time_s, "bytes": self.probe_bytes,
                               "unchanged": link_unchanged(check_s, self.probe_time_s, self.config.probe_check),
                               "retimed": retimed}
                 source = "check" if link_check["unchanged"] else "probe"
-            if link_check is None or not link_check["unchanged"]:
+                if not link_check["unchanged"] and check_s >= PROBE_TARGET_S / 4 and check_beta > 0:
+                    # moved, and the check's message is bandwidth-bound at its size (where the probe would
+                    # stop growing it): the check was one round of the probe's measurement. β from its
+                    # slope, α kept (a latency round timed now would wait behind the check's bytes in the
+                    # shaper's queue). Why: when the quickstart's link fell to 10 Mbit/s under a periodic
+                    # re-probe, the full probe after the check made that step 1.79 s (docs/auto.md)
+                    self.network = NetworkModel(self.network.alpha_s, check_beta * self.beta_scale)
+                    self.probe_time_s, source = check_s, "check_slope"
+                    link_check["beta_s_per_byte"] = check_beta
+            if link_check is None or (not link_check["unchanged"] and source == "probe"):
                 probed = self._probe(latency)
                 if dense_wall_s is not None:  # the profiled DDP step bounds the link's β from above
                     beta = calibrate_beta(dense_wall_s, self.workload, ddp, probed, ws)
@@ -1259,16 +1268,21 @@ class AutoChooser(StepParticipant):
         is this rank's fastest 64-byte shift (not agreed: the caller agrees what it derives)."""
         return probe_network(self.engine.process_group, PROBE_LATENCY, device=self.engine.device)
 
-    def _check_link(self) -> float:
+    def _check_link(self) -> tuple[float, float]:
         """One message of the last probe's size, after its small partner (the order the probe
-        times them in), timed on every rank and agreed (MAX): compared with that probe's time by
-        :func:`link_unchanged`. About a quarter of a full probe's traffic, and no latency round."""
+        times them in), timed on every rank: returns that message's time, compared with the probe's
+        by :func:`link_unchanged`, and the slope between the two messages (β, as one round of the
+        probe's own measurement would give it; used when the link moved, see :meth:`_decide`), both
+        agreed (MAX). About a quarter of a full probe's traffic, and no latency round."""
         engine = self.engine
         size = self.probe_bytes
-        r = probe_network(engine.process_group,
-                          ProbeConfig(sizes_bytes=(probe_small_bytes(size), size), warmup=0, repeats=1),
+        small = probe_small_bytes(size)
+        r = probe_network(engine.process_group, ProbeConfig(sizes_bytes=(small, size), warmup=0, repeats=1),
                           device=engine.device)
-        return agree_values([r.median_times_s[1]], "max", engine.process_group, engine.device)[0]
+        t0, t1 = r.median_times_s
+        slope = max((t1 - t0) / (size - small), 0.0) if size > small else 0.0
+        t1, slope = agree_values([t1, slope], "max", engine.process_group, engine.device)
+        return t1, slope
 
     def _apply(self, name: str) -> None:
         engine = self.engine

@@ -367,6 +367,8 @@ def _auto_section(doc: dict) -> list[str]:
                                             f" (check{twice}: moved, re-probed)")
             if d.get("network_source") == "dense_step":
                 checked = " (β from the dense step)"
+            elif d.get("network_source") == "check_slope":  # moved, and the check's messages measured β
+                checked = f" (check{twice}: moved, β from the check)"
             trigger = d["trigger"] + (f" ({d['drift_test']})" if d.get("drift_test") else "")
             rows.append(f"| `{r['label']}` | {d['step']} | {trigger} | {d['chosen']} | {_link(d.get('network'))}{checked} "
                         f"| {_s(d['predicted_step_s'])} | {_s(d['measured_step_s'])} | {cands} |")
@@ -381,7 +383,8 @@ def _auto_section(doc: dict) -> list[str]:
         "`periodic` (a scheduled re-probe), `gain` (the candidates' errors, measured again, moved). *link*: "
         "the network as auto probed it (a periodic or drift re-decision first times one message against the last "
         "probe (a message that looks moved is timed once more: *check twice*) and probes again only if it "
-        "moved: *check*; a warm-up step that waited long on the network gives β itself: *β from the dense step*); *predicted*: its model's step for the pick; *measured*: auto's own "
+        "moved: *check*; a moved check whose message was bandwidth-bound gives β from its two messages: *β from the "
+        "check*; a warm-up step that waited long on the network gives β itself: *β from the dense step*); *predicted*: its model's step for the pick; *measured*: auto's own "
         "measurement after the decision, the median of a window of steps once the switch has settled (slowest "
         "rank; – if the run ended first). Per candidate: the predicted step and, in brackets, the predicted time "
         "per unit of progress, which the pick minimises; *shifted*: the methods not yet measured in a window of "

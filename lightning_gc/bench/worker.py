@@ -449,13 +449,15 @@ def _auto_state(strategy) -> dict | None:
 
 def _link_check(check: dict | None) -> dict | None:
     """A re-decision's link check (``AutoChooser``, ``probe_check``): the check message's time, the last
-    full probe's time for that size, whether the link counted as unchanged (no full probe) and
-    whether a first message that looked moved was timed again (the faster kept)."""
+    full probe's time for that size, whether the link counted as unchanged (no full probe),
+    whether a first message that looked moved was timed again (the faster kept) and, when a moved
+    check measured β itself, that β (``None`` otherwise)."""
     if not check:
         return None
     return {"check_s": _num(check.get("check_s")), "probe_s": _num(check.get("probe_s")),
             "bytes": int(check.get("bytes", 0)), "unchanged": bool(check.get("unchanged")),
-            "retimed": bool(check.get("retimed", False))}
+            "retimed": bool(check.get("retimed", False)),
+            "beta_s_per_byte": _num(check.get("beta_s_per_byte"))}
 
 
 def _omgs_state(strategy) -> dict | None:
