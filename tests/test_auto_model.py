@@ -557,14 +557,15 @@ def test_the_shift_comes_from_the_dense_modes_measured_on_any_link(monkeypatch):
 
 
 def test_a_reference_window_far_off_a_measured_prediction_re_decides_instead_of_calibrating(monkeypatch):
-    """fp16 was measured on the fast link; a later decision keeps it, and the link falls before its
-    reference window: that window runs 10x its (measured) prediction. It is not taken as the
+    """fp16 was measured on the fast link; a later (moderate drift) decision keeps it with a new
+    reference due, and the link falls before its reference window: that window runs 10x its
+    (measured) prediction. It is not taken as the
     reference (it would hide the fall from every later window): auto re-decides with a probe
     (trigger ``drift``, test ``reference_window``) on the slow link, although within
-    ``min_interval`` of the last decision (a periodic one, not a severe one). A method never measured
+    ``min_interval`` of the last decision (a moderate one, not a severe one). A method never measured
     on this link, off by as much in its first window, is calibrated as usual."""
     chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=30)
-    chooser._decide(6, "periodic", probe=True)  # the link unchanged: fp16 kept, a new reference due
+    chooser._decide(6, "drift", probe=True, detail="window")  # fp16 kept, a new reference due
     assert chooser.chosen == "fp16" and chooser._reference is None
     fp16_pred = chooser.predictions["fp16"].step_s
     engine.network.model = NetworkModel(1e-4, 8 / 1e7)  # the link falls to 10 Mbit/s
@@ -587,11 +588,12 @@ def test_the_periodic_re_probe_counts_from_the_last_look_at_the_link(monkeypatch
     the periodic re-probe comes at step 20, not 32; a checkpoint carries the count."""
     chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, probe_every=20)
     assert [(h["step"], h["trigger"]) for h in chooser.history] == [(0, "warmup"), (4, "calibration")]
+    ref = chooser._reference
     chooser._decide(12, "gain", probe=False)
-    assert chooser.chosen == "fp16"
-    _window(chooser, 14, 1.0)  # settling
-    ref = chooser.predictions["fp16"].step_s
-    _window(chooser, 16, ref)  # reference
+    # fp16 kept, and with it its reference: nothing about the link was measured, so no settling window
+    assert chooser.chosen == "fp16" and chooser._reference == ref and chooser.history[-1]["kept_reference"]
+    _window(chooser, 14, ref)
+    _window(chooser, 16, ref)
     state = copy.deepcopy(chooser.state_dict())  # a checkpoint: saved as it is now
     _window(chooser, 18, ref)
     assert chooser.history[-1]["trigger"] == "gain"
@@ -667,13 +669,13 @@ def test_severe_drift_is_seen_within_severe_steps_of_the_change(monkeypatch, fac
 
 
 def test_before_its_reference_a_calibrated_method_is_judged_by_its_prediction_every_step(monkeypatch):
-    """A periodic decision at step 6 keeps fp16 (measured on this link): no reference until its
+    """A moderate drift decision at step 6 keeps fp16 (measured on this link): no reference until its
     second window. The link falls at once; steps 8-10 (7 is the switch's step, left out) run 10x
     fp16's prediction, which carried its own correction: at step 11 auto re-decides (test
     ``steps``). The method it moves to, never measured on the slow link, runs 3x its raw
     prediction: that is what its first window calibrates, not a drift, and nothing re-decides."""
     chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
-    chooser._decide(6, "periodic", probe=True)
+    chooser._decide(6, "drift", probe=True, detail="window")
     assert chooser.chosen == "fp16" and chooser._reference is None
     fp16_pred = chooser.predictions["fp16"].step_s
     engine.network.model = NetworkModel(1e-4, 8 / 1e7)
@@ -772,6 +774,39 @@ def test_the_exchange_reference_is_the_reference_windows_fastest_exchange(monkey
         _step_end(back, s, step_s, 0.0005)
     h = back.history[-1]  # step 13 is left out (the step after the calibration): 12, 14, 15 at step 15
     assert (h["step"], h["trigger"], h["drift_test"]) == (15, "drift", "exchange")
+
+
+@pytest.mark.parametrize("check_s", [0.08, 0.5])
+def test_a_periodic_decision_that_kept_the_method_on_an_unchanged_link_keeps_its_references(monkeypatch, check_s):
+    """lowrank measured on the slow link (reference step and exchange); the periodic re-probe at step
+    20 checks the link. Unchanged (0.08 s, as at the probe): lowrank is kept with its references, no
+    settling window, and when the link comes back right after it (exchanges 10x faster from step 21)
+    the exchange test sees it at step 23 against the old reference. Moved (0.5 s, not bandwidth-bound
+    per the stub's slope 0): the full probe measured a new link, so the references start again."""
+    from lightning_gc.auto.chooser import AutoChooser
+
+    chooser, engine, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02)
+    engine.network.pinned = False
+    engine.adopt_network = lambda net: None
+    chooser.probe_bytes, chooser.probe_time_s = 100_000, 0.08
+    monkeypatch.setattr(AutoChooser, "_check_link", lambda self: (check_s, 0.0))
+    monkeypatch.setattr(AutoChooser, "_probe", lambda self, latency=None: self.network)
+    ref, ref_x = chooser._reference, chooser._reference_exchange
+    for s in range(13, 20):
+        _step_end(chooser, s, step_s, 0.02)
+    chooser._decide(20, "periodic", probe=True)
+    h = chooser.history[-1]
+    assert (h["trigger"], h["chosen"], h["previous"]) == ("periodic", "lowrank", "lowrank")
+    if check_s == 0.08:
+        assert h["kept_reference"] and h["measured_step_s"] == ref
+        assert (chooser._reference, chooser._reference_exchange, chooser._settling) == (ref, ref_x, False)
+        for s in range(21, 24):
+            _step_end(chooser, s, step_s, 0.002)
+        h = chooser.history[-1]
+        assert (h["step"], h["trigger"], h["drift_test"]) == (23, "drift", "exchange")
+    else:
+        assert not h["kept_reference"] and h["measured_step_s"] is None
+        assert (chooser._reference, chooser._reference_exchange, chooser._settling) == (None, None, True)
 
 
 @pytest.mark.parametrize("test", ["exchange", "steps"])

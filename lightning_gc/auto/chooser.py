@@ -1056,7 +1056,15 @@ class AutoChooser(StepParticipant):
         if best != previous:
             self._apply(best)
         self.chosen, self.predictions = best, preds
-        if best != previous or trigger != "calibration":  # a calibration that keeps the method keeps its reference
+        # a decision that keeps the method on the link it measured keeps its references: a calibration (it was
+        # just measured), and a periodic or gain re-decision that did not measure the link anew (a link check
+        # that found it unchanged, or the stored network). Why: the reference window after such a decision
+        # measured whatever came next as the new normal; on the quickstart MLP the periodic re-probe kept
+        # `lowrank` one step before 10 Mbit/s went back to 1 Gbit/s, and `lowrank` ran to the end of the run
+        # on the fast link where fp16 runs at half its step (docs/auto.md)
+        kept = best == previous and self._reference is not None and (
+            trigger == "calibration" or (trigger in ("periodic", "gain") and source in ("check", "kept", "pinned")))
+        if not kept:
             self._reference, self._drifted, self._window, self._settling = None, 0, [], True
             self._recent, self._recent_exchange, self._reference_exchange = [], [], None
             self._window_exchange = []
@@ -1069,7 +1077,9 @@ class AutoChooser(StepParticipant):
                  "dense_exposed_s": dense_exposed_s,
                  "workload": self.workload.as_dict(), "costs": [c.as_dict() for c in self.costs],
                  "predictions": {k: v.as_dict() for k, v in preds.items()},
-                 "dense_wall_s": dense_wall_s, "measured_step_s": None,
+                 # a decision that kept its reference was measured by it already
+                 "dense_wall_s": dense_wall_s, "measured_step_s": self._reference if kept else None,
+                 "kept_reference": kept,
                  "corrections": dict(valid), "settled": settled, "shift_s": shift, "shift_from": shift_from,
                  "explore_left": self._explore_left,
                  # which test saw a drift: "window" (moderate, patience), "severe_window", "steps",
@@ -1081,7 +1091,7 @@ class AutoChooser(StepParticipant):
         bw = self.network.bandwidth_bits_per_s
         checked = "" if link_check is None else (
             f" (link check: {1e3 * link_check['check_s']:.1f} ms vs {1e3 * link_check['probe_s']:.1f} ms at the last "
-            f"probe, {'unchanged, not re-probed' if link_check['unchanged'] else 'changed, re-probed'})")
+            f"probe, {'unchanged, not re-probed' if link_check['unchanged'] else 'changed, β from the check' if source == 'check_slope' else 'changed, re-probed'})")
         shifted = (f"methods not yet measured predicted {1e3 * -shift:.1f} ms under the raw model (the least "
                    f"speed-up of {', '.join(shift_from)}); ") if shift else ""
         head = (f"lightning_gc auto ({trigger}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
