@@ -615,6 +615,18 @@ class GCStrategy(DDPStrategy):
         return super().lightning_module_state_dict()
 
     @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self._auto is not None:  # validation time is not a training step's (AutoChooser.pause_walls)
+            self._auto.pause_walls()
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self._auto is not None:
+            self._auto.resume_walls()
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # teardown must not start collectives peers may never join
         if self._session is not None:

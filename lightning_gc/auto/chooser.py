@@ -563,6 +563,7 @@ class AutoChooser(StepParticipant):
         self._stamps: dict[int, float] = {}
         self._t_start = self._t_fwd = self._t_closure_end = 0.0
         self._t_prev_end: float | None = None
+        self._t_paused: float | None = None  # pause_walls: when the validation (or other non-training time) began
         self._handles: list[Any] = []
         #: this rank's local gradients of the step being sampled (parameter index → copy), or None when
         #: no step is sampled: the warm-up's dense steps (the last profiled one is measured) and, every
@@ -629,6 +630,22 @@ class AutoChooser(StepParticipant):
         self._handles = []
 
     # ------------------------------------------------------------------ step boundary
+    def pause_walls(self) -> None:
+        """Time from now until :meth:`resume_walls` is not a training step's (the strategy calls the
+        two around validation, and the checkpoint saved at its end). Why: the step after a validation
+        carried it in its wall (80-130 ms against ~20 ms steps on the quickstart MLP at 1 Gbit/s), and
+        with one more noisy step the median of 3 fired the 2x test on a steady link; that false
+        re-decision then held the real one (the link falling 14 steps later) for ``min_interval``
+        steps: 16 DDP steps of ~440 ms (docs/auto.md). The bench leaves validation out of its step
+        times the same way."""
+        self._t_paused = time.perf_counter()
+
+    def resume_walls(self) -> None:
+        """End of :meth:`pause_walls`: the next step's wall starts where the last step ended, plus the pause."""
+        if self._t_paused is not None and self._t_prev_end is not None:
+            self._t_prev_end += time.perf_counter() - self._t_paused
+        self._t_paused = None
+
     def after_optimizer_step(self) -> None:
         engine = self.engine
         t_end = time.perf_counter()
