@@ -440,6 +440,8 @@ def _auto_state(strategy) -> dict | None:
             "shift_s": _num(h.get("shift_s")), "settled": list(h.get("settled") or []),
             "shift_from": list(h.get("shift_from") or []),  # whose speed-ups the shift is the least of
             "drift_test": h.get("drift_test"),  # which test saw a drift: window, steps, reference_window
+            # a periodic or gain decision that kept the method on an unchanged link kept its reference
+            "kept_reference": bool(h.get("kept_reference", False)),
         })
     gains = [{"step": int(c["step"]), "delta2": {k: float(v) for k, v in c["delta2"].items()},
               "moved": float(c["moved"]), "redecided": bool(c["redecided"])} for c in getattr(chooser, "gain_checks", [])]
