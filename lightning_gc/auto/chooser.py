@@ -547,12 +547,13 @@ class AutoChooser(StepParticipant):
         self.beta_scale = 1.0
         self._drifted = 0
         self._window: list[float] = []
-        #: agreed step walls (MAX over ranks) for the every-step severe test (severe_steps), the oldest
-        #: first, and the all-reduce of the last step's wall still to be read (its step, its reader)
+        #: agreed step walls for the every-step severe test (severe_steps; MAX over ranks under a dense mode,
+        #: the closing report's mean under a compressed method), the oldest first, and the agreement of the
+        #: last step's wall still to be read (its step, its reader; see _agree_wall_later)
         self._recent: list[float] = []
         self._recent_pending: tuple[int, Callable[[], float | None]] | None = None
         #: a compressed method's exchange times of the last steps (the closing report's mean over ranks),
-        #: and their median when the reference window ended (the exchange test's reference; None before)
+        #: the current window's, and the reference window's fastest (the exchange test's reference; None before)
         self._recent_exchange: list[float] = []
         self._window_exchange: list[float] = []  # the agreed exchanges of the current window's steps
         self._reference_exchange: float | None = None
