@@ -1038,7 +1038,7 @@ class AutoChooser(StepParticipant):
                     self.network = NetworkModel(self.network.alpha_s, check_beta * self.beta_scale)
                     self.probe_time_s, source = check_s, "check_slope"
                     link_check["beta_s_per_byte"] = check_beta
-            if link_check is None or (not link_check["unchanged"] and source == "probe"):
+            if source == "probe":  # no check, or a moved one that could not measure β itself
                 probed = self._probe(latency)
                 if dense_wall_s is not None:  # the profiled DDP step bounds the link's β from above
                     beta = calibrate_beta(dense_wall_s, self.workload, ddp, probed, ws)
