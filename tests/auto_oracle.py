@@ -61,13 +61,13 @@ def step_by_hand(cost: dict, wl: dict, alpha: float, beta: float, n: int) -> flo
             comm = ring(alpha, beta, B, n)
         elif cost["wire"] == "allgather":
             comm = allgather(alpha, beta, B, n)
-        elif cost["wire"] == "lowrank":
-            comm = 2 * ring(alpha, beta, B / 2, n)
+        elif cost["wire"] == "lowrank":  # the exact small tensors ride in the P message: no latency of their own
+            comm = ring(alpha, beta, B / 2 + cost["exact_bytes"], n) + ring(alpha, beta, B / 2, n)
         else:
             group = max(total - int(cost["exact_bytes"] // 4), 1)  # the exact small tensors are not in M
             comm = sparse_best(alpha, beta, group, n, cost["sparse_ratio"], cost["value_bytes"])
         comm += ring(alpha, beta, 13 * 8, n)  # the engine's closing report: 13 float64 fields
-        if cost["exact_bytes"] > 0:
+        if cost["exact_bytes"] > 0 and cost["wire"] != "lowrank":
             comm += ring(alpha, beta, cost["exact_bytes"], n)
         end = sum(bwd) + cost["codec_s"] + comm
     compute = wl["forward_s"] + sum(bwd) + wl["optimizer_s"]

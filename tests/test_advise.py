@@ -71,8 +71,8 @@ def _oracle_step(cost: MethodCost, w: Workload, alpha: float, beta: float, n: in
         comm = _ring(alpha, beta, B, n)
     elif cost.wire == "allgather":
         comm = alpha * lg + (n - 1) * B * beta
-    elif cost.wire == "lowrank":
-        comm = 2 * _ring(alpha, beta, B / 2, n)
+    elif cost.wire == "lowrank":  # P (with the exact small tensors: they ride in it), then Q
+        comm = _ring(alpha, beta, B / 2 + cost.exact_bytes, n) + _ring(alpha, beta, B / 2, n)
     else:  # sparse: the cheapest of allgather, ART-Ring (4a), ART-Tree (4b); M = 4 * numel
         M = 4.0 * sum(w.numels)
         idx = M * cost.sparse_ratio
@@ -81,7 +81,7 @@ def _oracle_step(cost: MethodCost, w: Workload, alpha: float, beta: float, n: in
                    alpha * (2 * (n - 1) + lg) + beta * (idx * lg + val * 2 * (n - 1) / n),
                    3 * alpha * lg + beta * lg * (idx + 2 * val))
     control = _ring(alpha, beta, 104, n)
-    exact = _ring(alpha, beta, cost.exact_bytes, n) if cost.exact_bytes > 0 else 0.0
+    exact = _ring(alpha, beta, cost.exact_bytes, n) if cost.exact_bytes > 0 and cost.wire != "lowrank" else 0.0
     return base + bwd + cost.codec_s + comm + control + exact
 
 

@@ -325,12 +325,24 @@ class _Net(torch.nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def _engine_run(rank: int, ws: int) -> dict:
+def _engine_run(rank: int, ws: int, min_compress_numel: int = 0) -> dict:
+    import torch.distributed as dist
+
     model = _Net()
     replica = copy.deepcopy(model)
     ddp = DDP(model, bucket_cap_mb=25)
     engine = GCEngine(build_compressor("lowrank", args=dict(rank=RANK)),
-                      EngineConfig(warmup_steps=0, min_compress_numel=0, seed=3), list(model.named_parameters()))
+                      EngineConfig(warmup_steps=0, min_compress_numel=min_compress_numel, seed=3),
+                      list(model.named_parameters()))
+    calls = []  # allreduces on the engine's own group, per step
+    real_all_reduce = dist.all_reduce
+
+    def counting(tensor, *args, group=None, **kwargs):
+        if group is engine.exchange_group:
+            calls[-1] += 1
+        return real_all_reduce(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = counting
     q0 = torch.randn(20, RANK, generator=torch.Generator().manual_seed(9))
     engine.exchange.load_state_dict({"lowrank_q": {"a.weight:16x20": q0}})
     ddp.register_comm_hook(engine, gc_comm_hook)
@@ -340,6 +352,7 @@ def _engine_run(rank: int, ws: int) -> dict:
     q = q0.double()
     worst_grad = worst_mem = 0.0
     for step in range(6):
+        calls.append(0)
         replica.load_state_dict(model.state_dict())
         g = torch.Generator().manual_seed(10 * rank + step)
         x, y = torch.randn(8, 20, generator=g) * (1 + rank), torch.randint(0, 3, (8,), generator=g)
@@ -361,17 +374,36 @@ def _engine_run(rank: int, ws: int) -> dict:
             got = dict(model.named_parameters())[n].grad.double()
             worst_grad = max(worst_grad, float((got - ref).abs().max() / ref.abs().max()))
         for grp in engine.plan.groups:
+            if grp.exact:  # sent exactly: no error memory at all
+                assert grp.gid not in engine.memory
+                continue
             want = torch.cat([mem[n][rank].reshape(-1) for n in grp.names])
             worst_mem = max(worst_mem, float((engine.memory[grp.gid].double().reshape(-1) - want).abs().max()))
+        engine.before_optimizer_step()
         opt.step()
+        engine.after_optimizer_step()
+    dist.all_reduce = real_all_reduce
     return {"grad": worst_grad, "mem": worst_mem, "mem_norm": float(mem["a.weight"][rank].norm()),
-            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "groups": [(g.names, g.exact) for g in engine.plan.groups], "calls": calls}
 
 
-def test_engine_gradient_and_error_memory_follow_powersgd_from_all_ranks():
-    results = run_distributed(_engine_run, 2, timeout=240)
+@pytest.mark.parametrize("min_compress_numel", [0, 64], ids=["no_exact_group", "exact_group_rides"])
+def test_engine_gradient_and_error_memory_follow_powersgd_from_all_ranks(min_compress_numel):
+    """With ``min_compress_numel=64`` the bias of ``a`` and all of ``b`` form the plan's exact group,
+    which travels in the ``P`` allreduce (``carries_exact``): every step then issues the ``P`` and
+    ``Q`` allreduces and the closing report, three in all, where a separate exact group would add a
+    fourth; the values still follow the exact mean (the oracle's ``sum(ps) / ws``)."""
+    results = run_distributed(_engine_run, 2, min_compress_numel, timeout=240)
     for r, res in enumerate(results):
         assert res["grad"] <= 1e-4, f"rank {r}: gradient off by {res['grad']:.3g}"
         assert res["mem"] <= 1e-5, f"rank {r}: error memory off by {res['mem']:.3g}"
         assert res["mem_norm"] > 1e-3  # the compression really dropped something
     assert torch.equal(results[0]["params"], results[1]["params"])
+    groups = results[0]["groups"]
+    if min_compress_numel:
+        assert groups == [(("a.weight",), False), (("b.bias", "b.weight", "a.bias"), True)]
+    else:
+        assert groups == [(("b.bias", "b.weight", "a.bias", "a.weight"), False)]
+    # step 0 adds the opening check (check_every); later steps: P, Q and the closing report
+    assert results[0]["calls"][1:] == [3] * 5, results[0]["calls"]

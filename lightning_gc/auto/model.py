@@ -28,7 +28,8 @@ share one definition and every rank computes the same choice from the same (agre
   backward ends (nothing to overlap with), costing ``codec_s`` + the collective's time for
   ``payload_bytes`` + the engine's closing report (an 88-byte allreduce; its opening check runs
   only every ``check_every`` steps and is left out) + the ring allreduce of the small
-  tensors it sends exactly (``exact_bytes``).
+  tensors it sends exactly (``exact_bytes``; for ``lowrank`` only their bytes: they ride in its
+  ``P`` allreduce, see :attr:`~lightning_gc.comm.exchange.Exchange.carries_exact`).
 
 ``step = forward + max(backward end, last exchange end) + optimizer + other + overhead`` (never
 below the compute), where ``overhead`` is what the live chooser measured beyond the model for the
@@ -254,7 +255,11 @@ def predict(cost: MethodCost, workload: Workload, network: NetworkModel, world_s
         # the compressed group: the model without the small tensors sent exactly beside it
         tc = comm_seconds(cost, network, n, max(w.numel - int(cost.exact_bytes // 4), 1))
         control = cost_model.ring_allreduce_cost(a, b, ENGINE_CONTROL_BYTES, n)
-        exact = cost_model.ring_allreduce_cost(a, b, cost.exact_bytes, n) if cost.exact_bytes > 0 else 0.0
+        exact = 0.0
+        if cost.exact_bytes > 0:
+            # the lowrank exchange carries them in its P allreduce (Exchange.carries_exact): their
+            # bytes without a latency of their own; every other method sends them in an allreduce
+            exact = cost_model.ring_allreduce_cost(0.0 if cost.wire == "lowrank" else a, b, cost.exact_bytes, n)
         comm_total = tc + control + exact
         codec = cost.codec_s
         end = bwd_end + codec + comm_total

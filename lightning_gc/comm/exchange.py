@@ -233,6 +233,9 @@ class Exchange(ABC):
     summable: ClassVar[bool] = False
     #: payloads are combined hop by hop along our P2P ring
     ring_combinable: ClassVar[bool] = False
+    #: :meth:`run_with_exact` sends a group's exact tensors inside this exchange's own first
+    #: collective (one collective per step fewer than a separate exact group; docs/concepts.md)
+    carries_exact: ClassVar[bool] = False
 
     def __init__(self, compressor: Compressor, group=None, network: NetworkState | None = None) -> None:
         self.compressor = compressor
@@ -250,6 +253,13 @@ class Exchange(ABC):
     @abstractmethod
     def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor | SparseSent | LazySent]:
         """Return (mean over ranks, this rank's contribution: dense, :class:`SparseSent` or :class:`LazySent`)."""
+
+    def run_with_exact(self, p: Tensor, ctx: GroupContext, timer: Timer,
+                       exact: Tensor) -> tuple[Tensor, Tensor | SparseSent | LazySent, Tensor]:
+        """:meth:`run`, with ``exact`` (the flat tensors of the plan's exact group, fp32) summed
+        exactly and divided by N in the same message: returns (mean, sent, mean of ``exact``).
+        Only for exchanges with ``carries_exact``; the engine never calls it on the others."""
+        raise NotImplementedError(f"collective {self.name!r} does not carry exact tensors (carries_exact=False)")
 
     def describe(self) -> str:
         """Name and options; part of the cross-rank signature."""

@@ -94,6 +94,10 @@ class _StepWork:
     dense_dtype: torch.dtype | None = None  # dense mode "fp16"/"bf16": the buckets travel in 16 bits
     steady: bool = False  # a dense step of a dense-only run past warm-up: no opening check, no worker hop
     carried_flush: bool = False  # this dense step added the error memory to its buckets
+    # (host gid, exact gid): the exact group travels inside the host group's exchange this step
+    # (Exchange.carries_exact); the two are submitted as one job once both are complete
+    rider: tuple[int, int] | None = None
+    rider_views: dict[int, list[Tensor]] = field(default_factory=dict)
     finished: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -609,6 +613,17 @@ class GCEngine:
             ready_event = self._ready_event(buffer)
             for gid in self._readiness.add_bucket(bucket):
                 views = self._readiness.take_views(gid)
+                if work.rider is not None and gid in work.rider:
+                    # host and exact group go as one job, at the later one's place in the order (the
+                    # same on every rank: readiness follows DDP's bucket order)
+                    work.rider_views[gid] = views
+                    if len(work.rider_views) < 2:
+                        continue
+                    host, exact = work.rider
+                    hv, ev = work.rider_views.pop(host), work.rider_views.pop(exact)
+                    self._runner.submit(lambda g=host, v=hv, e=ev: self._guard(
+                        work, self._job_group, work, g, v, ready_event, e))
+                    continue
                 self._runner.submit(lambda g=gid, v=views: self._guard(work, self._job_group, work, g, v, ready_event))
         if bucket.is_last():
             self._close_step()
@@ -650,6 +665,8 @@ class GCEngine:
         # alone did not close the gap to DDP; GCMonitor's per-step logging was most of it.)
         work.steady = (dense and self.world_size > 1 and self.step >= self.config.warmup_steps
                        and (self.all_exact or self.dense_mode is not None) and len(self._planned) == len(self.params))
+        if not dense and self.world_size > 1:
+            work.rider = self._rider()
         self._work = work
         self._readiness.begin()
         if self.world_size > 1 and not work.steady:
@@ -659,6 +676,27 @@ class GCEngine:
             check = dense or self._check_next or work.step % self.config.check_every == 0
             self._check_next = False
             self._runner.submit(lambda: self._guard(work, self._job_open, work, check))
+
+    def _rider(self) -> tuple[int, int] | None:
+        """(host gid, exact gid) when the plan's exact group can travel inside the last compressed
+        group's exchange this step, else None.
+
+        The exact group (the tensors below ``min_compress_numel``) otherwise costs an allreduce of
+        its own every compressed step; an exchange that already sends dense tensors exactly in its
+        first collective (``carries_exact``: ``lowrank``) takes them along. The host is the last
+        compressed group in gid order (the earliest layers: the last to be complete in backward,
+        as the exact group usually is). Read from replicated state only (plan, slots), so every rank
+        decides alike; the slots are in the step's descriptor, which the ranks compare."""
+        if len(self._planned) != len(self.params):  # a plan that defers layers this step (OSP)
+            return None
+        exact = [g.gid for g in self.plan.groups if g.exact]
+        lossy = [g.gid for g in self.plan.groups if not g.exact]
+        if len(exact) != 1 or not lossy:
+            return None
+        host = lossy[-1]
+        if not type(self.slot_of(host).exchange).carries_exact:
+            return None
+        return host, exact[0]
 
     def _descriptor(self, work: _StepWork) -> str:
         if work.dense:
@@ -788,7 +826,10 @@ class GCEngine:
 
         reduced.add_done_callback(done)
 
-    def _job_group(self, work: _StepWork, gid: int, views: list[Tensor], ready_event) -> None:
+    def _job_group(self, work: _StepWork, gid: int, views: list[Tensor], ready_event,
+                   exact_views: list[Tensor] | None = None) -> None:
+        """Exchange group ``gid`` and write its mean into ``views``; with ``exact_views`` (the exact
+        group's views, :meth:`_rider`), that group rides in the same exchange."""
         if ready_event is not None:
             torch.cuda.current_stream().wait_event(ready_event)
         group = self.plan.groups[gid]
@@ -808,14 +849,26 @@ class GCEngine:
             if not all_finite(mean):  # identical on all ranks after the sum
                 work.report.nonfinite_ranks = 1.0
         else:
-            mean = self._exchange_lossy(work, gid, flat, ctx, timer)
+            exact = None
+            if exact_views is not None:
+                exact = timer.run("compress", lambda: torch.cat([v.reshape(-1).float() for v in exact_views]))
+            mean, exact_mean = self._exchange_lossy(work, gid, flat, ctx, timer, exact)
             work.written.append(views)
+            if exact_views is not None:
+                if not all_finite(exact_mean):  # identical on all ranks after the sum
+                    work.report.nonfinite_ranks = 1.0
+                offset = 0
+                for v in exact_views:
+                    v.copy_(exact_mean[offset:offset + v.numel()].view_as(v))
+                    offset += v.numel()
         offset = 0
         for v, n in zip(views, group.numels):
             v.copy_(mean[offset:offset + n].view_as(v))
             offset += n
 
-    def _exchange_lossy(self, work: _StepWork, gid: int, flat: Tensor, ctx: GroupContext, timer: Timer) -> Tensor:
+    def _exchange_lossy(self, work: _StepWork, gid: int, flat: Tensor, ctx: GroupContext, timer: Timer,
+                        exact: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """(mean of group ``gid``, mean of ``exact`` or None): ``exact`` rides in the exchange."""
         slot = self.slot_of(gid)
         names = self.plan.groups[gid].names
         flush = names in self._flush
@@ -831,7 +884,11 @@ class GCEngine:
             self.group_observer(gid, p, ctx)
         timer.resolve()
         c0 = work.times.comm_s
-        mean, sent = slot.exchange.run(p, ctx, timer)
+        exact_mean = None
+        if exact is None:
+            mean, sent = slot.exchange.run(p, ctx, timer)
+        else:
+            mean, sent, exact_mean = slot.exchange.run_with_exact(p, ctx, timer, exact)
         timer.resolve()  # CUDA: wait for this exchange's events (worker thread only)
         work.exchange_comm_s += work.times.comm_s - c0
         work.report.p2 += p2
@@ -846,7 +903,7 @@ class GCEngine:
             r2 = max(p2 - sent2, 0.0) if isinstance(sent, SparseSent) else sq_norm(residual)
             self._memory.stage(gid, residual, r2)
         work.report.sent2 += sent2
-        return mean
+        return mean, exact_mean
 
     def _job_close(self, work: _StepWork) -> None:
         if work.dense:
