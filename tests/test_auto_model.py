@@ -202,6 +202,10 @@ class _FakeEngine:
         self.dense_mode = None  # as GCEngine: a dense mode runs every step on DDP's buckets
         self.last_step = None  # _walls sets it: the stats of the step that just ended
         self.carried = None  # carry_wall's value, for the next step's closing report
+        self.dense_carry = False  # enable_dense_carry: dense steps carry it too (in their first bucket)
+
+    def enable_dense_carry(self):
+        self.dense_carry = True
 
     def step_is_dense(self):
         return self.dense_mode is not None
@@ -622,7 +626,8 @@ def _step_end(chooser, step, wall, exchange_s=None):
     engine = chooser.engine
     if isinstance(engine, _FakeEngine):
         dense, carried, engine.carried = engine.step_is_dense(), engine.carried, None
-        engine.last_step = SimpleNamespace(step=step, dense=dense, carried_wall_mean_s=None if dense else carried,
+        lost = dense and not engine.dense_carry  # GCEngine: a dense step carries it only when enabled
+        engine.last_step = SimpleNamespace(step=step, dense=dense, carried_wall_mean_s=None if lost else carried,
                                            exchange_comm_mean_s=exchange_s)
     chooser._check_severe_steps(step, wall, exchange_s)
 

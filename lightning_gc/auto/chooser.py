@@ -67,7 +67,7 @@ from torch import Tensor
 from ..comm.cost_model import NetworkModel
 from ..comm.probe import ProbeConfig, probe_network
 from ..compressors import GroupContext
-from ..engine.agreement import agree_values, agree_values_async
+from ..engine.agreement import agree_values
 from ..engine.session import StepParticipant
 from .candidates import DEFAULT_CANDIDATES, AutoCandidate, candidate, measure_error, measure_method
 from .model import (
@@ -522,6 +522,8 @@ class AutoChooser(StepParticipant):
         w = int(engine.config.warmup_steps)
         self._configured_warmup = w if w > config.dense_steps_needed else 1
         engine.raise_warmup_steps(config.dense_steps_needed)
+        if config.severe_steps and config.severe_drift:  # the every-step test's walls ride in the buckets
+            engine.enable_dense_carry()
         #: every decision (replicated, checkpointed): step, trigger, inputs, predictions, choice
         self.history: list[dict] = []
         self.chosen: str | None = None
@@ -800,20 +802,17 @@ class AutoChooser(StepParticipant):
         self._t_prev_end = time.perf_counter()  # the decision is not a step
 
     def _agree_wall_later(self, step: int, wall: float) -> Callable[[], float | None]:
-        """Issue the agreement of step ``step``'s ``wall``; the returned function reads it at the next
-        step's end (None if it was lost: see below). Before a compressed step the wall rides in that
-        step's closing report (:meth:`GCEngine.carry_wall`; the mean over ranks, no message of its
-        own); before a dense one it is an 8-byte all-reduce of its own, issued now and complete by
-        then (the MAX). The two differ by how far apart the ranks leave a step, which the 2x tests do
-        not see. Why: the separate all-reduce is one more latency-bound collective per step on the
-        process group the exchanges use; at 20 Mbit/s auto's Top-k steps took 1.1-3.5 ms (3-10 %)
-        longer with it than without the every-step test (docs/auto.md). A decision made after this
-        call may turn the next step dense: its report never comes, the value is None and the test
-        skips it (the step after a decision is left out anyway)."""
+        """Hand step ``step``'s ``wall`` to the engine; the returned function reads its mean over the
+        ranks at the next step's end (None if it was lost: see below). It rides in the next step's
+        messages, at no message of its own (:meth:`GCEngine.carry_wall`): a compressed step's closing
+        report, or a dense step's first gradient bucket (:meth:`GCEngine.enable_dense_carry`; in the
+        bucket's dtype, so about 3 significant digits under a 16-bit mode). Why: a separate 8-byte
+        all-reduce per step is one more latency-bound collective on the process group the exchanges
+        use; at 20 Mbit/s auto's Top-k steps took 1.1-3.5 ms (3-10 %) longer with it than without the
+        every-step test, and on the ``mlp`` preset on unshaped ranks auto's 16-bit steps took
+        1.5-2 ms more (docs/auto.md). A rank that lost its value (a resume) makes it None on every
+        rank, and the test skips it (the step after a decision is left out anyway)."""
         engine = self.engine
-        if engine.step_is_dense():
-            read = agree_values_async([wall], "max", engine.process_group, engine.device)
-            return lambda: read()[0]
         engine.carry_wall(wall)
 
         def carried() -> float | None:

@@ -97,6 +97,8 @@ class _StepWork:
     # (host gid, exact gid): the exact group travels inside the host group's exchange this step
     # (Exchange.carries_exact); the two are submitted as one job once both are complete
     rider: tuple[int, int] | None = None
+    # GCEngine.enable_dense_carry: the value the first sending bucket of this dense step carries (NaN: none)
+    dense_carry: float | None = None
     rider_views: dict[int, list[Tensor]] = field(default_factory=dict)
     finished: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -163,6 +165,7 @@ class GCEngine:
         self.dense_mode: str | None = None
         self._dense_flush = False  # error memory awaits its flush into the next dense step's buckets
         self._carried_wall: float | None = None  # GCEngine.carry_wall: for the next step's closing report
+        self._dense_carry = False  # enable_dense_carry: dense steps carry it in their first bucket
         self._pid_of = {id(p): i for i, p in enumerate(self.params)}
         self.all_exact = all(g.exact for g in self.plan.groups)
         self._planned = frozenset(self.plan.group_of())  # param ids the plan sends (OSP may defer others)
@@ -275,13 +278,23 @@ class GCEngine:
         """Have ``wall_s`` (this rank's figure; the ``auto`` chooser hands in the wall time of the step
         that just ended) averaged over the ranks by the *next* step's closing report, at no message of
         its own: the mean is that step's :attr:`StepStats.carried_wall_mean_s`, identical on every rank.
-        A dense next step has no closing report and drops the value (``carried_wall_mean_s`` None), so a
-        caller that needs the figure anyway checks :meth:`step_is_dense` first and agrees it itself.
-        Call it between steps, on every rank alike: a rank that did not carry one makes the mean None
-        on every rank. Why: a separate 8-byte all-reduce per step is one more latency-bound collective
-        on the process group, ahead of the next step's exchanges (docs/auto.md, "Seeing a link change
-        within a few steps")."""
+        A dense next step has no closing report: it drops the value (``carried_wall_mean_s`` None)
+        unless :meth:`enable_dense_carry` was called, in which case the value rides in that step's first
+        gradient bucket. Call it between steps, on every rank alike: a rank that did not carry one
+        makes the mean None on every rank. Why: a separate 8-byte all-reduce per step is one more
+        latency-bound collective on the process group, ahead of the next step's exchanges
+        (docs/auto.md, "Seeing a link change within a few steps")."""
         self._carried_wall = float(wall_s)
+
+    def enable_dense_carry(self) -> None:
+        """From now on every dense step sends one element more in its first gradient bucket's
+        allreduce: the value handed to :meth:`carry_wall` (NaN where a
+        rank has none, so the mean is None on every rank), divided by N with the bucket, so the sum is
+        the mean over ranks, in the bucket's dtype (16-bit modes: about 3 significant digits, ample
+        for the ``auto`` chooser's 2x tests). Call it on every rank alike, before training (the
+        buckets' sizes must match across ranks). Costs one copy of the first bucket (DDP's small first
+        bucket) on the fp32 path, against a latency-bound collective per step."""
+        self._dense_carry = True
 
     def shorten_warmup_steps(self, steps: int) -> None:
         """Make the dense warm-up ``steps`` optimizer steps if it is longer (never lengthens it; at
@@ -604,11 +617,14 @@ class GCEngine:
             ready_event = self._ready_event(buffer)
             views = self._planned_views(bucket)
             flush = self._flush_views(bucket) if work.carried_flush else None
+            carry = None
+            if work.dense_carry is not None and (views is None or views):  # the first bucket that sends
+                carry, work.dense_carry = work.dense_carry, None
             if work.steady:
-                self._guard(work, self._job_dense_bucket, work, buffer, fut, ready_event, views, flush)
+                self._guard(work, self._job_dense_bucket, work, buffer, fut, ready_event, views, flush, carry)
             else:
                 self._runner.submit(lambda: self._guard(work, self._job_dense_bucket, work, buffer, fut, ready_event,
-                                                        views, flush))
+                                                        views, flush, carry))
         else:
             ready_event = self._ready_event(buffer)
             for gid in self._readiness.add_bucket(bucket):
@@ -652,9 +668,11 @@ class GCEngine:
         # close (below), instead of raising on its rank alone while the others wait in the collective
         times = ExchangeTimes(malformed=[])
         work = _StepWork(self.step, dense, stats, times, Timer(self.device, times))
-        if self._carried_wall is not None:  # taken by this step's closing report (a dense step drops it)
+        if dense and self._dense_carry and self.world_size > 1:  # the first bucket carries it (NaN: none)
+            work.dense_carry = float("nan") if self._carried_wall is None else self._carried_wall
+        elif self._carried_wall is not None:  # taken by this step's closing report
             work.report.carried_wall_s, work.report.carried_ranks = self._carried_wall, 1.0
-            self._carried_wall = None
+        self._carried_wall = None
         if dense and self.dense_mode is not None and self.step >= self.config.warmup_steps:
             work.dense_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.dense_mode)
             work.carried_flush = self._dense_flush
@@ -770,13 +788,15 @@ class GCEngine:
 
     def _job_dense_bucket(self, work: _StepWork, buffer: Tensor, fut: torch.futures.Future, ready_event,
                           views: list[Tensor] | None = None,
-                          flush: list[tuple[Tensor, Tensor]] | None = None) -> None:
+                          flush: list[tuple[Tensor, Tensor]] | None = None, carry: float | None = None) -> None:
         """DDP's own hook: async allreduce of bucket / N (same numerics as DDP without a hook); in a
         16-bit dense mode, torch's ``fp16_compress_hook`` numerics (cast, divide, allreduce, copy back).
 
         ``views``: when the plan leaves some of the bucket's parameters out (OSP defers them), only
         these gradient views are averaged, through a copy; the others keep the local gradient.
-        ``flush``: (gradient view, error memory) pairs added before the average (see set_dense_mode)."""
+        ``flush``: (gradient view, error memory) pairs added before the average (see set_dense_mode).
+        ``carry``: one more element sent after the bucket's (:meth:`enable_dense_carry`); its mean over
+        the ranks becomes the step's ``carried_wall_mean_s`` (None if some rank sent NaN)."""
         if ready_event is not None:
             torch.cuda.current_stream().wait_event(ready_event)
         t0 = time.perf_counter()
@@ -792,7 +812,12 @@ class GCEngine:
             grad.view(-1).add_(mem.to(grad.dtype))
         data = buffer if views is None else torch.cat([v.reshape(-1) for v in views])
         half = work.dense_dtype
-        wire = data if half is None else data.to(half)
+        if carry is None:
+            wire = data if half is None else data.to(half)
+        else:
+            wire = torch.empty(data.numel() + 1, dtype=half or data.dtype, device=data.device)
+            wire[:-1].copy_(data.reshape(-1))
+            wire[-1] = carry
         nbytes = wire.numel() * wire.element_size()
         with work.lock:
             work.times.bytes_sent += ring_allreduce_bytes(nbytes, self.world_size)
@@ -803,7 +828,11 @@ class GCEngine:
         def done(f: torch.futures.Future) -> None:
             try:
                 out = f.value()[0]
-                if half is not None:
+                carried = None
+                if carry is not None:
+                    carried = float(out[-1])
+                    out = data.copy_(out[:-1].view_as(data))
+                elif half is not None:
                     out = data.copy_(out)
                 bad = not all_finite(out)
                 if views is not None:
@@ -818,6 +847,8 @@ class GCEngine:
             with work.lock:
                 work.times.comm_s += time.perf_counter() - t0
                 work.stats.nonfinite = work.stats.nonfinite or bad
+                if carried is not None and math.isfinite(carried):
+                    work.stats.carried_wall_mean_s = carried
                 work.dense_pending -= 1
                 last = work.closed and work.dense_pending == 0
             if last:
