@@ -1440,6 +1440,34 @@ def test_the_check_size_without_a_probe_is_what_the_probe_would_settle_on():
     assert check_bytes(NetworkModel(1e-4, 8 / 20e6), 168_000) == 168_000  # a small model: its cap
 
 
+def test_lowrank1_candidate_sends_rank_one_factors_and_errs_more_than_rank_two():
+    """The opt-in ``lowrank1`` candidate is ``lowrank`` at rank 1: per compressed matrix ``n × m`` it
+    sends ``(n + m)`` floats where rank 2 sends ``2·(n + m)`` (the bias travels dense in both), and its
+    error after the warm-started steps exceeds rank 2's on a matrix of rank 3 (computed here from the
+    singular values: a rank-r power iteration cannot beat the truncated SVD, Eckart–Young)."""
+    import torch
+
+    from lightning_gc.auto.candidates import candidate, measure_method
+    from lightning_gc.compressors import GroupContext
+
+    g = torch.Generator().manual_seed(3)
+    u, _ = torch.linalg.qr(torch.randn(40, 3, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(30, 3, generator=g))
+    m = u @ torch.diag(torch.tensor([5.0, 3.0, 2.0])) @ v.t()
+    x = torch.cat([m.reshape(-1), torch.randn(40, generator=g)])
+    ctx = GroupContext(step=5, rank=0, world_size=1, segments=(1200, 40), group_id=0, seed=0, device=x.device,
+                       shapes=((40, 30), (40,)), names=("w", "b"))
+    c1, c2 = candidate("lowrank1"), candidate("lowrank")
+    assert (c1.compressor, c1.compressor_args, c2.compressor_args) == ("lowrank", {"rank": 1}, {"rank": 2})
+    m1 = measure_method(c1, x, ctx, world_size=2, repeats=1)
+    m2 = measure_method(c2, x, ctx, world_size=2, repeats=1)
+    assert (m1.wire, m1.payload_bytes, m2.payload_bytes) == ("lowrank", 4 * (70 + 40), 4 * (2 * 70 + 40))
+    energy = float(x.double().pow(2).sum())
+    assert m1.delta2 >= (3.0 ** 2 + 2.0 ** 2) / energy * (1 - 1e-6)  # at best the rank-1 truncation's loss
+    assert m2.delta2 >= 2.0 ** 2 / energy * (1 - 1e-6)
+    assert m1.delta2 > m2.delta2
+
+
 def test_topk3_candidate_sends_three_percent_and_its_error_is_the_exact_top_k_residual():
     """The opt-in ``topk3`` candidate is Top-k at 3 % on allgather: its payload is k values (fp32)
     and k int32 indices with k = round(0.03·n), and its error is that of keeping the k largest

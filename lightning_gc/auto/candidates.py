@@ -3,11 +3,11 @@
 A candidate is either a **bucket mode** (``ddp``: fp32 DDP as without a hook; ``fp16``/``bf16``:
 torch's 16-bit compress hook; both on DDP's own buckets, overlapped with backward) or an **engine
 method** (a lightning_gc compressor on the engine's one-group plan, with its natural collective).
-Defaults (docs/auto.md): the three baselines users already have (``ddp``, ``fp16``, and our
-PowerSGD-family compressor at rank 2, ``lowrank``, and rank 1, ``lowrank1``, torch's hook's
-default) and the compressors that pay on slow links (``topk`` 1 % on allgather, ``qsgd``,
-``efsign``); ``artopk`` (1 %, allgather/ART-Ring/ART-Tree by the cost model), ``topk3`` (Top-k 3 % on
-allgather) and ``bf16`` on request.
+Defaults (docs/auto.md): the three baselines users already have (``ddp``, ``fp16``, ``lowrank``:
+our PowerSGD-family compressor, rank 2) and the compressors that pay on slow links (``topk`` 1 % on
+allgather, ``qsgd``, ``efsign``); ``artopk`` (1 %, allgather/ART-Ring/ART-Tree by the cost model),
+``topk3`` (Top-k 3 % on allgather), ``lowrank1`` (``lowrank`` at rank 1, torch's hook's default) and
+``bf16`` on request.
 
 :func:`measure_method` turns one candidate into a :class:`~lightning_gc.auto.model.MethodCost` on
 this machine: its codec time comes from :func:`lightning_gc.bench.codec.time_codec` (the codec
@@ -69,9 +69,9 @@ CANDIDATES: dict[str, AutoCandidate] = {
     "qsgd": AutoCandidate("qsgd", "qsgd"),
     "efsign": AutoCandidate("efsign", "efsignsgd"),
     "lowrank": AutoCandidate("lowrank", "lowrank", None, {"rank": 2}),
-    # rank 1: torch's powerSGD_hook default, half of rank 2's bytes. A default since on `mlp` at 20 Mbit/s
-    # auto picked it over rank 2 and ran 1.07/1.08x torch PowerSGD's step, against 1.23/1.18x with rank 2
-    # alone (docs/auto.md)
+    # rank 1 on request (torch's powerSGD_hook default, half of rank 2's bytes): on `mlp` at 20 Mbit/s auto
+    # picked it and ran 1.07/1.08x torch PowerSGD's step (1.23/1.18x without it), but on `gpt` at 20 Mbit/s
+    # it was picked first and the run ended at 3.516 val_bpb against static rank 2's 3.193 (docs/auto.md)
     "lowrank1": AutoCandidate("lowrank1", "lowrank", None, {"rank": 1}),
 }
 #: the default candidate list, in tie-break order (earlier wins an exact tie)
@@ -83,7 +83,7 @@ CANDIDATES: dict[str, AutoCandidate] = {
 #: LowRankCompressor.warm_compress): the cold start and one warm-started step
 WARM_STEPS = 2
 
-DEFAULT_CANDIDATES: tuple[str, ...] = ("ddp", "fp16", "lowrank", "lowrank1", "topk", "qsgd", "efsign")
+DEFAULT_CANDIDATES: tuple[str, ...] = ("ddp", "fp16", "lowrank", "topk", "qsgd", "efsign")
 
 
 def candidate(name: str) -> AutoCandidate:
