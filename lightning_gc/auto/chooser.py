@@ -549,9 +549,9 @@ class AutoChooser(StepParticipant):
         self.beta_scale = 1.0
         self._drifted = 0
         self._window: list[float] = []
-        #: agreed step walls for the every-step severe test (severe_steps; MAX over ranks under a dense mode,
-        #: the closing report's mean under a compressed method), the oldest first, and the agreement of the
-        #: last step's wall still to be read (its step, its reader; see _agree_wall_later)
+        #: agreed step walls for the every-step severe test (severe_steps; the mean over ranks, carried in the
+        #: next step's closing report or first gradient bucket), the oldest first, and the last step's wall
+        #: still to be read (its step, its reader; see _agree_wall_later)
         self._recent: list[float] = []
         self._recent_pending: tuple[int, Callable[[], float | None]] | None = None
         #: a compressed method's exchange times of the last steps (the closing report's mean over ranks),
