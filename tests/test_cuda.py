@@ -96,18 +96,21 @@ def _delayed_hook(state: GCEngine, bucket: dist.GradBucket) -> torch.futures.Fut
 _delayed_hook.__annotations__ = dict(gc_comm_hook.__annotations__)  # DDP rejects postponed (string) annotations
 
 
-def _cuda_pair(rank: int, ws: int, name: str, coll: str, delay: bool) -> dict:
+def _cuda_pair(rank: int, ws: int, name: str, coll: str, delay: bool, min_numel: int = 0) -> dict:
+    """``min_numel`` > 0 leaves the biases (16 elements) in the plan's exact group; under ``lowrank``
+    that group rides in the last compressed group's first allreduce (``Exchange.run_with_exact``)."""
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
     models = [_model().to(dev), _model().to(dev)]
     ddps = [DDP(m, device_ids=[0], bucket_cap_mb=0.002) for m in models]
     try:
-        engines = [_engine(m, name, coll, overlap) for m, overlap in zip(models, (True, False))]
+        engines = [_engine(m, name, coll, overlap, min_numel) for m, overlap in zip(models, (True, False))]
     except ValueError as exc:
         return {"refused": str(exc)}
     threads: list[set[int]] = [set(), set()]
-    for eng, seen in zip(engines, threads):
-        run = eng.exchange.run
+    rode: list[int] = [0, 0]  # exchanges that carried the exact group
+    for k, (eng, seen) in enumerate(zip(engines, threads)):
+        run, run_exact = eng.exchange.run, eng.exchange.run_with_exact
 
         def traced(p, ctx, timer, _run=run, _seen=seen):
             _seen.add(threading.get_ident())
@@ -116,7 +119,16 @@ def _cuda_pair(rank: int, ws: int, name: str, coll: str, delay: bool) -> dict:
                 torch.cuda._sleep(SLEEP_CYCLES)
             return out
 
+        def traced_exact(p, ctx, timer, exact, _run=run_exact, _seen=seen, _k=k):
+            _seen.add(threading.get_ident())
+            rode[_k] += 1
+            out = _run(p, ctx, timer, exact)
+            if delay:
+                torch.cuda._sleep(SLEEP_CYCLES)
+            return out
+
         eng.exchange.run = traced
+        eng.exchange.run_with_exact = traced_exact
     hook = _delayed_hook if delay else gc_comm_hook
     for d, e in zip(ddps, engines):
         d.register_comm_hook(e, hook)
@@ -132,6 +144,7 @@ def _cuda_pair(rank: int, ws: int, name: str, coll: str, delay: bool) -> dict:
         "worker_only": bool(threads[0]) and main not in threads[0],
         "side_stream": stream is not None,
         "on_cuda": all(p.is_cuda for m in models for p in m.parameters()),
+        "rode": rode,
     }
     for e in engines:
         e.close()
@@ -169,6 +182,25 @@ def test_cuda_overlapped_equals_synchronous_and_ranks_agree(name, coll):
                                        ("star_topk", "art_allreduce")])
 def test_cuda_stream_handover_survives_delays_on_both_sides(name, coll):
     _check(f"{name}/{coll}", run_distributed(_cuda_pair, WORLD, name, coll, True, timeout=240))
+
+
+@pytest.mark.timeout(900)
+def test_cuda_lowrank_carries_the_exact_group_through_delayed_handovers():
+    """``lowrank`` with an exact group (the biases): the group rides in the P allreduce of the last
+    compressed group, on the worker's stream; with delays on both sides of every hand-over the
+    overlapped engine still equals the synchronous one bit for bit, on both ranks."""
+    results = run_distributed(_cuda_pair, WORLD, "lowrank", "lowrank", True, 64, timeout=240)
+    _check("lowrank/lowrank", results)
+    for r, got in enumerate(results):  # every compressed step carried it, on both replicas
+        assert got["rode"] == [OTHER_STEPS - 1] * 2, f"rank {r}: {got['rode']}"
+
+
+def test_cuda_dense_step_carries_the_value_in_its_first_bucket():
+    """GCEngine.enable_dense_carry on CUDA buckets: the oracle of the CPU test (gradients equal
+    DDP's, every rank reads the mean of the carried values, one element more per step)."""
+    from test_engine_distributed import _dense_carry, check_dense_carry
+
+    check_dense_carry(run_distributed(_dense_carry, WORLD, "cuda", timeout=240), WORLD)
 
 
 def _dense_vs_ddp(rank: int, ws: int) -> dict:

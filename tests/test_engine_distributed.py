@@ -255,15 +255,20 @@ def test_dense_is_bit_identical_to_ddp_and_topk_ratio_one_matches():
         assert res["topk"]["compressed_steps"] == STEPS - 1
 
 
-def _dense_carry(rank: int, ws: int) -> dict:
+def _dense_carry(rank: int, ws: int, device: str = "cpu") -> dict:
     """Dense modes with GCEngine.enable_dense_carry: the value each rank carried rides in the first
     bucket. The gradients must still equal plain DDP's (fp32: bit for bit; fp16: the hook's
-    rounding), and every rank must read the mean of the ranks' values."""
+    rounding), and every rank must read the mean of the ranks' values. ``device="cuda"``: the same
+    on the GPU (tests/test_cuda.py), every rank on ``cuda:0``."""
     out = {}
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
     for mode in ("fp32", "fp16"):
-        plain_model, gc_model = _model(), _model()
-        plain = DDP(plain_model, bucket_cap_mb=0.004)
-        gc = DDP(gc_model, bucket_cap_mb=0.004)  # several buckets: only the first carries
+        plain_model, gc_model = _model().to(device), _model().to(device)
+        ids = [0] if cuda else None
+        plain = DDP(plain_model, device_ids=ids, bucket_cap_mb=0.004)
+        gc = DDP(gc_model, device_ids=ids, bucket_cap_mb=0.004)  # several buckets: only the first carries
         engine = GCEngine(build_compressor("topk", ratio=0.1), EngineConfig(warmup_steps=1, min_compress_numel=0),
                           list(gc_model.named_parameters()))
         gc.register_comm_hook(engine, gc_comm_hook)
@@ -274,7 +279,7 @@ def _dense_carry(rank: int, ws: int) -> dict:
         for step in range(STEPS):
             if step != 2:  # none before step 2: the mean is None on every rank
                 engine.carry_wall(0.25 * (rank + 1) + step)
-            x, y = _batch(rank, step)
+            x, y = (t.to(device) for t in _batch(rank, step))
             for m, o in zip((plain, gc), opts):
                 o.zero_grad()
                 _loss(m, x, y).backward()
@@ -297,7 +302,11 @@ def _dense_carry(rank: int, ws: int) -> dict:
 
 @pytest.mark.parametrize("ws", [2, 3])
 def test_a_dense_step_carries_the_value_in_its_first_bucket(ws):
-    results = run_distributed(_dense_carry, ws)
+    check_dense_carry(run_distributed(_dense_carry, ws), ws)
+
+
+def check_dense_carry(results: list[dict], ws: int) -> None:
+    """The oracle of test_a_dense_step_carries_the_value_in_its_first_bucket (shared with tests/test_cuda.py)."""
     for r, res in enumerate(results):
         # the carried element leaves the gradient DDP's mean: bit for bit at 2 ranks; at 3 the first bucket
         # is one element longer, so gloo's ring cuts it into other chunks and may sum an element's three

@@ -85,12 +85,12 @@ def _pairs() -> list[tuple[str, str]]:
     return out
 
 
-def _engine(model, name: str, coll: str, overlap: bool) -> GCEngine:
+def _engine(model, name: str, coll: str, overlap: bool, min_numel: int = 0) -> GCEngine:
     # GradiVeQ with a short schedule, so that STEPS steps reach its sample and compressed phases
     args = {"warmup": GQ_WARMUP, "sample_steps": 3, "compress_steps": 5, "max_slice": 256, "pca_slices": 4} \
         if name == "gradiveq" else None
     comp = build_compressor(name, ratio=0.25 if takes_ratio(name) else None, args=args)
-    cfg = EngineConfig(plan="layer", min_compress_numel=0, warmup_steps=1, seed=3, collective=coll,
+    cfg = EngineConfig(plan="layer", min_compress_numel=min_numel, warmup_steps=1, seed=3, collective=coll,
                        overlap=overlap, network_alpha_s=1e-4, network_beta_s_per_byte=8e-8)
     return GCEngine(comp, cfg, list(model.named_parameters()))
 
