@@ -323,6 +323,36 @@ def test_auto_default_slot_avoids_point_to_point_for_cuda_on_gloo(gloo_world_of_
     assert on_cpu is base and collective == "auto_sparse"  # CPU gradients on gloo: the P2P default stays
 
 
+def _refused_before_new_group(rank: int, ws: int) -> dict:
+    import lightning_gc.comm.registry as registry
+    from lightning_gc.compressors import build_compressor
+    from lightning_gc.engine import EngineConfig, GCEngine
+
+    real = registry.check_point_to_point
+    registry.check_point_to_point = lambda comp, coll, group, device: real(comp, coll, group, "cuda")
+    calls = []
+    new_group = dist.new_group
+    dist.new_group = lambda *a, **k: calls.append(a) or new_group(*a, **k)
+    try:
+        GCEngine(build_compressor("marsit"), EngineConfig(collective="marsit"),
+                 list(torch.nn.Linear(4, 4).named_parameters()))
+    except ValueError as exc:
+        return {"refused": str(exc), "new_groups": len(calls)}
+    finally:
+        dist.new_group, registry.check_point_to_point = new_group, real
+    return {"refused": "", "new_groups": len(calls)}
+
+
+def test_engine_refuses_a_point_to_point_collective_before_any_collective() -> None:
+    """The refusal comes before the engine's process group is made: ``new_group`` is a collective
+    that connects every rank to every other, and a refusal after it let the rank that refused first
+    close its sockets while the other was still connecting ("Connection closed by peer" instead of
+    the refusal, on an H200: docs/gpu.md). Emulated here: the check answers as for CUDA on gloo."""
+    for r, got in enumerate(run_distributed(_refused_before_new_group, 2)):
+        assert "point to point" in got["refused"] and "NCCL" in got["refused"], (r, got)
+        assert got["new_groups"] == 0, (r, got)
+
+
 _AUTO_FALLBACK_SCRIPT = """
 import sys, lightning as L
 sys.path.insert(0, {tests!r})

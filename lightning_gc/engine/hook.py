@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._finite import all_finite
+from ..comm import registry
 from ..comm.collectives import ring_allreduce_bytes
 from ..comm.cost_model import NetworkModel
 from ..comm.exchange import (
@@ -149,6 +150,13 @@ class GCEngine:
         # the engine's own process group: the only one its runner issues collectives on
         self.exchange_group = None
         if self.world_size > 1:
+            # a collective this backend cannot carry is refused before any collective: new_group connects
+            # every rank to every other, and a rank that refused after it could close its sockets while
+            # another was still connecting, which turned the refusal into "Connection closed by peer"
+            # there (an H200 run of tests/test_cuda.py, docs/gpu.md)
+            registry.check_point_to_point(compressor, registry.validate_collective(compressor, config.collective),
+                                          process_group if process_group is not None else dist.group.WORLD,
+                                          self.device)
             ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
             self.exchange_group = dist.new_group(ranks=ranks, backend=dist.get_backend(process_group))
         self.exchange: Exchange = make_exchange(compressor, config.collective, self.exchange_group,
