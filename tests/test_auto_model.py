@@ -632,6 +632,38 @@ def _step_end(chooser, step, wall, exchange_s=None):
     chooser._check_severe_steps(step, wall, exchange_s)
 
 
+def test_a_window_reads_its_median_from_the_carried_walls_without_an_agreement(monkeypatch):
+    """The windows' median comes from the walls carried in the steps' own messages (the mean over
+    ranks, read one step late), shifted one step back, with no collective of its own; a window in
+    which one carried wall was lost falls back to this rank's walls, agreed (one all-reduce). The
+    carried walls here say the step tripled while this rank's own walls stayed at the reference, so
+    the two sources give different decisions. ``severe_steps=0``: the walls are carried all the same."""
+    from lightning_gc.auto import chooser as chooser_mod
+
+    for lose in (None, 9):
+        chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=1, severe_steps=0,
+                                                               patience=9)
+        agreed = []
+        monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a, _seen=agreed: _seen.append(values) or list(values))
+        ref = chooser._reference
+        assert engine.dense_carry  # the chooser enabled it although the every-step test is off
+        for step in range(5, 11):  # each step's wall read at the next step's end: steps 5-9 read by step 10
+            if step == lose:
+                engine.dense_carry = False  # this dense step drops the wall it should carry (step 8's)
+            _step_end(chooser, step, 3 * ref)
+            engine.dense_carry = True
+        chooser._window = [ref, ref]  # this rank's own walls of steps 9-10
+        chooser._check_drift(10)
+        h = chooser.history[-1]
+        if lose is None:  # the carried steps 8-9: 3x the reference, a severe window; no wall was agreed
+            # (the decision agrees its own duration, decide_s, after the window)
+            assert not any(v in ([ref], [3 * ref]) for v in agreed), agreed
+            assert (h["step"], h["trigger"], h["drift_test"]) == (10, "drift", "severe_window")
+        else:  # step 8's wall (carried by step 9) was lost: agreed from this rank's walls
+            assert chooser._carried_walls[8] is None and chooser._carried_walls[9] == pytest.approx(3 * ref)
+            assert agreed == [[ref]] and h["step"] == 4 and chooser._drifted == 0
+
+
 @pytest.mark.parametrize("factor", [10.0, 0.3])
 def test_severe_drift_is_seen_within_severe_steps_of_the_change(monkeypatch, factor):
     """fp16 runs at its reference (measured at step 4); from step 10 every step takes ``factor``

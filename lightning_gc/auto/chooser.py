@@ -522,8 +522,9 @@ class AutoChooser(StepParticipant):
         w = int(engine.config.warmup_steps)
         self._configured_warmup = w if w > config.dense_steps_needed else 1
         engine.raise_warmup_steps(config.dense_steps_needed)
-        if config.severe_steps and config.severe_drift:  # the every-step test's walls ride in the buckets
-            engine.enable_dense_carry()
+        # every step's wall rides in the next step's messages (the every-step test and the windows read
+        # them there); a dense step's in its first gradient bucket
+        engine.enable_dense_carry()
         #: every decision (replicated, checkpointed): step, trigger, inputs, predictions, choice
         self.history: list[dict] = []
         self.chosen: str | None = None
@@ -554,6 +555,9 @@ class AutoChooser(StepParticipant):
         #: still to be read (its step, its reader; see _agree_wall_later)
         self._recent: list[float] = []
         self._recent_pending: tuple[int, Callable[[], float | None]] | None = None
+        #: the walls read so far (step -> the mean over ranks, None where it was lost), the last few:
+        #: the windows' medians come from them without an agreement of their own (see _check_drift)
+        self._carried_walls: dict[int, float | None] = {}
         #: a compressed method's exchange times of the last steps (the closing report's mean over ranks),
         #: the current window's, and the reference window's fastest (the exchange test's reference; None before)
         self._recent_exchange: list[float] = []
@@ -673,12 +677,17 @@ class AutoChooser(StepParticipant):
         if wall is not None:  # None on the first step after a resume
             self.measured.append(wall)
             self._window.append(wall)
+        self._read_carried()  # the step before's wall, carried in this step's messages
         if self._sample_handles:  # this step was sampled: measure the errors again
             self._check_gain(step, self._disarm_sample() or {})
             self._t_prev_end = time.perf_counter()  # the measurement is not a step
         elif len(self._window) >= self.config.window:
             self._check_drift(step)
             self._t_prev_end = time.perf_counter()
+        if wall is not None and self._last_decision_step == step and self._recent_pending is None:
+            # a decision's step: its wall is carried all the same (the next window reads it; the severe
+            # test leaves it out)
+            self._recent_pending = (step, self._agree_wall_later(step, wall))
         if wall is not None and self._last_decision_step != step:
             exchange_s = None
             if candidate(self.chosen).compressor is not None:  # agreed by the step's closing report
@@ -758,16 +767,12 @@ class AutoChooser(StepParticipant):
           probe's size, above any burst allowance), and on an unchanged link the stored network
           decides without the probe."""
         n, sv = self.config.severe_steps, self.config.severe_drift
+        self._read_carried()
+        # carried whatever the test's setting: the windows read their medians from these walls too
+        self._recent_pending = (step, self._agree_wall_later(step, wall))
         if not n or not sv:
             return
         last = self._last_decision_step if self._last_decision_step is not None else -10**9
-        if self._recent_pending is not None:
-            at, read = self._recent_pending
-            self._recent_pending = None
-            value = read()
-            if value is not None and at > last + 1:  # not the decision's step, nor the switch's first step
-                self._recent = (self._recent + [value])[-n:]
-        self._recent_pending = (step, self._agree_wall_later(step, wall))
         if exchange_s is not None and step > last + 1:
             self._recent_exchange = (self._recent_exchange + [exchange_s])[-n:]
             self._window_exchange.append(exchange_s)
@@ -801,6 +806,39 @@ class AutoChooser(StepParticipant):
                      drift_wall_s=statistics.median(self._recent) if test == "steps" else None, detail=test)
         self._t_prev_end = time.perf_counter()  # the decision is not a step
 
+    def _read_carried(self) -> None:
+        """Read the wall still pending (handed to the engine at the step before, carried in this step's
+        messages; see :meth:`_agree_wall_later`): into :attr:`_carried_walls` for the windows, and, unless
+        it is the last decision's step or the switch's first step, into the severe test's last walls.
+        Idempotent within a step (nothing pending after the first call)."""
+        if self._recent_pending is None:
+            return
+        at, read = self._recent_pending
+        self._recent_pending = None
+        value = read()
+        self._carried_walls[at] = value
+        for old in [k for k in self._carried_walls if k < at - 4 * max(self.config.window, 1)]:
+            del self._carried_walls[old]
+        last = self._last_decision_step if self._last_decision_step is not None else -10**9
+        n = self.config.severe_steps
+        if n and value is not None and at > last + 1:  # not the decision's step, nor the switch's first step
+            self._recent = (self._recent + [value])[-n:]
+
+    def _window_median(self, step: int) -> float:
+        """The median step of the window that ends at ``step`` (:attr:`_window`, this rank's walls),
+        the same on every rank. From the walls carried in the steps' own messages where every one of
+        them arrived: the window shifted one step back (steps ``step - len .. step - 1``: the last
+        one's wall arrives with the next step), the mean over ranks of each step, no collective. Else
+        (a lost wall: a resume, a step not carried) the median of this rank's walls, agreed as the MAX
+        over ranks: a blocking all-reduce. Why: on ``mlp`` on 4 unshaped ranks that all-reduce took
+        ~4 ms every 5 steps, 0.8 ms of the chooser's 2.3 ms per step (docs/auto.md)."""
+        n = len(self._window)
+        carried = [self._carried_walls.get(s) for s in range(step - n, step)]
+        if n and all(v is not None for v in carried):
+            return statistics.median(carried)
+        engine = self.engine
+        return agree_values([statistics.median(self._window)], "max", engine.process_group, engine.device)[0]
+
     def _agree_wall_later(self, step: int, wall: float) -> Callable[[], float | None]:
         """Hand step ``step``'s ``wall`` to the engine; the returned function reads its mean over the
         ranks at the next step's end (None if it was lost: see below). It rides in the next step's
@@ -821,13 +859,12 @@ class AutoChooser(StepParticipant):
         return carried
 
     def _check_drift(self, step: int) -> None:
-        engine = self.engine
-        med = agree_values([statistics.median(self._window)], "max", engine.process_group, engine.device)[0]
-        self._window = []
         window_exchange, self._window_exchange = self._window_exchange, []
         if self._settling:  # the first window after a decision holds the switch itself: not a reference
-            self._settling = False
+            self._settling, self._window = False, []
             return
+        med = self._window_median(step)
+        self._window = []
         last = self._last_decision_step if self._last_decision_step is not None else -10**9
         if self._reference is None:
             if self._link_moved_under(med):
@@ -1375,6 +1412,7 @@ class AutoChooser(StepParticipant):
             self.engine.shorten_warmup_steps(int(state["warmup_steps"]))
         self._window = []
         self._recent, self._recent_pending = [], None  # walls of the process that saved: not carried
+        self._carried_walls = {}
         self._recent_exchange, self._window_exchange = [], []
         self._reference_exchange = state.get("reference_exchange")
         self._t_prev_end = None
