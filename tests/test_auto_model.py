@@ -664,6 +664,42 @@ def test_a_window_reads_its_median_from_the_carried_walls_without_an_agreement(m
             assert agreed == [[ref]] and h["step"] == 4 and chooser._drifted == 0
 
 
+def test_a_decision_steps_wall_is_carried_so_the_next_window_needs_no_agreement(monkeypatch):
+    """Driven through ``after_optimizer_step`` with a fake clock: a periodic re-decision that keeps
+    fp16 (step 6) keeps the window running, so the next window (steps 7-8, read as 6-7) holds the
+    decision step's wall. That wall is carried like any other, so the window at step 8 issues no
+    agreement; without it, the window fell back to the blocking all-reduce."""
+    from types import SimpleNamespace
+
+    from lightning_gc.auto import chooser as chooser_mod
+
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=1, gain_every=0, probe_every=6)
+    ref = chooser._reference
+    agreed: list = []
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a, _seen=agreed: _seen.append(list(values))
+                        or [float(v) for v in values])
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(chooser_mod, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    chooser._t_prev_end = clock.now
+
+    def step_end(s: int, wall: float) -> int:
+        # GCEngine's part: step s's first bucket carried the wall handed to carry_wall at the step before
+        engine.last_step = SimpleNamespace(step=s, dense=True, carried_wall_mean_s=engine.carried,
+                                           exchange_comm_mean_s=None)
+        engine.carried, engine.step = None, s + 1
+        clock.now += wall
+        before = len(agreed)
+        chooser.after_optimizer_step()
+        return len(agreed) - before
+
+    for s in (5, 6, 7):
+        step_end(s, ref)
+    h = chooser.history[-1]
+    assert (h["step"], h["trigger"], h["chosen"]) == (6, "periodic", "fp16") and chooser._reference == ref
+    assert step_end(8, ref) == 0  # the window of steps 7-8, read from the walls of 6-7
+    assert chooser._carried_walls[6] == pytest.approx(ref) and chooser._carried_walls[7] == pytest.approx(ref)
+
+
 @pytest.mark.parametrize("factor", [10.0, 0.3])
 def test_severe_drift_is_seen_within_severe_steps_of_the_change(monkeypatch, factor):
     """fp16 runs at its reference (measured at step 4); from step 10 every step takes ``factor``
