@@ -73,6 +73,14 @@ from .slots import MethodSlot, MethodSpec, build_slot
 from .stats import StepStats, Totals
 
 
+def _scatter(flat: Tensor, views: list[Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` into ``views``, in order (the inverse of flattening them)."""
+    offset = 0
+    for v in views:
+        v.copy_(flat[offset:offset + v.numel()].view_as(v))
+        offset += v.numel()
+
+
 @dataclass
 class _StepWork:
     """One step's shared state between the hook thread, the runner and backend callbacks."""
@@ -844,10 +852,7 @@ class GCEngine:
                     out = data.copy_(out)
                 bad = not all_finite(out)
                 if views is not None:
-                    offset = 0
-                    for v in views:
-                        v.copy_(out[offset:offset + v.numel()].view_as(v))
-                        offset += v.numel()
+                    _scatter(out, views)
                     out = buffer
             except BaseException as e:  # noqa: BLE001
                 self._fail(work, e)
@@ -896,14 +901,8 @@ class GCEngine:
             if exact_views is not None:
                 if not all_finite(exact_mean):  # identical on all ranks after the sum
                     work.report.nonfinite_ranks = 1.0
-                offset = 0
-                for v in exact_views:
-                    v.copy_(exact_mean[offset:offset + v.numel()].view_as(v))
-                    offset += v.numel()
-        offset = 0
-        for v, n in zip(views, group.numels):
-            v.copy_(mean[offset:offset + n].view_as(v))
-            offset += n
+                _scatter(exact_mean, exact_views)
+        _scatter(mean, views)
 
     def _exchange_lossy(self, work: _StepWork, gid: int, flat: Tensor, ctx: GroupContext, timer: Timer,
                         exact: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
