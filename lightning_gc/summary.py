@@ -96,7 +96,8 @@ def _auto_line(d: dict[str, Any]) -> str:
     measured = d.get("measured_step_s")
     seen = f", measured {1e3 * measured:.1f} ms" if measured is not None else ""
     return (f"  auto: step {d['step']} ({d['trigger']}): chose {d['chosen']!r}, predicted "
-            f"{1e3 * d['predicted_step_s']:.1f} ms/step{seen} (runner-up {d['runner_up']!r})")
+            f"{1e3 * d['predicted_step_s']:.1f} ms/step{seen} (runner-up {d['runner_up']!r}"
+            + (", by a lower bound: its codec was not timed)" if d.get("runner_up_bound") else ")"))
 
 
 def _fmt_bytes(n: float) -> str:

@@ -99,6 +99,7 @@ def test_ranks_choose_alike_and_the_choice_is_the_brute_force_minimum(tmp_path):
     assert h["chosen"] == want
     # at 2 Mbit/s fp32 DDP cannot be the pick: any 16-bit or compressed method sends less
     assert want != "ddp"
+    _check_codec_timing(h, 0.5)
     a = autos[0]
     if want in ("fp16", "bf16"):
         assert a["dense_mode"] == want and a["compressed_steps"] == 0
@@ -107,6 +108,34 @@ def test_ranks_choose_alike_and_the_choice_is_the_brute_force_minimum(tmp_path):
         assert all(s["spec"]["compressor"] for s in a["slots"] if "spec" in s)
     for k, v in reports[0]["params"].items():
         assert torch.equal(v, reports[1]["params"][k]), k
+
+
+def _check_codec_timing(h: dict, weight: float) -> None:
+    """time_codecs="on_demand": the decision timed the engine codecs iff the brute-force pick over
+    their lower bounds (codec 0) was an engine method; then all of them, else none."""
+    engine_names = [c["name"] for c in h["costs"] if c["wire"] != "bucket"]
+    bounds = [c if c["wire"] == "bucket" else {**c, "codec_s": 0.0} for c in h["costs"]]
+    if argmin_by_hand(bounds, h["workload"], *h["network"], 2, weight) in engine_names:
+        assert h["timed_codecs"] == engine_names
+        assert all(c["codec_timed"] and c["codec_s"] > 0 for c in h["costs"] if c["name"] in engine_names)
+    else:
+        assert h["timed_codecs"] == []
+        assert not any(c["codec_timed"] or c["codec_s"] for c in h["costs"] if c["name"] in engine_names)
+
+
+def test_on_a_fast_link_a_dense_pick_times_no_codec_and_ranks_agree(tmp_path):
+    """100 Gbit/s: a dense mode beats every compressed method's lower bound (its codec untimed, 0),
+    so no codec is timed, the engine candidates' predictions are marked as bounds, and both ranks
+    hold the same history (the untimed flags agreed like every other cost)."""
+    fast = dict(network_alpha_s=1e-6, network_beta_s_per_byte=8 / 1e11)
+    _, autos = _fit(tmp_path, _strategy(fast))
+    assert autos[0]["history"] == autos[1]["history"]
+    (h,) = autos[0]["history"]
+    assert h["chosen"] in ("ddp", "fp16") and h["chosen"] == argmin_by_hand(h["costs"], h["workload"], *h["network"], 2, 1.0)
+    _check_codec_timing(h, 1.0)
+    assert h["timed_codecs"] == []
+    engine_names = {c["name"] for c in h["costs"] if c["wire"] != "bucket"}
+    assert engine_names and {k for k, p in h["predictions"].items() if p["details"].get("lower_bound")} == engine_names
 
 
 def test_a_resumed_run_keeps_the_choice_and_is_exact(tmp_path):

@@ -339,6 +339,56 @@ def _window(chooser, step, wall):
     chooser._check_drift(step)
 
 
+def test_codecs_are_timed_only_when_a_lower_bound_leads_and_the_pick_equals_timing_them_all(monkeypatch):
+    """``time_codecs="on_demand"``: the warm-up's costs carry no engine codec time (0, a lower bound);
+    a decision whose best is such a bound times every untimed codec and decides again. Oracle: the
+    brute-force argmin over the *true* costs (codec times pinned here, returned by the timing
+    function), and, for whether timing is due, the brute-force argmin over the bounds. Random cases
+    on fast and slow links: some decide on a dense mode without timing anything, some time and keep
+    the bound's pick, some time and pick another method because the codec's true cost sank the bound."""
+    import dataclasses
+
+    import torch
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    rng = random.Random(5)
+    outcomes = {"untimed": 0, "timed_kept": 0, "timed_switched": 0}
+    for _ in range(150):
+        wl, net, n, costs = _random_case(rng)
+        costs = [c for c in costs if c.name != "randomk"]  # not an auto candidate
+        true = {c.name: c.codec_s for c in costs}
+        engine_names = [c.name for c in costs if c.wire != "bucket"]
+        bounds = [c if c.wire == "bucket" else dataclasses.replace(c, codec_s=0.0, codec_timed=False) for c in costs]
+        engine = _FakeEngine(net)
+        engine.world_size = n
+        chooser = AutoChooser(engine, AutoConfig(candidates=tuple(c.name for c in costs), probe_every=0),
+                              torch.nn.Linear(1, 1), [])
+        chooser.workload, chooser.costs = wl, list(bounds)
+        timed: list[str] = []
+        monkeypatch.setattr(chooser_mod, "time_method_codec",
+                            lambda cand, *a, _t=timed, _c=true, **k: _t.append(cand.name) or _c[cand.name])
+        chooser._group_sample = lambda grads: (torch.zeros(1), None, 0.0)
+        chooser._decide(0, "warmup", probe=False)
+        d = dict(wl=wl.as_dict(), alpha=net.alpha_s, beta=net.beta_s_per_byte, n=n, w=1.0)
+        want = argmin_by_hand([c.as_dict() for c in costs], *d.values())
+        by_bound = argmin_by_hand([c.as_dict() for c in bounds], *d.values())
+        assert chooser.chosen == want
+        h = chooser.history[-1]
+        if by_bound in engine_names:  # a bound led: every untimed codec timed once, at its true cost
+            assert sorted(timed) == sorted(engine_names) and h["timed_codecs"] == engine_names
+            assert [(c.codec_s, c.codec_timed) for c in chooser.costs] == [(true[c.name], True) for c in costs]
+            assert not any(p.details.get("lower_bound") for p in chooser.predictions.values())
+            outcomes["timed_kept" if want == by_bound else "timed_switched"] += 1
+        else:  # a dense mode beat every bound: nothing timed, the bounds are marked in the predictions
+            assert timed == [] and h["timed_codecs"] == []
+            assert {k for k, p in chooser.predictions.items() if p.details.get("lower_bound")} == set(engine_names)
+            outcomes["untimed"] += 1
+    assert min(outcomes.values()) >= 5, outcomes
+
+
 @pytest.mark.parametrize("explore", [1, 0])
 def test_a_method_slower_than_modelled_is_charged_alone_and_the_runner_up_is_measured(monkeypatch, explore):
     chooser, engine = _slow_link_chooser(monkeypatch, explore)

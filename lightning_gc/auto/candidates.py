@@ -129,26 +129,36 @@ def measure_error(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, comp: An
             return 0.0
         dtype = torch.float16 if cand.name == "fp16" else torch.bfloat16
         return _relative_error(flat, flat.to(dtype).float())
+    return _sent_error(cand, flat, ctx, comp)[0]
+
+
+def _sent_error(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, comp: Any = None) -> tuple[float, int]:
+    """An engine candidate's ``δ²`` on ``flat`` (see :func:`measure_error`) and the bytes of that payload."""
     if comp is None:
         comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
     warm = getattr(comp, "warm_compress", None)
     c = warm(flat, ctx, WARM_STEPS) if warm is not None else comp.compress(flat, ctx)
-    return _relative_error(flat, comp.decompress(c.payload, c.meta, ctx))
+    return _relative_error(flat, comp.decompress(c.payload, c.meta, ctx)), int(c.nbytes)
 
 
 def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_size: int, repeats: int = 3,
-                   exact_bytes: float = 0.0) -> MethodCost:
+                   exact_bytes: float = 0.0, time_codec: bool = True) -> MethodCost:
     """Measure one candidate on this rank (local values; the chooser agrees them across ranks).
 
     ``flat``: the model's compressed group as the engine flattens it (a live gradient); ``ctx``: its
     group context (segments and shapes of its tensors). Bucket modes cost their cast (two passes)
-    and no codec; engine methods run :func:`~lightning_gc.bench.codec.time_codec` with ``world_size``
-    payloads made from ``flat`` (slightly rescaled per rank, so aggregation does real work). The
-    error is :func:`measure_error`'s.
-    """
-    from ..bench.codec import time_codec, time_runs
+    and no codec; engine methods run :func:`time_method_codec` with ``world_size`` payloads made
+    from ``flat`` (slightly rescaled per rank, so aggregation does real work). The error is
+    :func:`measure_error`'s.
 
+    ``time_codec=False`` (engine methods): payload and error only, from one compression; the codec is
+    left untimed (``codec_s`` 0, ``codec_timed`` False: a lower bound the chooser times on demand,
+    ``AutoConfig.time_codecs``). Timing is most of a measurement's cost: 3-7 ms per candidate on the
+    quickstart MLP against 0.3-1 ms for its error, on one quiet core.
+    """
     if cand.compressor is None:
+        from ..bench.codec import time_runs
+
         if cand.name == "ddp":
             return MethodCost("ddp", "bucket", 0.0)
         dtype = torch.float16 if cand.name == "fp16" else torch.bfloat16
@@ -156,13 +166,28 @@ def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_s
         cast_s = statistics.median(time_runs(lambda: out.copy_(flat.to(dtype).div_(world_size)), repeats))
         return MethodCost(cand.name, "bucket", cast_s, delta2=measure_error(cand, flat, ctx))
     comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
-    xs, ctxs = rank_payloads(flat, ctx, world_size)
-    raw = time_codec(comp, xs, ctxs, repeats)
-    wire = _WIRE.get(raw["wire_format"])
+    wire = _WIRE.get(comp.wire_format)
     if wire is None:
-        raise ValueError(f"auto cannot model compressor {cand.compressor!r} (wire format {raw['wire_format']!r}); "
+        raise ValueError(f"auto cannot model compressor {cand.compressor!r} (wire format {comp.wire_format!r}); "
                          f"use one of the candidates {', '.join(CANDIDATES)}.")
+    codec_s = time_method_codec(cand, flat, ctx, world_size, repeats, comp) if time_codec else 0.0
+    # the error with a fresh compressor and this rank's context, as the gain re-measurement takes it
+    delta2, payload = _sent_error(cand, flat, ctx)
     ratio = float(comp.ratio) if comp.has_ratio else 0.0
-    return MethodCost(cand.name, wire, float(raw["engine_codec_s"]), float(raw["payload_bytes"]),
-                      measure_error(cand, flat, ctxs[0], comp), bool(comp.default_error_feedback and comp.lossy),
-                      sparse_ratio=ratio, value_bytes=float(flat.element_size()), exact_bytes=float(exact_bytes))
+    return MethodCost(cand.name, wire, codec_s, float(payload), delta2, bool(comp.default_error_feedback and comp.lossy),
+                      sparse_ratio=ratio, value_bytes=float(flat.element_size()), exact_bytes=float(exact_bytes),
+                      codec_timed=bool(time_codec))
+
+
+def time_method_codec(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_size: int, repeats: int = 3,
+                      comp: Any = None) -> float:
+    """One engine candidate's codec seconds per step on this rank:
+    :func:`~lightning_gc.bench.codec.time_codec` (the codec micro-benchmark's one timing function) on
+    ``world_size`` payloads made from ``flat`` (:func:`rank_payloads`); ``comp``: the compressor to
+    time (a fresh one otherwise)."""
+    from ..bench.codec import time_codec
+
+    if comp is None:
+        comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
+    xs, ctxs = rank_payloads(flat, ctx, world_size)
+    return float(time_codec(comp, xs, ctxs, repeats)["engine_codec_s"])

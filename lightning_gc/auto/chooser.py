@@ -69,7 +69,14 @@ from ..comm.probe import ProbeConfig, probe_network
 from ..compressors import GroupContext
 from ..engine.agreement import agree_values
 from ..engine.session import StepParticipant
-from .candidates import DEFAULT_CANDIDATES, AutoCandidate, candidate, measure_error, measure_method
+from .candidates import (
+    DEFAULT_CANDIDATES,
+    AutoCandidate,
+    candidate,
+    measure_error,
+    measure_method,
+    time_method_codec,
+)
 from .model import (
     MethodCost,
     Prediction,
@@ -92,6 +99,8 @@ log = logging.getLogger(__name__)
 #: moves by 2x with the host's scheduling alone, and a change that small would not change the pick
 EXCHANGE_SHARE = 0.1
 
+#: values of ``AutoConfig.time_codecs``
+TIME_CODECS = ("on_demand", "upfront")
 #: the tests of ``severe_drift`` as a decision's history records them (``drift_test``)
 SEVERE_TESTS = ("severe_window", "steps", "exchange", "reference_window")
 
@@ -349,6 +358,15 @@ class AutoConfig:
             are any (their path is the profiled one; a compressed method's correction carries its
             own costs too), else every method's measured on this link. False: unmeasured methods by
             the raw model (the earlier behaviour).
+        time_codecs: when the engine candidates' codecs are timed. ``"on_demand"`` (default): the
+            warm-up measures every candidate's payload and error (one compression each) but times no
+            engine codec; a decision whose best candidate has an untimed codec (predicted with 0,
+            a lower bound: every prediction grows with the codec's time) times every untimed one
+            and decides again. The pick is the one timing them all would give, and on a fast link,
+            where a dense mode wins even against the bounds, no codec is timed: on the quickstart
+            MLP (4 ranks, 1 Gbit/s) timing them took ~70 of the first decision's ~170 ms.
+            ``"upfront"``: time every codec at the warm-up (the earlier behaviour; every
+            prediction in the history is then a full one).
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
@@ -373,6 +391,7 @@ class AutoConfig:
     early_comm_ratio: float = 1.0
     family_margin: float = 0.15
     compute_shift: bool = True
+    time_codecs: str = "on_demand"
 
     def __post_init__(self) -> None:
         cands = tuple(self.candidates)
@@ -424,6 +443,10 @@ class AutoConfig:
         if not isinstance(self.compute_shift, bool):
             raise ValueError(f"auto_compute_shift={self.compute_shift!r} must be true or false (true: a speed-up "
                              "every measured method showed also lowers the unmeasured methods' predictions).")
+        if self.time_codecs not in TIME_CODECS:
+            raise ValueError(f"auto_time_codecs={self.time_codecs!r} is not one of {', '.join(TIME_CODECS)} "
+                             "('on_demand': time a codec only when its lower bound would be picked; 'upfront': "
+                             "time every codec at the warm-up).")
         em = self.explore_margin
         if isinstance(em, bool) or not isinstance(em, (int, float)) or not math.isfinite(em) or not 0 <= em < 1:
             raise ValueError(f"auto_explore_margin={em!r} must be a number in [0, 1) (a relative lead, e.g. 0.1: an "
@@ -970,10 +993,12 @@ class AutoChooser(StepParticipant):
         """Every candidate's codec time, payload and error on this rank's local gradient of the last
         profiled step, agreed: MAX of times and payloads (the slowest rank sets a synchronous step),
         the MEAN of the errors (each rank compresses its own gradient; the model's ``delta2/N`` for
-        a method without error feedback averages independent per-rank errors)."""
+        a method without error feedback averages independent per-rank errors). Engine codecs are
+        timed here only with ``time_codecs="upfront"`` (else by :meth:`_time_codecs`, on demand)."""
         engine = self.engine
         flat, ctx, exact_bytes = self._group_sample(grads)
-        local = [measure_method(c, flat, ctx, engine.world_size, self.config.repeats, exact_bytes)
+        upfront = self.config.time_codecs == "upfront"
+        local = [measure_method(c, flat, ctx, engine.world_size, self.config.repeats, exact_bytes, time_codec=upfront)
                  for c in self.candidates]
         vals = []
         for m in local:
@@ -981,7 +1006,27 @@ class AutoChooser(StepParticipant):
         agreed = agree_values(vals, "max", engine.process_group, engine.device)
         errors = agree_values([m.delta2 for m in local], "mean", engine.process_group, engine.device)
         self.costs = [MethodCost(m.name, m.wire, agreed[2 * k], agreed[2 * k + 1], errors[k], m.error_feedback,
-                                 m.sparse_ratio, m.value_bytes, m.exact_bytes) for k, m in enumerate(local)]
+                                 m.sparse_ratio, m.value_bytes, m.exact_bytes, codec_timed=m.codec_timed)
+                      for k, m in enumerate(local)]
+
+    def _time_codecs(self) -> list[str]:
+        """Time every untimed codec (:func:`time_method_codec`) on this rank's gradients as they are
+        now (the last step's, after its exchange: a codec's time depends on the sizes, not the values),
+        agree the MAX and store it; returns the names timed. Called on every rank alike: whether a
+        decision needs it depends on agreed values only."""
+        engine = self.engine
+        assert self.costs is not None
+        untimed = [k for k, c in enumerate(self.costs) if not c.codec_timed]
+        if not untimed:
+            return []
+        flat, ctx, _ = self._group_sample({i: p.grad for i, p in enumerate(self.params) if p.grad is not None})
+        by_name = {c.name: c for c in self.candidates}
+        local = [time_method_codec(by_name[self.costs[k].name], flat, ctx, engine.world_size, self.config.repeats)
+                 for k in untimed]
+        agreed = agree_values(local, "max", engine.process_group, engine.device)
+        for k, s in zip(untimed, agreed):
+            self.costs[k] = replace(self.costs[k], codec_s=float(s), codec_timed=True)
+        return [self.costs[k].name for k in untimed]
 
     def _check_gain(self, step: int, grads: dict[int, Tensor]) -> None:
         """Measure every candidate's error again on this step's local gradients (agreed mean, as at
@@ -1099,6 +1144,14 @@ class AutoChooser(StepParticipant):
         shift = compute_shift([self._corrections[m] for m in shift_from]) if self.config.compute_shift else 0.0
         best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
                                       self.config.progress_weight, explore=explore, shift_s=shift, settled=settled)
+        timed: list[str] = []
+        if force is None and not next(c for c in self.costs if c.name == best).codec_timed:
+            # the best is a lower bound: time every untimed codec and decide again. The others' bounds
+            # lost to the best already and only grow, so a timed best is the full model's pick
+            timed = self._time_codecs()
+            best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
+                                          self.config.progress_weight, explore=explore, shift_s=shift,
+                                          settled=settled)
         if force is not None:  # a dense sibling's trial window (see _dense_sibling): every prediction as usual
             best = force
         else:
@@ -1136,6 +1189,8 @@ class AutoChooser(StepParticipant):
                  "kept_reference": kept,
                  "corrections": dict(valid), "settled": settled, "shift_s": shift, "shift_from": shift_from,
                  "explore_left": self._explore_left,
+                 # the codecs this decision timed (their lower bound was its best; time_codecs="on_demand")
+                 "timed_codecs": timed,
                  # which test saw a drift: "window" (moderate, patience), "severe_window", "steps",
                  # "exchange" (severe_steps), "reference_window"
                  "drift_test": detail,
@@ -1148,8 +1203,9 @@ class AutoChooser(StepParticipant):
             f"probe, {'unchanged, not re-probed' if link_check['unchanged'] else 'changed, β from the check' if source == 'check_slope' else 'changed, re-probed'})")
         shifted = (f"methods not yet measured predicted {1e3 * -shift:.1f} ms under the raw model (the least "
                    f"speed-up of {', '.join(shift_from)}); ") if shift else ""
+        timed_note = f"timed the codecs of {', '.join(timed)} (their lower bound led); " if timed else ""
         head = (f"lightning_gc auto ({trigger}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
-                f"{bw / 1e6:.1f} Mbit/s{checked}; {shifted}")
+                f"{bw / 1e6:.1f} Mbit/s{checked}; {shifted}{timed_note}")
         if best == previous:
             rank_zero_info(head + f"kept {best!r} (predicted {1e3 * preds[best].step_s:.1f} ms/step)")
         else:
@@ -1438,8 +1494,11 @@ class AutoChooser(StepParticipant):
         out = []
         for h in self.history:
             ranked = sorted(h["predictions"].items(), key=lambda kv: kv[1]["time_per_progress_s"])
+            runner = ranked[1] if len(ranked) > 1 else None
             out.append({"step": h["step"], "trigger": h["trigger"], "chosen": h["chosen"],
                         "predicted_step_s": h["predictions"][h["chosen"]]["step_s"],
                         "measured_step_s": h.get("measured_step_s"),
-                        "runner_up": ranked[1][0] if len(ranked) > 1 else None})
+                        "runner_up": runner[0] if runner else None,
+                        # ranked by a lower bound: its codec was not timed (time_codecs="on_demand")
+                        "runner_up_bound": bool(runner and runner[1].get("details", {}).get("lower_bound"))})
         return out

@@ -130,6 +130,9 @@ class MethodCost:
             chooser sets it per method from the method's first measured window, see
             :func:`choose_measured`). Without it (or with a positive one) the predicted step never
             drops below the profiled compute; a negative one is a measured step and is not floored.
+        codec_timed: whether ``codec_s`` was measured. ``False``: not timed yet, ``codec_s`` is 0, and
+            the prediction is a lower bound (every prediction grows with ``codec_s``): the live
+            chooser times a codec only when such a bound would win (``AutoConfig.time_codecs``).
     """
 
     name: str
@@ -142,6 +145,7 @@ class MethodCost:
     value_bytes: float = 4.0
     exact_bytes: float = 0.0
     overhead_s: float = 0.0
+    codec_timed: bool = True
 
     def __post_init__(self) -> None:
         if self.wire not in ("bucket", "allreduce", "allgather", "lowrank", "sparse"):
@@ -155,6 +159,9 @@ class MethodCost:
                 raise ValueError(f"MethodCost.{f}={v!r} for {self.name!r} must be finite and >= 0.")
         if not math.isfinite(self.overhead_s):
             raise ValueError(f"MethodCost.overhead_s={self.overhead_s!r} for {self.name!r} must be finite.")
+        if not self.codec_timed and self.codec_s != 0.0:
+            raise ValueError(f"MethodCost {self.name!r}: codec_s={self.codec_s!r} with codec_timed=False; an "
+                             "untimed codec is charged 0 (its prediction is a lower bound).")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -270,6 +277,8 @@ def predict(cost: MethodCost, workload: Workload, network: NetworkModel, world_s
     # in all). Flooring it at the profiled compute made every measured method look alike.
     step = max(step, compute) if cost.overhead_s >= 0 else max(step, MIN_PREDICTED_STEP_S)
     eff = efficiency(cost, n, progress_weight)
+    if not cost.codec_timed:
+        details["lower_bound"] = True  # codec not timed: charged 0
     return Prediction(cost.name, step, compute, codec, comm_total, max(step - compute - w.other_s, 0.0), eff,
                       step / eff, details)
 
@@ -426,12 +435,16 @@ def calibrate_other(measured_step_s: float, workload: Workload, ddp_cost: Method
 
 
 def table(preds: Mapping[str, Prediction], chosen: str | None = None) -> str:
-    """A plain-text table of predictions (milliseconds), the chosen one marked with ``*``."""
-    rows = [f"{'candidate':12s} {'step ms':>9s} {'compute':>9s} {'codec':>8s} {'comm':>9s} {'exposed':>9s} "
-            f"{'effic.':>7s} {'ms/progress':>12s}"]
+    """A plain-text table of predictions (milliseconds), the chosen one marked with ``*``; a candidate
+    whose codec was not timed shows ``untimed`` and ``>=`` before its step and time per progress (lower
+    bounds, see :attr:`MethodCost.codec_timed`)."""
+    rows = [f"{'candidate':12s} {'step ms':>10s} {'compute':>9s} {'codec':>8s} {'comm':>9s} {'exposed':>9s} "
+            f"{'effic.':>7s} {'ms/progress':>13s}"]
     for name, p in preds.items():
         mark = "*" if name == chosen else " "
-        rows.append(f"{mark}{name:11s} {1e3 * p.step_s:9.2f} {1e3 * p.compute_s:9.2f} {1e3 * p.codec_s:8.2f} "
+        bound = ">=" if p.details.get("lower_bound") else ""
+        codec = f"{'untimed':>8s}" if bound else f"{1e3 * p.codec_s:8.2f}"
+        rows.append(f"{mark}{name:11s} {bound + f'{1e3 * p.step_s:.2f}':>10s} {1e3 * p.compute_s:9.2f} {codec} "
                     f"{1e3 * p.comm_s:9.2f} {1e3 * p.exposed_s:9.2f} {p.efficiency:7.3f} "
-                    f"{1e3 * p.time_per_progress_s:12.2f}")
+                    f"{bound + f'{1e3 * p.time_per_progress_s:.2f}':>13s}")
     return "\n".join(rows)
