@@ -103,7 +103,8 @@ def design() -> list[dict[str, Any]]:
     # time after 2 (gain_first) in the first case; in
     # the second case the first dense step ends the warm-up (any wait on the network counts), and compute_shift
     # (which acts only after a calibrated window) and the every-step severe test (severe_steps; on in the first
-    # case, the default, with its all-reduce every step) travel switched off, and the opt-in topk3 and lowrank1 are candidates. The first also
+    # case, the default, with its all-reduce every step) travel switched off, every codec is timed at the
+    # warm-up (time_codecs; on demand in the first case), and the opt-in topk3 and lowrank1 are candidates. The first also
     # reads β from the warm-up's DDP step (any exposed wait counts) and explores only on a 10 % lead (explore_margin 0.1): its
     # pick varies with timing, and when it
     # is low rank the checkpoint falls inside its run, so the slot's warm start Q̄ must be checkpointed
@@ -112,7 +113,7 @@ def design() -> list[dict[str, Any]]:
                                "dense_probe_s": 1e-9, "probe_check": 2.0, "explore_margin": 0.1}},
              {"accumulate": 2, "precision": "bf16-mixed", "optimizer": "adamw_clip",
               "auto_options": {"gain_every": 3, "gain_drift": 0.0, "early_comm_ratio": 1e-9,
-                               "compute_shift": False, "severe_steps": 0,
+                               "compute_shift": False, "severe_steps": 0, "time_codecs": "upfront",
                                "candidates": ("ddp", "fp16", "lowrank", "lowrank1", "topk", "topk3", "qsgd", "efsign")}})]
     # GCStrategy options beyond the factors: SparseLoCo's decayed error memory on a Top-k Δ, resumed inside a
     # round (the memory is decayed at every outer step and carried across the checkpoint); the opening check

@@ -1174,37 +1174,22 @@ def _shaped_link(alpha: float, beta: float, sent: list[int]):
 
 @pytest.mark.parametrize("rate_bps, want_size", [(20e6, 256 * 1024), (10e6, 256 * 1024), (1e9, 1024 * 1024)])
 def test_the_bandwidth_probe_is_sized_to_the_link_and_its_slope_is_the_links_beta(rate_bps, want_size):
-    from lightning_gc.auto.chooser import probe_bandwidth, probe_cap_bytes
+    from lightning_gc.auto.chooser import probe_bandwidth, probe_start_bytes
 
     beta = 8 / rate_bps
     sent: list[int] = []
-    cap = probe_cap_bytes(4 * 1_000_000)  # a 1M-parameter model: capped at 1 MiB
-    assert cap == 1024 * 1024
-    got, size, large_s = probe_bandwidth(_shaped_link(3e-4, beta, sent), cap)
+    start = probe_start_bytes(4 * 1_000_000)  # a 1M-parameter model: the full 256 KiB start
+    assert start == 256 * 1024
+    got, size, large_s = probe_bandwidth(_shaped_link(3e-4, beta, sent), start)
     assert size == want_size
     assert large_s == pytest.approx(3e-4 + (want_size - BURST) * beta)  # the link check's reference
     # both messages above the bucket: the bucket is a constant offset and the slope is exact
     assert got == pytest.approx(beta, rel=1e-9)
-    if rate_bps < 1e8:  # a slow link: one round of 256 KiB + 64 KiB messages, not the 1 MiB cap
+    if rate_bps < 1e8:  # a slow link: one round of 256 KiB + 64 KiB messages, not 1 MiB
         assert sum(sent) == 4 * (256 + 64) * 1024
         assert sum(sent) * 4 == 4 * (1024 + 256) * 1024  # a quarter of the fixed-size probe's bytes
-    else:  # a fast link: the first round is too short (1.8 ms), the cap is measured next
+    else:  # a fast link: the first round is too short (1.8 ms), 1 MiB is measured next
         assert sum(sent) == 4 * (256 + 64 + 1024 + 256) * 1024
-
-
-def test_a_small_model_probes_at_its_cap_at_once_and_growth_is_bounded():
-    from lightning_gc.auto.chooser import PROBE_TARGET_S, next_probe_bytes, probe_bandwidth, probe_cap_bytes
-
-    cap = probe_cap_bytes(4 * 84_000)  # the quickstart MLP: half its fp32 gradient
-    assert cap == 2 * 84_000
-    sent: list[int] = []
-    _, size, _ = probe_bandwidth(_shaped_link(1e-4, 8 / 1e9, sent), cap)
-    assert size == cap and sum(sent) == 4 * (cap + cap // 4)  # one round, as before this rule
-    assert next_probe_bytes(cap, 1e-4, cap) is None
-    assert next_probe_bytes(1000, PROBE_TARGET_S / 4, 10**9) is None  # long enough
-    assert next_probe_bytes(1000, PROBE_TARGET_S / 2000, 10**9) == 1000 * 2000  # x target / time
-    assert next_probe_bytes(1000, PROBE_TARGET_S / 4.5, 10**9) == 4500
-    assert next_probe_bytes(1000, 1e-6, 5000) == 5000  # never past the cap
 
 
 def _dense_pair_chooser(monkeypatch, margin: float):
@@ -1352,6 +1337,41 @@ def _probing_chooser(monkeypatch, rate_bps: float, **cfg):
     ch.workload = Workload(0.001, (0.001,), (84_000,))
     ch.costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 8_000.0, 0.5, True)]
     return ch, link, engine, params
+
+
+@pytest.mark.parametrize("rate_bps, rounds", [(20e6, 1), (1e9, 2)])
+def test_a_small_model_starts_at_half_its_gradient_and_grows_to_1_mib_on_a_fast_link(monkeypatch, rate_bps, rounds):
+    """The quickstart MLP (84k parameters), through the chooser's own probe on a simulated shaped link:
+    the first round times 168 kB, half its fp32 gradient (not 256 KiB: on a slow link that round is
+    several of its dense steps), and 80 KiB. At 20 Mbit/s that message is bandwidth-bound (67 ms) and
+    the probe stops; at 1 Gbit/s it takes 1.6 ms, in the scheduling noise of a busy host, and the
+    probe grows it to 1 MiB (the model's size no longer caps the growth). Either way β is the link's."""
+    from lightning_gc.auto.chooser import (
+        PROBE_LATENCY,
+        PROBE_MAX_BYTES,
+        PROBE_TARGET_S,
+        next_probe_bytes,
+        probe_start_bytes,
+    )
+
+    ch, link, _, _ = _probing_chooser(monkeypatch, rate_bps)
+    ch._decide(1, "warmup", probe=True)
+    start = probe_start_bytes(4 * 84_000)
+    assert start == 2 * 84_000
+    per_size = PROBE_LATENCY.warmup + PROBE_LATENCY.repeats
+    bandwidth = link.sent[len(PROBE_LATENCY.sizes_bytes) * per_size:]  # after the latency round
+    want = [80 * 1024, start] * 4  # one warm-up and three timed runs of each size
+    if rounds == 2:  # grown by 20 ms over the first message's (median) time, 3.3 ms here: 1.01 MB
+        t_large = link.alpha + (start - BURST) * link.beta + link.noise
+        grown = round(start * PROBE_TARGET_S / t_large)
+        assert start * 4 < grown <= PROBE_MAX_BYTES
+        want += [grown // 4, grown] * 4
+    assert bandwidth == want and ch.probe_bytes == want[-1]
+    assert ch.network.beta_s_per_byte == pytest.approx(8 / rate_bps, rel=1e-9)
+    assert next_probe_bytes(1000, PROBE_TARGET_S / 4, 10**9) is None  # long enough
+    assert next_probe_bytes(1000, PROBE_TARGET_S / 2000, 10**9) == 1000 * 2000  # x target / time
+    assert next_probe_bytes(1000, PROBE_TARGET_S / 4.5, 10**9) == 4500
+    assert next_probe_bytes(1000, 1e-6, 5000) == 5000  # never past the cap
 
 
 @pytest.mark.parametrize("check", [1.5, 0.0])
@@ -1550,12 +1570,14 @@ def test_a_dense_mode_whose_link_fell_measures_the_new_beta_from_its_drifted_win
 def test_the_check_size_without_a_probe_is_what_the_probe_would_settle_on():
     from lightning_gc.auto.chooser import check_bytes
 
-    cap = 1024 * 1024  # a model of 2 MiB of fp32 gradient or more
-    assert check_bytes(NetworkModel(1e-4, 8 / 20e6), cap) == 256 * 1024  # 0.1 s at 20 Mbit/s: long enough
+    start = 256 * 1024  # a model of 512 KiB of fp32 gradient or more
+    assert check_bytes(NetworkModel(1e-4, 8 / 20e6), start) == 256 * 1024  # 0.1 s at 20 Mbit/s: long enough
     # at 1 Gbit/s 256 KiB takes 2.2 ms: grown to the size that takes 5 ms (α + S·β = 5 ms)
-    assert check_bytes(NetworkModel(1e-4, 8 / 1e9), cap) == math.ceil((0.005 - 1e-4) / (8 / 1e9))
-    assert check_bytes(NetworkModel(1e-4, 8 / 100e9), cap) == cap  # never past the cap
-    assert check_bytes(NetworkModel(1e-4, 8 / 20e6), 168_000) == 168_000  # a small model: its cap
+    assert check_bytes(NetworkModel(1e-4, 8 / 1e9), start) == math.ceil((0.005 - 1e-4) / (8 / 1e9))
+    assert check_bytes(NetworkModel(1e-4, 8 / 100e9), start) == 1024 * 1024  # never past 1 MiB
+    assert check_bytes(NetworkModel(1e-4, 8 / 20e6), 168_000) == 168_000  # a small model: its start
+    # ... which grows on a fast link as the probe's would, past half the model's gradient
+    assert check_bytes(NetworkModel(1e-4, 8 / 1e9), 168_000) == math.ceil((0.005 - 1e-4) / (8 / 1e9))
 
 
 def test_lowrank1_candidate_sends_rank_one_factors_and_errs_more_than_rank_two():

@@ -108,15 +108,16 @@ SEVERE_TESTS = ("severe_window", "steps", "exchange", "reference_window")
 #: in the shaper's queue after its send completed, and a small one timed after it waits for them),
 #: then bandwidth from two larger ones sized to the link (:func:`next_probe_bytes`)
 PROBE_LATENCY = ProbeConfig(sizes_bytes=(64, 256), warmup=2, repeats=9)
-#: the bandwidth probe's large message starts at this size (or the cap, if smaller); its small one is
+#: the bandwidth probe's large message starts at this size (or half the model's gradient, if smaller:
+#: :func:`probe_start_bytes`); its small one is
 #: a quarter of it. Both stay above a shaper's token bucket (64 KiB on the bench's links,
 #: lightning_gc.bench.netns.tc_burst_bytes): a bucket's worth of bytes goes out at line rate, and the
 #: slope between two messages that both exceed it is the link's β, unbiased
 PROBE_START_BYTES = 256 * 1024
-#: ... except that the small one is never below this: a quarter of a small model's capped message (the
-#: quickstart MLP's 168 kB cap gives 42 kB) would sit inside the 64 KiB bucket, leave at line rate, and
+#: ... except that the small one is never below this: a quarter of a small model's first message (the
+#: quickstart MLP's 168 kB gives 42 kB) would sit inside the 64 KiB bucket, leave at line rate, and
 #: tilt the slope: on a simulated 20 Mbit/s shaped link that probe read 24.6 Mbit/s
-#: (tests/test_auto_model.py). The cap's floor (128 KiB) keeps the large one above it.
+#: (tests/test_auto_model.py). The start's floor (128 KiB) keeps the large one above it.
 PROBE_SMALL_MIN_BYTES = 80 * 1024
 
 
@@ -130,11 +131,21 @@ def probe_small_bytes(size: int) -> int:
 PROBE_TARGET_S = 0.02
 
 
-def probe_cap_bytes(model_bytes: int) -> int:
-    """The largest probe message: half the model's fp32 gradient within [128 KiB, 1 MiB], so that a
-    probe is never several dense steps' worth of traffic on a slow link (a fixed 256 KiB + 1 MiB probe
-    took 4.4 s at 20 Mbit/s on the 84k-parameter quickstart MLP, whose dense step is 0.22 s)."""
-    return int(min(max(model_bytes // 2, 128 * 1024), 1024 * 1024))
+#: the bandwidth probe's largest message, on any model
+PROBE_MAX_BYTES = 1024 * 1024
+
+
+def probe_start_bytes(model_bytes: int) -> int:
+    """The bandwidth probe's first large message: :data:`PROBE_START_BYTES`, or half the model's fp32
+    gradient if smaller (at least 128 KiB), so that the first round is never several dense steps'
+    worth of traffic on a slow link (a fixed 256 KiB + 1 MiB probe took 4.4 s at 20 Mbit/s on the
+    84k-parameter quickstart MLP, whose dense step is 0.22 s). Where that message is too short to be
+    bandwidth-bound (a fast link), the probe grows it up to :data:`PROBE_MAX_BYTES` whatever the
+    model's size (:func:`next_probe_bytes`). Before, half the model's gradient also capped the growth:
+    on the quickstart MLP at 1 Gbit/s the probe then timed 168 kB messages (1.2-4 ms, in scheduling
+    noise on 4 ranks sharing 2 cores) and read the link at 205-14 000 Mbit/s in four runs; at 1 MiB,
+    ten probes read 610-835 Mbit/s (docs/auto.md)."""
+    return int(min(max(model_bytes // 2, 128 * 1024), PROBE_START_BYTES))
 
 
 def next_probe_bytes(size: int, large_s: float, cap: int) -> int | None:
@@ -153,31 +164,32 @@ def next_probe_bytes(size: int, large_s: float, cap: int) -> int | None:
     return int(min(cap, round(grow)))  # > 4x size: large_s < PROBE_TARGET_S / 4
 
 
-def probe_bandwidth(measure: Callable[[int], tuple[float, float]], cap: int) -> tuple[float, int, float]:
-    """β (s/byte) from the slope between ``S/4``- and ``S``-byte messages, ``S`` grown from
-    :data:`PROBE_START_BYTES` (or ``cap``) by :func:`next_probe_bytes`; returns β, the last ``S`` and
-    that ``S``-byte message's time (the reference of :func:`link_unchanged`).
+def probe_bandwidth(measure: Callable[[int], tuple[float, float]], start: int) -> tuple[float, int, float]:
+    """β (s/byte) from the slope between ``S/4``- and ``S``-byte messages, ``S`` grown from ``start``
+    (:func:`probe_start_bytes`) by :func:`next_probe_bytes` up to :data:`PROBE_MAX_BYTES`; returns β,
+    the last ``S`` and that ``S``-byte message's time (the reference of :func:`link_unchanged`).
 
     ``measure(S)`` returns that slope and the ``S``-byte message's time, both agreed across ranks (the
     loop's decisions must be identical on every rank)."""
-    size = min(PROBE_START_BYTES, cap)
+    size = start
     while True:
         beta, large_s = measure(size)
-        nxt = next_probe_bytes(size, large_s, cap)
+        nxt = next_probe_bytes(size, large_s, PROBE_MAX_BYTES)
         if nxt is None:
             return beta, size, large_s
         size = nxt
 
 
-def check_bytes(network: NetworkModel, cap: int) -> int:
+def check_bytes(network: NetworkModel, start: int) -> int:
     """The link check's message size where no probe chose one (β from a dense step): what the bandwidth
-    probe would have settled on for this network, the start size (or the cap) grown until the message
-    takes :data:`PROBE_TARGET_S` / 4. Not the cap: on ``cnn`` width 16 at 20 Mbit/s a 1 MiB check with
-    its 256 KiB partner took 0.52 s, where 256 KiB (the probe's size there) takes 0.13 s."""
-    size = min(PROBE_START_BYTES, cap)
+    probe would have settled on for this network, ``start`` (:func:`probe_start_bytes`) grown until
+    the message takes :data:`PROBE_TARGET_S` / 4, at most :data:`PROBE_MAX_BYTES`. Not the largest:
+    on ``cnn`` width 16 at 20 Mbit/s a 1 MiB check with its 256 KiB partner took 0.52 s, where
+    256 KiB (the probe's size there) takes 0.13 s."""
+    size = start
     beta = network.beta_s_per_byte
     if beta > 0 and network.alpha_s + size * beta < PROBE_TARGET_S / 4:
-        size = min(cap, max(size, math.ceil((PROBE_TARGET_S / 4 - network.alpha_s) / beta)))
+        size = min(PROBE_MAX_BYTES, max(size, math.ceil((PROBE_TARGET_S / 4 - network.alpha_s) / beta)))
     return size
 
 
@@ -1092,7 +1104,7 @@ class AutoChooser(StepParticipant):
             # shaper's bucket is in the same state): a quarter of a probe's bytes. Without it the first
             # periodic re-decision probed in full: 0.5 s at 20 Mbit/s on the quickstart MLP, and that probe
             # read the link at 32-40 Mbit/s (docs/auto.md)
-            self.probe_bytes = check_bytes(self.network, probe_cap_bytes(4 * sum(p.numel() for p in self.params)))
+            self.probe_bytes = check_bytes(self.network, probe_start_bytes(4 * sum(p.numel() for p in self.params)))
             self.probe_time_s = self._check_link()[0]
         elif probe or self.network is None:
             source = "probe"
@@ -1375,7 +1387,7 @@ class AutoChooser(StepParticipant):
             return beta, t_large
 
         beta, self.probe_bytes, self.probe_time_s = probe_bandwidth(
-            measure, probe_cap_bytes(4 * sum(p.numel() for p in self.params)))
+            measure, probe_start_bytes(4 * sum(p.numel() for p in self.params)))
         # each rank's fastest 64-byte shift, not its median: on 2 cores shared by 4 ranks a median of
         # 2.5 ms was read once where other runs read 0.2-0.3 ms, and with ~20 α-terms per compressed
         # step that alone put every compressor above the 16-bit hook at 20 Mbit/s (docs/auto.md)
