@@ -1365,7 +1365,7 @@ def test_a_small_model_starts_at_half_its_gradient_and_grows_to_1_mib_on_a_fast_
         t_large = link.alpha + (start - BURST) * link.beta + link.noise
         grown = round(start * PROBE_TARGET_S / t_large)
         assert start * 4 < grown <= PROBE_MAX_BYTES
-        want += [grown // 4, grown] * 4
+        want += [grown // 4, grown] * 3  # no warm-up run: the first round warmed the connections
     assert bandwidth == want and ch.probe_bytes == want[-1]
     assert ch.network.beta_s_per_byte == pytest.approx(8 / rate_bps, rel=1e-9)
     assert next_probe_bytes(1000, PROBE_TARGET_S / 4, 10**9) is None  # long enough
@@ -1384,7 +1384,7 @@ def test_a_re_decision_checks_the_link_with_one_message_and_probes_again_only_wh
     cap = 2 * 84_000
     ch._decide(1, "warmup", probe=True)
     small = 80 * 1024  # a quarter of the cap would sit inside the shaper's bucket: floored above it
-    full_probe = [64, 256] * 11 + [small, cap] * 4  # latency (2 warm-up + 9), then one sized round
+    full_probe = [64, 256] * 8 + [small, cap] * 4  # latency (1 warm-up + 7), then one sized round
     assert link.sent == full_probe and ch.probe_bytes == cap
     assert ch.probe_time_s == pytest.approx(2e-4 + (cap - BURST) * 8 / 20e6 + link.noise)
     # α from the fastest 64-byte shift, not the median that the host's noise inflated to 2.5 ms
@@ -1431,7 +1431,7 @@ def test_a_re_decision_checks_the_link_with_one_message_and_probes_again_only_wh
     if check:  # back to 1 Gbit/s: the check moved, but its message (3.6 ms) is not bandwidth-bound: full probe
         link.sent, link.beta = [], 8 / 1e9
         ch._decide(401, "periodic", probe=True)
-        assert link.sent[:4] == [small, cap] * 2 and link.sent[4:26] == [64, 256] * 11
+        assert link.sent[:4] == [small, cap] * 2 and link.sent[4:20] == [64, 256] * 8
         assert ch.history[-1]["network_source"] == "probe" and not ch.history[-1]["link_check"]["unchanged"]
         assert ch.network.beta_s_per_byte == pytest.approx(8 / 1e9)
 
@@ -1475,7 +1475,7 @@ def test_a_dense_step_that_waited_on_the_network_measures_beta_instead_of_the_ba
     ch._decide(1, "warmup", probe=True, dense_wall_s=wall, dense_exposed_s=exposed_s)
     h = ch.history[-1]
     if exposed_s >= dense_probe_s > 0:
-        assert link.sent == [64, 256] * 11 + [80 * 1024, 2 * 84_000]  # latency, then the check's reference
+        assert link.sent == [64, 256] * 8 + [80 * 1024, 2 * 84_000]  # latency, then the check's reference
         assert ch.network.beta_s_per_byte == pytest.approx(true_beta, rel=1e-6)
         assert ch.network.alpha_s == pytest.approx(alpha, rel=1e-6)
         assert ch.workload.other_s == pytest.approx(0.0, abs=1e-9)  # the link explains the whole step
@@ -1488,7 +1488,7 @@ def test_a_dense_step_that_waited_on_the_network_measures_beta_instead_of_the_ba
         assert link.sent == [80 * 1024, 2 * 84_000] and ch.history[-1]["network_source"] == "check"
         assert ch.network.beta_s_per_byte == pytest.approx(true_beta, rel=1e-6)
     else:
-        assert link.sent == [64, 256] * 11 + [80 * 1024, 2 * 84_000] * 4
+        assert link.sent == [64, 256] * 8 + [80 * 1024, 2 * 84_000] * 4
         assert h["network_source"] == "probe"
         # the probe over-read the link (26 Mbit/s): the DDP step, slower than it predicts, is other's
         assert ch.network.beta_s_per_byte == pytest.approx(8 / 26e6, rel=1e-6)
@@ -1512,7 +1512,7 @@ def test_dense_probe_s_is_validated(bad):
 def test_a_severe_drift_probes_at_once_and_a_moderate_one_checks_the_link_first(monkeypatch):
     ch, link, _, _ = _probing_chooser(monkeypatch, 20e6, window=2, patience=2, min_interval=1, probe_every=0)
     ch._decide(1, "warmup", probe=True)
-    full_probe = [64, 256] * 11 + [80 * 1024, 2 * 84_000] * 4
+    full_probe = [64, 256] * 8 + [80 * 1024, 2 * 84_000] * 4
     step = ch.predictions[ch.chosen].step_s
 
     def window(at, wall):
@@ -1561,7 +1561,7 @@ def test_a_dense_mode_whose_link_fell_measures_the_new_beta_from_its_drifted_win
     window(7, slow_wall)  # many times the reference: severe
     h = ch.history[-1]
     assert h["trigger"] == "drift" and h["network_source"] == "dense_step"
-    assert link.sent == [64, 256] * 11 + [80 * 1024, 2 * 84_000]  # latency, then the check's new reference
+    assert link.sent == [64, 256] * 8 + [80 * 1024, 2 * 84_000]  # latency, then the check's new reference
     assert ch.network.beta_s_per_byte == pytest.approx(8 / 10e6, rel=1e-6)
     assert ch.network.alpha_s == pytest.approx(alpha, rel=1e-6)
     assert ch.chosen == "topk" and ch.workload.other_s == other  # other_s is the warm-up's, kept

@@ -107,7 +107,10 @@ SEVERE_TESTS = ("severe_window", "steps", "exchange", "reference_window")
 #: the chooser's network probes: latency from small messages alone, first (a large message leaves bytes
 #: in the shaper's queue after its send completed, and a small one timed after it waits for them),
 #: then bandwidth from two larger ones sized to the link (:func:`next_probe_bytes`)
-PROBE_LATENCY = ProbeConfig(sizes_bytes=(64, 256), warmup=2, repeats=9)
+#: one warm-up and 7 timed runs of each size (16 shifts; 2 + 9 before, 22): on 4 shaped namespaces, 12
+#: rounds each at 1 Gbit/s and 20 Mbit/s, the fastest 64-byte shift read 0.22-0.60 ms against
+#: 0.21-0.62 ms, in 24-32 ms per round against 39-44 ms; 1 + 5 read 2.3 ms once (docs/auto.md)
+PROBE_LATENCY = ProbeConfig(sizes_bytes=(64, 256), warmup=1, repeats=7)
 #: the bandwidth probe's large message starts at this size (or half the model's gradient, if smaller:
 #: :func:`probe_start_bytes`); its small one is
 #: a quarter of it. Both stay above a shaper's token bucket (64 KiB on the bench's links,
@@ -1377,10 +1380,16 @@ class AutoChooser(StepParticipant):
         engine = self.engine
         small = latency if latency is not None else self._probe_latency()  # the warm-up's may have run already
 
+        rounds = []
+
         def measure(size: int) -> tuple[float, float]:
+            # a warm-up run in the first round only: a grown round reuses the connections it warmed
+            # (at 1 MiB + 256 KiB and 1 Gbit/s a warm-up run is ~11 ms)
             large = probe_network(engine.process_group,
-                                  ProbeConfig(sizes_bytes=(probe_small_bytes(size), size), warmup=1, repeats=3),
+                                  ProbeConfig(sizes_bytes=(probe_small_bytes(size), size), warmup=0 if rounds else 1,
+                                              repeats=3),
                                   device=engine.device)
+            rounds.append(size)
             (s0, s1), (t0, t1) = large.sizes_bytes, large.median_times_s
             beta, t_large = agree_values([max((t1 - t0) / (s1 - s0), 0.0), t1], "max", engine.process_group,
                                          engine.device)
