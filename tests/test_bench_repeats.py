@@ -135,5 +135,51 @@ def test_the_document_and_report_of_three_rounds():
 def test_repeat_is_validated_and_refused_for_a_prepared_cluster(tmp_path):
     with pytest.raises(BenchError, match=r"--repeat=0 must be an integer >= 1"):
         resolve(BenchConfig(preset="quickstart", methods="ddp", repeat=0))
-    with pytest.raises(BenchError, match="--repeat 2 with --prepare"):
+    with pytest.raises(BenchError, match=r"--repeat 2 \(or --seeds\) with --prepare"):
         prepare(BenchConfig(preset="quickstart", methods="ddp", repeat=2), str(tmp_path), log=lambda _: None)
+    with pytest.raises(BenchError, match=r"--repeat 2 \(or --seeds\) with --prepare"):
+        prepare(BenchConfig(preset="quickstart", methods="ddp", seeds=(0, 1)), str(tmp_path), log=lambda _: None)
+
+
+def test_seeds_run_one_round_per_seed_and_each_round_trains_with_its_own(monkeypatch, tmp_path):
+    """``--seeds 3,5``: two rounds; every method of round k is launched with seed k's value (what the
+    workers read), the round summaries and the document name the seeds, and the report heads each
+    round with its seed. The oracle is the seed each launch received, recorded by a stand-in launcher."""
+    from lightning_gc.bench import runner
+
+    launched: list[tuple[str, int]] = []
+
+    def fake_run_method(spec, index, cfg, r, cluster, run_dir, log):
+        launched.append((spec.label, runner.worker_config(spec, cfg, r, run_dir, ifname=None,
+                                                          with_schedule=False)["seed"]))
+        return [{"target": 0.85}]
+
+    ttt = {("ddp", 3): 2.0, ("topk:ratio=0.01", 3): 1.5, ("ddp", 5): 2.0, ("topk:ratio=0.01", 5): 3.0}
+    monkeypatch.setattr(runner, "run_method", fake_run_method)
+    monkeypatch.setattr(runner, "aggregate", lambda spec, rr, r, count_wire, target:
+                        _res(spec.method, 0.02, ttt[(spec.label, launched[-1][1])], label=spec.label))
+    cfg = BenchConfig(preset="quickstart", methods="ddp,topk", steps=10, warmup=3, seeds=(3, 5), network="loopback")
+    r = resolve(cfg)
+    assert r["repeat"] == 2 and r["seeds"] == [3, 5]
+    rounds = [[runner._run_one(s, i, k, cfg, r, None, str(tmp_path), False, lambda _: None)
+               for i, s in enumerate(r["specs"])] for k in range(2)]
+    assert launched == [("ddp", 3), ("topk:ratio=0.01", 3), ("ddp", 5), ("topk:ratio=0.01", 5)]
+    doc = build_document(cfg, r, rounds, {"mode": "loopback"}, 0.0)
+    report.validate_document(doc)
+    assert doc["config"]["seeds"] == [3, 5]
+    topk = next(x for x in doc["results"] if x["method"] == "topk")
+    assert [(x["seed"], x["time_to_target_ratio_vs_ddp"]) for x in topk["rounds"]] == [(3, 0.75), (5, 1.5)]
+    md = report.markdown(doc)
+    assert "| method | round 1 (seed 3) | round 2 (seed 5) |" in md and "(`--seeds`)" in md
+    # --seed alone: every round the same seed, headed as before
+    same = resolve(BenchConfig(preset="quickstart", methods="ddp", seed=4, repeat=2))
+    assert same["seeds"] == [4, 4]
+
+
+def test_seeds_are_validated():
+    with pytest.raises(BenchError, match="--repeat 2 with --seeds 0,1"):
+        resolve(BenchConfig(preset="quickstart", methods="ddp", seeds=(0, 1), repeat=2))
+    with pytest.raises(BenchError, match="--seeds is empty"):
+        resolve(BenchConfig(preset="quickstart", methods="ddp", seeds=()))
+    with pytest.raises(BenchError, match=r"--seeds=-1 must be an integer >= 0"):
+        resolve(BenchConfig(preset="quickstart", methods="ddp", seeds=(0, -1)))

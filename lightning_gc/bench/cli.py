@@ -33,6 +33,16 @@ def _kv(text: str) -> tuple[str, object]:
     return key.strip(), _parse_value(value)
 
 
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integer seeds, e.g. 0,1,2") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError("give at least one seed, e.g. --seeds 0,1,2")
+    return seeds
+
+
 def _val_batches(text: str) -> float:
     try:
         v = float(text)
@@ -64,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--eval-every", type=int, default=None, help="validate every N steps (default steps/4)")
     w.add_argument("--val-batches", type=_val_batches, default=8, help="validation batches (count or fraction)")
     w.add_argument("--target", type=float, default=None, help="metric target for time-to-target (default: preset's)")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="training seed (model init, data order) of every method")
+    w.add_argument("--seeds", type=_seeds, default=None, metavar="S1,S2,...",
+                   help="one round per seed (instead of --repeat rounds of --seed), combined as --repeat's rounds: "
+                        "time to target on a noisy metric depends on the trajectory, so compare methods over several "
+                        "(docs/bench.md, 'Seeds')")
     w.add_argument("--repeat", type=int, default=1, metavar="R",
                    help="run the method list R times in interleaved rounds and report each method's median over the "
                         "rounds, ratios taken within each round (the machine's speed drifts between methods; "
@@ -179,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps, budget_s=args.budget, warmup=args.warmup, compute_steps=args.compute_steps, eval_every=args.eval_every,
         val_batches=args.val_batches, target=args.target, seed=args.seed, threads=args.threads,
         shaper=args.shaper, shape_ingress=not args.no_shape_ingress, network=args.network,
-        timeout_s=args.timeout, logs_dir=args.logs, fidelity=args.fidelity, repeat=args.repeat,
+        timeout_s=args.timeout, logs_dir=args.logs, fidelity=args.fidelity, repeat=args.repeat, seeds=args.seeds,
     )
     if args.prepare and args.collect:
         print("lightning-gc bench: error: --prepare and --collect are two separate steps; give one of them",

@@ -283,10 +283,18 @@ def _rounds_section(doc: dict) -> list[str]:
     if not rows:
         return []
     n = max(len(r["rounds"]) for r in rows)
+    seeds = (doc.get("config") or {}).get("seeds") or []
+    seeded = len(seeds) == n and len(set(seeds)) > 1  # --seeds: each round its own trajectory
+
+    def head(k: int) -> str:
+        return f"round {k + 1} (seed {seeds[k]})" if seeded else f"round {k + 1}"
+
     lines = ["", "## Rounds", "",
              "Each round's median step and time to target, in brackets the ratio to that round's best baseline; "
-             "the row above is their median (the step's from the round marked *).", "",
-             "| method | " + " | ".join(f"round {k + 1}" for k in range(n)) + " |",
+             "the row above is their median (the step's from the round marked *)."
+             + (" Each round trained with its own seed (`--seeds`): a time to target on a noisy metric moves "
+                "with the trajectory, and the ratios compare methods on the same one." if seeded else ""), "",
+             "| method | " + " | ".join(head(k) for k in range(n)) + " |",
              "|---|" + "---|" * n]
     for r in rows:
         cells = []
@@ -598,7 +606,9 @@ def sweep_markdown(sweep: dict) -> str:
         "",
         "One bench run per link (same methods, seed and steps"
         + (f"; {c['rounds']} rounds each, `--repeat`: medians over the rounds, ratios taken within a round"
-           if (c.get("rounds") or 1) > 1 else "")
+           if (c.get("rounds") or 1) > 1 and len(set(c.get("seeds") or [0])) <= 1 else "")
+        + (f"; one round per seed ({', '.join(map(str, c['seeds']))}), `--seeds`: medians over the rounds, "
+           "ratios taken within a round" if len(set(c.get("seeds") or [0])) > 1 else "")
         + "). *step*: median step time; *TTT*: time to "
         f"{metric} {op} {_v(target)}. In brackets: the ratio to the best torch baseline of that link's run "
         "(the fastest of ddp, fp16, powersgd per step, resp. to the target)"

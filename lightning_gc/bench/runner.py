@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_gc.bench import netns
@@ -93,6 +93,7 @@ class BenchConfig:
     logs_dir: str | None = None  # keep per-rank logs here (default: temporary, removed)
     fidelity: bool = False  # add GradientFidelity to every method (one extra dense allreduce per step)
     repeat: int = 1  # rounds of the whole method list, interleaved; combined per method (repeats.py)
+    seeds: tuple[int, ...] | None = None  # one round per seed (instead of --repeat rounds of `seed`)
     fail_rank: int | None = None  # test hook: this rank raises ...
     fail_step: int | None = None  # ... at this step
 
@@ -124,6 +125,18 @@ def resolve(cfg: BenchConfig) -> dict:
         )
     _check_int("--compute-steps", cfg.compute_steps, 1, "e.g. --compute-steps 5")
     repeat = _check_int("--repeat", cfg.repeat, 1, "e.g. --repeat 3 (each method runs 3 times, in rounds)")
+    if cfg.seeds is None:
+        seeds = [_check_int("--seed", cfg.seed, 0, "e.g. --seed 0")] * repeat
+    else:
+        seeds = list(cfg.seeds)
+        if not seeds:
+            raise BenchError("--seeds is empty: list at least one seed, e.g. --seeds 0,1,2")
+        for sd in seeds:
+            _check_int("--seeds", sd, 0, "seeds are integers >= 0, e.g. --seeds 0,1,2")
+        if repeat != 1:
+            raise BenchError(f"--repeat {repeat} with --seeds {','.join(map(str, seeds))}: --seeds runs one round per "
+                             "seed; to repeat a seed, list it again (e.g. --seeds 0,0,1,1) and drop --repeat")
+        repeat = len(seeds)
     budget_s = cfg.budget_s
     if budget_s is not None:
         if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
@@ -194,6 +207,7 @@ def resolve(cfg: BenchConfig) -> dict:
         "specs": specs,
         "threads": threads,
         "repeat": repeat,
+        "seeds": seeds,  # the training seed of each round
     }
 
 
@@ -716,18 +730,23 @@ def _run_one(spec: MethodSpec, i: int, rnd: int, cfg: BenchConfig, r: dict, clus
     """Run and aggregate one method of one round (a failure becomes a failed result, the run goes on)."""
     specs, many = r["specs"], r["repeat"] > 1
     where = f"round {rnd + 1}/{r['repeat']}, " if many else ""
+    if cfg.seeds is not None:
+        where += f"seed {r['seeds'][rnd]}, "
     log(f"[{where}{i + 1}/{len(specs)}] {spec.label}: {r['ranks']} ranks on {r['hosts']} host(s), "
         f"{r['steps']} steps ({r['warmup']} warm-up), preset {cfg.preset}")
     t0 = time.monotonic()
     name = f"{i:02d}-{spec.label.replace(':', '_').replace('=', '-')}" + (f"-round{rnd + 1}" if many else "")
     try:
         # a distinct port per run: a port of the previous round may still be in TIME_WAIT
-        rank_results = run_method(spec, i + rnd * len(specs), cfg, r, cluster, os.path.join(base, name), log)
+        # the round's training seed (--seeds; else --seed in every round)
+        seeded = cfg if r["seeds"][rnd] == cfg.seed else replace(cfg, seed=r["seeds"][rnd])
+        rank_results = run_method(spec, i + rnd * len(specs), seeded, r, cluster, os.path.join(base, name), log)
     except RankFailure as exc:
         log(f"  [{spec.label}] FAILED: {exc}")
-        return failed_result(spec, str(exc))
+        return {**failed_result(spec, str(exc)), "seed": r["seeds"][rnd]}
     target = cfg.target if cfg.target is not None else rank_results[0]["target"]
     res = aggregate(spec, rank_results, r, count_wire=emulated, target=target)
+    res["seed"] = r["seeds"][rnd]
     res["wall_time_s"] = time.monotonic() - t0
     if res["status"] != "ok":
         log(f"  [{spec.label}] INVALID: {res['error']}")
@@ -767,6 +786,7 @@ def build_document(cfg: BenchConfig, r: dict, rounds: list[list[dict]], network:
         "target": first_ok["target"] if first_ok else cfg.target,
         "versions": _versions(),
         "rounds": len(rounds),
+        "seeds": r["seeds"],
         "started_unix": started,
     }
     return {
@@ -799,8 +819,9 @@ def prepare(cfg: BenchConfig, plan_dir: str, *, ifname: str | None = None, maste
     r = resolve(cfg)
     if r["repeat"] > 1:
         raise BenchError(
-            f"--repeat {cfg.repeat} with --prepare: a real cluster's methods are launched by hand, one after another; "
-            "run the plan again (a new --prepare directory) and compare the reports, or drop --repeat"
+            f"--repeat {r['repeat']} (or --seeds) with --prepare: a real cluster's methods are launched by hand, one after another; "
+            "run the plan again (a new --prepare directory, --seed for another seed) and compare the reports, or drop "
+            "--repeat/--seeds"
         )
     plan_dir = os.path.abspath(plan_dir)
     os.makedirs(plan_dir, exist_ok=True)
