@@ -22,7 +22,8 @@ when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
    last decision (a severe one: after the last severe one), re-probes the network and decides again from the stored compute and codec
    measurements (trigger ``"drift"``); the method is switched only if the choice changed (every
    re-decision is in the history either way). The ``severe_drift`` test is also made every step,
-   on the last ``severe_steps`` agreed step walls, every one of them (an all-reduce issued at each
+   on the last ``severe_steps`` agreed step walls (every one of them off, or their median twice as far;
+   an all-reduce issued at each
    step's end and read at the next: ``_check_severe_steps``), so that a link that fell is seen
    within a few steps rather than at the end of the window it fell in.
 5. **Calibrate**: the first reference window of a method sets *that method's* correction
@@ -56,7 +57,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -201,11 +202,17 @@ def factor_apart(a: float, b: float, factor: float) -> bool:
     return a > 0 and b > 0 and max(a / b, b / a) >= factor
 
 
-def all_apart(slow: float, fast: float, reference: float, factor: float) -> bool:
-    """Whether every one of several step times, the least ``slow`` and the largest ``fast``, is
-    ``factor`` or more off ``reference`` the same way: all slower (``slow >= factor·reference``) or
-    all faster (``fast·factor <= reference``). The every-step severe test (``severe_steps``)."""
-    return reference > 0 and factor > 0 and (slow >= factor * reference or fast * factor <= reference)
+def steps_apart(times: Sequence[float], reference: float, factor: float) -> bool:
+    """The every-step severe test (``severe_steps``) on the last few step times: every one of them
+    ``factor`` or more off ``reference`` the same way, or their median twice that far (a link that
+    fell tenfold makes a dense step 10-20x longer: seen as soon as most of the steps are, without
+    waiting for all of them). Not the median at ``factor`` alone: two slow steps of three are
+    scheduling noise often enough on a busy host (see ``AutoConfig.severe_steps``)."""
+    if reference <= 0 or factor <= 0 or not times:
+        return False
+    slow, fast, med = min(times), max(times), statistics.median(times)
+    return (slow >= factor * reference or fast * factor <= reference
+            or med >= 2 * factor * reference or med * 2 * factor <= reference)
 
 
 def link_unchanged(check_s: float, probe_s: float, factor: float) -> bool:
@@ -258,20 +265,22 @@ class AutoConfig:
             docs/auto.md, "A changing link"). A median of ``window`` steps moves by 2x only if most
             of the window moved, so a single slow step (a validation, a pause) does not trigger it;
             a false trigger costs one probe and usually keeps the method.
-        severe_steps: the same severe test, also made every step on the last this many steps, every
-            one of them ``severe_drift`` off the same way (each step's wall agreed across ranks by an all-reduce issued at its end and read
+        severe_steps: the same severe test, also made every step on the last this many steps: every
+            one of them ``severe_drift`` off the same way, or their median twice that far
+            (``steps_apart``) (each step's wall agreed across ranks by an all-reduce issued at its end and read
             at the next step's end, so the step never waits for it; the step right after a decision
             is left out). Compared with the reference, or, before the reference window, with the
             running method's prediction when that carries its own correction measured on this link
             (the test of a reference window, ``_link_moved_under``). 0: windows only. Why: a window
             check sees a fall only at the window's end, and with 5-step windows a dense mode ran 7
             steps of ~220 ms on a link fallen to 10 Mbit/s before auto moved (quickstart MLP), where
-            Top-k runs ~37 ms; 3 steps see it 3 steps after the fall (plus the one step the read lags),
-            and neither one slow step (a validation, a checkpoint) nor two of three set it off. Until
-            this version the test took the median of the 3, which moved a step sooner but fired on
-            two slow steps of three: on 2 unshaped ranks of the quickstart MLP (7.8 ms median step,
+            Top-k runs ~37 ms; a fall that makes the step 4x or more is seen 2 steps after it (the
+            median), a smaller one 3 steps after (every step), plus the one step the read lags; one
+            slow step (a validation, a checkpoint) never sets it off, and two of three only beyond
+            4x. Until this version the test was the median of the 3 at 2x, which fired on any two
+            slow steps of three: on 2 unshaped ranks of the quickstart MLP (7.8 ms median step,
             4.1-16.1 ms from the 5th to the 95th percentile) 6 times in 615 steps, each a full probe,
-            against once with every step required (replayed on the recorded walls; docs/auto.md). While a
+            against once now (replayed on the recorded walls; docs/auto.md). While a
             compressed method runs, its exchange time (the step's closing report, agreed already) is
             tested the same way against its reference window's, when it moved by at least
             :data:`EXCHANGE_SHARE` of the reference step: a link that came back shows there where the
@@ -803,8 +812,8 @@ class AutoChooser(StepParticipant):
 
         * **The step** (test ``steps``): reads the agreed wall of the step before (issued there;
           complete by now) and issues this step's; every one of the last ``severe_steps`` agreed
-          walls ``severe_drift`` or more off the reference, the same way (or off a calibrated
-          prediction, before the reference window).
+          walls ``severe_drift`` or more off the reference the same way, or their median twice that
+          far (:func:`steps_apart`; or off a calibrated prediction, before the reference window).
         * **The exchange** (test ``exchange``; compressed methods): ``exchange_s``, this step's time
           in the compressed exchanges averaged over the ranks (the step's closing report, agreed
           already), against the fastest exchange of the reference window: the median of the last
@@ -841,16 +850,18 @@ class AutoChooser(StepParticipant):
             return
         test = basis = None
         if len(self._recent) >= n:
-            # every one of the last n steps off by the factor, the same way (not their median: two slow steps
-            # of three are scheduling noise often enough on a busy host; see the docstring)
+            # every one of the last n steps off by the factor the same way, or their median twice that far
+            # (steps_apart; not the median at the factor: two slow steps of three are scheduling noise often
+            # enough on a busy host)
             slow, fast = min(self._recent), max(self._recent)
             if self._reference is not None:
-                if all_apart(slow, fast, self._reference, sv):
+                if steps_apart(self._recent, self._reference, sv):
                     test, basis = "steps", f"{1e3 * self._reference:.1f} ms after the last decision"
-            elif self._link_moved_under(slow, fast):
+            elif self._link_moved_under(self._recent):
                 test = "steps"
                 basis = f"{1e3 * self.predictions[self.chosen].step_s:.1f} ms predicted from its own measured step"
-            what = f"each of the last {n} steps ran {1e3 * slow:.1f}-{1e3 * fast:.1f} ms"
+            what = (f"the last {n} steps ran {1e3 * slow:.1f}-{1e3 * fast:.1f} ms (median "
+                    f"{1e3 * statistics.median(self._recent):.1f} ms)")
         ref_x = self._reference_exchange
         if test is None and ref_x and self._reference and len(self._recent_exchange) >= n:
             med_x = statistics.median(self._recent_exchange)
@@ -1346,7 +1357,7 @@ class AutoChooser(StepParticipant):
                 best, best_t = name, t
         return best
 
-    def _link_moved_under(self, measured_s: float, fast_s: float | None = None) -> bool:
+    def _link_moved_under(self, measured: float | Sequence[float]) -> bool:
         """Whether a reference window's median is ``severe_drift`` times or more off the running
         method's prediction although that prediction carried the method's own correction, measured
         in a window on this link: then the window, not the model, is what changed (the link moved
@@ -1359,16 +1370,16 @@ class AutoChooser(StepParticipant):
         window looked drifted: fp16 ran 222 ms steps until the periodic re-probe at step 200, where
         Top-k ran 36 ms (docs/auto.md).
 
-        With ``fast_s``, ``measured_s`` and ``fast_s`` are the least and the largest of several steps,
-        and every one of them must be off the same way (:func:`all_apart`)."""
+        ``measured``: a window's median, or the last few steps' times (the every-step test:
+        :func:`steps_apart`)."""
         sv, chosen = self.config.severe_drift, self.chosen
         if not sv or chosen is None or not self.history or chosen not in self.predictions:
             return False
         calibrated = chosen in (self.history[-1].get("corrections") or {}) and chosen in self._windowed()
         pred = self.predictions[chosen].step_s
-        if fast_s is not None:
-            return calibrated and all_apart(measured_s, fast_s, pred, sv)
-        return calibrated and factor_apart(measured_s, pred, sv)
+        if not isinstance(measured, (int, float)):
+            return calibrated and steps_apart(list(measured), pred, sv)
+        return calibrated and factor_apart(measured, pred, sv)
 
     def _shift_basis(self, windowed: set[str], settled: list[str]) -> list[str]:
         """The methods whose corrections the compute shift is taken from (:func:`compute_shift`):
