@@ -171,8 +171,9 @@ def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_s
         raise ValueError(f"auto cannot model compressor {cand.compressor!r} (wire format {comp.wire_format!r}); "
                          f"use one of the candidates {', '.join(CANDIDATES)}.")
     codec_s = time_method_codec(cand, flat, ctx, world_size, repeats, comp) if time_codec else 0.0
-    # the error with a fresh compressor and this rank's context, as the gain re-measurement takes it
-    delta2, payload = _sent_error(cand, flat, ctx)
+    # the error with this rank's context, as the gain re-measurement takes it; on a compressor the timing
+    # did not run (a fresh one after it: timing leaves state, e.g. a warm start)
+    delta2, payload = _sent_error(cand, flat, ctx, None if time_codec else comp)
     ratio = float(comp.ratio) if comp.has_ratio else 0.0
     return MethodCost(cand.name, wire, codec_s, float(payload), delta2, bool(comp.default_error_feedback and comp.lossy),
                       sparse_ratio=ratio, value_bytes=float(flat.element_size()), exact_bytes=float(exact_bytes),

@@ -941,7 +941,7 @@ class AutoChooser(StepParticipant):
         self._window = []
         last = self._last_decision_step if self._last_decision_step is not None else -10**9
         if self._reference is None:
-            if self._link_moved_under(med):
+            if self._link_moved_under([med]):
                 # not a reference: a step measured across a link change would hide that change from
                 # every later window. Re-decided with a probe (severe: see _severe_held)
                 if not self._severe_held(step):
@@ -1143,7 +1143,7 @@ class AutoChooser(StepParticipant):
             # shaper's bucket is in the same state): a quarter of a probe's bytes. Without it the first
             # periodic re-decision probed in full: 0.5 s at 20 Mbit/s on the quickstart MLP, and that probe
             # read the link at 32-40 Mbit/s (docs/auto.md)
-            self.probe_bytes = check_bytes(self.network, probe_start_bytes(4 * sum(p.numel() for p in self.params)))
+            self.probe_bytes = check_bytes(self.network, self._probe_start())
             self.probe_time_s = self._check_link()[0]
         elif probe or self.network is None:
             source = "probe"
@@ -1357,7 +1357,7 @@ class AutoChooser(StepParticipant):
                 best, best_t = name, t
         return best
 
-    def _link_moved_under(self, measured: float | Sequence[float]) -> bool:
+    def _link_moved_under(self, measured: Sequence[float]) -> bool:
         """Whether a reference window's median is ``severe_drift`` times or more off the running
         method's prediction although that prediction carried the method's own correction, measured
         in a window on this link: then the window, not the model, is what changed (the link moved
@@ -1370,16 +1370,13 @@ class AutoChooser(StepParticipant):
         window looked drifted: fp16 ran 222 ms steps until the periodic re-probe at step 200, where
         Top-k ran 36 ms (docs/auto.md).
 
-        ``measured``: a window's median, or the last few steps' times (the every-step test:
-        :func:`steps_apart`)."""
+        ``measured``: a window's median (one value), or the last few steps' times (the every-step
+        test); judged by :func:`steps_apart`."""
         sv, chosen = self.config.severe_drift, self.chosen
         if not sv or chosen is None or not self.history or chosen not in self.predictions:
             return False
         calibrated = chosen in (self.history[-1].get("corrections") or {}) and chosen in self._windowed()
-        pred = self.predictions[chosen].step_s
-        if not isinstance(measured, (int, float)):
-            return calibrated and steps_apart(list(measured), pred, sv)
-        return calibrated and factor_apart(measured, pred, sv)
+        return calibrated and steps_apart(list(measured), self.predictions[chosen].step_s, sv)
 
     def _shift_basis(self, windowed: set[str], settled: list[str]) -> list[str]:
         """The methods whose corrections the compute shift is taken from (:func:`compute_shift`):
@@ -1448,13 +1445,17 @@ class AutoChooser(StepParticipant):
             return beta, t_large
 
         beta, self.probe_bytes, self.probe_time_s = probe_bandwidth(
-            measure, probe_start_bytes(4 * sum(p.numel() for p in self.params)))
+            measure, self._probe_start())
         # each rank's fastest 64-byte shift, not its median: on 2 cores shared by 4 ranks a median of
         # 2.5 ms was read once where other runs read 0.2-0.3 ms, and with ~20 α-terms per compressed
         # step that alone put every compressor above the 16-bit hook at 20 Mbit/s (docs/auto.md)
         alpha = max(small.min_times_s[0] - beta * small.sizes_bytes[0], 0.0)
         a = agree_values([alpha], "max", engine.process_group, engine.device)[0]
         return NetworkModel(a, beta)
+
+    def _probe_start(self) -> int:
+        """The bandwidth probe's first message for this model (:func:`probe_start_bytes`)."""
+        return probe_start_bytes(4 * sum(p.numel() for p in self.params))
 
     def _probe_latency(self) -> Any:
         """The latency round (:data:`PROBE_LATENCY`), timed before any large message; ``min_times_s[0]``
