@@ -106,12 +106,14 @@ def design() -> list[dict[str, Any]]:
     # case, the default, with its all-reduce every step) travel switched off, every codec is timed at the
     # warm-up (time_codecs; on demand in the first case), probe_every_max travels as 0 (no periodic look
     # comes within these runs' steps either way: tests/test_auto_model.py drives the doubling), and the opt-in topk3 and lowrank1 are candidates. The first also
-    # reads β from the warm-up's DDP step (any exposed wait counts) and explores only on a 10 % lead (explore_margin 0.1): its
+    # reads β from the warm-up's DDP step (any exposed wait counts), explores only on a 10 % lead (explore_margin 0.1) and
+    # switches between measured methods on any lead (switch_margin 0): its
     # pick varies with timing, and when it
     # is low rank the checkpoint falls inside its run, so the slot's warm start Q̄ must be checkpointed
     auto = [{**base, "compressor": "auto", "resume": "resumed", **extra} for extra in
             ({"auto_options": {"gain_every": 3, "gain_first": 2, "gain_drift": 0.0, "family_margin": 0.5,
-                               "dense_probe_s": 1e-9, "probe_check": 2.0, "explore_margin": 0.1}},
+                               "dense_probe_s": 1e-9, "probe_check": 2.0, "explore_margin": 0.1,
+                               "switch_margin": 0.0}},
              {"accumulate": 2, "precision": "bf16-mixed", "optimizer": "adamw_clip",
               "auto_options": {"gain_every": 3, "gain_drift": 0.0, "early_comm_ratio": 1e-9,
                                "compute_shift": False, "severe_steps": 0, "time_codecs": "upfront",

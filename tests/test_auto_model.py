@@ -1270,6 +1270,45 @@ def test_a_dense_sibling_within_the_margin_runs_one_window_and_the_faster_is_kep
     assert not other.in_family_trial
 
 
+@pytest.mark.parametrize("lead, margin, switches", [(0.02, 0.03, False), (0.05, 0.03, True), (0.02, 0.0, True)])
+def test_a_measured_method_replaces_the_running_measured_one_only_on_a_lead_of_switch_margin(
+        monkeypatch, lead, margin, switches):
+    """fp16 measured, then DDP's trial window measured faster, so DDP runs (as above). The host then
+    slows: DDP's fresh figure is such that fp16's older one leads it by ``lead`` per unit of progress
+    (set by hand). A periodic decision switches to fp16 only if that lead reaches ``switch_margin``;
+    else DDP stays and the history names fp16 as held off (the ``gpt`` ping-pong at 1 Gbit/s)."""
+    from dataclasses import replace
+
+    chooser, engine = _dense_pair_chooser(monkeypatch, 0.15)
+    chooser.config = replace(chooser.config, switch_margin=margin)
+    raw = {k: p.step_s for k, p in chooser.predictions.items()}
+    fp16_real = raw["fp16"] - 0.06
+    _window(chooser, 2, 1.0)
+    _window(chooser, 4, fp16_real)
+    _window(chooser, 6, 1.0)
+    _window(chooser, 8, fp16_real - 0.011)
+    assert chooser.chosen == "ddp" and chooser._windowed() == {"ddp", "fp16"}
+    per_progress = {k: p.time_per_progress_s / p.step_s for k, p in chooser.predictions.items()}
+    ddp_now = fp16_real * per_progress["fp16"] / (1.0 - lead) / per_progress["ddp"]
+    chooser._corrections["ddp"] += ddp_now - chooser.predictions["ddp"].step_s
+    calls = len(engine.calls)
+    chooser._decide(9, "periodic", probe=False)
+    h = chooser.history[-1]
+    tpp = {k: v["time_per_progress_s"] for k, v in h["predictions"].items()}
+    assert 1.0 - tpp["fp16"] / tpp["ddp"] == pytest.approx(lead)  # the premise, from the recorded predictions
+    assert (h["chosen"], h["previous"]) == ("fp16" if switches else "ddp", "ddp")
+    assert h["held_by_margin"] == (None if switches else "fp16")
+    assert (engine.calls[calls:] == [("dense", "fp16")]) == switches and (len(engine.calls) == calls) != switches
+
+
+def test_switch_margin_is_validated():
+    from lightning_gc.auto.chooser import AutoConfig
+
+    for bad in (-0.01, 1.0, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="auto_switch_margin"):
+            AutoConfig(switch_margin=bad)
+
+
 def test_a_gain_re_measurement_waits_until_a_trial_window_is_measured(monkeypatch):
     """A re-measurement of the errors that fell due while a method was on trial (a dense sibling's
     window, or a method an exploration installed) is not taken until that window has been measured;

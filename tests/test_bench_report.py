@@ -311,6 +311,14 @@ def test_a_drift_decision_names_the_test_that_saw_it():
     assert [r.split(" | ")[1:3] for r in rows] == [["0", "warmup"], ["40", "drift (steps)"]]
 
 
+def test_a_decision_that_held_the_running_method_names_the_method_held_off():
+    held = dict(_decision(100, "periodic", "fp16", 0.022, None, previous="fp16"), held_by_margin="ddp")
+    doc = _auto_doc(record=_auto_record(_decision(0, "warmup", "fp16", 0.022, 0.023), held))
+    report.validate_document(doc)
+    rows = [line for line in report.markdown(doc).splitlines() if line.startswith("| `auto` | ")]
+    assert [r.split(" | ")[3] for r in rows] == ["fp16", "fp16 (kept: ddp led by < switch_margin)"]
+
+
 def test_a_re_decision_shows_the_sequence_and_a_run_without_a_decision_says_so():
     record = _auto_record(_decision(0, "warmup", "ddp", 0.04, 0.041), _decision(2, "drift", "ddp", 0.04, None),
                           _decision(3, "drift", "topk", 0.012, None, previous="ddp"))

@@ -262,7 +262,7 @@ class AutoConfig:
             ``min_interval``); 0 turns it off. A link that fell tenfold makes the step of a dense mode
             several times longer, and every step spent waiting for a second window costs that much
             (on the quickstart MLP a 16-bit step at 10 Mbit/s is ~0.2 s against Top-k's ~0.05 s;
-            docs/auto.md, "A changing link"). A median of ``window`` steps moves by 2x only if most
+            docs/auto-measurements.md, "A changing link"). A median of ``window`` steps moves by 2x only if most
             of the window moved, so a single slow step (a validation, a pause) does not trigger it;
             a false trigger costs one probe and usually keeps the method.
         severe_steps: the same severe test, also made every step on the last this many steps: every
@@ -381,7 +381,7 @@ class AutoConfig:
             Top-k; with the shift it moved to ``lowrank`` at step 10). Measured with both in the
             same bench run: on the quickstart MLP at 20 Mbit/s its time to target was lower than
             with 0 in all 3 rounds (4.66, 4.63, 4.22 s against 4.77, 5.43, 5.55 s), on ``cnn``
-            equal (29.5 against 29.7 s) (docs/auto.md, "Measured").
+            equal (29.5 against 29.7 s) (docs/auto-measurements.md, "Measured").
         family_margin: after the first window of a dense mode (``ddp``, ``fp16``, ``bf16``), a dense
             sibling not yet measured on this link is run for one window when its raw prediction plus
             the measured mode's correction (what the model misses on that shared path) is within
@@ -393,6 +393,17 @@ class AutoConfig:
             on the quickstart MLP at 1 Gbit/s (3 rounds each): the trial then ran in every round,
             and auto's step was 1.27/1.03/1.18x the faster of DDP and fp16 against 1.22/0.91/1.40x
             with 0.15, no difference that run-to-run noise does not cover (docs/auto.md).
+        switch_margin: a decision replaces the running method, measured in a window on this link,
+            by another method measured in a window on this link only if that one's time per unit of
+            progress is at least this fraction lower; else the running method stays (the history
+            records the candidate so held off as ``held_by_margin``). Why: the running method's
+            figure is fresh and the other's was measured earlier, so on a host whose speed drifts
+            the running one always looks a little worse. On ``gpt`` at 1 Gbit/s (4 ranks, 2 cores)
+            auto went fp16 → ddp → fp16 → ddp at three periodic looks at an unchanged link, on leads
+            of 1.3 %, 2.8 % and 0.2 % (docs/auto.md). Costs at most this fraction of the step where
+            the other method really is that much faster; 0 switches on any lead (the earlier
+            behaviour). Not applied to a method on trial (a dense sibling's window) or not yet
+            measured (``explore_margin`` decides those).
         compute_shift: when every method measured in a window of its own ran faster than the raw
             model said, lower the prediction of every method not yet measured so by the smallest of
             those speed-ups (``model.compute_shift``): the warm-up's profiled compute is slower than
@@ -435,6 +446,7 @@ class AutoConfig:
     gain_drift: float = 0.1
     early_comm_ratio: float = 1.0
     family_margin: float = 0.15
+    switch_margin: float = 0.03
     compute_shift: bool = True
     time_codecs: str = "on_demand"
 
@@ -498,6 +510,11 @@ class AutoConfig:
             raise ValueError(f"auto_explore_margin={em!r} must be a number in [0, 1) (a relative lead, e.g. 0.1: an "
                              "unmeasured method replaces the best measured one only if predicted 10% faster per "
                              "unit of progress; 0: any lead, the default).")
+        sm = self.switch_margin
+        if isinstance(sm, bool) or not isinstance(sm, (int, float)) or not math.isfinite(sm) or not 0 <= sm < 1:
+            raise ValueError(f"auto_switch_margin={sm!r} must be a number in [0, 1) (a relative lead, e.g. 0.03: a "
+                             "measured method replaces the running measured one only if 3% faster per unit of "
+                             "progress; 0: any lead).")
         fm = self.family_margin
         if isinstance(fm, bool) or not isinstance(fm, (int, float)) or not math.isfinite(fm) or fm < 0:
             raise ValueError(f"auto_family_margin={fm!r} must be a finite number >= 0 (a relative margin, e.g. 0.15; "
@@ -1203,6 +1220,7 @@ class AutoChooser(StepParticipant):
             best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
                                           self.config.progress_weight, explore=explore, shift_s=shift,
                                           settled=settled)
+        held = None
         if force is not None:  # a dense sibling's trial window (see _dense_sibling): every prediction as usual
             best = force
         else:
@@ -1210,6 +1228,7 @@ class AutoChooser(StepParticipant):
                 best = self._explore_or_stay(best, preds, settled)
             if trigger == "calibration" and best not in valid:
                 self._explore_left -= 1
+            best, held = self._hold_or_switch(best, preds, settled)
         previous = self.chosen
         if best != previous:
             self._apply(best)
@@ -1250,6 +1269,8 @@ class AutoChooser(StepParticipant):
                  "link_interval": self._link_interval,
                  # the codecs this decision timed (their lower bound was its best; time_codecs="on_demand")
                  "timed_codecs": timed,
+                 # a measured method that led the running one by less than switch_margin, which stayed
+                 "held_by_margin": held,
                  # which test saw a drift: "window" (moderate, patience), "severe_window", "steps",
                  # "exchange" (severe_steps), "reference_window"
                  "drift_test": detail,
@@ -1263,6 +1284,9 @@ class AutoChooser(StepParticipant):
         shifted = (f"methods not yet measured predicted {1e3 * -shift:.1f} ms under the raw model (the least "
                    f"speed-up of {', '.join(shift_from)}); ") if shift else ""
         timed_note = f"timed the codecs of {', '.join(timed)} (their lower bound led); " if timed else ""
+        if held is not None:
+            timed_note += (f"{held!r} leads by less than switch_margin "
+                           f"({100 * self.config.switch_margin:g}%), so the running method stays; ")
         head = (f"lightning_gc auto ({trigger}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
                 f"{bw / 1e6:.1f} Mbit/s{checked}; {shifted}{timed_note}")
         if best == previous:
@@ -1285,6 +1309,17 @@ class AutoChooser(StepParticipant):
         lead = 1.0 - preds[best].time_per_progress_s / preds[stay].time_per_progress_s
         return best if lead >= self.config.explore_margin else stay
 
+    def _hold_or_switch(self, best: str, preds: dict, settled: list[str]) -> tuple[str, str | None]:
+        """``(best, None)``, or ``(running, best)`` when ``best`` would replace the running method
+        while both were measured in a window on this link (``settled``) and ``best``'s predicted time
+        per unit of progress is less than ``switch_margin`` below the running method's
+        (``AutoConfig.switch_margin``: the running one's figure is the fresher one)."""
+        running = self.chosen
+        if running is None or best == running or best not in settled or running not in settled or running not in preds:
+            return best, None
+        lead = 1.0 - preds[best].time_per_progress_s / preds[running].time_per_progress_s
+        return (best, None) if lead >= self.config.switch_margin else (running, best)
+
     def _calibrate(self, step: int, measured_s: float) -> None:
         """Every reference window sets the running method's correction: its measured step minus the
         raw model's prediction (what the model does not see: the engine's worker and agreements,
@@ -1292,7 +1327,8 @@ class AutoChooser(StepParticipant):
         If the method had no valid correction before (it had not run, or only on another network),
         the choice is made again at once without a new probe (trigger ``"calibration"``): see
         :func:`choose_measured`. A method already measured on this network just keeps the newer
-        figure (no re-decision, so two measured methods cannot take turns)."""
+        figure (no re-decision; at a later decision ``switch_margin`` keeps two measured methods from
+        taking turns, see :meth:`_hold_or_switch`)."""
         chosen = self.chosen
         assert chosen is not None and self.costs is not None and self.network is not None
         was_valid = chosen in self._valid_corrections()

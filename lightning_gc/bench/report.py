@@ -378,7 +378,9 @@ def _auto_section(doc: dict) -> list[str]:
             elif d.get("network_source") == "check_slope":  # moved, and the check's messages measured β
                 checked = f" (check{twice}: moved, β from the check)"
             trigger = d["trigger"] + (f" ({d['drift_test']})" if d.get("drift_test") else "")
-            rows.append(f"| `{r['label']}` | {d['step']} | {trigger} | {d['chosen']} | {_link(d.get('network'))}{checked} "
+            held = d.get("held_by_margin")
+            picked = d["chosen"] + (f" (kept: {held} led by < switch_margin)" if held else "")
+            rows.append(f"| `{r['label']}` | {d['step']} | {trigger} | {picked} | {_link(d.get('network'))}{checked} "
                         f"| {_s(d['predicted_step_s'])} | {_s(d['measured_step_s'])} | {cands} |")
     if not rows:
         return []
@@ -388,7 +390,9 @@ def _auto_section(doc: dict) -> list[str]:
         "first measured window), `family` (a dense sibling run for one window), `drift` (the step time moved; in brackets which test saw it: "
         "*window* (moderate, for `patience` windows), *severe_window*, *steps* (the median of the last few steps, "
         "tested every step), *exchange* (a compressed method's exchange got much faster) or *reference_window*), "
-        "`periodic` (a scheduled re-probe), `gain` (the candidates' errors, measured again, moved). *link*: "
+        "`periodic` (a scheduled re-probe), `gain` (the candidates' errors, measured again, moved). *kept: X led "
+        "by < switch_margin*: a method measured on this link led the running one by less than `switch_margin`, "
+        "so the running one stayed. *link*: "
         "the network as auto probed it (a periodic or drift re-decision first times one message against the last "
         "probe (a message that looks moved is timed once more: *check twice*) and probes again only if it "
         "moved: *check*; a moved check whose message was bandwidth-bound gives β from its two messages: *β from the "

@@ -442,6 +442,8 @@ def _auto_state(strategy) -> dict | None:
             "drift_test": h.get("drift_test"),  # which test saw a drift: window, steps, reference_window
             # a periodic or gain decision that kept the method on an unchanged link kept its reference
             "kept_reference": bool(h.get("kept_reference", False)),
+            # a measured method that led the running one by less than switch_margin (the running one stayed)
+            "held_by_margin": h.get("held_by_margin"),
         })
     gains = [{"step": int(c["step"]), "delta2": {k: float(v) for k, v in c["delta2"].items()},
               "moved": float(c["moved"]), "redecided": bool(c["redecided"])} for c in getattr(chooser, "gain_checks", [])]

@@ -299,7 +299,7 @@ class GCEngine:
         gradient bucket. Call it between steps, on every rank alike: a rank that did not carry one
         makes the mean None on every rank. Why: a separate 8-byte all-reduce per step is one more
         latency-bound collective on the process group, ahead of the next step's exchanges
-        (docs/auto.md, "Seeing a link change within a few steps")."""
+        (docs/auto-measurements.md, "Seeing a link change within a few steps")."""
         self._carried_wall = float(wall_s)
 
     def enable_dense_carry(self) -> None:
