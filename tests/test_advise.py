@@ -384,3 +384,19 @@ def test_module_factory_and_unused_parameters():
 def test_candidates_cover_the_choosers():
     assert set(DEFAULT_CANDIDATES) <= set(CANDIDATES)
     assert adv.parse_candidates(list(DEFAULT_CANDIDATES)) == DEFAULT_CANDIDATES
+
+
+def test_the_progress_weight_default_is_one_constant_for_the_chooser_and_advise():
+    """auto's live chooser and `lightning-gc advise` rank candidates with the same default weight, so
+    advise predicts the pick the chooser makes (the constant is fitted in docs/auto.md, "Progress")."""
+    import inspect
+
+    from lightning_gc.auto.chooser import AutoConfig
+    from lightning_gc.auto.model import DEFAULT_PROGRESS_WEIGHT
+
+    assert DEFAULT_PROGRESS_WEIGHT == 2.0
+    assert AutoConfig().progress_weight == DEFAULT_PROGRESS_WEIGHT
+    assert adv.build_parser().parse_args(["--preset", "mlp", "--world-size", "4", "--bandwidth", "1gbit"]
+                                         ).progress_weight == DEFAULT_PROGRESS_WEIGHT
+    for fn in (adv.advise, adv.run):
+        assert inspect.signature(fn).parameters["progress_weight"].default == DEFAULT_PROGRESS_WEIGHT

@@ -364,15 +364,15 @@ def test_codecs_are_timed_only_when_a_lower_bound_leads_and_the_pick_equals_timi
         bounds = [c if c.wire == "bucket" else dataclasses.replace(c, codec_s=0.0, codec_timed=False) for c in costs]
         engine = _FakeEngine(net)
         engine.world_size = n
-        chooser = AutoChooser(engine, AutoConfig(candidates=tuple(c.name for c in costs), probe_every=0),
-                              torch.nn.Linear(1, 1), [])
+        chooser = AutoChooser(engine, AutoConfig(candidates=tuple(c.name for c in costs), probe_every=0,
+                                                 progress_weight=1.5), torch.nn.Linear(1, 1), [])
         chooser.workload, chooser.costs = wl, list(bounds)
         timed: list[str] = []
         monkeypatch.setattr(chooser_mod, "time_method_codec",
                             lambda cand, *a, _t=timed, _c=true, **k: _t.append(cand.name) or _c[cand.name])
         chooser._group_sample = lambda grads: (torch.zeros(1), None, 0.0)
         chooser._decide(0, "warmup", probe=False)
-        d = dict(wl=wl.as_dict(), alpha=net.alpha_s, beta=net.beta_s_per_byte, n=n, w=1.0)
+        d = dict(wl=wl.as_dict(), alpha=net.alpha_s, beta=net.beta_s_per_byte, n=n, w=1.5)
         want = argmin_by_hand([c.as_dict() for c in costs], *d.values())
         by_bound = argmin_by_hand([c.as_dict() for c in bounds], *d.values())
         assert chooser.chosen == want

@@ -64,7 +64,7 @@ from .candidates import (
     measure_method,
     rank_payloads,
 )
-from .model import MethodCost, Prediction, Workload, choose, table
+from .model import DEFAULT_PROGRESS_WEIGHT, MethodCost, Prediction, Workload, choose, table
 
 __all__ = ["Advice", "AdviseError", "Profile", "TIMING_PAYLOADS", "MAX_WORLD_SIZE", "advise", "aggregation_slope",
            "build_module", "build_parser", "main", "measure_costs", "override_workload", "parse_bandwidth",
@@ -455,11 +455,11 @@ def measure_costs(candidates: Sequence[str | AutoCandidate], flat: Tensor, ctx: 
 
 # ---------------------------------------------------------------------------------------------- the advice
 def advise(workload: Workload, costs: Sequence[MethodCost], network: NetworkModel, world_size: int,
-           progress_weight: float = 1.0) -> tuple[str, dict[str, Prediction]]:
+           progress_weight: float = DEFAULT_PROGRESS_WEIGHT) -> tuple[str, dict[str, Prediction]]:
     """The pick and every candidate's prediction: :func:`lightning_gc.auto.model.choose` after
     checking the inputs (``1 <= world_size <= 1024``, ``progress_weight >= 0``, distinct candidates)."""
     n = _check_world_size(world_size)
-    w = _check_nonneg("--progress-weight", progress_weight, "--progress-weight 1 (0: step time only)")
+    w = _check_nonneg("--progress-weight", progress_weight, "--progress-weight 2 (0: step time only)")
     if not costs:
         raise AdviseError("advise needs at least one candidate cost; e.g. --candidates ddp,fp16,topk")
     names = [c.name for c in costs]
@@ -532,7 +532,7 @@ class Advice:
 
 def run(preset: str, world_size: int, bandwidth: str, latency: str = DEFAULT_LATENCY, *,
         preset_args: dict[str, Any] | None = None, candidates: str | Sequence[str] = DEFAULT_CANDIDATES,
-        progress_weight: float = 1.0, forward_ms: float | None = None, backward_ms: float | None = None,
+        progress_weight: float = DEFAULT_PROGRESS_WEIGHT, forward_ms: float | None = None, backward_ms: float | None = None,
         optimizer_ms: float | None = None, other_ms: float | None = None, codec_scale: float = 1.0,
         compute_scale: float = 1.0, skip_steps: int = 1, profile_steps: int = 3, repeats: int = 3,
         min_compress_numel: int = 1024, seed: int = 0) -> Advice:
@@ -542,7 +542,7 @@ def run(preset: str, world_size: int, bandwidth: str, latency: str = DEFAULT_LAT
     bps = parse_bandwidth(bandwidth)
     alpha = parse_latency(latency)
     names = parse_candidates(candidates)
-    w = _check_nonneg("--progress-weight", progress_weight, "--progress-weight 1 (0: step time only)")
+    w = _check_nonneg("--progress-weight", progress_weight, "--progress-weight 2 (0: step time only)")
     _check_nonneg("--codec-scale", codec_scale, "--codec-scale 0.05", positive=True)
     _check_nonneg("--compute-scale", compute_scale, "--compute-scale 0.05", positive=True)
     for flag, v, ex in (("--forward-ms", forward_ms, "12"), ("--backward-ms", backward_ms, "25"),
@@ -622,7 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("candidates and progress")
     m.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES),
                    help=f"comma-separated, in tie-break order; from {', '.join(CANDIDATES)}")
-    m.add_argument("--progress-weight", type=_float_arg, default=1.0,
+    m.add_argument("--progress-weight", type=_float_arg, default=DEFAULT_PROGRESS_WEIGHT,
                    help="w in efficiency = 1/(1 + w*delta2); 0 ranks by step time alone")
     g = p.add_argument_group("figures that replace the measurement (milliseconds)")
     g.add_argument("--forward-ms", type=_float_arg, default=None, help="forward time of one step")

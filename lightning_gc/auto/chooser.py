@@ -79,6 +79,7 @@ from .candidates import (
     time_method_codec,
 )
 from .model import (
+    DEFAULT_PROGRESS_WEIGHT,
     MethodCost,
     Prediction,
     Workload,
@@ -243,7 +244,9 @@ class AutoConfig:
         candidates: methods to choose among, in tie-break order (``lightning_gc.auto.CANDIDATES``).
             ``ddp`` must be among them: the dense warm-up measures it, and it is the safe fallback.
         progress_weight: ``w`` of the progress proxy ``1/(1 + w·delta2)``; 0 ranks by step time only.
-            Raise it if compressed picks need many more steps than they save (docs/auto.md).
+            2 by default (``model.DEFAULT_PROGRESS_WEIGHT``, fitted to steps to the target measured on
+            the bench). Raise it if compressed picks need many more steps than they save, lower it
+            if they converge as well as dense (docs/auto.md).
         skip_steps: dense steps not profiled first (allocator and thread warm-up).
         profile_steps: dense steps profiled; the engine's warm-up is raised to
             ``skip_steps + profile_steps``. One by default: on a slow link every dense step costs the
@@ -425,7 +428,7 @@ class AutoConfig:
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
-    progress_weight: float = 1.0
+    progress_weight: float = DEFAULT_PROGRESS_WEIGHT
     skip_steps: int = 1
     profile_steps: int = 1
     repeats: int = 3
@@ -465,7 +468,7 @@ class AutoConfig:
         w = self.progress_weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise ValueError(f"auto_progress_weight={w!r} must be a finite number >= 0 (0: step time only; "
-                             "default 1).")
+                             "default 2).")
         _int("skip_steps", self.skip_steps, 0, "Use 0 to profile from the first step.")
         _int("profile_steps", self.profile_steps, 1, "Use at least 1 (3 by default: the median of three).")
         _int("repeats", self.repeats, 1, "Use at least 1.")
