@@ -405,8 +405,11 @@ class AutoConfig:
             auto went fp16 → ddp → fp16 → ddp at three periodic looks at an unchanged link, on leads
             of 1.3 %, 2.8 % and 0.2 % (docs/auto.md). Costs at most this fraction of the step where
             the other method really is that much faster; 0 switches on any lead (the earlier
-            behaviour). Not applied to a method on trial (a dense sibling's window) or not yet
-            measured (``explore_margin`` decides those).
+            behaviour). Not applied at a calibration (the decision after a method's first window on
+            this link, a dense sibling's trial included): it compares two recent windows, and a
+            trial is there to pick the faster; held there, auto kept DDP 1.4 % slower than fp16 on
+            ``gpt`` at 1 Gbit/s (docs/auto.md). Nor to a method not yet measured
+            (``explore_margin`` decides those).
         compute_shift: when every method measured in a window of its own ran faster than the raw
             model said, lower the prediction of every method not yet measured so by the smallest of
             those speed-ups (``model.compute_shift``): the warm-up's profiled compute is slower than
@@ -1231,7 +1234,8 @@ class AutoChooser(StepParticipant):
                 best = self._explore_or_stay(best, preds, settled)
             if trigger == "calibration" and best not in valid:
                 self._explore_left -= 1
-            best, held = self._hold_or_switch(best, preds, settled)
+            if trigger != "calibration":  # a calibration compares two recent windows: see _hold_or_switch
+                best, held = self._hold_or_switch(best, preds, settled)
         previous = self.chosen
         if best != previous:
             self._apply(best)
@@ -1316,7 +1320,8 @@ class AutoChooser(StepParticipant):
         """``(best, None)``, or ``(running, best)`` when ``best`` would replace the running method
         while both were measured in a window on this link (``settled``) and ``best``'s predicted time
         per unit of progress is less than ``switch_margin`` below the running method's
-        (``AutoConfig.switch_margin``: the running one's figure is the fresher one)."""
+        (``AutoConfig.switch_margin``: the running one's figure is the fresher one). Not called at a
+        calibration, whose two figures are both recent."""
         running = self.chosen
         if running is None or best == running or best not in settled or running not in settled or running not in preds:
             return best, None
