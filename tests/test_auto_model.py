@@ -561,8 +561,9 @@ def _fp16_measured_on_a_fast_link(monkeypatch, **cfg):
              MethodCost("lowrank", "lowrank", 0.001, 40_000.0, 0.3, True),
              MethodCost("topk", "allgather", 0.001, 20_000.0, 0.5, True)]
     engine = _FakeEngine(NetworkModel(1e-4, 8 / 1e10))
+    # the figures below are set for a progress weight of 1 (Top-k's measured window must beat lowrank's)
     cfg = AutoConfig(**{"candidates": ("ddp", "fp16", "lowrank", "topk"), "window": 2, "explore": 1,
-                        "probe_every": 0, "family_margin": 0.0, **cfg})
+                        "probe_every": 0, "family_margin": 0.0, "progress_weight": 1.0, **cfg})
     chooser = AutoChooser(engine, cfg, torch.nn.Linear(1, 1), [])
     chooser.workload, chooser.costs = wl, costs
     chooser._decide(0, "warmup", probe=False, dense_wall_s=0.04)
