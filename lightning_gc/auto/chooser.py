@@ -556,6 +556,12 @@ class AutoConfig:
         return {**asdict(self), "candidates": list(self.candidates)}
 
 
+def _lead(preds: dict[str, Prediction], a: str, b: str) -> float:
+    """How much lower ``a``'s predicted time per unit of progress is than ``b``'s, relative to ``b``'s
+    (the lead that ``explore_margin`` and ``switch_margin`` are compared with)."""
+    return 1.0 - preds[a].time_per_progress_s / preds[b].time_per_progress_s
+
+
 def _overhead_in(entry: dict, name: str) -> float:
     """What a history entry's decision added to ``name``'s raw prediction (``model.overhead_used``);
     entries written before the compute shift have neither ``settled`` nor ``shift_s``."""
@@ -1290,12 +1296,12 @@ class AutoChooser(StepParticipant):
             f"probe, {'unchanged, not re-probed' if link_check['unchanged'] else 'changed, β from the check' if source == 'check_slope' else 'changed, re-probed'})")
         shifted = (f"methods not yet measured predicted {1e3 * -shift:.1f} ms under the raw model (the least "
                    f"speed-up of {', '.join(shift_from)}); ") if shift else ""
-        timed_note = f"timed the codecs of {', '.join(timed)} (their lower bound led); " if timed else ""
+        notes = f"timed the codecs of {', '.join(timed)} (their lower bound led); " if timed else ""
         if held is not None:
-            timed_note += (f"{held!r} leads by less than switch_margin "
+            notes += (f"{held!r} leads by less than switch_margin "
                            f"({100 * self.config.switch_margin:g}%), so the running method stays; ")
         head = (f"lightning_gc auto ({trigger}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
-                f"{bw / 1e6:.1f} Mbit/s{checked}; {shifted}{timed_note}")
+                f"{bw / 1e6:.1f} Mbit/s{checked}; {shifted}{notes}")
         if best == previous:
             nxt = (f"; next periodic look at the link in {self._link_interval} steps"
                    if trigger == "periodic" and self.config.probe_every else "")
@@ -1313,8 +1319,7 @@ class AutoChooser(StepParticipant):
         if not measured:
             return best
         stay = min(measured, key=lambda c: preds[c].time_per_progress_s)
-        lead = 1.0 - preds[best].time_per_progress_s / preds[stay].time_per_progress_s
-        return best if lead >= self.config.explore_margin else stay
+        return best if _lead(preds, best, stay) >= self.config.explore_margin else stay
 
     def _hold_or_switch(self, best: str, preds: dict, settled: list[str]) -> tuple[str, str | None]:
         """``(best, None)``, or ``(running, best)`` when ``best`` would replace the running method
@@ -1325,8 +1330,7 @@ class AutoChooser(StepParticipant):
         running = self.chosen
         if running is None or best == running or best not in settled or running not in settled or running not in preds:
             return best, None
-        lead = 1.0 - preds[best].time_per_progress_s / preds[running].time_per_progress_s
-        return (best, None) if lead >= self.config.switch_margin else (running, best)
+        return (best, None) if _lead(preds, best, running) >= self.config.switch_margin else (running, best)
 
     def _calibrate(self, step: int, measured_s: float) -> None:
         """Every reference window sets the running method's correction: its measured step minus the
