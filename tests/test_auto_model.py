@@ -1365,6 +1365,79 @@ def test_a_gain_re_measurement_waits_until_a_trial_window_is_measured(monkeypatc
     assert explorer.chosen == "topk" and not explorer.in_trial and explorer._gain_due(50)
 
 
+def _pinned_errors(monkeypatch, chooser, errors: dict[str, float]) -> None:
+    """The next re-measurement of the errors returns these (candidate -> delta2), nothing measured."""
+    from lightning_gc.auto import chooser as chooser_mod
+
+    monkeypatch.setattr(type(chooser), "_group_sample", lambda self, grads: (None, None, 0.0))
+    monkeypatch.setattr(chooser_mod, "measure_error", lambda cand, flat, ctx: errors[cand.name])
+
+
+def test_a_re_measurement_that_moved_the_running_methods_progress_is_followed_after_gain_first(monkeypatch):
+    """After a re-measurement that moved the *running* method's progress per step (``1/(1 + w·delta2)``,
+    by hand here) by more than ``gain_drift``, the next one falls due ``gain_first`` (20) steps after
+    it; after one that moved only another candidate's (a re-decision all the same), ``gain_every``
+    (50) steps; a dense mode's progress never moves. The ``lm`` case: ``lowrank``'s error rising
+    0.013 -> 0.15 -> 0.45 between the warm-up and step 71 while it ran."""
+    chooser, _ = _slow_link_chooser(monkeypatch, 0)
+    cfg = chooser.config
+    w, first, every, drift = cfg.progress_weight, cfg.gain_first, cfg.gain_every, cfg.gain_drift
+    assert (first, every) == (20, 50)
+    chooser._last_gain_step = 0
+    d2 = {c.name: c.delta2 for c in chooser.costs}
+
+    def progress(x):
+        return 1.0 / (1.0 + w * x)  # both compressed candidates have error feedback: delta2 as it is
+
+    def due_after(step):
+        """The gap from ``step`` to the first step whose gradients are sampled again."""
+        return next(k for k in range(1, 500) if chooser._gain_due(step + k - 1))
+
+    assert due_after(0) == first  # the warm-up's errors: the first look comes after gain_first
+    running = chooser.chosen
+    assert running in ("lowrank", "topk")
+    # 1. the running method's error rises: its progress moves by more than gain_drift
+    new = dict(d2, **{running: d2[running] + 0.15})
+    assert abs(progress(new[running]) - progress(d2[running])) / progress(d2[running]) > drift
+    _pinned_errors(monkeypatch, chooser, new)
+    chooser._check_gain(20, {})
+    check = chooser.gain_checks[-1]
+    assert check["follow"] and check["redecided"] and chooser.history[-1]["trigger"] == "gain"
+    assert due_after(20) == first
+    # 2. only the other candidate moves: a re-decision, but the next look waits gain_every
+    running, d2 = chooser.chosen, new
+    other = "topk" if running == "lowrank" else "lowrank"
+    new = dict(d2, **{other: d2[other] * 0.5})
+    assert abs(progress(new[other]) - progress(d2[other])) / progress(d2[other]) > drift
+    _pinned_errors(monkeypatch, chooser, new)
+    chooser._check_gain(40, {})
+    check = chooser.gain_checks[-1]
+    assert check["redecided"] and not check["follow"] and check["running_moved"] == 0.0
+    assert due_after(40) == every
+    # 3. a small move of the running method's own error (under gain_drift): gain_every
+    running, d2 = chooser.chosen, new
+    new = dict(d2, **{running: d2[running] * 1.05})
+    assert 0 < abs(progress(new[running]) - progress(d2[running])) / progress(d2[running]) < drift
+    _pinned_errors(monkeypatch, chooser, new)
+    chooser._check_gain(90, {})
+    assert not chooser.gain_checks[-1]["follow"] and due_after(90) == every
+    # a resumed run keeps the schedule (gain_checks is checkpointed)
+    chooser.gain_checks[-1]["follow"] = True
+    resumed, _ = _slow_link_chooser(monkeypatch, 0)
+    resumed.load_state_dict(copy.deepcopy(chooser.state_dict()))
+    assert resumed._last_gain_step == 90 and not resumed._gain_due(90 + first - 2) and resumed._gain_due(90 + first - 1)
+
+    # a dense mode runs: its progress does not move, whatever the others' errors do
+    dense, _ = _dense_pair_chooser(monkeypatch, 0.15)
+    dense._last_gain_step = 1
+    assert dense.chosen in ("ddp", "fp16")
+    d2 = {c.name: c.delta2 for c in dense.costs}
+    _pinned_errors(monkeypatch, dense, {k: (v * 3 + 0.3 if k not in ("ddp", "fp16") else v) for k, v in d2.items()})
+    dense._check_gain(21, {})
+    assert not dense.gain_checks[-1]["follow"]
+    assert next(k for k in range(1, 500) if dense._gain_due(21 + k - 1)) == dense.config.gain_every
+
+
 def test_family_margin_is_validated():
     from lightning_gc.auto.chooser import AutoConfig
 
