@@ -367,14 +367,6 @@ class AutoConfig:
             ``w·delta2`` was 0.013 at the warm-up (step 1) and 0.43 at step 51, Top-k's 0.18 and
             0.32: auto ran ``lowrank`` until the re-measurement at step 51 moved it to Top-k
             (docs/auto.md, "Gain"). One gradient copy and one compression per candidate.
-            The same shorter interval follows any re-measurement that found the *running* method's
-            own progress per step moved by more than ``gain_drift`` (recorded as ``follow`` in
-            :attr:`AutoChooser.gain_checks`); after one that did not, ``gain_every`` again. Why: a
-            method whose error is still moving is the one whose every step pays for it. On ``lm``
-            at 100 Mbit/s ``lowrank``'s ``delta2`` went 0.013 (warm-up), 0.15 (step 21), 0.45 (step
-            71): the check at step 21 moved its progress by 21 % but kept it, and the next look came
-            50 steps later (docs/auto-measurements.md). A dense mode's progress does not move, so
-            on a fast link the interval stays ``gain_every``.
         gain_drift: the re-measured errors re-decide (trigger ``"gain"``, no probe) when some
             candidate's progress per step (``1/(1 + w·delta2)``) moved by more than this, relative,
             from the value the last decision used; smaller changes are not acted on (and the stored
@@ -806,18 +798,14 @@ class AutoChooser(StepParticipant):
 
     def _gain_due(self, step: int) -> bool:
         """Whether the next step's gradients are sampled to measure the candidates' errors again:
-        ``gain_first`` steps after the last measurement when that was the warm-up's or one that found
-        the running method's progress per step moved by more than ``gain_drift`` (its ``follow``),
-        else ``gain_every`` steps after it; and not while a method
+        ``gain_first`` (then ``gain_every``) steps after the last measurement, and not while a method
         is on trial (:attr:`in_trial`). A re-decision in the middle of a trial cut it short: its
         window was never measured, and the trial ran again later. On ``cnn`` width 16 at 1 Gbit/s
         the re-measurement at step 21 ended DDP's trial window, begun at step 11, and DDP ran a second
         trial from step 31: 20 of 100 steps on the slower dense path (docs/auto.md). Deferred, the
         sample is taken at the first step after the trial's window is measured."""
         every, first = self.config.gain_every, self.config.gain_first
-        if every and first and (not self.gain_checks or self.gain_checks[-1].get("follow", False)):
-            # not re-measured yet (the warm-up's errors are the first), or the last re-measurement found
-            # the running method's own progress moving: look again sooner
+        if every and first and not self.gain_checks:  # not re-measured yet: the warm-up's errors are the first
             every = min(every, first)
         due = bool(every) and self._last_gain_step is not None and step + 1 - self._last_gain_step >= every
         return due and not self.in_trial
@@ -1130,19 +1118,13 @@ class AutoChooser(StepParticipant):
         errors = agree_values([measure_error(c, flat, ctx) for c in self.candidates], "mean",
                               engine.process_group, engine.device)
         ws, w = engine.world_size, self.config.progress_weight
-        moved = running_moved = 0.0
+        moved = 0.0
         for old, d2 in zip(self.costs, errors):
             before, after = efficiency(old, ws, w), efficiency(replace(old, delta2=d2), ws, w)
             moved = max(moved, abs(after - before) / before)
-            if old.name == self.chosen:
-                running_moved = abs(after - before) / before
         act = moved > self.config.gain_drift
-        # the running method's own progress moved: the next re-measurement comes after gain_first steps,
-        # not gain_every (see AutoConfig.gain_first); agreed inputs only, so every rank alike
-        follow = running_moved > self.config.gain_drift
         self.gain_checks.append({"step": step, "delta2": dict(zip((c.name for c in self.costs), errors)),
-                                 "moved": moved, "redecided": act, "running_moved": running_moved,
-                                 "follow": follow})
+                                 "moved": moved, "redecided": act})
         self._last_gain_step = step
         if not act:
             return

@@ -42,8 +42,7 @@ What it measures (written to ``<run_dir>/rank<G>.json``):
   ``network`` (the probed ``alpha_s``, ``beta_s_per_byte``), ``dense_wall_s``, ``decide_s``,
   ``delta2`` (candidate → the error the decision used), ``beta_scale`` (the probe's calibration),
   ``compute_s`` (forward + backward + optimizer of the workload it used); and ``gain_checks``
-  (every re-measurement of the errors: ``step``, ``delta2``, ``moved``, ``redecided``, ``follow``:
-  whether the next came after ``gain_first`` steps).
+  (every re-measurement of the errors: ``step``, ``delta2``, ``moved``, ``redecided``).
 """
 
 from __future__ import annotations
@@ -447,8 +446,7 @@ def _auto_state(strategy) -> dict | None:
             "held_by_margin": h.get("held_by_margin"),
         })
     gains = [{"step": int(c["step"]), "delta2": {k: float(v) for k, v in c["delta2"].items()},
-              "moved": float(c["moved"]), "redecided": bool(c["redecided"]), "follow": bool(c.get("follow", False))}
-             for c in getattr(chooser, "gain_checks", [])]
+              "moved": float(c["moved"]), "redecided": bool(c["redecided"])} for c in getattr(chooser, "gain_checks", [])]
     return {"chosen": chooser.chosen, "candidates": list(chooser.config.candidates), "decisions": decisions,
             "gain_checks": gains}
 
