@@ -58,6 +58,8 @@ def test_a_method_is_its_median_round_and_ratios_are_medians_of_within_round_rat
     assert topk["time_to_target_ratio_vs_best_baseline"] == pytest.approx(1.5)
     assert topk["time_to_target_ratio_vs_ddp"] == pytest.approx(0.75)
     assert [rd["step_time_s"] for rd in topk["rounds"]] == [0.030, 0.044, 0.022]
+    # every round's own step times, not the median round's copied
+    assert [rd["step_times_s"] for rd in topk["rounds"]] == [[0.030] * 3, [0.044] * 3, [0.022] * 3]
     assert topk["rounds"][1]["time_to_target_s"] is None
     # an even count: the low median is a measured round, never an average of two
     two = {r["label"]: r for r in combine_rounds(copy.deepcopy(rounds[:2]))}

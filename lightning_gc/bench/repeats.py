@@ -21,8 +21,9 @@ How rounds are combined (:func:`combine_rounds`), per method:
   the ratio *within each round* (a paired comparison), not a ratio of the combined medians. The
   best baseline can differ between rounds; ``best_baseline_step``/``best_baseline_ttt`` name the
   one most rounds had.
-* ``rounds``: one entry per round with its step, time to target, final metric, ratios and
-  ``auto``'s picks, so the spread is in the document and the report.
+* ``rounds``: one entry per round with its step, time to target, final metric, ratios,
+  ``auto``'s picks, and its every step time and evaluation (``step_times_s``, ``metric_curve``), so
+  the spread is in the document and the report.
 
 A method that failed in any round is reported failed (the error of its first failed round): a
 method that crashes one time in three is not a method to report a median for.
@@ -75,6 +76,10 @@ def round_summary(index: int, result: dict) -> dict:
     for k in ("step_time_s", "time_to_target_s", "final_metric", *STEP_RATIO_FIELDS, *TTT_RATIO_FIELDS,
               "best_baseline_step", "best_baseline_ttt"):
         out[k] = result.get(k)
+    # every step and evaluation of every round, not only the median round's: what happened in the
+    # other rounds (a slow phase, a late switch) is otherwise lost to the document
+    out["step_times_s"] = list(result.get("step_times_s") or [])
+    out["metric_curve"] = list(result.get("metric_curve") or [])
     out["auto_pick"] = auto_pick(result) if result.get("auto") else None
     if result.get("auto"):  # every round's decisions, not only the median round's (the row's `auto`)
         out["auto"] = result["auto"]
