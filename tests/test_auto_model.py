@@ -1099,7 +1099,7 @@ def test_a_correction_holds_for_the_link_it_was_measured_on(monkeypatch):
     prediction on the slow link; carried back to the fast link that correction made it look faster
     than DDP, and auto stayed on it at 2.3x DDP's step. A correction is used only on a link within
     a factor 2 of the one it was measured on; a method already measured there keeps its newest
-    figure without a re-decision."""
+    figure, re-deciding only after a switch made on its older figure."""
     import torch
 
     from lightning_gc.auto import chooser as chooser_mod
@@ -1138,8 +1138,13 @@ def test_a_correction_holds_for_the_link_it_was_measured_on(monkeypatch):
     assert ch.predictions["ddp"].step_s == pytest.approx(raw_fast["ddp"] + 0.002)  # its fast-link correction holds
     n = len(ch.history)
     _window(ch, 14, 9.0)
-    _window(ch, 16, 0.5 * raw_fast["ddp"])  # ddp measured again, faster: the newer figure, no re-decision
-    assert ch._corrections["ddp"] == pytest.approx(-0.5 * raw_fast["ddp"]) and len(ch.history) == n
+    # ddp measured again, faster: the newer figure. The periodic decision switched to it on its older
+    # figure, so this first window decides once more (a calibration), and keeps it
+    _window(ch, 16, 0.5 * raw_fast["ddp"])
+    assert ch._corrections["ddp"] == pytest.approx(-0.5 * raw_fast["ddp"]) and len(ch.history) == n + 1
+    assert (ch.history[-1]["trigger"], ch.history[-1]["chosen"]) == ("calibration", "ddp")
+    _window(ch, 18, 0.5 * raw_fast["ddp"])  # measured again on the same link, no switch before: no re-decision
+    assert len(ch.history) == n + 1
 
     engine.network.model = slow  # back on the slow link, lowrank's slow-link correction counts again
     ch._decide(18, "periodic", probe=True)
@@ -1320,6 +1325,50 @@ def test_the_calibration_after_a_dense_siblings_trial_takes_the_faster_even_with
     assert 0 < 1.0 - tpp["fp16"] / tpp["ddp"] < 0.03  # the premise: fp16's lead is under the margin
     assert (h["trigger"], h["chosen"], h["previous"], h["held_by_margin"]) == ("calibration", "fp16", "ddp", None)
     assert engine.calls[-1] == ("dense", "fp16")
+
+
+@pytest.mark.parametrize("trigger", ["gain", "periodic"])
+@pytest.mark.parametrize("confirmed", [False, True])
+def test_a_switch_on_an_older_figure_is_decided_again_after_the_new_methods_first_window(
+        monkeypatch, trigger, confirmed):
+    """fp16 and DDP measured (fp16 faster), fp16 runs. The host slows: fp16's fresh figure is set 8 %
+    above DDP's older one, so a re-decision (``gain`` or ``periodic``) switches to DDP. DDP's first
+    window then re-decides (trigger ``calibration``) between two figures a window apart: back to fp16
+    when DDP's window reads slower than fp16's figure, DDP kept when faster. The calibration's own
+    switch back is not decided again. Meanwhile DDP is on trial (no re-measurement of the errors).
+    The ``cnn`` case at 1 Gbit/s: DDP ran 199 ms after a switch made on its 172 ms figure against
+    fp16's fresh 179 ms."""
+    chooser, engine = _dense_pair_chooser(monkeypatch, 0.15)
+    raw = {k: p.step_s for k, p in chooser.predictions.items()}
+    fp16_real = raw["fp16"] - 0.06
+    _window(chooser, 2, 1.0)
+    _window(chooser, 4, fp16_real)  # fp16 measured; DDP's trial
+    _window(chooser, 6, 1.0)
+    _window(chooser, 8, fp16_real + 0.01)  # DDP measured 10 ms slower: back to fp16
+    assert chooser.chosen == "fp16" and [h["trigger"] for h in chooser.history] == ["warmup", "family", "calibration"]
+    ddp_figure = chooser.predictions["ddp"].step_s
+    assert ddp_figure == pytest.approx(fp16_real + 0.01)
+    chooser._corrections["fp16"] += 1.08 * ddp_figure - chooser.predictions["fp16"].step_s  # fp16's fresh figure
+    chooser._last_gain_step = 0
+    chooser._decide(30, trigger, probe=False)
+    h = chooser.history[-1]
+    assert (h["trigger"], h["previous"], h["chosen"]) == (trigger, "fp16", "ddp")
+    assert chooser.in_trial and not chooser._gain_due(500)
+    fp16_figure = chooser.predictions["fp16"].step_s
+    assert fp16_figure == pytest.approx(1.08 * ddp_figure)
+    ddp_window = fp16_figure * (0.95 if confirmed else 1.11)  # by hand: faster or slower than fp16's figure
+    _window(chooser, 32, 1.0)  # settling
+    _window(chooser, 34, ddp_window)
+    h = chooser.history[-1]
+    assert (h["step"], h["trigger"], h["previous"]) == (34, "calibration", "ddp")
+    assert h["chosen"] == ("ddp" if confirmed else "fp16")
+    assert engine.calls[-1] == ("dense", "fp32" if confirmed else "fp16")
+    assert not chooser.in_trial and chooser._gain_due(500)
+    n = len(chooser.history)
+    steady = chooser.predictions[chooser.chosen].step_s
+    _window(chooser, 36, steady)  # settling after the switch back, or a steady window
+    _window(chooser, 38, steady)  # the calibration's own switch is not decided again
+    assert len(chooser.history) == n
 
 
 def test_switch_margin_is_validated():

@@ -1338,9 +1338,10 @@ class AutoChooser(StepParticipant):
         Python per step, contention, its own collective), tagged with the network it was measured on.
         If the method had no valid correction before (it had not run, or only on another network),
         the choice is made again at once without a new probe (trigger ``"calibration"``): see
-        :func:`choose_measured`. A method already measured on this network just keeps the newer
-        figure (no re-decision; at a later decision ``switch_margin`` keeps two measured methods from
-        taking turns, see :meth:`_hold_or_switch`)."""
+        :func:`choose_measured`. So it is, too, after a re-decision that switched to a method
+        already measured here (:meth:`_switched_on_an_older_figure`). Otherwise a method already
+        measured on this network just keeps the newer figure (no re-decision; at a later decision
+        ``switch_margin`` keeps two measured methods from taking turns, see :meth:`_hold_or_switch`)."""
         chosen = self.chosen
         assert chosen is not None and self.costs is not None and self.network is not None
         was_valid = chosen in self._valid_corrections()
@@ -1355,8 +1356,28 @@ class AutoChooser(StepParticipant):
         if sibling is not None:
             self._decide(step, "family", probe=False, force=sibling)
             return
-        if not was_valid:
+        if not was_valid or self._switched_on_an_older_figure():
             self._decide(step, "calibration", probe=False)
+
+    def _switched_on_an_older_figure(self) -> bool:
+        """Whether the last decision replaced the running method by another one at a re-decision
+        (``gain``, ``periodic``, ``drift``), not at a calibration. Such a decision weighed the
+        running method's fresh figure against the other's older one (the other had one on this
+        link; a method without one is calibrated by its first window anyway). Its first window then
+        decides again (trigger ``"calibration"``): two figures a window apart, the faster kept. Not after a
+        calibration's own switch (it compared two recent windows already), so this adds at most one
+        decision per re-decision, and no probe.
+
+        Why: on ``cnn`` width 16 at 1 Gbit/s the 16-bit mode was measured at 154.9 ms after step 1
+        and at 179.4 ms after step 22, as this host slowed; DDP's figure, 172.4 ms, was from its trial
+        at steps 11-20. The ``gain`` re-decision at step 72 moved to DDP on that 4 % lead, DDP's
+        window then read 199.0 ms, and DDP ran to the end of the run (docs/auto-measurements.md)."""
+        if not self.history:
+            return False
+        last = self.history[-1]
+        # "corrections": the figures that decision had, per method measured on its link
+        return (last["trigger"] in ("gain", "periodic", "drift") and last.get("previous") is not None
+                and last["previous"] != last["chosen"] and last["chosen"] in (last.get("corrections") or {}))
 
     @property
     def in_family_trial(self) -> bool:
@@ -1366,13 +1387,15 @@ class AutoChooser(StepParticipant):
     @property
     def in_trial(self) -> bool:
         """Whether the running method is on trial, its window not measured yet: a dense sibling's one
-        window (:attr:`in_family_trial`), or a method an exploration installed (a ``"calibration"``
-        decision) that has no correction on this link. Derived from the history and the corrections,
+        window (:attr:`in_family_trial`), a method an exploration installed (a ``"calibration"``
+        decision) that has no correction on this link, or a method a re-decision switched to on an
+        older figure (:meth:`_switched_on_an_older_figure`). Derived from the history and the corrections,
         so a checkpoint carries it and every rank reads the same."""
         if not self.history:
             return False
         trigger = self.history[-1]["trigger"]
-        return trigger == "family" or (trigger == "calibration" and self.chosen not in self._valid_corrections())
+        return (trigger == "family" or (trigger == "calibration" and self.chosen not in self._valid_corrections())
+                or self._switched_on_an_older_figure())
 
     def _windowed(self) -> set[str]:
         """The methods measured in a window of their own (a decision whose step was then measured),
