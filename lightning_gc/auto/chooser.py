@@ -1364,9 +1364,9 @@ class AutoChooser(StepParticipant):
         (``gain``, ``periodic``, ``drift``), not at a calibration. Such a decision weighed the
         running method's fresh figure against the other's older one (the other had one on this
         link; a method without one is calibrated by its first window anyway). Its first window then
-        decides again (trigger ``"calibration"``): two figures a window apart, the faster kept. Not after a
-        calibration's own switch (it compared two recent windows already), so this adds at most one
-        decision per re-decision, and no probe.
+        decides again (trigger ``"calibration"``): two figures a window apart, the faster kept. Not
+        after a calibration's own switch (it compared two recent windows already), so this adds at
+        most one decision per re-decision, and no probe.
 
         Why: on ``cnn`` width 16 at 1 Gbit/s the 16-bit mode was measured at 154.9 ms after step 1
         and at 179.4 ms after step 22, as this host slowed; DDP's figure, 172.4 ms, was from its trial
@@ -1389,8 +1389,8 @@ class AutoChooser(StepParticipant):
         """Whether the running method is on trial, its window not measured yet: a dense sibling's one
         window (:attr:`in_family_trial`), a method an exploration installed (a ``"calibration"``
         decision) that has no correction on this link, or a method a re-decision switched to on an
-        older figure (:meth:`_switched_on_an_older_figure`). Derived from the history and the corrections,
-        so a checkpoint carries it and every rank reads the same."""
+        older figure (:meth:`_switched_on_an_older_figure`). Derived from the history and the
+        corrections, so a checkpoint carries it and every rank reads the same."""
         if not self.history:
             return False
         trigger = self.history[-1]["trigger"]
