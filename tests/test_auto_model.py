@@ -1371,6 +1371,47 @@ def test_a_switch_on_an_older_figure_is_decided_again_after_the_new_methods_firs
     assert len(chooser.history) == n
 
 
+@pytest.mark.parametrize("windows", [0, 1, 2, 8])
+def test_a_re_decision_weighs_the_running_method_by_all_its_windows_not_its_reference_alone(monkeypatch, windows):
+    """fp16 and DDP measured, fp16 runs; its reference window after the calibration read 20 % slow
+    (an outlier), and DDP's older figure is 10 % above fp16's true step. With at least 3 windows
+    (the reference and 2 more), a ``gain`` re-decision takes fp16's figure from the median of all
+    of them (by hand: the true step) and keeps fp16; with fewer it uses the reference window and
+    switches to DDP. The ``cnn`` case at 1 Gbit/s: 200.7 ms in the reference window, 169.5 ms over
+    the next 50 steps."""
+    chooser, engine = _dense_pair_chooser(monkeypatch, 0.15)
+    raw = {k: p.step_s for k, p in chooser.predictions.items()}
+    fp16_real = raw["fp16"] - 0.06
+    _window(chooser, 2, 1.0)
+    _window(chooser, 4, fp16_real)  # fp16 measured; DDP's trial
+    _window(chooser, 6, 1.0)
+    _window(chooser, 8, 1.1 * fp16_real)  # DDP 10 % slower: back to fp16 (a switch: a new reference)
+    assert chooser.chosen == "fp16" and chooser.predictions["ddp"].step_s == pytest.approx(1.1 * fp16_real)
+    _window(chooser, 10, 1.0)  # settling
+    _window(chooser, 12, 1.2 * fp16_real)  # the reference window: an outlier; fp16 was measured, no decision
+    assert [h["trigger"] for h in chooser.history] == ["warmup", "family", "calibration"]
+    assert chooser.chosen == "fp16" and chooser._corrections["fp16"] == pytest.approx(1.2 * fp16_real - raw["fp16"])
+    for k in range(windows):  # within drift (30 %) of the reference: no re-decision
+        _window(chooser, 14 + 2 * k, fp16_real)
+    assert len(chooser.history) == 3
+    chooser._decide(40, "gain", probe=False)
+    h = chooser.history[-1]
+    medians = [1.2 * fp16_real] + [fp16_real] * windows  # by hand
+    if len(medians) >= 3:
+        assert h["running_figure_s"] == pytest.approx(sorted(medians)[len(medians) // 2])
+        assert h["predictions"]["fp16"]["step_s"] == pytest.approx(fp16_real)
+        assert h["chosen"] == "fp16"
+    else:
+        assert h["running_figure_s"] is None
+        assert h["predictions"]["fp16"]["step_s"] == pytest.approx(1.2 * fp16_real)
+        assert (h["chosen"], h["previous"]) == ("ddp", "fp16")
+    # replicated state: a checkpoint carries the windows
+    other, _ = _dense_pair_chooser(monkeypatch, 0.15)
+    state = copy.deepcopy(chooser.state_dict())
+    other.load_state_dict(state)
+    assert other._run_medians == chooser._run_medians
+
+
 def test_switch_margin_is_validated():
     from lightning_gc.auto.chooser import AutoConfig
 

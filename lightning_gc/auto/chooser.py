@@ -112,6 +112,10 @@ SEVERE_TESTS = ("severe_window", "steps", "exchange", "reference_window")
 #: one warm-up and 7 timed runs of each size (16 shifts; 2 + 9 before, 22): on 4 shaped namespaces, 12
 #: rounds each at 1 Gbit/s and 20 Mbit/s, the fastest 64-byte shift read 0.22-0.60 ms against
 #: 0.21-0.62 ms, in 24-32 ms per round against 39-44 ms; 1 + 5 read 2.3 ms once (docs/auto.md)
+#: the fewest windows (the reference one included) whose median replaces the running method's figure
+#: at a gain or periodic re-decision (AutoChooser._running_figure)
+RUN_FIGURE_MIN_WINDOWS = 3
+
 PROBE_LATENCY = ProbeConfig(sizes_bytes=(64, 256), warmup=1, repeats=7)
 #: the bandwidth probe's large message starts at this size (or half the model's gradient, if smaller:
 #: :func:`probe_start_bytes`); its small one is
@@ -661,6 +665,9 @@ class AutoChooser(StepParticipant):
         self._recent_exchange: list[float] = []
         self._window_exchange: list[float] = []  # the agreed exchanges of the current window's steps
         self._reference_exchange: float | None = None
+        #: the agreed medians of the running method's windows since its reference window (that one
+        #: first; replicated, checkpointed): its figure at a gain or periodic re-decision (see _decide)
+        self._run_medians: list[float] = []
         self._last_decision_step: int | None = None
         # the last decision that looked at the link (a probe, a link check, a dense step's β): the
         # periodic re-probe counts from it, not from a calibration's, a trial's or a gain re-decision's
@@ -981,6 +988,7 @@ class AutoChooser(StepParticipant):
                                  detail="reference_window")
                 return
             self._reference = med
+            self._run_medians = [med]
             n = self.config.severe_steps
             # the window's fastest exchange, not its median: a small exchange's time on a steady shaped link
             # has two modes (see _check_severe_steps), and a reference in the slow one made the fast one
@@ -992,6 +1000,7 @@ class AutoChooser(StepParticipant):
             return
         moved = abs(med - self._reference) / self._reference > self.config.drift if self._reference > 0 else False
         self._drifted = self._drifted + 1 if moved else 0
+        self._run_medians.append(med)
         sv = self.config.severe_drift
         severe = bool(sv) and factor_apart(med, self._reference, sv)
         last_link = self._last_link_step if self._last_link_step is not None else last
@@ -1214,6 +1223,7 @@ class AutoChooser(StepParticipant):
             # the profiled steps ran DDP's path and `other` makes its prediction their wall: measured
             self._corrections.setdefault("ddp", 0.0)
             self._correction_beta.setdefault("ddp", self.network.beta_s_per_byte)
+        running_figure = self._running_figure(trigger, source)
         if trigger not in ("calibration", "family"):  # a new decision: the model's pick, a fresh exploration budget
             self._explore_left = self.config.explore
         explore = trigger not in ("calibration", "family") or self._explore_left > 0
@@ -1256,6 +1266,7 @@ class AutoChooser(StepParticipant):
             trigger == "calibration" or (trigger in ("periodic", "gain") and source in ("check", "kept", "pinned")))
         if not kept:
             self._reference, self._drifted, self._window, self._settling = None, 0, [], True
+            self._run_medians = []
             self._recent, self._recent_exchange, self._reference_exchange = [], [], None
             self._window_exchange = []
         self._last_decision_step = step
@@ -1284,6 +1295,8 @@ class AutoChooser(StepParticipant):
                  "timed_codecs": timed,
                  # a measured method that led the running one by less than switch_margin, which stayed
                  "held_by_margin": held,
+                 # the running method's figure from all its windows since its reference (None: not used)
+                 "running_figure_s": running_figure,
                  # which test saw a drift: "window" (moderate, patience), "severe_window", "steps",
                  # "exchange" (severe_steps), "reference_window"
                  "drift_test": detail,
@@ -1358,6 +1371,28 @@ class AutoChooser(StepParticipant):
             return
         if not was_valid or self._switched_on_an_older_figure():
             self._decide(step, "calibration", probe=False)
+
+    def _running_figure(self, trigger: str, source: str) -> float | None:
+        """At a ``gain`` or ``periodic`` re-decision on the link the running method was measured on
+        (the network kept, or a link check that found it unchanged), set the running method's
+        correction from the median of its windows since its reference window (at least
+        :data:`RUN_FIGURE_MIN_WINDOWS` of them), not from the reference window alone; returns that
+        median (None when not used). Replicated: the windows' medians are agreed.
+
+        Why: one 5-step window on a host shared by 4 ranks is off by 10-20 % often enough to decide.
+        On ``cnn`` width 16 at 1 Gbit/s the 16-bit mode's reference window read 200.7 ms while its
+        next 50 steps averaged 169.5 ms; the ``gain`` re-decision at step 72 weighed the 200.7 ms
+        against DDP's 193.0 ms and switched, and DDP ran 174-183 ms from there
+        (docs/auto-measurements.md)."""
+        chosen = self.chosen
+        if (trigger not in ("gain", "periodic") or source not in ("check", "kept", "pinned") or chosen is None
+                or chosen not in self._corrections or len(self._run_medians) < RUN_FIGURE_MIN_WINDOWS
+                or not self.history or chosen not in self.predictions):
+            return None
+        figure = statistics.median(self._run_medians)
+        raw = self.predictions[chosen].step_s - _overhead_in(self.history[-1], chosen)
+        self._corrections[chosen] = figure - raw
+        return figure
 
     def _switched_on_an_older_figure(self) -> bool:
         """Whether the last decision replaced the running method by another one at a re-decision
@@ -1569,7 +1604,7 @@ class AutoChooser(StepParticipant):
             "costs": [c.as_dict() for c in self.costs] if self.costs is not None else None,
             "network": [self.network.alpha_s, self.network.beta_s_per_byte] if self.network is not None else None,
             "reference": self._reference, "drifted": self._drifted, "settling": self._settling,
-            "reference_exchange": self._reference_exchange,
+            "reference_exchange": self._reference_exchange, "run_medians": list(self._run_medians),
             "corrections": dict(self._corrections), "explore_left": self._explore_left,
             "correction_beta": dict(self._correction_beta),
             "last_decision_step": self._last_decision_step, "last_link_step": self._last_link_step,
@@ -1609,6 +1644,7 @@ class AutoChooser(StepParticipant):
         # written before the errors were re-measured: the last decision's step stands for the last measurement
         self._last_gain_step = state.get("last_gain_step", self._last_decision_step)
         self.gain_checks = list(state.get("gain_checks", []))
+        self._run_medians = [float(v) for v in state.get("run_medians", [])]  # older checkpoints: none yet
         self.beta_scale = float(state.get("beta_scale", 1.0))  # written before the calibration: none
         # written before the link check: no reference, so the next re-decision probes in full
         self.probe_bytes, self.probe_time_s = int(state.get("probe_bytes", 0)), float(state.get("probe_time_s", 0.0))

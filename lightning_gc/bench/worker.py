@@ -444,6 +444,8 @@ def _auto_state(strategy) -> dict | None:
             "kept_reference": bool(h.get("kept_reference", False)),
             # a measured method that led the running one by less than switch_margin (the running one stayed)
             "held_by_margin": h.get("held_by_margin"),
+            # the running method's figure from all its windows since its reference (gain, periodic; else None)
+            "running_figure_s": _num(h.get("running_figure_s")),
         })
     gains = [{"step": int(c["step"]), "delta2": {k: float(v) for k, v in c["delta2"].items()},
               "moved": float(c["moved"]), "redecided": bool(c["redecided"])} for c in getattr(chooser, "gain_checks", [])]
