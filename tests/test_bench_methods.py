@@ -279,7 +279,8 @@ def test_worker_records_the_choosers_decisions_from_its_history():
          "workload": {}, "costs": [], "predictions": {"ddp": pred(0.4, 0.4), "topk": pred(0.04, 0.08)},
          "dense_wall_s": None, "measured_step_s": None, "decide_s": 0.3, "network_source": "check",
          "shift_s": -0.012, "settled": ["ddp"], "shift_from": ["fp16"], "drift_test": "steps",
-         "kept_reference": True, "held_by_margin": "ddp", "link_check": {"check_s": 0.07, "probe_s": 0.065, "bytes": 168_000, "unchanged": True}},
+         "kept_reference": True, "held_by_margin": "ddp", "running_figure_s": 0.041,
+         "link_check": {"check_s": 0.07, "probe_s": 0.065, "bytes": 168_000, "unchanged": True}},
     ]
     gains = [{"step": 53, "delta2": {"ddp": 0.0, "topk": 0.5}, "moved": 0.07, "redecided": False}]
     chooser = SimpleNamespace(chosen="topk", history=history, config=AutoConfig(candidates=("ddp", "topk")),
@@ -293,8 +294,10 @@ def test_worker_records_the_choosers_decisions_from_its_history():
                      "network": {"alpha_s": 1e-4, "beta_s_per_byte": 8e-9}, "dense_wall_s": 0.05, "decide_s": 0.2,
                      "delta2": {"ddp": 0.0, "topk": 0.6}, "beta_scale": 0.8, "compute_s": pytest.approx(0.045),
                      "link_check": None, "network_source": None, "shift_s": None, "settled": [],
-                     "shift_from": [], "drift_test": None, "kept_reference": False, "held_by_margin": None}
+                     "shift_from": [], "drift_test": None, "kept_reference": False, "held_by_margin": None,
+                     "running_figure_s": None}
     assert second["drift_test"] == "steps" and second["kept_reference"] is True and second["held_by_margin"] == "ddp"
+    assert second["running_figure_s"] == 0.041
     assert second["predicted_step_s"] == 0.04 and second["measured_step_s"] is None and second["previous"] == "ddp"
     assert second["delta2"] == {} and second["beta_scale"] is None and second["compute_s"] is None
     assert second["network_source"] == "check"
