@@ -1327,6 +1327,20 @@ def test_the_calibration_after_a_dense_siblings_trial_takes_the_faster_even_with
     assert engine.calls[-1] == ("dense", "fp16")
 
 
+def _fp16_back_after_ddps_trial(monkeypatch, ddp_slower_s: float | None):
+    """fp16 measured 60 ms under the warm-up's model, then DDP's trial window measured slower (by
+    ``ddp_slower_s``, or 10 % if None), and the calibration back on fp16. Returns the chooser, its
+    engine, the raw predictions and fp16's true step."""
+    chooser, engine = _dense_pair_chooser(monkeypatch, 0.15)
+    raw = {k: p.step_s for k, p in chooser.predictions.items()}
+    fp16_real = raw["fp16"] - 0.06
+    _window(chooser, 2, 1.0)
+    _window(chooser, 4, fp16_real)  # fp16 measured; DDP's trial
+    _window(chooser, 6, 1.0)
+    _window(chooser, 8, 1.1 * fp16_real if ddp_slower_s is None else fp16_real + ddp_slower_s)
+    return chooser, engine, raw, fp16_real
+
+
 @pytest.mark.parametrize("trigger", ["gain", "periodic"])
 @pytest.mark.parametrize("confirmed", [False, True])
 def test_a_switch_on_an_older_figure_is_decided_again_after_the_new_methods_first_window(
@@ -1338,13 +1352,7 @@ def test_a_switch_on_an_older_figure_is_decided_again_after_the_new_methods_firs
     switch back is not decided again. Meanwhile DDP is on trial (no re-measurement of the errors).
     The ``cnn`` case at 1 Gbit/s: DDP ran 199 ms after a switch made on its 172 ms figure against
     fp16's fresh 179 ms."""
-    chooser, engine = _dense_pair_chooser(monkeypatch, 0.15)
-    raw = {k: p.step_s for k, p in chooser.predictions.items()}
-    fp16_real = raw["fp16"] - 0.06
-    _window(chooser, 2, 1.0)
-    _window(chooser, 4, fp16_real)  # fp16 measured; DDP's trial
-    _window(chooser, 6, 1.0)
-    _window(chooser, 8, fp16_real + 0.01)  # DDP measured 10 ms slower: back to fp16
+    chooser, engine, raw, fp16_real = _fp16_back_after_ddps_trial(monkeypatch, 0.01)
     assert chooser.chosen == "fp16" and [h["trigger"] for h in chooser.history] == ["warmup", "family", "calibration"]
     ddp_figure = chooser.predictions["ddp"].step_s
     assert ddp_figure == pytest.approx(fp16_real + 0.01)
@@ -1379,13 +1387,7 @@ def test_a_re_decision_weighs_the_running_method_by_all_its_windows_not_its_refe
     of them (by hand: the true step) and keeps fp16; with fewer it uses the reference window and
     switches to DDP. The ``cnn`` case at 1 Gbit/s: 200.7 ms in the reference window, 169.5 ms over
     the next 50 steps."""
-    chooser, engine = _dense_pair_chooser(monkeypatch, 0.15)
-    raw = {k: p.step_s for k, p in chooser.predictions.items()}
-    fp16_real = raw["fp16"] - 0.06
-    _window(chooser, 2, 1.0)
-    _window(chooser, 4, fp16_real)  # fp16 measured; DDP's trial
-    _window(chooser, 6, 1.0)
-    _window(chooser, 8, 1.1 * fp16_real)  # DDP 10 % slower: back to fp16 (a switch: a new reference)
+    chooser, engine, raw, fp16_real = _fp16_back_after_ddps_trial(monkeypatch, None)  # a switch: a new reference
     assert chooser.chosen == "fp16" and chooser.predictions["ddp"].step_s == pytest.approx(1.1 * fp16_real)
     _window(chooser, 10, 1.0)  # settling
     _window(chooser, 12, 1.2 * fp16_real)  # the reference window: an outlier; fp16 was measured, no decision
