@@ -106,16 +106,16 @@ TIME_CODECS = ("on_demand", "upfront")
 #: the tests of ``severe_drift`` as a decision's history records them (``drift_test``)
 SEVERE_TESTS = ("severe_window", "steps", "exchange", "reference_window")
 
+#: the fewest windows (the reference one included) whose median replaces the running method's figure
+#: at a gain or periodic re-decision (AutoChooser._running_figure)
+RUN_FIGURE_MIN_WINDOWS = 3
+
 #: the chooser's network probes: latency from small messages alone, first (a large message leaves bytes
 #: in the shaper's queue after its send completed, and a small one timed after it waits for them),
 #: then bandwidth from two larger ones sized to the link (:func:`next_probe_bytes`)
 #: one warm-up and 7 timed runs of each size (16 shifts; 2 + 9 before, 22): on 4 shaped namespaces, 12
 #: rounds each at 1 Gbit/s and 20 Mbit/s, the fastest 64-byte shift read 0.22-0.60 ms against
 #: 0.21-0.62 ms, in 24-32 ms per round against 39-44 ms; 1 + 5 read 2.3 ms once (docs/auto.md)
-#: the fewest windows (the reference one included) whose median replaces the running method's figure
-#: at a gain or periodic re-decision (AutoChooser._running_figure)
-RUN_FIGURE_MIN_WINDOWS = 3
-
 PROBE_LATENCY = ProbeConfig(sizes_bytes=(64, 256), warmup=1, repeats=7)
 #: the bandwidth probe's large message starts at this size (or half the model's gradient, if smaller:
 #: :func:`probe_start_bytes`); its small one is
@@ -1312,7 +1312,7 @@ class AutoChooser(StepParticipant):
         notes = f"timed the codecs of {', '.join(timed)} (their lower bound led); " if timed else ""
         if held is not None:
             notes += (f"{held!r} leads by less than switch_margin "
-                           f"({100 * self.config.switch_margin:g}%), so the running method stays; ")
+                      f"({100 * self.config.switch_margin:g}%), so the running method stays; ")
         head = (f"lightning_gc auto ({trigger}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
                 f"{bw / 1e6:.1f} Mbit/s{checked}; {shifted}{notes}")
         if best == previous:
