@@ -106,6 +106,12 @@ TIME_CODECS = ("on_demand", "upfront")
 #: the tests of ``severe_drift`` as a decision's history records them (``drift_test``)
 SEVERE_TESTS = ("severe_window", "steps", "exchange", "reference_window")
 
+#: the parts of a decision's own time its history records (``decide_parts_s``, slowest rank each): the
+#: latency round, the bandwidth probe, the link check (both messages, a retimed one included), the
+#: link check's reference timed where no probe chose one (β from a dense step), and the codecs timed
+#: on demand. What is left of ``decide_s`` is the model, the agreements and the switch itself
+DECIDE_PARTS = ("latency", "probe", "check", "reference", "codecs")
+
 #: the fewest windows (the reference one included) whose median replaces the running method's figure
 #: at a gain or periodic re-decision (AutoChooser._running_figure)
 RUN_FIGURE_MIN_WINDOWS = 3
@@ -1149,6 +1155,14 @@ class AutoChooser(StepParticipant):
         engine = self.engine
         assert self.workload is not None and self.costs is not None
         t0 = time.perf_counter()
+        parts = dict.fromkeys(DECIDE_PARTS, 0.0)
+
+        def timed(part: str, fn: Callable[[], Any]) -> Any:
+            start = time.perf_counter()
+            out = fn()
+            parts[part] += time.perf_counter() - start
+            return out
+
         engine.synchronize()
         ws = engine.world_size
         ddp = next(c for c in self.costs if c.name == "ddp")
@@ -1166,7 +1180,7 @@ class AutoChooser(StepParticipant):
             dense = (drift_wall_s, drift_wall_s - free, cost)
         if not pinned and probe and dense is not None and self.config.dense_probe_s \
                 and dense[1] >= self.config.dense_probe_s:
-            latency = self._probe_latency()
+            latency = timed("latency", self._probe_latency)
             # agreed before β is solved from it, so that every rank solves the same equation
             alpha0 = agree_values([latency.min_times_s[0]], "max", engine.process_group, engine.device)[0]
             # what the model already charges to other_s (calibrated at the warm-up; 0 there) is not the link's
@@ -1182,19 +1196,19 @@ class AutoChooser(StepParticipant):
             # periodic re-decision probed in full: 0.5 s at 20 Mbit/s on the quickstart MLP, and that probe
             # read the link at 32-40 Mbit/s (docs/auto.md)
             self.probe_bytes = check_bytes(self.network, self._probe_start())
-            self.probe_time_s = self._check_link()[0]
+            self.probe_time_s = timed("reference", self._check_link)[0]
         elif probe or self.network is None:
             source = "probe"
             if check_link and probe and dense_wall_s is None and self.network is not None and self.config.probe_check \
                     and self.probe_bytes > 0 and self.probe_time_s > 0:
-                (check_s, check_beta), retimed = self._check_link(), False
+                (check_s, check_beta), retimed = timed("check", self._check_link), False
                 if not link_unchanged(check_s, self.probe_time_s, self.config.probe_check):
                     # a message that looks moved is timed once more and the faster kept: this host's
                     # scheduling only adds time. One check on `lm` at 20 Mbit/s read 0.40 s against
                     # 0.12 s, the full probe that followed read the link at half its rate, and auto
                     # left the method it was on (docs/auto.md). Every rank agreed the first time, so
                     # every rank times the second message.
-                    (check_s, check_beta), retimed = min((check_s, check_beta), self._check_link()), True
+                    (check_s, check_beta), retimed = min((check_s, check_beta), timed("check", self._check_link)), True
                 link_check = {"check_s": check_s, "probe_s": self.probe_time_s, "bytes": self.probe_bytes,
                               "unchanged": link_unchanged(check_s, self.probe_time_s, self.config.probe_check),
                               "retimed": retimed}
@@ -1209,7 +1223,7 @@ class AutoChooser(StepParticipant):
                     self.probe_time_s, source = check_s, "check_slope"
                     link_check["beta_s_per_byte"] = check_beta
             if source == "probe":  # no check, or a moved one that could not measure β itself
-                probed = self._probe(latency)
+                probed = timed("probe", lambda: self._probe(latency))
                 if dense_wall_s is not None:  # the profiled DDP step bounds the link's β from above
                     beta = calibrate_beta(dense_wall_s, self.workload, ddp, probed, ws)
                     self.beta_scale = beta / probed.beta_s_per_byte if probed.beta_s_per_byte > 0 else 1.0
@@ -1234,11 +1248,11 @@ class AutoChooser(StepParticipant):
         shift = compute_shift([self._corrections[m] for m in shift_from]) if self.config.compute_shift else 0.0
         best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
                                       self.config.progress_weight, explore=explore, shift_s=shift, settled=settled)
-        timed: list[str] = []
+        timed_codecs: list[str] = []
         if force is None and not next(c for c in self.costs if c.name == best).codec_timed:
             # the best is a lower bound: time every untimed codec and decide again. The others' bounds
             # lost to the best already and only grow, so a timed best is the full model's pick
-            timed = self._time_codecs()
+            timed_codecs = timed("codecs", self._time_codecs)
             best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
                                           self.config.progress_weight, explore=explore, shift_s=shift,
                                           settled=settled)
@@ -1292,7 +1306,7 @@ class AutoChooser(StepParticipant):
                  # steps from the last look at the link to the next periodic re-decision (probe_every_max)
                  "link_interval": self._link_interval,
                  # the codecs this decision timed (their lower bound was its best; time_codecs="on_demand")
-                 "timed_codecs": timed,
+                 "timed_codecs": timed_codecs,
                  # a measured method that led the running one by less than switch_margin, which stayed
                  "held_by_margin": held,
                  # the running method's figure from all its windows since its reference (None: not used)
@@ -1300,8 +1314,12 @@ class AutoChooser(StepParticipant):
                  # which test saw a drift: "window" (moderate, patience), "severe_window", "steps",
                  # "exchange" (severe_steps), "reference_window"
                  "drift_test": detail,
-                 # replicated state: the slowest rank's time, like every other figure here
-                 "decide_s": agree_values([time.perf_counter() - t0], "max", engine.process_group, engine.device)[0]}
+                 }
+        # replicated state: the slowest rank's times, like every other figure here (one agreement for all)
+        took = agree_values([time.perf_counter() - t0] + [parts[k] for k in DECIDE_PARTS], "max",
+                            engine.process_group, engine.device)
+        entry["decide_s"] = took[0]
+        entry["decide_parts_s"] = dict(zip(DECIDE_PARTS, took[1:]))
         self.history.append(entry)
         bw = self.network.bandwidth_bits_per_s
         checked = "" if link_check is None else (
@@ -1309,7 +1327,8 @@ class AutoChooser(StepParticipant):
             f"probe, {'unchanged, not re-probed' if link_check['unchanged'] else 'changed, β from the check' if source == 'check_slope' else 'changed, re-probed'})")
         shifted = (f"methods not yet measured predicted {1e3 * -shift:.1f} ms under the raw model (the least "
                    f"speed-up of {', '.join(shift_from)}); ") if shift else ""
-        notes = f"timed the codecs of {', '.join(timed)} (their lower bound led); " if timed else ""
+        notes = (f"timed the codecs of {', '.join(timed_codecs)} (their lower bound led); "
+                 if timed_codecs else "")
         if held is not None:
             notes += (f"{held!r} leads by less than switch_margin "
                       f"({100 * self.config.switch_margin:g}%), so the running method stays; ")

@@ -39,7 +39,8 @@ What it measures (written to ``<run_dir>/rank<G>.json``):
   chooser's reference after the decision: the median of a ``window`` of steps once the switch has
   settled, slowest rank; ``None`` if the run ended before that window), ``predictions``
   (candidate → predicted step), ``time_per_progress_s`` (candidate → what the choice minimised),
-  ``network`` (the probed ``alpha_s``, ``beta_s_per_byte``), ``dense_wall_s``, ``decide_s``,
+  ``network`` (the probed ``alpha_s``, ``beta_s_per_byte``), ``dense_wall_s``, ``decide_s`` (and
+  ``decide_parts_s``: its latency round, probe, link check, check reference and codec timing),
   ``delta2`` (candidate → the error the decision used), ``beta_scale`` (the probe's calibration),
   ``compute_s`` (forward + backward + optimizer of the workload it used); and ``gain_checks``
   (every re-measurement of the errors: ``step``, ``delta2``, ``moved``, ``redecided``).
@@ -432,6 +433,8 @@ def _auto_state(strategy) -> dict | None:
             "time_per_progress_s": {name: float(p["time_per_progress_s"]) for name, p in preds.items()},
             "network": {"alpha_s": _num(net[0]), "beta_s_per_byte": _num(net[1])},
             "dense_wall_s": _num(h.get("dense_wall_s")), "decide_s": _num(h.get("decide_s")),
+            # where the decision's own time went (latency, probe, check, reference, codecs; slowest rank each)
+            "decide_parts_s": {k: float(v) for k, v in (h.get("decide_parts_s") or {}).items()},
             "delta2": {c["name"]: float(c["delta2"]) for c in h.get("costs") or []},
             "beta_scale": _num(h.get("beta_scale")),
             "link_check": _link_check(h.get("link_check")), "network_source": h.get("network_source"),
