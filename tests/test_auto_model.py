@@ -341,11 +341,14 @@ def _window(chooser, step, wall):
 
 def test_codecs_are_timed_only_when_a_lower_bound_leads_and_the_pick_equals_timing_them_all(monkeypatch):
     """``time_codecs="on_demand"``: the warm-up's costs carry no engine codec time (0, a lower bound);
-    a decision whose best is such a bound times every untimed codec and decides again. Oracle: the
-    brute-force argmin over the *true* costs (codec times pinned here, returned by the timing
-    function), and, for whether timing is due, the brute-force argmin over the bounds. Random cases
-    on fast and slow links: some decide on a dense mode without timing anything, some time and keep
-    the bound's pick, some time and pick another method because the codec's true cost sank the bound."""
+    a decision whose best is such a bound times that codec and decides again, until its best is
+    timed. Oracles: the brute-force argmin over the *true* costs (codec times pinned here, returned
+    by the timing function) is the pick; which codecs are timed, and in what order, is replayed by
+    hand (brute-force argmin over the bounds, the leader's true cost put in, again); every codec
+    left untimed could not have won (its bound is no better than the pick's true figure). Random
+    cases on fast and slow links: some decide on a dense mode without timing anything, some time one
+    codec and keep the bound's pick, some time more because the codec's true cost sank the bound,
+    and some leave codecs untimed that timing them all would have timed."""
     import dataclasses
 
     import torch
@@ -355,7 +358,7 @@ def test_codecs_are_timed_only_when_a_lower_bound_leads_and_the_pick_equals_timi
 
     monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
     rng = random.Random(5)
-    outcomes = {"untimed": 0, "timed_kept": 0, "timed_switched": 0}
+    outcomes = {"untimed": 0, "timed_kept": 0, "timed_switched": 0, "some_left_untimed": 0}
     for _ in range(150):
         wl, net, n, costs = _random_case(rng)
         costs = [c for c in costs if c.name != "randomk"]  # not an auto candidate
@@ -377,15 +380,25 @@ def test_codecs_are_timed_only_when_a_lower_bound_leads_and_the_pick_equals_timi
         by_bound = argmin_by_hand([c.as_dict() for c in bounds], *d.values())
         assert chooser.chosen == want
         h = chooser.history[-1]
-        if by_bound in engine_names:  # a bound led: every untimed codec timed once, at its true cost
-            assert sorted(timed) == sorted(engine_names) and h["timed_codecs"] == engine_names
-            assert [(c.codec_s, c.codec_timed) for c in chooser.costs] == [(true[c.name], True) for c in costs]
-            assert not any(p.details.get("lower_bound") for p in chooser.predictions.values())
-            outcomes["timed_kept" if want == by_bound else "timed_switched"] += 1
-        else:  # a dense mode beat every bound: nothing timed, the bounds are marked in the predictions
-            assert timed == [] and h["timed_codecs"] == []
-            assert {k for k, p in chooser.predictions.items() if p.details.get("lower_bound")} == set(engine_names)
+        # the replay by hand: the leader over the bounds gets its true codec cost while it is an engine method
+        now, replayed = [c.as_dict() for c in bounds], []
+        while (lead := argmin_by_hand(now, *d.values())) in engine_names and lead not in replayed:
+            replayed.append(lead)
+            now = [next(c.as_dict() for c in costs if c.name == lead) if c["name"] == lead else c for c in now]
+        assert lead == want and replayed[:1] == ([by_bound] if by_bound in engine_names else [])
+        assert timed == replayed and h["timed_codecs"] == replayed  # each timed once, in the replay's order
+        for c in chooser.costs:  # the timed at their true cost; the rest still bounds
+            assert (c.codec_s, c.codec_timed) == ((true[c.name], True) if c.name in replayed or c.wire == "bucket"
+                                                  else (0.0, False)), c
+        bound_marked = {k for k, p in chooser.predictions.items() if p.details.get("lower_bound")}
+        assert bound_marked == set(engine_names) - set(replayed)
+        tpp = {k: p.time_per_progress_s for k, p in chooser.predictions.items()}
+        assert all(tpp[k] >= tpp[want] for k in bound_marked)  # an untimed bound could not have won
+        if not replayed:  # a dense mode beat every bound: nothing timed
             outcomes["untimed"] += 1
+        else:
+            outcomes["timed_kept" if len(replayed) == 1 else "timed_switched"] += 1
+            outcomes["some_left_untimed"] += bool(bound_marked)
     assert min(outcomes.values()) >= 5, outcomes
 
 

@@ -57,7 +57,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -432,8 +432,9 @@ class AutoConfig:
         time_codecs: when the engine candidates' codecs are timed. ``"on_demand"`` (default): the
             warm-up measures every candidate's payload and error (one compression each) but times no
             engine codec; a decision whose best candidate has an untimed codec (predicted with 0,
-            a lower bound: every prediction grows with the codec's time) times every untimed one
-            and decides again. The pick is the one timing them all would give, and on a fast link,
+            a lower bound: every prediction grows with the codec's time) times that codec and
+            decides again, until its best is timed (the others' bounds lost to it already, and only
+            grow). The pick is the one timing them all would give, and on a fast link,
             where a dense mode wins even against the bounds, no codec is timed: on the quickstart
             MLP (4 ranks, 1 Gbit/s) timing them took ~70 of the first decision's ~170 ms.
             ``"upfront"``: time every codec at the warm-up (the earlier behaviour; every
@@ -1104,17 +1105,18 @@ class AutoChooser(StepParticipant):
                                  m.sparse_ratio, m.value_bytes, m.exact_bytes, codec_timed=m.codec_timed)
                       for k, m in enumerate(local)]
 
-    def _time_codecs(self) -> list[str]:
-        """Time every untimed codec (:func:`time_method_codec`) on this rank's gradients as they are
-        now (the last step's, after its exchange: a codec's time depends on the sizes, not the values),
-        agree the MAX and store it; returns the names timed. Called on every rank alike: whether a
-        decision needs it depends on agreed values only."""
+    def _time_codecs(self, names: Collection[str], sample: tuple[Tensor, GroupContext, float] | None = None) -> list[str]:
+        """Time the untimed codecs among ``names`` with
+        :func:`time_method_codec` on this rank's gradients as they are now (the last step's, after its
+        exchange: a codec's time depends on the sizes, not the values; ``sample``: that group sample,
+        taken already), agree the MAX and store it; returns the names timed. Called on every rank
+        alike: whether a decision needs it depends on agreed values only."""
         engine = self.engine
         assert self.costs is not None
-        untimed = [k for k, c in enumerate(self.costs) if not c.codec_timed]
+        untimed = [k for k, c in enumerate(self.costs) if not c.codec_timed and c.name in names]
         if not untimed:
             return []
-        flat, ctx, _ = self._group_sample({i: p.grad for i, p in enumerate(self.params) if p.grad is not None})
+        flat, ctx, _ = sample or self._live_sample()
         by_name = {c.name: c for c in self.candidates}
         local = [time_method_codec(by_name[self.costs[k].name], flat, ctx, engine.world_size, self.config.repeats)
                  for k in untimed]
@@ -1122,6 +1124,10 @@ class AutoChooser(StepParticipant):
         for k, s in zip(untimed, agreed):
             self.costs[k] = replace(self.costs[k], codec_s=float(s), codec_timed=True)
         return [self.costs[k].name for k in untimed]
+
+    def _live_sample(self) -> tuple[Tensor, GroupContext, float]:
+        """The group sample (:meth:`_group_sample`) of the gradients as they are now."""
+        return self._group_sample({i: p.grad for i, p in enumerate(self.params) if p.grad is not None})
 
     def _check_gain(self, step: int, grads: dict[int, Tensor]) -> None:
         """Measure every candidate's error again on this step's local gradients (agreed mean, as at
@@ -1157,9 +1163,9 @@ class AutoChooser(StepParticipant):
         t0 = time.perf_counter()
         parts = dict.fromkeys(DECIDE_PARTS, 0.0)
 
-        def timed(part: str, fn: Callable[[], Any]) -> Any:
+        def timed(part: str, fn: Callable[..., Any], *args: Any) -> Any:
             start = time.perf_counter()
-            out = fn()
+            out = fn(*args)
             parts[part] += time.perf_counter() - start
             return out
 
@@ -1249,10 +1255,14 @@ class AutoChooser(StepParticipant):
         best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
                                       self.config.progress_weight, explore=explore, shift_s=shift, settled=settled)
         timed_codecs: list[str] = []
-        if force is None and not next(c for c in self.costs if c.name == best).codec_timed:
-            # the best is a lower bound: time every untimed codec and decide again. The others' bounds
-            # lost to the best already and only grow, so a timed best is the full model's pick
-            timed_codecs = timed("codecs", self._time_codecs)
+        sample = None
+        while force is None and not next(c for c in self.costs if c.name == best).codec_timed:
+            # the best is a lower bound: time its codec and decide again, until the best is timed. The
+            # others' bounds lost to it already and only grow when timed, so a timed best is the pick
+            # timing every codec would give (branch and bound). Not every untimed codec at once: on the
+            # quickstart MLP at 10-20 Mbit/s that took 44-53 ms of a decision (4 ranks on 2 cores)
+            sample = sample or timed("codecs", self._live_sample)
+            timed_codecs += timed("codecs", self._time_codecs, [best], sample)
             best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
                                           self.config.progress_weight, explore=explore, shift_s=shift,
                                           settled=settled)
