@@ -129,6 +129,10 @@ def _check_codec_timing(h: dict, weight: float) -> None:
         now = [true if c["name"] == best else c for c in now]
     assert h["timed_codecs"] == replayed
     assert best == h["chosen"]
+    # where the decision's time went: codecs timed iff any was; a pinned network is neither probed nor checked
+    parts = h["decide_parts_s"]
+    assert (parts["codecs"] > 0) == bool(replayed) and all(0 <= v <= h["decide_s"] for v in parts.values())
+    assert parts["latency"] == parts["probe"] == parts["check"] == parts["reference"] == 0.0
     assert all(not c["codec_timed"] and c["codec_s"] == 0 for c in h["costs"]
                if c["name"] in engine_names and c["name"] not in replayed)
 

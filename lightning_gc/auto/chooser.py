@@ -1229,7 +1229,7 @@ class AutoChooser(StepParticipant):
                     self.probe_time_s, source = check_s, "check_slope"
                     link_check["beta_s_per_byte"] = check_beta
             if source == "probe":  # no check, or a moved one that could not measure β itself
-                probed = timed("probe", lambda: self._probe(latency))
+                probed = timed("probe", self._probe, latency)
                 if dense_wall_s is not None:  # the profiled DDP step bounds the link's β from above
                     beta = calibrate_beta(dense_wall_s, self.workload, ddp, probed, ws)
                     self.beta_scale = beta / probed.beta_s_per_byte if probed.beta_s_per_byte > 0 else 1.0
@@ -1315,7 +1315,8 @@ class AutoChooser(StepParticipant):
                  "explore_left": self._explore_left,
                  # steps from the last look at the link to the next periodic re-decision (probe_every_max)
                  "link_interval": self._link_interval,
-                 # the codecs this decision timed (their lower bound was its best; time_codecs="on_demand")
+                 # the codecs this decision timed, in order (each one's lower bound was the best when it was
+                 # timed; time_codecs="on_demand")
                  "timed_codecs": timed_codecs,
                  # a measured method that led the running one by less than switch_margin, which stayed
                  "held_by_margin": held,
@@ -1323,8 +1324,7 @@ class AutoChooser(StepParticipant):
                  "running_figure_s": running_figure,
                  # which test saw a drift: "window" (moderate, patience), "severe_window", "steps",
                  # "exchange" (severe_steps), "reference_window"
-                 "drift_test": detail,
-                 }
+                 "drift_test": detail}
         # replicated state: the slowest rank's times, like every other figure here (one agreement for all)
         took = agree_values([time.perf_counter() - t0] + [parts[k] for k in DECIDE_PARTS], "max",
                             engine.process_group, engine.device)
