@@ -185,3 +185,32 @@ def test_seeds_are_validated():
         resolve(BenchConfig(preset="quickstart", methods="ddp", seeds=()))
     with pytest.raises(BenchError, match=r"--seeds=-1 must be an integer >= 0"):
         resolve(BenchConfig(preset="quickstart", methods="ddp", seeds=(0, -1)))
+
+
+def test_rounds_alternate_the_order_of_the_methods_and_keep_the_lists_order_in_the_document(monkeypatch):
+    """``--repeat 3`` over three methods: round 1 launches them as listed, round 2 in reverse, round 3
+    as listed (ABBA); every round's results, the combined rows and the report stay in the list's order,
+    and each round entry records where the method ran. Oracle: the launches a stand-in launcher saw."""
+    from lightning_gc.bench import runner
+
+    launched: list[str] = []
+
+    def fake_run_method(spec, index, cfg, r, cluster, run_dir, log):
+        launched.append(spec.label)
+        return [{"target": 0.85}]
+
+    steps = {"ddp": 0.04, "fp16": 0.03, "topk:ratio=0.01": 0.02}
+    monkeypatch.setattr(runner, "run_method", fake_run_method)
+    monkeypatch.setattr(runner, "aggregate", lambda spec, rr, r, count_wire, target:
+                        _res(spec.method, steps[spec.label], 10 * steps[spec.label], label=spec.label))
+    cfg = BenchConfig(preset="quickstart", methods="ddp,fp16,topk", steps=10, warmup=3, repeat=3, network="loopback")
+    doc = runner.run_bench(cfg, log=lambda _: None)
+    labels = ["ddp", "fp16", "topk:ratio=0.01"]
+    assert launched == labels + labels[::-1] + labels
+    report.validate_document(doc)
+    assert [x["label"] for x in doc["results"]] == labels
+    for x in doc["results"]:
+        k = labels.index(x["label"])
+        assert [rd["position"] for rd in x["rounds"]] == [k, 2 - k, k]
+        assert x["step_time_s"] == steps[x["label"]]  # each row still carries its own method's figures
+    assert runner.round_order(1, 1) == [0] and runner.round_order(4, 3) == [3, 2, 1, 0]

@@ -72,7 +72,8 @@ def round_summary(index: int, result: dict) -> dict:
     """What the document keeps of one round's result beside the combined row."""
     from .report import auto_pick  # the report owns how an auto result's picks are written
 
-    out = {"round": index, "status": result["status"], "seed": result.get("seed")}
+    # position: its place in the order the round ran its methods in (runner.round_order)
+    out = {"round": index, "status": result["status"], "seed": result.get("seed"), "position": result.get("position")}
     for k in ("step_time_s", "time_to_target_s", "final_metric", *STEP_RATIO_FIELDS, *TTT_RATIO_FIELDS,
               "best_baseline_step", "best_baseline_ttt"):
         out[k] = result.get(k)

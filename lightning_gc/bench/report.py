@@ -291,7 +291,8 @@ def _rounds_section(doc: dict) -> list[str]:
 
     lines = ["", "## Rounds", "",
              "Each round's median step and time to target, in brackets the ratio to that round's best baseline; "
-             "the row above is their median (the step's from the round marked *)."
+             "the row above is their median (the step's from the round marked *). The rounds ran the methods "
+             "as listed, then in reverse, alternately, so that a drift of the host's speed falls on every method alike."
              + (" Each round trained with its own seed (`--seeds`): a time to target on a noisy metric moves "
                 "with the trajectory, and the ratios compare methods on the same one." if seeded else ""), "",
              "| method | " + " | ".join(head(k) for k in range(n)) + " |",

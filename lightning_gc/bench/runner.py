@@ -702,9 +702,9 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
         else:
             tmp_root = base = tempfile.mkdtemp(prefix="lgc-bench-")
         for rnd in range(r["repeat"]):
-            results = []
-            for i, spec in enumerate(specs):
-                results.append(_run_one(spec, i, rnd, cfg, r, cluster, base, emulated, log))
+            results: list[dict] = [{} for _ in specs]  # in the method list's order, whatever order they ran in
+            for position, i in enumerate(round_order(len(specs), rnd)):
+                results[i] = {**_run_one(specs[i], i, rnd, cfg, r, cluster, base, emulated, log), "position": position}
             rounds.append(results)
     finally:
         if cluster is not None:
@@ -723,6 +723,17 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
         "wire_counter": "tx_bytes of the host interface (Ethernet+IP+TCP headers included)" if emulated else None,
     }
     return build_document(cfg, r, rounds, network, started)
+
+
+def round_order(n: int, rnd: int) -> list[int]:
+    """The order in which round ``rnd`` (0-based) runs the ``n`` methods of the list: as listed in
+    the first round, reversed in the second, and so on (ABBA). Why: the methods of a round run one
+    after another, minutes apart, and this host's speed drifts over a run (the static dense modes
+    moved by up to 17 % from one round to the next on `gpt` at 1 Gbit/s). In a fixed order the
+    methods listed last, `auto` among them by default, would always run on the later host; with
+    the order alternating, a drift that is steady over a pair of rounds falls on every method alike."""
+    forward = list(range(n))
+    return forward if rnd % 2 == 0 else forward[::-1]
 
 
 def _run_one(spec: MethodSpec, i: int, rnd: int, cfg: BenchConfig, r: dict, cluster, base: str, emulated: bool,
