@@ -1276,6 +1276,8 @@ class AutoChooser(StepParticipant):
                 self._explore_left -= 1
             if trigger != "calibration":  # a calibration compares two recent windows: see _hold_or_switch
                 best, held = self._hold_or_switch(best, preds, settled)
+            elif self.in_family_trial:  # the end of a dense sibling's trial: the mode it interrupted holds
+                best, held = self._hold_or_switch(best, preds, settled, self.history[-1].get("previous"))
         previous = self.chosen
         if best != previous:
             self._apply(best)
@@ -1363,13 +1365,22 @@ class AutoChooser(StepParticipant):
         stay = min(measured, key=lambda c: preds[c].time_per_progress_s)
         return best if _lead(preds, best, stay) >= self.config.explore_margin else stay
 
-    def _hold_or_switch(self, best: str, preds: dict, settled: list[str]) -> tuple[str, str | None]:
+    def _hold_or_switch(self, best: str, preds: dict, settled: list[str],
+                        incumbent: str | None = None) -> tuple[str, str | None]:
         """``(best, None)``, or ``(running, best)`` when ``best`` would replace the running method
         while both were measured in a window on this link (``settled``) and ``best``'s predicted time
         per unit of progress is less than ``switch_margin`` below the running method's
-        (``AutoConfig.switch_margin``: the running one's figure is the fresher one). Not called at a
-        calibration, whose two figures are both recent."""
-        running = self.chosen
+        (``AutoConfig.switch_margin``: the running one's figure is the fresher one).
+
+        ``incumbent``: at the calibration that ends a dense sibling's trial, the mode the trial
+        interrupted, which holds in the running method's place: the sibling replaces it only on a
+        lead of ``switch_margin``, the bar any switch between measured methods has to clear. Why:
+        the two figures are single 5-step windows, ten steps apart. On `cnn` width 16, `gpt` and `lm`
+        at 1 Gbit/s (one round each) DDP's trial window led fp16's by 2.5 %, 2.1 % and 2.7 %, auto
+        kept DDP for the rest of the run, and the static runs of the same rounds had fp16 3.8 %,
+        0.3 % and 3.4 % faster than DDP (docs/auto-measurements.md). Not at other
+        calibrations, whose purpose is to take the faster of two recent figures."""
+        running = self.chosen if incumbent is None else incumbent
         if running is None or best == running or best not in settled or running not in settled or running not in preds:
             return best, None
         return (best, None) if _lead(preds, best, running) >= self.config.switch_margin else (running, best)
