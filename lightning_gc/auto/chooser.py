@@ -42,7 +42,8 @@ when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
    tells what the model misses for the others. A sibling not yet measured in a window on this link,
    whose raw prediction plus the measured one's correction lies within ``family_margin`` of the
    measured step (time per unit of progress), runs the next window (trigger ``"family"``), and the
-   choice is then made among the measured methods. Measured on ``gpt`` at 1 Gbit/s (4 ranks, 2
+   choice is then made among the measured methods, the mode the trial interrupted holding unless
+   the sibling leads it by ``switch_margin`` (:meth:`AutoChooser._hold_or_switch`). Measured on ``gpt`` at 1 Gbit/s (4 ranks, 2
    cores): auto picked ``fp16`` (136 ms) from a warm-up whose DDP step had taken 206 ms, while DDP
    ran 126 ms in steady state, so auto's step was 1.09x the faster of the two (docs/auto.md).
 
@@ -398,7 +399,8 @@ class AutoConfig:
         family_margin: after the first window of a dense mode (``ddp``, ``fp16``, ``bf16``), a dense
             sibling not yet measured on this link is run for one window when its raw prediction plus
             the measured mode's correction (what the model misses on that shared path) is within
-            this fraction of the measured step, per unit of progress; then auto keeps the faster.
+            this fraction of the measured step, per unit of progress; then auto keeps the faster,
+            the interrupted mode unless the sibling leads it by ``switch_margin``.
             The model cannot tell apart two paths this close: on ``gpt`` at 1 Gbit/s it put the
             16-bit hook 13 ms under DDP, and DDP ran 11 ms faster (4 ranks on 2 cores: the cast's
             passes over memory compete with backward). Costs at most one window on a step within
