@@ -399,6 +399,11 @@ def test_codecs_are_timed_only_when_a_lower_bound_leads_and_the_pick_equals_timi
         else:
             outcomes["timed_kept" if len(replayed) == 1 else "timed_switched"] += 1
             outcomes["some_left_untimed"] += bool(bound_marked)
+        if bound_marked:  # a checkpoint keeps which codecs are still bounds (the next decision times them)
+            other = AutoChooser(engine, chooser.config, torch.nn.Linear(1, 1), [])
+            other.load_state_dict(copy.deepcopy(chooser.state_dict()))
+            assert [(c.name, c.codec_s, c.codec_timed) for c in other.costs] == \
+                [(c.name, c.codec_s, c.codec_timed) for c in chooser.costs]
     assert min(outcomes.values()) >= 5, outcomes
 
 
@@ -1347,6 +1352,32 @@ def test_the_calibration_after_a_dense_siblings_trial_keeps_the_interrupted_mode
     assert (h["trigger"], h["chosen"], h["previous"], h["held_by_margin"]) == ("calibration", kept, "ddp", held)
     assert engine.calls[-1] == (("dense", "fp16") if kept == "fp16" else ("dense", "fp32"))
     assert not chooser.in_family_trial and chooser.chosen == kept
+
+
+def test_at_the_end_of_a_siblings_trial_a_third_measured_method_is_taken_as_any_calibration_takes_it(monkeypatch):
+    """The interrupted mode holds only against the sibling. Here Top-k was measured on this link
+    before, and at the calibration that ends DDP's trial its figure is the best: 2 % under fp16's
+    per unit of progress (under ``switch_margin``), DDP's 1 % under. Top-k is taken, as any
+    calibration takes the faster, and nothing is held. Oracle: the figures are set by hand."""
+    chooser, engine = _dense_pair_chooser(monkeypatch, 0.15)
+    raw = {k: p.step_s for k, p in chooser.predictions.items()}
+    per = {k: p.time_per_progress_s / p.step_s for k, p in chooser.predictions.items()}
+    fp16_real = raw["fp16"] - 0.06
+    _window(chooser, 2, 1.0)
+    _window(chooser, 4, fp16_real)
+    assert chooser.chosen == "ddp" and chooser.in_family_trial
+    # Top-k measured in a window of its own on this link earlier: a correction and a windowed decision
+    topk_step = 0.98 * fp16_real * per["fp16"] / per["topk"]
+    chooser._corrections["topk"] = topk_step - raw["topk"]
+    chooser._correction_beta["topk"] = chooser.network.beta_s_per_byte
+    chooser.history.insert(0, {"step": -1, "trigger": "warmup", "chosen": "topk", "measured_step_s": topk_step})
+    _window(chooser, 6, 1.0)
+    _window(chooser, 8, 0.99 * fp16_real * per["fp16"] / per["ddp"])
+    h = chooser.history[-1]
+    tpp = {k: v["time_per_progress_s"] for k, v in h["predictions"].items()}
+    assert tpp["topk"] < tpp["ddp"] < tpp["fp16"] < tpp["topk"] / 0.97  # the premise: every lead under 3 %
+    assert (h["trigger"], h["chosen"], h["previous"], h["held_by_margin"]) == ("calibration", "topk", "ddp", None)
+    assert engine.calls[-2:] == [("slot", "topk"), ("dense", None)]
 
 
 def _fp16_back_after_ddps_trial(monkeypatch, ddp_slower_s: float | None):

@@ -213,4 +213,5 @@ def test_rounds_alternate_the_order_of_the_methods_and_keep_the_lists_order_in_t
         k = labels.index(x["label"])
         assert [rd["position"] for rd in x["rounds"]] == [k, 2 - k, k]
         assert x["step_time_s"] == steps[x["label"]]  # each row still carries its own method's figures
+        assert "position" not in x  # the order is a round's, not the combined row's
     assert runner.round_order(1, 1) == [0] and runner.round_order(4, 3) == [3, 2, 1, 0]

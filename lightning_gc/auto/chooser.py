@@ -110,7 +110,8 @@ SEVERE_TESTS = ("severe_window", "steps", "exchange", "reference_window")
 #: the parts of a decision's own time its history records (``decide_parts_s``, slowest rank each): the
 #: latency round, the bandwidth probe, the link check (both messages, a retimed one included), the
 #: link check's reference timed where no probe chose one (β from a dense step), and the codecs timed
-#: on demand. What is left of ``decide_s`` is the model, the agreements and the switch itself
+#: on demand. Each is the slowest rank's, so they need not add up to ``decide_s`` (the slowest rank's
+#: whole decision), which also holds the model, the agreements and the switch itself
 DECIDE_PARTS = ("latency", "probe", "check", "reference", "codecs")
 
 #: the fewest windows (the reference one included) whose median replaces the running method's figure
@@ -417,10 +418,12 @@ class AutoConfig:
             auto went fp16 → ddp → fp16 → ddp at three periodic looks at an unchanged link, on leads
             of 1.3 %, 2.8 % and 0.2 % (docs/auto.md). Costs at most this fraction of the step where
             the other method really is that much faster; 0 switches on any lead (the earlier
-            behaviour). Not applied at a calibration (the decision after a method's first window on
-            this link, a dense sibling's trial included): it compares two recent windows, and a
-            trial is there to pick the faster; held there, auto kept DDP 1.4 % slower than fp16 on
-            ``gpt`` at 1 Gbit/s (docs/auto.md). Nor to a method not yet measured
+            behaviour). At the calibration that ends a dense sibling's trial, the mode the trial
+            interrupted holds in the running method's place: the sibling is kept only on this lead
+            over it (two single windows cannot tell 2-3 % apart; holding the sibling itself there,
+            an earlier version, kept DDP 1.4 % slower than fp16 on ``gpt`` at 1 Gbit/s). Not applied
+            at other calibrations (the decision after a method's first window on this link): they
+            compare two recent windows and take the faster. Nor to a method not yet measured
             (``explore_margin`` decides those).
         compute_shift: when every method measured in a window of its own ran faster than the raw
             model said, lower the prediction of every method not yet measured so by the smallest of
@@ -1278,7 +1281,7 @@ class AutoChooser(StepParticipant):
                 self._explore_left -= 1
             if trigger != "calibration":  # a calibration compares two recent windows: see _hold_or_switch
                 best, held = self._hold_or_switch(best, preds, settled)
-            elif self.in_family_trial:  # the end of a dense sibling's trial: the mode it interrupted holds
+            elif self.in_family_trial and best == self.chosen:  # the sibling would stay: the mode it interrupted holds
                 best, held = self._hold_or_switch(best, preds, settled, self.history[-1].get("previous"))
         previous = self.chosen
         if best != previous:
@@ -1322,7 +1325,8 @@ class AutoChooser(StepParticipant):
                  # the codecs this decision timed, in order (each one's lower bound was the best when it was
                  # timed; time_codecs="on_demand")
                  "timed_codecs": timed_codecs,
-                 # a measured method that led the running one by less than switch_margin, which stayed
+                 # a measured method that led the running one by less than switch_margin, which stayed (at the
+                 # end of a dense sibling's trial: the sibling, which led the mode it interrupted by less)
                  "held_by_margin": held,
                  # the running method's figure from all its windows since its reference (None: not used)
                  "running_figure_s": running_figure,
@@ -1344,8 +1348,9 @@ class AutoChooser(StepParticipant):
         notes = (f"timed the codecs of {', '.join(timed_codecs)} (their lower bound led); "
                  if timed_codecs else "")
         if held is not None:
+            kept_mode = "the mode its trial interrupted comes back" if held == previous else "the running method stays"
             notes += (f"{held!r} leads by less than switch_margin "
-                      f"({100 * self.config.switch_margin:g}%), so the running method stays; ")
+                      f"({100 * self.config.switch_margin:g}%), so {kept_mode}; ")
         head = (f"lightning_gc auto ({trigger}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
                 f"{bw / 1e6:.1f} Mbit/s{checked}; {shifted}{notes}")
         if best == previous:
@@ -1374,9 +1379,11 @@ class AutoChooser(StepParticipant):
         per unit of progress is less than ``switch_margin`` below the running method's
         (``AutoConfig.switch_margin``: the running one's figure is the fresher one).
 
-        ``incumbent``: at the calibration that ends a dense sibling's trial, the mode the trial
-        interrupted, which holds in the running method's place: the sibling replaces it only on a
-        lead of ``switch_margin``, the bar any switch between measured methods has to clear. Why:
+        ``incumbent``: at the calibration that ends a dense sibling's trial, when the sibling would
+        stay, the mode the trial interrupted, which holds in the running method's place: the
+        sibling replaces it only on a lead of ``switch_margin``, the bar any switch between
+        measured methods has to clear (another measured method is taken as any calibration takes
+        the faster). Why:
         the two figures are single 5-step windows, ten steps apart. On `cnn` width 16, `gpt` and `lm`
         at 1 Gbit/s (one round each) DDP's trial window led fp16's by 2.5 %, 2.1 % and 2.7 %, auto
         kept DDP for the rest of the run, and the static runs of the same rounds had fp16 3.8 %,

@@ -7,7 +7,9 @@ dense warm-up step — took 30.2 ms and 32.3 ms median steps, 7 % apart; in a ``
 compute-only replays of the methods ranged from 30.5 ms to 38.8 ms. One run per method cannot tell
 a 1.05× ratio from that noise. Running every method once per round (round 1: all methods, round 2:
 all methods again, ...) spreads slow phases of the machine over all methods, and a ratio taken
-*within* a round compares methods measured minutes apart rather than a whole run apart.
+*within* a round compares methods measured minutes apart rather than a whole run apart. The rounds
+alternate the order (as listed, reversed, ...: :func:`lightning_gc.bench.runner.round_order`), so
+the methods listed last do not always run on the later host.
 
 How rounds are combined (:func:`combine_rounds`), per method:
 

@@ -704,7 +704,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
         for rnd in range(r["repeat"]):
             results: list[dict] = [{} for _ in specs]  # in the method list's order, whatever order they ran in
             for position, i in enumerate(round_order(len(specs), rnd)):
-                results[i] = {**_run_one(specs[i], i, rnd, cfg, r, cluster, base, emulated, log), "position": position}
+                results[i] = _run_one(specs[i], i, rnd, cfg, r, cluster, base, emulated, log, position)
             rounds.append(results)
     finally:
         if cluster is not None:
@@ -737,13 +737,16 @@ def round_order(n: int, rnd: int) -> list[int]:
 
 
 def _run_one(spec: MethodSpec, i: int, rnd: int, cfg: BenchConfig, r: dict, cluster, base: str, emulated: bool,
-             log: Callable[[str], None]) -> dict:
-    """Run and aggregate one method of one round (a failure becomes a failed result, the run goes on)."""
+             log: Callable[[str], None], position: int | None = None) -> dict:
+    """Run and aggregate one method of one round (a failure becomes a failed result, the run goes on).
+    ``position``: where it runs in its round's order (:func:`round_order`; ``i`` when not given),
+    recorded in the result for the round's summary (:func:`lightning_gc.bench.repeats.round_summary`)."""
+    position = i if position is None else position
     specs, many = r["specs"], r["repeat"] > 1
     where = f"round {rnd + 1}/{r['repeat']}, " if many else ""
     if cfg.seeds is not None:
         where += f"seed {r['seeds'][rnd]}, "
-    log(f"[{where}{i + 1}/{len(specs)}] {spec.label}: {r['ranks']} ranks on {r['hosts']} host(s), "
+    log(f"[{where}{position + 1}/{len(specs)}] {spec.label}: {r['ranks']} ranks on {r['hosts']} host(s), "
         f"{r['steps']} steps ({r['warmup']} warm-up), preset {cfg.preset}")
     t0 = time.monotonic()
     name = f"{i:02d}-{spec.label.replace(':', '_').replace('=', '-')}" + (f"-round{rnd + 1}" if many else "")
@@ -754,10 +757,10 @@ def _run_one(spec: MethodSpec, i: int, rnd: int, cfg: BenchConfig, r: dict, clus
         rank_results = run_method(spec, i + rnd * len(specs), seeded, r, cluster, os.path.join(base, name), log)
     except RankFailure as exc:
         log(f"  [{spec.label}] FAILED: {exc}")
-        return {**failed_result(spec, str(exc)), "seed": r["seeds"][rnd]}
+        return {**failed_result(spec, str(exc)), "seed": r["seeds"][rnd], "position": position}
     target = cfg.target if cfg.target is not None else rank_results[0]["target"]
     res = aggregate(spec, rank_results, r, count_wire=emulated, target=target)
-    res["seed"] = r["seeds"][rnd]
+    res["seed"], res["position"] = r["seeds"][rnd], position
     res["wall_time_s"] = time.monotonic() - t0
     if res["status"] != "ok":
         log(f"  [{spec.label}] INVALID: {res['error']}")
@@ -778,6 +781,8 @@ def build_document(cfg: BenchConfig, r: dict, rounds: list[list[dict]], network:
     for results in rounds:
         add_ratios(results)
     results = rounds[0] if len(rounds) == 1 else combine_rounds(rounds)
+    for row in results:  # a round's order is in its entry of `rounds`, not on the combined row
+        row.pop("position", None)
     first_ok = next((x for x in results if x["status"] == "ok"), None)
     sched = r["schedule"]
     config = {
