@@ -43,9 +43,10 @@ when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
    whose raw prediction plus the measured one's correction lies within ``family_margin`` of the
    measured step (time per unit of progress), runs the next window (trigger ``"family"``), and the
    choice is then made among the measured methods, the mode the trial interrupted holding unless
-   the sibling leads it by ``switch_margin`` (:meth:`AutoChooser._hold_or_switch`). Measured on ``gpt`` at 1 Gbit/s (4 ranks, 2
-   cores): auto picked ``fp16`` (136 ms) from a warm-up whose DDP step had taken 206 ms, while DDP
-   ran 126 ms in steady state, so auto's step was 1.09x the faster of the two (docs/auto.md).
+   the sibling leads it by ``switch_margin`` (:meth:`AutoChooser._hold_or_switch`). Measured on
+   ``gpt`` at 1 Gbit/s (4 ranks, 2 cores): auto picked ``fp16`` (136 ms) from a warm-up whose DDP
+   step had taken 206 ms, while DDP ran 126 ms in steady state, so auto's step was 1.09x the
+   faster of the two (docs/auto.md).
 
 Everything a decision used is in :attr:`AutoChooser.history` (checkpointed, replicated) and logged
 (see :mod:`lightning_gc.callbacks.monitor`, ``auto/*``); the end-of-fit summary names the choice.
@@ -1110,12 +1111,13 @@ class AutoChooser(StepParticipant):
                                  m.sparse_ratio, m.value_bytes, m.exact_bytes, codec_timed=m.codec_timed)
                       for k, m in enumerate(local)]
 
-    def _time_codecs(self, names: Collection[str], sample: tuple[Tensor, GroupContext, float] | None = None) -> list[str]:
-        """Time the untimed codecs among ``names`` with
-        :func:`time_method_codec` on this rank's gradients as they are now (the last step's, after its
-        exchange: a codec's time depends on the sizes, not the values; ``sample``: that group sample,
-        taken already), agree the MAX and store it; returns the names timed. Called on every rank
-        alike: whether a decision needs it depends on agreed values only."""
+    def _time_codecs(self, names: Collection[str],
+                     sample: tuple[Tensor, GroupContext, float] | None = None) -> list[str]:
+        """Time the untimed codecs among ``names`` with :func:`time_method_codec` on this rank's
+        gradients as they are now (the last step's, after its exchange: a codec's time depends on
+        the sizes, not the values; ``sample``: that group sample, taken already), agree the MAX and
+        store it; returns the names timed. Called on every rank alike: whether a decision needs it
+        depends on agreed values only."""
         engine = self.engine
         assert self.costs is not None
         untimed = [k for k, c in enumerate(self.costs) if not c.codec_timed and c.name in names]
@@ -1281,7 +1283,7 @@ class AutoChooser(StepParticipant):
                 self._explore_left -= 1
             if trigger != "calibration":  # a calibration compares two recent windows: see _hold_or_switch
                 best, held = self._hold_or_switch(best, preds, settled)
-            elif self.in_family_trial and best == self.chosen:  # the sibling would stay: the mode it interrupted holds
+            elif self.in_family_trial and best == self.chosen:  # the sibling would stay: the interrupted mode holds
                 best, held = self._hold_or_switch(best, preds, settled, self.history[-1].get("previous"))
         previous = self.chosen
         if best != previous:
@@ -1383,12 +1385,11 @@ class AutoChooser(StepParticipant):
         stay, the mode the trial interrupted, which holds in the running method's place: the
         sibling replaces it only on a lead of ``switch_margin``, the bar any switch between
         measured methods has to clear (another measured method is taken as any calibration takes
-        the faster). Why:
-        the two figures are single 5-step windows, ten steps apart. On `cnn` width 16, `gpt` and `lm`
-        at 1 Gbit/s (one round each) DDP's trial window led fp16's by 2.5 %, 2.1 % and 2.7 %, auto
-        kept DDP for the rest of the run, and the static runs of the same rounds had fp16 3.8 %,
-        0.3 % and 3.4 % faster than DDP (docs/auto-measurements.md). Not at other
-        calibrations, whose purpose is to take the faster of two recent figures."""
+        the faster). Why: the two figures are single 5-step windows, ten steps apart. On ``cnn``
+        width 16, ``gpt`` and ``lm`` at 1 Gbit/s (one round each) DDP's trial window led fp16's by
+        2.5 %, 2.1 % and 2.7 %, auto kept DDP for the rest of the run, and the static runs of the
+        same rounds had fp16 3.8 %, 0.3 % and 3.4 % faster than DDP (docs/auto-measurements.md).
+        Not at other calibrations, whose purpose is to take the faster of two recent figures."""
         running = self.chosen if incumbent is None else incumbent
         if running is None or best == running or best not in settled or running not in settled or running not in preds:
             return best, None
