@@ -21,10 +21,12 @@ placement in every compressor), not NCCL's transport.
 * Stream and event correctness, checked rather than assumed: a delay is put on both sides of every
   hand-over. On the autograd stream, each bucket is zeroed, a ~20 ms GPU sleep queued, and the
   bucket restored before the hook sees it, so a worker that does not wait for the bucket's ready
-  event reads zeros; on the side stream, a GPU sleep is queued after every exchange, so a future
-  that does not make the autograd stream wait for the worker's kernels hands DDP a stale bucket.
-  The overlapped engine must still equal the synchronous one bit for bit. Removing the
-  ``wait_event`` or the future's device list on purpose makes this test fail (docs/gpu.md).
+  event reads zeros; on the side stream, a GPU sleep is queued after every exchange, and each bucket
+  is zeroed, slept on and restored just before its Future is completed (after the step's last host
+  synchronisation), so a Future that does not make DDP's stream wait for the worker's kernels hands
+  DDP a zeroed bucket. The overlapped engine must still equal the synchronous one bit for bit.
+  Removing the ``wait_event`` or the future's device list on purpose must make this test fail
+  (``.ci/gpu``, docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -96,6 +98,23 @@ def _delayed_hook(state: GCEngine, bucket: dist.GradBucket) -> torch.futures.Fut
 _delayed_hook.__annotations__ = dict(gc_comm_hook.__annotations__)  # DDP rejects postponed (string) annotations
 
 
+def _delayed_finish(finish):
+    """The hand-back made slow: just before a compressed step's bucket Futures are completed (on the
+    worker's stream in the overlapped engine, after the step's last host synchronisation), each bucket
+    is zeroed, ~20 ms of GPU sleep is queued and the bucket is restored. Only a CUDA-aware Future
+    (``Future(devices=...)``, engine/readiness.py) makes DDP's stream wait for that work; a plain one
+    lets DDP copy the bucket into ``.grad`` while it is still zero."""
+    def slow(work):
+        if not work.dense:
+            for _fut, buffer in work.futures:
+                saved = buffer.clone()
+                buffer.zero_()
+                torch.cuda._sleep(SLEEP_CYCLES)
+                buffer.copy_(saved)
+        return finish(work)
+    return slow
+
+
 def _cuda_pair(rank: int, ws: int, name: str, coll: str, delay: bool, min_numel: int = 0) -> dict:
     """``min_numel`` > 0 leaves the biases (16 elements) in the plan's exact group; under ``lowrank``
     that group rides in the last compressed group's first allreduce (``Exchange.run_with_exact``)."""
@@ -129,6 +148,8 @@ def _cuda_pair(rank: int, ws: int, name: str, coll: str, delay: bool, min_numel:
 
         eng.exchange.run = traced
         eng.exchange.run_with_exact = traced_exact
+        if delay:
+            eng._finish = _delayed_finish(eng._finish)
     hook = _delayed_hook if delay else gc_comm_hook
     for d, e in zip(ddps, engines):
         d.register_comm_hook(e, hook)
