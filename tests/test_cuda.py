@@ -259,10 +259,20 @@ OSP_CASES = ["mixed_nesterov_wd", "no_buffer_yet_dampening_wd", "split_flips", "
              "adamw_no_state_yet_amsgrad"]
 
 
-def _osp_cuda(rank: int, ws: int) -> dict:
+def _osp_cuda(rank: int, ws: int, delay: bool = False) -> dict:
     from test_osp import CASES, _run_osp
 
     torch.cuda.set_device(0)
+    if delay:  # the default stream made slow just before OSP gathers the deferred layers' gradients
+        from lightning_gc.sync.osp import OSPSync
+
+        start = OSPSync.after_optimizer_step
+
+        def slow(self):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            return start(self)
+
+        OSPSync.after_optimizer_step = slow  # this spawned rank's own copy of the class
     return {case: _run_osp(rank, ws, CASES[case]["hyper"], CASES[case]["fraction"], CASES[case]["max_fraction"],
                            "dense", 0.0001, CASES[case]["nan_at"], CASES[case]["scenario"], CASES[case]["opt"],
                            CASES[case]["clip"], device="cuda")
@@ -279,6 +289,19 @@ def test_cuda_osp_matches_the_delayed_correction_reference():
     from test_osp import _check_case
 
     runs = run_distributed(_osp_cuda, WORLD, timeout=300)
+    for case in OSP_CASES:
+        _check_case([r[case] for r in runs], case)
+
+
+@pytest.mark.timeout(600)
+def test_cuda_osp_handover_survives_a_slow_default_stream():
+    """OSP's hand-over to its worker made slow: ~20 ms of GPU sleep is queued on the default stream
+    just before ``after_optimizer_step`` concatenates the deferred layers' gradients, so a worker
+    that starts the deferred allreduce without waiting for the recorded event reads the buffer
+    before the concatenation has written it. The same oracle as above must still hold."""
+    from test_osp import _check_case
+
+    runs = run_distributed(_osp_cuda, WORLD, True, timeout=300)
     for case in OSP_CASES:
         _check_case([r[case] for r in runs], case)
 
