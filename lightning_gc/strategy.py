@@ -20,7 +20,6 @@ warning and keeps the step counter.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import inspect
 import logging
@@ -480,40 +479,12 @@ class GCStrategy(DDPStrategy):
 
         plugin.clip_gradients = clip_through_osp  # type: ignore[method-assign]
 
-    def _auto_default_compressor(self, compressor: Any, named: list) -> tuple[Any, str]:
-        """The compressor of the engine's default slot under ``compressor="auto"``, with its collective.
-
-        It is AR-Topk with ``auto_sparse`` (``config.AUTO_ENGINE_DEFAULT``), whose collective keeps the
-        network model that an ``artopk`` candidate's slot shares. Where that collective cannot travel
-        (CUDA gradients on gloo: ``auto_sparse`` may pick a point-to-point ring or tree, and gloo has
-        none for CUDA tensors; docs/gpu.md), the default slot holds Top-k over allgather instead, and
-        the engine must be built with that collective too (the configured one is ``auto_sparse``). Under
-        auto the default slot sends nothing: the warm-up steps are dense and the chooser then sets every
-        group's method (and refuses an ``artopk`` candidate on such a backend when it is set up)."""
-        from .comm.registry import check_point_to_point, validate_collective
-
-        collective = self._engine_config.collective
-        pg = self.model.process_group if self.model is not None else None
-        if not named or not torch.distributed.is_initialized():
-            return compressor, collective
-        try:
-            check_point_to_point(compressor, validate_collective(compressor, collective),
-                                 pg if pg is not None else torch.distributed.group.WORLD, named[0][1].device)
-        except ValueError:
-            fallback = get_entry("topk").compressor_cls(self._compressor_config)
-            return fallback, validate_collective(fallback, "auto")
-        return compressor, collective
-
     @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks only on CUDA; the engine must run on every device type.
         assert isinstance(self.model, DistributedDataParallel)
         named = [(n, p) for n, p in self.model.module.named_parameters() if p.requires_grad]
         compressor = get_entry(self._config.compression.compressor).compressor_cls(self._compressor_config)
-        if self._auto_config is not None:
-            compressor, collective = self._auto_default_compressor(compressor, named)
-            if collective != self._engine_config.collective:
-                self._engine_config = dataclasses.replace(self._engine_config, collective=collective)
         self._engine = GCEngine(compressor, self._engine_config, named, process_group=self.model.process_group)
         if self._engine.world_size == 1:
             rank_zero_warn(

@@ -48,9 +48,9 @@ FACTORS: dict[str, tuple] = {
 STATEFUL = ("controller", "sync", "plan", "resume")
 STEPS, RESUME_AT = 8, 4
 # "cuda": the two ranks share one GPU (Trainer(accelerator="cuda", devices=1, num_nodes=2), one rank per
-# "node", gloo with CUDA tensors; docs/gpu.md). NCCL refuses two ranks on one GPU, and gloo has no
-# point-to-point path for CUDA tensors, so GradiVeQ takes its allreduce path and Marsit (ring only) is
-# refused there; everything else is the CPU design unchanged.
+# "node", gloo with CUDA tensors; docs/gpu.md). NCCL refuses two ranks on one GPU; gloo has no
+# point-to-point path for CUDA tensors, so our rings and trees (Marsit's, GradiVeQ's) stage their
+# messages through host memory there (lightning_gc/comm/p2p.py). The design is the CPU one unchanged.
 DEVICE = os.environ.get("GC_COMPOSITION_DEVICE", "cpu")
 if DEVICE not in ("cpu", "cuda"):
     raise ValueError(f"GC_COMPOSITION_DEVICE={DEVICE!r}: the composition matrix runs on 'cpu' (the default) or "
@@ -143,14 +143,6 @@ def expected_refusal(case: dict[str, Any]) -> str | None:
     """The refusal a case must meet (a regex of its message), or None if it must train.
 
     The table of docs/concepts.md ("What composes"): each entry names why."""
-    refusal = _expected_refusal_on_cpu(case)
-    if DEVICE == "cuda" and case["compressor"] == "marsit":  # whichever check comes first refuses it
-        p2p = r"sends CUDA tensors point to point.*gloo has no point-to-point path"
-        return f"(?:{refusal})|(?:{p2p})" if refusal else p2p
-    return refusal
-
-
-def _expected_refusal_on_cpu(case: dict[str, Any]) -> str | None:
     c, sync, plan, ctrl = case["compressor"], case["sync"], case["plan"], case["controller"]
     if c == "auto":  # the BSP one-group plan only; it chooses the method itself
         if sync == "diloco" and plan == "omgs":
@@ -214,8 +206,6 @@ def _strategy(case: dict[str, Any]):
     if case["compressor"] == "gradiveq":  # short phases so that 8 steps sample, fit and compress
         args["compressor_args"] = {"warmup": 1, "sample_steps": 2, "compress_steps": 3, "min_numel": 256,
                                    "max_slice": 256, "pca_slices": 4}
-        if DEVICE == "cuda":  # its ring is point to point (see DEVICE)
-            args["collective"] = "gradiveq_allreduce"
     if case.get("auto_options"):
         args["auto"] = dict(case["auto_options"])
     args.update(case.get("options", {}))

@@ -1023,36 +1023,6 @@ def test_compute_shift_is_validated():
         AutoConfig(compute_shift=1)
 
 
-@pytest.fixture
-def _gloo_world_of_one():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_candidates_that_cannot_travel_on_this_backend_are_refused_at_setup(_gloo_world_of_one):
-    """gloo cannot send CUDA tensors point to point: ``artopk`` (``auto_sparse`` may pick ART-Ring or
-    ART-Tree) is refused when the chooser is built, not when auto first switches to it; the default
-    candidates (allgather / allreduce / buckets) are accepted, and CPU gradients accept ``artopk``."""
-    import torch
-
-    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
-
-    engine = _FakeEngine(NetworkModel(0.0, 8 / 1e9))
-    engine.world_size = 2  # as in a multi-rank run; the group's backend is what is judged
-    engine.device = torch.device("cuda")  # only the device type is read: no GPU needed
-    AutoChooser(engine, AutoConfig(), torch.nn.Linear(1, 1), [])  # the defaults all travel
-    with pytest.raises(ValueError, match=r"auto candidate 'artopk' cannot run here: collective 'auto_sparse' "
-                                         r"sends CUDA tensors point to point.*drop 'artopk' from auto_candidates"):
-        AutoChooser(engine, AutoConfig(candidates=("ddp", "topk", "artopk")), torch.nn.Linear(1, 1), [])
-    engine.device = torch.device("cpu")
-    AutoChooser(engine, AutoConfig(candidates=("ddp", "topk", "artopk")), torch.nn.Linear(1, 1), [])
-
-
 def test_a_severe_drift_re_decides_after_one_window_a_moderate_one_waits_for_patience(monkeypatch):
     """A window at >= severe_drift x the reference (either way) re-decides at once; +50 % waits for
     ``patience`` windows; ``min_interval`` still holds; ``severe_drift=0`` turns the shortcut off."""

@@ -257,139 +257,120 @@ def test_ring_bytes_approach_model() -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# refusal of point-to-point collectives where the backend cannot send the payloads' device
+# host staging: CUDA tensors over gloo travel through host memory (lightning_gc/comm/p2p.py)
 # ------------------------------------------------------------------------------------------
-# written out by hand from what each exchange does (not the library's own set): the collectives
+# written out by hand from what each exchange does (not a list of the library's): the collectives
 # whose payloads travel by our isend/irecv rings and trees
 _HAND_P2P = {"ring", "tree", "art_ring", "art_tree", "auto_sparse", "marsit", "marsit_cascade", "gradiveq_ring"}
+STAGE_WORLD = 3
 
 
-@pytest.fixture
-def gloo_world_of_one():
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+def _force_staging(only_group=None) -> dict:
+    """Make ``p2p.staged`` answer True (for every group, or only ``only_group``): CPU tensors then take
+    the host-staged path CUDA tensors take on gloo. Returns counters of the staged sends and receives."""
+    from lightning_gc.comm import p2p
+
+    counts: dict = {"sends": 0}
+    real_staged, real_host_send = p2p.staged, p2p._host_send
+
+    def staged(tensor, group):
+        hit = only_group is None or group is only_group
+        return hit or real_staged(tensor, group)
+
+    def host_send(tensor):
+        counts["sends"] += 1
+        out = real_host_send(tensor)
+        assert out.data_ptr() != tensor.data_ptr(), "the staged send must be a copy"
+        return out
+
+    p2p.staged, p2p._host_send = staged, host_send
+    counts["restore"] = lambda: setattr(p2p, "staged", real_staged) or setattr(p2p, "_host_send", real_host_send)
+    return counts
+
+
+def _staged_primitives(rank: int, ws: int) -> list[str]:
+    """Ring, tree and binomial broadcast with every message staged equal the backend's own
+    collectives (int64: exact), and a staged send is a copy, so the caller's tensor is never sent."""
+    errors: list[str] = []
+    counts = _force_staging()
     try:
-        yield dist.group.WORLD
+        for algo, fn in ALGOS.items():
+            for numel in (1, ws + 1, 5 * ws + 3):
+                x = _input("int64", numel, rank)
+                ref = x.clone()
+                dist.all_reduce(ref)
+                before = counts["sends"]
+                stats = fn(x, None)
+                if not torch.equal(x, ref):
+                    errors.append(f"staged {algo} numel={numel}: differs from dist.all_reduce")
+                if counts["sends"] - before != stats.messages_sent:
+                    errors.append(f"staged {algo} numel={numel}: {counts['sends'] - before} staged sends, "
+                                  f"{stats.messages_sent} messages")
+        for src in range(ws):
+            mine = torch.arange(9, dtype=torch.int64) * (rank + 1) + 100 * src
+            ref = mine.clone()
+            dist.broadcast(ref, src)
+            binomial_broadcast(mine, src, None)
+            if not torch.equal(mine, ref):
+                errors.append(f"staged broadcast src={src}: differs from dist.broadcast")
     finally:
-        dist.destroy_process_group()
+        counts["restore"]()
+    return errors
 
 
-def test_point_to_point_collectives_refused_for_cuda_tensors_on_gloo(gloo_world_of_one) -> None:
-    """gloo has no isend/irecv of CUDA tensors (on an H200 a rank died at its first ring step:
-    docs/gpu.md); every P2P collective is refused up front with the fix, nothing else is."""
-    from lightning_gc.comm.registry import available_collectives, compatible_collectives, make_exchange
-    from lightning_gc.compressors import available_compressors, build_compressor, takes_ratio
+def _staged_pairs(rank: int, ws: int) -> dict:
+    """Every compressor over every point-to-point collective, in the engine: a replica whose
+    exchanges all go through host memory (its own process group staged) against one that sends
+    directly, on this rank's data; gradients bit for bit at every step."""
+    from test_engine_overlap import PAIRS, _engine, _model, train_replicas
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    seen = set()
-    for name in available_compressors():
-        comp = build_compressor(name, ratio=0.1 if takes_ratio(name) else None)
-        for coll in compatible_collectives(comp):
-            seen.add(coll)
-            make_exchange(comp, coll, gloo_world_of_one, device=torch.device("cpu"))  # gloo sends CPU tensors
-            make_exchange(comp, coll, None, device="cuda")  # world size 1: no group, nothing travels
-            if coll in _HAND_P2P:
-                with pytest.raises(ValueError, match=rf"collective '{coll}' sends CUDA tensors point to point.*"
-                                                     r"'gloo' backend cannot.*NCCL backend") as err:
-                    make_exchange(comp, coll, gloo_world_of_one, device="cuda")
-                alternatives = [c for c in compatible_collectives(comp) if c not in _HAND_P2P]
-                assert (str(alternatives) if alternatives else "another compressor") in str(err.value)
-            else:
-                make_exchange(comp, coll, gloo_world_of_one, device="cuda")
-    assert seen == set(available_collectives())  # every collective was judged
+    from lightning_gc.engine import gc_comm_hook
 
-
-def test_auto_default_slot_avoids_point_to_point_for_cuda_on_gloo(gloo_world_of_one) -> None:
-    """compressor='auto' keeps AR-Topk's auto_sparse in the engine's default slot; on a GPU with gloo
-    (2 ranks on one H200, docs/gpu.md) that slot was refused at setup, so auto could not run there at
-    all. Its default slot now falls back to a collective gloo can send (Top-k over allgather) where,
-    and only where, the point-to-point one cannot travel."""
-    from types import SimpleNamespace
-
-    from lightning_gc import GCStrategy
-    from lightning_gc.comm.registry import make_exchange
-    from lightning_gc.compressors import build_compressor
-
-    strategy = GCStrategy(compressor="auto")
-    strategy._model = None  # no DDP wrapper here: the world group
-    base = build_compressor("artopk_auto", ratio=0.01)
-    cuda_param = [("w", SimpleNamespace(device=torch.device("cuda", 0)))]
-    on_cuda, collective = strategy._auto_default_compressor(base, cuda_param)
-    assert (on_cuda.name, collective) == ("topk", "allgather")
-    # the engine is built with the returned collective: the configured auto_sparse cannot carry Top-k
-    # (a GPU run failed there when only the compressor fell back)
-    assert strategy._engine_config.collective == "auto_sparse"
-    make_exchange(on_cuda, collective, gloo_world_of_one, device="cuda")  # allgather: gloo can send it
-    on_cpu, collective = strategy._auto_default_compressor(base, [("w", torch.zeros(2))])
-    assert on_cpu is base and collective == "auto_sparse"  # CPU gradients on gloo: the P2P default stays
+    out = {}
+    for name, coll in [(n, c) for n, c in PAIRS if c in _HAND_P2P]:
+        models = [_model(), _model()]
+        ddps = [DDP(m, bucket_cap_mb=0.002) for m in models]
+        # auto_sparse on a bandwidth-bound model, so that it picks ART-Ring (point to point)
+        network = (1e-6, 1e-6) if coll == "auto_sparse" else (1e-4, 8e-8)
+        engines = [_engine(m, name, coll, overlap, network=network) for m, overlap in zip(models, (True, False))]
+        counts = _force_staging(only_group=engines[0].exchange_group)
+        try:
+            for d, e in zip(ddps, engines):
+                d.register_comm_hook(e, gc_comm_hook)
+            mismatch, diverged = train_replicas(rank, ws, name, models, ddps, engines)
+        finally:
+            counts["restore"]()
+        totals = [e.totals() for e in engines]
+        out[f"{name}/{coll}"] = {"mismatch": mismatch[:3], "diverged": diverged[:3], "staged_sends": counts["sends"],
+                                 "compressed": [t["compressed_steps"] for t in totals],
+                                 "bytes": [t["bytes_sent"] for t in totals]}
+        for e in engines:
+            e.close()
+    return out
 
 
-def _refused_before_new_group(rank: int, ws: int) -> dict:
-    import lightning_gc.comm.registry as registry
-    from lightning_gc.compressors import build_compressor
-    from lightning_gc.engine import EngineConfig, GCEngine
-
-    real = registry.check_point_to_point
-    registry.check_point_to_point = lambda comp, coll, group, device: real(comp, coll, group, "cuda")
-    calls = []
-    new_group = dist.new_group
-    dist.new_group = lambda *a, **k: calls.append(a) or new_group(*a, **k)
-    try:
-        GCEngine(build_compressor("marsit"), EngineConfig(collective="marsit"),
-                 list(torch.nn.Linear(4, 4).named_parameters()))
-    except ValueError as exc:
-        return {"refused": str(exc), "new_groups": len(calls)}
-    finally:
-        dist.new_group, registry.check_point_to_point = new_group, real
-    return {"refused": "", "new_groups": len(calls)}
+def test_staged_point_to_point_equals_the_backends_collectives() -> None:
+    results = run_distributed(_staged_primitives, STAGE_WORLD)
+    errors = [f"rank {r}: {e}" for r, errs in enumerate(results) for e in errs]
+    assert not errors, "\n".join(errors)
 
 
-def test_engine_refuses_a_point_to_point_collective_before_any_collective() -> None:
-    """The refusal comes before the engine's process group is made: ``new_group`` is a collective
-    that connects every rank to every other, and a refusal after it let the rank that refused first
-    close its sockets while the other was still connecting ("Connection closed by peer" instead of
-    the refusal, on an H200: docs/gpu.md). Emulated here: the check answers as for CUDA on gloo."""
-    for r, got in enumerate(run_distributed(_refused_before_new_group, 2)):
-        assert "point to point" in got["refused"] and "NCCL" in got["refused"], (r, got)
-        assert got["new_groups"] == 0, (r, got)
+def test_every_point_to_point_pair_staged_through_host_equals_direct() -> None:
+    """The path CUDA gradients take on gloo (on an H200 gloo could not send them point to point and
+    the rank died: docs/gpu.md), emulated with CPU tensors: the staged replica equals the direct one
+    bit for bit, its ranks stay identical, every pair really staged messages, and the byte counts
+    are those of the direct sends (staging copies, it does not change what travels)."""
+    from test_engine_overlap import PAIRS
 
-
-_AUTO_FALLBACK_SCRIPT = """
-import sys, lightning as L
-sys.path.insert(0, {tests!r})
-import lightning_gc.comm.registry as registry
-from lightning_gc import GCStrategy
-from lit_models import TinyClassifier, make_loader
-
-real = registry.check_point_to_point
-def as_if_on_cuda(compressor, collective, group, device):  # the check's answer for CUDA gradients on gloo
-    return real(compressor, collective, group, "cuda")
-registry.check_point_to_point = as_if_on_cuda
-
-trainer = L.Trainer(strategy=GCStrategy(compressor="auto"), accelerator="cpu", devices=2, max_steps=4,
-                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-trainer.fit(TinyClassifier(), make_loader())
-engine = trainer.strategy.engine
-with open(f"result_rank{{trainer.global_rank}}.txt", "w") as fh:
-    fh.write(f"{{engine.compressor.name}} {{engine.exchange.name}} {{engine.step}}")
-"""
-
-
-def test_auto_trains_where_its_point_to_point_default_cannot_travel(tmp_path) -> None:
-    """The whole path, in a Lightning fit on 2 processes: where the point-to-point check refuses
-    auto_sparse (emulated here; on a GPU it is gloo with CUDA gradients), the engine is built with the
-    fallback's compressor *and* collective. A fallback of the compressor alone raised at setup
-    ("'topk' cannot travel by collective='auto_sparse'"), which only a GPU run showed."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    tests = Path(__file__).resolve().parent
-    script = tmp_path / "auto_fallback.py"
-    script.write_text(_AUTO_FALLBACK_SCRIPT.format(tests=str(tests)))
-    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = sorted(p.read_text() for p in tmp_path.glob("result_rank*.txt"))
-    assert results == ["topk allgather 4"] * 2, results
+    results = run_distributed(_staged_pairs, STAGE_WORLD, timeout=400)
+    keys = {f"{n}/{c}" for n, c in PAIRS if c in _HAND_P2P}
+    assert {c.split("/")[1] for c in keys} == _HAND_P2P  # every point-to-point collective is covered
+    for r, got in enumerate(results):
+        assert set(got) == keys
+        for key, res in got.items():
+            assert not res["mismatch"], f"rank {r} {key}: staged != direct at {res['mismatch']}"
+            assert not res["diverged"], f"rank {r} {key}: ranks diverged at steps {res['diverged']}"
+            assert res["staged_sends"] > 0, f"rank {r} {key}: nothing was staged"
+            assert res["compressed"][0] == res["compressed"][1] > 0, (key, res)
+            assert res["bytes"][0] == res["bytes"][1], (key, res)

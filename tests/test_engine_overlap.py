@@ -85,13 +85,16 @@ def _pairs() -> list[tuple[str, str]]:
     return out
 
 
-def _engine(model, name: str, coll: str, overlap: bool, min_numel: int = 0) -> GCEngine:
+def _engine(model, name: str, coll: str, overlap: bool, min_numel: int = 0,
+            network: tuple[float, float] = (1e-4, 8e-8)) -> GCEngine:
+    """``network``: the model's (α s, β s/byte); the default makes ``auto_sparse`` pick allgather for
+    these small groups, (1e-6, 1e-6) makes it pick ART-Ring."""
     # GradiVeQ with a short schedule, so that STEPS steps reach its sample and compressed phases
     args = {"warmup": GQ_WARMUP, "sample_steps": 3, "compress_steps": 5, "max_slice": 256, "pca_slices": 4} \
         if name == "gradiveq" else None
     comp = build_compressor(name, ratio=0.25 if takes_ratio(name) else None, args=args)
     cfg = EngineConfig(plan="layer", min_compress_numel=min_numel, warmup_steps=1, seed=3, collective=coll,
-                       overlap=overlap, network_alpha_s=1e-4, network_beta_s_per_byte=8e-8)
+                       overlap=overlap, network_alpha_s=network[0], network_beta_s_per_byte=network[1])
     return GCEngine(comp, cfg, list(model.named_parameters()))
 
 

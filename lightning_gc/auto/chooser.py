@@ -592,30 +592,6 @@ STALE_NETWORK_FACTOR = 2.0
 _BETA_FLOOR = 1e-12  # s/byte (8 Tbit/s): an unlimited link (β = 0) compares as a very fast one
 
 
-def _check_candidates_can_travel(candidates: list[AutoCandidate], engine: Any) -> None:
-    """Refuse, at setup, an engine candidate whose collective this backend cannot run on the
-    gradients' device (point-to-point rings and trees of CUDA tensors on gloo: ``artopk``'s
-    ``auto_sparse`` may pick ART-Ring or ART-Tree). Without this, the run would fail at the step
-    where auto first switched to it, after the profile and measurements."""
-    import torch.distributed as dist
-
-    from ..comm.registry import check_point_to_point, validate_collective
-    from ..compressors import build_compressor
-
-    if engine.world_size <= 1 or not dist.is_initialized():
-        return
-    group = engine.process_group if engine.process_group is not None else dist.group.WORLD
-    for cand in candidates:
-        if cand.compressor is None:
-            continue
-        comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
-        try:
-            check_point_to_point(comp, validate_collective(comp, cand.collective), group, engine.device)
-        except ValueError as e:
-            raise ValueError(f"auto candidate {cand.name!r} cannot run here: {e} Or drop {cand.name!r} from "
-                             f"auto_candidates (e.g. the defaults: {', '.join(DEFAULT_CANDIDATES)}).") from e
-
-
 class AutoChooser(StepParticipant):
     """Profiles, measures, chooses and re-chooses the method (see the module docstring)."""
 
@@ -627,7 +603,6 @@ class AutoChooser(StepParticipant):
         self.engine = engine
         self.config = config
         self.candidates: list[AutoCandidate] = [candidate(c) for c in config.candidates]
-        _check_candidates_can_travel(self.candidates, engine)
         self.params = [p for _, p in named_parameters]
         self.names = [n for n, _ in named_parameters]
         #: the early path (early_comm_ratio) never shortens the warm-up below this: the configuration

@@ -11,8 +11,10 @@ Why not ``dist.all_reduce``? Two reasons:
    functions here return the exact number of bytes this rank sent, so the engine can account
    communication volume without guessing.
 
-Both work on any backend that implements P2P (gloo with CPU tensors, NCCL with CUDA tensors): the
-code only calls ``isend``/``irecv``/``batch_isend_irecv`` and never moves tensors between devices.
+Both work on any backend: they send through :mod:`lightning_gc.comm.p2p`, which calls
+``isend``/``irecv``/``batch_isend_irecv`` directly where the backend sends the tensor's device point
+to point (gloo with CPU tensors, NCCL with CUDA tensors) and stages each message through host memory
+where it does not (gloo with CUDA tensors).
 
 Semantics shared by both functions:
 
@@ -49,6 +51,8 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from . import p2p
 
 __all__ = [
     "Combine",
@@ -205,17 +209,14 @@ def ring_allreduce(
 
     def exchange(send: torch.Tensor, recv: torch.Tensor) -> None:
         nonlocal sent, received, msgs
-        ops = []
         if send.numel() > 0:
-            ops.append(dist.P2POp(dist.isend, send, right, group))
             sent += send.numel() * esize
             msgs += 1
         if recv.numel() > 0:
-            ops.append(dist.P2POp(dist.irecv, recv, left, group))
             received += recv.numel() * esize
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        for work in p2p.batch_send_recv(send if send.numel() > 0 else None, right,
+                                        recv if recv.numel() > 0 else None, left, group):
+            work.wait()
 
     # reduce-scatter
     for s in range(n - 1):
@@ -323,21 +324,21 @@ def tree_allreduce(
     if children:
         buf = torch.empty_like(flat)
         for ch in children:
-            dist.irecv(buf, glob(ch), group).wait()
+            p2p.recv(buf, glob(ch), group)
             received += nbytes
             _apply_combine(combine, flat, buf, tree_subtree_size(ch, n))
             calls += 1
         del buf
     if parent is not None:
-        dist.isend(flat, glob(parent), group).wait()
+        p2p.send(flat, glob(parent), group)
         sent += nbytes
         msgs += 1
         # broadcast down: receive the final result from the parent
-        dist.irecv(flat, glob(parent), group).wait()
+        p2p.recv(flat, glob(parent), group)
         received += nbytes
     # broadcast down: the child of the highest round first (it has the deepest subtree)
     for ch in reversed(children):
-        dist.isend(flat, glob(ch), group).wait()
+        p2p.send(flat, glob(ch), group)
         sent += nbytes
         msgs += 1
     return P2PAllreduceStats("tree", n, sent, received, msgs, calls)
@@ -369,9 +370,9 @@ def binomial_broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup 
     step = 1
     while step < n:
         if rel < step and rel + step < n:
-            dist.send(flat, glob((rel + step + src) % n), group=group)
+            p2p.send(flat, glob((rel + step + src) % n), group)
             sent += flat.numel() * flat.element_size()
         elif step <= rel < 2 * step:
-            dist.recv(flat, glob((rel - step + src) % n), group=group)
+            p2p.recv(flat, glob((rel - step + src) % n), group)
         step *= 2
     return sent

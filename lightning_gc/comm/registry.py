@@ -9,9 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import torch
 
 from ..compressors.base import Compressor
 from ..compressors.gradiveq.exchange import GradiVeQExchange, GradiVeQRingExchange
@@ -155,42 +152,12 @@ def validate_collective(compressor: Compressor, collective: str) -> str:
     return collective
 
 
-#: collectives that move payloads with our own isend/irecv rings and trees (every rank sends to
-#: chosen peers) instead of the backend's collectives; ``auto_sparse`` may pick ART-Ring or ART-Tree
-POINT_TO_POINT_COLLECTIVES = frozenset(
-    {"ring", "tree", "art_ring", "art_tree", "auto_sparse", "marsit", "marsit_cascade", "gradiveq_ring"})
-
-
-def check_point_to_point(compressor: Compressor, collective: str, group: Any, device: Any) -> None:
-    """Refuse a point-to-point collective where the backend cannot send the tensors' device point to
-    point: gloo has no isend/irecv for CUDA tensors (on an H200 a gloo send of a CUDA tensor closed the
-    connection and killed the rank, docs/gpu.md), so such a run would die at its first compressed step
-    instead of being refused here. NCCL (CUDA) and gloo (CPU) both send point to point."""
-    if collective not in POINT_TO_POINT_COLLECTIVES or group is None or device is None:
-        return
-    if torch.device(device).type != "cuda":
-        return
-    import torch.distributed as dist
-
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend:
-        return
-    others = [c for c in compatible_collectives(compressor) if c not in POINT_TO_POINT_COLLECTIVES]
-    instead = (f"or a collective built on the backend's own collectives: {others}" if others else
-               f"or another compressor: {compressor.name!r} travels only point to point")
-    raise ValueError(
-        f"collective {collective!r} sends CUDA tensors point to point (isend/irecv along a ring or tree), and "
-        f"the {backend!r} backend cannot: gloo has no point-to-point path for CUDA tensors. Use the NCCL "
-        f"backend (Lightning's default on GPUs; GCStrategy(process_group_backend='nccl')), {instead}."
-    )
-
-
 def make_exchange(compressor: Compressor, collective: str = "auto", group=None,
-                  network: NetworkState | None = None, device: Any = None) -> Exchange:
-    """Build the exchange for ``collective`` (``"auto"``: the format's default). ``device``, where the
-    payloads live, lets a point-to-point collective be refused on a backend that cannot send them."""
+                  network: NetworkState | None = None) -> Exchange:
+    """Build the exchange for ``collective`` (``"auto"``: the format's default). Every collective runs
+    on every backend and device: the point-to-point rings and trees stage CUDA tensors through host
+    memory on gloo (:mod:`lightning_gc.comm.p2p`)."""
     name = validate_collective(compressor, collective)
-    check_point_to_point(compressor, name, group, device)
     ex = _EXCHANGES[name].factory(compressor, group, network if network is not None else NetworkState())
     ex.name = name
     return ex

@@ -44,7 +44,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._finite import all_finite
-from ..comm import registry
 from ..comm.collectives import ring_allreduce_bytes
 from ..comm.cost_model import NetworkModel
 from ..comm.exchange import (
@@ -158,17 +157,9 @@ class GCEngine:
         # the engine's own process group: the only one its runner issues collectives on
         self.exchange_group = None
         if self.world_size > 1:
-            # a collective this backend cannot carry is refused before any collective: new_group connects
-            # every rank to every other, and a rank that refused after it could close its sockets while
-            # another was still connecting, which turned the refusal into "Connection closed by peer"
-            # there (an H200 run of tests/test_cuda.py, docs/gpu.md)
-            registry.check_point_to_point(compressor, registry.validate_collective(compressor, config.collective),
-                                          process_group if process_group is not None else dist.group.WORLD,
-                                          self.device)
             ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
             self.exchange_group = dist.new_group(ranks=ranks, backend=dist.get_backend(process_group))
-        self.exchange: Exchange = make_exchange(compressor, config.collective, self.exchange_group,
-                                                device=self.device)
+        self.exchange: Exchange = make_exchange(compressor, config.collective, self.exchange_group)
         self.exact_exchange = AllreduceExchange(DenseCompressor(), self.exchange_group)
         self.tracker = NetworkTracker(config, type(self.exchange).needs_network, self.world_size)
         self.exchange.network = self.tracker.state
@@ -558,7 +549,7 @@ class GCEngine:
             )
         self.synchronize()
         slot = build_slot(spec, self.exchange_group, self.tracker.state,
-                          type(self.exchange).needs_network, device=self.device) if spec is not None else self.default_slot
+                          type(self.exchange).needs_network) if spec is not None else self.default_slot
         if self.world_size > 1:
             described = "default" if spec is None else repr(spec.as_dict())
             self._verify_identical(f"set_group_method(group {gid} = {group.names}, {described})")
@@ -590,7 +581,7 @@ class GCEngine:
                 self._flush.add(names)
             elif e.get("spec") is not None:
                 slot = build_slot(MethodSpec(**e["spec"]), self.exchange_group, self.tracker.state,
-                                  type(self.exchange).needs_network, device=self.device)
+                                  type(self.exchange).needs_network)
                 # written before slots carried their exchange's state: a fresh one (as the run had then)
                 slot.exchange.load_state_dict(e.get("exchange") or {}, world_size=self.world_size)
                 self._slots[names] = slot

@@ -69,12 +69,10 @@ class MethodSlot:
         return f"{self.compressor.describe()}|{self.exchange.describe()}|ef={self.error_feedback}"
 
 
-def build_slot(spec: MethodSpec, group: Any, network: NetworkState, default_needs_network: bool,
-               device: Any = None) -> MethodSlot:
-    """Build a slot from its spec (validated: a bad name, ratio or collective raises ValueError;
-    ``device``: where the group's gradients live, see :func:`~lightning_gc.comm.registry.check_point_to_point`)."""
+def build_slot(spec: MethodSpec, group: Any, network: NetworkState, default_needs_network: bool) -> MethodSlot:
+    """Build a slot from its spec (validated: a bad name, ratio or collective raises ValueError)."""
     compressor = build_compressor(spec.compressor, spec.ratio, dict(spec.compressor_args) or None)
-    exchange = make_exchange(compressor, spec.collective, group, network, device=device)
+    exchange = make_exchange(compressor, spec.collective, group, network)
     if type(exchange).needs_network and not default_needs_network:
         raise ValueError(
             f"collective {exchange.name!r} for a group chooses from the network model, which this engine does "

@@ -270,7 +270,7 @@ class DiLoCoSync(StepParticipant):
         if compressor is not None and self.world_size > 1:
             from ..comm.registry import make_exchange
 
-            self.exchange = make_exchange(compressor, collective, group=self.group, device=self.device)
+            self.exchange = make_exchange(compressor, collective, group=self.group)
             self.error_feedback = bool(error_feedback)
         with torch.no_grad():
             self.theta_outer: list[Tensor] = [p.detach().to(torch.float32).clone() for p in self.params]

@@ -203,7 +203,7 @@ class OSPSync(StepParticipant):
             from ..compressors import build_compressor
 
             compressor = build_compressor(config.deferred_compressor, ratio=config.deferred_ratio)
-            self._ics_exchange = make_exchange(compressor, group=self.group, device=self.device)
+            self._ics_exchange = make_exchange(compressor, group=self.group)
             self._ics_error_feedback = bool(compressor.default_error_feedback)
         self._runner: OrderedWorker | InlineRunner = (
             OrderedWorker(name="lightning_gc-osp", device=self.device) if self.world_size > 1 else InlineRunner())

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ...comm import p2p
 from ...comm.collectives import allgather_payload, ring_allreduce_bytes
 from ...comm.exchange import Exchange, LazySent, Timer
 from ...comm.network import NetworkState
@@ -413,13 +414,10 @@ class GradiVeQRingExchange(GradiVeQExchange):
 
         def post(send: Tensor, recv: Tensor) -> list:
             nonlocal sent_bytes
-            ops = []
             if send.numel():
-                ops.append(dist.P2POp(dist.isend, send, right, group))
                 sent_bytes += send.numel() * esize
-            if recv.numel():
-                ops.append(dist.P2POp(dist.irecv, recv, left, group))
-            return dist.batch_isend_irecv(ops) if ops else []
+            return p2p.batch_send_recv(send if send.numel() else None, right, recv if recv.numel() else None,
+                                       left, group)
 
         def wait(works: list) -> None:
             for w in works:

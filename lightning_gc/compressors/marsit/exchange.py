@@ -28,8 +28,9 @@ Bytes per rank in a one-bit round: the ring sends exactly
 round ran (all groups of a step run the same kind: the decision depends on the step only).
 
 The ring is :func:`~lightning_gc.comm.p2p_allreduce.ring_allreduce` over a uint8 tensor with a
-``combine`` closure; it uses only ``batch_isend_irecv``, so the same code runs on gloo (CPU) and
-NCCL (CUDA), and the transient bits are drawn on the gradients' device.
+``combine`` closure; it sends through :mod:`lightning_gc.comm.p2p`, so the same code runs on gloo
+(CPU tensors directly, CUDA tensors through host memory) and NCCL (CUDA), and the transient bits are
+drawn on the gradients' device.
 """
 
 from __future__ import annotations
