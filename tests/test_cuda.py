@@ -137,13 +137,16 @@ def _cuda_pair(rank: int, ws: int, name: str, coll: str, delay: bool, min_numel:
 
     p2p._host_send = counted  # this spawned rank's own module
     threads: list[set[int]] = [set(), set()]
+    choices: set[str] = set()
     rode: list[int] = [0, 0]  # exchanges that carried the exact group
     for k, (eng, seen) in enumerate(zip(engines, threads)):
         run, run_exact = eng.exchange.run, eng.exchange.run_with_exact
 
-        def traced(p, ctx, timer, _run=run, _seen=seen):
+        def traced(p, ctx, timer, _run=run, _seen=seen, _ex=eng.exchange):
             _seen.add(threading.get_ident())
             out = _run(p, ctx, timer)
+            if getattr(_ex, "last_choice", None):  # auto_sparse: which collective the cost model picked
+                choices.add(_ex.last_choice)
             if delay:  # the worker's side of the hand-over made slow (its own stream on the overlapped engine)
                 torch.cuda._sleep(SLEEP_CYCLES)
             return out
@@ -177,6 +180,7 @@ def _cuda_pair(rank: int, ws: int, name: str, coll: str, delay: bool, min_numel:
         "on_cuda": all(p.is_cuda for m in models for p in m.parameters()),
         "rode": rode,
         "staged": staged[0],
+        "choices": sorted(choices),
     }
     for e in engines:
         e.close()
@@ -186,7 +190,11 @@ def _cuda_pair(rank: int, ws: int, name: str, coll: str, delay: bool, min_numel:
 def _check(key: str, results: list[dict]) -> None:
     name, coll = key.split("/")
     for r, got in enumerate(results):
-        if coll in P2P_COLLECTIVES:  # gloo cannot send CUDA tensors point to point: staged through host memory
+        # gloo cannot send CUDA tensors point to point: staged through host memory. auto_sparse stages
+        # only where its cost model picked ART-Ring or ART-Tree (at 2 ranks it always picks allgather)
+        p2p_used = bool({"art_ring", "art_tree"} & set(got["choices"])) if coll == "auto_sparse" else \
+            coll in P2P_COLLECTIVES
+        if p2p_used:
             assert got["staged"] > 0, f"{key} rank {r}: no message was staged: {got}"
         else:
             assert got["staged"] == 0, f"{key} rank {r}: a backend collective was staged: {got}"
