@@ -487,9 +487,9 @@ class GCStrategy(DDPStrategy):
         ``fp16_compress_hook``/``bf16_compress_hook`` compute (divide by N, cast, sum, widen). Through
         the plan's groups they cost more: a group is sent only once every bucket it spans has arrived
         (the default plan is one group, so nothing overlaps backward), and every compressed step closes
-        with a cross-rank report. Measured on the bench's ``mlp`` preset, 4 ranks at 1 Gbit/s, 3 rounds:
-        the grouped path took 1.38-1.47x the torch hook's step (docs/compressors.md, "fp16 / bf16").
-        On the buckets, from the hook's thread, the step is the hook's. Error feedback, another
+        with a cross-rank report. Measured on the bench's ``mlp`` preset, 4 ranks at 1 Gbit/s: the
+        grouped path took 1.39-1.44x the torch hook's step in 3 rounds, on the buckets 1.01-1.03x in
+        2 (docs/compressors.md, "fp16, bf16"). Error feedback, another
         collective (a P2P ring or tree), OSP, DiLoCo, OMGS and ``compressor="auto"`` keep the grouped
         path: they need the groups."""
         from .compressors.cast import CastCompressor
