@@ -518,6 +518,8 @@ class GCStrategy(DDPStrategy):
                 f"lightning_gc: compressor={self._compressor_name} collective={self._engine.exchange.name} "
                 f"plan={self._engine_config.plan} groups={len(self._engine.plan.groups)} "
                 f"warmup_steps={self._engine_config.warmup_steps} error_feedback={self._engine.error_feedback}"
+                + (f"; a plain {compressor.name} cast: sent on DDP's buckets as torch's 16-bit hook (dense mode "
+                   f"{compressor.name}, docs/compressors.md)" if self._engine.dense_mode is not None else "")
             )
         participants: list[StepParticipant] = []  # in calling order
         if self._omgs_config is not None and self._engine.world_size > 1:
