@@ -207,7 +207,8 @@ CAST_SCRIPT = textwrap.dedent(
     if trainer.global_rank == 0:
         engine = getattr(trainer.strategy, "engine", None)
         info = dict() if engine is None else dict(dense_mode=engine.dense_mode,
-                                                  compressed=engine.totals()["compressed_steps"])
+                                                  compressed=engine.totals()["compressed_steps"],
+                                                  bytes=engine.totals()["bytes_sent"])
         torch.save({{"params": [p.detach().clone() for p in model.parameters()], "info": info}}, f"{{which}}.pt")
     """
 )
@@ -229,7 +230,9 @@ def test_a_plain_16_bit_cast_goes_on_ddps_buckets_as_torchs_hook(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[which] = torch.load(tmp_path / f"{which}.pt")
     assert all(torch.equal(a, b) for a, b in zip(out["torch"]["params"], out["gc"]["params"]))
-    assert out["gc"]["info"] == {"dense_mode": "fp16", "compressed": 0}
-    assert out["gc_ef"]["info"] == {"dense_mode": None, "compressed": 6}
+    # by hand: TinyClassifier has 16·96 + 96 + 96·4 + 4 = 2020 parameters; a ring allreduce of 2-byte
+    # elements at 2 ranks sends 2·(2 − 1)/2 · 2 · 2020 bytes per rank and step, and nothing else goes out
+    assert out["gc"]["info"] == {"dense_mode": "fp16", "compressed": 0, "bytes": 6 * 2 * 2020}
+    assert (out["gc_ef"]["info"]["dense_mode"], out["gc_ef"]["info"]["compressed"]) == (None, 6)
     # the residual is fed back, so the path differs from the hook's (it is not the buckets' path)
     assert not all(torch.equal(a, b) for a, b in zip(out["torch"]["params"], out["gc_ef"]["params"]))

@@ -91,11 +91,13 @@ EPOCHS = 2
 
 @pytest.fixture(scope="module")
 def fp16_run(tmp_path_factory):
-    """fp16 on every tensor (min_compress_numel=0): bytes are computable by hand."""
+    """fp16 on every tensor (min_compress_numel=0): bytes are computable by hand. With error feedback,
+    so that its steps are compressed ones through the plan's groups (a plain cast goes on DDP's
+    buckets as a dense mode instead: GCStrategy._casts_on_buckets); the bytes are the same."""
     tmp = tmp_path_factory.mktemp("fp16run")
     logger = L.pytorch.loggers.TensorBoardLogger(str(tmp), name="tb")
     strategy = GCStrategy(compressor="fp16", min_compress_numel=0, check_finite=False, warmup_steps=WARMUP,
-                          start_method="spawn")
+                          error_feedback=True, start_method="spawn")
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=logger, max_epochs=EPOCHS,
                         log_every_n_steps=50, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[GCMonitor(), SummaryProbe(str(tmp))])
