@@ -489,9 +489,9 @@ class GCStrategy(DDPStrategy):
         (the default plan is one group, so nothing overlaps backward), and every compressed step closes
         with a cross-rank report. Measured on the bench's ``mlp`` preset, 4 ranks at 1 Gbit/s: the
         grouped path took 1.39-1.44x the torch hook's step in 3 rounds, on the buckets 1.01-1.03x in
-        2 (docs/compressors.md, "fp16, bf16"). Error feedback, another
-        collective (a P2P ring or tree), OSP, DiLoCo, OMGS and ``compressor="auto"`` keep the grouped
-        path: they need the groups."""
+        2 (docs/compressors.md, "fp16, bf16"). Error feedback, another collective (a P2P ring or
+        tree), OSP, DiLoCo, OMGS and ``compressor="auto"`` keep the grouped path: they need the
+        groups."""
         from .compressors.cast import CastCompressor
 
         return (isinstance(compressor, CastCompressor) and self._engine is not None
