@@ -210,6 +210,10 @@ CAST_SCRIPT = textwrap.dedent(
                                                   compressed=engine.totals()["compressed_steps"],
                                                   bytes=engine.totals()["bytes_sent"])
         torch.save({{"params": [p.detach().clone() for p in model.parameters()], "info": info}}, f"{{which}}.pt")
+    # a gloo group left to the interpreter's exit can abort the process ("terminate called without an
+    # active exception"); GCStrategy destroys it at exit itself, the plain DDPStrategy does not
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     """
 )
 
