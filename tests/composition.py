@@ -122,8 +122,15 @@ def design() -> list[dict[str, Any]]:
     # GCStrategy options beyond the factors: SparseLoCo's decayed error memory on a Top-k Δ, resumed inside a
     # round (the memory is decayed at every outer step and carried across the checkpoint); the opening check
     # every 3 steps across the resume point (the resumed run checks its first step, then on the schedule)
+    # a plain fp16 cast goes on DDP's buckets in the engine's dense mode (GCStrategy._casts_on_buckets, its mode
+    # checkpointed and resumed), also with accumulation, bf16-mixed and AdamW with clipping; with error feedback
+    # it keeps the plan's groups
     options = [{**base, "sync": "diloco", "resume": "resumed", "options": {"diloco_error_decay": 0.9}},
-               {**base, "resume": "resumed", "options": {"check_every": 3}}]
+               {**base, "resume": "resumed", "options": {"check_every": 3}},
+               {**base, "compressor": "fp16", "resume": "resumed"},
+               {**base, "compressor": "fp16", "resume": "resumed", "accumulate": 2, "precision": "bf16-mixed",
+                "optimizer": "adamw_clip"},
+               {**base, "compressor": "fp16", "resume": "resumed", "options": {"error_feedback": True}}]
     for case in all_pairs(FACTORS) + stateful_product() + adamw + auto + options:
         key = tuple(case[n] for n in FACTORS) + tuple(sorted(case.get("options", {}).items()))
         if key not in seen:
