@@ -66,8 +66,10 @@ def _q0(cols: int, salt: int) -> torch.Tensor:
     return torch.randn(cols, RANK, generator=torch.Generator().manual_seed(77 + salt))
 
 
-def _exchange(rank: int, ws: int, warm_start: bool = True, dense_names: tuple[str, ...] = ()) -> LowRankExchange:
-    comp = build_compressor("lowrank", args=dict(rank=RANK, warm_start=warm_start, dense_names=dense_names))
+def _exchange(rank: int, ws: int, warm_start: bool = True, dense_names: tuple[str, ...] = (),
+              wire_dtype: str = "float32") -> LowRankExchange:
+    comp = build_compressor("lowrank", args=dict(rank=RANK, warm_start=warm_start, dense_names=dense_names,
+                                                 wire_dtype=wire_dtype))
     ex = make_exchange(comp, collective="lowrank")
     assert isinstance(ex, LowRankExchange)
     # the starting Q is set by the test, so the reference knows it
@@ -92,6 +94,13 @@ def _exchange_scenarios(rank: int, ws: int) -> dict:
     # the same step with the 10×3×3 kernel (t3, compressed by the size rule) named dense
     mean, sent, times = _run(_exchange(rank, ws, dense_names=("t3",)), p, _ctx(rank, ws))
     out["named_dense"] = dict(mean=mean, sent=sent, bytes_payload=times.bytes_payload)
+    # the same step in bfloat16 messages, with an exact group (rank-dependent, 5 values) in the P message
+    exact = torch.randn(5, generator=torch.Generator().manual_seed(40 + rank)) * (3.0 if rank == 1 else 0.2)
+    ex = _exchange(rank, ws, wire_dtype="bfloat16")
+    times = ExchangeTimes()
+    mean, sent, exact_mean = ex.run_with_exact(p, _ctx(rank, ws), Timer(p.device, times), exact)
+    out["bf16"] = dict(mean=mean, sent=sent, exact_all=gather_all(exact, ws), exact_mean=exact_mean,
+                       bytes_payload=times.bytes_payload, q=ex.state_dict()["lowrank_q"])
     # warm-started power iteration on a fixed mean: M_r = A + (r − (N−1)/2)·B, so M̄ = A exactly
     g = torch.Generator().manual_seed(3)
     u, _ = torch.linalg.qr(torch.randn(12, 10, generator=g))
@@ -168,6 +177,84 @@ def test_one_step_is_the_projection_of_the_mean_onto_the_agreed_subspace(exchang
         # conservation: the mean is the mean of what the ranks sent
     sents = [x["one"]["sent"].double() for x in exchange_runs]
     torch.testing.assert_close(sum(sents) / ws, one["mean"].double(), rtol=1e-5, atol=1e-6)
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) rounded to bfloat16 and widened back."""
+    return x.float().to(torch.bfloat16).float()
+
+
+def test_bfloat16_messages_carry_the_rounded_contributions_and_sent_is_what_was_rounded(exchange_runs):
+    """``wire_dtype="bfloat16"``: each rank divides by N, rounds to bfloat16 and the backend sums.
+    The oracle rounds every rank's contribution by hand (float32 → bfloat16, not the library's code):
+    at 2 ranks one addition, so the arriving sum is exactly ``bf16(a + b)``; at 3 ranks the order of
+    gloo's additions is not fixed, so the bound is three bfloat16 roundings of the absolute sum.
+    ``sent`` must be this rank's *rounded* contribution (times N): error feedback keeps the rounding;
+    an unrounded ``sent`` is off by up to 2⁻⁹ relative, far above the tolerance at 2 ranks."""
+    ws = len(exchange_runs)
+    inputs = [_split(p) for p in exchange_runs[0]["one"]["p_all"]]
+    bf = exchange_runs[0]["bf16"]
+    want_bytes = 2 * (5 + sum(_numel(s) for i, s in enumerate(SHAPES) if i not in COMPRESSED)
+                      + sum((n + m) * RANK for n, m in COMPRESSED.values()))
+
+    def arrives(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bfloat16 sum of the ranks' rounded parts (exact at 2 ranks) and its error bound."""
+        rounded = [_bf16(x / ws) for x in parts]
+        total = _bf16(rounded[0] + rounded[1]) if ws == 2 else sum(x.double() for x in rounded).float()
+        slack = 0.0 if ws == 2 else 3 * 2.0 ** -8 * sum(x.abs() for x in rounded)
+        return total, slack
+
+    def close(got: torch.Tensor, want: torch.Tensor, slack, tight: float = 1e-6) -> None:
+        bound = tight * (1 + want.abs()) + slack
+        assert bool(((got.double() - want.double()).abs() <= bound).all()), (got, want)
+
+    ex_want, ex_slack = arrives(list(bf["exact_all"]))
+    for r, x in enumerate(exchange_runs):
+        res = x["bf16"]
+        assert res["bytes_payload"] == want_bytes
+        assert torch.equal(res["mean"], bf["mean"]) and torch.equal(res["exact_mean"], bf["exact_mean"])
+        close(res["exact_mean"], ex_want, ex_slack)
+        mean, sent = _split(res["mean"]), _split(res["sent"])
+        for i in range(len(SHAPES)):
+            ms = [inp[i].float() for inp in inputs]
+            if i not in COMPRESSED:
+                want, slack = arrives(ms)
+                close(mean[i], want, slack)
+                torch.testing.assert_close(sent[i], _bf16(ms[r] / ws) * ws, rtol=0, atol=0)
+                continue
+            n, m = COMPRESSED[i]
+            p_sum, p_slack = arrives([x.view(n, m) @ _q0(m, i) for x in ms])
+            if ws == 2:
+                basis = _gram_schmidt(p_sum)
+            else:  # the 3-rank sum is known to a few roundings: any basis close to it
+                basis = _gram_schmidt(sum(x.view(n, m).double() @ _q0(m, i).double() for x in ms))
+            qs = [x.view(n, m).t().double() @ basis for x in ms]
+            q_mean, q_slack = arrives([q.float() for q in qs])
+            tol = 1e-4 if ws == 2 else 3e-2
+            torch.testing.assert_close(mean[i].double().view(n, m), basis @ q_mean.double().t(),
+                                       rtol=tol, atol=tol)
+            own = _bf16(qs[r].float() / ws).double() * ws  # this rank's rounded Q
+            torch.testing.assert_close(sent[i].double().view(n, m), basis @ own.t(), rtol=tol, atol=tol)
+            if ws == 2:  # the unrounded Q is measurably not what was sent
+                assert float((basis @ qs[r].t() - sent[i].double().view(n, m)).abs().max()) > 10 * tol
+    # against the fp32 messages: the same method, to bfloat16's precision
+    torch.testing.assert_close(bf["mean"], exchange_runs[0]["one"]["mean"], rtol=0.05, atol=0.05)
+
+
+def test_wire_dtype_is_validated_and_halves_the_one_rank_payload():
+    with pytest.raises(ValueError, match="wire_dtype='float16' is invalid.*bfloat16"):
+        LowRankConfig(wire_dtype="float16")
+    g = torch.Generator().manual_seed(6)
+    x = torch.cat([torch.randn(s, generator=g).reshape(-1) for s in SHAPES])
+    ctx = _ctx(0, 1)
+    c32 = build_compressor("lowrank", args=dict(rank=RANK)).compress(x, ctx)
+    comp16 = build_compressor("lowrank", args=dict(rank=RANK, wire_dtype="bfloat16"))
+    c16 = comp16.compress(x, ctx)
+    assert c16.nbytes * 2 == c32.nbytes == 4 * (13 + 54 + (12 + 10) * 2 + (10 + 9) * 2)
+    assert comp16.wire_element_size == 2 and "wire=bfloat16" in comp16.describe()
+    y = comp16.decompress(c16.payload, c16.meta, ctx)
+    assert y.dtype == x.dtype
+    torch.testing.assert_close(y[120:133], _bf16(x[120:133]), rtol=0, atol=0)  # the dense tensors, rounded
 
 
 def test_a_matrix_named_in_dense_names_arrives_as_the_exact_mean(exchange_runs):

@@ -45,12 +45,27 @@ Decisions where the paper and torch's hook leave room (docs/compressors.md, lowr
   ``Q̄`` is finite on the step (a non-finite gradient is skipped by the engine; the subspace it
   would have produced is not kept).
 
+* **16-bit messages** (``wire_dtype="bfloat16"``, not in the paper or torch's hook): both
+  allreduces travel in bfloat16, halving the bytes, so rank 2 costs rank 1's fp32 bytes. Each rank
+  divides its message by N first and casts; the sum is accumulated in bfloat16 by the backend and
+  widened to fp32 before the orthogonalisation and the decompression, so every rank still computes
+  the same ``P̂`` from the same sum. bfloat16, not float16: ``P = M·Q`` scales with the *square* of
+  the gradient's scale (with warm start ``Q̄ ≈ Mᵀ·P̂``), which leaves float16's range (6e-5 to
+  65504) for ordinary gradients; bfloat16 has float32's range. The rounding (8 significant bits,
+  a relative 2⁻⁹ per element) is small against the rank-r approximation's own error; what this
+  rank sent is taken *after* its rounding, so error feedback keeps the rounding of the compressed
+  matrices and of the group's dense tensors too. The plan's exact group, carried in the ``P``
+  message, is rounded without error memory, as torch's ``bf16_compress_hook`` rounds every
+  gradient. Costs two casts per message (measured with the codec micro-benchmark, like any codec).
+
 Tuning. ``rank`` (r): 1 sends the least and converges slowest; the paper's accuracy matched SGD at
 r = 2 to 4 on its image and language models. ``min_compression_rate``: raise it to send more
 tensors dense. ``warm_start=False`` draws a fresh Q every step (the paper's ablation: worse).
 ``dense_names``: parameter-name patterns (``fnmatch``: ``"tok_emb.weight"``, ``"*emb*"``) sent
 dense; it costs their full fp32 bytes every step, so name only the matrices that a per-parameter
 fidelity breakdown (``GradientFidelity(per_parameter=True)``) shows losing the most.
+``wire_dtype="bfloat16"``: where bytes dominate the step (slow links), half the bytes at the same
+rank; keep ``"float32"`` where the exact group must arrive exactly.
 """
 
 from __future__ import annotations
@@ -64,6 +79,10 @@ import torch
 from torch import Tensor
 
 
+#: the types a ``lowrank`` message may travel in (``LowRankConfig.wire_dtype``)
+WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class LowRankConfig:
     """Options of the low-rank (PowerSGD-family) compressor.
@@ -75,12 +94,15 @@ class LowRankConfig:
         warm_start: reuse the previous step's ``Q̄`` (True, the paper's method) or draw a fresh one.
         dense_names: ``fnmatch`` patterns of parameter names sent dense (exactly) even where they
             would be compressed, e.g. ``("tok_emb.weight",)`` (a string is one pattern); empty by default.
+        wire_dtype: the type both allreduces travel in: ``"float32"`` (default, torch's hook) or
+            ``"bfloat16"`` (half the bytes; see :data:`WIRE_DTYPES` and the module docstring).
     """
 
     rank: int = 2
     min_compression_rate: float = 2.0
     warm_start: bool = True
     dense_names: tuple[str, ...] = ()
+    wire_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         r = self.rank
@@ -104,6 +126,17 @@ class LowRankConfig:
                 "sent dense, e.g. ['tok_emb.weight'] or ['*emb*'] (or one pattern as a string)."
             )
         object.__setattr__(self, "dense_names", tuple(names))  # a YAML list becomes a hashable tuple
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(
+                f"wire_dtype={self.wire_dtype!r} is invalid: it is the type the factors and the dense tensors "
+                f"travel in; use one of {sorted(WIRE_DTYPES)} ('bfloat16' halves the bytes; 'float16' is not "
+                "offered: P = M·Q has the square of the gradient's scale and leaves fp16's range)."
+            )
+
+    @property
+    def wire_torch_dtype(self) -> torch.dtype:
+        """The torch dtype of :attr:`wire_dtype`."""
+        return WIRE_DTYPES[self.wire_dtype]
 
     def sends_dense(self, name: str) -> bool:
         """Whether parameter ``name`` is named by ``dense_names``."""

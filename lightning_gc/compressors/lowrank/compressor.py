@@ -21,7 +21,8 @@ class LowRankCompressor(Compressor):
     """PowerSGD-family rank-r compression of every large enough gradient matrix (see :mod:`.codec`).
 
     Payload of :meth:`compress`: ``(dense, P̂, Q)`` — the dense tensors' values, then every
-    compressed matrix's ``P̂`` (n·r) and ``Q`` (m·r), flattened in tensor order. Only the
+    compressed matrix's ``P̂`` (n·r) and ``Q`` (m·r), flattened in tensor order, all three in the
+    configured ``wire_dtype`` (so that ``nbytes`` and the decompressed error are the message's). Only the
     ``lowrank`` exchange carries it (two allreduces with an orthogonalisation between them).
     """
 
@@ -35,10 +36,16 @@ class LowRankCompressor(Compressor):
         self.config = config or LowRankConfig()
 
     @property
+    def wire_element_size(self) -> int:
+        """Bytes per element of both messages (4 for ``"float32"``, 2 for ``"bfloat16"``): the plan's
+        exact group rides in the ``P`` message at this size."""
+        return torch.empty(0, dtype=self.config.wire_torch_dtype).element_size()
+
+    @property
     def payload_fraction(self) -> float:
         """Not known without the shapes; the exchange counts the exact bytes. An estimate for a
-        square 512×512 matrix: (n + m)·r / (n·m)."""
-        return min(1.0, 2 * 512 * self.config.rank / 512 ** 2)
+        square 512×512 matrix: (n + m)·r / (n·m), halved for a 16-bit ``wire_dtype``."""
+        return min(1.0, 2 * 512 * self.config.rank / 512 ** 2) * self.wire_element_size / 4
 
     def blocks(self, ctx: GroupContext) -> list[Block]:
         return plan_blocks(ctx.segments, ctx.shapes, self.config, ctx.names)
@@ -69,6 +76,7 @@ class LowRankCompressor(Compressor):
 
     def _compress(self, x: Tensor, ctx: GroupContext, starts: dict[int, Tensor]) -> tuple[Compressed, dict[int, Tensor]]:
         blocks = self.blocks(ctx)
+        wire = self.config.wire_torch_dtype
         dense = [x[b.offset:b.offset + b.numel] for b in blocks if not b.compressed]
         ps, qs, nxt = [], [], {}
         for b in blocks:
@@ -76,13 +84,15 @@ class LowRankCompressor(Compressor):
                 continue
             m = x[b.offset:b.offset + b.numel].view(b.rows, b.cols).float()
             q0 = starts.get(b.index)
-            p_hat = orthonormal(m @ (self.start_q(ctx, b) if q0 is None else q0))
+            # P travels in the wire type before it is orthogonalised, as in the exchange
+            p_hat = orthonormal((m @ (self.start_q(ctx, b) if q0 is None else q0)).to(wire).float())
             q = m.t() @ p_hat
             nxt[b.index] = q
             ps.append(p_hat.reshape(-1))
             qs.append(q.reshape(-1))
-        return Compressed((_cat(dense, x.dtype, x.device), _cat(ps, torch.float32, x.device),
-                           _cat(qs, torch.float32, x.device)), meta=(x.dtype, blocks)), nxt
+        dense_dtype = x.dtype if wire is torch.float32 else wire
+        return Compressed((_cat(dense, x.dtype, x.device).to(dense_dtype), _cat(ps, torch.float32, x.device).to(wire),
+                           _cat(qs, torch.float32, x.device).to(wire)), meta=(x.dtype, blocks)), nxt
 
     def decompress(self, payload: tuple[Tensor, ...], meta: Any, ctx: GroupContext) -> Tensor:
         dtype, blocks = meta
@@ -95,8 +105,8 @@ class LowRankCompressor(Compressor):
                 out[b.offset:b.offset + b.numel] = dense[d:d + b.numel]
                 d += b.numel
                 continue
-            p_hat = ps[pq:pq + b.rows * r].view(b.rows, r)
-            q = qs[q_off:q_off + b.cols * r].view(b.cols, r)
+            p_hat = ps[pq:pq + b.rows * r].view(b.rows, r).float()
+            q = qs[q_off:q_off + b.cols * r].view(b.cols, r).float()
             out[b.offset:b.offset + b.numel] = (p_hat @ q.t()).reshape(-1).to(dtype)
             pq += b.rows * r
             q_off += b.cols * r
@@ -105,7 +115,8 @@ class LowRankCompressor(Compressor):
     def describe(self) -> str:
         c = self.config
         dense = f",dense={list(c.dense_names)}" if c.dense_names else ""
-        return f"{self.name}(rank={c.rank},min_rate={c.min_compression_rate},warm={c.warm_start}{dense})"
+        wire = f",wire={c.wire_dtype}" if c.wire_dtype != "float32" else ""
+        return f"{self.name}(rank={c.rank},min_rate={c.min_compression_rate},warm={c.warm_start}{dense}{wire})"
 
 
 def _cat(tensors: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:

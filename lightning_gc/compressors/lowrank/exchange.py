@@ -14,6 +14,10 @@ allreduce the exact group would cost. On 4 ranks of this project's 2-core machin
 allreduce costs several milliseconds of latency: ``mlp`` at 20 Mbit/s, one run of 2 rounds,
 ``lowrank:rank=1`` took 1.14× torch PowerSGD's step with the separate allreduce and 1.04× with
 the exact tensors in the ``P`` message (docs/compressors.md, lowrank).
+
+With ``wire_dtype="bfloat16"`` both messages are divided by N, cast to bfloat16, summed in bfloat16
+and widened to fp32 on arrival; ``sent`` is this rank's *rounded* contribution (times N), so error
+feedback keeps the rounding (the codec module's docstring says why bfloat16 and not float16).
 """
 
 from __future__ import annotations
@@ -73,8 +77,9 @@ class LowRankExchange(Exchange):
         mats = [b for b in blocks if b.compressed]
         dense = [b for b in blocks if not b.compressed]
         r = self.compressor.config.rank
+        wire = self.compressor.config.wire_torch_dtype
 
-        def first() -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        def first() -> tuple[Tensor, Tensor, list[Tensor], list[Tensor]]:
             ms = [p[b.offset:b.offset + b.numel].view(b.rows, b.cols).float() for b in mats]
             ps = [m @ self._start(ctx, b) for m, b in zip(ms, mats)]
             parts = [p[b.offset:b.offset + b.numel].float() for b in dense] + [x.reshape(-1) for x in ps]
@@ -82,12 +87,18 @@ class LowRankExchange(Exchange):
                 parts.insert(0, exact.float().reshape(-1))
             buf = torch.cat(parts) if parts else torch.zeros(0, device=p.device)
             nd = ne + sum(b.numel for b in dense)
-            buf[:nd].div_(n)  # DDP's numerics for the dense tensors: the sum of g / N
-            return buf, ms, ps
+            if wire is torch.float32:
+                buf[:nd].div_(n)  # DDP's numerics for the dense tensors: the sum of g / N
+                return buf, buf[:0], ms, ps
+            # a 16-bit message: all of it divided by N before the cast (the orthogonalisation does
+            # not see a common scale), and this rank's rounded dense part kept for `sent`
+            out = buf.div_(n).to(wire)
+            return out, out[ne:nd].float().mul_(n), ms, ps
 
-        buf1, ms, ps = timer.run("compress", first)
-        timer.times.bytes_payload += buf1.numel() * buf1.element_size()
-        timer.times.bytes_sent += timer.run("comm", lambda: allreduce([buf1], self.group))
+        msg1, own_dense, ms, ps = timer.run("compress", first)
+        timer.times.bytes_payload += msg1.numel() * msg1.element_size()
+        timer.times.bytes_sent += timer.run("comm", lambda: allreduce([msg1], self.group))
+        buf1 = msg1 if wire is torch.float32 else timer.run("compress", msg1.float)
 
         def second() -> tuple[Tensor, list[Tensor], list[Tensor]]:
             off = ne + sum(b.numel for b in dense)
@@ -102,18 +113,30 @@ class LowRankExchange(Exchange):
             return buf, p_hats, q_locals
 
         buf2, p_hats, q_locals = timer.run("compress", second)
-        sent_q = buf2.clone()  # this rank's own Q = Mᵀ·P̂ (error feedback)
-        timer.times.bytes_payload += buf2.numel() * buf2.element_size()
-        timer.times.bytes_sent += timer.run("comm", lambda: allreduce([buf2], self.group))
+        if wire is torch.float32:
+            sent_q = buf2.clone()  # this rank's own Q = Mᵀ·P̂ (error feedback)
+            msg2 = buf2
+        else:  # divided by N before the cast, as the first message; `sent` is what was rounded
+            msg2 = timer.run("compress", lambda: buf2.div_(n).to(wire))
+            sent_q = msg2.float().mul_(n)
+        timer.times.bytes_payload += msg2.numel() * msg2.element_size()
+        timer.times.bytes_sent += timer.run("comm", lambda: allreduce([msg2], self.group))
 
         def finish() -> tuple[Tensor, Tensor]:
-            buf2.div_(n)
+            nonlocal buf2
+            if wire is torch.float32:
+                buf2.div_(n)
+            else:
+                buf2 = msg2.float()  # already the mean
             mean = torch.empty_like(p)
             sent = torch.empty_like(p)
             off = ne
             for b in dense:
                 mean[b.offset:b.offset + b.numel] = buf1[off:off + b.numel]
-                sent[b.offset:b.offset + b.numel] = p[b.offset:b.offset + b.numel]
+                if wire is torch.float32:
+                    sent[b.offset:b.offset + b.numel] = p[b.offset:b.offset + b.numel]
+                else:
+                    sent[b.offset:b.offset + b.numel] = own_dense[off - ne:off - ne + b.numel]
                 off += b.numel
             keep = bool(torch.isfinite(buf2).all())  # replicated: buf2 is the same sum on every rank
             off = 0
