@@ -1838,6 +1838,35 @@ def test_lowrank1_candidate_sends_rank_one_factors_and_errs_more_than_rank_two()
     assert m1.delta2 > m2.delta2
 
 
+def test_lowrank_bf16_candidate_sends_rank_two_in_half_the_bytes_at_rank_two_error():
+    """``lowrank_bf16`` is ``lowrank`` rank 2 in bfloat16 messages: 2 bytes per element of the same
+    factors and dense tensors (so the plan's exact group, riding in the ``P`` message, is charged 2
+    bytes per element too), and an error within bfloat16's rounding of rank 2's, far below rank 1's
+    (a rank-3 matrix whose singular values set the oracle, Eckart–Young)."""
+    import torch
+
+    from lightning_gc.auto.candidates import candidate, measure_method
+    from lightning_gc.compressors import GroupContext
+
+    g = torch.Generator().manual_seed(3)
+    u, _ = torch.linalg.qr(torch.randn(40, 3, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(30, 3, generator=g))
+    m = u @ torch.diag(torch.tensor([5.0, 3.0, 2.0])) @ v.t()
+    x = torch.cat([m.reshape(-1), torch.randn(40, generator=g)])
+    ctx = GroupContext(step=5, rank=0, world_size=1, segments=(1200, 40), group_id=0, seed=0, device=x.device,
+                       shapes=((40, 30), (40,)), names=("w", "b"))
+    c16 = candidate("lowrank_bf16")
+    assert (c16.compressor, c16.compressor_args) == ("lowrank", {"rank": 2, "wire_dtype": "bfloat16"})
+    m16 = measure_method(c16, x, ctx, world_size=2, repeats=1, exact_bytes=400.0)
+    m32 = measure_method(candidate("lowrank"), x, ctx, world_size=2, repeats=1, exact_bytes=400.0)
+    assert (m16.wire, m16.payload_bytes, m16.exact_bytes) == ("lowrank", 2 * (2 * 70 + 40), 200.0)
+    assert (m32.payload_bytes, m32.exact_bytes) == (4 * (2 * 70 + 40), 400.0)
+    energy = float(x.double().pow(2).sum())
+    assert m16.delta2 >= 2.0 ** 2 / energy * (1 - 1e-6)  # rank 2 at best
+    assert m16.delta2 == pytest.approx(m32.delta2, abs=2.0 ** -6 * (m32.delta2 + 1e-3))
+    assert m16.delta2 < (3.0 ** 2 + 2.0 ** 2) / energy  # below rank 1's best
+
+
 def test_topk3_candidate_sends_three_percent_and_its_error_is_the_exact_top_k_residual():
     """The opt-in ``topk3`` candidate is Top-k at 3 % on allgather: its payload is k values (fp32)
     and k int32 indices with k = round(0.03·n), and its error is that of keeping the k largest

@@ -73,6 +73,8 @@ CANDIDATES: dict[str, AutoCandidate] = {
     # picked it and ran 1.07/1.08x torch PowerSGD's step (1.23/1.18x without it), but on `gpt` at 20 Mbit/s
     # it was picked first and the run ended at 3.516 val_bpb against static rank 2's 3.193 (docs/auto.md)
     "lowrank1": AutoCandidate("lowrank1", "lowrank", None, {"rank": 1}),
+    # rank 2 in bfloat16 messages: rank 1's fp32 bytes at rank 2's error (LowRankConfig.wire_dtype)
+    "lowrank_bf16": AutoCandidate("lowrank_bf16", "lowrank", None, {"rank": 2, "wire_dtype": "bfloat16"}),
 }
 #: the default candidate list, in tie-break order (earlier wins an exact tie)
 #: ``artopk`` is not among them: its per-step error on the *averaged* gradient sample equals Top-k's, but
@@ -175,6 +177,8 @@ def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_s
     # did not run (a fresh one after it: timing leaves state, e.g. a warm start)
     delta2, payload = _sent_error(cand, flat, ctx, None if time_codec else comp)
     ratio = float(comp.ratio) if comp.has_ratio else 0.0
+    if wire == "lowrank":  # the exact group rides in the P message, in its type
+        exact_bytes = float(exact_bytes) * comp.wire_element_size / 4
     return MethodCost(cand.name, wire, codec_s, float(payload), delta2, bool(comp.default_error_feedback and comp.lossy),
                       sparse_ratio=ratio, value_bytes=float(flat.element_size()), exact_bytes=float(exact_bytes),
                       codec_timed=bool(time_codec))

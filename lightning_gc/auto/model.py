@@ -134,7 +134,8 @@ class MethodCost:
         error_feedback: whether the method keeps an error memory (its error is then not divided
             by ``N``: it is biased, not independent noise).
         sparse_ratio, value_bytes: AR-Topk only: kept fraction and bytes per value.
-        exact_bytes: bytes of the small tensors the engine sends exactly beside the group.
+        exact_bytes: bytes of the small tensors the engine sends exactly beside the group (for the
+            ``"lowrank"`` wire in its message type: they ride in its ``P`` message).
         overhead_s: measured per-step time of this method's path beyond the model (signed; the live
             chooser sets it per method from the method's first measured window, see
             :func:`choose_measured`). Without it (or with a positive one) the predicted step never
@@ -269,6 +270,7 @@ def predict(cost: MethodCost, workload: Workload, network: NetworkModel, world_s
         details["buckets"] = len(sizes)
     else:
         # the compressed group: the model without the small tensors sent exactly beside it
+        # (only the sparse wire reads the element count, and it sends the small tensors in fp32)
         tc = comm_seconds(cost, network, n, max(w.numel - int(cost.exact_bytes // 4), 1))
         control = cost_model.ring_allreduce_cost(a, b, ENGINE_CONTROL_BYTES, n)
         exact = 0.0

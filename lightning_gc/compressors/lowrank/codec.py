@@ -78,7 +78,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-
 #: the types a ``lowrank`` message may travel in (``LowRankConfig.wire_dtype``)
 WIRE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
