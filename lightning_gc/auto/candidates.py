@@ -85,7 +85,7 @@ CANDIDATES: dict[str, AutoCandidate] = {
 #: LowRankCompressor.warm_compress): the cold start and one warm-started step
 WARM_STEPS = 2
 
-DEFAULT_CANDIDATES: tuple[str, ...] = ("ddp", "fp16", "lowrank", "topk", "qsgd", "efsign")
+DEFAULT_CANDIDATES: tuple[str, ...] = ("ddp", "fp16", "lowrank_bf16", "topk", "qsgd", "efsign")
 
 
 def candidate(name: str) -> AutoCandidate:
