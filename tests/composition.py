@@ -130,9 +130,15 @@ def design() -> list[dict[str, Any]]:
                {**base, "compressor": "fp16", "resume": "resumed"},
                {**base, "compressor": "fp16", "resume": "resumed", "accumulate": 2, "precision": "bf16-mixed",
                 "optimizer": "adamw_clip"},
-               {**base, "compressor": "fp16", "resume": "resumed", "options": {"error_feedback": True}}]
+               {**base, "compressor": "fp16", "resume": "resumed", "options": {"error_feedback": True}},
+               # lowrank's bfloat16 messages (warm start Q̄ and the rounded error memory across the resume
+               # point), with per-layer groups under OSP, and with accumulation, bf16-mixed and AdamW
+               {**base, "compressor": "lowrank", "sync": "osp", "plan": "layer", "resume": "resumed",
+                "options": {"compressor_args": {"wire_dtype": "bfloat16"}}},
+               {**base, "compressor": "lowrank", "resume": "resumed", "accumulate": 2, "precision": "bf16-mixed",
+                "optimizer": "adamw_clip", "options": {"compressor_args": {"wire_dtype": "bfloat16"}}}]
     for case in all_pairs(FACTORS) + stateful_product() + adamw + auto + options:
-        key = tuple(case[n] for n in FACTORS) + tuple(sorted(case.get("options", {}).items()))
+        key = tuple(case[n] for n in FACTORS) + (repr(sorted(case.get("options", {}).items())),)
         if key not in seen:
             seen.add(key)
             out.append(case)

@@ -3,10 +3,11 @@
 A candidate is either a **bucket mode** (``ddp``: fp32 DDP as without a hook; ``fp16``/``bf16``:
 torch's 16-bit compress hook; both on DDP's own buckets, overlapped with backward) or an **engine
 method** (a lightning_gc compressor on the engine's one-group plan, with its natural collective).
-Defaults (docs/auto.md): the three baselines users already have (``ddp``, ``fp16``, ``lowrank``:
-our PowerSGD-family compressor, rank 2) and the compressors that pay on slow links (``topk`` 1 % on
-allgather, ``qsgd``, ``efsign``); ``artopk`` (1 %, allgather/ART-Ring/ART-Tree by the cost model),
-``topk3`` (Top-k 3 % on allgather), ``lowrank1`` (``lowrank`` at rank 1, torch's hook's default) and
+Defaults (docs/auto.md): the three baselines users already have (``ddp``, ``fp16``, ``lowrank_bf16``:
+our PowerSGD-family compressor, rank 2, its two messages in bfloat16) and the compressors that pay
+on slow links (``topk`` 1 % on allgather, ``qsgd``, ``efsign``); ``artopk`` (1 %,
+allgather/ART-Ring/ART-Tree by the cost model), ``topk3`` (Top-k 3 % on allgather), ``lowrank``
+(rank 2 in fp32 messages, as torch's hook sends), ``lowrank1`` (rank 1, torch's hook's default) and
 ``bf16`` on request.
 
 :func:`measure_method` turns one candidate into a :class:`~lightning_gc.auto.model.MethodCost` on
