@@ -449,13 +449,14 @@ def table(preds: Mapping[str, Prediction], chosen: str | None = None) -> str:
     """A plain-text table of predictions (milliseconds), the chosen one marked with ``*``; a candidate
     whose codec was not timed shows ``untimed`` and ``>=`` before its step and time per progress (lower
     bounds, see :attr:`MethodCost.codec_timed`)."""
-    rows = [f"{'candidate':12s} {'step ms':>10s} {'compute':>9s} {'codec':>8s} {'comm':>9s} {'exposed':>9s} "
+    width = max([12] + [len(n) + 1 for n in preds])  # the mark and the longest name
+    rows = [f"{'candidate':{width}s} {'step ms':>10s} {'compute':>9s} {'codec':>8s} {'comm':>9s} {'exposed':>9s} "
             f"{'effic.':>7s} {'ms/progress':>13s}"]
     for name, p in preds.items():
         mark = "*" if name == chosen else " "
         bound = ">=" if p.details.get("lower_bound") else ""
         codec = f"{'untimed':>8s}" if bound else f"{1e3 * p.codec_s:8.2f}"
-        rows.append(f"{mark}{name:11s} {bound + f'{1e3 * p.step_s:.2f}':>10s} {1e3 * p.compute_s:9.2f} {codec} "
+        rows.append(f"{mark}{name:{width - 1}s} {bound + f'{1e3 * p.step_s:.2f}':>10s} {1e3 * p.compute_s:9.2f} {codec} "
                     f"{1e3 * p.comm_s:9.2f} {1e3 * p.exposed_s:9.2f} {p.efficiency:7.3f} "
                     f"{bound + f'{1e3 * p.time_per_progress_s:.2f}':>13s}")
     return "\n".join(rows)
