@@ -225,6 +225,7 @@ ALTERNATIVES = {  # an alternative valid value for every option of every compres
     "dim": 4, "coef_dtype": "float32", "outside_span": "mu", "dtype": ("bf16", "fp16"),
     "rank": 3, "min_compression_rate": 1.5, "warm_start": False, "release_compensation": False,
     "dense_names": (["tok_emb.weight"],),  # one alternative: a list of patterns
+    "wire_dtype": ("bfloat16", "float32"),
 }
 
 
