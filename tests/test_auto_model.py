@@ -1810,14 +1810,11 @@ def test_the_check_size_without_a_probe_is_what_the_probe_would_settle_on():
     assert check_bytes(NetworkModel(1e-4, 8 / 1e9), 168_000) == math.ceil((0.005 - 1e-4) / (8 / 1e9))
 
 
-def test_lowrank1_candidate_sends_rank_one_factors_and_errs_more_than_rank_two():
-    """The opt-in ``lowrank1`` candidate is ``lowrank`` at rank 1: per compressed matrix ``n × m`` it
-    sends ``(n + m)`` floats where rank 2 sends ``2·(n + m)`` (the bias travels dense in both), and its
-    error after the warm-started steps exceeds rank 2's on a matrix of rank 3 (computed here from the
-    singular values: a rank-r power iteration cannot beat the truncated SVD, Eckart–Young)."""
+def _rank3_group():
+    """A group of a 40×30 matrix of rank 3 (singular values 5, 3, 2: the oracle of the low-rank
+    candidates' errors, Eckart–Young) and a 40-element bias, with its one-rank context."""
     import torch
 
-    from lightning_gc.auto.candidates import candidate, measure_method
     from lightning_gc.compressors import GroupContext
 
     g = torch.Generator().manual_seed(3)
@@ -1827,6 +1824,17 @@ def test_lowrank1_candidate_sends_rank_one_factors_and_errs_more_than_rank_two()
     x = torch.cat([m.reshape(-1), torch.randn(40, generator=g)])
     ctx = GroupContext(step=5, rank=0, world_size=1, segments=(1200, 40), group_id=0, seed=0, device=x.device,
                        shapes=((40, 30), (40,)), names=("w", "b"))
+    return x, ctx
+
+
+def test_lowrank1_candidate_sends_rank_one_factors_and_errs_more_than_rank_two():
+    """The opt-in ``lowrank1`` candidate is ``lowrank`` at rank 1: per compressed matrix ``n × m`` it
+    sends ``(n + m)`` floats where rank 2 sends ``2·(n + m)`` (the bias travels dense in both), and its
+    error after the warm-started steps exceeds rank 2's on a matrix of rank 3 (computed here from the
+    singular values: a rank-r power iteration cannot beat the truncated SVD, Eckart–Young)."""
+    from lightning_gc.auto.candidates import candidate, measure_method
+
+    x, ctx = _rank3_group()
     c1, c2 = candidate("lowrank1"), candidate("lowrank")
     assert (c1.compressor, c1.compressor_args, c2.compressor_args) == ("lowrank", {"rank": 1}, {"rank": 2})
     m1 = measure_method(c1, x, ctx, world_size=2, repeats=1)
@@ -1843,18 +1851,9 @@ def test_lowrank_bf16_candidate_sends_rank_two_in_half_the_bytes_at_rank_two_err
     factors and dense tensors (so the plan's exact group, riding in the ``P`` message, is charged 2
     bytes per element too), and an error within bfloat16's rounding of rank 2's, far below rank 1's
     (a rank-3 matrix whose singular values set the oracle, Eckart–Young)."""
-    import torch
-
     from lightning_gc.auto.candidates import candidate, measure_method
-    from lightning_gc.compressors import GroupContext
 
-    g = torch.Generator().manual_seed(3)
-    u, _ = torch.linalg.qr(torch.randn(40, 3, generator=g))
-    v, _ = torch.linalg.qr(torch.randn(30, 3, generator=g))
-    m = u @ torch.diag(torch.tensor([5.0, 3.0, 2.0])) @ v.t()
-    x = torch.cat([m.reshape(-1), torch.randn(40, generator=g)])
-    ctx = GroupContext(step=5, rank=0, world_size=1, segments=(1200, 40), group_id=0, seed=0, device=x.device,
-                       shapes=((40, 30), (40,)), names=("w", "b"))
+    x, ctx = _rank3_group()
     c16 = candidate("lowrank_bf16")
     assert (c16.compressor, c16.compressor_args) == ("lowrank", {"rank": 2, "wire_dtype": "bfloat16"})
     m16 = measure_method(c16, x, ctx, world_size=2, repeats=1, exact_bytes=400.0)
