@@ -123,11 +123,7 @@ class LowRankExchange(Exchange):
         timer.times.bytes_sent += timer.run("comm", lambda: allreduce([msg2], self.group))
 
         def finish() -> tuple[Tensor, Tensor]:
-            nonlocal buf2
-            if wire is torch.float32:
-                buf2.div_(n)
-            else:
-                buf2 = msg2.float()  # already the mean
+            q_sum = buf2.div_(n) if wire is torch.float32 else msg2.float()  # the mean Q̄ (bf16: divided before)
             mean = torch.empty_like(p)
             sent = torch.empty_like(p)
             off = ne
@@ -138,10 +134,10 @@ class LowRankExchange(Exchange):
                 else:
                     sent[b.offset:b.offset + b.numel] = own_dense[off - ne:off - ne + b.numel]
                 off += b.numel
-            keep = bool(torch.isfinite(buf2).all())  # replicated: buf2 is the same sum on every rank
+            keep = bool(torch.isfinite(q_sum).all())  # replicated: the same sum on every rank
             off = 0
             for b, p_hat in zip(mats, p_hats):
-                q_mean = buf2[off:off + b.cols * r].view(b.cols, r)
+                q_mean = q_sum[off:off + b.cols * r].view(b.cols, r)
                 q_own = sent_q[off:off + b.cols * r].view(b.cols, r)
                 off += b.cols * r
                 mean[b.offset:b.offset + b.numel] = (p_hat @ q_mean.t()).reshape(-1)
