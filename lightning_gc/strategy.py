@@ -169,6 +169,9 @@ class GCStrategy(DDPStrategy):
             50); every compressed step's closing report carries the same check at no extra
             message. ``1`` checks before every step (a custom controller's debugging aid; it costs
             one latency-bound collective per step). See ``EngineConfig.check_every``.
+        report_rides: send a compressed step's closing report inside the step's last message where
+            it can ride (``lowrank``'s second allreduce) instead of in an allreduce of its own (default
+            ``True``: one latency-bound collective per step fewer). See ``EngineConfig.report_rides``.
         sync: ``"bsp"`` (default): every layer is synchronised before the optimizer step.
             ``"osp"``: two-stage synchronisation (docs/osp.md): the least important layers are
             updated with the local gradient and all-reduced while the next step computes, then
@@ -245,6 +248,7 @@ class GCStrategy(DDPStrategy):
         probe_patience: int = 5,
         overlap: bool = True,
         check_every: int = 50,
+        report_rides: bool = True,
         omgs: OMGSConfig | dict | None = None,
         auto: AutoConfig | dict | None = None,
         sync: Literal["bsp", "osp", "diloco"] = "bsp",
@@ -286,7 +290,7 @@ class GCStrategy(DDPStrategy):
             error_feedback=error_feedback, check_finite=check_finite, nonfinite=nonfinite, seed=seed,
             monitor=monitor, network_alpha_s=network_alpha_s, network_beta_s_per_byte=network_beta_s_per_byte,
             probe_every=probe_every, probe_drift=probe_drift, probe_patience=probe_patience, overlap=overlap,
-            check_every=check_every, omgs=omgs, auto=auto, sync=sync, osp_deferred_fraction=osp_deferred_fraction, osp_round_steps=osp_round_steps,
+            check_every=check_every, report_rides=report_rides, omgs=omgs, auto=auto, sync=sync, osp_deferred_fraction=osp_deferred_fraction, osp_round_steps=osp_round_steps,
             osp_deferred_compressor=osp_deferred_compressor, osp_deferred_ratio=osp_deferred_ratio,
             diloco_inner_steps=diloco_inner_steps, diloco_outer_optimizer=diloco_outer_optimizer,
             diloco_outer_args=diloco_outer_args, diloco_fragments=diloco_fragments,

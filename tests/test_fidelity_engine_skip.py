@@ -56,7 +56,8 @@ def _momentum(opt) -> dict:
 class _Run:
     """Model, DDP, engine, step session and optimizer of one rank."""
 
-    def __init__(self, bucket_cap_mb: float, state: dict | None = None, min_compress_numel: int = 100) -> None:
+    def __init__(self, bucket_cap_mb: float, state: dict | None = None, min_compress_numel: int = 100,
+                 compressor: str = "topk") -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from lightning_gc.compressors import build_compressor
@@ -67,7 +68,9 @@ class _Run:
         if state is not None:
             self.model.load_state_dict(state["model"])
         self.ddp = DDP(self.model, bucket_cap_mb=bucket_cap_mb)
-        self.engine = GCEngine(build_compressor("topk", ratio=RATIO),
+        built = (build_compressor("topk", ratio=RATIO) if compressor == "topk"
+                 else build_compressor(compressor, args=dict(rank=2)))
+        self.engine = GCEngine(built,
                                EngineConfig(plan="threshold", plan_threshold=2000,
                                             min_compress_numel=min_compress_numel,
                                             warmup_steps=1, seed=5),
@@ -105,8 +108,8 @@ class _Run:
 
 
 def _train(rank: int, nan_rank: int | None, omit: int | None = None, resume_at: int | None = None,
-           min_compress_numel: int = 100) -> dict:
-    run = _Run(0.004, min_compress_numel=min_compress_numel)
+           min_compress_numel: int = 100, compressor: str = "topk") -> dict:
+    run = _Run(0.004, min_compress_numel=min_compress_numel, compressor=compressor)
     out: dict = {"groups": [(list(g.names), g.exact) for g in run.engine.plan.groups]}
     for step in range(STEPS):
         if step == omit:
@@ -185,6 +188,11 @@ def _scenarios(rank: int, ws: int) -> dict:
             out[f"nan{r}", mcn] = _train(rank, nan_rank=r, min_compress_numel=mcn)
         out["omitted", mcn] = _train(rank, nan_rank=None, omit=NAN_STEP, min_compress_numel=mcn)
         out["simulated", mcn] = _simulate(rank, out["omitted", mcn]["groups"], omit=NAN_STEP)
+        # lowrank: the closing report rides in the step's last message (the Q allreduce)
+        for r in range(ws):
+            out[f"nan{r}", mcn, "lowrank"] = _train(rank, nan_rank=r, min_compress_numel=mcn, compressor="lowrank")
+        out["omitted", mcn, "lowrank"] = _train(rank, nan_rank=None, omit=NAN_STEP, min_compress_numel=mcn,
+                                                compressor="lowrank")
     out["resumed"] = _train(rank, nan_rank=1, resume_at=RESUME_AT)
     return out
 
@@ -205,11 +213,15 @@ def test_plans_with_and_without_exact_groups(runs):
     assert not any(exact for _, exact in groups) and len(groups) >= 2
 
 
+@pytest.mark.parametrize("compressor", ["topk", "lowrank"])
 @pytest.mark.parametrize("mcn", MIN_COMPRESS)
 @pytest.mark.parametrize("nan_rank", range(WS))
-def test_nonfinite_on_one_rank_skips_everywhere_and_leaves_memory_exactly(runs, nan_rank, mcn):
+def test_nonfinite_on_one_rank_skips_everywhere_and_leaves_memory_exactly(runs, nan_rank, mcn, compressor):
+    """``lowrank``: the step's closing report rides in its last message (the ``Q`` allreduce), so
+    the agreement on the non-finite rank travels there."""
+    variant = () if compressor == "topk" else ("lowrank",)
     for rank, res in enumerate(runs):
-        r = res[f"nan{nan_rank}", mcn]
+        r = res[(f"nan{nan_rank}", mcn, *variant)]
         before, after = r["at_nan"]
         assert r["flag"] is True, (nan_rank, rank)
         assert r["skipped"] == 1 and r["nonfinite_steps"] == 1
@@ -218,7 +230,7 @@ def test_nonfinite_on_one_rank_skips_everywhere_and_leaves_memory_exactly(runs, 
         assert _same(before["params"], after["params"]), (nan_rank, rank, "parameters changed")
         assert _same(before["momentum"], after["momentum"]), (nan_rank, rank, "momentum changed")
         # ... and training continues exactly like the run in which that step never happened
-        final, ref = r["final"], res["omitted", mcn]["final"]
+        final, ref = r["final"], res[("omitted", mcn, *variant)]["final"]
         for key in ("params", "memory", "momentum"):
             assert _same(final[key], ref[key]), (nan_rank, rank, key)
 

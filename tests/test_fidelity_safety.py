@@ -11,7 +11,9 @@ rank 0, or only reports the first rank, fails:
   digest of each step);
 * the **closing report's** copy of the same check (the default schedule, no opening check on that
   step): a ratio changed by too little to change k, a step counter moved to another compressed
-  step — the exchanges complete, and every rank stops at the close before the step is applied;
+  step — the exchanges complete, and every rank stops at the close before the step is applied; also
+  with ``lowrank`` (fp32 and bfloat16 messages), whose report rides in the step's last message, the
+  hash as 32 summed bits;
 * the engine's **setup signature** (a rank-dependent compressor option);
 * ``GCEngine.set_ratio``, ``GCEngine.replace_plan`` and ``GCEngine.set_group_method`` (values
   compared before anything changes);
@@ -93,9 +95,18 @@ def _closing(rank: int, odd: int, how: str) -> str:
 
     from lightning_gc.engine import gc_comm_hook
 
+    from lightning_gc.compressors import build_compressor
+    from lightning_gc.engine import EngineConfig, GCEngine
+
     model = _model()
     ddp = DDP(model, bucket_cap_mb=0.001)
-    engine = _engine(model)
+    if how.startswith("lowrank"):  # the report rides in the Q allreduce (the last group's last message)
+        wire = "bfloat16" if "bf16" in how else "float32"
+        engine = GCEngine(build_compressor("lowrank", args=dict(rank=2, wire_dtype=wire)),
+                          EngineConfig(plan="layer", min_compress_numel=0, warmup_steps=1),
+                          list(model.named_parameters()))
+    else:
+        engine = _engine(model)
     assert engine.config.check_every > 3  # so step 2 opens without the check on every rank
     ddp.register_comm_hook(engine, gc_comm_hook)
 
@@ -239,7 +250,7 @@ def _all(rank: int, ws: int) -> dict:
     for odd in range(ws):
         for how in ("ratio", "step", "network", "plan"):
             out["opening", how, odd] = _opening(rank, odd, how)
-        for how in ("ratio", "step"):
+        for how in ("ratio", "step", "lowrank_step", "lowrank_bf16_step"):
             out["closing", how, odd] = _closing(rank, odd, how)
         out["setup", odd] = _setup(rank, odd)
         out["set_ratio", odd] = _set_ratio(rank, odd)
@@ -272,11 +283,11 @@ def test_opening_check_fails_fast_on_every_rank_whichever_rank_differs(runs, how
 
 
 @pytest.mark.parametrize("odd", range(WS))
-@pytest.mark.parametrize("how", ["ratio", "step"])
+@pytest.mark.parametrize("how", ["ratio", "step", "lowrank_step", "lowrank_bf16_step"])
 def test_closing_report_stops_every_rank_before_the_step_is_applied(runs, how, odd):
     for rank, res in enumerate(runs):
         msg = res["closing", how, odd]
-        at = 7 if how == "step" and rank == odd else 2  # each rank names the step it believes it ran
+        at = 7 if how.endswith("step") and rank == odd else 2  # each rank names the step it believes it ran
         assert f"at step {at} the ranks issued different exchanges (found by the step's closing report" in msg, (rank, msg)
         assert f"Ranks grouped by what they would do: {_grouping(odd)}" in msg, (rank, msg)
         assert "[parameters changed: False]" in msg, (rank, msg)

@@ -101,6 +101,24 @@ def _exchange_scenarios(rank: int, ws: int) -> dict:
     mean, sent, exact_mean = ex.run_with_exact(p, _ctx(rank, ws), Timer(p.device, times), exact)
     out["bf16"] = dict(mean=mean, sent=sent, exact_all=gather_all(exact, ws), exact_mean=exact_mean,
                        bytes_payload=times.bytes_payload, q=ex.state_dict()["lowrank_q"])
+    # the closing report riding in the Q message: a share of 0/1 flags, a count and a float per rank
+    out["ride"] = {}
+    for wire in ("float32", "bfloat16"):
+        seen = []
+
+        def share(sent_now, r=rank, seen=seen):
+            seen.append(sent_now.clone())
+            return torch.tensor([float(r == 1), 1.0, float(r + 1), 0.1 * (r + 1), 3.0 * r * r], dtype=torch.float32)
+
+        ex, alone = _exchange(rank, ws, wire_dtype=wire), _exchange(rank, ws, wire_dtype=wire)
+        times = ExchangeTimes()
+        mean, sent, exact_mean, summed = ex.run_riding(p0 := torch.cat([g.reshape(-1) for g in _grads(rank, 0)]),
+                                                       _ctx(rank, ws), Timer(p0.device, times), None, share)
+        mean_alone, sent_alone, times_alone = _run(alone, p0, _ctx(rank, ws))
+        out["ride"][wire] = dict(mean=mean, sent=sent, exact_mean=exact_mean, summed=summed, seen=seen[0],
+                                 mean_alone=mean_alone, sent_alone=sent_alone, payload=times.bytes_payload,
+                                 payload_alone=times_alone.bytes_payload, q=ex.state_dict()["lowrank_q"],
+                                 q_alone=alone.state_dict()["lowrank_q"])
     # warm-started power iteration on a fixed mean: M_r = A + (r − (N−1)/2)·B, so M̄ = A exactly
     g = torch.Generator().manual_seed(3)
     u, _ = torch.linalg.qr(torch.randn(12, 10, generator=g))
@@ -239,6 +257,38 @@ def test_bfloat16_messages_carry_the_rounded_contributions_and_sent_is_what_was_
                 assert float((basis @ qs[r].t() - sent[i].double().view(n, m)).abs().max()) > 10 * tol
     # against the fp32 messages: the same method, to bfloat16's precision
     torch.testing.assert_close(bf["mean"], exchange_runs[0]["one"]["mean"], rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+def test_the_closing_report_rides_in_the_q_message_summed_and_not_divided(exchange_runs, wire):
+    """``run_riding``: the report's share is appended to the ``Q`` allreduce, summed over the ranks and
+    not divided by N, in the message's dtype. The oracle adds the shares by hand: the flags and
+    counts arrive exactly (small integers, exact in bfloat16 too), the float within the dtype's
+    rounding. The gradient part is the exchange without the report: the same mean, ``sent`` and
+    warm start (bit for bit at 2 ranks, where each sum is one addition; to rounding at 3, where the
+    longer message may change gloo's order of additions), and the same payload bytes (the report's
+    elements are not payload). ``sent`` is computed before the message and handed to the share."""
+    ws = len(exchange_runs)
+    runs = [x["ride"][wire] for x in exchange_runs]
+    want = torch.tensor([1.0, ws, sum(r + 1 for r in range(ws)), sum(0.1 * (r + 1) for r in range(ws)),
+                         sum(3.0 * r * r for r in range(ws))], dtype=torch.float64)
+    ftol = 2 ** -7 if wire == "bfloat16" else 1e-6
+    for r, res in enumerate(runs):
+        got = res["summed"].double()
+        assert got.dtype == torch.float64 and res["summed"].dtype == torch.float32
+        assert torch.equal(got[[0, 1, 2, 4]], want[[0, 1, 2, 4]]), (r, got)
+        assert abs(float(got[3]) / float(want[3]) - 1) <= ws * ftol, (r, got)
+        assert torch.equal(res["summed"], runs[0]["summed"])  # identical on every rank
+        assert res["exact_mean"] is None
+        assert torch.equal(res["seen"], res["sent"])
+        assert res["payload"] == res["payload_alone"]
+        if ws == 2:
+            assert torch.equal(res["mean"], res["mean_alone"]) and torch.equal(res["sent"], res["sent_alone"])
+            assert all(torch.equal(res["q"][k], res["q_alone"][k]) for k in res["q_alone"])
+        else:
+            tol = dict(rtol=1e-2, atol=1e-2) if wire == "bfloat16" else dict(rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(res["mean"], res["mean_alone"], **tol)
+            torch.testing.assert_close(res["sent"], res["sent_alone"], **tol)
 
 
 def test_wire_dtype_is_validated_and_halves_the_one_rank_payload():
@@ -412,15 +462,17 @@ class _Net(torch.nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def _engine_run(rank: int, ws: int, min_compress_numel: int = 0) -> dict:
+def _engine_run(rank: int, ws: int, min_compress_numel: int = 0, report_rides: bool = True) -> dict:
     import torch.distributed as dist
 
     model = _Net()
     replica = copy.deepcopy(model)
     ddp = DDP(model, bucket_cap_mb=25)
     engine = GCEngine(build_compressor("lowrank", args=dict(rank=RANK)),
-                      EngineConfig(warmup_steps=0, min_compress_numel=min_compress_numel, seed=3),
+                      EngineConfig(warmup_steps=0, min_compress_numel=min_compress_numel, seed=3,
+                                   report_rides=report_rides),
                       list(model.named_parameters()))
+    lossy = {n for grp in engine.plan.groups if not grp.exact for n in grp.names}
     calls = []  # allreduces on the engine's own group, per step
     real_all_reduce = dist.all_reduce
 
@@ -437,7 +489,7 @@ def _engine_run(rank: int, ws: int, min_compress_numel: int = 0) -> dict:
     names = [n for n, _ in model.named_parameters()]
     mem = {n: [torch.zeros_like(p, dtype=torch.float64) for _ in range(ws)] for n, p in model.named_parameters()}
     q = q0.double()
-    worst_grad = worst_mem = 0.0
+    worst_grad = worst_mem = worst_gain = 0.0
     for step in range(6):
         calls.append(0)
         replica.load_state_dict(model.state_dict())
@@ -448,16 +500,22 @@ def _engine_run(rank: int, ws: int, min_compress_numel: int = 0) -> dict:
         local = {n: gather_all(p.grad.detach().clone(), ws) for n, p in replica.named_parameters()}
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        sent2 = p2 = 0.0  # the compression gain over all ranks: Σ‖sent‖² / Σ‖p‖² of the lossy groups
         for n in names:  # the hand-written PowerSGD recursion with error feedback
             ps = [local[n][r].double() + mem[n][r] for r in range(ws)]
             if n == "a.weight":
                 basis = _gram_schmidt(sum(m @ q for m in ps))
                 proj = basis @ basis.t()
                 ref = proj @ (sum(ps) / ws)
-                mem[n] = [m - proj @ m for m in ps]
+                sents = [proj @ m for m in ps]
+                mem[n] = [m - s for m, s in zip(ps, sents)]
                 q = (sum(ps) / ws).t() @ basis
             else:
                 ref = sum(ps) / ws
+                sents = ps
+            if n in lossy:
+                sent2 += sum(float(s.square().sum()) for s in sents)
+                p2 += sum(float(m.square().sum()) for m in ps)
             got = dict(model.named_parameters())[n].grad.double()
             worst_grad = max(worst_grad, float((got - ref).abs().max() / ref.abs().max()))
         for grp in engine.plan.groups:
@@ -467,30 +525,35 @@ def _engine_run(rank: int, ws: int, min_compress_numel: int = 0) -> dict:
             want = torch.cat([mem[n][rank].reshape(-1) for n in grp.names])
             worst_mem = max(worst_mem, float((engine.memory[grp.gid].double().reshape(-1) - want).abs().max()))
         engine.before_optimizer_step()
+        worst_gain = max(worst_gain, abs(engine.last_step.gain / (sent2 / p2) - 1))
         opt.step()
         engine.after_optimizer_step()
     dist.all_reduce = real_all_reduce
-    return {"grad": worst_grad, "mem": worst_mem, "mem_norm": float(mem["a.weight"][rank].norm()),
+    return {"grad": worst_grad, "mem": worst_mem, "mem_norm": float(mem["a.weight"][rank].norm()), "gain": worst_gain,
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
             "groups": [(g.names, g.exact) for g in engine.plan.groups], "calls": calls}
 
 
-@pytest.mark.parametrize("min_compress_numel", [0, 64], ids=["no_exact_group", "exact_group_rides"])
-def test_engine_gradient_and_error_memory_follow_powersgd_from_all_ranks(min_compress_numel):
+@pytest.mark.parametrize("min_compress_numel,report_rides", [(0, True), (64, True), (64, False)],
+                         ids=["no_exact_group", "exact_group_rides", "report_alone"])
+def test_engine_gradient_and_error_memory_follow_powersgd_from_all_ranks(min_compress_numel, report_rides):
     """With ``min_compress_numel=64`` the bias of ``a`` and all of ``b`` form the plan's exact group,
-    which travels in the ``P`` allreduce (``carries_exact``): every step then issues the ``P`` and
-    ``Q`` allreduces and the closing report, three in all, where a separate exact group would add a
-    fourth; the values still follow the exact mean (the oracle's ``sum(ps) / ws``)."""
-    results = run_distributed(_engine_run, 2, min_compress_numel, timeout=240)
+    which travels in the ``P`` allreduce (``carries_exact``), and the closing report rides in the
+    ``Q`` allreduce (``carries_report``): every step issues the ``P`` and ``Q`` allreduces, two in
+    all, where a separate exact group and report would add one each (``report_rides=False``: three);
+    the values still follow the exact mean (the oracle's ``sum(ps) / ws``), and the step's
+    compression gain, summed in the ``Q`` message, the oracle's Σ‖sent‖² / Σ‖p‖² over both ranks."""
+    results = run_distributed(_engine_run, 2, min_compress_numel, report_rides, timeout=240)
     for r, res in enumerate(results):
         assert res["grad"] <= 1e-4, f"rank {r}: gradient off by {res['grad']:.3g}"
         assert res["mem"] <= 1e-5, f"rank {r}: error memory off by {res['mem']:.3g}"
         assert res["mem_norm"] > 1e-3  # the compression really dropped something
+        assert res["gain"] <= 1e-5, f"rank {r}: gain off by {res['gain']:.3g}"
     assert torch.equal(results[0]["params"], results[1]["params"])
     groups = results[0]["groups"]
     if min_compress_numel:
         assert groups == [(("a.weight",), False), (("b.bias", "b.weight", "a.bias"), True)]
     else:
         assert groups == [(("b.bias", "b.weight", "a.bias", "a.weight"), False)]
-    # step 0 adds the opening check (check_every); later steps: P, Q and the closing report
-    assert results[0]["calls"][1:] == [3] * 5, results[0]["calls"]
+    # step 0 adds the opening check (check_every, an all-gather: not counted); P, Q (and the report alone)
+    assert results[0]["calls"] == [2 if report_rides else 3] * 6, results[0]["calls"]

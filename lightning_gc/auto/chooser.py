@@ -783,11 +783,13 @@ class AutoChooser(StepParticipant):
             # test leaves it out)
             self._recent_pending = (step, self._agree_wall_later(step, wall))
         if wall is not None and self._last_decision_step != step:
-            exchange_s = None
+            exchange_s, exchange_step = None, None
             if candidate(self.chosen).compressor is not None:  # agreed by the step's closing report
                 stats = engine.last_step
-                exchange_s = None if stats is None or stats.dense else stats.exchange_comm_mean_s
-            self._check_severe_steps(step, wall, exchange_s)
+                if stats is not None and not stats.dense:
+                    # this step's, or the step before's where the report rode in the last message
+                    exchange_s, exchange_step = stats.exchange_comm_mean_s, stats.exchange_comm_mean_step
+            self._check_severe_steps(step, wall, exchange_s, exchange_step)
         if self._gain_due(step):
             self._arm_sample()
 
@@ -829,7 +831,8 @@ class AutoChooser(StepParticipant):
                                               self.engine.device)
         return not missing and exposed > 0.0 and exposed >= ratio * rest
 
-    def _check_severe_steps(self, step: int, wall: float, exchange_s: float | None = None) -> None:
+    def _check_severe_steps(self, step: int, wall: float, exchange_s: float | None = None,
+                            exchange_step: int | None = None) -> None:
         """The every-step severe tests (``severe_steps``; see :class:`AutoConfig`), at least
         ``min_interval`` steps after the last severe re-decision (:meth:`_severe_held`); each
         re-decides with a probe (trigger ``drift``). Every input is agreed, so every rank takes the same path.
@@ -838,9 +841,10 @@ class AutoChooser(StepParticipant):
           complete by now) and issues this step's; every one of the last ``severe_steps`` agreed
           walls ``severe_drift`` or more off the reference the same way, or their median twice that
           far (:func:`steps_apart`; or off a calibrated prediction, before the reference window).
-        * **The exchange** (test ``exchange``; compressed methods): ``exchange_s``, this step's time
-          in the compressed exchanges averaged over the ranks (the step's closing report, agreed
-          already), against the fastest exchange of the reference window: the median of the last
+        * **The exchange** (test ``exchange``; compressed methods): ``exchange_s``, step
+          ``exchange_step``'s time in the compressed exchanges averaged over the ranks (the step's
+          closing report, agreed already; the step before's where the report rode in the step's
+          last message, ``EngineConfig.report_rides``), against the fastest exchange of the reference window: the median of the last
           ``severe_steps`` ``severe_drift`` times or more *faster* and by at least
           :data:`EXCHANGE_SHARE` of the reference step. The fastest, not the median: the median let
           a reference window that caught the slow mode of a two-mode exchange (below) fire on the
@@ -867,7 +871,8 @@ class AutoChooser(StepParticipant):
         if not n or not sv:
             return
         last = self._last_decision_step if self._last_decision_step is not None else -10**9
-        if exchange_s is not None and step > last + 1:
+        at = step if exchange_step is None else exchange_step
+        if exchange_s is not None and at > last + 1:  # not the decision's step, nor the switch's first
             self._recent_exchange = (self._recent_exchange + [exchange_s])[-n:]
             self._window_exchange.append(exchange_s)
         if self._severe_held(step):

@@ -236,6 +236,9 @@ class Exchange(ABC):
     #: :meth:`run_with_exact` sends a group's exact tensors inside this exchange's own first
     #: collective (one collective per step fewer than a separate exact group; docs/concepts.md)
     carries_exact: ClassVar[bool] = False
+    #: :meth:`run_riding` sends the step's closing report inside this exchange's last collective (one
+    #: latency-bound collective per step fewer; lightning_gc/engine/agreement.py, RiddenReport)
+    carries_report: ClassVar[bool] = False
 
     def __init__(self, compressor: Compressor, group=None, network: NetworkState | None = None) -> None:
         self.compressor = compressor
@@ -260,6 +263,19 @@ class Exchange(ABC):
         exactly and divided by N in the same message: returns (mean, sent, mean of ``exact``).
         Only for exchanges with ``carries_exact``; the engine never calls it on the others."""
         raise NotImplementedError(f"collective {self.name!r} does not carry exact tensors (carries_exact=False)")
+
+    def report_dtype(self) -> torch.dtype | None:
+        """The dtype :meth:`run_riding` sends the report in (its last message's), None if it cannot."""
+        return None
+
+    def run_riding(self, p: Tensor, ctx: GroupContext, timer: Timer, exact: Tensor | None,
+                   report: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+        """:meth:`run` (or :meth:`run_with_exact` with ``exact``), with the step's closing report in the
+        last collective: just before it, ``report(sent)`` (this rank's ``sent``, dense) returns this
+        rank's share (a flat fp32 tensor), which is summed over the ranks, *not* divided by N, in the
+        message's dtype. Returns (mean, sent, mean of ``exact`` or None, the summed share in fp32).
+        Only for exchanges with ``carries_report``; the engine never calls it on the others."""
+        raise NotImplementedError(f"collective {self.name!r} does not carry the closing report (carries_report=False)")
 
     def describe(self) -> str:
         """Name and options; part of the cross-rank signature."""

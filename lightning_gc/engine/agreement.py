@@ -23,6 +23,26 @@ blocks backward:
   error memory is committed or its gradient handed to the optimizer. Error memory is committed only
   after it, so a non-finite step leaves memory untouched on every rank.
 
+**The report riding in the last message** (:class:`RiddenReport`): where a step's last exchange is one
+sum-allreduce that can take a few more elements (``Exchange.carries_report``: ``lowrank``'s ``Q``
+message), the report travels there instead of in a collective of its own, in the message's dtype
+(fp32 or bfloat16), not float64. What changes so that nothing is lost:
+
+* the counts (non-finite ranks, malformed ranks, ranks that carried a figure) are sums of 0/1 per rank
+  and the hash travels as its 32 bits, one element each: every rank sent the same hash iff each
+  bit's sum is 0 or N. Both are sums of small integers, exact in the dtype while N stays below
+  :data:`RIDER_MAX_RANKS` (2^24 ranks in fp32, 256 in bfloat16; above it the report goes alone);
+* Σ‖sent‖², Σ‖p‖² and the carried wall are summed in the dtype: about 7 significant digits in fp32,
+  about 2-3 in bfloat16 (the gain is a ratio of the two, for the controllers' drift tests);
+* the exchange time cannot describe the message it rides in: the report carries the *previous*
+  step's exchange time (:attr:`RiddenReport.exchange_step`), and only where no exchange of the step
+  needs the network tracker's prediction (the engine sends the report alone then).
+
+Why: the closing report is one more latency-bound collective per step on the exchange's process
+group. On ``mlp`` at 20 Mbit/s on 4 ranks it took 10.3 ms of static ``lowrank``'s 70.5 ms step
+(bfloat16 messages; torch PowerSGD's step was 60.4 ms in the same run; docs/concepts.md, "The
+closing report").
+
 Why not the opening check on every step: it is one more latency-bound collective between the first
 bucket and the first exchange. On 4 ranks at 20 Mbit/s it took 6–23 ms, and with the default schedule the median
 Top-k and ``lowrank`` steps on the ``mlp`` preset were 0.97× and 0.95× those with the check on every
@@ -37,10 +57,18 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from ..comm.collectives import check_descriptor, descriptor_hash, ring_allreduce_bytes
 
-__all__ = ["StepReport", "agree", "check_descriptor", "descriptor_hash"]  # the opening check lives in comm
+__all__ = ["RIDER_MAX_RANKS", "RiddenReport", "StepReport", "agree", "check_descriptor",
+           "descriptor_hash"]  # the opening check lives in comm
+
+#: The most ranks whose report can ride in a message of this dtype: its counts and the hash's bits are
+#: sums of 0/1 per rank, exact while below 2^(significand bits) (24 in fp32, 8 in bfloat16). A dtype not
+#: listed (float16: its range is too small for Σ‖p‖²) never carries the report.
+RIDER_MAX_RANKS: dict[torch.dtype, int] = {torch.float32: 2 ** 24, torch.bfloat16: 2 ** 8}
+_HASH_BITS = 32
 
 
 @dataclass
@@ -78,6 +106,54 @@ class StepReport:
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> StepReport:
         return cls(*(float(v) for v in t.cpu().tolist()))
+
+
+@dataclass
+class RiddenReport:
+    """The closing report as it travels inside a step's last message (see the module docs): the
+    summed fields, whether every rank's hash was the same, and the previous step's exchange time.
+
+    ``report``: the summed :class:`StepReport` (its digest, exchange and prediction fields unused).
+    ``digests_agree``: every bit of the 32-bit hash summed to 0 or N.
+    ``exchange_comm_s``: Σ over the ranks of the previous step's time in the compressed exchanges, or
+    ``None`` unless every rank carried one; ``exchange_step``: which step that was."""
+
+    report: StepReport
+    digests_agree: bool
+    exchange_comm_s: float | None
+    exchange_step: int | None
+
+    #: elements before the hash's bits: nonfinite, malformed, sent2, p2, carried wall and ranks,
+    #: previous exchange time and ranks
+    FIELDS = 8
+
+    @classmethod
+    def encode(cls, report: StepReport, digest: int, previous_exchange_s: float | None,
+               device: torch.device) -> Tensor:
+        """This rank's share, fp32 (the exchange casts it to its message's dtype): the fields in the
+        order of :attr:`FIELDS`, then the hash's 32 bits, least significant first."""
+        prev = 0.0 if previous_exchange_s is None else float(previous_exchange_s)
+        values = [report.nonfinite_ranks, report.malformed_ranks, report.sent2, report.p2,
+                  report.carried_wall_s, report.carried_ranks, prev, 0.0 if previous_exchange_s is None else 1.0]
+        values += [float((digest >> i) & 1) for i in range(_HASH_BITS)]
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    @classmethod
+    def numel(cls) -> int:
+        return cls.FIELDS + _HASH_BITS
+
+    @classmethod
+    def decode(cls, summed: Tensor, world_size: int, step: int) -> RiddenReport:
+        """The sums of :meth:`encode` over the ranks (``step``: the step that sent them)."""
+        v = [float(x) for x in summed.double().cpu().tolist()]
+        if len(v) != cls.numel():
+            raise ValueError(f"a ridden report has {cls.numel()} elements, got {len(v)}")
+        n = float(world_size)
+        report = StepReport(nonfinite_ranks=v[0], malformed_ranks=v[1], sent2=v[2], p2=v[3],
+                            carried_wall_s=v[4], carried_ranks=v[5])
+        agree = all(b == 0.0 or b == n for b in v[cls.FIELDS:])
+        every = v[7] == n
+        return cls(report, agree, v[6] if every else None, step - 1 if every else None)
 
 
 _OPS = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM}

@@ -57,6 +57,11 @@ class EngineConfig:
             ``1`` checks every step: a rank that would send something of another size then fails
             with a message instead of inside the collective (gloo aborts the process on a size
             mismatch); use it while debugging a custom controller that changes compression settings.
+        report_rides: send a compressed step's closing report inside the step's last message where
+            that message can take it (``Exchange.carries_report``: ``lowrank``'s second allreduce)
+            instead of in an allreduce of its own. The same checks and sums, one latency-bound
+            collective per step fewer; the report's exchange time is then the step before's
+            (lightning_gc/engine/agreement.py, ``RiddenReport``). ``False`` always sends it alone.
     """
 
     plan: str = "model"
@@ -75,6 +80,7 @@ class EngineConfig:
     probe_patience: int = 5
     overlap: bool = True
     check_every: int = 50
+    report_rides: bool = True
 
     def __post_init__(self) -> None:
         check_bool("error_feedback", self.error_feedback, "Error feedback keeps what was not sent for the next step.")
@@ -99,6 +105,8 @@ class EngineConfig:
             )
         check_bool("overlap", self.overlap, "True runs compressed exchanges on the engine's worker thread, "
                    "overlapped with backward; False runs them inside the hook.")
+        check_bool("report_rides", self.report_rides, "True sends the closing report inside the step's last "
+                   "message where it can ride; False sends it in an allreduce of its own.")
         _int("check_every", self.check_every, 1, "Use 1 to check before every compressed step, e.g. 50 to "
              "check every 50 steps (the closing report checks every step either way).")
         _int("plan_threshold", self.plan_threshold, 1, "Use e.g. 8192 elements per merged group.")

@@ -63,7 +63,7 @@ from ..compressors.dense import DenseCompressor
 from ..compressors.workspace import empty_output
 from ..plans import Plan, build_plan
 from . import checkpoint
-from .agreement import StepReport, agree, check_descriptor, descriptor_hash
+from .agreement import RIDER_MAX_RANKS, RiddenReport, StepReport, agree, check_descriptor, descriptor_hash
 from .config import EngineConfig
 from .memory import ErrorMemory
 from .network import NetworkTracker
@@ -108,6 +108,11 @@ class _StepWork:
     # GCEngine.enable_dense_carry: the value the first sending bucket of this dense step carries (NaN: none)
     dense_carry: float | None = None
     rider_views: dict[int, list[Tensor]] = field(default_factory=dict)
+    # the closing report as it rode in the step's last message (set by that exchange's job), else None
+    ridden: RiddenReport | None = None
+    # a non-finite mean every rank computed alike (an exact group's sum): counted at the close whether or
+    # not the report had already left
+    replicated_nonfinite: bool = False
     finished: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -186,6 +191,9 @@ class GCEngine:
         self._last_stats: StepStats | None = None
         self._last_nonfinite = False
         self._outside_nonfinite = False  # set by report_nonfinite() for the step being hooked
+        #: (step, this rank's time in its compressed exchanges) of the last compressed step closed: the
+        #: next step's report carries it where the report rides in that step's last message
+        self._last_exchange: tuple[int, float] | None = None
         self._totals = Totals()
         self.hook_calls = 0
         #: optional ``fn(gid, p, ctx)`` called on the runner thread with each lossy group's error-fed
@@ -634,6 +642,11 @@ class GCEngine:
                                                         views, flush, carry))
         else:
             ready_event = self._ready_event(buffer)
+            last = bucket.is_last()
+            if last and self._outside_nonfinite:  # before the step's last job: its report may ride there
+                self._outside_nonfinite = False
+                work.report.nonfinite_ranks = 1.0
+            jobs: list[tuple[int, list[Tensor], list[Tensor] | None]] = []
             for gid in self._readiness.add_bucket(bucket):
                 views = self._readiness.take_views(gid)
                 if work.rider is not None and gid in work.rider:
@@ -643,11 +656,15 @@ class GCEngine:
                     if len(work.rider_views) < 2:
                         continue
                     host, exact = work.rider
-                    hv, ev = work.rider_views.pop(host), work.rider_views.pop(exact)
-                    self._runner.submit(lambda g=host, v=hv, e=ev: self._guard(
-                        work, self._job_group, work, g, v, ready_event, e))
+                    jobs.append((host, work.rider_views.pop(host), work.rider_views.pop(exact)))
                     continue
-                self._runner.submit(lambda g=gid, v=views: self._guard(work, self._job_group, work, g, v, ready_event))
+                jobs.append((gid, views, None))
+            for i, (g, v, e) in enumerate(jobs):
+                # the step's last job (the last bucket's last group; the same on every rank) may carry
+                # the closing report in its last message (_report_rides)
+                closes = last and i == len(jobs) - 1
+                self._runner.submit(lambda g=g, v=v, e=e, c=closes: self._guard(
+                    work, self._job_group, work, g, v, ready_event, e, c))
         if bucket.is_last():
             self._close_step()
         return fut
@@ -862,9 +879,10 @@ class GCEngine:
         reduced.add_done_callback(done)
 
     def _job_group(self, work: _StepWork, gid: int, views: list[Tensor], ready_event,
-                   exact_views: list[Tensor] | None = None) -> None:
+                   exact_views: list[Tensor] | None = None, closes: bool = False) -> None:
         """Exchange group ``gid`` and write its mean into ``views``; with ``exact_views`` (the exact
-        group's views, :meth:`_rider`), that group rides in the same exchange."""
+        group's views, :meth:`_rider`), that group rides in the same exchange. ``closes``: the step's
+        last job (its closing report may ride in this exchange: :meth:`_report_rides`)."""
         if ready_event is not None:
             torch.cuda.current_stream().wait_event(ready_event)
         group = self.plan.groups[gid]
@@ -883,21 +901,24 @@ class GCEngine:
             mean, _ = self.exact_exchange.run(flat, ctx, timer)
             if not all_finite(mean):  # identical on all ranks after the sum
                 work.report.nonfinite_ranks = 1.0
+                work.replicated_nonfinite = True
         else:
             exact = None
             if exact_views is not None:
                 exact = timer.run("compress", lambda: torch.cat([v.reshape(-1).float() for v in exact_views]))
-            mean, exact_mean = self._exchange_lossy(work, gid, flat, ctx, timer, exact)
+            mean, exact_mean = self._exchange_lossy(work, gid, flat, ctx, timer, exact, closes)
             work.written.append(views)
             if exact_views is not None:
                 if not all_finite(exact_mean):  # identical on all ranks after the sum
                     work.report.nonfinite_ranks = 1.0
+                    work.replicated_nonfinite = True
                 _scatter(exact_mean, exact_views)
         _scatter(mean, views)
 
     def _exchange_lossy(self, work: _StepWork, gid: int, flat: Tensor, ctx: GroupContext, timer: Timer,
-                        exact: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """(mean of group ``gid``, mean of ``exact`` or None): ``exact`` rides in the exchange."""
+                        exact: Tensor | None = None, closes: bool = False) -> tuple[Tensor, Tensor | None]:
+        """(mean of group ``gid``, mean of ``exact`` or None): ``exact`` rides in the exchange, and
+        the step's closing report too where ``closes`` and :meth:`_report_rides` allow."""
         slot = self.slot_of(gid)
         names = self.plan.groups[gid].names
         flush = names in self._flush
@@ -913,15 +934,28 @@ class GCEngine:
             self.group_observer(gid, p, ctx)
         timer.resolve()
         c0 = work.times.comm_s
+        work.report.p2 += p2
         exact_mean = None
-        if exact is None:
-            mean, sent = slot.exchange.run(p, ctx, timer)
+        if closes and self._report_rides(work, slot):
+            def share(sent: Tensor) -> Tensor:  # called by the exchange just before its last collective
+                work.report.sent2 += sent_sq_norm(sent)
+                work.report.malformed_ranks = 1.0 if work.times.malformed else 0.0
+                previous = self._last_exchange
+                prev_s = previous[1] if previous is not None and previous[0] == work.step - 1 else None
+                return RiddenReport.encode(work.report, descriptor_hash(work.descriptor), prev_s, p.device)
+
+            mean, sent, exact_mean, summed = slot.exchange.run_riding(p, ctx, timer, exact, share)
+            work.ridden = RiddenReport.decode(summed, self.world_size, work.step)
+            sent2 = None  # in the report already
         else:
-            mean, sent, exact_mean = slot.exchange.run_with_exact(p, ctx, timer, exact)
+            if exact is None:
+                mean, sent = slot.exchange.run(p, ctx, timer)
+            else:
+                mean, sent, exact_mean = slot.exchange.run_with_exact(p, ctx, timer, exact)
+            sent2 = sent_sq_norm(sent)  # a LazySent knows it without expanding
+            work.report.sent2 += sent2
         timer.resolve()  # CUDA: wait for this exchange's events (worker thread only)
         work.exchange_comm_s += work.times.comm_s - c0
-        work.report.p2 += p2
-        sent2 = sent_sq_norm(sent)  # a LazySent knows it without expanding
         if flush and not slot.error_feedback:  # the memory went out with this send: none is kept
             self._memory.stage_clear(gid)
             work.flushed.append(names)
@@ -929,10 +963,24 @@ class GCEngine:
             # p is a fresh tensor (torch.cat / the sum above always allocate): reuse it in place
             residual = error_feedback_residual(p, sent, in_place=True)
             # sparse: sent == p at its indices, so ‖p − sent‖² = ‖p‖² − ‖sent‖² without another pass
-            r2 = max(p2 - sent2, 0.0) if isinstance(sent, SparseSent) else sq_norm(residual)
+            r2 = (max(p2 - sent2, 0.0) if isinstance(sent, SparseSent) and sent2 is not None
+                  else sq_norm(residual))
             self._memory.stage(gid, residual, r2)
-        work.report.sent2 += sent2
         return mean, exact_mean
+
+    def _report_rides(self, work: _StepWork, slot: MethodSlot) -> bool:
+        """Whether the step's closing report rides in this (the step's last) exchange's last message
+        (``EngineConfig.report_rides``; lightning_gc/engine/agreement.py, ``RiddenReport``). Only
+        where the exchange can carry it (``carries_report``) in a dtype that counts this many ranks
+        exactly, where no exchange of the step chose a collective from the network model (the
+        tracker compares that step's own exchange time with the prediction), and where the plan
+        sends every parameter this step (OSP's deferred layers report a non-finite gradient from
+        outside the engine). Replicated inputs only: every rank decides alike."""
+        if not (self.config.report_rides and type(slot.exchange).carries_report and self.world_size > 1):
+            return False
+        limit = RIDER_MAX_RANKS.get(slot.exchange.report_dtype())
+        return (limit is not None and self.world_size <= limit and not work.times.choices
+                and len(self._planned) == len(self.params))
 
     def _job_close(self, work: _StepWork) -> None:
         if work.dense:
@@ -948,13 +996,18 @@ class GCEngine:
         work.report.exchange_comm_s = work.exchange_comm_s
         if predicted is not None:
             work.report.predicted_comm_s, work.report.has_prediction = float(predicted), 1.0
-        work.report.malformed_ranks = 1.0 if work.times.malformed else 0.0
-        work.report.set_digest(descriptor_hash(work.descriptor))
-        t0 = time.perf_counter()
-        total, nbytes = agree(work.report, self.exchange_group, self.world_size, self.device)
-        work.control_comm_s += time.perf_counter() - t0
-        work.times.bytes_sent += nbytes
-        if not total.digests_agree(self.world_size):  # on every rank alike: name the ranks, then stop
+        ridden = work.ridden
+        if ridden is None:
+            work.report.malformed_ranks = 1.0 if work.times.malformed else 0.0
+            work.report.set_digest(descriptor_hash(work.descriptor))
+            t0 = time.perf_counter()
+            total, nbytes = agree(work.report, self.exchange_group, self.world_size, self.device)
+            work.control_comm_s += time.perf_counter() - t0
+            work.times.bytes_sent += nbytes
+            digests_agree = total.digests_agree(self.world_size)
+        else:  # it rode in the step's last message (summed there; its bytes counted by that exchange)
+            total, digests_agree = ridden.report, ridden.digests_agree
+        if not digests_agree:  # on every rank alike: name the ranks, then stop
             check_descriptor(work.descriptor, work.step, self.exchange_group, self.world_size, self.device,
                              at_close=True)
         if total.malformed_ranks > 0:  # on every rank alike: the step's futures fail, training stops
@@ -968,12 +1021,17 @@ class GCEngine:
             )
         s = work.stats
         s.exchange_comm_s = work.exchange_comm_s
-        s.exchange_comm_mean_s = total.exchange_comm_s / self.world_size
+        if ridden is None:
+            s.exchange_comm_mean_s, s.exchange_comm_mean_step = total.exchange_comm_s / self.world_size, work.step
+        elif ridden.exchange_comm_s is not None:  # the step before's, carried in this step's last message
+            s.exchange_comm_mean_s = ridden.exchange_comm_s / self.world_size
+            s.exchange_comm_mean_step = ridden.exchange_step
+        self._last_exchange = (work.step, work.exchange_comm_s)
         if total.carried_ranks == self.world_size:
             s.carried_wall_mean_s = total.carried_wall_s / self.world_size
         s.full_precision = work.times.full_precision
         s.compressor_metrics = work.times.metrics or None
-        bad = total.nonfinite_ranks > 0
+        bad = total.nonfinite_ranks > 0 or work.replicated_nonfinite
         if bad and self.config.check_finite:
             s.nonfinite = True
             self._memory.discard()
@@ -984,7 +1042,7 @@ class GCEngine:
             s.nonfinite = bad
             self._memory.commit()
             self._flush.difference_update(work.flushed)
-            if total.p2 > 0 and not bad:
+            if total.p2 > 0 and not bad and math.isfinite(total.p2) and math.isfinite(total.sent2):
                 self._record_gain(s, total.sent2, total.p2)
         if choices:
             s.collective = "+".join(sorted(set(choices)))
@@ -1052,6 +1110,7 @@ class GCEngine:
         self.synchronize()
         missing = checkpoint.load_engine_state(self, state, restore_memory)
         self._check_next = bool(check_next)
+        self._last_exchange = None  # a time of another timeline: the next ridden report carries none
         return missing
 
 

@@ -36,6 +36,8 @@ class StepStats:
     # check, which lines the ranks up, so it excludes most of the wait for slower ranks)
     exchange_comm_mean_s: float | None = None  # exchange_comm_s averaged over the ranks (from the step's
     # closing report: identical on every rank, so a decision may use it); None on dense steps
+    exchange_comm_mean_step: int | None = None  # the step exchange_comm_mean_s describes: this one, or the
+    # step before where the closing report rode in the step's last message (engine/agreement.py)
     carried_wall_mean_s: float | None = None  # the value every rank handed to GCEngine.carry_wall before
     # this step, averaged over the ranks by the step's closing report; None on dense steps and when not
     # every rank carried one

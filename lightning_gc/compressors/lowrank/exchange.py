@@ -15,12 +15,20 @@ allreduce costs several milliseconds of latency: ``mlp`` at 20 Mbit/s, one run o
 ``lowrank:rank=1`` took 1.14× torch PowerSGD's step with the separate allreduce and 1.04× with
 the exact tensors in the ``P`` message (docs/compressors.md, lowrank).
 
+The second allreduce carries the step's closing report when the engine hands it over
+(:meth:`LowRankExchange.run_riding`, ``carries_report``): a few dozen elements appended to the ``Q``
+message, summed and not divided by N, so the step needs no collective of its own for the report
+(lightning_gc/engine/agreement.py, ``RiddenReport``). ``sent`` is computed before that message, since
+the report holds ‖sent‖².
+
 With ``wire_dtype="bfloat16"`` both messages are divided by N, cast to bfloat16, summed in bfloat16
 and widened to fp32 on arrival; ``sent`` is this rank's *rounded* contribution (times N), so error
 feedback keeps the rounding (the codec module's docstring says why bfloat16 and not float16).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -39,6 +47,7 @@ class LowRankExchange(Exchange):
     name = "lowrank"
     formats = frozenset({"lowrank"})
     carries_exact = True
+    carries_report = True
 
     def __init__(self, compressor: LowRankCompressor, group=None, network: NetworkState | None = None) -> None:
         self._require(compressor, LowRankCompressor, "the low-rank (PowerSGD) exchange")
@@ -59,19 +68,31 @@ class LowRankExchange(Exchange):
         return self.compressor.start_q(ctx, b)
 
     def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor]:
-        mean, sent, _ = self._run(p, ctx, timer, None)
+        mean, sent, _, _ = self._run(p, ctx, timer, None, None)
         return mean, sent
 
     def run_with_exact(self, p: Tensor, ctx: GroupContext, timer: Timer,
                        exact: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`run` with ``exact`` (fp32, flat) appended to the first allreduce's dense part."""
-        return self._run(p, ctx, timer, exact)
+        mean, sent, exact_mean, _ = self._run(p, ctx, timer, exact, None)
+        return mean, sent, exact_mean
 
-    def _run(self, p: Tensor, ctx: GroupContext, timer: Timer,
-             exact: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    def report_dtype(self) -> torch.dtype:
+        return self.compressor.config.wire_torch_dtype
+
+    def run_riding(self, p: Tensor, ctx: GroupContext, timer: Timer, exact: Tensor | None,
+                   report: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+        """:meth:`run` / :meth:`run_with_exact` with ``report(sent)`` appended to the ``Q`` message."""
+        mean, sent, exact_mean, summed = self._run(p, ctx, timer, exact, report)
+        assert summed is not None
+        return mean, sent, exact_mean, summed
+
+    def _run(self, p: Tensor, ctx: GroupContext, timer: Timer, exact: Tensor | None,
+             report: Callable[[Tensor], Tensor] | None) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         n = ctx.world_size
         if n == 1:
-            return p.clone(), p, (None if exact is None else exact.clone())
+            summed = None if report is None else report(p).float()
+            return p.clone(), p, (None if exact is None else exact.clone()), summed
         ne = 0 if exact is None else exact.numel()
         blocks = self.compressor.blocks(ctx)
         mats = [b for b in blocks if b.compressed]
@@ -113,40 +134,58 @@ class LowRankExchange(Exchange):
             return buf, p_hats, q_locals
 
         buf2, p_hats, q_locals = timer.run("compress", second)
+        nq = buf2.numel()
         if wire is torch.float32:
-            sent_q = buf2.clone()  # this rank's own Q = Mᵀ·P̂ (error feedback)
-            msg2 = buf2
+            sent_q = msg2 = buf2  # this rank's own Q = Mᵀ·P̂: read by own() before the allreduce sums it
         else:  # divided by N before the cast, as the first message; `sent` is what was rounded
             msg2 = timer.run("compress", lambda: buf2.div_(n).to(wire))
             sent_q = msg2.float().mul_(n)
-        timer.times.bytes_payload += msg2.numel() * msg2.element_size()
-        timer.times.bytes_sent += timer.run("comm", lambda: allreduce([msg2], self.group))
 
-        def finish() -> tuple[Tensor, Tensor]:
-            q_sum = buf2.div_(n) if wire is torch.float32 else msg2.float()  # the mean Q̄ (bf16: divided before)
-            mean = torch.empty_like(p)
+        def own() -> Tensor:
+            """This rank's contribution (error feedback; the report's ‖sent‖²): the dense tensors as
+            sent, each matrix's projection P̂·Q_ownᵀ."""
             sent = torch.empty_like(p)
             off = ne
             for b in dense:
+                src = p if wire is torch.float32 else own_dense
+                at = b.offset if wire is torch.float32 else off - ne
+                sent[b.offset:b.offset + b.numel] = src[at:at + b.numel]
+                off += b.numel
+            off = 0
+            for b, p_hat in zip(mats, p_hats):
+                q_own = sent_q[off:off + b.cols * r].view(b.cols, r)
+                off += b.cols * r
+                sent[b.offset:b.offset + b.numel] = (p_hat @ q_own.t()).reshape(-1)
+            return sent
+
+        sent = timer.run("compress", own)
+        timer.times.bytes_payload += msg2.numel() * msg2.element_size()
+        if report is not None:  # the closing report rides: appended as it is (summed, not divided by N)
+            share = report(sent)
+            msg2 = timer.run("compress", lambda: torch.cat([msg2, share.to(device=msg2.device, dtype=msg2.dtype)]))
+        timer.times.bytes_sent += timer.run("comm", lambda: allreduce([msg2], self.group))
+        summed = None if report is None else msg2[nq:].float()
+
+        def finish() -> Tensor:
+            # the mean Q̄ (bf16: each share was divided by N before the cast)
+            q_sum = msg2[:nq].div_(n) if wire is torch.float32 else msg2[:nq].float()
+            mean = torch.empty_like(p)
+            off = ne
+            for b in dense:
                 mean[b.offset:b.offset + b.numel] = buf1[off:off + b.numel]
-                if wire is torch.float32:
-                    sent[b.offset:b.offset + b.numel] = p[b.offset:b.offset + b.numel]
-                else:
-                    sent[b.offset:b.offset + b.numel] = own_dense[off - ne:off - ne + b.numel]
                 off += b.numel
             keep = bool(torch.isfinite(q_sum).all())  # replicated: the same sum on every rank
             off = 0
             for b, p_hat in zip(mats, p_hats):
                 q_mean = q_sum[off:off + b.cols * r].view(b.cols, r)
-                q_own = sent_q[off:off + b.cols * r].view(b.cols, r)
                 off += b.cols * r
                 mean[b.offset:b.offset + b.numel] = (p_hat @ q_mean.t()).reshape(-1)
-                sent[b.offset:b.offset + b.numel] = (p_hat @ q_own.t()).reshape(-1)
                 if keep and self.compressor.config.warm_start:
                     self._q[self._key(ctx, b)] = q_mean.clone()
-            return mean, sent, (None if exact is None else buf1[:ne].to(exact.dtype).view_as(exact))
+            return mean
 
-        return timer.run("compress", finish)
+        mean = timer.run("compress", finish)
+        return mean, sent, (None if exact is None else buf1[:ne].to(exact.dtype).view_as(exact)), summed
 
     def describe(self) -> str:
         return f"{self.name}:{self.compressor.describe()}"
