@@ -66,7 +66,10 @@ def step_by_hand(cost: dict, wl: dict, alpha: float, beta: float, n: int) -> flo
         else:
             group = max(total - int(cost["exact_bytes"] // 4), 1)  # the exact small tensors are not in M
             comm = sparse_best(alpha, beta, group, n, cost["sparse_ratio"], cost["value_bytes"])
-        comm += ring(alpha, beta, 13 * 8, n)  # the engine's closing report: 13 float64 fields
+        if cost["wire"] == "lowrank":  # the closing report rides in the Q message: 40 fp32 elements, no latency
+            comm += ring(0.0, beta, 40 * 4, n)
+        else:
+            comm += ring(alpha, beta, 13 * 8, n)  # the engine's closing report: 13 float64 fields
         if cost["exact_bytes"] > 0 and cost["wire"] != "lowrank":
             comm += ring(alpha, beta, cost["exact_bytes"], n)
         end = sum(bwd) + cost["codec_s"] + comm

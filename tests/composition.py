@@ -136,7 +136,9 @@ def design() -> list[dict[str, Any]]:
                {**base, "compressor": "lowrank", "sync": "osp", "plan": "layer", "resume": "resumed",
                 "options": {"compressor_args": {"wire_dtype": "bfloat16"}}},
                {**base, "compressor": "lowrank", "resume": "resumed", "accumulate": 2, "precision": "bf16-mixed",
-                "optimizer": "adamw_clip", "options": {"compressor_args": {"wire_dtype": "bfloat16"}}}]
+                "optimizer": "adamw_clip", "options": {"compressor_args": {"wire_dtype": "bfloat16"}}},
+               # lowrank with its closing report alone (report_rides=False; every other lowrank case rides)
+               {**base, "compressor": "lowrank", "resume": "resumed", "options": {"report_rides": False}}]
     for case in all_pairs(FACTORS) + stateful_product() + adamw + auto + options:
         key = tuple(case[n] for n in FACTORS) + (repr(sorted(case.get("options", {}).items())),)
         if key not in seen:

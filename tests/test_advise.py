@@ -40,7 +40,8 @@ def _log2_rounds(n: int) -> int:
 def _oracle_step(cost: MethodCost, w: Workload, alpha: float, beta: float, n: int) -> float:
     """Hand-written step time (docs/auto.md, docs/cost_model.md): bucket modes on DDP's bucket
     timeline (the engine's steady dense path adds no message); engine methods after backward, with
-    the closing report (13 float64 fields) and the exact tensors' allreduce."""
+    the closing report (13 float64 fields; riding in lowrank's Q message) and the exact tensors'
+    allreduce."""
     bwd = sum(w.backward_s)
     base = w.forward_s + w.optimizer_s + w.other_s
     if n == 1:
@@ -80,7 +81,8 @@ def _oracle_step(cost: MethodCost, w: Workload, alpha: float, beta: float, n: in
         comm = min(alpha * lg + (idx + val) * beta * (n - 1),
                    alpha * (2 * (n - 1) + lg) + beta * (idx * lg + val * 2 * (n - 1) / n),
                    3 * alpha * lg + beta * lg * (idx + 2 * val))
-    control = _ring(alpha, beta, 104, n)
+    # the closing report: 104 bytes alone; lowrank's rides in its Q message (160 bytes, no latency)
+    control = _ring(0.0, beta, 160, n) if cost.wire == "lowrank" else _ring(alpha, beta, 104, n)
     exact = _ring(alpha, beta, cost.exact_bytes, n) if cost.exact_bytes > 0 and cost.wire != "lowrank" else 0.0
     return base + bwd + cost.codec_s + comm + control + exact
 

@@ -26,10 +26,12 @@ share one definition and every rank computes the same choice from the same (agre
   closing report). The 16-bit modes halve the bytes and add their cast (``codec_s``).
 * every compressor runs in the engine with the ``"model"`` plan: one group, exchanged after
   backward ends (nothing to overlap with), costing ``codec_s`` + the collective's time for
-  ``payload_bytes`` + the engine's closing report (an 88-byte allreduce; its opening check runs
+  ``payload_bytes`` + the engine's closing report (a 104-byte allreduce; its opening check runs
   only every ``check_every`` steps and is left out) + the ring allreduce of the small
   tensors it sends exactly (``exact_bytes``; for ``lowrank`` only their bytes: they ride in its
-  ``P`` allreduce, see :attr:`~lightning_gc.comm.exchange.Exchange.carries_exact`).
+  ``P`` allreduce, see :attr:`~lightning_gc.comm.exchange.Exchange.carries_exact`, and the report
+  only its bytes: it rides in the ``Q`` allreduce, ``Exchange.carries_report``, with the engine's
+  default ``report_rides=True``).
 
 ``step = forward + max(backward end, last exchange end) + optimizer + other + overhead`` (never
 below the compute), where ``overhead`` is what the live chooser measured beyond the model for the
@@ -64,7 +66,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from ..comm import cost_model
 from ..comm.cost_model import NetworkModel
-from ..engine.agreement import StepReport
+from ..engine.agreement import RiddenReport, StepReport
 
 #: candidates that run on DDP's own bucket path (the value: bytes per element on the wire)
 BUCKET_MODES: dict[str, int] = {"ddp": 4, "fp16": 2, "bf16": 2}
@@ -73,6 +75,8 @@ DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 #: the engine's per-step control message on a compressed step: the closing report, one float64 per field
 ENGINE_CONTROL_BYTES = 8 * len(fields(StepReport))
+#: the same report riding in lowrank's last message (fp32 elements: an upper bound for bfloat16 messages)
+RIDDEN_CONTROL_BYTES = 4 * RiddenReport.numel()
 
 #: ``w`` of the progress proxy ``1/(1 + w·delta2)`` by default. Fitted to the bench's steps to the
 #: target (4 ranks at 100 Mbit/s, where dense and compressed methods both reach it): Top-k 1 % needed
@@ -272,7 +276,10 @@ def predict(cost: MethodCost, workload: Workload, network: NetworkModel, world_s
         # the compressed group: the model without the small tensors sent exactly beside it
         # (only the sparse wire reads the element count, and it sends the small tensors in fp32)
         tc = comm_seconds(cost, network, n, max(w.numel - int(cost.exact_bytes // 4), 1))
-        control = cost_model.ring_allreduce_cost(a, b, ENGINE_CONTROL_BYTES, n)
+        if cost.wire == "lowrank":  # the report rides in the Q allreduce: its bytes, no latency of its own
+            control = cost_model.ring_allreduce_cost(0.0, b, RIDDEN_CONTROL_BYTES, n)
+        else:
+            control = cost_model.ring_allreduce_cost(a, b, ENGINE_CONTROL_BYTES, n)
         exact = 0.0
         if cost.exact_bytes > 0:
             # the lowrank exchange carries them in its P allreduce (Exchange.carries_exact): their
