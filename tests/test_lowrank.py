@@ -18,13 +18,14 @@ every measure shows.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 from dist_harness import gather_all, run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_gc.comm.exchange import ExchangeTimes, Timer
+from lightning_gc.comm.exchange import ExchangeTimes, LazySent, Timer
 from lightning_gc.comm.registry import make_exchange, validate_collective
 from lightning_gc.compressors import GroupContext, build_compressor
 from lightning_gc.compressors.lowrank import LowRankConfig, LowRankExchange, plan_blocks
@@ -77,10 +78,24 @@ def _exchange(rank: int, ws: int, warm_start: bool = True, dense_names: tuple[st
     return ex
 
 
+def _dense(sent) -> torch.Tensor:
+    """The exchange's ``sent`` as a tensor (it returns a LazySent: built here, and checked against it)."""
+    if not isinstance(sent, LazySent):
+        return sent
+    built = sent.materialise()
+    want = float(built.double().square().sum())
+    assert (math.isnan(want) and math.isnan(sent.sq_norm)) or math.isclose(sent.sq_norm, want, rel_tol=1e-5, abs_tol=1e-9), \
+        f"LazySent.sq_norm {sent.sq_norm} is not ‖sent‖² {want}"
+    target = torch.randn(built.shape, generator=torch.Generator().manual_seed(5))
+    # subtract_from(t) writes t − sent in place
+    torch.testing.assert_close(sent.subtract_from(target.clone()), target - built, rtol=1e-5, atol=1e-6, equal_nan=True)
+    return built
+
+
 def _run(ex, p, ctx):
     times = ExchangeTimes()
     mean, sent = ex.run(p, ctx, Timer(p.device, times))
-    return mean, sent, times
+    return mean, _dense(sent), times
 
 
 def _exchange_scenarios(rank: int, ws: int) -> dict:
@@ -99,6 +114,7 @@ def _exchange_scenarios(rank: int, ws: int) -> dict:
     ex = _exchange(rank, ws, wire_dtype="bfloat16")
     times = ExchangeTimes()
     mean, sent, exact_mean = ex.run_with_exact(p, _ctx(rank, ws), Timer(p.device, times), exact)
+    sent = _dense(sent)
     out["bf16"] = dict(mean=mean, sent=sent, exact_all=gather_all(exact, ws), exact_mean=exact_mean,
                        bytes_payload=times.bytes_payload, q=ex.state_dict()["lowrank_q"])
     # the closing report riding in the Q message: a share of 0/1 flags, a count and a float per rank
@@ -107,7 +123,7 @@ def _exchange_scenarios(rank: int, ws: int) -> dict:
         seen = []
 
         def share(sent_now, r=rank, seen=seen):
-            seen.append(sent_now.clone())
+            seen.append(sent_now.sq_norm)
             return torch.tensor([float(r == 1), 1.0, float(r + 1), 0.1 * (r + 1), 3.0 * r * r], dtype=torch.float32)
 
         ex, alone = _exchange(rank, ws, wire_dtype=wire), _exchange(rank, ws, wire_dtype=wire)
@@ -115,6 +131,7 @@ def _exchange_scenarios(rank: int, ws: int) -> dict:
         mean, sent, exact_mean, summed = ex.run_riding(p0 := torch.cat([g.reshape(-1) for g in _grads(rank, 0)]),
                                                        _ctx(rank, ws), Timer(p0.device, times), None, share)
         mean_alone, sent_alone, times_alone = _run(alone, p0, _ctx(rank, ws))
+        sent = _dense(sent)
         out["ride"][wire] = dict(mean=mean, sent=sent, exact_mean=exact_mean, summed=summed, seen=seen[0],
                                  mean_alone=mean_alone, sent_alone=sent_alone, payload=times.bytes_payload,
                                  payload_alone=times_alone.bytes_payload, q=ex.state_dict()["lowrank_q"],
@@ -280,7 +297,7 @@ def test_the_closing_report_rides_in_the_q_message_summed_and_not_divided(exchan
         assert abs(float(got[3]) / float(want[3]) - 1) <= ws * ftol, (r, got)
         assert torch.equal(res["summed"], runs[0]["summed"])  # identical on every rank
         assert res["exact_mean"] is None
-        assert torch.equal(res["seen"], res["sent"])
+        assert abs(res["seen"] / float(res["sent"].double().square().sum()) - 1) < 1e-5  # ‖sent‖², before the message
         assert res["payload"] == res["payload_alone"]
         if ws == 2:
             assert torch.equal(res["mean"], res["mean_alone"]) and torch.equal(res["sent"], res["sent_alone"])

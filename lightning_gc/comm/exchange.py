@@ -64,10 +64,16 @@ class LazySent:
     norm every step (compression gain) but the dense tensor only for error feedback, so without
     error feedback the expansion is never computed. ``materialise`` must be called on the thread
     that ran the exchange, before the exchange's next call.
+
+    ``subtract_from`` (optional): writes ``target − sent`` into ``target`` in place without
+    building ``sent`` (``lowrank``: one fused ``addmm`` per matrix, ``target − P̂·Q_ownᵀ``, where
+    building ``sent`` and subtracting it would be two passes over the group and a group-sized
+    temporary); :func:`error_feedback_residual` prefers it.
     """
 
     sq_norm: float
     materialise: Callable[[], Tensor]
+    subtract_from: Callable[[Tensor], Tensor] | None = None
 
 
 
@@ -96,10 +102,12 @@ def error_feedback_residual(p: Tensor, sent: Sent, in_place: bool) -> Tensor:
     The one place this arithmetic lives (the engine's groups, OSP's compressed deferred stage and
     OMGS's timed group job use it). ``in_place=True`` reuses ``p`` (a fresh tensor the caller owns);
     a :class:`SparseSent` zeroes ``p`` at the sent indices (exact: sent == p there), a
-    :class:`LazySent` is expanded only here."""
+    :class:`LazySent` subtracts itself (``subtract_from``) or is expanded only here."""
     target = p if in_place else p.clone()
     if isinstance(sent, SparseSent):
         return target.index_fill_(0, sent.indices.long(), 0)
+    if isinstance(sent, LazySent) and sent.subtract_from is not None:
+        return sent.subtract_from(target)
     dense = sent.materialise() if isinstance(sent, LazySent) else sent
     if dense.data_ptr() == target.data_ptr():  # the exchange sent p itself (lossless): nothing left
         return target - dense

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ...comm.collectives import allreduce
-from ...comm.exchange import Exchange, Timer
+from ...comm.exchange import Exchange, LazySent, Timer, sq_norm
 from ...comm.network import NetworkState
 from ..base import GroupContext
 from .codec import Block, orthonormal
@@ -136,29 +136,35 @@ class LowRankExchange(Exchange):
         buf2, p_hats, q_locals = timer.run("compress", second)
         nq = buf2.numel()
         if wire is torch.float32:
-            sent_q = msg2 = buf2  # this rank's own Q = Mᵀ·P̂: read by own() before the allreduce sums it
+            sent_q = buf2.clone()  # this rank's own Q = Mᵀ·P̂ (error feedback, after the allreduce summed buf2)
+            msg2 = buf2
         else:  # divided by N before the cast, as the first message; `sent` is what was rounded
             msg2 = timer.run("compress", lambda: buf2.div_(n).to(wire))
             sent_q = msg2.float().mul_(n)
 
-        def own() -> Tensor:
-            """This rank's contribution (error feedback; the report's ‖sent‖²): the dense tensors as
-            sent, each matrix's projection P̂·Q_ownᵀ."""
-            sent = torch.empty_like(p)
-            off = ne
-            for b in dense:
-                src = p if wire is torch.float32 else own_dense
-                at = b.offset if wire is torch.float32 else off - ne
-                sent[b.offset:b.offset + b.numel] = src[at:at + b.numel]
-                off += b.numel
-            off = 0
-            for b, p_hat in zip(mats, p_hats):
-                q_own = sent_q[off:off + b.cols * r].view(b.cols, r)
-                off += b.cols * r
-                sent[b.offset:b.offset + b.numel] = (p_hat @ q_own.t()).reshape(-1)
-            return sent
+        # this rank's contribution (error feedback; the report's ‖sent‖²): the dense tensors as sent
+        # (fp32: p itself; bf16: the rounded share), each matrix's projection P̂·Q_ownᵀ. Kept lazy:
+        # ‖P̂·Q_ownᵀ‖ = ‖Q_own‖ (P̂ has orthonormal columns, or a zero column where Q_own has one),
+        # and error feedback subtracts it with one fused addmm per matrix, without building it
+        dense_src = p if wire is torch.float32 else own_dense
+        dense_at = [b.offset if wire is torch.float32 else sum(d.numel for d in dense[:i])
+                    for i, b in enumerate(dense)]
+        q_owns, off = [], 0
+        for b in mats:
+            q_owns.append(sent_q[off:off + b.cols * r].view(b.cols, r))
+            off += b.cols * r
 
-        sent = timer.run("compress", own)
+        def own(target: Tensor, sign: float) -> Tensor:
+            """``target − sign·sent`` in place (sign −1 on zeros builds ``sent`` itself)."""
+            for b, at in zip(dense, dense_at):
+                target[b.offset:b.offset + b.numel].sub_(dense_src[at:at + b.numel], alpha=sign)
+            for b, p_hat, q_own in zip(mats, p_hats, q_owns):
+                target[b.offset:b.offset + b.numel].view(b.rows, b.cols).addmm_(p_hat, q_own.t(), alpha=-sign)
+            return target
+
+        sent2 = timer.run("compress", lambda: sum(sq_norm(q) for q in q_owns) + sum(
+            sq_norm(dense_src[at:at + b.numel]) for b, at in zip(dense, dense_at)))
+        sent = LazySent(sent2, lambda: own(torch.zeros_like(p), -1.0), lambda t: own(t, 1.0))
         timer.times.bytes_payload += msg2.numel() * msg2.element_size()
         if report is not None:  # the closing report rides: appended as it is (summed, not divided by N)
             share = report(sent)
