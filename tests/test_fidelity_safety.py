@@ -93,10 +93,8 @@ def _closing(rank: int, odd: int, how: str) -> str:
     """The default schedule (no opening check at step 2): a divergence that keeps every payload's size."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from lightning_gc.engine import gc_comm_hook
-
     from lightning_gc.compressors import build_compressor
-    from lightning_gc.engine import EngineConfig, GCEngine
+    from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
 
     model = _model()
     ddp = DDP(model, bucket_cap_mb=0.001)
