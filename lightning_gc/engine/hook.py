@@ -13,7 +13,9 @@ oracle) — then returns a Future for the bucket. In submission order, identical
    written back into the gradients' slots of their buckets;
    on dense steps (warm-up, lossless compressor) one job per bucket instead: DDP's own
    ``allreduce(bucket / N)``, asynchronous, completing the bucket's Future from its callback;
-3. **close**: the closing report (non-finite agreement, gain sums, exchange time), then error
+3. **close**: the closing report (non-finite agreement, gain sums, exchange time) — an allreduce
+   of its own, or, where the step's last job is an exchange that carries it (``lowrank``,
+   ``EngineConfig.report_rides``), the sums that rode in that exchange's last message — then error
    memory is committed (or discarded on a non-finite step), statistics are finalised and the
    bucket Futures complete.
 
