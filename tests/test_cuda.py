@@ -119,7 +119,8 @@ def _delayed_finish(finish):
 
 def _cuda_pair(rank: int, ws: int, name: str, coll: str, delay: bool, min_numel: int = 0) -> dict:
     """``min_numel`` > 0 leaves the biases (16 elements) in the plan's exact group; under ``lowrank``
-    that group rides in the last compressed group's first allreduce (``Exchange.run_with_exact``)."""
+    that group rides in the last compressed group's first allreduce (``Exchange.run_with_exact``, or
+    ``run_riding`` where that job also carries the step's closing report)."""
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
     models = [_model().to(dev), _model().to(dev)]
@@ -141,6 +142,7 @@ def _cuda_pair(rank: int, ws: int, name: str, coll: str, delay: bool, min_numel:
     rode: list[int] = [0, 0]  # exchanges that carried the exact group
     for k, (eng, seen) in enumerate(zip(engines, threads)):
         run, run_exact = eng.exchange.run, eng.exchange.run_with_exact
+        run_riding = eng.exchange.run_riding
 
         def traced(p, ctx, timer, _run=run, _seen=seen, _ex=eng.exchange):
             _seen.add(threading.get_ident())
@@ -159,8 +161,19 @@ def _cuda_pair(rank: int, ws: int, name: str, coll: str, delay: bool, min_numel:
                 torch.cuda._sleep(SLEEP_CYCLES)
             return out
 
+        def traced_riding(p, ctx, timer, exact, report, _run=run_riding, _seen=seen, _k=k):
+            # lowrank's step-closing job: the closing report rides in its Q message (report_rides)
+            _seen.add(threading.get_ident())
+            rode[_k] += exact is not None
+            out = _run(p, ctx, timer, exact, report)
+            if delay:
+                torch.cuda._sleep(SLEEP_CYCLES)
+            return out
+
         eng.exchange.run = traced
         eng.exchange.run_with_exact = traced_exact
+        if type(eng.exchange).carries_report:
+            eng.exchange.run_riding = traced_riding
         if delay:
             eng._finish = _delayed_finish(eng._finish)
     hook = _delayed_hook if delay else gc_comm_hook
