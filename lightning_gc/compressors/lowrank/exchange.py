@@ -28,6 +28,7 @@ feedback keeps the rounding (the codec module's docstring says why bfloat16 and 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -146,9 +147,9 @@ class LowRankExchange(Exchange):
         # (fp32: p itself; bf16: the rounded share), each matrix's projection P̂·Q_ownᵀ. Kept lazy:
         # ‖P̂·Q_ownᵀ‖ = ‖Q_own‖ (P̂ has orthonormal columns, or a zero column where Q_own has one),
         # and error feedback subtracts it with one fused addmm per matrix, without building it
-        dense_src = p if wire is torch.float32 else own_dense
-        dense_at = [b.offset if wire is torch.float32 else sum(d.numel for d in dense[:i])
-                    for i, b in enumerate(dense)]
+        dense_src = p if wire is torch.float32 else own_dense  # own_dense: the dense blocks back to back
+        dense_at = ([b.offset for b in dense] if wire is torch.float32
+                    else list(itertools.accumulate((b.numel for b in dense[:-1]), initial=0)) if dense else [])
         q_owns, off = [], 0
         for b in mats:
             q_owns.append(sent_q[off:off + b.cols * r].view(b.cols, r))
