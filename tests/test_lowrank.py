@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lightning_gc.comm.exchange import ExchangeTimes, LazySent, Timer
 from lightning_gc.comm.registry import make_exchange, validate_collective
 from lightning_gc.compressors import GroupContext, build_compressor
-from lightning_gc.compressors.lowrank import LowRankConfig, LowRankExchange, plan_blocks
+from lightning_gc.compressors.lowrank import LowRankConfig, LowRankExchange, plan_blocks, project, project_t
 from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
 
 RANK = 2
@@ -382,6 +382,24 @@ def test_which_tensors_are_compressed_follows_the_size_rule():
     # rank ≥ min(n, m): never compressed; no shapes: all dense
     assert not plan_blocks((12,), ((3, 4),), LowRankConfig(rank=3))[0].compressed
     assert not any(b.compressed for b in plan_blocks((120,), (), LowRankConfig()))
+
+
+@pytest.mark.parametrize("r", [1, 2, 8, 9, 20])
+def test_the_thin_products_are_the_products_on_both_paths(r):
+    """project / project_t take a short-wide form up to SHORT_WIDE_MAX_RANK columns and torch's
+    own above; either way the values are m·q and mᵀ·p. Oracle: the sums written out by
+    broadcasting in float64 (no matrix product). Inputs are views (a column slice, a transpose),
+    as the exchange's are."""
+    g = torch.Generator().manual_seed(r)
+    m = torch.randn(40, 70, generator=g)[:, 5:66]  # 40 × 61, not contiguous
+    q = torch.randn(r, 61, generator=g).t()  # 61 × r, a transposed view
+    p = torch.randn(40, r, generator=g)
+    want_p = (m.double()[:, :, None] * q.double()[None, :, :]).sum(1)
+    want_q = (m.double()[:, :, None] * p.double()[:, None, :]).sum(0)
+    got_p, got_q = project(m, q), project_t(m, p)
+    assert got_p.shape == (40, r) and got_q.shape == (61, r)
+    torch.testing.assert_close(got_p.double(), want_p, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got_q.double(), want_q, rtol=1e-5, atol=1e-4)
 
 
 def test_one_rank_compress_reproduces_a_matrix_of_rank_at_most_r():

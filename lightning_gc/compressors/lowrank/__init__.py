@@ -9,9 +9,9 @@
 * :mod:`.exchange` — :class:`LowRankExchange`: the two allreduces with warm start and error feedback.
 """
 
-from .codec import Block, LowRankConfig, initial_q, matrix_shape, orthonormal, plan_blocks
+from .codec import Block, LowRankConfig, initial_q, matrix_shape, orthonormal, plan_blocks, project, project_t
 from .compressor import LowRankCompressor
 from .exchange import LowRankExchange
 
 __all__ = ["Block", "LowRankCompressor", "LowRankConfig", "LowRankExchange", "initial_q", "matrix_shape",
-           "orthonormal", "plan_blocks"]
+           "orthonormal", "plan_blocks", "project", "project_t"]

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..base import Compressed, Compressor, GroupContext
-from .codec import Block, LowRankConfig, initial_q, orthonormal, plan_blocks
+from .codec import Block, LowRankConfig, initial_q, orthonormal, plan_blocks, project, project_t
 
 
 class LowRankCompressor(Compressor):
@@ -85,8 +85,8 @@ class LowRankCompressor(Compressor):
             m = x[b.offset:b.offset + b.numel].view(b.rows, b.cols).float()
             q0 = starts.get(b.index)
             # P travels in the wire type before it is orthogonalised, as in the exchange
-            p_hat = orthonormal((m @ (self.start_q(ctx, b) if q0 is None else q0)).to(wire).float())
-            q = m.t() @ p_hat
+            p_hat = orthonormal(project(m, self.start_q(ctx, b) if q0 is None else q0).to(wire).float())
+            q = project_t(m, p_hat)
             nxt[b.index] = q
             ps.append(p_hat.reshape(-1))
             qs.append(q.reshape(-1))

@@ -38,7 +38,7 @@ from ...comm.collectives import allreduce
 from ...comm.exchange import Exchange, LazySent, Timer, sq_norm
 from ...comm.network import NetworkState
 from ..base import GroupContext
-from .codec import Block, orthonormal
+from .codec import Block, orthonormal, project, project_t
 from .compressor import LowRankCompressor
 
 
@@ -103,7 +103,7 @@ class LowRankExchange(Exchange):
 
         def first() -> tuple[Tensor, Tensor, list[Tensor], list[Tensor]]:
             ms = [p[b.offset:b.offset + b.numel].view(b.rows, b.cols).float() for b in mats]
-            ps = [m @ self._start(ctx, b) for m, b in zip(ms, mats)]
+            ps = [project(m, self._start(ctx, b)) for m, b in zip(ms, mats)]
             parts = [p[b.offset:b.offset + b.numel].float() for b in dense] + [x.reshape(-1) for x in ps]
             if exact is not None:
                 parts.insert(0, exact.float().reshape(-1))
@@ -130,7 +130,7 @@ class LowRankExchange(Exchange):
                 off += b.rows * r
                 p_hat = orthonormal(p_sum)
                 p_hats.append(p_hat)
-                q_locals.append(m.t() @ p_hat)
+                q_locals.append(project_t(m, p_hat))
             buf = torch.cat([q.reshape(-1) for q in q_locals]) if q_locals else torch.zeros(0, device=p.device)
             return buf, p_hats, q_locals
 
