@@ -1589,7 +1589,8 @@ def test_a_re_decision_checks_the_link_with_one_message_and_probes_again_only_wh
     if check:
         assert link.sent == [small, cap]  # the check alone: a quarter of the probe's sized round
         assert ch.history[-1]["link_check"] == {"check_s": ch.probe_time_s, "probe_s": ch.probe_time_s,
-                                                "bytes": cap, "unchanged": True, "retimed": False}
+                                                "bytes": cap, "unchanged": True, "retimed": False,
+                                                "reference": "measured"}
     else:
         assert link.sent == full_probe and ch.history[-1]["link_check"] is None
     assert ch.network.beta_s_per_byte == pytest.approx(beta_20)
@@ -1666,23 +1667,72 @@ def test_a_dense_step_that_waited_on_the_network_measures_beta_instead_of_the_ba
     ch._decide(1, "warmup", probe=True, dense_wall_s=wall, dense_exposed_s=exposed_s)
     h = ch.history[-1]
     if exposed_s >= dense_probe_s > 0:
-        assert link.sent == [64, 256] * 8 + [80 * 1024, 2 * 84_000]  # latency, then the check's reference
+        assert link.sent == [64, 256] * 8  # the latency round alone: no bandwidth probe, no reference message
         assert ch.network.beta_s_per_byte == pytest.approx(true_beta, rel=1e-6)
         assert ch.network.alpha_s == pytest.approx(alpha, rel=1e-6)
         assert ch.workload.other_s == pytest.approx(0.0, abs=1e-9)  # the link explains the whole step
         assert h["network_source"] == "dense_step"
-        # the link check's reference: the probe's large message, timed once after its partner
+        # the link check's reference: the model's time for the probe's large message (half the gradient,
+        # bandwidth-bound at 20 Mbit/s), α + bytes·β by hand
         assert ch.probe_bytes == 2 * 84_000
-        assert ch.probe_time_s == pytest.approx(link.alpha + (2 * 84_000 - BURST) * link.beta + link.noise)
-        link.sent = []
-        ch._decide(101, "periodic", probe=True)  # the same 20 Mbit/s link: the check alone
-        assert link.sent == [80 * 1024, 2 * 84_000] and ch.history[-1]["network_source"] == "check"
-        assert ch.network.beta_s_per_byte == pytest.approx(true_beta, rel=1e-6)
+        assert ch.probe_time_s == pytest.approx(alpha + 2 * 84_000 * true_beta, rel=1e-6)
+        assert ch.probe_time_modelled
     else:
         assert link.sent == [64, 256] * 8 + [80 * 1024, 2 * 84_000] * 4
         assert h["network_source"] == "probe"
         # the probe over-read the link (26 Mbit/s): the DDP step, slower than it predicts, is other's
         assert ch.network.beta_s_per_byte == pytest.approx(8 / 26e6, rel=1e-6)
+
+
+@pytest.mark.parametrize("noise", ["model-like", "burst"])
+def test_a_modelled_reference_is_replaced_by_the_first_check_on_the_link(monkeypatch, noise):
+    """After a dense step measured β, the first periodic check is compared with the model's time for its
+    message. A check the model describes (the stub's scheduling delay equal to the shaper's burst, so the
+    check takes α + bytes·β): unchanged, one message, and its own time is the reference from then on. A
+    check that reads 0.66x the model (the stub's 64 KiB burst passes at line rate, below 1/1.5): moved,
+    timed again, and being bandwidth-bound it sets β from its slope, which is the link's: the same β,
+    no full probe, two messages. Either way the next check is judged against a measured time."""
+    import torch
+
+    from auto_oracle import step_by_hand
+
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    ch, link, engine, params = _probing_chooser(monkeypatch, 20e6, dense_probe_s=0.1)
+    wl = ch.workload = Workload(0.0004, (0.0001, 0.0001), (42_000, 42_000))
+    true_beta, cap, small = 8 / 20e6, 2 * 84_000, 80 * 1024
+    alpha = link.alpha - 64 * true_beta
+    wall = step_by_hand(ch.costs[0].as_dict(), dict(wl.as_dict(), other_s=0.0), alpha, true_beta, 4)
+    ch._decide(1, "warmup", probe=True, dense_wall_s=wall, dense_exposed_s=0.2)
+    assert ch.probe_time_modelled and ch.history[-1]["network_source"] == "dense_step"
+    modelled = alpha + cap * true_beta
+    state = ch.state_dict()  # the flag travels with a checkpoint
+    other = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk")), torch.nn.Linear(1, 1), params)
+    other.load_state_dict(state)
+    assert (other.probe_time_s, other.probe_time_modelled) == (pytest.approx(modelled), True)
+
+    if noise == "model-like":
+        link.noise = BURST * true_beta
+    check_s = link.alpha + (cap - BURST) * true_beta + link.noise  # the stub's median time of the check
+    link.sent = []
+    ch._decide(101, "periodic", probe=True)
+    lc = ch.history[-1]["link_check"]
+    assert lc["reference"] == "modelled" and lc["probe_s"] == pytest.approx(modelled)
+    if noise == "model-like":
+        assert check_s / modelled == pytest.approx(1.0, abs=0.01)
+        assert link.sent == [small, cap] and lc["unchanged"] and ch.history[-1]["network_source"] == "check"
+    else:
+        assert check_s / modelled < 1 / 1.5
+        assert link.sent == [small, cap] * 2 and not lc["unchanged"] and lc["retimed"]
+        assert ch.history[-1]["network_source"] == "check_slope"
+    assert ch.network.beta_s_per_byte == pytest.approx(true_beta, rel=1e-6)
+    assert (ch.probe_time_s, ch.probe_time_modelled) == (pytest.approx(check_s), False)
+
+    link.sent = []
+    ch._decide(201, "periodic", probe=True)  # the same link, against the measured reference: one message
+    lc = ch.history[-1]["link_check"]
+    assert link.sent == [small, cap] and lc["unchanged"] and lc["reference"] == "measured"
+    assert ch.history[-1]["network_source"] == "check"
 
 
 def test_no_beta_explains_a_dense_step_shorter_than_its_compute():
@@ -1766,8 +1816,9 @@ def test_the_periodic_look_at_an_unchanged_link_comes_twice_as_late_each_time_up
 def test_a_dense_mode_whose_link_fell_measures_the_new_beta_from_its_drifted_window(monkeypatch):
     """DDP runs on a fast link; the link falls to 10 Mbit/s and DDP's window doubles (severe drift). That
     window, a dense step that waited long on the network, gives the new β (the hand-written step at
-    10 Mbit/s is what it measured): only the latency round and the check's reference are sent, not the
-    full probe (0.9 s on the quickstart MLP at 10 Mbit/s), and auto moves to Top-k."""
+    10 Mbit/s is what it measured): only the latency round is sent, not the full probe (0.9 s on the
+    quickstart MLP at 10 Mbit/s) nor a reference message for the link check (the model's time for it,
+    α + bytes·β), and auto moves to Top-k."""
     from auto_oracle import step_by_hand
 
     ch, link, _, _ = _probing_chooser(monkeypatch, 1e9, window=2, patience=2, min_interval=1, probe_every=0)
@@ -1791,9 +1842,11 @@ def test_a_dense_mode_whose_link_fell_measures_the_new_beta_from_its_drifted_win
     window(7, slow_wall)  # many times the reference: severe
     h = ch.history[-1]
     assert h["trigger"] == "drift" and h["network_source"] == "dense_step"
-    assert link.sent == [64, 256] * 8 + [80 * 1024, 2 * 84_000]  # latency, then the check's new reference
+    assert link.sent == [64, 256] * 8  # the latency round alone
     assert ch.network.beta_s_per_byte == pytest.approx(8 / 10e6, rel=1e-6)
     assert ch.network.alpha_s == pytest.approx(alpha, rel=1e-6)
+    assert ch.probe_bytes == 2 * 84_000 and ch.probe_time_modelled  # 134 ms at 10 Mbit/s: bandwidth-bound
+    assert ch.probe_time_s == pytest.approx(alpha + 2 * 84_000 * 8 / 10e6, rel=1e-6)
     assert ch.chosen == "topk" and ch.workload.other_s == other  # other_s is the warm-up's, kept
 
 

@@ -278,10 +278,11 @@ def test_worker_records_the_choosers_decisions_from_its_history():
         {"step": 40, "trigger": "drift", "chosen": "topk", "previous": "ddp", "network": [1e-4, 8e-8],
          "workload": {}, "costs": [], "predictions": {"ddp": pred(0.4, 0.4), "topk": pred(0.04, 0.08)},
          "dense_wall_s": None, "measured_step_s": None, "decide_s": 0.3, "network_source": "check",
-         "decide_parts_s": {"latency": 0.0, "probe": 0.0, "check": 0.07, "reference": 0.0, "codecs": 0.2},
+         "decide_parts_s": {"latency": 0.0, "probe": 0.0, "check": 0.07, "codecs": 0.2},
          "shift_s": -0.012, "settled": ["ddp"], "shift_from": ["fp16"], "drift_test": "steps",
          "kept_reference": True, "held_by_margin": "ddp", "running_figure_s": 0.041,
-         "link_check": {"check_s": 0.07, "probe_s": 0.065, "bytes": 168_000, "unchanged": True}},
+         "link_check": {"check_s": 0.07, "probe_s": 0.065, "bytes": 168_000, "unchanged": True,
+                        "reference": "modelled"}},
     ]
     gains = [{"step": 53, "delta2": {"ddp": 0.0, "topk": 0.5}, "moved": 0.07, "redecided": False}]
     chooser = SimpleNamespace(chosen="topk", history=history, config=AutoConfig(candidates=("ddp", "topk")),
@@ -297,7 +298,7 @@ def test_worker_records_the_choosers_decisions_from_its_history():
                      "link_check": None, "network_source": None, "shift_s": None, "settled": [],
                      "shift_from": [], "drift_test": None, "kept_reference": False, "held_by_margin": None,
                      "running_figure_s": None, "decide_parts_s": {}}
-    assert second["decide_parts_s"] == {"latency": 0.0, "probe": 0.0, "check": 0.07, "reference": 0.0, "codecs": 0.2}
+    assert second["decide_parts_s"] == {"latency": 0.0, "probe": 0.0, "check": 0.07, "codecs": 0.2}
     assert second["drift_test"] == "steps" and second["kept_reference"] is True and second["held_by_margin"] == "ddp"
     assert second["running_figure_s"] == 0.041
     assert second["predicted_step_s"] == 0.04 and second["measured_step_s"] is None and second["previous"] == "ddp"
@@ -305,7 +306,7 @@ def test_worker_records_the_choosers_decisions_from_its_history():
     assert second["network_source"] == "check"
     assert second["shift_s"] == -0.012 and second["settled"] == ["ddp"] and second["shift_from"] == ["fp16"]
     assert second["link_check"] == {"check_s": 0.07, "probe_s": 0.065, "bytes": 168_000, "unchanged": True,
-                                    "retimed": False, "beta_s_per_byte": None}
+                                    "retimed": False, "reference": "modelled", "beta_s_per_byte": None}
     assert rec["gain_checks"] == gains
     assert _auto_state(SimpleNamespace(auto=None)) is None
     assert _auto_state(DDPStrategy()) is None

@@ -344,14 +344,19 @@ def test_the_link_column_says_where_each_decisions_network_came_from():
     slope = dict(_decision(5, "periodic", "topk", 0.012, None), network_source="check_slope",
                  link_check={"check_s": 0.2, "probe_s": 0.065, "bytes": 168_000, "unchanged": False, "retimed": True,
                              "beta_s_per_byte": 8e-8})
-    doc = _auto_doc(record=_auto_record(warm, kept, moved, stalled, slope))
+    modelled = dict(_decision(6, "periodic", "topk", 0.012, None), network_source="check",
+                    link_check={"check_s": 0.07, "probe_s": 0.065, "bytes": 168_000, "unchanged": True,
+                                "reference": "modelled"})
+    doc = _auto_doc(record=_auto_record(warm, kept, moved, stalled, slope, modelled))
     report.validate_document(doc)
     rows = [line for line in report.markdown(doc).splitlines() if line.startswith("| `auto` | ")]
     assert [r.split(" | ")[4] for r in rows] == ["100 Mbit/s, α 0.1 ms (β from the dense step)",
                                                  "100 Mbit/s, α 0.1 ms (check: unchanged, not re-probed)",
                                                  "100 Mbit/s, α 0.1 ms (check twice: moved, re-probed)",
                                                  "100 Mbit/s, α 0.1 ms (check twice: unchanged, not re-probed)",
-                                                 "100 Mbit/s, α 0.1 ms (check twice: moved, β from the check)"]
+                                                 "100 Mbit/s, α 0.1 ms (check twice: moved, β from the check)",
+                                                 "100 Mbit/s, α 0.1 ms (check against the model's time: unchanged, "
+                                                 "not re-probed)"]
 
 
 def test_a_decision_with_a_compute_shift_names_the_shifted_methods():

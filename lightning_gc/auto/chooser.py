@@ -109,11 +109,11 @@ TIME_CODECS = ("on_demand", "upfront")
 SEVERE_TESTS = ("severe_window", "steps", "exchange", "reference_window")
 
 #: the parts of a decision's own time its history records (``decide_parts_s``, slowest rank each): the
-#: latency round, the bandwidth probe, the link check (both messages, a retimed one included), the
-#: link check's reference timed where no probe chose one (β from a dense step), and the codecs timed
-#: on demand. Each is the slowest rank's, so they need not add up to ``decide_s`` (the slowest rank's
+#: latency round, the bandwidth probe, the link check (both messages, a retimed one included) and the
+#: codecs timed on demand (a link check's reference where β came from a dense step is modelled, not
+#: timed: :func:`modelled_check_s`). Each is the slowest rank's, so they need not add up to ``decide_s`` (the slowest rank's
 #: whole decision), which also holds the model, the agreements and the switch itself
-DECIDE_PARTS = ("latency", "probe", "check", "reference", "codecs")
+DECIDE_PARTS = ("latency", "probe", "check", "codecs")
 
 #: the fewest windows (the reference one included) whose median replaces the running method's figure
 #: at a gain or periodic re-decision (AutoChooser._running_figure)
@@ -209,6 +209,22 @@ def check_bytes(network: NetworkModel, start: int) -> int:
     if beta > 0 and network.alpha_s + size * beta < PROBE_TARGET_S / 4:
         size = min(PROBE_MAX_BYTES, max(size, math.ceil((PROBE_TARGET_S / 4 - network.alpha_s) / beta)))
     return size
+
+
+def modelled_check_s(network: NetworkModel, size: int) -> float:
+    """The link check's reference where no probe timed one (β from a dense step, see
+    :meth:`AutoChooser._decide`): the model's time for one ``size``-byte ring shift, ``α + size·β``,
+    the relation the probe's two sizes fit (:func:`probe_bandwidth`).
+
+    Why a model and not a timed message: the decision that measured β from a dense step does not
+    need the message, and on a link that just fell it was the slowest part of that decision
+    (0.27-0.37 s of 0.46 s on the quickstart MLP at 10 Mbit/s). How close: over 32 link checks of
+    earlier bench runs at 10-20 Mbit/s (links that had not changed), the check's time was 0.68-1.66x
+    this figure for its network (median 1.21x, 3 outside 1.5x), and 0.60-1.50x the timed reference it
+    was compared with (median 1.02x, 2 outside) (docs/auto-measurements.md). A check outside
+    ``probe_check`` of it is timed again and, where its message is bandwidth-bound (a slow link),
+    sets β from its own slope, no full probe: a misjudged reference costs one more message."""
+    return float(network.alpha_s) + int(size) * float(network.beta_s_per_byte)
 
 
 def factor_apart(a: float, b: float, factor: float) -> bool:
@@ -635,6 +651,9 @@ class AutoChooser(StepParticipant):
         self.probe_bytes = 0
         #: that message's time in the last full probe (agreed, MAX over ranks): the link check's reference
         self.probe_time_s = 0.0
+        #: whether :attr:`probe_time_s` is the model's time for that message, not a measured one (a network
+        #: measured by a dense step: :func:`modelled_check_s`); the first check's own time replaces it
+        self.probe_time_modelled = False
         #: every probe's β is multiplied by this (replicated): the warm-up's profiled DDP step divided
         #: by what the model gave it at the probed β, when shorter (model.calibrate_beta); 1 otherwise
         self.beta_scale = 1.0
@@ -1184,12 +1203,13 @@ class AutoChooser(StepParticipant):
         elif dense_beta is not None:  # the dense step measured the link: no bandwidth probe
             alpha = max(alpha0 - dense_beta * latency.sizes_bytes[0], 0.0)
             self.network, self.beta_scale, source = NetworkModel(alpha, dense_beta), 1.0, "dense_step"
-            # the link check's reference, timed as every later check will be (after its small partner, so the
-            # shaper's bucket is in the same state): a quarter of a probe's bytes. Without it the first
-            # periodic re-decision probed in full: 0.5 s at 20 Mbit/s on the quickstart MLP, and that probe
-            # read the link at 32-40 Mbit/s (docs/auto.md)
+            # the link check's reference: the model's time for the message a probe would have settled on
+            # (modelled_check_s), not a timed one. Without a reference the first periodic re-decision probed
+            # in full (0.5 s at 20 Mbit/s on the quickstart MLP); timing it cost 0.27-0.37 s of the decision
+            # where the quickstart's link fell to 10 Mbit/s, a message that decision did not need
+            # (docs/auto.md). The first check's own time replaces it.
             self.probe_bytes = check_bytes(self.network, self._probe_start())
-            self.probe_time_s = timed("reference", self._check_link)[0]
+            self.probe_time_s, self.probe_time_modelled = modelled_check_s(self.network, self.probe_bytes), True
         elif probe or self.network is None:
             source = "probe"
             if check_link and probe and dense_wall_s is None and self.network is not None and self.config.probe_check \
@@ -1204,8 +1224,10 @@ class AutoChooser(StepParticipant):
                     (check_s, check_beta), retimed = min((check_s, check_beta), timed("check", self._check_link)), True
                 link_check = {"check_s": check_s, "probe_s": self.probe_time_s, "bytes": self.probe_bytes,
                               "unchanged": link_unchanged(check_s, self.probe_time_s, self.config.probe_check),
-                              "retimed": retimed}
+                              "retimed": retimed, "reference": "modelled" if self.probe_time_modelled else "measured"}
                 source = "check" if link_check["unchanged"] else "probe"
+                if link_check["unchanged"] and self.probe_time_modelled:  # measured on the same link: the reference
+                    self.probe_time_s, self.probe_time_modelled = check_s, False
                 if not link_check["unchanged"] and check_s >= PROBE_TARGET_S / 4 and check_beta > 0:
                     # moved, and the check's message is bandwidth-bound at its size (where the probe would
                     # stop growing it): the check was one round of the probe's measurement. β from its
@@ -1213,7 +1235,7 @@ class AutoChooser(StepParticipant):
                     # shaper's queue). Why: when the quickstart's link fell to 10 Mbit/s under a periodic
                     # re-probe, the full probe after the check made that step 1.79 s (docs/auto.md)
                     self.network = NetworkModel(self.network.alpha_s, check_beta * self.beta_scale)
-                    self.probe_time_s, source = check_s, "check_slope"
+                    self.probe_time_s, self.probe_time_modelled, source = check_s, False, "check_slope"
                     link_check["beta_s_per_byte"] = check_beta
             if source == "probe":  # no check, or a moved one that could not measure β itself
                 probed = timed("probe", self._probe, latency)
@@ -1323,8 +1345,9 @@ class AutoChooser(StepParticipant):
         self.history.append(entry)
         bw = self.network.bandwidth_bits_per_s
         checked = "" if link_check is None else (
-            f" (link check: {1e3 * link_check['check_s']:.1f} ms vs {1e3 * link_check['probe_s']:.1f} ms at the last "
-            f"probe, {'unchanged, not re-probed' if link_check['unchanged'] else 'changed, β from the check' if source == 'check_slope' else 'changed, re-probed'})")
+            f" (link check: {1e3 * link_check['check_s']:.1f} ms vs {1e3 * link_check['probe_s']:.1f} ms "
+            f"{'modelled after a dense step measured the link' if link_check['reference'] == 'modelled' else 'at the last probe'}"
+            f", {'unchanged, not re-probed' if link_check['unchanged'] else 'changed, β from the check' if source == 'check_slope' else 'changed, re-probed'})")
         shifted = (f"methods not yet measured predicted {1e3 * -shift:.1f} ms under the raw model (the least "
                    f"speed-up of {', '.join(shift_from)}); ") if shift else ""
         notes = (f"timed the codecs of {', '.join(timed_codecs)} (their lower bound led); "
@@ -1582,6 +1605,7 @@ class AutoChooser(StepParticipant):
 
         beta, self.probe_bytes, self.probe_time_s = probe_bandwidth(
             measure, self._probe_start())
+        self.probe_time_modelled = False
         # each rank's fastest 64-byte shift, not its median: on 2 cores shared by 4 ranks a median of
         # 2.5 ms was read once where other runs read 0.2-0.3 ms, and with ~20 α-terms per compressed
         # step that alone put every compressor above the 16-bit hook at 20 Mbit/s (docs/auto.md)
@@ -1642,6 +1666,7 @@ class AutoChooser(StepParticipant):
             "last_gain_step": self._last_gain_step, "gain_checks": copy.deepcopy(self.gain_checks), "beta_scale": self.beta_scale,
             "sampling": bool(self._sample_handles), "warmup_steps": int(self.engine.config.warmup_steps),
             "probe_bytes": self.probe_bytes, "probe_time_s": self.probe_time_s,
+            "probe_time_modelled": self.probe_time_modelled,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -1678,6 +1703,7 @@ class AutoChooser(StepParticipant):
         self.beta_scale = float(state.get("beta_scale", 1.0))  # written before the calibration: none
         # written before the link check: no reference, so the next re-decision probes in full
         self.probe_bytes, self.probe_time_s = int(state.get("probe_bytes", 0)), float(state.get("probe_time_s", 0.0))
+        self.probe_time_modelled = bool(state.get("probe_time_modelled", False))  # before: always measured
         if self.chosen is not None and state.get("warmup_steps") is not None:  # an early end of the warm-up
             self.engine.shorten_warmup_steps(int(state["warmup_steps"]))
         self._window = []

@@ -372,6 +372,8 @@ def _auto_section(doc: dict) -> list[str]:
                     f" (from {', '.join(basis)})" if basis else "")
             check = d.get("link_check")
             twice = " twice" if check and check.get("retimed") else ""  # a first message that looked moved
+            if check and check.get("reference") == "modelled":  # against the model's time, after a dense step
+                twice += " against the model's time"
             checked = "" if not check else (f" (check{twice}: unchanged, not re-probed)" if check["unchanged"] else
                                             f" (check{twice}: moved, re-probed)")
             if d.get("network_source") == "dense_step":

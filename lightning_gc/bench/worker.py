@@ -40,7 +40,7 @@ What it measures (written to ``<run_dir>/rank<G>.json``):
   settled, slowest rank; ``None`` if the run ended before that window), ``predictions``
   (candidate → predicted step), ``time_per_progress_s`` (candidate → what the choice minimised),
   ``network`` (the probed ``alpha_s``, ``beta_s_per_byte``), ``dense_wall_s``, ``decide_s`` (and
-  ``decide_parts_s``: its latency round, probe, link check, check reference and codec timing),
+  ``decide_parts_s``: its latency round, probe, link check and codec timing),
   ``delta2`` (candidate → the error the decision used), ``beta_scale`` (the probe's calibration),
   ``compute_s`` (forward + backward + optimizer of the workload it used); and ``gain_checks``
   (every re-measurement of the errors: ``step``, ``delta2``, ``moved``, ``redecided``).
@@ -459,13 +459,15 @@ def _auto_state(strategy) -> dict | None:
 def _link_check(check: dict | None) -> dict | None:
     """A re-decision's link check (``AutoChooser``, ``probe_check``): the check message's time, the last
     full probe's time for that size, whether the link counted as unchanged (no full probe),
-    whether a first message that looked moved was timed again (the faster kept) and, when a moved
+    whether a first message that looked moved was timed again (the faster kept), what the reference
+    was (``"measured"``: a probe's or an earlier check's message; ``"modelled"``: the model's time
+    for it after a dense step measured β; ``None`` in runs of earlier versions) and, when a moved
     check measured β itself, that β (``None`` otherwise)."""
     if not check:
         return None
     return {"check_s": _num(check.get("check_s")), "probe_s": _num(check.get("probe_s")),
             "bytes": int(check.get("bytes", 0)), "unchanged": bool(check.get("unchanged")),
-            "retimed": bool(check.get("retimed", False)),
+            "retimed": bool(check.get("retimed", False)), "reference": check.get("reference"),
             "beta_s_per_byte": _num(check.get("beta_s_per_byte"))}
 
 
