@@ -1693,7 +1693,6 @@ def test_a_modelled_reference_is_replaced_by_the_first_check_on_the_link(monkeyp
     timed again, and being bandwidth-bound it sets β from its slope, which is the link's: the same β,
     no full probe, two messages. Either way the next check is judged against a measured time."""
     import torch
-
     from auto_oracle import step_by_hand
 
     from lightning_gc.auto.chooser import AutoChooser, AutoConfig
