@@ -371,15 +371,15 @@ def _auto_section(doc: dict) -> list[str]:
                 cands += f"; {', '.join(unmeasured)} shifted {_s(d['shift_s'])}" + (
                     f" (from {', '.join(basis)})" if basis else "")
             check = d.get("link_check")
-            twice = " twice" if check and check.get("retimed") else ""  # a first message that looked moved
+            how = " twice" if check and check.get("retimed") else ""  # a first message that looked moved
             if check and check.get("reference") == "modelled":  # against the model's time, after a dense step
-                twice += " against the model's time"
-            checked = "" if not check else (f" (check{twice}: unchanged, not re-probed)" if check["unchanged"] else
-                                            f" (check{twice}: moved, re-probed)")
+                how += " against the model's time"
+            checked = "" if not check else (f" (check{how}: unchanged, not re-probed)" if check["unchanged"] else
+                                            f" (check{how}: moved, re-probed)")
             if d.get("network_source") == "dense_step":
                 checked = " (β from the dense step)"
             elif d.get("network_source") == "check_slope":  # moved, and the check's messages measured β
-                checked = f" (check{twice}: moved, β from the check)"
+                checked = f" (check{how}: moved, β from the check)"
             trigger = d["trigger"] + (f" ({d['drift_test']})" if d.get("drift_test") else "")
             held = d.get("held_by_margin")
             picked = d["chosen"] + (f" (kept: {held} led by < switch_margin)" if held else "")
@@ -399,7 +399,9 @@ def _auto_section(doc: dict) -> list[str]:
         "the network as auto probed it (a periodic or drift re-decision first times one message against the last "
         "probe (a message that looks moved is timed once more: *check twice*) and probes again only if it "
         "moved: *check*; a moved check whose message was bandwidth-bound gives β from its two messages: *β from the "
-        "check*; a warm-up step that waited long on the network gives β itself: *β from the dense step*); *predicted*: its model's step for the pick; *measured*: auto's own "
+        "check*; a warm-up step that waited long on the network gives β itself: *β from the dense step*, and the "
+        "next check is then timed against the model's time for its message: *check against the model's time*); "
+        "*predicted*: its model's step for the pick; *measured*: auto's own "
         "measurement after the decision, the median of a window of steps once the switch has settled (slowest "
         "rank; – if the run ended first). Per candidate: the predicted step and, in brackets, the predicted time "
         "per unit of progress, which the pick minimises; *shifted*: the methods not yet measured in a window of "
