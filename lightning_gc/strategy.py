@@ -620,6 +620,12 @@ class GCStrategy(DDPStrategy):
             self._auto.pause_walls()
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._auto is not None and batch_idx == 0:  # the epoch's end and start are in this step's wall
+            self._auto.mark_wall()
+
+    @override
     def on_validation_end(self) -> None:
         super().on_validation_end()
         if self._auto is not None:
@@ -644,6 +650,8 @@ class GCStrategy(DDPStrategy):
         if self._session is not None:
             checkpoint[CHECKPOINT_KEY] = self._gather_state()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self._auto is not None:  # saved between steps: in the next step's wall (AutoChooser.mark_wall)
+            self._auto.mark_wall()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -271,9 +271,10 @@ def test_a_severe_drift_is_seen_within_severe_steps_on_every_rank_alike(tmp_path
     window at 17 (a calibration). From step 22 on, rank 1 sleeps 0.3 s per step (tens of times the
     step). The every-step test (``severe_steps`` 3, each step's agreed wall read one step later)
     re-decides at step 24, when the median of steps 21-23 holds two steps far beyond twice the
-    factor; the window test would first see it at step 25. Both ranks record the same decisions. Both ways a wall is agreed: in a
-    compressed step's closing report (GCEngine.carry_wall), and by an all-reduce of its own under a
-    dense mode."""
+    factor; the window test would first see it at step 25. Under a dense mode one step that far
+    (ONE_STEP_FACTOR · severe_drift = 20x here) is enough: step 22's wall, read at step 23 (test
+    ``step``). Both ranks record the same decisions. Both ways a wall is agreed: in a compressed
+    step's closing report (GCEngine.carry_wall), and in a dense step's first gradient bucket."""
     kw = dict(candidates=candidates, window=8, explore=0, min_interval=3, gain_every=0,
               severe_drift=5.0, severe_steps=3)
     _, autos = _fit(tmp_path, _strategy(SLOWER_LINK, **kw), callbacks=[SleepFrom(22, 1, 0.3)], max_epochs=4)
@@ -282,7 +283,7 @@ def test_a_severe_drift_is_seen_within_severe_steps_on_every_rank_alike(tmp_path
     assert [(h["step"], h["trigger"]) for h in hist[:2]] == [(1, "warmup"), (17, "calibration")]
     assert (hist[1]["chosen"] in ("ddp", "fp16")) == (path == "dense"), hist[1]["chosen"]
     drifts = [(h["step"], h["trigger"], h["drift_test"]) for h in hist[2:]]
-    assert drifts[0] == (24, "drift", "steps"), drifts
+    assert drifts[0] == ((23, "drift", "step") if path == "dense" else (24, "drift", "steps")), drifts
 
 
 class SlowValidation(TinyClassifier):
@@ -322,3 +323,27 @@ def test_monitor_reports_the_latest_measured_errors():
     assert auto_metrics(auto)["gc/auto_delta2/topk"] == 0.6 and auto_metrics(auto)["gc/auto_method"] == 1.0
     auto.gain_checks = [{"step": 5, "delta2": {"ddp": 0.0, "topk": 0.45}, "moved": 0.1, "redecided": False}]
     assert auto_metrics(auto)["gc/auto_delta2/topk"] == 0.45
+
+
+def test_the_strategy_marks_an_epochs_first_step_and_a_checkpoint_for_the_one_step_test(monkeypatch, tmp_path):
+    """The one-step test (``AutoChooser.mark_wall``) leaves out a step whose wall may hold what is not
+    a training step's: GCStrategy marks the first batch of every epoch (batch index 0, not the others)
+    and every checkpoint save (after the file is written: its time is in the next step's wall), on
+    every rank alike; without ``auto`` nothing is called."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    calls = []
+    strategy = GCStrategy(compressor="auto")
+    strategy._auto = type("Recorder", (), {"mark_wall": lambda self: calls.append("mark")})()
+    for batch_idx in (0, 1, 7, 0):
+        strategy.on_train_batch_start(None, batch_idx)
+    assert calls == ["mark", "mark"]
+    written = []
+    monkeypatch.setattr(DDPStrategy, "save_checkpoint", lambda self, ckpt, path, storage_options=None:
+                        written.append((path, list(calls))))
+    strategy.save_checkpoint({}, tmp_path / "a.ckpt")
+    assert written == [(tmp_path / "a.ckpt", ["mark", "mark"])] and calls == ["mark"] * 3  # marked after writing
+    plain = GCStrategy(compressor="topk")
+    plain.on_train_batch_start(None, 0)
+    plain.save_checkpoint({}, tmp_path / "b.ckpt")
+    assert calls == ["mark"] * 3

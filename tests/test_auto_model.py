@@ -773,30 +773,37 @@ def test_a_decision_steps_wall_is_carried_so_the_next_window_needs_no_agreement(
 def test_severe_drift_is_seen_within_severe_steps_of_the_change(monkeypatch, factor):
     """fp16 runs at its reference (measured at step 4); from step 10 every step takes ``factor``
     times as long (a link that fell tenfold, or a much faster one). Each step's agreed wall is read
-    at the next step's end, and the step right after a decision (5) is left out. At 4x or more (or
-    a quarter) the median of the last 3 (steps 9-11) sees it at step 12; a smaller change needs every
-    one of them off (steps 10-12, at step 13). Auto re-decides there with a probe (trigger
-    ``drift``, test ``steps``), where the 5-step windows would first see it at step 14 or later. A
-    single slow step never sets it off, two of three at 2.5x (or 0.4x) not either (the median of 3
-    at 2x, the earlier test, fired on them); ``min_interval`` holds the decision back;
+    at the next step's end, and the step right after a decision (5) is left out. At 8x or more
+    (``ONE_STEP_FACTOR`` times the factor, slower only, under a dense mode) that one step is enough:
+    step 10's wall, read at step 11 (test ``step``). At 4x or more (or a quarter) the median of the
+    last 3 (steps 9-11) sees it at step 12; a smaller change needs every one of them off (steps
+    10-12, at step 13). Auto re-decides there with a probe (trigger ``drift``, test ``steps``),
+    where the 5-step windows would first see it at step 14 or later. A single slow step under 8x (or
+    any single fast one) never sets it off, two of three at 2.5x (or 0.4x) not either (the median of
+    3 at 2x, the earlier test, fired on them); ``min_interval`` holds the decision back;
     ``severe_steps=0`` turns the test off."""
     chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
     ref = chooser._reference
     assert ref is not None and chooser._last_decision_step == 4 and chooser.chosen == "fp16"
     if factor > 1:
         engine.network.model = NetworkModel(1e-4, 8 / 1e7)  # the link falls to 10 Mbit/s
-    first = 12 if factor >= 4 or factor <= 0.25 else 13  # the median at twice the factor, or all 3
+    # one step at 8x; the median at twice the factor; or all 3
+    first = 11 if factor >= 8 else 12 if factor >= 4 or factor <= 0.25 else 13
+    test = "step" if factor >= 8 else "steps"
     _walls(chooser, {s: ref for s in range(5, 10)} | {s: factor * ref for s in range(10, first)})
     assert chooser.history[-1]["step"] == 4  # steps 8-10 (9-11) still hold a step at the reference
     _walls(chooser, {first: factor * ref})
     h = chooser.history[-1]
-    assert (h["step"], h["trigger"], h["drift_test"]) == (first, "drift", "steps")
+    assert (h["step"], h["trigger"], h["drift_test"]) == (first, "drift", test)
     if factor > 1:  # re-decided on the slow link: a compressed method
         assert chooser.chosen == "lowrank" and h["network"][1] == pytest.approx(8 / 1e7)
 
     one, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
     _walls(one, {s: ref for s in range(5, 10)} | {10: factor * ref} | {s: ref for s in range(11, 20)})
-    assert one.history[-1]["step"] == 4  # one slow (or fast) step: no decision
+    if factor >= 8:  # one step at 8x or more under a dense mode: seen at step 11, alone
+        assert (one.history[-1]["step"], one.history[-1]["drift_test"]) == (11, "step")
+    else:
+        assert one.history[-1]["step"] == 4  # one slow (or fast) step: no decision
 
     two, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
     f2 = 2.5 if factor > 1 else 0.4
@@ -805,7 +812,7 @@ def test_severe_drift_is_seen_within_severe_steps_of_the_change(monkeypatch, fac
 
     held, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=30)
     _walls(held, {s: ref for s in range(5, 10)} | {s: factor * ref for s in range(10, first + 1)})
-    assert (held.history[-1]["step"], held.history[-1]["drift_test"]) == (first, "steps")  # after a calibration
+    assert (held.history[-1]["step"], held.history[-1]["drift_test"]) == (first, test)  # after a calibration
     _window(held, 14, 1.0)  # settling
     new_ref = held.predictions[held.chosen].step_s
     _window(held, 16, new_ref)  # the reference
@@ -816,6 +823,42 @@ def test_severe_drift_is_seen_within_severe_steps_of_the_change(monkeypatch, fac
     off, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4, severe_steps=0)
     _walls(off, {s: ref for s in range(5, 10)} | {s: factor * ref for s in range(10, 20)})
     assert off.history[-1]["step"] == 4
+
+
+@pytest.mark.parametrize("case", ["marked", "compressed", "just_under", "exactly"])
+def test_the_one_step_test_acts_on_a_dense_mode_only_and_not_on_a_marked_step(monkeypatch, case):
+    """The one-step test (ONE_STEP_FACTOR · severe_drift = 8x the reference by default): a dense mode's
+    step of exactly 8x re-decides at the next step's end, with that step's wall as the drifted figure
+    (the dense window the new β is solved from). Not when the step was marked (an epoch's first step,
+    a checkpoint saved before it: mark_wall, the strategy's calls): the test of the last 3 sees the
+    slow link a step later. Not under a compressed method, nor at 7.9x."""
+    from lightning_gc.auto import chooser as chooser_mod
+
+    assert chooser_mod.ONE_STEP_FACTOR == 4.0
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    ref = chooser._reference
+    seen = []
+    real = chooser._decide
+    monkeypatch.setattr(chooser, "_decide", lambda *a, **kw: seen.append(kw.get("drift_wall_s")) or real(*a, **kw))
+    if case == "compressed":
+        chooser._apply("lowrank")
+        chooser.chosen = "lowrank"
+    _walls(chooser, {s: ref for s in range(5, 10)})
+    if case == "marked":
+        engine.step = 10  # the step about to run: its wall holds the epoch's boundary (or a checkpoint)
+        chooser.mark_wall()
+    factor = 7.9 if case == "just_under" else 8.0
+    # the marked case: the link did fall, steps 10 and 11 are both slow
+    _walls(chooser, {10: factor * ref, 11: factor * ref if case == "marked" else ref})
+    h = chooser.history[-1]
+    if case == "exactly":
+        assert (h["step"], h["trigger"], h["drift_test"]) == (11, "drift", "step")
+        assert seen == [pytest.approx(8.0 * ref)]  # step 10's wall alone, not the median of the last 3
+    else:
+        assert h["step"] == 4 and seen == []
+    if case == "marked":  # step 11's wall, read at 12, is not marked: the two tests see the fall there
+        _walls(chooser, {12: 8.0 * ref})
+        assert (chooser.history[-1]["step"], chooser.history[-1]["drift_test"]) == (12, "steps")
 
 
 def test_before_its_reference_a_calibrated_method_is_judged_by_its_prediction_every_step(monkeypatch):
@@ -1815,9 +1858,10 @@ def test_the_periodic_look_at_an_unchanged_link_comes_twice_as_late_each_time_up
 def test_a_dense_mode_whose_link_fell_measures_the_new_beta_from_its_drifted_window(monkeypatch):
     """DDP runs on a fast link; the link falls to 10 Mbit/s and DDP's window doubles (severe drift). That
     window, a dense step that waited long on the network, gives the new β (the hand-written step at
-    10 Mbit/s is what it measured): only the latency round is sent, not the full probe (0.9 s on the
-    quickstart MLP at 10 Mbit/s) nor a reference message for the link check (the model's time for it,
-    α + bytes·β), and auto moves to Top-k."""
+    10 Mbit/s, with the α the fast link's probe measured, is what it measured): nothing is sent, not
+    the full probe (0.9 s on the quickstart MLP at 10 Mbit/s), nor a latency round (α is kept), nor a
+    reference message for the link check (the model's time for it, α + bytes·β), and auto moves to
+    Top-k."""
     from auto_oracle import step_by_hand
 
     ch, link, _, _ = _probing_chooser(monkeypatch, 1e9, window=2, patience=2, min_interval=1, probe_every=0)
@@ -1836,12 +1880,14 @@ def test_a_dense_mode_whose_link_fell_measures_the_new_beta_from_its_drifted_win
     window(3, 1.0)  # settling
     window(5, step)  # reference
     link.sent, link.beta = [], 8 / 10e6
-    alpha = link.alpha - 64 * link.beta  # the latency round's fastest 64-byte shift is α + 64·β
+    alpha = ch.network.alpha_s  # the fast link's probe: its fastest 64-byte shift less 64·β there
+    assert alpha == pytest.approx(link.alpha - 64 * 8 / 1e9)
     slow_wall = step_by_hand(ch.costs[0].as_dict(), dict(ch.workload.as_dict(), other_s=other), alpha, link.beta, 4)
     window(7, slow_wall)  # many times the reference: severe
     h = ch.history[-1]
     assert h["trigger"] == "drift" and h["network_source"] == "dense_step"
-    assert link.sent == [64, 256] * 8  # the latency round alone
+    assert link.sent == []  # no message: α kept, β from the window, the check's reference modelled
+    assert h["decide_parts_s"]["latency"] == 0.0
     assert ch.network.beta_s_per_byte == pytest.approx(8 / 10e6, rel=1e-6)
     assert ch.network.alpha_s == pytest.approx(alpha, rel=1e-6)
     assert ch.probe_bytes == 2 * 84_000 and ch.probe_time_modelled  # 134 ms at 10 Mbit/s: bandwidth-bound

@@ -103,10 +103,20 @@ log = logging.getLogger(__name__)
 #: moves by 2x with the host's scheduling alone, and a change that small would not change the pick
 EXCHANGE_SHARE = 0.1
 
+#: the one-step test (``_check_severe_steps``, test ``step``): while a dense mode runs, one agreed step
+#: this many times ``severe_drift`` slower than the reference re-decides at once (8x at the defaults),
+#: unless that step's wall may hold time that is not a training step's (:meth:`AutoChooser.mark_wall`).
+#: Why: a dense mode on a fallen link pays every step the whole exchange at the new rate (the
+#: quickstart MLP: fp16 ~22 ms → 206-234 ms at 10 Mbit/s, DDP 17 → 406-466 ms; ``mlp``: ~60 ms → ~3 s),
+#: and the test of the last ``severe_steps`` needed two such steps beside the one the read lags.
+#: How safe: over 41 156 steps of static methods on steady links in the bench runs kept on the
+#: development machine, none took 3x the median of the 5 before it (docs/auto-measurements.md)
+ONE_STEP_FACTOR = 4.0
+
 #: values of ``AutoConfig.time_codecs``
 TIME_CODECS = ("on_demand", "upfront")
 #: the tests of ``severe_drift`` as a decision's history records them (``drift_test``)
-SEVERE_TESTS = ("severe_window", "steps", "exchange", "reference_window")
+SEVERE_TESTS = ("severe_window", "steps", "step", "exchange", "reference_window")
 
 #: the parts of a decision's own time its history records (``decide_parts_s``, slowest rank each): the
 #: latency round, the bandwidth probe, the link check (both messages, a retimed one included) and the
@@ -307,9 +317,11 @@ class AutoConfig:
             check sees a fall only at the window's end, and with 5-step windows a dense mode ran 7
             steps of ~220 ms on a link fallen to 10 Mbit/s before auto moved (quickstart MLP), where
             Top-k runs ~37 ms; a fall that makes the step 4x or more is seen 2 steps after it (the
-            median), a smaller one 3 steps after (every step), plus the one step the read lags; one
-            slow step (a validation, a checkpoint) never sets it off, and two of three only beyond
-            4x. Until this version the test was the median of the 3 at 2x, which fired on any two
+            median), a smaller one 3 steps after (every step), plus the one step the read lags; under
+            a dense mode one step :data:`ONE_STEP_FACTOR` times ``severe_drift`` slower (8x) is
+            enough (test ``step``; not an epoch's first step nor the step after a checkpoint, see
+            :meth:`AutoChooser.mark_wall`); otherwise one slow step (a validation, a checkpoint)
+            never sets it off, and two of three only beyond 4x. Until this version the test was the median of the 3 at 2x, which fired on any two
             slow steps of three: on 2 unshaped ranks of the quickstart MLP (7.8 ms median step,
             4.1-16.1 ms from the 5th to the 95th percentile) 6 times in 615 steps, each a full probe,
             against once now (replayed on the recorded walls; docs/auto.md). While a
@@ -664,6 +676,10 @@ class AutoChooser(StepParticipant):
         #: still to be read (its step, its reader; see _agree_wall_later)
         self._recent: list[float] = []
         self._recent_pending: tuple[int, Callable[[], float | None]] | None = None
+        self._recent_step: int | None = None  # the step of the newest wall in _recent
+        #: steps whose wall may hold time that is not a training step's (mark_wall: an epoch's first step,
+        #: a checkpoint saved before it): the one-step test (ONE_STEP_FACTOR) leaves them out
+        self._marked_walls: set[int] = set()
         #: the walls read so far (step -> the mean over ranks, None where it was lost), the last few:
         #: the windows' medians come from them without an agreement of their own (see _check_drift)
         self._carried_walls: dict[int, float | None] = {}
@@ -759,6 +775,15 @@ class AutoChooser(StepParticipant):
         steps: 16 DDP steps of ~440 ms (docs/auto.md). The bench leaves validation out of its step
         times the same way."""
         self._t_paused = time.perf_counter()
+
+    def mark_wall(self) -> None:
+        """The step now running (or about to) may hold time that is not a training step's: the strategy
+        calls this at an epoch's first batch (the loop's epoch end, a data loader's workers starting)
+        and when a checkpoint is saved between steps. Such a step still counts in the windows and the
+        test of the last ``severe_steps``; the one-step test (:data:`ONE_STEP_FACTOR`) leaves it out.
+        Called on every rank alike (the batch index and the checkpoint's save are the same on every
+        rank), so every rank leaves out the same steps."""
+        self._marked_walls.add(int(self.engine.step))
 
     def resume_walls(self) -> None:
         """End of :meth:`pause_walls`: the next step's wall starts where the last step ended, plus the pause."""
@@ -910,6 +935,11 @@ class AutoChooser(StepParticipant):
                 basis = f"{1e3 * self.predictions[self.chosen].step_s:.1f} ms predicted from its own measured step"
             what = (f"the last {n} steps ran {1e3 * slow:.1f}-{1e3 * fast:.1f} ms (median "
                     f"{1e3 * statistics.median(self._recent):.1f} ms)")
+        if test is None and self._one_step_fell():
+            test, one = "step", self._recent[-1]
+            what = (f"one step ({self._recent_step}) ran {1e3 * one:.1f} ms under {self.chosen!r}, "
+                    f"{ONE_STEP_FACTOR * self.config.severe_drift:g}x or more")
+            basis = f"{1e3 * self._reference:.1f} ms after the last decision"
         ref_x = self._reference_exchange
         if test is None and ref_x and self._reference and len(self._recent_exchange) >= n:
             med_x = statistics.median(self._recent_exchange)
@@ -924,9 +954,21 @@ class AutoChooser(StepParticipant):
         # the step test saw a fall, or a rise, of 2x or more: the link most likely moved, and a check would only
         # add its message to the probe. A faster exchange may come from an unchanged link (see the docstring):
         # the check (one message above any burst allowance) tells, and spares the probe
-        self._decide(step, "drift", probe=True, check_link=test == "exchange",
-                     drift_wall_s=statistics.median(self._recent) if test == "steps" else None, detail=test)
+        drift_wall = {"steps": statistics.median(self._recent), "step": self._recent[-1]}.get(test)
+        self._decide(step, "drift", probe=True, check_link=test == "exchange", drift_wall_s=drift_wall, detail=test)
         self._t_prev_end = time.perf_counter()  # the decision is not a step
+
+    def _one_step_fell(self) -> bool:
+        """The one-step test: a dense mode runs, it has its reference, and the newest agreed wall
+        (:attr:`_recent`, not a step :meth:`mark_wall` named) is ``ONE_STEP_FACTOR · severe_drift``
+        times the reference or more. Slower only: a dense mode's step is the one a fall inflates by the
+        whole exchange; a faster link under it is seen by the test of the last ``severe_steps``."""
+        ref, sv = self._reference, self.config.severe_drift
+        if not self._recent or ref is None or not sv or self.chosen is None:
+            return False
+        if candidate(self.chosen).compressor is not None or self._recent_step in self._marked_walls:
+            return False
+        return self._recent[-1] >= ONE_STEP_FACTOR * sv * ref
 
     def _read_carried(self) -> None:
         """Read the wall still pending (handed to the engine at the step before, carried in this step's
@@ -945,6 +987,8 @@ class AutoChooser(StepParticipant):
         n = self.config.severe_steps
         if n and value is not None and at > last + 1:  # not the decision's step, nor the switch's first step
             self._recent = (self._recent + [value])[-n:]
+            self._recent_step = at
+        self._marked_walls = {s for s in self._marked_walls if s >= at}
 
     def _window_median(self, step: int) -> float:
         """The median step of the window that ends at ``step`` (:attr:`_window`, this rank's walls),
@@ -1192,16 +1236,24 @@ class AutoChooser(StepParticipant):
             dense = (drift_wall_s, drift_wall_s - free, cost)
         if not pinned and probe and dense is not None and self.config.dense_probe_s \
                 and dense[1] >= self.config.dense_probe_s:
-            latency = timed("latency", self._probe_latency)
-            # agreed before β is solved from it, so that every rank solves the same equation
-            alpha0 = agree_values([latency.min_times_s[0]], "max", engine.process_group, engine.device)[0]
+            if dense_wall_s is None and self.network is not None:
+                # a dense mode's drifted window: α from the last look at the link, no latency round. Why: right
+                # after the steps of a fallen link that round took 38-73 ms on the quickstart MLP and 0.33-0.49 s
+                # on `mlp` (10 Mbit/s), and the β solved from a step that waited 0.1 s or more on the network
+                # barely depends on α; a probe measures α again at the next periodic look (docs/auto.md)
+                alpha0, latency_bytes = self.network.alpha_s, 0
+            else:
+                latency = timed("latency", self._probe_latency)
+                # agreed before β is solved from it, so that every rank solves the same equation
+                alpha0 = agree_values([latency.min_times_s[0]], "max", engine.process_group, engine.device)[0]
+                latency_bytes = latency.sizes_bytes[0]
             # what the model already charges to other_s (calibrated at the warm-up; 0 there) is not the link's
             dense_beta = beta_from_dense_step(dense[0] - self.workload.other_s, self.workload, dense[2], alpha0, ws,
-                                              latency_bytes=latency.sizes_bytes[0])
+                                              latency_bytes=latency_bytes)
         if pinned:  # network_alpha_s/beta given: no probe, and the user's figures are not recalibrated
             self.network = engine.network.model
         elif dense_beta is not None:  # the dense step measured the link: no bandwidth probe
-            alpha = max(alpha0 - dense_beta * latency.sizes_bytes[0], 0.0)
+            alpha = max(alpha0 - dense_beta * latency_bytes, 0.0)
             self.network, self.beta_scale, source = NetworkModel(alpha, dense_beta), 1.0, "dense_step"
             # the link check's reference: the model's time for the message a probe would have settled on
             # (modelled_check_s), not a timed one. Without a reference the first periodic re-decision probed
@@ -1334,7 +1386,7 @@ class AutoChooser(StepParticipant):
                  "held_by_margin": held,
                  # the running method's figure from all its windows since its reference (None: not used)
                  "running_figure_s": running_figure,
-                 # which test saw a drift: "window" (moderate, patience), "severe_window", "steps",
+                 # which test saw a drift: "window" (moderate, patience), "severe_window", "steps", "step",
                  # "exchange" (severe_steps), "reference_window"
                  "drift_test": detail}
         # replicated state: the slowest rank's times, like every other figure here (one agreement for all)
