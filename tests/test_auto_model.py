@@ -863,23 +863,40 @@ def test_the_one_step_test_acts_on_a_dense_mode_only_and_not_on_a_marked_step(mo
 
 def test_before_its_reference_a_calibrated_method_is_judged_by_its_prediction_every_step(monkeypatch):
     """A moderate drift decision at step 6 keeps fp16 (measured on this link): no reference until its
-    second window. The link falls at once; steps 8-10 (7 is the switch's step, left out) run 10x
-    fp16's prediction, which carried its own correction: at step 11 auto re-decides (test
-    ``steps``). The method it moves to, never measured on the slow link, runs 3x its raw
-    prediction: that is what its first window calibrates, not a drift, and nothing re-decides."""
+    second window. The link falls at once; steps from 8 on (7 is the switch's step, left out) run
+    10x fp16's prediction, which carried its own correction: at step 9, where step 8's wall is
+    read, auto re-decides (test ``step``: one step of a dense mode, 8x or more; the median of the
+    last 3 would have seen it at step 11). The method it moves to, never measured on the slow link,
+    runs 3x its raw prediction: that is what its first window calibrates, not a drift, and nothing
+    re-decides."""
     chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
     chooser._decide(6, "drift", probe=True, detail="window")
     assert chooser.chosen == "fp16" and chooser._reference is None
     fp16_pred = chooser.predictions["fp16"].step_s
     engine.network.model = NetworkModel(1e-4, 8 / 1e7)
-    _walls(chooser, {s: 10 * fp16_pred for s in range(7, 11)})
+    _walls(chooser, {s: 10 * fp16_pred for s in range(7, 9)})
     assert chooser.history[-1]["step"] == 6
-    _walls(chooser, {11: 10 * fp16_pred})
+    _walls(chooser, {9: 10 * fp16_pred})
     h = chooser.history[-1]
-    assert (h["step"], h["trigger"], h["drift_test"]) == (11, "drift", "steps") and chooser.chosen == "lowrank"
+    assert (h["step"], h["trigger"], h["drift_test"]) == (9, "drift", "step") and chooser.chosen == "lowrank"
     lowrank_pred = chooser.predictions["lowrank"].step_s
-    _walls(chooser, {s: 3 * lowrank_pred for s in range(12, 30)})
-    assert chooser.history[-1]["step"] == 11
+    _walls(chooser, {s: 3 * lowrank_pred for s in range(10, 30)})
+    assert chooser.history[-1]["step"] == 9
+
+    # one step at 8x fp16's (calibrated) prediction before the reference: the one-step test, at once
+    one, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    one._decide(6, "drift", probe=True, detail="window")
+    pred = one.predictions["fp16"].step_s
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)  # the link falls
+    _walls(one, {7: pred, 8: 8.0 * pred})
+    assert one.history[-1]["step"] == 6 and one._reference is None
+    _walls(one, {9: pred})  # step 8's wall, read here
+    assert (one.history[-1]["step"], one.history[-1]["drift_test"]) == (9, "step") and one.chosen == "lowrank"
+    # ... but not at 7.9x, nor for a method never measured in a window on this link
+    under, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    under._decide(6, "drift", probe=True, detail="window")
+    _walls(under, {7: pred, 8: 7.9 * pred, 9: pred})
+    assert under.history[-1]["step"] == 6
 
     # two steps of three at 3x fp16's prediction, again and again (a busy host), before the reference: nothing
     two, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)

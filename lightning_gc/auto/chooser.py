@@ -939,7 +939,8 @@ class AutoChooser(StepParticipant):
             test, one = "step", self._recent[-1]
             what = (f"one step ({self._recent_step}) ran {1e3 * one:.1f} ms under {self.chosen!r}, "
                     f"{ONE_STEP_FACTOR * self.config.severe_drift:g}x or more")
-            basis = f"{1e3 * self._reference:.1f} ms after the last decision"
+            basis = (f"{1e3 * self._reference:.1f} ms after the last decision" if self._reference is not None else
+                     f"{1e3 * self.predictions[self.chosen].step_s:.1f} ms predicted from its own measured step")
         ref_x = self._reference_exchange
         if test is None and ref_x and self._reference and len(self._recent_exchange) >= n:
             med_x = statistics.median(self._recent_exchange)
@@ -959,11 +960,16 @@ class AutoChooser(StepParticipant):
         self._t_prev_end = time.perf_counter()  # the decision is not a step
 
     def _one_step_fell(self) -> bool:
-        """The one-step test: a dense mode runs, it has its reference, and the newest agreed wall
-        (:attr:`_recent`, not a step :meth:`mark_wall` named) is ``ONE_STEP_FACTOR · severe_drift``
-        times the reference or more. Slower only: a dense mode's step is the one a fall inflates by the
-        whole exchange; a faster link under it is seen by the test of the last ``severe_steps``."""
-        ref, sv = self._reference, self.config.severe_drift
+        """The one-step test: a dense mode runs, and the newest agreed wall (:attr:`_recent`, not a
+        step :meth:`mark_wall` named) is ``ONE_STEP_FACTOR · severe_drift`` times its reference or
+        more; before the reference window, its calibrated prediction (as :meth:`_link_moved_under`).
+        Why the prediction too: on ``cnn`` width 16 a dense sibling's trial had just ended when the
+        link fell, and fp16's reference window was not measured yet: three ~2 s steps ran before the
+        test of the last 3 saw it (docs/auto.md). Slower only: a dense mode's step is the one a fall
+        inflates by the whole exchange; a faster link under it is seen by the test of the last
+        ``severe_steps``."""
+        sv = self.config.severe_drift
+        ref = self._reference if self._reference is not None else self._calibrated_prediction()
         if not self._recent or ref is None or not sv or self.chosen is None:
             return False
         if candidate(self.chosen).compressor is not None or self._recent_step in self._marked_walls:
@@ -1583,11 +1589,17 @@ class AutoChooser(StepParticipant):
 
         ``measured``: a window's median (one value), or the last few steps' times (the every-step
         test); judged by :func:`steps_apart`."""
-        sv, chosen = self.config.severe_drift, self.chosen
-        if not sv or chosen is None or not self.history or chosen not in self.predictions:
-            return False
+        sv, predicted = self.config.severe_drift, self._calibrated_prediction()
+        return bool(sv) and predicted is not None and steps_apart(list(measured), predicted, sv)
+
+    def _calibrated_prediction(self) -> float | None:
+        """The running method's predicted step when that prediction carries the method's own
+        correction, measured in a window on this link (see :meth:`_link_moved_under`); else None."""
+        chosen = self.chosen
+        if chosen is None or not self.history or chosen not in self.predictions:
+            return None
         calibrated = chosen in (self.history[-1].get("corrections") or {}) and chosen in self._windowed()
-        return calibrated and steps_apart(list(measured), self.predictions[chosen].step_s, sv)
+        return self.predictions[chosen].step_s if calibrated else None
 
     def _shift_basis(self, windowed: set[str], settled: list[str]) -> list[str]:
         """The methods whose corrections the compute shift is taken from (:func:`compute_shift`):
