@@ -994,7 +994,8 @@ class AutoChooser(StepParticipant):
         if n and value is not None and at > last + 1:  # not the decision's step, nor the switch's first step
             self._recent = (self._recent + [value])[-n:]
             self._recent_step = at
-        self._marked_walls = {s for s in self._marked_walls if s >= at}
+        if self._marked_walls:  # usually empty: an epoch's first step, a checkpoint
+            self._marked_walls = {s for s in self._marked_walls if s >= at}
 
     def _window_median(self, step: int) -> float:
         """The median step of the window that ends at ``step`` (:attr:`_window`, this rank's walls),
