@@ -10,7 +10,22 @@ def ring(alpha: float, beta: float, nbytes: float, n: int) -> float:
     return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes * beta
 
 
+def direct(alpha: float, beta: float, nbytes: float, n: int) -> float:
+    """Every rank sends its message to the n - 1 others at once (docs/collectives.md, "Direct exchange")."""
+    return alpha + (n - 1) * nbytes * beta
+
+
+def allreduce(alpha: float, beta: float, nbytes: float, n: int) -> float:
+    """The engine's allreduce: direct on 2..8 ranks when its n - 1 copies come to 12 KiB or less, or the
+    model finds it cheaper than the ring; else the ring."""
+    if 2 <= n <= 8 and ((n - 1) * nbytes <= 12 * 1024 or direct(alpha, beta, nbytes, n) < ring(alpha, beta, nbytes, n)):
+        return direct(alpha, beta, nbytes, n)
+    return ring(alpha, beta, nbytes, n)
+
+
 def allgather(alpha: float, beta: float, nbytes: float, n: int) -> float:
+    if 2 <= n <= 8:  # the direct exchange
+        return direct(alpha, beta, nbytes, n)
     return alpha * math.ceil(math.log2(n)) + (n - 1) * nbytes * beta
 
 
@@ -58,20 +73,19 @@ def step_by_hand(cost: dict, wl: dict, alpha: float, beta: float, n: int) -> flo
     else:
         B = cost["payload_bytes"]
         if cost["wire"] == "allreduce":
-            comm = ring(alpha, beta, B, n)
+            comm = allreduce(alpha, beta, B, n)
         elif cost["wire"] == "allgather":
             comm = allgather(alpha, beta, B, n)
-        elif cost["wire"] == "lowrank":  # the exact small tensors ride in the P message: no latency of their own
-            comm = ring(alpha, beta, B / 2 + cost["exact_bytes"], n) + ring(alpha, beta, B / 2, n)
+        elif cost["wire"] == "lowrank":
+            # P with the exact small tensors, Q with the closing report (40 fp32 elements): two messages
+            comm = allreduce(alpha, beta, B / 2 + cost["exact_bytes"], n) + allreduce(alpha, beta, B / 2 + 40 * 4, n)
         else:
             group = max(total - int(cost["exact_bytes"] // 4), 1)  # the exact small tensors are not in M
             comm = sparse_best(alpha, beta, group, n, cost["sparse_ratio"], cost["value_bytes"])
-        if cost["wire"] == "lowrank":  # the closing report rides in the Q message: 40 fp32 elements, no latency
-            comm += ring(0.0, beta, 40 * 4, n)
-        else:
-            comm += ring(alpha, beta, 13 * 8, n)  # the engine's closing report: 13 float64 fields
+        if cost["wire"] != "lowrank":
+            comm += allreduce(alpha, beta, 13 * 8, n)  # the engine's closing report: 13 float64 fields
         if cost["exact_bytes"] > 0 and cost["wire"] != "lowrank":
-            comm += ring(alpha, beta, cost["exact_bytes"], n)
+            comm += allreduce(alpha, beta, cost["exact_bytes"], n)
         end = sum(bwd) + cost["codec_s"] + comm
     compute = wl["forward_s"] + sum(bwd) + wl["optimizer_s"]
     overhead = cost.get("overhead_s", 0.0)

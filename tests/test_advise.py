@@ -33,6 +33,18 @@ def _ring(alpha: float, beta: float, nbytes: float, n: int) -> float:
     return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes * beta
 
 
+def _direct(alpha: float, beta: float, nbytes: float, n: int) -> float:
+    # every rank sends its message to the n - 1 others at once: one latency, n - 1 copies on its link
+    return alpha + (n - 1) * nbytes * beta
+
+
+def _allreduce(alpha: float, beta: float, nbytes: float, n: int) -> float:
+    """The engine's allreduce (docs/collectives.md, "Direct exchange"): direct on 2-8 ranks when the
+    n - 1 copies are at most 12 KiB or the model prices direct below the ring."""
+    d, r = _direct(alpha, beta, nbytes, n), _ring(alpha, beta, nbytes, n)
+    return d if 2 <= n <= 8 and ((n - 1) * nbytes <= 12 * 1024 or d < r) else r
+
+
 def _log2_rounds(n: int) -> int:
     return math.ceil(math.log2(n)) if n > 1 else 0
 
@@ -69,11 +81,11 @@ def _oracle_step(cost: MethodCost, w: Workload, alpha: float, beta: float, n: in
     B = cost.payload_bytes
     lg = _log2_rounds(n)
     if cost.wire == "allreduce":
-        comm = _ring(alpha, beta, B, n)
-    elif cost.wire == "allgather":
-        comm = alpha * lg + (n - 1) * B * beta
-    elif cost.wire == "lowrank":  # P (with the exact small tensors: they ride in it), then Q
-        comm = _ring(alpha, beta, B / 2 + cost.exact_bytes, n) + _ring(alpha, beta, B / 2, n)
+        comm = _allreduce(alpha, beta, B, n)
+    elif cost.wire == "allgather":  # direct on up to 8 ranks, else the ring allgather
+        comm = _direct(alpha, beta, B, n) if n <= 8 else alpha * lg + (n - 1) * B * beta
+    elif cost.wire == "lowrank":  # P (with the exact small tensors: they ride in it), then Q (with the report)
+        comm = _allreduce(alpha, beta, B / 2 + cost.exact_bytes, n) + _allreduce(alpha, beta, B / 2 + 160, n)
     else:  # sparse: the cheapest of allgather, ART-Ring (4a), ART-Tree (4b); M = 4 * numel
         M = 4.0 * sum(w.numels)
         idx = M * cost.sparse_ratio
@@ -81,9 +93,9 @@ def _oracle_step(cost: MethodCost, w: Workload, alpha: float, beta: float, n: in
         comm = min(alpha * lg + (idx + val) * beta * (n - 1),
                    alpha * (2 * (n - 1) + lg) + beta * (idx * lg + val * 2 * (n - 1) / n),
                    3 * alpha * lg + beta * lg * (idx + 2 * val))
-    # the closing report: 104 bytes alone; lowrank's rides in its Q message (160 bytes, no latency)
-    control = _ring(0.0, beta, 160, n) if cost.wire == "lowrank" else _ring(alpha, beta, 104, n)
-    exact = _ring(alpha, beta, cost.exact_bytes, n) if cost.exact_bytes > 0 and cost.wire != "lowrank" else 0.0
+    # the closing report: 104 bytes alone; lowrank's rides in its Q message (above)
+    control = 0.0 if cost.wire == "lowrank" else _allreduce(alpha, beta, 104, n)
+    exact = _allreduce(alpha, beta, cost.exact_bytes, n) if cost.exact_bytes > 0 and cost.wire != "lowrank" else 0.0
     return base + bwd + cost.codec_s + comm + control + exact
 
 

@@ -576,7 +576,7 @@ def _fp16_measured_on_a_fast_link(monkeypatch, **cfg):
     monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
     wl = Workload(0.002, (0.002,), (1_000_000,))
     costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("fp16", "bucket", 0.0005),
-             MethodCost("lowrank", "lowrank", 0.001, 40_000.0, 0.3, True),
+             MethodCost("lowrank", "lowrank", 0.002, 40_000.0, 0.3, True),
              MethodCost("topk", "allgather", 0.001, 20_000.0, 0.5, True)]
     engine = _FakeEngine(NetworkModel(1e-4, 8 / 1e10))
     # the figures below are set for a progress weight of 1 (Top-k's measured window must beat lowrank's)

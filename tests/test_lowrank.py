@@ -25,6 +25,7 @@ import torch
 from dist_harness import gather_all, run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from lightning_gc.comm import direct
 from lightning_gc.comm.exchange import ExchangeTimes, LazySent, Timer
 from lightning_gc.comm.registry import make_exchange, validate_collective
 from lightning_gc.compressors import GroupContext, build_compressor
@@ -508,15 +509,20 @@ def _engine_run(rank: int, ws: int, min_compress_numel: int = 0, report_rides: b
                                    report_rides=report_rides),
                       list(model.named_parameters()))
     lossy = {n for grp in engine.plan.groups if not grp.exact for n in grp.names}
-    calls = []  # allreduces on the engine's own group, per step
-    real_all_reduce = dist.all_reduce
+    calls = []  # allreduces on the engine's own group, per step: the backend's ring or the direct exchange
+    real_all_reduce, real_direct = dist.all_reduce, direct.direct_allreduce
 
     def counting(tensor, *args, group=None, **kwargs):
         if group is engine.exchange_group:
             calls[-1] += 1
         return real_all_reduce(tensor, *args, group=group, **kwargs)
 
-    dist.all_reduce = counting
+    def counting_direct(tensor, group=None, op="sum"):
+        if group is engine.exchange_group:
+            calls[-1] += 1
+        return real_direct(tensor, group, op)
+
+    dist.all_reduce, direct.direct_allreduce = counting, counting_direct
     q0 = torch.randn(20, RANK, generator=torch.Generator().manual_seed(9))
     engine.exchange.load_state_dict({"lowrank_q": {"a.weight:16x20": q0}})
     ddp.register_comm_hook(engine, gc_comm_hook)
@@ -563,7 +569,7 @@ def _engine_run(rank: int, ws: int, min_compress_numel: int = 0, report_rides: b
         worst_gain = max(worst_gain, abs(engine.last_step.gain / (sent2 / p2) - 1))
         opt.step()
         engine.after_optimizer_step()
-    dist.all_reduce = real_all_reduce
+    dist.all_reduce, direct.direct_allreduce = real_all_reduce, real_direct
     return {"grad": worst_grad, "mem": worst_mem, "mem_norm": float(mem["a.weight"][rank].norm()), "gain": worst_gain,
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
             "groups": [(g.names, g.exact) for g in engine.plan.groups], "calls": calls}

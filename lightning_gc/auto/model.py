@@ -27,11 +27,14 @@ share one definition and every rank computes the same choice from the same (agre
 * every compressor runs in the engine with the ``"model"`` plan: one group, exchanged after
   backward ends (nothing to overlap with), costing ``codec_s`` + the collective's time for
   ``payload_bytes`` + the engine's closing report (a 104-byte allreduce; its opening check runs
-  only every ``check_every`` steps and is left out) + the ring allreduce of the small
+  only every ``check_every`` steps and is left out) + the allreduce of the small
   tensors it sends exactly (``exact_bytes``; for ``lowrank`` only their bytes: they ride in its
   ``P`` allreduce, see :attr:`~lightning_gc.comm.exchange.Exchange.carries_exact`, and the report
   only its bytes: it rides in the ``Q`` allreduce, ``Exchange.carries_report``, with the engine's
-  default ``report_rides=True``).
+  default ``report_rides=True``). Each allreduce and allgather is charged for the algorithm the
+  engine takes for its size on this network (:func:`lightning_gc.comm.direct.allreduce_seconds`,
+  ``allgather_seconds``): the direct exchange (``alpha + (N-1)·M·beta``) for small messages on up to
+  8 ranks, else the ring.
 
 ``step = forward + max(backward end, last exchange end) + optimizer + other + overhead`` (never
 below the compute), where ``overhead`` is what the live chooser measured beyond the model for the
@@ -66,6 +69,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from ..comm import cost_model
 from ..comm.cost_model import NetworkModel
+from ..comm.direct import allgather_seconds, allreduce_seconds
 from ..engine.agreement import RiddenReport, StepReport
 
 #: candidates that run on DDP's own bucket path (the value: bytes per element on the wire)
@@ -224,11 +228,11 @@ def comm_seconds(cost: MethodCost, network: NetworkModel, world_size: int, numel
     """Seconds the candidate's collective needs for its payload (engine candidates only)."""
     a, b, n, B = network.alpha_s, network.beta_s_per_byte, world_size, cost.payload_bytes
     if cost.wire == "allreduce":
-        return cost_model.ring_allreduce_cost(a, b, B, n)
+        return allreduce_seconds(network, B, n)
     if cost.wire == "allgather":
-        return cost_model.allgather_cost(a, b, B, n)
+        return allgather_seconds(network, B, n)
     if cost.wire == "lowrank":  # P, then Q: two allreduces sharing the payload
-        return 2 * cost_model.ring_allreduce_cost(a, b, B / 2, n)
+        return 2 * allreduce_seconds(network, B / 2, n)
     if cost.wire == "sparse":
         return min(cost_model.sparse_collective_costs(a, b, 4.0 * numel, n, cost.sparse_ratio,
                                                       cost.value_bytes).values())
@@ -275,16 +279,20 @@ def predict(cost: MethodCost, workload: Workload, network: NetworkModel, world_s
     else:
         # the compressed group: the model without the small tensors sent exactly beside it
         # (only the sparse wire reads the element count, and it sends the small tensors in fp32)
-        tc = comm_seconds(cost, network, n, max(w.numel - int(cost.exact_bytes // 4), 1))
-        if cost.wire == "lowrank":  # the report rides in the Q allreduce: its bytes, no latency of its own
-            control = cost_model.ring_allreduce_cost(0.0, b, RIDDEN_CONTROL_BYTES, n)
-        else:
-            control = cost_model.ring_allreduce_cost(a, b, ENGINE_CONTROL_BYTES, n)
         exact = 0.0
-        if cost.exact_bytes > 0:
-            # the lowrank exchange carries them in its P allreduce (Exchange.carries_exact): their
-            # bytes without a latency of their own; every other method sends them in an allreduce
-            exact = cost_model.ring_allreduce_cost(0.0 if cost.wire == "lowrank" else a, b, cost.exact_bytes, n)
+        if cost.wire == "lowrank":
+            # P with the small tensors sent exactly (Exchange.carries_exact), then Q with the step's report
+            # (Exchange.carries_report): two allreduces, each by the algorithm its size gets
+            # (comm/direct.py); no latency of their own for the report and the exact tensors
+            half = cost.payload_bytes / 2
+            tc = (allreduce_seconds(network, half + cost.exact_bytes, n)
+                  + allreduce_seconds(network, half + RIDDEN_CONTROL_BYTES, n))
+            control = 0.0
+        else:
+            tc = comm_seconds(cost, network, n, max(w.numel - int(cost.exact_bytes // 4), 1))
+            control = allreduce_seconds(network, ENGINE_CONTROL_BYTES, n)
+            if cost.exact_bytes > 0:  # their own allreduce
+                exact = allreduce_seconds(network, cost.exact_bytes, n)
         comm_total = tc + control + exact
         codec = cost.codec_s
         end = bwd_end + codec + comm_total

@@ -30,14 +30,13 @@ def allgather_bytes(nbytes: int, world_size: int) -> int:
     return (world_size - 1) * nbytes if world_size > 1 else 0
 
 
-def allreduce(tensors: list[Tensor], group=None) -> int:
-    """Sum-allreduce each tensor in place; returns modelled bytes sent by this rank."""
-    ws = dist.get_world_size(group)
-    sent = 0
-    for t in tensors:
-        dist.all_reduce(t, group=group)
-        sent += ring_allreduce_bytes(t.numel() * t.element_size(), ws)
-    return sent
+def allreduce(tensors: list[Tensor], group=None, network=None) -> int:
+    """Sum-allreduce each tensor in place; returns modelled bytes sent by this rank. A small message
+    goes by the direct exchange, the others by the backend's ring (:func:`.direct.use_direct`;
+    ``network``: the agreed :class:`~.cost_model.NetworkModel`, or None)."""
+    from .direct import allreduce_sum
+
+    return sum(allreduce_sum(t, group, network) for t in tensors)
 
 
 def pack_payload(tensors: tuple[Tensor, ...]) -> Tensor:
@@ -102,10 +101,12 @@ def allgather_payload(payload: tuple[Tensor, ...], specs, group=None,
             raise RuntimeError(message)
         on_mismatch(message)
         buf = torch.zeros(expected, dtype=torch.uint8, device=buf.device)
+    from .direct import allgather
+
     ws = dist.get_world_size(group)
     bufs = [torch.empty_like(buf) for _ in range(ws)]
-    dist.all_gather(bufs, buf, group=group)
-    return [unpack_payload(b, specs) for b in bufs], allgather_bytes(buf.numel(), ws), buf.numel()
+    sent = allgather(bufs, buf, group)
+    return [unpack_payload(b, specs) for b in bufs], sent, buf.numel()
 
 
 def descriptor_hash(text: str) -> int:
@@ -121,7 +122,9 @@ def check_descriptor(text: str, step: int, group, world_size: int, device: torch
     not applied) instead of about to be."""
     mine = torch.tensor([descriptor_hash(text)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(gathered, mine, group=group)
+    from .direct import allgather
+
+    allgather(gathered, mine, group)
     hashes = [int(t.item()) for t in gathered]
     if len(set(hashes)) > 1:
         by_hash: dict[int, list[int]] = {}

@@ -169,6 +169,16 @@ def ring_allreduce_cost(alpha: float, beta: float, M: float, N: int) -> float:
     return 2 * (n - 1) * a + 2 * (n - 1) / n * m * b
 
 
+def direct_cost(alpha: float, beta: float, M: float, N: int) -> float:
+    """Direct exchange (:mod:`lightning_gc.comm.direct`): ``alpha + (N-1)*M*beta``. Every rank sends
+    its ``M`` bytes to the ``N - 1`` others at once: one message latency, ``N - 1`` messages' bytes on
+    its link. The allreduce then sums locally; the allgather keeps what arrived. 0 at ``N == 1``."""
+    a, b, m, n = _check_common(alpha, beta, M, N)
+    if n == 1:
+        return 0.0
+    return a + (n - 1) * m * b
+
+
 def tree_allreduce_cost(alpha: float, beta: float, M: float, N: int) -> float:
     """Tree allreduce (binomial reduce then broadcast): ``2*alpha*L + 2*L*M*beta`` (Table I),
     ``L = ceil(log2 N)``: each phase is ``L`` rounds of one full ``M``-byte message."""

@@ -308,7 +308,7 @@ class AllreduceExchange(Exchange):
 
     def _reduce(self, tensors: list[Tensor]) -> int:
         """Sum-allreduce each tensor in place; returns the bytes this rank sent."""
-        return allreduce(tensors, self.group)
+        return allreduce(tensors, self.group, self.network.model)
 
     def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor]:
         c = self.compressor

@@ -746,7 +746,8 @@ class GCEngine:
         if work.dense:
             mode = "" if self.dense_mode is None else f"/{self.dense_mode}"
             return f"step={work.step} dense{mode} flush={work.carried_flush} plan={self.plan.signature()}"
-        net = self.tracker.describe() if type(self.exchange).needs_network else "-"
+        # the network model also picks each small allreduce's algorithm (comm/direct.py): compared too
+        net = self.tracker.describe() if (type(self.exchange).needs_network or self.tracker.state.model is not None) else "-"
         return (f"step={work.step} compressed plan={self.plan.signature()} compressor={self.compressor.describe()} "
                 f"collective={self.exchange.describe()} net={net}{self._slots_signature()}")
 

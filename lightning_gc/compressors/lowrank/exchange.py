@@ -119,7 +119,7 @@ class LowRankExchange(Exchange):
 
         msg1, own_dense, ms, ps = timer.run("compress", first)
         timer.times.bytes_payload += msg1.numel() * msg1.element_size()
-        timer.times.bytes_sent += timer.run("comm", lambda: allreduce([msg1], self.group))
+        timer.times.bytes_sent += timer.run("comm", lambda: allreduce([msg1], self.group, self.network.model))
         buf1 = msg1 if wire is torch.float32 else timer.run("compress", msg1.float)
 
         def second() -> tuple[Tensor, list[Tensor], list[Tensor]]:
@@ -170,7 +170,7 @@ class LowRankExchange(Exchange):
         if report is not None:  # the closing report rides: appended as it is (summed, not divided by N)
             share = report(sent)
             msg2 = timer.run("compress", lambda: torch.cat([msg2, share.to(device=msg2.device, dtype=msg2.dtype)]))
-        timer.times.bytes_sent += timer.run("comm", lambda: allreduce([msg2], self.group))
+        timer.times.bytes_sent += timer.run("comm", lambda: allreduce([msg2], self.group, self.network.model))
         summed = None if report is None else msg2[nq:].float()
 
         def finish() -> Tensor:
