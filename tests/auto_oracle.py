@@ -11,7 +11,7 @@ def ring(alpha: float, beta: float, nbytes: float, n: int) -> float:
 
 
 def direct(alpha: float, beta: float, nbytes: float, n: int) -> float:
-    """Every rank sends its message to the n - 1 others at once (docs/collectives.md, "Direct exchange")."""
+    """Every rank sends its message to the n - 1 others at once (docs/cost_model.md, "Direct exchange")."""
     return alpha + (n - 1) * nbytes * beta
 
 

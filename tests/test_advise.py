@@ -39,7 +39,7 @@ def _direct(alpha: float, beta: float, nbytes: float, n: int) -> float:
 
 
 def _allreduce(alpha: float, beta: float, nbytes: float, n: int) -> float:
-    """The engine's allreduce (docs/collectives.md, "Direct exchange"): direct on 2-8 ranks when the
+    """The engine's allreduce (docs/cost_model.md, "Direct exchange"): direct on 2-8 ranks when the
     n - 1 copies are at most 12 KiB or the model prices direct below the ring."""
     d, r = _direct(alpha, beta, nbytes, n), _ring(alpha, beta, nbytes, n)
     return d if 2 <= n <= 8 and ((n - 1) * nbytes <= 12 * 1024 or d < r) else r

@@ -272,9 +272,10 @@ def test_a_severe_drift_is_seen_within_severe_steps_on_every_rank_alike(tmp_path
     step). The every-step test (``severe_steps`` 3, each step's agreed wall read one step later)
     re-decides at step 24, when the median of steps 21-23 holds two steps far beyond twice the
     factor; the window test would first see it at step 25. Under a dense mode one step that far
-    (ONE_STEP_FACTOR · severe_drift = 20x here) is enough: step 22's wall, read at step 23 (test
-    ``step``). Both ranks record the same decisions. Both ways a wall is agreed: in a compressed
-    step's closing report (GCEngine.carry_wall), and in a dense step's first gradient bucket."""
+    (ONE_STEP_FACTOR · severe_drift = 20x here) is enough, and its wall is agreed at its own end (a
+    direct exchange, not carried): step 22 itself re-decides (test ``step``). Both ranks record the
+    same decisions. Both ways a wall is agreed: in a compressed step's closing report
+    (GCEngine.carry_wall), and under a dense mode at once."""
     kw = dict(candidates=candidates, window=8, explore=0, min_interval=3, gain_every=0,
               severe_drift=5.0, severe_steps=3)
     _, autos = _fit(tmp_path, _strategy(SLOWER_LINK, **kw), callbacks=[SleepFrom(22, 1, 0.3)], max_epochs=4)
@@ -283,7 +284,7 @@ def test_a_severe_drift_is_seen_within_severe_steps_on_every_rank_alike(tmp_path
     assert [(h["step"], h["trigger"]) for h in hist[:2]] == [(1, "warmup"), (17, "calibration")]
     assert (hist[1]["chosen"] in ("ddp", "fp16")) == (path == "dense"), hist[1]["chosen"]
     drifts = [(h["step"], h["trigger"], h["drift_test"]) for h in hist[2:]]
-    assert drifts[0] == ((23, "drift", "step") if path == "dense" else (24, "drift", "steps")), drifts
+    assert drifts[0] == ((22, "drift", "step") if path == "dense" else (24, "drift", "steps")), drifts
 
 
 class SlowValidation(TinyClassifier):

@@ -861,6 +861,35 @@ def test_the_one_step_test_acts_on_a_dense_mode_only_and_not_on_a_marked_step(mo
         assert (chooser.history[-1]["step"], chooser.history[-1]["drift_test"]) == (12, "steps")
 
 
+def test_a_dense_modes_wall_agreed_at_once_decides_at_the_slow_step_itself(monkeypatch):
+    """On a group that takes the direct exchange (up to 8 ranks off NCCL: ``_agree_dense_now``) a
+    dense mode's wall is agreed at its own step's end, by an agreement of its own, instead of riding
+    in the next step's first bucket: the one-step test acts at the slow step itself (10, where the
+    carried wall is read at 11), nothing is handed to ``carry_wall``, and every step's agreed wall
+    is this rank's here (one process: the agreement is the identity). Once a compressed method runs,
+    its wall rides in the closing report again (``carry_wall``)."""
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.candidates import candidate
+
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    chooser._agree_dense_now = True
+    agreed: list = []
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a, _seen=agreed: _seen.append(list(values))
+                        or [float(v) for v in values])
+    ref = chooser._reference
+    for s in range(5, 10):
+        _walls(chooser, {s: ref * (1 + s / 100)})
+        assert engine.carried is None and agreed[-1] == [pytest.approx(ref * (1 + s / 100))]
+        assert chooser._carried_walls[s] == pytest.approx(ref * (1 + s / 100))  # the window reads it at once
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)  # the link falls to 10 Mbit/s (what the probe finds)
+    _walls(chooser, {10: 8.0 * ref})
+    h = chooser.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"]) == (10, "drift", "step")
+    assert candidate(chooser.chosen).compressor is not None  # a compressed method on the fallen link
+    _walls(chooser, {11: 0.5 * ref})
+    assert engine.carried == pytest.approx(0.5 * ref)  # carried in its closing report, not agreed alone
+
+
 def test_before_its_reference_a_calibrated_method_is_judged_by_its_prediction_every_step(monkeypatch):
     """A moderate drift decision at step 6 keeps fp16 (measured on this link): no reference until its
     second window. The link falls at once; steps from 8 on (7 is the switch's step, left out) run

@@ -64,10 +64,12 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from ..comm.cost_model import NetworkModel
+from ..comm.direct import DIRECT_MAX_RANKS, backend_allows
 from ..comm.probe import ProbeConfig, probe_network
 from ..compressors import GroupContext
 from ..engine.agreement import agree_values
@@ -641,8 +643,13 @@ class AutoChooser(StepParticipant):
         self._configured_warmup = w if w > config.dense_steps_needed else 1
         engine.raise_warmup_steps(config.dense_steps_needed)
         # every step's wall rides in the next step's messages (the every-step test and the windows read
-        # them there); a dense step's in its first gradient bucket
-        engine.enable_dense_carry()
+        # them there): a compressed step's closing report. A dense mode's is agreed at once by a direct
+        # exchange (one message latency) where the group allows one, else it rides in the next step's
+        # first gradient bucket (see _agree_wall_later)
+        self._agree_dense_now = (1 < engine.world_size <= DIRECT_MAX_RANKS and dist.is_available()
+                                 and dist.is_initialized() and backend_allows(engine.process_group))
+        if not self._agree_dense_now:
+            engine.enable_dense_carry()
         #: every decision (replicated, checkpointed): step, trigger, inputs, predictions, choice
         self.history: list[dict] = []
         self.chosen: str | None = None
@@ -912,6 +919,8 @@ class AutoChooser(StepParticipant):
         self._read_carried()
         # carried whatever the test's setting: the windows read their medians from these walls too
         self._recent_pending = (step, self._agree_wall_later(step, wall))
+        if self._dense_agreed_now():  # agreed already (a dense mode): this step's wall enters the tests now
+            self._read_carried()
         if not n or not sv:
             return
         last = self._last_decision_step if self._last_decision_step is not None else -10**9
@@ -1022,14 +1031,31 @@ class AutoChooser(StepParticipant):
         use; at 20 Mbit/s auto's Top-k steps took 1.1-3.5 ms (3-10 %) longer with it than without the
         every-step test, and on the ``mlp`` preset on unshaped ranks auto's 16-bit steps took
         1.5-2 ms more (docs/auto.md). A rank that lost its value (a resume) makes it None on every
-        rank, and the test skips it (the step after a decision is left out anyway)."""
+        rank, and the test skips it (the step after a decision is left out anyway).
+
+        **Under a dense mode** on up to 8 ranks off NCCL the wall is agreed now instead, by a direct
+        exchange of its own (one message latency; lightning_gc/comm/direct.py), and the returned
+        function gives that mean. Why: carried in the next step's first bucket, a wall was read one
+        step late, so a link that fell under a dense mode cost two dense steps at the fallen rate
+        before the one-step test could act (``mlp`` at 10 Mbit/s: 2.9 s and 3.4-3.7 s); agreed now,
+        the test acts at the end of the first. The exchange costs ~1 ms on 4 ranks of this project's
+        2-core machine, where gloo's ring all-reduce of the same 8 bytes took 1.5-2 ms of a 43 ms
+        16-bit step (docs/auto.md)."""
         engine = self.engine
+        if self._dense_agreed_now():
+            value = agree_values([wall], "mean", engine.process_group, engine.device)[0]
+            return lambda: value
         engine.carry_wall(wall)
 
         def carried() -> float | None:
             stats = engine.last_step
             return stats.carried_wall_mean_s if stats is not None and stats.step == step + 1 else None
         return carried
+
+    def _dense_agreed_now(self) -> bool:
+        """Whether a step's wall is agreed at its own end (a dense mode runs, on a group that takes the
+        direct exchange; :meth:`_agree_wall_later`), not carried into the next step. Replicated."""
+        return self._agree_dense_now and self.chosen is not None and candidate(self.chosen).compressor is None
 
     def _check_drift(self, step: int) -> None:
         window_exchange, self._window_exchange = self._window_exchange, []

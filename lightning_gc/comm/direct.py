@@ -9,7 +9,7 @@ closing report, the opening check) and the small payloads of ``lowrank``, Top-k 
 
 Why not the backend's collective: gloo runs every ``all_reduce`` as a ring. Measured on this
 project's 2-core machine, 4 ranks on shaped namespaces (one process each, the median of 30 calls,
-the slowest rank; docs/collectives.md, "Direct exchange"): a 256 B to 64 KiB ``all_reduce`` took
+the slowest rank; docs/cost_model.md, "Direct exchange"): a 256 B to 64 KiB ``all_reduce`` took
 6.5-9.5 ms at 1 Gbit/s, the direct exchange 0.7-1.0 ms; at 20 and 10 Mbit/s the direct exchange
 still won up to 4 KiB (0.8-1.0 ms against 6.8-9.9 ms) and lost from 16 KiB (10.9 against 6.7 ms at
 20 Mbit/s; 32 against 14 ms at 10 Mbit/s), where its three copies of the message outweigh the
@@ -46,7 +46,8 @@ DIRECT_MAX_RANKS = 8
 DIRECT_SMALL_BYTES = 12 * 1024
 
 
-def _backend_allows(group: Any) -> bool:
+def backend_allows(group: Any) -> bool:
+    """Whether ``group``'s backend takes the direct exchange (every backend but NCCL)."""
     return "nccl" not in str(dist.get_backend(group)).lower()
 
 
@@ -127,7 +128,7 @@ def allreduce_sum(t: Tensor, group: Any = None, network: Any = None, op: str = "
     rank sent (modelled)."""
     n = dist.get_world_size(group)
     nbytes = t.numel() * t.element_size()
-    if _backend_allows(group) and t.is_contiguous() and use_direct(nbytes, n, network):
+    if backend_allows(group) and t.is_contiguous() and use_direct(nbytes, n, network):
         return direct_allreduce(t, group, op)
     from .collectives import ring_allreduce_bytes  # collectives imports this module
 
@@ -140,7 +141,7 @@ def allgather(out: list[Tensor], t: Tensor, group: Any = None) -> int:
     bytes as the ring, one latency instead of ``N-1``), else by the backend's; returns the bytes this
     rank sent."""
     n = dist.get_world_size(group)
-    if 1 < n <= DIRECT_MAX_RANKS and _backend_allows(group):
+    if 1 < n <= DIRECT_MAX_RANKS and backend_allows(group):
         return direct_allgather(out, t, group)
     dist.all_gather(out, t, group=group)
     return direct_bytes_sent(t.numel() * t.element_size(), n)
