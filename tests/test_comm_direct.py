@@ -26,7 +26,7 @@ def _input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
 def _cases(rank: int, ws: int) -> dict:
     import torch.distributed as dist
 
-    from lightning_gc.comm.direct import allreduce_sum, direct_allgather, direct_allreduce
+    from lightning_gc.comm.direct import allreduce_chosen, direct_allgather, direct_allreduce
 
     out: dict = {"sum": {}, "max": {}, "gather": {}, "bytes": {}}
     for numel, dtype in ((1, torch.float32), (37, torch.float32), (1000, torch.bfloat16), (257, torch.float64)):
@@ -53,10 +53,10 @@ def _cases(rank: int, ws: int) -> dict:
         s = _input(rank, 5, torch.float32)
         direct_allreduce(s, sub)
         out["sub"] = bool(torch.equal(s, _input(1, 5, torch.float32) + _input(3, 5, torch.float32)))
-    # allreduce_sum: a small message by the direct exchange, a big one by the ring; both give the sum
+    # allreduce_chosen: a small message by the direct exchange, a big one by the ring; both give the sum
     for numel in (16, 8192):
         t = _input(rank, numel, torch.float32)
-        sent = allreduce_sum(t, None)
+        sent = allreduce_chosen(t, None)
         exact = sum(_input(r, numel, torch.float32).double() for r in range(ws))
         out[f"auto{numel}"] = (float((t.double() - exact).abs().max()), sent, t.clone())
     return out

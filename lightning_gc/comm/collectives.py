@@ -34,9 +34,9 @@ def allreduce(tensors: list[Tensor], group=None, network=None) -> int:
     """Sum-allreduce each tensor in place; returns modelled bytes sent by this rank. A small message
     goes by the direct exchange, the others by the backend's ring (:func:`.direct.use_direct`;
     ``network``: the agreed :class:`~.cost_model.NetworkModel`, or None)."""
-    from .direct import allreduce_sum
+    from .direct import allreduce_chosen
 
-    return sum(allreduce_sum(t, group, network) for t in tensors)
+    return sum(allreduce_chosen(t, group, network) for t in tensors)
 
 
 def pack_payload(tensors: tuple[Tensor, ...]) -> Tensor:

@@ -122,7 +122,7 @@ def direct_allgather(out: list[Tensor], t: Tensor, group: Any = None) -> int:
     return direct_bytes_sent(t.numel() * t.element_size(), len(parts))
 
 
-def allreduce_sum(t: Tensor, group: Any = None, network: Any = None, op: str = "sum") -> int:
+def allreduce_chosen(t: Tensor, group: Any = None, network: Any = None, op: str = "sum") -> int:
     """Allreduce ``t`` in place (``op``: ``"sum"`` or ``"max"``) by the direct exchange where
     :func:`use_direct` says so, else by the backend's ``all_reduce`` (a ring); returns the bytes this
     rank sent (modelled)."""
@@ -147,9 +147,8 @@ def allgather(out: list[Tensor], t: Tensor, group: Any = None) -> int:
     return direct_bytes_sent(t.numel() * t.element_size(), n)
 
 
-
 def allreduce_seconds(network: Any, nbytes: float, world_size: int) -> float:
-    """The α-β time of an ``nbytes`` allreduce by the algorithm :func:`allreduce_sum` takes for it
+    """The α-β time of an ``nbytes`` allreduce by the algorithm :func:`allreduce_chosen` takes for it
     (off NCCL): :func:`~lightning_gc.comm.cost_model.direct_cost` where :func:`use_direct`, else
     the ring's. What the ``auto`` model charges an engine allreduce (lightning_gc/auto/model.py)."""
     a, b = network.alpha_s, network.beta_s_per_byte

@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.collectives import check_descriptor, descriptor_hash
-from ..comm.direct import allreduce_sum
+from ..comm.direct import allreduce_chosen
 
 __all__ = ["RIDER_MAX_RANKS", "RiddenReport", "StepReport", "agree", "check_descriptor",
            "descriptor_hash"]  # the opening check lives in comm
@@ -178,7 +178,7 @@ def agree_values(values, op: str, group=None, device: torch.device | None = None
     t = torch.tensor(vals, dtype=torch.float64)
     if device is not None and device.type == "cuda":
         t = t.to(device)
-    allreduce_sum(t, group, op="max" if op == "max" else "sum")
+    allreduce_chosen(t, group, op="max" if op == "max" else "sum")
     out = t.cpu().tolist()
     return [float(x) / n for x in out] if op == "mean" else [float(x) for x in out]
 
@@ -212,5 +212,5 @@ def agree(report: StepReport, group, world_size: int, device: torch.device) -> t
     few hundred bytes: it goes by the direct exchange on up to 8 ranks (one message latency instead
     of the ring's ``2(N-1)``; :mod:`lightning_gc.comm.direct`)."""
     t = report.to_tensor(device)
-    sent = allreduce_sum(t, group)
+    sent = allreduce_chosen(t, group)
     return StepReport.from_tensor(t), sent
