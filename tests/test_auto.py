@@ -236,7 +236,9 @@ def test_errors_are_the_ranks_mean_on_local_gradients_and_re_measured_every_gain
         for name in ("ddp", "fp16", "topk", "efsign"):
             want = (per_rank[0][name] + per_rank[1][name]) / 2
             assert got[name] == pytest.approx(want, rel=1e-5, abs=1e-12), (h["step"], name)
-        assert per_rank[0]["topk"] != pytest.approx(per_rank[1]["topk"], rel=1e-3)  # the ranks' errors differ
+        # the ranks' errors differ by far more than the check above resolves (rel 1e-5): a MAX over the
+        # ranks, or one rank's value, would fail it
+        assert per_rank[0]["topk"] != pytest.approx(per_rank[1]["topk"], rel=1e-4)
         assert h["chosen"] == argmin_by_hand(h["costs"], h["workload"], *h["network"], 2, 0.5)
     for c, h in zip(checks, hist[1:]):
         assert c["delta2"] == {k["name"]: k["delta2"] for k in h["costs"]}
