@@ -862,7 +862,7 @@ def test_the_one_step_test_acts_on_a_dense_mode_only_and_not_on_a_marked_step(mo
 
 
 def test_a_dense_modes_wall_agreed_at_once_decides_at_the_slow_step_itself(monkeypatch):
-    """On a group that takes the direct exchange (up to 8 ranks off NCCL: ``_agree_dense_now``) a
+    """On a group that takes the direct exchange (up to 8 ranks off NCCL: ``_dense_walls_direct``) a
     dense mode's wall is agreed at its own step's end, by an agreement of its own, instead of riding
     in the next step's first bucket: the one-step test acts at the slow step itself (10, where the
     carried wall is read at 11), nothing is handed to ``carry_wall``, and every step's agreed wall

@@ -646,9 +646,9 @@ class AutoChooser(StepParticipant):
         # them there): a compressed step's closing report. A dense mode's is agreed at once by a direct
         # exchange (one message latency) where the group allows one, else it rides in the next step's
         # first gradient bucket (see _agree_wall_later)
-        self._agree_dense_now = (1 < engine.world_size <= DIRECT_MAX_RANKS and dist.is_available()
+        self._dense_walls_direct = (1 < engine.world_size <= DIRECT_MAX_RANKS and dist.is_available()
                                  and dist.is_initialized() and backend_allows(engine.process_group))
-        if not self._agree_dense_now:
+        if not self._dense_walls_direct:
             engine.enable_dense_carry()
         #: every decision (replicated, checkpointed): step, trigger, inputs, predictions, choice
         self.history: list[dict] = []
@@ -1055,7 +1055,7 @@ class AutoChooser(StepParticipant):
     def _dense_agreed_now(self) -> bool:
         """Whether a step's wall is agreed at its own end (a dense mode runs, on a group that takes the
         direct exchange; :meth:`_agree_wall_later`), not carried into the next step. Replicated."""
-        return self._agree_dense_now and self.chosen is not None and candidate(self.chosen).compressor is None
+        return self._dense_walls_direct and self.chosen is not None and candidate(self.chosen).compressor is None
 
     def _check_drift(self, step: int) -> None:
         window_exchange, self._window_exchange = self._window_exchange, []

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import cost_model
+from .collectives import allgather_bytes, ring_allreduce_bytes  # collectives imports this module lazily
 from .p2p import batch_send_recv
 
 #: the most ranks a direct exchange serves (each rank sends N-1 messages at once)
@@ -63,11 +64,6 @@ def use_direct(nbytes: float, world_size: int, network: Any = None) -> bool:
         return False
     a, b = network.alpha_s, network.beta_s_per_byte
     return cost_model.direct_cost(a, b, nbytes, world_size) < cost_model.ring_allreduce_cost(a, b, nbytes, world_size)
-
-
-def direct_bytes_sent(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends in a direct exchange of an ``nbytes`` message."""
-    return (world_size - 1) * nbytes if world_size > 1 else 0
 
 
 def _exchange(t: Tensor, group: Any) -> list[Tensor]:
@@ -107,7 +103,7 @@ def direct_allreduce(t: Tensor, group: Any = None, op: str = "sum") -> int:
         else:
             torch.maximum(total, p, out=total)
     t.copy_(total)
-    return direct_bytes_sent(t.numel() * t.element_size(), len(parts))
+    return allgather_bytes(t.numel() * t.element_size(), len(parts))
 
 
 def direct_allgather(out: list[Tensor], t: Tensor, group: Any = None) -> int:
@@ -119,7 +115,7 @@ def direct_allgather(out: list[Tensor], t: Tensor, group: Any = None) -> int:
                          "pass one per rank.")
     for o, p in zip(out, parts):
         o.copy_(p)
-    return direct_bytes_sent(t.numel() * t.element_size(), len(parts))
+    return allgather_bytes(t.numel() * t.element_size(), len(parts))
 
 
 def allreduce_chosen(t: Tensor, group: Any = None, network: Any = None, op: str = "sum") -> int:
@@ -130,8 +126,6 @@ def allreduce_chosen(t: Tensor, group: Any = None, network: Any = None, op: str 
     nbytes = t.numel() * t.element_size()
     if backend_allows(group) and t.is_contiguous() and use_direct(nbytes, n, network):
         return direct_allreduce(t, group, op)
-    from .collectives import ring_allreduce_bytes  # collectives imports this module
-
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
     return ring_allreduce_bytes(nbytes, n)
 
@@ -144,7 +138,7 @@ def allgather(out: list[Tensor], t: Tensor, group: Any = None) -> int:
     if 1 < n <= DIRECT_MAX_RANKS and backend_allows(group):
         return direct_allgather(out, t, group)
     dist.all_gather(out, t, group=group)
-    return direct_bytes_sent(t.numel() * t.element_size(), n)
+    return allgather_bytes(t.numel() * t.element_size(), n)
 
 
 def allreduce_seconds(network: Any, nbytes: float, world_size: int) -> float:

@@ -52,7 +52,6 @@ step (docs/concepts.md, "The opening check").
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -157,7 +156,7 @@ class RiddenReport:
         return cls(report, agree, v[6] if every else None, step - 1 if every else None)
 
 
-_OPS = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM}
+_OPS = ("max", "sum", "mean")
 
 
 def agree_values(values, op: str, group=None, device: torch.device | None = None) -> list[float]:
@@ -181,30 +180,6 @@ def agree_values(values, op: str, group=None, device: torch.device | None = None
     allreduce_chosen(t, group, op="max" if op == "max" else "sum")
     out = t.cpu().tolist()
     return [float(x) / n for x in out] if op == "mean" else [float(x) for x in out]
-
-
-def agree_values_async(values, op: str, group=None, device: torch.device | None = None) -> Callable[[], list[float]]:
-    """:func:`agree_values`, issued now and read later: returns a function that waits for the
-    all-reduce and gives the agreed values (identical on every rank). For a figure agreed every step
-    without a round trip in the step: issued at one step's end, it completes while the next step
-    computes, and reading it there costs no wait. A collective: every rank issues it at the same
-    point; reading it is local (each rank may read it when it likes, or never)."""
-    if op not in _OPS:
-        raise ValueError(f"agree_values(op={op!r}): use 'max', 'sum' or 'mean'.")
-    vals = [float(v) for v in values]
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return lambda: list(vals)
-    n = dist.get_world_size(group)
-    t = torch.tensor(vals, dtype=torch.float64)
-    if device is not None and device.type == "cuda":
-        t = t.to(device)
-    work = dist.all_reduce(t, op=_OPS[op], group=group, async_op=True)
-
-    def read() -> list[float]:
-        work.wait()
-        out = t.cpu().tolist()
-        return [float(x) / n for x in out] if op == "mean" else [float(x) for x in out]
-    return read
 
 
 def agree(report: StepReport, group, world_size: int, device: torch.device) -> tuple[StepReport, int]:
