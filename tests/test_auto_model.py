@@ -872,7 +872,7 @@ def test_a_dense_modes_wall_agreed_at_once_decides_at_the_slow_step_itself(monke
     from lightning_gc.auto.candidates import candidate
 
     chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
-    chooser._agree_dense_now = True
+    chooser._dense_walls_direct = True
     agreed: list = []
     monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a, _seen=agreed: _seen.append(list(values))
                         or [float(v) for v in values])
