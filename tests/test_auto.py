@@ -267,26 +267,32 @@ class SleepFrom(L.Callback):
             time.sleep(self.seconds)
 
 
-@pytest.mark.parametrize("candidates,path", [(["ddp", "topk", "efsign"], "compressed"), (["ddp", "fp16"], "dense")])
+@pytest.mark.parametrize("candidates,path", [(["ddp", "topk", "efsign"], "compressed"), (["ddp", "fp16"], "dense"),
+                                             (["ddp", "fp16"], "dense_direct")])
 def test_a_severe_drift_is_seen_within_severe_steps_on_every_rank_alike(tmp_path, candidates, path):
     """8-step windows: the warm-up decides at step 1, the settling window ends at 9 and the reference
     window at 17 (a calibration). From step 22 on, rank 1 sleeps 0.3 s per step (tens of times the
     step). The every-step test (``severe_steps`` 3, each step's agreed wall read one step later)
     re-decides at step 24, when the median of steps 21-23 holds two steps far beyond twice the
     factor; the window test would first see it at step 25. Under a dense mode one step that far
-    (ONE_STEP_FACTOR · severe_drift = 20x here) is enough, and its wall is agreed at its own end (a
-    direct exchange, not carried): step 22 itself re-decides (test ``step``). Both ranks record the
-    same decisions. Both ways a wall is agreed: in a compressed step's closing report
-    (GCEngine.carry_wall), and under a dense mode at once."""
+    (ONE_STEP_FACTOR · severe_drift = 20x here) is enough: with the dense stop on (the default), the
+    wall rides in the next step's check message and step 23 re-decides (test ``step``); the slow rank
+    is not a fallen link, so no step stops. With the dense stop off (``dense_direct``) the wall is
+    agreed at its own step's end by a direct exchange: step 22 itself re-decides. Both ranks record
+    the same decisions. Every way a wall is agreed: in a compressed step's closing report
+    (GCEngine.carry_wall), in a dense step's check message, and at once."""
     kw = dict(candidates=candidates, window=8, explore=0, min_interval=3, gain_every=0,
               severe_drift=5.0, severe_steps=3)
+    if path == "dense_direct":
+        kw["dense_stop_bytes"] = 0
     _, autos = _fit(tmp_path, _strategy(SLOWER_LINK, **kw), callbacks=[SleepFrom(22, 1, 0.3)], max_epochs=4)
     assert autos[0]["history"] == autos[1]["history"]
     hist = autos[0]["history"]
     assert [(h["step"], h["trigger"]) for h in hist[:2]] == [(1, "warmup"), (17, "calibration")]
-    assert (hist[1]["chosen"] in ("ddp", "fp16")) == (path == "dense"), hist[1]["chosen"]
+    assert (hist[1]["chosen"] in ("ddp", "fp16")) == (path != "compressed"), hist[1]["chosen"]
     drifts = [(h["step"], h["trigger"], h["drift_test"]) for h in hist[2:]]
-    assert drifts[0] == ((22, "drift", "step") if path == "dense" else (24, "drift", "steps")), drifts
+    want = {"compressed": (24, "drift", "steps"), "dense": (23, "drift", "step"), "dense_direct": (22, "drift", "step")}
+    assert drifts[0] == want[path], drifts
 
 
 class SlowValidation(TinyClassifier):

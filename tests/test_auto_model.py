@@ -229,6 +229,9 @@ class _FakeEngine:
     def set_group_method(self, gid, spec):
         self.calls.append(("slot", spec.compressor))
 
+    def adopt_network(self, model):  # an unpinned network: the chooser's agreed model
+        self.network.model = model
+
 
 def test_drift_waits_for_a_settled_reference_and_patience_then_switches_only_on_a_new_choice(monkeypatch):
     import torch
@@ -696,7 +699,7 @@ def _step_end(chooser, step, wall, exchange_s=None):
     if isinstance(engine, _FakeEngine):
         dense, carried, engine.carried = engine.step_is_dense(), engine.carried, None
         lost = dense and not engine.dense_carry  # GCEngine: a dense step carries it only when enabled
-        engine.last_step = SimpleNamespace(step=step, dense=dense, carried_wall_mean_s=None if lost else carried,
+        engine.last_step = SimpleNamespace(step=step, dense=dense, dense_stopped=False, carried_wall_mean_s=None if lost else carried,
                                            exchange_comm_mean_s=exchange_s)
     chooser._check_severe_steps(step, wall, exchange_s)
 
@@ -753,7 +756,7 @@ def test_a_decision_steps_wall_is_carried_so_the_next_window_needs_no_agreement(
 
     def step_end(s: int, wall: float) -> int:
         # GCEngine's part: step s's first bucket carried the wall handed to carry_wall at the step before
-        engine.last_step = SimpleNamespace(step=s, dense=True, carried_wall_mean_s=engine.carried,
+        engine.last_step = SimpleNamespace(step=s, dense=True, dense_stopped=False, carried_wall_mean_s=engine.carried,
                                            exchange_comm_mean_s=None)
         engine.carried, engine.step = None, s + 1
         clock.now += wall
@@ -888,6 +891,41 @@ def test_a_dense_modes_wall_agreed_at_once_decides_at_the_slow_step_itself(monke
     assert candidate(chooser.chosen).compressor is not None  # a compressed method on the fallen link
     _walls(chooser, {11: 0.5 * ref})
     assert engine.carried == pytest.approx(0.5 * ref)  # carried in its closing report, not agreed alone
+
+
+def test_a_dense_step_that_stopped_re_decides_at_once_on_the_chunks_beta(monkeypatch):
+    """A dense mode's step that stopped after its timed chunk (GCEngine.enable_dense_stop; the
+    verdict is in its StepStats): auto re-decides at that step itself, whatever ``min_interval``
+    says (30 here, the last decision at step 4), with β from the chunk (its time on the fastest rank
+    less α, over the N-1 = 3 copies each rank sent; no probe), and the stopped step's wall enters no
+    window. Oracle: the β written out by hand, and 10 Mbit/s making lowrank the pick."""
+    import time
+
+    from lightning_gc.auto.candidates import candidate
+    from lightning_gc.engine.stats import StepStats
+
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=30)
+    engine.network.pinned = False
+    alpha = engine.network.model.alpha_s
+    window = list(chooser._window)
+    chunk_s, chunk_bytes = 0.16, 65536  # 3 x 64 KiB at 10 Mbit/s (0.157 s), plus alpha
+    engine.step = 11  # step 10 just ended
+    engine.last_step = StepStats(step=10, dense=True, dense_stopped=True, dense_check_s=chunk_s,
+                                 dense_check_predicted_s=2e-4, dense_check_bytes=chunk_bytes)
+    chooser._t_prev_end = time.perf_counter() - 0.01
+    chooser.after_optimizer_step()
+    h = chooser.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"], h["network_source"]) == (10, "drift", "dense_stop", "dense_stop")
+    assert h["network"] == [alpha, pytest.approx((chunk_s - alpha) / (3 * chunk_bytes))]
+    assert engine.network.model.beta_s_per_byte == pytest.approx((chunk_s - alpha) / (3 * chunk_bytes))
+    assert candidate(chooser.chosen).compressor is not None and chooser.chosen == "lowrank"
+    assert chooser._window == window  # the stopped step is no step of the method
+    # a chunk faster than the model's β (scheduling made the fastest rank early) never makes the link faster
+    fast, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=30)
+    engine.network.pinned = False
+    beta = engine.network.model.beta_s_per_byte
+    fast._decide(10, "drift", probe=True, check_link=False, stop_check=(1e-5, chunk_bytes), detail="dense_stop")
+    assert fast.history[-1]["network"][1] == beta
 
 
 def test_before_its_reference_a_calibrated_method_is_judged_by_its_prediction_every_step(monkeypatch):

@@ -73,6 +73,7 @@ from ..comm.direct import DIRECT_MAX_RANKS, backend_allows
 from ..comm.probe import ProbeConfig, probe_network
 from ..compressors import GroupContext
 from ..engine.agreement import agree_values
+from ..engine.dense_stop import DenseStop
 from ..engine.session import StepParticipant
 from .candidates import (
     DEFAULT_CANDIDATES,
@@ -475,6 +476,18 @@ class AutoConfig:
             MLP (4 ranks, 1 Gbit/s) timing them took ~70 of the first decision's ~170 ms.
             ``"upfront"``: time every codec at the warm-up (the earlier behaviour; every
             prediction in the history is then a full one).
+        dense_stop_bytes: under a dense mode, each step sends this many bytes of its first
+            bucket first, timed, and stops if the link fell: what it did not send becomes error
+            memory and auto re-decides at once (lightning_gc/engine/dense_stop.py; docs/auto.md, "A
+            dense step that stops"). Above the link's burst allowance divided by ``N-1`` (the bench's
+            shaper lets 64 KiB out at line rate), or a fall does not show. 0: off (a fall costs one
+            whole dense step at the fallen rate). Only on 2-8 ranks off NCCL (the chunk goes by the
+            direct exchange) and with a plan that sends every parameter every step.
+        dense_stop_factor: the step stops when the fastest rank's time for the chunk is at least
+            this many times the network model's for it ...
+        dense_stop_margin_s: ... and at least this many seconds more (scheduling noise: on this
+            project's 2-core machine a 4-rank direct exchange takes 0.7-1 ms at 1 Gbit/s, with
+            outliers of a scheduler slice).
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
@@ -502,6 +515,9 @@ class AutoConfig:
     switch_margin: float = 0.03
     compute_shift: bool = True
     time_codecs: str = "on_demand"
+    dense_stop_bytes: int = 64 * 1024
+    dense_stop_factor: float = 4.0
+    dense_stop_margin_s: float = 0.02
 
     def __post_init__(self) -> None:
         cands = tuple(self.candidates)
@@ -579,6 +595,18 @@ class AutoConfig:
         d = self.drift
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not (0 < d):
             raise ValueError(f"auto_drift={d!r} must be > 0 (a relative change, e.g. 0.3).")
+        _int("dense_stop_bytes", self.dense_stop_bytes, 0, "Use 0 to turn the dense stop off, or e.g. 65536.")
+        if self.dense_stop_bytes:
+            self.dense_stop()  # the factor and margin's own checks
+
+    def dense_stop(self) -> DenseStop | None:
+        """The engine's :class:`~lightning_gc.engine.dense_stop.DenseStop` (None: off)."""
+        if not self.dense_stop_bytes:
+            return None
+        try:
+            return DenseStop(self.dense_stop_bytes, self.dense_stop_factor, self.dense_stop_margin_s)
+        except ValueError as e:
+            raise ValueError(f"auto_dense_stop_*: {e}") from None
 
     @property
     def dense_steps_needed(self) -> int:
@@ -648,7 +676,15 @@ class AutoChooser(StepParticipant):
         # first gradient bucket (see _agree_wall_later)
         self._dense_walls_direct = (1 < engine.world_size <= DIRECT_MAX_RANKS and dist.is_available()
                                  and dist.is_initialized() and backend_allows(engine.process_group))
-        if not self._dense_walls_direct:
+        stop = config.dense_stop()
+        #: a dense mode's step times its first bucket's chunk and stops if the link fell (AutoConfig.dense_stop_bytes);
+        #: the wall of the step before rides in that check's message (one step late, as a carried wall)
+        self.dense_stop_on = bool(self._dense_walls_direct and stop is not None
+                                  and engine.plan_sends_every_param)
+        if self.dense_stop_on:
+            engine.enable_dense_stop(stop)
+            self._dense_walls_direct = False
+        elif not self._dense_walls_direct:
             engine.enable_dense_carry()
         #: every decision (replicated, checkpointed): step, trigger, inputs, predictions, choice
         self.history: list[dict] = []
@@ -819,6 +855,11 @@ class AutoChooser(StepParticipant):
                 self._first_decision(step)
                 self._t_prev_end = time.perf_counter()  # the measurement is not a step
             return
+        stats = engine.last_step
+        if stats is not None and stats.step == step and stats.dense_stopped:
+            self._read_carried()  # the step before's wall rode in the stopped step's check
+            self._on_dense_stop(step, stats)
+            return
         if wall is not None:  # None on the first step after a resume
             self.measured.append(wall)
             self._window.append(wall)
@@ -843,6 +884,27 @@ class AutoChooser(StepParticipant):
             self._check_severe_steps(step, wall, exchange_s, exchange_step)
         if self._gain_due(step):
             self._arm_sample()
+
+    def _on_dense_stop(self, step: int, stats: Any) -> None:
+        """Step ``step`` ran a dense mode and stopped after its first bucket's chunk: the link fell
+        (lightning_gc/engine/dense_stop.py; the verdict is agreed, so every rank is here). Re-decide now
+        (trigger ``drift``, test ``dense_stop``), whatever ``min_interval`` says: until a decision
+        looks at the link again, every dense step would stop, and send only its exact group. The
+        network for the decision: β from the chunk itself (its time on the fastest rank, less the
+        model's α, over the ``N-1`` copies each rank sent), no probe. Why: a probe that starts small
+        and grows took 0.9 s on the quickstart MLP at 10 Mbit/s, a third of the dense step this spares;
+        the chunk's β is an under-estimate where a shaper lets part of it out at line rate (the
+        bench's ``tbf`` burst: 64 of the 192 KiB, so 10 Mbit/s reads as up to 15), which the
+        windows that follow measure and the next periodic look corrects. The step's wall is not a
+        step of the method (it sent its exact group only) and enters no window; a gradient sample
+        armed for it is dropped (its next one comes at the next due step)."""
+        fastest, predicted, nbytes = stats.dense_check_s, stats.dense_check_predicted_s, stats.dense_check_bytes
+        rank_zero_info(f"lightning_gc auto: step {step} under {self.chosen!r} stopped its dense exchange: its first "
+                       f"{nbytes} bytes took {1e3 * fastest:.1f} ms on the fastest rank, {1e3 * predicted:.2f} ms on "
+                       "the network model; its gradient is error memory, re-deciding")
+        self._disarm_sample()
+        self._decide(step, "drift", probe=True, check_link=False, stop_check=(fastest, nbytes), detail="dense_stop")
+        self._t_prev_end = time.perf_counter()  # the decision is not a step
 
     def _gain_due(self, step: int) -> bool:
         """Whether the next step's gradients are sampled to measure the candidates' errors again:
@@ -1240,7 +1302,8 @@ class AutoChooser(StepParticipant):
     # ------------------------------------------------------------------ decision
     def _decide(self, step: int, trigger: str, probe: bool, dense_wall_s: float | None = None,
                 force: str | None = None, dense_exposed_s: float | None = None, check_link: bool = True,
-                drift_wall_s: float | None = None, detail: str | None = None) -> None:
+                drift_wall_s: float | None = None, detail: str | None = None,
+                stop_check: tuple[float, int] | None = None) -> None:
         engine = self.engine
         assert self.workload is not None and self.costs is not None
         t0 = time.perf_counter()
@@ -1267,7 +1330,13 @@ class AutoChooser(StepParticipant):
             cost = next(c for c in self.costs if c.name == self.chosen)
             free = predict(cost, self.workload, NetworkModel(0.0, 0.0), ws).step_s
             dense = (drift_wall_s, drift_wall_s - free, cost)
-        if not pinned and probe and dense is not None and self.config.dense_probe_s \
+        if not pinned and stop_check is not None and self.network is not None:
+            # a dense step that stopped (_on_dense_stop): β from its chunk, α as last looked at; never faster
+            # than the model that predicted the chunk far quicker
+            chunk_s, chunk_bytes = stop_check
+            alpha0, latency_bytes = self.network.alpha_s, 0
+            dense_beta = max((chunk_s - alpha0) / ((ws - 1) * chunk_bytes), self.network.beta_s_per_byte)
+        elif not pinned and probe and dense is not None and self.config.dense_probe_s \
                 and dense[1] >= self.config.dense_probe_s:
             if dense_wall_s is None and self.network is not None:
                 # a dense mode's drifted window: α from the last look at the link, no latency round. Why: right
@@ -1287,7 +1356,8 @@ class AutoChooser(StepParticipant):
             self.network = engine.network.model
         elif dense_beta is not None:  # the dense step measured the link: no bandwidth probe
             alpha = max(alpha0 - dense_beta * latency_bytes, 0.0)
-            self.network, self.beta_scale, source = NetworkModel(alpha, dense_beta), 1.0, "dense_step"
+            self.network, self.beta_scale = NetworkModel(alpha, dense_beta), 1.0
+            source = "dense_stop" if stop_check is not None else "dense_step"
             # the link check's reference: the model's time for the message a probe would have settled on
             # (modelled_check_s), not a timed one. Without a reference the first periodic re-decision probed
             # in full (0.5 s at 20 Mbit/s on the quickstart MLP); timing it cost 0.27-0.37 s of the decision
