@@ -267,32 +267,68 @@ class SleepFrom(L.Callback):
             time.sleep(self.seconds)
 
 
-@pytest.mark.parametrize("candidates,path", [(["ddp", "topk", "efsign"], "compressed"), (["ddp", "fp16"], "dense"),
-                                             (["ddp", "fp16"], "dense_direct")])
+@pytest.mark.parametrize("candidates,path", [(["ddp", "topk", "efsign"], "compressed"), (["ddp", "fp16"], "dense")])
 def test_a_severe_drift_is_seen_within_severe_steps_on_every_rank_alike(tmp_path, candidates, path):
     """8-step windows: the warm-up decides at step 1, the settling window ends at 9 and the reference
     window at 17 (a calibration). From step 22 on, rank 1 sleeps 0.3 s per step (tens of times the
     step). The every-step test (``severe_steps`` 3, each step's agreed wall read one step later)
     re-decides at step 24, when the median of steps 21-23 holds two steps far beyond twice the
     factor; the window test would first see it at step 25. Under a dense mode one step that far
-    (ONE_STEP_FACTOR · severe_drift = 20x here) is enough: with the dense stop on (the default), the
-    wall rides in the next step's check message and step 23 re-decides (test ``step``); the slow rank
-    is not a fallen link, so no step stops. With the dense stop off (``dense_direct``) the wall is
-    agreed at its own step's end by a direct exchange: step 22 itself re-decides. Both ranks record
-    the same decisions. Every way a wall is agreed: in a compressed step's closing report
-    (GCEngine.carry_wall), in a dense step's check message, and at once."""
+    (ONE_STEP_FACTOR · severe_drift = 20x here) is enough, and its wall is agreed at its own end (a
+    direct exchange, not carried; the network is pinned, so no dense step can stop and carry it in its
+    check): step 22 itself re-decides (test ``step``). Both ranks record the
+    same decisions. Both ways a wall is agreed: in a compressed step's closing report
+    (GCEngine.carry_wall), and under a dense mode at once."""
     kw = dict(candidates=candidates, window=8, explore=0, min_interval=3, gain_every=0,
               severe_drift=5.0, severe_steps=3)
-    if path == "dense_direct":
-        kw["dense_stop_bytes"] = 0
     _, autos = _fit(tmp_path, _strategy(SLOWER_LINK, **kw), callbacks=[SleepFrom(22, 1, 0.3)], max_epochs=4)
     assert autos[0]["history"] == autos[1]["history"]
     hist = autos[0]["history"]
     assert [(h["step"], h["trigger"]) for h in hist[:2]] == [(1, "warmup"), (17, "calibration")]
-    assert (hist[1]["chosen"] in ("ddp", "fp16")) == (path != "compressed"), hist[1]["chosen"]
+    assert (hist[1]["chosen"] in ("ddp", "fp16")) == (path == "dense"), hist[1]["chosen"]
     drifts = [(h["step"], h["trigger"], h["drift_test"]) for h in hist[2:]]
-    want = {"compressed": (24, "drift", "steps"), "dense": (23, "drift", "step"), "dense_direct": (22, "drift", "step")}
-    assert drifts[0] == want[path], drifts
+    assert drifts[0] == ((22, "drift", "step") if path == "dense" else (24, "drift", "steps")), drifts
+
+
+class CanaryAt(L.Callback):
+    """At the end of step ``step`` the link canary is made to see a fall (a rule any time meets:
+    factor 1, no margin, against a network model that gives its message 0 s); then auto's own canary
+    again."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from lightning_gc.auto.canary import LinkCanary
+        from lightning_gc.comm.cost_model import NetworkModel
+
+        auto = trainer.strategy.auto
+        if trainer.global_step == self.step:
+            assert auto.canary is not None and auto.chosen in ("ddp", "fp16")
+            auto.canary = LinkCanary(nbytes=256, factor=1.0, margin_s=0.0)
+            auto.network = NetworkModel(0.0, 0.0)
+        elif trainer.global_step == self.step + 1:
+            auto.canary = auto.config.canary()
+
+
+def test_a_link_canary_that_saw_a_fall_re_decides_at_once_alike_on_every_rank(tmp_path):
+    """A network auto measures (not pinned), candidates ``ddp`` and ``fp16``: after step 6 the link
+    canary is made to see a fall (CanaryAt). Both ranks re-decide at step 6 (trigger ``drift``, test
+    ``canary``) on β read from the canary's own message, and record the same history; without the
+    canary's verdict (the same run, canary off) nothing is decided at step 6."""
+    def fit(canary_bytes: int, sub: str):
+        strategy = GCStrategy(compressor="auto", start_method="spawn", min_compress_numel=16,
+                              auto={"window": 1000, "probe_every": 0, "early_comm_ratio": 0.0, "explore": 0,
+                                    "candidates": ["ddp", "fp16"], "canary_bytes": canary_bytes})
+        return _fit(tmp_path / sub, strategy, callbacks=[CanaryAt(6)] if canary_bytes else [], max_epochs=1)[1]
+
+    autos = fit(65536, "on")
+    assert autos[0]["history"] == autos[1]["history"]
+    h = next(h for h in autos[0]["history"] if h["step"] == 6)
+    assert (h["trigger"], h["drift_test"], h["network_source"]) == ("drift", "canary", "canary")
+    assert h["network"][0] == 0.0 and h["network"][1] > 0  # β from the canary's time (the model had 0)
+    off = fit(0, "off")
+    assert off[0]["history"] == off[1]["history"] and all(h["step"] != 6 for h in off[0]["history"])
 
 
 class SlowValidation(TinyClassifier):

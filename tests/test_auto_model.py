@@ -699,7 +699,7 @@ def _step_end(chooser, step, wall, exchange_s=None):
     if isinstance(engine, _FakeEngine):
         dense, carried, engine.carried = engine.step_is_dense(), engine.carried, None
         lost = dense and not engine.dense_carry  # GCEngine: a dense step carries it only when enabled
-        engine.last_step = SimpleNamespace(step=step, dense=dense, dense_stopped=False, carried_wall_mean_s=None if lost else carried,
+        engine.last_step = SimpleNamespace(step=step, dense=dense, carried_wall_mean_s=None if lost else carried,
                                            exchange_comm_mean_s=exchange_s)
     chooser._check_severe_steps(step, wall, exchange_s)
 
@@ -756,7 +756,7 @@ def test_a_decision_steps_wall_is_carried_so_the_next_window_needs_no_agreement(
 
     def step_end(s: int, wall: float) -> int:
         # GCEngine's part: step s's first bucket carried the wall handed to carry_wall at the step before
-        engine.last_step = SimpleNamespace(step=s, dense=True, dense_stopped=False, carried_wall_mean_s=engine.carried,
+        engine.last_step = SimpleNamespace(step=s, dense=True, carried_wall_mean_s=engine.carried,
                                            exchange_comm_mean_s=None)
         engine.carried, engine.step = None, s + 1
         clock.now += wall
@@ -893,38 +893,54 @@ def test_a_dense_modes_wall_agreed_at_once_decides_at_the_slow_step_itself(monke
     assert engine.carried == pytest.approx(0.5 * ref)  # carried in its closing report, not agreed alone
 
 
-def test_a_dense_step_that_stopped_re_decides_at_once_on_the_chunks_beta(monkeypatch):
-    """A dense mode's step that stopped after its timed chunk (GCEngine.enable_dense_stop; the
-    verdict is in its StepStats): auto re-decides at that step itself, whatever ``min_interval``
-    says (30 here, the last decision at step 4), with β from the chunk (its time on the fastest rank
-    less α, over the N-1 = 3 copies each rank sent; no probe), and the stopped step's wall enters no
-    window. Oracle: the β written out by hand, and 10 Mbit/s making lowrank the pick."""
-    import time
+def test_the_link_canary_that_saw_a_fall_re_decides_before_the_next_step_on_its_beta(monkeypatch):
+    """Under a dense mode on a group that takes the direct exchange, each step's wall travels in the link
+    canary's second message (lightning_gc/auto/canary.py; its exchange is replaced here by what it
+    would return on one rank). A canary that saw a fall at step 10 (after a normal 10th step) makes
+    auto re-decide at step 10 itself, whatever ``min_interval`` says (30 here; the last decision at
+    step 4), on β from the canary (its time on the fastest rank less α, over the N-1 = 3 copies of its
+    64 KiB each rank sent; no probe): 10 Mbit/s makes lowrank the pick. A canary that saw nothing
+    decides nothing; a canary never gives a link faster than the model's. Oracles: β written out by
+    hand; the history."""
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.canary import CanaryResult, LinkCanary
 
-    from lightning_gc.auto.candidates import candidate
-    from lightning_gc.engine.stats import StepStats
+    calls: list[int] = []
+
+    def sung(fell_at: int | None, fastest: float):
+        def sing(canary, carry, network, group, ws, device):
+            assert ws == 4 and isinstance(canary, LinkCanary)
+            calls.append(engine.step - 1)  # the step that just ended
+            fell = engine.step - 1 == fell_at
+            return CanaryResult(fell, fastest if fell else 1e-3, 2e-4, float(carry), 2 if fell else 1)
+        return sing
 
     chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=30)
+    chooser._dense_walls_direct, chooser.canary = True, LinkCanary()
     engine.network.pinned = False
-    alpha = engine.network.model.alpha_s
-    window = list(chooser._window)
-    chunk_s, chunk_bytes = 0.16, 65536  # 3 x 64 KiB at 10 Mbit/s (0.157 s), plus alpha
-    engine.step = 11  # step 10 just ended
-    engine.last_step = StepStats(step=10, dense=True, dense_stopped=True, dense_check_s=chunk_s,
-                                 dense_check_predicted_s=2e-4, dense_check_bytes=chunk_bytes)
-    chooser._t_prev_end = time.perf_counter() - 0.01
-    chooser.after_optimizer_step()
+    alpha, ref = engine.network.model.alpha_s, chooser._reference
+    monkeypatch.setattr(chooser_mod, "sing", sung(10, 0.16))  # 3 x 64 KiB at 10 Mbit/s (0.157 s), plus alpha
+    for s in range(5, 10):
+        engine.step = s + 1
+        _walls(chooser, {s: ref})
+        assert chooser._carried_walls[s] == pytest.approx(ref)  # the canary's message carried the wall
+    assert calls == [5, 6, 7, 8, 9] and chooser.history[-1]["step"] == 4
+    engine.step = 11
+    _walls(chooser, {10: ref})
     h = chooser.history[-1]
-    assert (h["step"], h["trigger"], h["drift_test"], h["network_source"]) == (10, "drift", "dense_stop", "dense_stop")
-    assert h["network"] == [alpha, pytest.approx((chunk_s - alpha) / (3 * chunk_bytes))]
-    assert engine.network.model.beta_s_per_byte == pytest.approx((chunk_s - alpha) / (3 * chunk_bytes))
-    assert candidate(chooser.chosen).compressor is not None and chooser.chosen == "lowrank"
-    assert chooser._window == window  # the stopped step is no step of the method
-    # a chunk faster than the model's β (scheduling made the fastest rank early) never makes the link faster
+    assert (h["step"], h["trigger"], h["drift_test"], h["network_source"]) == (10, "drift", "canary", "canary")
+    want = (0.16 - alpha) / (3 * 65536)
+    assert h["network"] == [alpha, pytest.approx(want)] and engine.network.model.beta_s_per_byte == pytest.approx(want)
+    assert chooser.chosen == "lowrank"
+    engine.step = 12
+    _walls(chooser, {11: ref})  # a compressed method runs: no canary, its wall rides in its closing report
+    assert calls == [5, 6, 7, 8, 9, 10] and engine.carried == pytest.approx(ref)
+    # a canary faster than the model's β (the fastest rank was early) never makes the link faster
     fast, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=30)
+    fast.canary = LinkCanary()
     engine.network.pinned = False
     beta = engine.network.model.beta_s_per_byte
-    fast._decide(10, "drift", probe=True, check_link=False, stop_check=(1e-5, chunk_bytes), detail="dense_stop")
+    fast._decide(10, "drift", probe=True, check_link=False, canary_s=1e-5, detail="canary")
     assert fast.history[-1]["network"][1] == beta
 
 

@@ -73,8 +73,8 @@ from ..comm.direct import DIRECT_MAX_RANKS, backend_allows
 from ..comm.probe import ProbeConfig, probe_network
 from ..compressors import GroupContext
 from ..engine.agreement import agree_values
-from ..engine.dense_stop import DenseStop
 from ..engine.session import StepParticipant
+from .canary import LinkCanary, sing
 from .candidates import (
     DEFAULT_CANDIDATES,
     AutoCandidate,
@@ -476,16 +476,17 @@ class AutoConfig:
             MLP (4 ranks, 1 Gbit/s) timing them took ~70 of the first decision's ~170 ms.
             ``"upfront"``: time every codec at the warm-up (the earlier behaviour; every
             prediction in the history is then a full one).
-        dense_stop_bytes: under a dense mode, each step sends this many bytes of its first
-            bucket first, timed, and stops if the link fell: what it did not send becomes error
-            memory and auto re-decides at once (lightning_gc/engine/dense_stop.py; docs/auto.md, "A
-            dense step that stops"). Above the link's burst allowance divided by ``N-1`` (the bench's
-            shaper lets 64 KiB out at line rate), or a fall does not show. 0: off (a fall costs one
-            whole dense step at the fallen rate). Only on 2-8 ranks off NCCL (the chunk goes by the
-            direct exchange) and with a plan that sends every parameter every step.
-        dense_stop_factor: the step stops when the fastest rank's time for the chunk is at least
-            this many times the network model's for it ...
-        dense_stop_margin_s: ... and at least this many seconds more (scheduling noise: on this
+        canary_bytes: at the end of each step a dense mode runs, every rank sends this many bytes
+            to every other rank, timed, and auto re-decides before the next step if the link fell
+            (lightning_gc/auto/canary.py; docs/auto.md, "The link canary"). Above the link's burst
+            allowance divided by ``N-1`` (the bench's shaper lets 64 KiB out at line rate), or a fall
+            does not show. 0: off (a fall costs a whole dense step at the fallen rate before the
+            one-step test acts). Only on 2-8 ranks off NCCL (the direct exchange) and with a network
+            auto measures (not one pinned by ``network_alpha_s``/``network_beta_s_per_byte``: it
+            could not re-read it).
+        canary_factor: the link fell when the fastest rank's time for the canary is at least this
+            many times the network model's for it ...
+        canary_margin_s: ... and at least this many seconds more (scheduling noise: on this
             project's 2-core machine a 4-rank direct exchange takes 0.7-1 ms at 1 Gbit/s, with
             outliers of a scheduler slice).
     """
@@ -515,9 +516,9 @@ class AutoConfig:
     switch_margin: float = 0.03
     compute_shift: bool = True
     time_codecs: str = "on_demand"
-    dense_stop_bytes: int = 64 * 1024
-    dense_stop_factor: float = 4.0
-    dense_stop_margin_s: float = 0.02
+    canary_bytes: int = 64 * 1024
+    canary_factor: float = 4.0
+    canary_margin_s: float = 0.02
 
     def __post_init__(self) -> None:
         cands = tuple(self.candidates)
@@ -595,18 +596,17 @@ class AutoConfig:
         d = self.drift
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not (0 < d):
             raise ValueError(f"auto_drift={d!r} must be > 0 (a relative change, e.g. 0.3).")
-        _int("dense_stop_bytes", self.dense_stop_bytes, 0, "Use 0 to turn the dense stop off, or e.g. 65536.")
-        if self.dense_stop_bytes:
-            self.dense_stop()  # the factor and margin's own checks
+        _int("canary_bytes", self.canary_bytes, 0, "Use 0 to turn the link canary off, or e.g. 65536.")
+        self.canary()  # the factor's and the margin's own checks
 
-    def dense_stop(self) -> DenseStop | None:
-        """The engine's :class:`~lightning_gc.engine.dense_stop.DenseStop` (None: off)."""
-        if not self.dense_stop_bytes:
+    def canary(self) -> LinkCanary | None:
+        """The :class:`~lightning_gc.auto.canary.LinkCanary` of these options (None: off)."""
+        if not self.canary_bytes:
             return None
         try:
-            return DenseStop(self.dense_stop_bytes, self.dense_stop_factor, self.dense_stop_margin_s)
+            return LinkCanary(self.canary_bytes, self.canary_factor, self.canary_margin_s)
         except ValueError as e:
-            raise ValueError(f"auto_dense_stop_*: {e}") from None
+            raise ValueError(f"auto_{e}") from None
 
     @property
     def dense_steps_needed(self) -> int:
@@ -676,16 +676,15 @@ class AutoChooser(StepParticipant):
         # first gradient bucket (see _agree_wall_later)
         self._dense_walls_direct = (1 < engine.world_size <= DIRECT_MAX_RANKS and dist.is_available()
                                  and dist.is_initialized() and backend_allows(engine.process_group))
-        stop = config.dense_stop()
-        #: a dense mode's step times its first bucket's chunk and stops if the link fell (AutoConfig.dense_stop_bytes);
-        #: the wall of the step before rides in that check's message (one step late, as a carried wall)
-        self.dense_stop_on = bool(self._dense_walls_direct and stop is not None
-                                  and engine.plan_sends_every_param)
-        if self.dense_stop_on:
-            engine.enable_dense_stop(stop)
-            self._dense_walls_direct = False
-        elif not self._dense_walls_direct:
+        if not self._dense_walls_direct:
             engine.enable_dense_carry()
+        #: the link canary at each dense mode's step end (AutoConfig.canary_bytes; None: off), in place of the
+        #: wall's own agreement there. Not under a network the user pinned: a fall it saw could not re-read the
+        #: link (the pinned figures are not recalibrated), and it would fire again at every step
+        pinned = bool(engine.network.pinned and engine.network.model is not None)
+        self.canary = config.canary() if self._dense_walls_direct and not pinned else None
+        #: the canary's verdict "fell" at this step end, waiting for its decision: (step, fastest rank's s)
+        self._link_fell: tuple[int, float] | None = None
         #: every decision (replicated, checkpointed): step, trigger, inputs, predictions, choice
         self.history: list[dict] = []
         self.chosen: str | None = None
@@ -855,11 +854,6 @@ class AutoChooser(StepParticipant):
                 self._first_decision(step)
                 self._t_prev_end = time.perf_counter()  # the measurement is not a step
             return
-        stats = engine.last_step
-        if stats is not None and stats.step == step and stats.dense_stopped:
-            self._read_carried()  # the step before's wall rode in the stopped step's check
-            self._on_dense_stop(step, stats)
-            return
         if wall is not None:  # None on the first step after a resume
             self.measured.append(wall)
             self._window.append(wall)
@@ -874,6 +868,7 @@ class AutoChooser(StepParticipant):
             # a decision's step: its wall is carried all the same (the next window reads it; the severe
             # test leaves it out)
             self._recent_pending = (step, self._agree_wall_later(step, wall))
+            self._on_link_fell(step)
         if wall is not None and self._last_decision_step != step:
             exchange_s, exchange_step = None, None
             if candidate(self.chosen).compressor is not None:  # agreed by the step's closing report
@@ -885,26 +880,28 @@ class AutoChooser(StepParticipant):
         if self._gain_due(step):
             self._arm_sample()
 
-    def _on_dense_stop(self, step: int, stats: Any) -> None:
-        """Step ``step`` ran a dense mode and stopped after its first bucket's chunk: the link fell
-        (lightning_gc/engine/dense_stop.py; the verdict is agreed, so every rank is here). Re-decide now
-        (trigger ``drift``, test ``dense_stop``), whatever ``min_interval`` says: until a decision
-        looks at the link again, every dense step would stop, and send only its exact group. The
-        network for the decision: β from the chunk itself (its time on the fastest rank, less the
-        model's α, over the ``N-1`` copies each rank sent), no probe. Why: a probe that starts small
-        and grows took 0.9 s on the quickstart MLP at 10 Mbit/s, a third of the dense step this spares;
-        the chunk's β is an under-estimate where a shaper lets part of it out at line rate (the
-        bench's ``tbf`` burst: 64 of the 192 KiB, so 10 Mbit/s reads as up to 15), which the
-        windows that follow measure and the next periodic look corrects. The step's wall is not a
-        step of the method (it sent its exact group only) and enters no window; a gradient sample
-        armed for it is dropped (its next one comes at the next due step)."""
-        fastest, predicted, nbytes = stats.dense_check_s, stats.dense_check_predicted_s, stats.dense_check_bytes
-        rank_zero_info(f"lightning_gc auto: step {step} under {self.chosen!r} stopped its dense exchange: its first "
-                       f"{nbytes} bytes took {1e3 * fastest:.1f} ms on the fastest rank, {1e3 * predicted:.2f} ms on "
-                       "the network model; its gradient is error memory, re-deciding")
-        self._disarm_sample()
-        self._decide(step, "drift", probe=True, check_link=False, stop_check=(fastest, nbytes), detail="dense_stop")
+    def _on_link_fell(self, step: int) -> bool:
+        """If the link canary said at this step's end that the link fell (:attr:`_link_fell`; the
+        verdict is agreed, so every rank is here alike), re-decide now, before the next step (trigger
+        ``drift``, test ``canary``), whatever ``min_interval`` says. The network for the decision: β
+        from the canary itself (its time on the fastest rank, less the model's α, over the ``N-1``
+        copies each rank sent), no probe. Why: a probe that starts small and grows took 0.9 s on the
+        quickstart MLP at 10 Mbit/s, and the canary timed the link at the size a probe ends at. Where
+        a shaper let part of the canary out at line rate, β reads low (the second message, whose figures
+        these are, comes after the first spent the burst); the windows that follow measure the pick
+        and the next periodic look re-reads the link. Returns whether it decided."""
+        fell, self._link_fell = self._link_fell, None
+        if fell is None or fell[0] != step:
+            return False
+        canary = self.canary
+        assert canary is not None
+        rank_zero_info(f"lightning_gc auto: the link canary after step {step} under {self.chosen!r} took "
+                       f"{1e3 * fell[1]:.1f} ms on the fastest rank (twice), "
+                       f"{1e3 * canary.predicted_s(self.network, self.engine.world_size):.2f} ms on the network model: "
+                       "the link fell, re-deciding")
+        self._decide(step, "drift", probe=True, check_link=False, canary_s=fell[1], detail="canary")
         self._t_prev_end = time.perf_counter()  # the decision is not a step
+        return True
 
     def _gain_due(self, step: int) -> bool:
         """Whether the next step's gradients are sampled to measure the candidates' errors again:
@@ -983,6 +980,8 @@ class AutoChooser(StepParticipant):
         self._recent_pending = (step, self._agree_wall_later(step, wall))
         if self._dense_agreed_now():  # agreed already (a dense mode): this step's wall enters the tests now
             self._read_carried()
+        if self._on_link_fell(step):  # the link canary saw a fall: decided already
+            return
         if not n or not sv:
             return
         last = self._last_decision_step if self._last_decision_step is not None else -10**9
@@ -1102,10 +1101,18 @@ class AutoChooser(StepParticipant):
         before the one-step test could act (``mlp`` at 10 Mbit/s: 2.9 s and 3.4-3.7 s); agreed now,
         the test acts at the end of the first. The exchange costs ~1 ms on 4 ranks of this project's
         2-core machine, where gloo's ring all-reduce of the same 8 bytes took 1.5-2 ms of a 43 ms
-        16-bit step (docs/auto.md)."""
+        16-bit step (docs/auto.md). With the link canary on (:attr:`canary`), the canary's second
+        message carries the wall instead, and a verdict "fell" is kept in :attr:`_link_fell` for
+        :meth:`_on_link_fell`."""
         engine = self.engine
         if self._dense_agreed_now():
-            value = agree_values([wall], "mean", engine.process_group, engine.device)[0]
+            if self.canary is None:
+                value = agree_values([wall], "mean", engine.process_group, engine.device)[0]
+            else:  # the link canary, whose second message carries the wall (lightning_gc/auto/canary.py)
+                song = sing(self.canary, wall, self.network, engine.process_group, engine.world_size, engine.device)
+                value = song.carried
+                if song.fell:
+                    self._link_fell = (step, song.fastest_s)
             return lambda: value
         engine.carry_wall(wall)
 
@@ -1303,7 +1310,7 @@ class AutoChooser(StepParticipant):
     def _decide(self, step: int, trigger: str, probe: bool, dense_wall_s: float | None = None,
                 force: str | None = None, dense_exposed_s: float | None = None, check_link: bool = True,
                 drift_wall_s: float | None = None, detail: str | None = None,
-                stop_check: tuple[float, int] | None = None) -> None:
+                canary_s: float | None = None) -> None:
         engine = self.engine
         assert self.workload is not None and self.costs is not None
         t0 = time.perf_counter()
@@ -1330,12 +1337,11 @@ class AutoChooser(StepParticipant):
             cost = next(c for c in self.costs if c.name == self.chosen)
             free = predict(cost, self.workload, NetworkModel(0.0, 0.0), ws).step_s
             dense = (drift_wall_s, drift_wall_s - free, cost)
-        if not pinned and stop_check is not None and self.network is not None:
-            # a dense step that stopped (_on_dense_stop): β from its chunk, α as last looked at; never faster
-            # than the model that predicted the chunk far quicker
-            chunk_s, chunk_bytes = stop_check
+        if not pinned and canary_s is not None and self.network is not None and self.canary is not None:
+            # the link canary saw a fall (_on_link_fell): β from its message, α as last looked at; never
+            # faster than the model that gave the message far less time
             alpha0, latency_bytes = self.network.alpha_s, 0
-            dense_beta = max((chunk_s - alpha0) / ((ws - 1) * chunk_bytes), self.network.beta_s_per_byte)
+            dense_beta = max((canary_s - alpha0) / ((ws - 1) * self.canary.nbytes), self.network.beta_s_per_byte)
         elif not pinned and probe and dense is not None and self.config.dense_probe_s \
                 and dense[1] >= self.config.dense_probe_s:
             if dense_wall_s is None and self.network is not None:
@@ -1357,7 +1363,7 @@ class AutoChooser(StepParticipant):
         elif dense_beta is not None:  # the dense step measured the link: no bandwidth probe
             alpha = max(alpha0 - dense_beta * latency_bytes, 0.0)
             self.network, self.beta_scale = NetworkModel(alpha, dense_beta), 1.0
-            source = "dense_stop" if stop_check is not None else "dense_step"
+            source = "canary" if canary_s is not None else "dense_step"
             # the link check's reference: the model's time for the message a probe would have settled on
             # (modelled_check_s), not a timed one. Without a reference the first periodic re-decision probed
             # in full (0.5 s at 20 Mbit/s on the quickstart MLP); timing it cost 0.27-0.37 s of the decision

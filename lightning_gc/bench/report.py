@@ -378,8 +378,8 @@ def _auto_section(doc: dict) -> list[str]:
                                             f" (check{how}: moved, re-probed)")
             if d.get("network_source") == "dense_step":
                 checked = " (β from the dense step)"
-            elif d.get("network_source") == "dense_stop":  # a dense step stopped after its timed chunk
-                checked = " (β from the stopped dense step's chunk)"
+            elif d.get("network_source") == "canary":  # the link canary at a dense step's end saw a fall
+                checked = " (β from the link canary)"
             elif d.get("network_source") == "check_slope":  # moved, and the check's messages measured β
                 checked = f" (check{how}: moved, β from the check)"
             trigger = d["trigger"] + (f" ({d['drift_test']})" if d.get("drift_test") else "")

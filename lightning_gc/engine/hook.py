@@ -67,7 +67,6 @@ from ..plans import Plan, build_plan
 from . import checkpoint
 from .agreement import RIDER_MAX_RANKS, RiddenReport, StepReport, agree, check_descriptor, descriptor_hash
 from .config import EngineConfig
-from .dense_stop import DenseStop, check_wire, defer_bucket
 from .memory import ErrorMemory
 from .network import NetworkTracker
 from .readiness import Readiness, new_future
@@ -103,15 +102,7 @@ class _StepWork:
     closed: bool = False
     dense_pending: int = 0
     dense_dtype: torch.dtype | None = None  # dense mode "fp16"/"bf16": the buckets travel in 16 bits
-    steady: bool = False  # a dense step of a dense-only run past warm-up: no opening check
-    inline: bool = False  # the step's jobs run on the hook's thread (steady, and no dense-stop check)
-    # GCEngine.enable_dense_stop: this step can stop (engine/dense_stop.py); whether its first bucket (the
-    # one that times the chunk) was handed over yet (hook thread); from that bucket's job on (runner):
-    # whether the step stopped, and the compressed groups' deferred gradients
-    can_stop: bool = False
-    check_issued: bool = False
-    stopped: bool = False
-    deferred: dict[int, Tensor] = field(default_factory=dict)
+    steady: bool = False  # a dense step of a dense-only run past warm-up: no opening check, no worker hop
     carried_flush: bool = False  # this dense step added the error memory to its buckets
     # (host gid, exact gid): the exact group travels inside the host group's exchange this step
     # (Exchange.carries_exact); the two are submitted as one job once both are complete
@@ -189,8 +180,6 @@ class GCEngine:
         self._dense_flush = False  # error memory awaits its flush into the next dense step's buckets
         self._carried_wall: float | None = None  # GCEngine.carry_wall: for the next step's closing report
         self._dense_carry = False  # enable_dense_carry: dense steps carry it in their first bucket
-        self._dense_stop: DenseStop | None = None  # enable_dense_stop: a dense mode's steps can stop
-        self._layout: tuple[int, dict[int, tuple[int | None, int]]] | None = None  # (plan id, pid -> (gid, offset))
         self._pid_of = {id(p): i for i, p in enumerate(self.params)}
         self.all_exact = all(g.exact for g in self.plan.groups)
         self._planned = frozenset(self.plan.group_of())  # param ids the plan sends (OSP may defer others)
@@ -324,23 +313,6 @@ class GCEngine:
         bucket) on the fp32 path, against a latency-bound collective per step."""
         self._dense_carry = True
 
-    def enable_dense_stop(self, stop: DenseStop) -> None:
-        """From now on a dense mode's step (:meth:`set_dense_mode`, past the warm-up) sends the first
-        ``stop.chunk_bytes`` of its first bucket first, timed, and stops if the link fell
-        (:mod:`lightning_gc.engine.dense_stop`); the value handed to :meth:`carry_wall` rides in that
-        check's message (this enables :meth:`enable_dense_carry`'s reading too: the next step's
-        ``carried_wall_mean_s``). Only on a group that takes the direct exchange (up to 8 ranks, off
-        NCCL) and with a plan that sends every parameter every step. Call it on every rank alike,
-        before training."""
-        from .dense_stop import usable
-        if not usable(self.exchange_group):
-            raise ValueError("enable_dense_stop needs a process group of 2 to 8 ranks on a backend other than NCCL "
-                             "(the chunk goes by the direct exchange, lightning_gc/comm/direct.py).")
-        if not self.plan_sends_every_param:
-            raise ValueError("enable_dense_stop needs a plan that sends every parameter every step (not OSP).")
-        self._dense_stop = stop
-        self._dense_carry = True
-
     def shorten_warmup_steps(self, steps: int) -> None:
         """Make the dense warm-up ``steps`` optimizer steps if it is longer (never lengthens it; at
         least 0). Between steps, with the same value on every rank, and only to end the warm-up no
@@ -385,11 +357,6 @@ class GCEngine:
         """Cumulative per-rank counters since the start of training (snapshot)."""
         self.synchronize()
         return self._totals.as_dict()
-
-    @property
-    def plan_sends_every_param(self) -> bool:
-        """Whether the plan sends every parameter every step (OSP defers some: not)."""
-        return len(self._planned) == len(self.params)
 
     def step_is_dense(self) -> bool:
         return (self.all_exact or self.world_size == 1 or self.step < self.config.warmup_steps
@@ -670,14 +637,11 @@ class GCEngine:
             carry = None
             if work.dense_carry is not None and (views is None or views):  # the first bucket that sends
                 carry, work.dense_carry = work.dense_carry, None
-            layout = self._bucket_layout(bucket) if work.can_stop else None
-            check = work.can_stop and not work.check_issued
-            work.check_issued = work.check_issued or check
-            if work.inline:
+            if work.steady:
                 self._guard(work, self._job_dense_bucket, work, buffer, fut, ready_event, views, flush, carry)
             else:
                 self._runner.submit(lambda: self._guard(work, self._job_dense_bucket, work, buffer, fut, ready_event,
-                                                        views, flush, carry, layout, check))
+                                                        views, flush, carry))
         else:
             ready_event = self._ready_event(buffer)
             last = bucket.is_last()
@@ -745,11 +709,6 @@ class GCEngine:
         # alone did not close the gap to DDP; GCMonitor's per-step logging was most of it.)
         work.steady = (dense and self.world_size > 1 and self.step >= self.config.warmup_steps
                        and (self.all_exact or self.dense_mode is not None) and len(self._planned) == len(self.params))
-        # a dense mode's step that can stop times its first bucket's chunk on the runner, and the buckets
-        # after it wait there for the verdict (backward goes on meanwhile)
-        work.can_stop = (work.steady and self._dense_stop is not None and self.dense_mode is not None
-                         and not self.all_exact)
-        work.inline = work.steady and not work.can_stop
         if not dense and self.world_size > 1:
             work.rider = self._rider()
         self._work = work
@@ -813,7 +772,7 @@ class GCEngine:
             )
             self._fail(work, err)
             raise err
-        if work.inline:
+        if work.steady:
             self._guard(work, self._job_close, work)
         else:
             self._runner.submit(lambda: self._guard(work, self._job_close, work))
@@ -856,8 +815,7 @@ class GCEngine:
 
     def _job_dense_bucket(self, work: _StepWork, buffer: Tensor, fut: torch.futures.Future, ready_event,
                           views: list[Tensor] | None = None,
-                          flush: list[tuple[Tensor, Tensor]] | None = None, carry: float | None = None,
-                          layout: list[tuple[Tensor, int | None, int]] | None = None, check: bool = False) -> None:
+                          flush: list[tuple[Tensor, Tensor]] | None = None, carry: float | None = None) -> None:
         """DDP's own hook: async allreduce of bucket / N (same numerics as DDP without a hook); in a
         16-bit dense mode, torch's ``fp16_compress_hook`` numerics (cast, divide, allreduce, copy back).
 
@@ -865,65 +823,40 @@ class GCEngine:
         these gradient views are averaged, through a copy; the others keep the local gradient.
         ``flush``: (gradient view, error memory) pairs added before the average (see set_dense_mode).
         ``carry``: one more element sent after the bucket's (:meth:`enable_dense_carry`); its mean over
-        the ranks becomes the step's ``carried_wall_mean_s`` (None if some rank sent NaN); with
-        ``check`` it rides in the check's message instead.
-        ``layout``: (gradient view, compressed group id or None for the exact group, offset in the
-        group) of the bucket's parameters, on a step that can stop (:meth:`enable_dense_stop`); ``check``:
-        this bucket times the step's chunk first (engine/dense_stop.py)."""
+        the ranks becomes the step's ``carried_wall_mean_s`` (None if some rank sent NaN)."""
         if ready_event is not None:
             torch.cuda.current_stream().wait_event(ready_event)
         t0 = time.perf_counter()
         if views is not None and not views:  # nothing of this bucket is sent this step
-            self._dense_bucket_done(work, fut, buffer)
+            with work.lock:
+                work.dense_pending -= 1
+                last = work.closed and work.dense_pending == 0
+            if last:
+                self._finish(work)
+            fut.set_result(buffer)
             return
         for grad, mem in flush or ():
             grad.view(-1).add_(mem.to(grad.dtype))
-        if work.stopped:  # an earlier bucket's check stopped the step: defer this one too
-            self._defer_dense_bucket(work, fut, buffer, layout, t0)
-            return
         data = buffer if views is None else torch.cat([v.reshape(-1) for v in views])
         half = work.dense_dtype
-        n = self.world_size
-        if carry is None or check:
+        if carry is None:
             wire = data if half is None else data.to(half)
         else:
             wire = torch.empty(data.numel() + 1, dtype=half or data.dtype, device=data.device)
             wire[:-1].copy_(data.reshape(-1))
             wire[-1] = carry
-        rest = wire
-        if check:
-            stop = self._dense_stop
-            assert stop is not None and layout is not None
-            res, done_upto = check_wire(wire, carry, stop, self.tracker.state.model, self.exchange_group, n)
-            with work.lock:
-                work.times.bytes_sent += res.bytes_sent
-                work.times.bytes_payload += res.payload_bytes
-                work.stats.dense_check_s, work.stats.dense_check_predicted_s = res.fastest_s, res.predicted_s
-                work.stats.dense_check_bytes = res.chunk_bytes
-                if res.carried is not None and math.isfinite(res.carried):
-                    work.stats.carried_wall_mean_s = res.carried
-            if res.stop:
-                work.stopped = True
-                self._defer_dense_bucket(work, fut, buffer, layout, t0)
-                return
-            rest = wire[done_upto:]
-        nbytes = rest.numel() * rest.element_size()
+        nbytes = wire.numel() * wire.element_size()
         with work.lock:
-            work.times.bytes_sent += ring_allreduce_bytes(nbytes, n)
+            work.times.bytes_sent += ring_allreduce_bytes(nbytes, self.world_size)
             work.times.bytes_payload += nbytes
-        rest.div_(n)
-        if rest.numel():
-            reduced = dist.all_reduce(rest, group=self.exchange_group, async_op=True).get_future()
-        else:  # the chunk was the whole bucket
-            reduced = torch.futures.Future()
-            reduced.set_result([rest])
+        wire.div_(self.world_size)
+        reduced = dist.all_reduce(wire, group=self.exchange_group, async_op=True).get_future()
 
         def done(f: torch.futures.Future) -> None:
             try:
-                f.value()  # raises the collective's error, if any; the result is ``rest``, reduced in place
-                out = wire
+                out = f.value()[0]
                 carried = None
-                if carry is not None and not check:
+                if carry is not None:
                     carried = float(out[-1])
                     out = data.copy_(out[:-1].view_as(data))
                 elif half is not None:
@@ -940,49 +873,13 @@ class GCEngine:
                 work.stats.nonfinite = work.stats.nonfinite or bad
                 if carried is not None and math.isfinite(carried):
                     work.stats.carried_wall_mean_s = carried
-            self._dense_bucket_done(work, fut, out)
+                work.dense_pending -= 1
+                last = work.closed and work.dense_pending == 0
+            if last:
+                self._finish(work)
+            fut.set_result(out)
 
         reduced.add_done_callback(done)
-
-    def _dense_bucket_done(self, work: _StepWork, fut: torch.futures.Future, out: Tensor) -> None:
-        with work.lock:
-            work.dense_pending -= 1
-            last = work.closed and work.dense_pending == 0
-        if last:
-            self._finish(work)
-        fut.set_result(out)
-
-    def _defer_dense_bucket(self, work: _StepWork, fut: torch.futures.Future, buffer: Tensor,
-                            layout: list[tuple[Tensor, int | None, int]] | None, t0: float) -> None:
-        """A bucket of a stopped step (engine/dense_stop.py): the compressed groups' gradients into
-        the step's deferred memory, the exact group's averaged."""
-        assert layout is not None
-        sizes = {g.gid: (sum(g.numels), self.params[g.param_ids[0]].dtype) for g in self.plan.groups if not g.exact}
-        bad, sent = defer_bucket(layout, work.deferred, sizes, self.exchange_group, self.world_size)
-        with work.lock:
-            work.times.bytes_sent += sent
-            work.times.comm_s += time.perf_counter() - t0
-            work.stats.nonfinite = work.stats.nonfinite or bad
-            work.stats.dense_stopped = True
-        self._dense_bucket_done(work, fut, buffer)
-
-    def _bucket_layout(self, bucket: dist.GradBucket) -> list[tuple[Tensor, int | None, int]]:
-        """(gradient view, compressed group id or None for an exact group's parameter, offset in the
-        group) of the bucket's parameters, in the bucket's order."""
-        if self._layout is None or self._layout[0] != id(self.plan):
-            where: dict[int, tuple[int | None, int]] = {}
-            for g in self.plan.groups:
-                off = 0
-                for pid, n in zip(g.param_ids, g.numels):
-                    where[pid] = (None if g.exact else g.gid, off)
-                    off += n
-            self._layout = (id(self.plan), where)
-        where = self._layout[1]
-        out = []
-        for p, grad in zip(bucket.parameters(), bucket.gradients()):
-            gid, off = where.get(self._pid_of[id(p)], (None, 0))
-            out.append((grad, gid, off))
-        return out
 
     def _job_group(self, work: _StepWork, gid: int, views: list[Tensor], ready_event,
                    exact_views: list[Tensor] | None = None, closes: bool = False) -> None:
@@ -1184,12 +1081,6 @@ class GCEngine:
             self._memory.clear()
             self._flush.clear()
             self._dense_flush = False
-        if work.stopped and not s.nonfinite:  # what the stopped step did not send (each rank its own)
-            self._memory.clear()
-            for gid, mem in work.deferred.items():
-                self._memory.stage(gid, mem)
-            self._memory.commit()
-            self._dense_flush = True  # a dense mode sends it with its next step's buckets
         with self._stats_lock:
             self._last_stats = s
             self._last_nonfinite = s.nonfinite
