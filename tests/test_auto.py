@@ -291,9 +291,8 @@ def test_a_severe_drift_is_seen_within_severe_steps_on_every_rank_alike(tmp_path
 
 
 class CanaryAt(L.Callback):
-    """At the end of step ``step`` the link canary is made to see a fall (a rule any time meets:
-    factor 1, no margin, against a network model that gives its message 0 s); then auto's own canary
-    again."""
+    """Before step ``step`` the link canary is made to see a fall (a rule any time meets: factor 1, no
+    margin, against a network model that gives its message 0 s); then auto's own canary again."""
 
     def __init__(self, step: int) -> None:
         self.step = step
@@ -312,10 +311,11 @@ class CanaryAt(L.Callback):
 
 
 def test_a_link_canary_that_saw_a_fall_re_decides_at_once_alike_on_every_rank(tmp_path):
-    """A network auto measures (not pinned), candidates ``ddp`` and ``fp16``: after step 6 the link
-    canary is made to see a fall (CanaryAt). Both ranks re-decide at step 6 (trigger ``drift``, test
-    ``canary``) on β read from the canary's own message, and record the same history; without the
-    canary's verdict (the same run, canary off) nothing is decided at step 6."""
+    """A network auto measures (not pinned), candidates ``ddp`` and ``fp16``: before step 6 the link
+    canary is made to see a fall (CanaryAt). Both ranks re-decide there, before step 6 runs (recorded
+    at step 5, the last step that ran; trigger ``drift``, test ``canary``), on β read from the
+    canary's own message, and record the same history; without the canary (the same run, canary off)
+    nothing is decided at step 5."""
     def fit(canary_bytes: int, sub: str):
         strategy = GCStrategy(compressor="auto", start_method="spawn", min_compress_numel=16,
                               auto={"window": 1000, "probe_every": 0, "early_comm_ratio": 0.0, "explore": 0,
@@ -324,11 +324,11 @@ def test_a_link_canary_that_saw_a_fall_re_decides_at_once_alike_on_every_rank(tm
 
     autos = fit(65536, "on")
     assert autos[0]["history"] == autos[1]["history"]
-    h = next(h for h in autos[0]["history"] if h["step"] == 6)
+    h = next(h for h in autos[0]["history"] if h["step"] == 5)
     assert (h["trigger"], h["drift_test"], h["network_source"]) == ("drift", "canary", "canary")
     assert h["network"][0] == 0.0 and h["network"][1] > 0  # β from the canary's time (the model had 0)
     off = fit(0, "off")
-    assert off[0]["history"] == off[1]["history"] and all(h["step"] != 6 for h in off[0]["history"])
+    assert off[0]["history"] == off[1]["history"] and all(h["step"] != 5 for h in off[0]["history"])
 
 
 class SlowValidation(TinyClassifier):

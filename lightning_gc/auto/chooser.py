@@ -678,13 +678,15 @@ class AutoChooser(StepParticipant):
                                  and dist.is_initialized() and backend_allows(engine.process_group))
         if not self._dense_walls_direct:
             engine.enable_dense_carry()
-        #: the link canary at each dense mode's step end (AutoConfig.canary_bytes; None: off), in place of the
-        #: wall's own agreement there. Not under a network the user pinned: a fall it saw could not re-read the
-        #: link (the pinned figures are not recalibrated), and it would fire again at every step
+        #: the link canary at the start of each step a dense mode runs (AutoConfig.canary_bytes; None: off); the
+        #: step before's wall rides in it, in place of that wall's own agreement at its step's end. Not under a
+        #: network the user pinned: a fall it saw could not re-read the link (the pinned figures are not
+        #: recalibrated), and it would fire again at every step
         pinned = bool(engine.network.pinned and engine.network.model is not None)
         self.canary = config.canary() if self._dense_walls_direct and not pinned else None
-        #: the canary's verdict "fell" at this step end, waiting for its decision: (step, fastest rank's s)
-        self._link_fell: tuple[int, float] | None = None
+        #: (step, wall) handed to the next canary, and the means over the ranks it agreed (step -> mean)
+        self._canary_wall: tuple[int, float] | None = None
+        self._canary_walls: dict[int, float | None] = {}
         #: every decision (replicated, checkpointed): step, trigger, inputs, predictions, choice
         self.history: list[dict] = []
         self.chosen: str | None = None
@@ -794,6 +796,8 @@ class AutoChooser(StepParticipant):
 
     def wrap_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         def timed() -> Any:
+            if self._canary_due() and self.engine.world_size > 1:  # before anything of the step is sent
+                self._sing_canary()
             self._stamps = {}
             self._t_start = time.perf_counter()
             self._t_fwd = self._t_start
@@ -868,7 +872,6 @@ class AutoChooser(StepParticipant):
             # a decision's step: its wall is carried all the same (the next window reads it; the severe
             # test leaves it out)
             self._recent_pending = (step, self._agree_wall_later(step, wall))
-            self._on_link_fell(step)
         if wall is not None and self._last_decision_step != step:
             exchange_s, exchange_step = None, None
             if candidate(self.chosen).compressor is not None:  # agreed by the step's closing report
@@ -880,28 +883,35 @@ class AutoChooser(StepParticipant):
         if self._gain_due(step):
             self._arm_sample()
 
-    def _on_link_fell(self, step: int) -> bool:
-        """If the link canary said at this step's end that the link fell (:attr:`_link_fell`; the
-        verdict is agreed, so every rank is here alike), re-decide now, before the next step (trigger
-        ``drift``, test ``canary``), whatever ``min_interval`` says. The network for the decision: β
-        from the canary itself (its time on the fastest rank, less the model's α, over the ``N-1``
+    def _sing_canary(self) -> None:
+        """The link canary before a dense mode's step (lightning_gc/auto/canary.py; called at the
+        start of the step's closure, before forward, on every rank alike: the chosen method is
+        replicated). It carries the step before's wall (:meth:`_agree_wall_later`). If it saw the
+        link fall, re-decide now, before the step sends anything (trigger ``drift``, test ``canary``),
+        whatever ``min_interval`` says; the decision is recorded at the step before (the last one
+        that ran), as every decision between steps is. The network for it: β from the canary
+        itself (its second message's time on the fastest rank, less the model's α, over the ``N-1``
         copies each rank sent), no probe. Why: a probe that starts small and grows took 0.9 s on the
-        quickstart MLP at 10 Mbit/s, and the canary timed the link at the size a probe ends at. Where
-        a shaper let part of the canary out at line rate, β reads low (the second message, whose figures
-        these are, comes after the first spent the burst); the windows that follow measure the pick
-        and the next periodic look re-reads the link. Returns whether it decided."""
-        fell, self._link_fell = self._link_fell, None
-        if fell is None or fell[0] != step:
-            return False
-        canary = self.canary
+        quickstart MLP at 10 Mbit/s, and the canary timed the link at the size a probe ends at.
+        Where a shaper let part of a message out at line rate, β reads low (the second message comes
+        after the first spent the burst); the windows that follow measure the pick, and the next
+        periodic look re-reads the link."""
+        engine, canary = self.engine, self.canary
         assert canary is not None
-        rank_zero_info(f"lightning_gc auto: the link canary after step {step} under {self.chosen!r} took "
-                       f"{1e3 * fell[1]:.1f} ms on the fastest rank (twice), "
-                       f"{1e3 * canary.predicted_s(self.network, self.engine.world_size):.2f} ms on the network model: "
-                       "the link fell, re-deciding")
-        self._decide(step, "drift", probe=True, check_link=False, canary_s=fell[1], detail="canary")
-        self._t_prev_end = time.perf_counter()  # the decision is not a step
-        return True
+        pending, self._canary_wall = self._canary_wall, None
+        carry = pending[1] if pending is not None else math.nan
+        song = sing(canary, carry, self.network, engine.process_group, engine.world_size, engine.device)
+        if pending is not None:
+            self._canary_walls = {k: v for k, v in self._canary_walls.items() if k > pending[0] - 4}
+            self._canary_walls[pending[0]] = song.carried if math.isfinite(song.carried) else None
+        if not song.fell:
+            return
+        step = engine.step - 1
+        rank_zero_info(f"lightning_gc auto: the link canary before step {step + 1} under {self.chosen!r} took "
+                       f"{1e3 * song.fastest_s:.1f} ms on the fastest rank (twice), {1e3 * song.predicted_s:.2f} ms "
+                       "on the network model: the link fell, re-deciding")
+        self._decide(step, "drift", probe=True, check_link=False, canary_s=song.fastest_s, detail="canary")
+        self._t_prev_end = time.perf_counter()  # the decision is not the step's
 
     def _gain_due(self, step: int) -> bool:
         """Whether the next step's gradients are sampled to measure the candidates' errors again:
@@ -980,8 +990,6 @@ class AutoChooser(StepParticipant):
         self._recent_pending = (step, self._agree_wall_later(step, wall))
         if self._dense_agreed_now():  # agreed already (a dense mode): this step's wall enters the tests now
             self._read_carried()
-        if self._on_link_fell(step):  # the link canary saw a fall: decided already
-            return
         if not n or not sv:
             return
         last = self._last_decision_step if self._last_decision_step is not None else -10**9
@@ -1101,19 +1109,16 @@ class AutoChooser(StepParticipant):
         before the one-step test could act (``mlp`` at 10 Mbit/s: 2.9 s and 3.4-3.7 s); agreed now,
         the test acts at the end of the first. The exchange costs ~1 ms on 4 ranks of this project's
         2-core machine, where gloo's ring all-reduce of the same 8 bytes took 1.5-2 ms of a 43 ms
-        16-bit step (docs/auto.md). With the link canary on (:attr:`canary`), the canary's second
-        message carries the wall instead, and a verdict "fell" is kept in :attr:`_link_fell` for
-        :meth:`_on_link_fell`."""
+        16-bit step (docs/auto.md). **With the link canary on** (:attr:`canary`), the wall rides in
+        the canary before the next step instead (:meth:`_sing_canary`), read one step later as a
+        carried wall: the canary itself sees a fallen link before that step sends anything."""
         engine = self.engine
         if self._dense_agreed_now():
-            if self.canary is None:
-                value = agree_values([wall], "mean", engine.process_group, engine.device)[0]
-            else:  # the link canary, whose second message carries the wall (lightning_gc/auto/canary.py)
-                song = sing(self.canary, wall, self.network, engine.process_group, engine.world_size, engine.device)
-                value = song.carried
-                if song.fell:
-                    self._link_fell = (step, song.fastest_s)
+            value = agree_values([wall], "mean", engine.process_group, engine.device)[0]
             return lambda: value
+        if self._canary_due():
+            self._canary_wall = (step, wall)
+            return lambda: self._canary_walls.pop(step, None)
         engine.carry_wall(wall)
 
         def carried() -> float | None:
@@ -1123,8 +1128,17 @@ class AutoChooser(StepParticipant):
 
     def _dense_agreed_now(self) -> bool:
         """Whether a step's wall is agreed at its own end (a dense mode runs, on a group that takes the
-        direct exchange; :meth:`_agree_wall_later`), not carried into the next step. Replicated."""
-        return self._dense_walls_direct and self.chosen is not None and candidate(self.chosen).compressor is None
+        direct exchange, without the link canary; :meth:`_agree_wall_later`), not carried into the
+        next step. Replicated."""
+        return self._dense_walls_direct and self.canary is None and self._dense_mode_runs()
+
+    def _canary_due(self) -> bool:
+        """Whether the link canary goes before the next step (a dense mode runs, the canary is on; the
+        wall rides in it). Replicated."""
+        return self._dense_walls_direct and self.canary is not None and self._dense_mode_runs()
+
+    def _dense_mode_runs(self) -> bool:
+        return self.chosen is not None and candidate(self.chosen).compressor is None
 
     def _check_drift(self, step: int) -> None:
         window_exchange, self._window_exchange = self._window_exchange, []
@@ -1338,7 +1352,7 @@ class AutoChooser(StepParticipant):
             free = predict(cost, self.workload, NetworkModel(0.0, 0.0), ws).step_s
             dense = (drift_wall_s, drift_wall_s - free, cost)
         if not pinned and canary_s is not None and self.network is not None and self.canary is not None:
-            # the link canary saw a fall (_on_link_fell): β from its message, α as last looked at; never
+            # the link canary saw a fall (_sing_canary): β from its message, α as last looked at; never
             # faster than the model that gave the message far less time
             alpha0, latency_bytes = self.network.alpha_s, 0
             dense_beta = max((canary_s - alpha0) / ((ws - 1) * self.canary.nbytes), self.network.beta_s_per_byte)
