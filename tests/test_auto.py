@@ -291,44 +291,70 @@ def test_a_severe_drift_is_seen_within_severe_steps_on_every_rank_alike(tmp_path
 
 
 class CanaryAt(L.Callback):
-    """Before step ``step`` the link canary is made to see a fall (a rule any time meets: factor 1, no
-    margin, against a network model that gives its message 0 s); then auto's own canary again."""
+    """Before step ``step`` the engine's link canary is made to see a fall (a rule any time meets:
+    factor 1, no margin, against a network model that gives its message 0 s); then auto's own canary
+    again. Saves the parameters around that step, its stats and the error memory after it."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, out: Path) -> None:
+        self.step, self.out, self.before = step, out, None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        from lightning_gc.auto.canary import LinkCanary
         from lightning_gc.comm.cost_model import NetworkModel
+        from lightning_gc.engine.dense_stop import LinkCanary
 
-        auto = trainer.strategy.auto
+        auto, engine = trainer.strategy.auto, trainer.strategy.engine
         if trainer.global_step == self.step:
-            assert auto.canary is not None and auto.chosen in ("ddp", "fp16")
-            auto.canary = LinkCanary(nbytes=256, factor=1.0, margin_s=0.0)
-            auto.network = NetworkModel(0.0, 0.0)
+            assert auto.canary is not None and engine.dense_mode is not None
+            auto.canary = engine._canary = LinkCanary(nbytes=256, factor=1.0, margin_s=0.0)
+            engine.tracker.state.model = NetworkModel(0.0, 0.0)
+            self.before = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
         elif trainer.global_step == self.step + 1:
-            auto.canary = auto.config.canary()
+            auto.canary = engine._canary = auto.config.canary()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step + 1:  # step `step` has just run its optimizer step
+            engine = trainer.strategy.engine
+            torch.save({"before": self.before, "after": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
+                        "stopped": engine.last_step.dense_stopped, "memory": engine.error_memory_by_name()},
+                       self.out / f"stop{trainer.global_rank}.pt")
 
 
-def test_a_link_canary_that_saw_a_fall_re_decides_at_once_alike_on_every_rank(tmp_path):
-    """A network auto measures (not pinned), candidates ``ddp`` and ``fp16``: before step 6 the link
-    canary is made to see a fall (CanaryAt). Both ranks re-decide there, before step 6 runs (recorded
-    at step 5, the last step that ran; trigger ``drift``, test ``canary``), on β read from the
-    canary's own message, and record the same history; without the canary (the same run, canary off)
-    nothing is decided at step 5."""
+def test_a_dense_step_the_link_canary_stopped_sends_its_exact_group_keeps_the_rest_and_re_decides(tmp_path):
+    """A network auto measures (not pinned), candidates ``ddp`` and ``fp16``: the canary before step 6
+    is made to see a fall (CanaryAt), so step 6 stops. Oracles from each rank's own local gradients
+    of step 6 (AutoReport's own hooks): the compressed tensors did not move (plain SGD, no momentum:
+    their gradient was zero on every rank), the exact one (the last bias, 4 < 16 elements) moved by
+    -lr times the mean of the two ranks' gradients, each rank's error memory is its own gradient of
+    the compressed tensors, and auto re-decided at step 6 on β read from the canary, alike on both
+    ranks. With the canary off (the same run) nothing stops and nothing is decided at step 6."""
     def fit(canary_bytes: int, sub: str):
+        out = tmp_path / sub / "report"
         strategy = GCStrategy(compressor="auto", start_method="spawn", min_compress_numel=16,
                               auto={"window": 1000, "probe_every": 0, "early_comm_ratio": 0.0, "explore": 0,
                                     "candidates": ["ddp", "fp16"], "canary_bytes": canary_bytes})
-        return _fit(tmp_path / sub, strategy, callbacks=[CanaryAt(6)] if canary_bytes else [], max_epochs=1)[1]
+        cbs = [CanaryAt(6, out)] if canary_bytes else []
+        return out, _fit(tmp_path / sub, strategy, callbacks=cbs, keep_steps=(6,),
+                         model=TinyClassifier(momentum=0.0), max_epochs=1)[1]
 
-    autos = fit(65536, "on")
+    out, autos = fit(65536, "on")
     assert autos[0]["history"] == autos[1]["history"]
-    h = next(h for h in autos[0]["history"] if h["step"] == 5)
+    h = next(h for h in autos[0]["history"] if h["step"] == 6)
     assert (h["trigger"], h["drift_test"], h["network_source"]) == ("drift", "canary", "canary")
-    assert h["network"][0] == 0.0 and h["network"][1] > 0  # β from the canary's time (the model had 0)
-    off = fit(0, "off")
-    assert off[0]["history"] == off[1]["history"] and all(h["step"] != 5 for h in off[0]["history"])
+    assert h["network"][1] > 0  # β from the canary's time (the model that saw the fall said 0)
+    stops = [torch.load(out / f"stop{r}.pt", weights_only=False) for r in range(2)]
+    local = [a["grads"][6] for a in autos]
+    lossy = ["net.0.weight", "net.0.bias", "net.2.weight"]
+    for r, st in enumerate(stops):
+        assert st["stopped"]
+        for n in lossy:
+            assert torch.equal(st["after"][n], st["before"][n]), n
+            assert torch.equal(st["memory"][n].view_as(local[r][n]), local[r][n]), (r, n)
+        assert sorted(st["memory"]) == sorted(lossy)
+        want = st["before"]["net.2.bias"] - 0.1 * (local[0]["net.2.bias"] + local[1]["net.2.bias"]) / 2
+        torch.testing.assert_close(st["after"]["net.2.bias"], want, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(st["after"]["net.2.bias"], st["before"]["net.2.bias"])
+    _, off = fit(0, "off")
+    assert off[0]["history"] == off[1]["history"] and all(h["step"] != 6 for h in off[0]["history"])
 
 
 class SlowValidation(TinyClassifier):

@@ -893,54 +893,55 @@ def test_a_dense_modes_wall_agreed_at_once_decides_at_the_slow_step_itself(monke
     assert engine.carried == pytest.approx(0.5 * ref)  # carried in its closing report, not agreed alone
 
 
-def test_the_link_canary_that_saw_a_fall_re_decides_before_the_step_on_its_beta(monkeypatch):
-    """Under a dense mode on a group that takes the direct exchange, the link canary goes before each
-    step (at the start of its closure; lightning_gc/auto/canary.py, its exchange replaced here by
-    what it would return on one rank) and carries the step before's wall, which the every-step tests
-    read one step later. A canary that saw a fall before step 11 makes auto re-decide there, before
-    the step runs, whatever ``min_interval`` says (30 here; the last decision at step 4), recorded at
-    step 10 (the last step that ran), on β from the canary (its time on the fastest rank less α, over
-    the N-1 = 3 copies of its 64 KiB each rank sent; no probe): 10 Mbit/s makes lowrank the pick, and
-    no canary goes before the compressed steps after it. A canary never gives a link faster than the
-    model's. Oracles: β written out by hand; the history; the walls carried."""
-    from lightning_gc.auto import chooser as chooser_mod
-    from lightning_gc.auto.canary import CanaryResult, LinkCanary
+def test_a_step_the_link_canary_stopped_re_decides_at_once_on_its_beta(monkeypatch):
+    """Under a dense mode on a group that takes the direct exchange, the engine sings the link canary
+    before each step (at the start of its closure; GCEngine.sing_canary, played here by the fake
+    engine), carrying the step before's wall, which the every-step tests read one step later. A step
+    the canary stopped (StepStats.dense_stopped) makes auto re-decide at that step's end, whatever
+    ``min_interval`` says (30 here; the last decision at step 4), on β from the canary (its time on
+    the fastest rank less α, over the N-1 = 3 copies of its 64 KiB each rank sent; no probe):
+    10 Mbit/s makes lowrank the pick, no canary is sung before the compressed steps after it, and
+    the stopped step enters no window. A canary never gives a link faster than the model's.
+    Oracles: β written out by hand; the history; the walls carried."""
+    import time
 
-    sung: list[tuple[int, float]] = []  # (the step about to run, the wall carried)
-
-    def sing(canary, carry, network, group, ws, device):
-        assert ws == 4 and isinstance(canary, LinkCanary)
-        sung.append((engine.step, carry))
-        fell = engine.step == 11
-        return CanaryResult(fell, 0.16 if fell else 1e-3, 2e-4, float(carry), 2 if fell else 1)
+    from lightning_gc.engine.dense_stop import LinkCanary
+    from lightning_gc.engine.stats import StepStats
 
     chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=30)
     chooser._dense_walls_direct, chooser.canary = True, LinkCanary()
     engine.network.pinned = False
+    sung: list[tuple[int, float]] = []  # (the step about to run, the wall it carries)
+    engine.sing_canary = lambda carry: sung.append((engine.step, carry))
     alpha, ref = engine.network.model.alpha_s, chooser._reference
-    monkeypatch.setattr(chooser_mod, "sing", sing)
-    for s in range(5, 11):
+    for s in range(5, 10):
         engine.step = s
         chooser.wrap_closure(lambda: None)()  # the canary before step s
         engine.step = s + 1
-        _walls(chooser, {s: ref * (1 + s / 100)})
-    assert [a for a, _ in sung] == [5, 6, 7, 8, 9, 10] and chooser.history[-1]["step"] == 4
+        # the engine's part: step s's canary carried step s-1's wall (the mean over ranks: one rank here)
+        engine.last_step = StepStats(step=s, dense=True, carried_wall_mean_s=sung[-1][1] if s > 5 else None)
+        chooser._t_prev_end = time.perf_counter() - ref * (1 + s / 100)
+        chooser.after_optimizer_step()
+    assert [a for a, _ in sung] == [5, 6, 7, 8, 9] and chooser.history[-1]["step"] == 4
     assert sung[0][1] != sung[0][1]  # before step 5 nothing was pending (NaN)
-    for s in range(6, 11):  # each canary carried the step before's wall; the step after's end read it
-        assert sung[s - 5][1] == pytest.approx(ref * (1 + (s - 1) / 100))
-        if s < 10:
-            assert chooser._carried_walls[s - 1] == pytest.approx(ref * (1 + (s - 1) / 100))
+    for s in range(5, 9):  # each canary carried the step before's wall, read at the next step's end
+        assert sung[s - 4][1] == pytest.approx(ref * (1 + s / 100), rel=1e-3)
+        assert chooser._carried_walls[s] == pytest.approx(ref * (1 + s / 100), rel=1e-3)
+    window = list(chooser._window)
+    engine.step = 10
+    chooser.wrap_closure(lambda: None)()
     engine.step = 11
-    chooser.wrap_closure(lambda: None)()  # the canary before step 11 sees the fall
+    engine.last_step = StepStats(step=10, dense=True, dense_stopped=True, dense_check_s=0.16,
+                                 dense_check_predicted_s=2e-4, dense_check_bytes=65536)
+    chooser.after_optimizer_step()
     h = chooser.history[-1]
     assert (h["step"], h["trigger"], h["drift_test"], h["network_source"]) == (10, "drift", "canary", "canary")
-    want = (0.16 - alpha) / (3 * 65536)
+    want = (0.16 - alpha) / (3 * 65536)  # 3 x 64 KiB at 10 Mbit/s (0.157 s), plus alpha
     assert h["network"] == [alpha, pytest.approx(want)] and engine.network.model.beta_s_per_byte == pytest.approx(want)
-    assert chooser.chosen == "lowrank"
-    engine.step = 12
-    _walls(chooser, {11: ref})
+    assert chooser.chosen == "lowrank" and window and chooser._window == []  # reset by the decision; 10 not in it
+    engine.step = 11
     chooser.wrap_closure(lambda: None)()  # a compressed method runs: no canary
-    assert len(sung) == 7 and engine.carried == pytest.approx(ref)  # its wall rides in its closing report
+    assert len(sung) == 6
     # a canary faster than the model's β (the fastest rank was early) never makes the link faster
     fast, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=30)
     fast.canary = LinkCanary()

@@ -73,8 +73,8 @@ from ..comm.direct import DIRECT_MAX_RANKS, backend_allows
 from ..comm.probe import ProbeConfig, probe_network
 from ..compressors import GroupContext
 from ..engine.agreement import agree_values
+from ..engine.dense_stop import LinkCanary
 from ..engine.session import StepParticipant
-from .canary import LinkCanary, sing
 from .candidates import (
     DEFAULT_CANDIDATES,
     AutoCandidate,
@@ -678,15 +678,16 @@ class AutoChooser(StepParticipant):
                                  and dist.is_initialized() and backend_allows(engine.process_group))
         if not self._dense_walls_direct:
             engine.enable_dense_carry()
-        #: the link canary at the start of each step a dense mode runs (AutoConfig.canary_bytes; None: off); the
-        #: step before's wall rides in it, in place of that wall's own agreement at its step's end. Not under a
-        #: network the user pinned: a fall it saw could not re-read the link (the pinned figures are not
-        #: recalibrated), and it would fire again at every step
+        #: the link canary before each step a dense mode runs (AutoConfig.canary_bytes; None: off; the engine
+        #: sings it, lightning_gc/engine/dense_stop.py); the step before's wall rides in it, in place of that
+        #: wall's own agreement at its step's end. Not under a network the user pinned: a fall it saw could not
+        #: re-read the link (the pinned figures are not recalibrated), and every dense step would stop
         pinned = bool(engine.network.pinned and engine.network.model is not None)
-        self.canary = config.canary() if self._dense_walls_direct and not pinned else None
-        #: (step, wall) handed to the next canary, and the means over the ranks it agreed (step -> mean)
-        self._canary_wall: tuple[int, float] | None = None
-        self._canary_walls: dict[int, float | None] = {}
+        self.canary = (config.canary() if self._dense_walls_direct and not pinned and engine.plan_sends_every_param
+                       else None)
+        if self.canary is not None:
+            engine.enable_canary(self.canary)
+        self._canary_wall = math.nan  # the wall handed to the next canary (NaN: none)
         #: every decision (replicated, checkpointed): step, trigger, inputs, predictions, choice
         self.history: list[dict] = []
         self.chosen: str | None = None
@@ -796,8 +797,9 @@ class AutoChooser(StepParticipant):
 
     def wrap_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         def timed() -> Any:
-            if self._canary_due() and self.engine.world_size > 1:  # before anything of the step is sent
-                self._sing_canary()
+            if self._canary_due():  # on the engine's worker: the step's buckets wait behind it
+                wall, self._canary_wall = self._canary_wall, math.nan
+                self.engine.sing_canary(wall)
             self._stamps = {}
             self._t_start = time.perf_counter()
             self._t_fwd = self._t_start
@@ -858,6 +860,11 @@ class AutoChooser(StepParticipant):
                 self._first_decision(step)
                 self._t_prev_end = time.perf_counter()  # the measurement is not a step
             return
+        stats = engine.last_step
+        if stats is not None and stats.step == step and stats.dense_stopped:
+            self._read_carried()  # the step before's wall rode in the canary
+            self._on_dense_stop(step, stats)
+            return
         if wall is not None:  # None on the first step after a resume
             self.measured.append(wall)
             self._window.append(wall)
@@ -883,35 +890,26 @@ class AutoChooser(StepParticipant):
         if self._gain_due(step):
             self._arm_sample()
 
-    def _sing_canary(self) -> None:
-        """The link canary before a dense mode's step (lightning_gc/auto/canary.py; called at the
-        start of the step's closure, before forward, on every rank alike: the chosen method is
-        replicated). It carries the step before's wall (:meth:`_agree_wall_later`). If it saw the
-        link fall, re-decide now, before the step sends anything (trigger ``drift``, test ``canary``),
-        whatever ``min_interval`` says; the decision is recorded at the step before (the last one
-        that ran), as every decision between steps is. The network for it: β from the canary
-        itself (its second message's time on the fastest rank, less the model's α, over the ``N-1``
-        copies each rank sent), no probe. Why: a probe that starts small and grows took 0.9 s on the
-        quickstart MLP at 10 Mbit/s, and the canary timed the link at the size a probe ends at.
-        Where a shaper let part of a message out at line rate, β reads low (the second message comes
-        after the first spent the burst); the windows that follow measure the pick, and the next
-        periodic look re-reads the link."""
-        engine, canary = self.engine, self.canary
+    def _on_dense_stop(self, step: int, stats: Any) -> None:
+        """Step ``step`` was a dense mode's, and the link canary before it saw the link fall: the step
+        stopped (lightning_gc/engine/dense_stop.py; its compressed groups' gradients are error memory;
+        the verdict is agreed, so every rank is here). Re-decide now (trigger ``drift``, test
+        ``canary``), whatever ``min_interval`` says: until a decision looks at the link again, every
+        dense step would stop. The network for it: β from the canary itself (its second message's time
+        on the fastest rank, less the model's α, over the ``N-1`` copies each rank sent), no probe.
+        Why: a probe that starts small and grows took 0.9 s on the quickstart MLP at 10 Mbit/s, and the
+        canary timed the link at the size a probe ends at. The stopped step is not a step of the
+        method (it sent its exact group only) and enters no window; a gradient sample armed for it
+        is dropped (the next one comes at the next due step)."""
+        canary = self.canary
         assert canary is not None
-        pending, self._canary_wall = self._canary_wall, None
-        carry = pending[1] if pending is not None else math.nan
-        song = sing(canary, carry, self.network, engine.process_group, engine.world_size, engine.device)
-        if pending is not None:
-            self._canary_walls = {k: v for k, v in self._canary_walls.items() if k > pending[0] - 4}
-            self._canary_walls[pending[0]] = song.carried if math.isfinite(song.carried) else None
-        if not song.fell:
-            return
-        step = engine.step - 1
-        rank_zero_info(f"lightning_gc auto: the link canary before step {step + 1} under {self.chosen!r} took "
-                       f"{1e3 * song.fastest_s:.1f} ms on the fastest rank (twice), {1e3 * song.predicted_s:.2f} ms "
-                       "on the network model: the link fell, re-deciding")
-        self._decide(step, "drift", probe=True, check_link=False, canary_s=song.fastest_s, detail="canary")
-        self._t_prev_end = time.perf_counter()  # the decision is not the step's
+        fastest, predicted = stats.dense_check_s, stats.dense_check_predicted_s
+        rank_zero_info(f"lightning_gc auto: the link canary before step {step} under {self.chosen!r} took "
+                       f"{1e3 * fastest:.1f} ms on the fastest rank (twice), {1e3 * predicted:.2f} ms on the network "
+                       "model: the link fell, the step kept its gradient as error memory; re-deciding")
+        self._disarm_sample()
+        self._decide(step, "drift", probe=True, check_link=False, canary_s=fastest, detail="canary")
+        self._t_prev_end = time.perf_counter()  # the decision is not a step
 
     def _gain_due(self, step: int) -> bool:
         """Whether the next step's gradients are sampled to measure the candidates' errors again:
@@ -1110,16 +1108,16 @@ class AutoChooser(StepParticipant):
         the test acts at the end of the first. The exchange costs ~1 ms on 4 ranks of this project's
         2-core machine, where gloo's ring all-reduce of the same 8 bytes took 1.5-2 ms of a 43 ms
         16-bit step (docs/auto.md). **With the link canary on** (:attr:`canary`), the wall rides in
-        the canary before the next step instead (:meth:`_sing_canary`), read one step later as a
-        carried wall: the canary itself sees a fallen link before that step sends anything."""
+        the canary before the next step instead (:meth:`GCEngine.sing_canary`), read one step later
+        as a carried wall: the canary itself sees a fallen link before that step sends anything."""
         engine = self.engine
         if self._dense_agreed_now():
             value = agree_values([wall], "mean", engine.process_group, engine.device)[0]
             return lambda: value
         if self._canary_due():
-            self._canary_wall = (step, wall)
-            return lambda: self._canary_walls.pop(step, None)
-        engine.carry_wall(wall)
+            self._canary_wall = wall
+        else:
+            engine.carry_wall(wall)
 
         def carried() -> float | None:
             stats = engine.last_step
@@ -1352,7 +1350,7 @@ class AutoChooser(StepParticipant):
             free = predict(cost, self.workload, NetworkModel(0.0, 0.0), ws).step_s
             dense = (drift_wall_s, drift_wall_s - free, cost)
         if not pinned and canary_s is not None and self.network is not None and self.canary is not None:
-            # the link canary saw a fall (_sing_canary): β from its message, α as last looked at; never
+            # the link canary saw a fall (_on_dense_stop): β from its message, α as last looked at; never
             # faster than the model that gave the message far less time
             alpha0, latency_bytes = self.network.alpha_s, 0
             dense_beta = max((canary_s - alpha0) / ((ws - 1) * self.canary.nbytes), self.network.beta_s_per_byte)

@@ -67,6 +67,7 @@ from ..plans import Plan, build_plan
 from . import checkpoint
 from .agreement import RIDER_MAX_RANKS, RiddenReport, StepReport, agree, check_descriptor, descriptor_hash
 from .config import EngineConfig
+from .dense_stop import LinkCanary, defer_bucket, sing
 from .memory import ErrorMemory
 from .network import NetworkTracker
 from .readiness import Readiness, new_future
@@ -102,7 +103,16 @@ class _StepWork:
     closed: bool = False
     dense_pending: int = 0
     dense_dtype: torch.dtype | None = None  # dense mode "fp16"/"bf16": the buckets travel in 16 bits
-    steady: bool = False  # a dense step of a dense-only run past warm-up: no opening check, no worker hop
+    steady: bool = False  # a dense step of a dense-only run past warm-up: no opening check
+    inline: bool = False  # the step's jobs run on the hook's thread (steady, and no dense-stop check)
+    # GCEngine.sing_canary before this step (engine/dense_stop.py): its verdict (set on the runner, before
+    # this step's first job), whether this step can stop on it, whether a job has read it; from then on
+    # whether the step stopped, and the compressed groups' deferred gradients
+    canary: list | None = None  # [CanaryResult] or [the exception it raised]
+    can_stop: bool = False
+    canary_read: bool = False
+    stopped: bool = False
+    deferred: dict[int, Tensor] = field(default_factory=dict)
     carried_flush: bool = False  # this dense step added the error memory to its buckets
     # (host gid, exact gid): the exact group travels inside the host group's exchange this step
     # (Exchange.carries_exact); the two are submitted as one job once both are complete
@@ -180,6 +190,9 @@ class GCEngine:
         self._dense_flush = False  # error memory awaits its flush into the next dense step's buckets
         self._carried_wall: float | None = None  # GCEngine.carry_wall: for the next step's closing report
         self._dense_carry = False  # enable_dense_carry: dense steps carry it in their first bucket
+        self._canary: LinkCanary | None = None  # enable_canary: a dense mode's steps can stop on it
+        self._canary_sung: list | None = None  # sing_canary's verdict box, for the next step
+        self._layout: tuple[int, dict[int, tuple[int | None, int]]] | None = None  # (plan id, pid -> (gid, offset))
         self._pid_of = {id(p): i for i, p in enumerate(self.params)}
         self.all_exact = all(g.exact for g in self.plan.groups)
         self._planned = frozenset(self.plan.group_of())  # param ids the plan sends (OSP may defer others)
@@ -313,6 +326,42 @@ class GCEngine:
         bucket) on the fp32 path, against a latency-bound collective per step."""
         self._dense_carry = True
 
+    def enable_canary(self, canary: LinkCanary) -> None:
+        """Allow :meth:`sing_canary` (lightning_gc/engine/dense_stop.py): a dense mode's step after a
+        canary that saw the link fall stops. Only on a group that takes the direct exchange (2-8
+        ranks, off NCCL) and with a plan that sends every parameter every step. Call it on every rank
+        alike, before training."""
+        from ..comm.direct import DIRECT_MAX_RANKS, backend_allows
+        if not (1 < self.world_size <= DIRECT_MAX_RANKS and backend_allows(self.exchange_group)):
+            raise ValueError(f"enable_canary needs a process group of 2 to {DIRECT_MAX_RANKS} ranks on a backend other "
+                             f"than NCCL (it goes by the direct exchange, lightning_gc/comm/direct.py); this one has "
+                             f"{self.world_size} ranks.")
+        if not self.plan_sends_every_param:
+            raise ValueError("enable_canary needs a plan that sends every parameter every step (not OSP).")
+        self._canary = canary
+
+    def sing_canary(self, carry: float) -> None:
+        """Time the link before the next step, on the engine's worker (it overlaps the step's forward
+        and backward; the step's gradient buckets wait behind it): :func:`dense_stop.sing`, carrying
+        ``carry`` (this rank's figure; NaN for none), whose mean over the ranks becomes the next
+        step's ``carried_wall_mean_s``, and whose verdict stops that step if it is a dense mode's
+        (``StepStats.dense_stopped``). Between steps, on every rank alike (a collective); after
+        :meth:`enable_canary`."""
+        canary = self._canary
+        if canary is None:
+            raise RuntimeError("sing_canary before enable_canary: call enable_canary(LinkCanary(...)) first.")
+        self.synchronize()
+        box: list = []  # the verdict, or the exception the exchange raised (re-raised by the step's first job)
+        self._canary_sung = box
+        model = self.tracker.state.model
+
+        def job() -> None:
+            try:
+                box.append(sing(canary, carry, model, self.exchange_group, self.world_size, self.device))
+            except BaseException as e:  # noqa: BLE001 - the step's jobs fail with it (_read_canary)
+                box.append(e)
+        self._runner.submit(job)
+
     def shorten_warmup_steps(self, steps: int) -> None:
         """Make the dense warm-up ``steps`` optimizer steps if it is longer (never lengthens it; at
         least 0). Between steps, with the same value on every rank, and only to end the warm-up no
@@ -357,6 +406,11 @@ class GCEngine:
         """Cumulative per-rank counters since the start of training (snapshot)."""
         self.synchronize()
         return self._totals.as_dict()
+
+    @property
+    def plan_sends_every_param(self) -> bool:
+        """Whether the plan sends every parameter every step (OSP defers some: not)."""
+        return len(self._planned) == len(self.params)
 
     def step_is_dense(self) -> bool:
         return (self.all_exact or self.world_size == 1 or self.step < self.config.warmup_steps
@@ -637,11 +691,12 @@ class GCEngine:
             carry = None
             if work.dense_carry is not None and (views is None or views):  # the first bucket that sends
                 carry, work.dense_carry = work.dense_carry, None
-            if work.steady:
+            layout = self._bucket_layout(bucket) if work.can_stop else None
+            if work.inline:
                 self._guard(work, self._job_dense_bucket, work, buffer, fut, ready_event, views, flush, carry)
             else:
                 self._runner.submit(lambda: self._guard(work, self._job_dense_bucket, work, buffer, fut, ready_event,
-                                                        views, flush, carry))
+                                                        views, flush, carry, layout))
         else:
             ready_event = self._ready_event(buffer)
             last = bucket.is_last()
@@ -709,6 +764,12 @@ class GCEngine:
         # alone did not close the gap to DDP; GCMonitor's per-step logging was most of it.)
         work.steady = (dense and self.world_size > 1 and self.step >= self.config.warmup_steps
                        and (self.all_exact or self.dense_mode is not None) and len(self._planned) == len(self.params))
+        # after a canary (sing_canary) the step's jobs queue on the runner behind it, so the first bucket sent
+        # knows its verdict; a dense mode's step stops on "fell"
+        work.canary, self._canary_sung = self._canary_sung, None
+        work.can_stop = (work.canary is not None and work.steady and self.dense_mode is not None
+                         and not self.all_exact)
+        work.inline = work.steady and work.canary is None
         if not dense and self.world_size > 1:
             work.rider = self._rider()
         self._work = work
@@ -772,7 +833,7 @@ class GCEngine:
             )
             self._fail(work, err)
             raise err
-        if work.steady:
+        if work.inline:
             self._guard(work, self._job_close, work)
         else:
             self._runner.submit(lambda: self._guard(work, self._job_close, work))
@@ -815,7 +876,8 @@ class GCEngine:
 
     def _job_dense_bucket(self, work: _StepWork, buffer: Tensor, fut: torch.futures.Future, ready_event,
                           views: list[Tensor] | None = None,
-                          flush: list[tuple[Tensor, Tensor]] | None = None, carry: float | None = None) -> None:
+                          flush: list[tuple[Tensor, Tensor]] | None = None, carry: float | None = None,
+                          layout: list[tuple[Tensor, int | None, int]] | None = None) -> None:
         """DDP's own hook: async allreduce of bucket / N (same numerics as DDP without a hook); in a
         16-bit dense mode, torch's ``fp16_compress_hook`` numerics (cast, divide, allreduce, copy back).
 
@@ -823,38 +885,46 @@ class GCEngine:
         these gradient views are averaged, through a copy; the others keep the local gradient.
         ``flush``: (gradient view, error memory) pairs added before the average (see set_dense_mode).
         ``carry``: one more element sent after the bucket's (:meth:`enable_dense_carry`); its mean over
-        the ranks becomes the step's ``carried_wall_mean_s`` (None if some rank sent NaN)."""
+        the ranks becomes the step's ``carried_wall_mean_s`` (None if some rank sent NaN).
+        ``layout``: (gradient view, compressed group id or None for the exact group, offset in the
+        group) of the bucket's parameters, on a step that can stop (:meth:`sing_canary`)."""
         if ready_event is not None:
             torch.cuda.current_stream().wait_event(ready_event)
         t0 = time.perf_counter()
         if views is not None and not views:  # nothing of this bucket is sent this step
-            with work.lock:
-                work.dense_pending -= 1
-                last = work.closed and work.dense_pending == 0
-            if last:
-                self._finish(work)
-            fut.set_result(buffer)
+            self._dense_bucket_done(work, fut, buffer)
             return
         for grad, mem in flush or ():
             grad.view(-1).add_(mem.to(grad.dtype))
+        self._read_canary(work)
+        if work.stopped:  # the canary before the step saw the link fall: nothing more of it goes dense
+            self._defer_dense_bucket(work, fut, buffer, layout, t0)
+            return
         data = buffer if views is None else torch.cat([v.reshape(-1) for v in views])
         half = work.dense_dtype
+        n = self.world_size
         if carry is None:
             wire = data if half is None else data.to(half)
         else:
             wire = torch.empty(data.numel() + 1, dtype=half or data.dtype, device=data.device)
             wire[:-1].copy_(data.reshape(-1))
             wire[-1] = carry
-        nbytes = wire.numel() * wire.element_size()
+        rest = wire
+        nbytes = rest.numel() * rest.element_size()
         with work.lock:
-            work.times.bytes_sent += ring_allreduce_bytes(nbytes, self.world_size)
+            work.times.bytes_sent += ring_allreduce_bytes(nbytes, n)
             work.times.bytes_payload += nbytes
-        wire.div_(self.world_size)
-        reduced = dist.all_reduce(wire, group=self.exchange_group, async_op=True).get_future()
+        rest.div_(n)
+        if rest.numel():
+            reduced = dist.all_reduce(rest, group=self.exchange_group, async_op=True).get_future()
+        else:  # the chunk was the whole bucket
+            reduced = torch.futures.Future()
+            reduced.set_result([rest])
 
         def done(f: torch.futures.Future) -> None:
             try:
-                out = f.value()[0]
+                f.value()  # raises the collective's error, if any; the result is ``rest``, reduced in place
+                out = wire
                 carried = None
                 if carry is not None:
                     carried = float(out[-1])
@@ -873,13 +943,65 @@ class GCEngine:
                 work.stats.nonfinite = work.stats.nonfinite or bad
                 if carried is not None and math.isfinite(carried):
                     work.stats.carried_wall_mean_s = carried
-                work.dense_pending -= 1
-                last = work.closed and work.dense_pending == 0
-            if last:
-                self._finish(work)
-            fut.set_result(out)
+            self._dense_bucket_done(work, fut, out)
 
         reduced.add_done_callback(done)
+
+    def _dense_bucket_done(self, work: _StepWork, fut: torch.futures.Future, out: Tensor) -> None:
+        with work.lock:
+            work.dense_pending -= 1
+            last = work.closed and work.dense_pending == 0
+        if last:
+            self._finish(work)
+        fut.set_result(out)
+
+    def _defer_dense_bucket(self, work: _StepWork, fut: torch.futures.Future, buffer: Tensor,
+                            layout: list[tuple[Tensor, int | None, int]] | None, t0: float) -> None:
+        """A bucket of a stopped step (engine/dense_stop.py): the compressed groups' gradients into
+        the step's deferred memory, the exact group's averaged."""
+        assert layout is not None
+        sizes = {g.gid: (sum(g.numels), self.params[g.param_ids[0]].dtype) for g in self.plan.groups if not g.exact}
+        bad, sent = defer_bucket(layout, work.deferred, sizes, self.exchange_group, self.world_size)
+        with work.lock:
+            work.times.bytes_sent += sent
+            work.times.comm_s += time.perf_counter() - t0
+            work.stats.nonfinite = work.stats.nonfinite or bad
+            work.stats.dense_stopped = True
+        self._dense_bucket_done(work, fut, buffer)
+
+    def _read_canary(self, work: _StepWork) -> None:
+        """The verdict of the canary sung before this step (runner thread: its job ran before this
+        one), into the step's statistics, once; a dense mode's step stops on "fell"."""
+        if work.canary is None or work.canary_read:
+            return
+        work.canary_read = True
+        res = work.canary[0]
+        if isinstance(res, BaseException):
+            raise RuntimeError(f"lightning_gc: the link canary before step {work.step} failed: {res!r}") from res
+        with work.lock:
+            work.stats.dense_check_s, work.stats.dense_check_predicted_s = res.fastest_s, res.predicted_s
+            work.stats.dense_check_bytes = self._canary.nbytes if self._canary is not None else 0
+            if math.isfinite(res.carried):
+                work.stats.carried_wall_mean_s = res.carried
+        work.stopped = res.fell and work.can_stop
+
+    def _bucket_layout(self, bucket: dist.GradBucket) -> list[tuple[Tensor, int | None, int]]:
+        """(gradient view, compressed group id or None for an exact group's parameter, offset in the
+        group) of the bucket's parameters, in the bucket's order."""
+        if self._layout is None or self._layout[0] != id(self.plan):
+            where: dict[int, tuple[int | None, int]] = {}
+            for g in self.plan.groups:
+                off = 0
+                for pid, n in zip(g.param_ids, g.numels):
+                    where[pid] = (None if g.exact else g.gid, off)
+                    off += n
+            self._layout = (id(self.plan), where)
+        where = self._layout[1]
+        out = []
+        for p, grad in zip(bucket.parameters(), bucket.gradients()):
+            gid, off = where.get(self._pid_of[id(p)], (None, 0))
+            out.append((grad, gid, off))
+        return out
 
     def _job_group(self, work: _StepWork, gid: int, views: list[Tensor], ready_event,
                    exact_views: list[Tensor] | None = None, closes: bool = False) -> None:
@@ -986,6 +1108,7 @@ class GCEngine:
                 and len(self._planned) == len(self.params))
 
     def _job_close(self, work: _StepWork) -> None:
+        self._read_canary(work)  # a step none of whose jobs read it (no dense bucket)
         if work.dense:
             with work.lock:
                 work.closed = True
@@ -1081,6 +1204,12 @@ class GCEngine:
             self._memory.clear()
             self._flush.clear()
             self._dense_flush = False
+        if work.stopped and not s.nonfinite:  # what the stopped step did not send (each rank its own)
+            self._memory.clear()
+            for gid, mem in work.deferred.items():
+                self._memory.stage(gid, mem)
+            self._memory.commit()
+            self._dense_flush = True  # a dense mode sends it with its next step's buckets
         with self._stats_lock:
             self._last_stats = s
             self._last_nonfinite = s.nonfinite

@@ -41,6 +41,13 @@ class StepStats:
     carried_wall_mean_s: float | None = None  # the value every rank handed to GCEngine.carry_wall before
     # this step, averaged over the ranks by the step's closing report; None on dense steps and when not
     # every rank carried one
+    # a dense step that can stop (GCEngine.enable_dense_stop; engine/dense_stop.py): the fastest rank's time
+    # for the first bucket's timed chunk and the model's time for it (agreed; None where not checked), and
+    # whether the step stopped there (its compressed groups' gradients became error memory)
+    dense_check_s: float | None = None
+    dense_check_predicted_s: float | None = None
+    dense_check_bytes: int = 0
+    dense_stopped: bool = False
     alpha_s: float | None = None  # network model in force
     beta_s_per_byte: float | None = None
     probe_s: float = 0.0  # time spent probing the network during this step

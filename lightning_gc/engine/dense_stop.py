@@ -1,4 +1,4 @@
-"""The link canary: before a dense mode's next step, time one small message and see whether the link fell.
+"""The link canary: a dense step that sees a fallen link before it sends its gradient, and stops.
 
 Why: under ``compressor="auto"`` a dense mode (fp32 or a 16-bit cast on DDP's buckets) is the pick on
 a fast link. When the link falls, the next dense step sends the whole gradient at the fallen rate
@@ -6,33 +6,50 @@ before any test that reads a step's wall can act: on the ``mlp`` preset at 10 Mb
 step took 3.0-3.4 s, where the best static method ran the whole 146-step round in 8.6-8.9 s
 (docs/auto-measurements.md).
 
-How: at the end of each step that a dense mode runs, where the step's wall is agreed anyway
-(:meth:`AutoChooser._agree_wall_later`), every rank first sends ``nbytes`` of padding to every other
-rank at once (the direct exchange, :mod:`lightning_gc.comm.direct`), timed; then one more direct
-exchange (an allgather of two floats per rank) shares each rank's time and its step wall, which
-replaces the wall's own agreement. Every rank then holds the same list and takes the same verdict:
-the link fell when the *fastest* rank's time is at least ``factor`` times what the agreed network
-model gives the message and at least ``margin_s`` more. A verdict "fell" is timed once more, with a
-second message, and stands only if that one says so too; ``auto`` then re-decides before the next
-step (docs/auto.md, "The link canary").
+How (:meth:`GCEngine.sing_canary`, called between steps; the engine runs it on its ordered worker,
+so it overlaps the next step's forward and backward): every rank sends ``nbytes`` of padding to
+every other rank at once (the direct exchange, :mod:`lightning_gc.comm.direct`), timed; then one
+more direct exchange (an allgather of two floats per rank) shares each rank's time and a value the
+caller carries (the ``auto`` chooser's step wall: it rides here at no message of its own). Every
+rank then holds the same list and takes the same verdict: the link fell when the *fastest* rank's
+time is at least ``factor`` times what the agreed network model gives the message and at least
+``margin_s`` more. A verdict "fell" is timed once more, with a second message, and stands only if
+that one says so too. The step's gradient buckets wait on the worker behind the canary, so the
+first one sent already knows the verdict. On "fell" the dense step **stops**: each rank keeps its
+own gradient of every compressed group (after any error memory that was due) as its error memory,
+sends the step's exact group (the small tensors) by a direct allreduce, and the compressed groups'
+gradients of the step are zero on every rank (:func:`defer_bucket`); ``StepStats.dense_stopped``
+tells the chooser, which re-decides at the step's end.
 
-Why the fastest rank's time: a rank that enters the exchange early waits in it for the others, so
-its time holds their lateness. The latest rank waits for nobody: its time is the network's, less the
+Why the fastest rank's time: a rank that enters early waits in the exchange for the others, so its
+time holds their lateness. The latest rank waits for nobody: its time is the network's, less the
 others' lead where that lead is longer than the transfer (a fall can then be missed, never invented).
 
 Why a second message: one message slowed by a scheduler stall (4 ranks share 2 cores on this
-project's machine) would otherwise move auto off its method on a link that never fell. On a fallen
-link the second costs one more message (~160 ms for 64 KiB on 4 ranks at 10 Mbit/s). Its figures are
-the verdict's: a shaper's burst allowance let part of the first message out at line rate, the first
-spent it, so the second times the link's own rate.
+project's machine) would otherwise stop a step on a link that never fell. On a fallen link the second
+costs one more message (~160 ms for 64 KiB on 4 ranks at 10 Mbit/s). Its figures are the verdict's:
+a shaper's burst allowance let part of the first message out at line rate, the first spent it, so
+the second times the link's own rate.
 
 Why 64 KiB: on a 4-rank group each rank sends three copies, 192 KiB. The bench's shaper lets 64 KiB
 out at line rate (``tc`` ``tbf`` burst, ``lightning_gc.bench.netns.tc_burst_bytes``); the 128 KiB
-beyond it take ~105 ms at 10 Mbit/s, and the whole message takes a few tenths of a millisecond to
-1.6 ms at 1 Gbit/s.
+beyond it take ~105 ms at 10 Mbit/s.
 
-What it does not see: a link that falls *during* a dense step's exchange makes that step slow (the
-one-step test acts at its end); the canary sees a fall that came before the next step begins.
+Why on the worker, sung before the step: three placements were measured (docs/auto.md, "The link
+canary"). Timed at the step's first gradient bucket, its two exchanges fell in the middle of
+backward and held the bucket's own send back: ~7 ms of a ~57 ms fp16 step on ``mlp`` at 1 Gbit/s.
+Sung on the training thread before the step, it was a barrier that the ranks' skew between steps
+(data loading, the optimizer) had to wait out: ~7 ms too. Sung at the end of each step it never saw
+the bench's falls, which come between steps.
+
+Nothing is lost: what a stopped step did not send is error memory, sent by the next step's method (a
+dense mode adds it to its next step's buckets; a compressed method's error feedback, or its one-off
+flush where it has none: the slot rule of :mod:`lightning_gc.engine.slots`). A step whose deferred
+gradient is non-finite on some rank is a non-finite step on every rank (a flag in the exact group's
+message), and the memory stays as it was.
+
+What it does not see: a link that falls *during* a step's exchange makes that step slow (the
+``auto`` chooser's one-step test acts on its wall); the canary before the next step sees it first.
 """
 
 from __future__ import annotations
@@ -43,9 +60,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..comm import cost_model
-from ..comm.direct import direct_allgather
+from ..comm.direct import direct_allgather, direct_allreduce
 
 
 @dataclass(frozen=True)
@@ -128,3 +146,37 @@ def sing(canary: LinkCanary, carry: float, network: Any, group: Any, world_size:
         return CanaryResult(False, fastest, predicted, carried, 1)
     fastest, _ = _timed(canary.nbytes, carry, group, world_size, device)
     return CanaryResult(canary.fell(fastest, predicted), fastest, predicted, carried, 2)
+
+
+def defer_bucket(layout: list[tuple[Tensor, int | None, int]], deferred: dict[int, Tensor],
+                 group_sizes: dict[int, tuple[int, torch.dtype]], group, world_size: int) -> tuple[bool, int]:
+    """A bucket of a stopped step: each compressed group's gradient view (``gid`` not None) goes into
+    ``deferred[gid]`` at its offset and is zeroed; the exact views (``gid`` None) are averaged by a
+    direct allreduce, with one more element: whether this rank's deferred gradient was non-finite.
+    Returns (non-finite on some rank, bytes sent). A collective (every rank, the same layout)."""
+    bad = 0.0
+    exact: list[Tensor] = []
+    for grad, gid, off in layout:
+        if gid is None:
+            exact.append(grad)
+            continue
+        n, dtype = group_sizes[gid]
+        mem = deferred.get(gid)
+        if mem is None:
+            mem = deferred[gid] = torch.zeros(n, dtype=dtype, device=grad.device)
+        flat = grad.reshape(-1)
+        mem[off:off + flat.numel()].copy_(flat)
+        if not bool(torch.isfinite(flat).all()):
+            bad = 1.0
+        grad.zero_()
+    dtype = exact[0].dtype if exact else torch.float32
+    device = exact[0].device if exact else layout[0][0].device
+    msg = torch.cat([g.reshape(-1) for g in exact] + [torch.tensor([bad], dtype=dtype, device=device)])
+    msg.div_(world_size)
+    sent = direct_allreduce(msg, group)
+    off = 0
+    for g in exact:
+        g.copy_(msg[off:off + g.numel()].view_as(g))
+        off += g.numel()
+    nonfinite = bool(msg[-1] != 0) or not bool(torch.isfinite(msg[:-1]).all())
+    return nonfinite, sent
