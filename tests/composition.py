@@ -105,8 +105,9 @@ def design() -> list[dict[str, Any]]:
     # (which acts only after a calibrated window) and the every-step severe test (severe_steps; on in the first
     # case, the default, with its all-reduce every step) travel switched off, every codec is timed at the
     # warm-up (time_codecs; on demand in the first case), probe_every_max travels as 0 (no periodic look
-    # comes within these runs' steps either way: tests/test_auto_model.py drives the doubling), the link canary travels
-    # off (its walls agreed alone; on in the first case, the default), and the opt-in topk3 and lowrank1 are candidates. The first also
+    # comes within these runs' steps either way: tests/test_auto_model.py drives the doubling), and the opt-in topk3 and
+    # lowrank1 are candidates. The first also sings the opt-in link canary before its dense steps (the steps' jobs on
+    # the engine's worker behind it; on loopback it sees no fall), and
     # reads β from the warm-up's DDP step (any exposed wait counts), explores only on a 10 % lead (explore_margin 0.1) and
     # switches between measured methods on any lead (switch_margin 0): its
     # pick varies with timing, and when it
@@ -114,11 +115,11 @@ def design() -> list[dict[str, Any]]:
     auto = [{**base, "compressor": "auto", "resume": "resumed", **extra} for extra in
             ({"auto_options": {"gain_every": 3, "gain_first": 2, "gain_drift": 0.0, "family_margin": 0.5,
                                "dense_probe_s": 1e-9, "probe_check": 2.0, "explore_margin": 0.1,
-                               "switch_margin": 0.0}},
+                               "switch_margin": 0.0, "canary_bytes": 65536}},
              {"accumulate": 2, "precision": "bf16-mixed", "optimizer": "adamw_clip",
               "auto_options": {"gain_every": 3, "gain_drift": 0.0, "early_comm_ratio": 1e-9,
                                "compute_shift": False, "severe_steps": 0, "time_codecs": "upfront",
-                               "probe_every_max": 0, "canary_bytes": 0,
+                               "probe_every_max": 0,
                                "candidates": ("ddp", "fp16", "lowrank", "lowrank1", "topk", "topk3", "qsgd", "efsign")}})]
     # GCStrategy options beyond the factors: SparseLoCo's decayed error memory on a Top-k Δ, resumed inside a
     # round (the memory is decayed at every outer step and carried across the checkpoint); the opening check

@@ -90,9 +90,9 @@ def test_the_rule_and_its_options():
 def test_auto_options_name_the_canary():
     from lightning_gc.auto.chooser import AutoConfig
 
-    assert AutoConfig().canary() == LinkCanary(65536, 4.0, 0.02)
-    assert AutoConfig(canary_bytes=0).canary() is None
+    assert AutoConfig().canary() is None  # off by default
+    assert AutoConfig(canary_bytes=65536).canary() == LinkCanary(65536, 4.0, 0.02)
     with pytest.raises(ValueError, match="canary_bytes"):
         AutoConfig(canary_bytes=-1)
     with pytest.raises(ValueError, match="auto_canary_factor=0.9"):
-        AutoConfig(canary_factor=0.9)
+        AutoConfig(canary_factor=0.9)  # checked with the canary off too

@@ -476,14 +476,18 @@ class AutoConfig:
             MLP (4 ranks, 1 Gbit/s) timing them took ~70 of the first decision's ~170 ms.
             ``"upfront"``: time every codec at the warm-up (the earlier behaviour; every
             prediction in the history is then a full one).
-        canary_bytes: at the end of each step a dense mode runs, every rank sends this many bytes
-            to every other rank, timed, and auto re-decides before the next step if the link fell
-            (lightning_gc/auto/canary.py; docs/auto.md, "The link canary"). Above the link's burst
-            allowance divided by ``N-1`` (the bench's shaper lets 64 KiB out at line rate), or a fall
-            does not show. 0: off (a fall costs a whole dense step at the fallen rate before the
-            one-step test acts). Only on 2-8 ranks off NCCL (the direct exchange) and with a network
-            auto measures (not one pinned by ``network_alpha_s``/``network_beta_s_per_byte``: it
-            could not re-read it).
+        canary_bytes: off by default (0). With e.g. 65536, before each step a dense mode runs the
+            engine sends this many bytes from every rank to every other rank, timed, on its worker,
+            and on a fallen link the step stops (its gradient kept as error memory) and auto
+            re-decides at its end (lightning_gc/engine/dense_stop.py; docs/auto.md, "The link
+            canary"). For links known to fall to a small fraction of their rate: on ``mlp`` at
+            1 Gbit/s → 10 Mbit/s it turned a 3.6 s fp16 step into a stopped step of ~0.6 s, and it
+            costs ~5-7 ms of every dense step on this project's 2-core machine (4 ranks), beyond
+            the fast-link bound on ``mlp``. Above the link's burst allowance divided by ``N-1`` (the
+            bench's shaper lets 64 KiB out at line rate), or a fall does not show. Only on 2-8 ranks
+            off NCCL (the direct exchange), with a plan that sends every parameter every step, and
+            with a network auto measures (not one pinned by ``network_alpha_s``/
+            ``network_beta_s_per_byte``: it could not re-read it).
         canary_factor: the link fell when the fastest rank's time for the canary is at least this
             many times the network model's for it ...
         canary_margin_s: ... and at least this many seconds more (scheduling noise: on this
@@ -516,7 +520,7 @@ class AutoConfig:
     switch_margin: float = 0.03
     compute_shift: bool = True
     time_codecs: str = "on_demand"
-    canary_bytes: int = 64 * 1024
+    canary_bytes: int = 0
     canary_factor: float = 4.0
     canary_margin_s: float = 0.02
 
@@ -596,17 +600,17 @@ class AutoConfig:
         d = self.drift
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not (0 < d):
             raise ValueError(f"auto_drift={d!r} must be > 0 (a relative change, e.g. 0.3).")
-        _int("canary_bytes", self.canary_bytes, 0, "Use 0 to turn the link canary off, or e.g. 65536.")
-        self.canary()  # the factor's and the margin's own checks
+        _int("canary_bytes", self.canary_bytes, 0, "Use 0 (the default) to leave the link canary off, or e.g. 65536.")
+        try:  # the factor's and the margin's own checks, whether the canary is on or not
+            LinkCanary(self.canary_bytes or 1, self.canary_factor, self.canary_margin_s)
+        except ValueError as e:
+            raise ValueError(f"auto_{e}") from None
 
     def canary(self) -> LinkCanary | None:
         """The :class:`~lightning_gc.auto.canary.LinkCanary` of these options (None: off)."""
         if not self.canary_bytes:
             return None
-        try:
-            return LinkCanary(self.canary_bytes, self.canary_factor, self.canary_margin_s)
-        except ValueError as e:
-            raise ValueError(f"auto_{e}") from None
+        return LinkCanary(self.canary_bytes, self.canary_factor, self.canary_margin_s)
 
     @property
     def dense_steps_needed(self) -> int:
