@@ -699,7 +699,7 @@ def _step_end(chooser, step, wall, exchange_s=None):
     if isinstance(engine, _FakeEngine):
         dense, carried, engine.carried = engine.step_is_dense(), engine.carried, None
         lost = dense and not engine.dense_carry  # GCEngine: a dense step carries it only when enabled
-        engine.last_step = SimpleNamespace(step=step, dense=dense, carried_wall_mean_s=None if lost else carried,
+        engine.last_step = SimpleNamespace(step=step, dense=dense, dense_stopped=False, carried_wall_mean_s=None if lost else carried,
                                            exchange_comm_mean_s=exchange_s)
     chooser._check_severe_steps(step, wall, exchange_s)
 
@@ -756,7 +756,7 @@ def test_a_decision_steps_wall_is_carried_so_the_next_window_needs_no_agreement(
 
     def step_end(s: int, wall: float) -> int:
         # GCEngine's part: step s's first bucket carried the wall handed to carry_wall at the step before
-        engine.last_step = SimpleNamespace(step=s, dense=True, carried_wall_mean_s=engine.carried,
+        engine.last_step = SimpleNamespace(step=s, dense=True, dense_stopped=False, carried_wall_mean_s=engine.carried,
                                            exchange_comm_mean_s=None)
         engine.carried, engine.step = None, s + 1
         clock.now += wall
