@@ -104,7 +104,7 @@ class _StepWork:
     dense_pending: int = 0
     dense_dtype: torch.dtype | None = None  # dense mode "fp16"/"bf16": the buckets travel in 16 bits
     steady: bool = False  # a dense step of a dense-only run past warm-up: no opening check
-    inline: bool = False  # the step's jobs run on the hook's thread (steady, and no dense-stop check)
+    inline: bool = False  # the step's jobs run on the hook's thread (steady, and no canary before it)
     # GCEngine.sing_canary before this step (engine/dense_stop.py): its verdict (set on the runner, before
     # this step's first job), whether this step can stop on it, whether a job has read it; from then on
     # whether the step stopped, and the compressed groups' deferred gradients
@@ -192,7 +192,7 @@ class GCEngine:
         self._dense_carry = False  # enable_dense_carry: dense steps carry it in their first bucket
         self._canary: LinkCanary | None = None  # enable_canary: a dense mode's steps can stop on it
         self._canary_sung: list | None = None  # sing_canary's verdict box, for the next step
-        self._layout: tuple[int, dict[int, tuple[int | None, int]]] | None = None  # (plan id, pid -> (gid, offset))
+        self._layout: tuple[Plan, dict[int, tuple[int | None, int]]] | None = None  # (plan, pid -> (gid, offset))
         self._pid_of = {id(p): i for i, p in enumerate(self.params)}
         self.all_exact = all(g.exact for g in self.plan.groups)
         self._planned = frozenset(self.plan.group_of())  # param ids the plan sends (OSP may defer others)
@@ -902,29 +902,22 @@ class GCEngine:
             return
         data = buffer if views is None else torch.cat([v.reshape(-1) for v in views])
         half = work.dense_dtype
-        n = self.world_size
         if carry is None:
             wire = data if half is None else data.to(half)
         else:
             wire = torch.empty(data.numel() + 1, dtype=half or data.dtype, device=data.device)
             wire[:-1].copy_(data.reshape(-1))
             wire[-1] = carry
-        rest = wire
-        nbytes = rest.numel() * rest.element_size()
+        nbytes = wire.numel() * wire.element_size()
         with work.lock:
-            work.times.bytes_sent += ring_allreduce_bytes(nbytes, n)
+            work.times.bytes_sent += ring_allreduce_bytes(nbytes, self.world_size)
             work.times.bytes_payload += nbytes
-        rest.div_(n)
-        if rest.numel():
-            reduced = dist.all_reduce(rest, group=self.exchange_group, async_op=True).get_future()
-        else:  # the chunk was the whole bucket
-            reduced = torch.futures.Future()
-            reduced.set_result([rest])
+        wire.div_(self.world_size)
+        reduced = dist.all_reduce(wire, group=self.exchange_group, async_op=True).get_future()
 
         def done(f: torch.futures.Future) -> None:
             try:
-                f.value()  # raises the collective's error, if any; the result is ``rest``, reduced in place
-                out = wire
+                out = f.value()[0]
                 carried = None
                 if carry is not None:
                     carried = float(out[-1])
@@ -988,14 +981,14 @@ class GCEngine:
     def _bucket_layout(self, bucket: dist.GradBucket) -> list[tuple[Tensor, int | None, int]]:
         """(gradient view, compressed group id or None for an exact group's parameter, offset in the
         group) of the bucket's parameters, in the bucket's order."""
-        if self._layout is None or self._layout[0] != id(self.plan):
+        if self._layout is None or self._layout[0] is not self.plan:
             where: dict[int, tuple[int | None, int]] = {}
             for g in self.plan.groups:
                 off = 0
                 for pid, n in zip(g.param_ids, g.numels):
                     where[pid] = (None if g.exact else g.gid, off)
                     off += n
-            self._layout = (id(self.plan), where)
+            self._layout = (self.plan, where)
         where = self._layout[1]
         out = []
         for p, grad in zip(bucket.parameters(), bucket.gradients()):
