@@ -482,8 +482,8 @@ class AutoConfig:
             re-decides at its end (lightning_gc/engine/dense_stop.py; docs/auto.md, "The link
             canary"). For links known to fall to a small fraction of their rate: on ``mlp`` at
             1 Gbit/s → 10 Mbit/s it turned a 3.6 s fp16 step into a stopped step of ~0.6 s, and it
-            costs ~5-7 ms of every dense step on this project's 2-core machine (4 ranks), beyond
-            the fast-link bound on ``mlp``. Above the link's burst allowance divided by ``N-1`` (the
+            costs ~5-7 ms of every dense step on ``mlp`` and ~30 ms on ``cnn`` width 16 on this
+            project's 2-core machine (4 ranks), beyond the fast-link bound. Above the link's burst allowance divided by ``N-1`` (the
             bench's shaper lets 64 KiB out at line rate), or a fall does not show. Only on 2-8 ranks
             off NCCL (the direct exchange), with a plan that sends every parameter every step, and
             with a network auto measures (not one pinned by ``network_alpha_s``/
