@@ -75,14 +75,6 @@ from .slots import MethodSlot, MethodSpec, build_slot
 from .stats import StepStats, Totals
 
 
-class _Sung:
-    """The verdict of a canary sung on the runner (GCEngine.sing_canary): set once, waited for by the step."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.value: Any = None  # a CanaryResult, or the exception the exchange raised
-
-
 def _scatter(flat: Tensor, views: list[Tensor]) -> None:
     """Copy consecutive slices of ``flat`` into ``views``, in order (the inverse of flattening them)."""
     offset = 0
@@ -112,11 +104,11 @@ class _StepWork:
     dense_pending: int = 0
     dense_dtype: torch.dtype | None = None  # dense mode "fp16"/"bf16": the buckets travel in 16 bits
     steady: bool = False  # a dense step of a dense-only run past warm-up: no opening check
-    inline: bool = False  # the step's jobs run on the hook's thread (steady)
+    inline: bool = False  # the step's jobs run on the hook's thread (steady, and no canary before it)
     # GCEngine.sing_canary before this step (engine/dense_stop.py): its verdict (set on the runner, before
     # this step's first job), whether this step can stop on it, whether a job has read it; from then on
     # whether the step stopped, and the compressed groups' deferred gradients
-    canary: _Sung | None = None
+    canary: list | None = None  # [CanaryResult] or [the exception it raised]
     can_stop: bool = False
     canary_read: bool = False
     stopped: bool = False
@@ -199,7 +191,7 @@ class GCEngine:
         self._carried_wall: float | None = None  # GCEngine.carry_wall: for the next step's closing report
         self._dense_carry = False  # enable_dense_carry: dense steps carry it in their first bucket
         self._canary: LinkCanary | None = None  # enable_canary: a dense mode's steps can stop on it
-        self._canary_sung: _Sung | None = None  # sing_canary's verdict, for the next step
+        self._canary_sung: list | None = None  # sing_canary's verdict box, for the next step
         self._layout: tuple[Plan, dict[int, tuple[int | None, int]]] | None = None  # (plan, pid -> (gid, offset))
         self._pid_of = {id(p): i for i, p in enumerate(self.params)}
         self.all_exact = all(g.exact for g in self.plan.groups)
@@ -359,16 +351,15 @@ class GCEngine:
         if canary is None:
             raise RuntimeError("sing_canary before enable_canary: call enable_canary(LinkCanary(...)) first.")
         self.synchronize()
-        sung = self._canary_sung = _Sung()
+        box: list = []  # the verdict, or the exception the exchange raised (re-raised by the step's first job)
+        self._canary_sung = box
         model = self.tracker.state.model
 
         def job() -> None:
             try:
-                sung.value = sing(canary, carry, model, self.exchange_group, self.world_size, self.device)
-            except BaseException as e:  # noqa: BLE001 - the step's first job fails with it (_read_canary)
-                sung.value = e
-            finally:
-                sung.done.set()
+                box.append(sing(canary, carry, model, self.exchange_group, self.world_size, self.device))
+            except BaseException as e:  # noqa: BLE001 - the step's jobs fail with it (_read_canary)
+                box.append(e)
         self._runner.submit(job)
 
     def shorten_warmup_steps(self, steps: int) -> None:
@@ -702,7 +693,7 @@ class GCEngine:
                 carry, work.dense_carry = work.dense_carry, None
             layout = self._bucket_layout(bucket) if work.can_stop else None
             if work.inline:
-                self._guard(work, self._job_dense_bucket, work, buffer, fut, ready_event, views, flush, carry, layout)
+                self._guard(work, self._job_dense_bucket, work, buffer, fut, ready_event, views, flush, carry)
             else:
                 self._runner.submit(lambda: self._guard(work, self._job_dense_bucket, work, buffer, fut, ready_event,
                                                         views, flush, carry, layout))
@@ -773,12 +764,12 @@ class GCEngine:
         # alone did not close the gap to DDP; GCMonitor's per-step logging was most of it.)
         work.steady = (dense and self.world_size > 1 and self.step >= self.config.warmup_steps
                        and (self.all_exact or self.dense_mode is not None) and len(self._planned) == len(self.params))
-        # after a canary (sing_canary) the step's first job waits for its verdict (sung on the runner while
-        # forward and backward ran); a dense mode's step stops on "fell"
+        # after a canary (sing_canary) the step's jobs queue on the runner behind it, so the first bucket sent
+        # knows its verdict; a dense mode's step stops on "fell"
         work.canary, self._canary_sung = self._canary_sung, None
         work.can_stop = (work.canary is not None and work.steady and self.dense_mode is not None
                          and not self.all_exact)
-        work.inline = work.steady
+        work.inline = work.steady and work.canary is None
         if not dense and self.world_size > 1:
             work.rider = self._rider()
         self._work = work
@@ -972,14 +963,12 @@ class GCEngine:
         self._dense_bucket_done(work, fut, buffer)
 
     def _read_canary(self, work: _StepWork) -> None:
-        """The verdict of the canary sung before this step (waited for: it was sung on the runner
-        while forward and backward ran), into the step's statistics, once; a dense mode's step stops
-        on "fell". Called by the step's first job, before anything of the step is sent."""
+        """The verdict of the canary sung before this step (runner thread: its job ran before this
+        one), into the step's statistics, once; a dense mode's step stops on "fell"."""
         if work.canary is None or work.canary_read:
             return
         work.canary_read = True
-        work.canary.done.wait()
-        res = work.canary.value
+        res = work.canary[0]
         if isinstance(res, BaseException):
             raise RuntimeError(f"lightning_gc: the link canary before step {work.step} failed: {res!r}") from res
         with work.lock:
