@@ -481,13 +481,13 @@ class AutoConfig:
             and on a fallen link the step stops (its gradient kept as error memory) and auto
             re-decides at its end (lightning_gc/engine/dense_stop.py; docs/auto.md, "The link
             canary"). For links known to fall to a small fraction of their rate: on ``mlp`` at
-            1 Gbit/s → 10 Mbit/s it turned a 3.6 s fp16 step into a stopped step of ~0.6 s, and it
-            costs ~5-7 ms of every dense step on ``mlp`` and ~30 ms on ``cnn`` width 16 on this
-            project's 2-core machine (4 ranks), beyond the fast-link bound. Above the link's burst allowance divided by ``N-1`` (the
-            bench's shaper lets 64 KiB out at line rate), or a fall does not show. Only on 2-8 ranks
-            off NCCL (the direct exchange), with a plan that sends every parameter every step, and
-            with a network auto measures (not one pinned by ``network_alpha_s``/
-            ``network_beta_s_per_byte``: it could not re-read it).
+            1 Gbit/s → 10 Mbit/s it turned a 2.9-3.0 s fp16 step into a stopped step of 0.61-0.66 s.
+            It costs ~5-7 ms of every dense step on ``mlp`` and ~30 ms on ``cnn`` width 16 on this
+            project's 2-core machine (4 ranks), beyond the fast-link bound. Above the link's burst
+            allowance divided by ``N-1`` (the bench's shaper lets 64 KiB out at line rate), or a
+            fall does not show. Only on 2-8 ranks off NCCL (the direct exchange), with a plan that
+            sends every parameter every step, and with a network auto measures (not one pinned by
+            ``network_alpha_s``/``network_beta_s_per_byte``: it could not re-read it).
         canary_factor: the link fell when the fastest rank's time for the canary is at least this
             many times the network model's for it ...
         canary_margin_s: ... and at least this many seconds more (scheduling noise: on this
@@ -607,7 +607,7 @@ class AutoConfig:
             raise ValueError(f"auto_{e}") from None
 
     def canary(self) -> LinkCanary | None:
-        """The :class:`~lightning_gc.auto.canary.LinkCanary` of these options (None: off)."""
+        """The :class:`~lightning_gc.engine.dense_stop.LinkCanary` of these options (None: off)."""
         if not self.canary_bytes:
             return None
         return LinkCanary(self.canary_bytes, self.canary_factor, self.canary_margin_s)
