@@ -154,3 +154,24 @@ def test_auto_recipe_takes_the_opt_in_candidates(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = LightningCLI(args=["--config", str(path)], run=False)
     assert list(cli.trainer.strategy._config.auto.candidates) == wanted
+
+
+def test_auto_recipe_turns_the_link_canary_on_from_yaml(tmp_path, monkeypatch):
+    """recipes/auto.yaml carries the link canary's option (off); set in YAML, the strategy is built with
+    it, and a bad factor is refused at construction with its value."""
+    from lightning.pytorch.cli import LightningCLI
+
+    cfg = yaml.safe_load((REPO / "recipes" / "auto.yaml").read_text())
+    auto = cfg["trainer"]["strategy"]["init_args"]["auto"]
+    assert auto["canary_bytes"] == 0
+    auto.update(canary_bytes=65536, canary_factor=6.0)
+    path = tmp_path / "auto_canary.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    monkeypatch.chdir(tmp_path)
+    cli = LightningCLI(args=["--config", str(path)], run=False)
+    got = cli.trainer.strategy._config.auto
+    assert (got.canary_bytes, got.canary_factor, got.canary_margin_s) == (65536, 6.0, 0.02)
+    from lightning_gc import GCStrategy
+
+    with pytest.raises(ValueError, match=r"auto_canary_factor=0.5 must be a finite number >= 1"):
+        GCStrategy(compressor="auto", auto={**auto, "canary_factor": 0.5})

@@ -763,7 +763,7 @@ class GCEngine:
         # DDP's own hook would. (Measured on the 84k-parameter quickstart MLP, 4 ranks, 1 Gbit/s: this
         # alone did not close the gap to DDP; GCMonitor's per-step logging was most of it.)
         work.steady = (dense and self.world_size > 1 and self.step >= self.config.warmup_steps
-                       and (self.all_exact or self.dense_mode is not None) and len(self._planned) == len(self.params))
+                       and (self.all_exact or self.dense_mode is not None) and self.plan_sends_every_param)
         # after a canary (sing_canary) the step's jobs queue on the runner behind it, so the first bucket sent
         # knows its verdict; a dense mode's step stops on "fell"
         work.canary, self._canary_sung = self._canary_sung, None
