@@ -185,6 +185,7 @@ def test_a_resumed_run_keeps_the_choice_and_is_exact(tmp_path):
     (dict(compressor="auto", auto={"progress_weight": -1}), "progress_weight=-1"),
     (dict(compressor="auto", auto={"windw": 3}), r"unknown option\(s\) \['windw'\]"),
     (dict(compressor="auto", auto={"gain_every": -1}), "auto_gain_every=-1 must be an integer >= 0"),
+    (dict(compressor="auto", auto={"gain_every_max": -5}), "auto_gain_every_max=-5 must be an integer >= 0"),
     (dict(compressor="auto", auto={"gain_first": -1}), "auto_gain_first=-1 must be an integer >= 0"),
     (dict(compressor="auto", auto={"early_comm_ratio": -0.5}), "auto_early_comm_ratio=-0.5 must be a finite"),
     (dict(compressor="auto", auto={"gain_drift": float("nan")}), "auto_gain_drift=nan must be a finite number"),
@@ -253,6 +254,22 @@ def test_the_first_re_measurement_comes_after_gain_first_steps_then_every_gain_e
     _, autos = _fit(tmp_path, _strategy(gain_every=9, gain_first=5, gain_drift=0.0))
     for a in autos:
         assert [c["step"] for c in a["gain_checks"]] == [6, 15], a["gain_checks"]
+
+
+def test_the_re_measurement_interval_doubles_while_the_errors_stay_put(tmp_path):
+    """By hand: the warm-up decides at step 1; with errors that never move enough to re-decide (gain_drift
+    1e9) the re-measurements come at 1 + 3 = 4, then 6 later (10), then 12 later (22, past the 16 steps);
+    without doubling (gain_every_max 0) every 3 steps: 4, 7, 10, 13. A re-decision (gain_drift 0) keeps 3."""
+    kw = dict(gain_every=3, gain_first=0, gain_drift=1e9)
+    for every_max, steps, intervals in ((12, [4, 10], [6, 12]), (0, [4, 7, 10, 13], [3, 3, 3, 3])):
+        _, autos = _fit(tmp_path / str(every_max), _strategy(gain_every_max=every_max, **kw))
+        assert autos[0]["gain_checks"] == autos[1]["gain_checks"]
+        checks = autos[0]["gain_checks"]
+        assert [c["step"] for c in checks] == steps and not any(c["redecided"] for c in checks), checks
+        assert [c["next_interval"] for c in checks] == intervals
+    _, autos = _fit(tmp_path / "act", _strategy(gain_every=3, gain_first=0, gain_drift=0.0, gain_every_max=12))
+    checks = autos[0]["gain_checks"]
+    assert [c["step"] for c in checks] == [4, 7, 10, 13] and all(c["redecided"] for c in checks), checks
 
 
 class SleepFrom(L.Callback):

@@ -1962,6 +1962,25 @@ def test_the_periodic_look_at_an_unchanged_link_comes_twice_as_late_each_time_up
     assert [h["step"] for h in ch.history if h["trigger"] == "periodic"] == [11, 21, 31, 41, 51]
 
 
+def test_the_errors_re_measurement_interval_travels_with_a_checkpoint(monkeypatch):
+    """gain_every_max: the doubled interval is in the state; a state written before it had one resumes at
+    gain_every."""
+    import torch
+
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    ch, _, engine, params = _probing_chooser(monkeypatch, 20e6, gain_every=5, gain_every_max=40)
+    ch._decide(1, "warmup", probe=True)
+    ch._gain_interval = 20
+    state = ch.state_dict()
+    other = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), gain_every=5), torch.nn.Linear(1, 1), params)
+    other.load_state_dict(state)
+    assert other._gain_interval == 20
+    state.pop("gain_interval")
+    other.load_state_dict(state)
+    assert other._gain_interval == 5
+
+
 def test_a_dense_mode_whose_link_fell_measures_the_new_beta_from_its_drifted_window(monkeypatch):
     """DDP runs on a fast link; the link falls to 10 Mbit/s and DDP's window doubles (severe drift). That
     window, a dense step that waited long on the network, gives the new β (the hand-written step at

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -151,6 +152,33 @@ def test_shaped_dense_run_respects_the_link_rate(tmp_path):
     # closes (seen once on CI: 261 229 wire bytes per step against the 263 168 of the byte model, 0.7 % short)
     assert res["bytes_per_step"] == pytest.approx(dense_bytes)
     assert res["wire_bytes_per_step"] >= dense_bytes - dense_bytes // 2 / res["measured_steps"]
+    _assert_no_leftovers(_prefix_from(lines), str(tmp_path))
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.slow
+def test_rate_change_within_a_step_lands_after_the_step_began_and_slows_the_rest(tmp_path):
+    """--change-in-step: rank 0 asks for the change half a step into the boundary step and does not wait;
+    the runner's time of applying it comes back as an offset into that step, and the link is slow after."""
+    lines: list[str] = []
+    doc = run_bench(
+        BenchConfig(preset="probe", preset_args={"width": 256}, ranks=2, hosts=2, schedule="0:100mbit,0.5:2mbit",
+                    change_in_step=0.5, methods="ddp", steps=10, warmup=2, compute_steps=2, eval_every=10,
+                    val_batches=1, network="netns", threads=1, timeout_s=300, logs_dir=str(tmp_path)),
+        log=lines.append,
+    )
+    (res,) = doc["results"]
+    assert res["status"] == "ok", res["error"]
+    (change,) = res["rate_changes"]
+    assert change["step"] == 5 and change["rate_bps"] == 2_000_000
+    # half the median of rank 0's walls before it; the walls in the result are the slowest rank's, so not equal
+    before = res["step_times_s"][:5]
+    assert 0 < change["requested_offset_s"] <= 0.5 * max(before) + 1e-6, change
+    assert change["applied_offset_s"] >= change["requested_offset_s"], change
+    # 263 kB of gradient per step at 2 Mbit/s: over 0.5 s a step after the change, against a fast step before it
+    assert min(res["step_times_s"][6:]) > 5 * statistics.median(before), res["step_times_s"]
+    assert any("link rate -> 2mbit" in line for line in lines), lines
     _assert_no_leftovers(_prefix_from(lines), str(tmp_path))
 
 

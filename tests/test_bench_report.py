@@ -186,12 +186,35 @@ def test_outputs_json_markdown_and_plots(tmp_path):
         ({"network": "wifi"}, "--network 'wifi'"),
         ({"ratio": 0.0}, "--ratio 0.0"),
         ({"methods": "powersgd:start_iter=5", "warmup": 3}, "use --warmup 5"),
+        ({"change_in_step": 0.5}, "no --schedule is given"),
+        ({"change_in_step": 1.0, "schedule": "0:1gbit,0.5:10mbit"}, "--change-in-step 1.0 must be a share of a step in [0, 1)"),
+        ({"change_in_step": -0.2, "schedule": "0:1gbit,0.5:10mbit"}, "--change-in-step -0.2"),
+        ({"change_in_step": True, "schedule": "0:1gbit,0.5:10mbit"}, "--change-in-step True"),
     ],
 )
 def test_config_errors_name_value_reason_and_fix(kwargs, fragment):
     with pytest.raises(BenchError) as exc:
         resolve(BenchConfig(**{"methods": "ddp", **kwargs}))
     assert fragment in str(exc.value)
+
+
+def test_network_line_says_where_in_its_step_each_rate_change_landed():
+    """Before the step by default; with --change-in-step, the share asked for and the offsets the run measured
+    (every method's changes, from rank 0's clock: the runner's tc commands take time of their own)."""
+    doc = _valid_doc()
+    doc["emulated"] = True
+    doc["network"] = {"mode": "netns", "shaper": "htb"}
+    doc["config"].update(hosts=4, procs_per_host=1, schedule=[{"at": 0.0, "rate": "1gbit", "rate_bps": 10**9},
+                                                              {"at": 0.3, "rate": "10mbit", "rate_bps": 10**7}])
+    line = report._network_line(doc)
+    assert "to 1gbit from 0%, 10mbit from 30% (each change before its step starts)" in line, line
+    doc["config"]["change_in_step"] = 0.5
+    doc["results"][0]["rate_changes"] = [{"step": 3, "rate_bps": 10**7, "requested_offset_s": 0.03,
+                                          "applied_offset_s": 0.0524}]
+    doc["results"].append(dict(doc["results"][0], rate_changes=[{"step": 3, "rate_bps": 10**7,
+                                                                 "requested_offset_s": 0.03, "applied_offset_s": 0.0961}]))
+    line = report._network_line(doc)
+    assert "(each change asked for 0.5 of a step into its step, applied 52-96 ms into it)" in line, line
 
 
 def test_resolve_defaults_to_one_host_per_rank():

@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the bench once per link and add one table and one plot over the links")
     n.add_argument("--schedule", default=None,
                    help="rate schedule 'AT:RATE,...' (AT = fraction of steps), or a file with such entries")
+    n.add_argument("--change-in-step", type=float, default=0.0, metavar="SHARE",
+                   help="apply each schedule change this share of a step into its boundary step, while the step "
+                        "runs (0.5: halfway), instead of before the step starts (0, the default); see docs/bench.md")
     n.add_argument("--shaper", choices=("htb", "tbf"), default="htb",
                    help="tc qdisc used for shaping (see docs/bench.md)")
     n.add_argument("--no-shape-ingress", action="store_true",
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = BenchConfig(
         preset=args.preset, preset_args=dict(args.preset_arg), ranks=args.ranks, hosts=args.hosts,
-        bandwidth=args.bandwidth, schedule=args.schedule, methods=args.methods, ratio=args.ratio,
+        bandwidth=args.bandwidth, schedule=args.schedule, change_in_step=args.change_in_step, methods=args.methods, ratio=args.ratio,
         steps=args.steps, budget_s=args.budget, warmup=args.warmup, compute_steps=args.compute_steps, eval_every=args.eval_every,
         val_batches=args.val_batches, target=args.target, seed=args.seed, threads=args.threads,
         shaper=args.shaper, shape_ingress=not args.no_shape_ingress, network=args.network,

@@ -194,6 +194,14 @@ def _network_line(doc: dict) -> str:
         if c.get("schedule"):
             rates = ", ".join(f"{p['rate']} from {p['at']:.0%}" for p in c["schedule"])
             shaping = f"links shaped with tc {net.get('shaper')} to {rates}"
+            share = c.get("change_in_step") or 0.0
+            if share:
+                applied = [1e3 * ch["applied_offset_s"] for r in doc.get("results", [])
+                           for ch in r.get("rate_changes") or []]
+                seen = f", applied {min(applied):.0f}-{max(applied):.0f} ms into it" if applied else ""
+                shaping += f" (each change asked for {share:g} of a step into its step{seen})"
+            else:
+                shaping += " (each change before its step starts)"
         else:
             shaping = "links not shaped"
         return (f"**Network: emulated** — {c['hosts']} host namespaces × {c['procs_per_host']} process(es) on a "

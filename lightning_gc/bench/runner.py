@@ -75,6 +75,8 @@ class BenchConfig:
     hosts: int | None = None  # default: one host per rank
     bandwidth: str | None = None  # constant link rate, e.g. "100mbit"; None = unshaped
     schedule: str | None = None  # spec or file, see schedule.py (exclusive with bandwidth)
+    # 0: each rate change before its boundary step starts; in (0, 1): that share of a step into it (see worker.py)
+    change_in_step: float = 0.0
     methods: str = "ddp,powersgd,fp16,topk"
     ratio: float | None = 0.01
     steps: int = 20
@@ -161,6 +163,13 @@ def resolve(cfg: BenchConfig) -> dict:
             f"--bandwidth {cfg.bandwidth!r} and --schedule {cfg.schedule!r} both set the link rate; give one of them "
             f"(a constant rate is the schedule '0:{cfg.bandwidth}')"
         )
+    cis = cfg.change_in_step
+    if isinstance(cis, bool) or not isinstance(cis, (int, float)) or not 0 <= cis < 1:
+        raise BenchError(f"--change-in-step {cis!r} must be a share of a step in [0, 1) (0: each rate change before "
+                         f"its boundary step starts; 0.5: half a step into it); e.g. --change-in-step 0.5")
+    if cis > 0 and cfg.schedule is None:
+        raise BenchError(f"--change-in-step {cis!r} moves a schedule's rate changes into their steps, but no --schedule "
+                         f"is given; add one (e.g. --schedule '0:1gbit,0.3:10mbit,0.6:1gbit') or drop --change-in-step")
     schedule: Schedule | None = None
     if cfg.schedule is not None:
         schedule = parse_schedule(cfg.schedule)
@@ -279,6 +288,7 @@ def worker_config(spec: MethodSpec, cfg: BenchConfig, r: dict, run_dir: str, *, 
         "fail_rank": cfg.fail_rank,
         "fail_step": cfg.fail_step,
         "fidelity": bool(cfg.fidelity),
+        "change_in_step": cfg.change_in_step,
     }
 
 
@@ -365,8 +375,12 @@ def _monitor(spec, cfg, r, cluster, run_dir, procs, logs, log) -> None:
             if os.path.exists(os.path.join(run_dir, f"phase{k}.req")):
                 rate_now = pending.pop(k)
                 cluster.set_rate(rate_now)
-                with open(os.path.join(run_dir, f"phase{k}.ack"), "w") as fh:
-                    fh.write("ok")
+                # the time it took effect (CLOCK_MONOTONIC, one clock for the machine's processes): a change
+                # asked for within a step (--change-in-step) records its offset from it; written whole, then renamed
+                ack = os.path.join(run_dir, f"phase{k}.ack")
+                with open(ack + ".tmp", "w") as fh:
+                    fh.write(repr(time.monotonic()))
+                os.replace(ack + ".tmp", ack)
                 log(f"  [{label}] step {r['boundaries'][k + 1][0]}/{steps}: link rate -> {format_rate(rate_now)}")
         now = time.monotonic()
         if times and (now - last_print > 2.0 or len(times) == steps) and len(times) != printed_at:
@@ -395,7 +409,8 @@ def _monitor(spec, cfg, r, cluster, run_dir, procs, logs, log) -> None:
                 f"{_tail(logs[0])}",
                 0, None, _tail(logs[0]),
             )
-        time.sleep(0.05)
+        # a change asked for within a step lands a poll's time late at most: poll finely while one may come
+        time.sleep(0.002 if pending and cfg.change_in_step > 0 else 0.05)
 
 
 def _root_cause(procs, grace_s: float = 3.0) -> tuple[int, int]:
@@ -593,6 +608,8 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
         "time_to_target_ratio_vs_ddp": None,
         "comm_hook": hook,
         "step_times_s": per_step,
+        # --change-in-step: each rate change's step and its requested and applied offsets into that step (rank 0)
+        "rate_changes": ranks[0].get("rate_changes") or [],
         "metric_curve": curve,
         **extra,
         **extra_stop,

@@ -50,7 +50,9 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -101,6 +103,11 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             self.evals: list[dict] = []
             self.cache: list[Any] = []
             self.boundaries = {int(s): (k, int(r)) for k, (s, r) in enumerate(cfg["boundaries"])}
+            # --change-in-step: rank 0 asks for each rate change this share of a step into the boundary
+            # step (from a thread; the step does not wait), and records when the runner applied it
+            self.change_in_step = float(cfg.get("change_in_step") or 0.0)
+            self.rate_changes: list[dict] = []
+            self._changers: list[threading.Thread] = []
             self.ifname = cfg.get("ifname") if local_rank == 0 else None
             self.window_open = False
             self.tx_start = self.tx_end = None
@@ -171,11 +178,35 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
                     )
                 time.sleep(0.002)
 
+        def _change_in_step(self, k: int, rate: int) -> None:
+            """Ask for rate change ``k`` ``change_in_step`` of a step (the median of the last five
+            steps' walls) after now, the boundary step's start, from a thread: the step runs on
+            while the runner applies it. Records the requested and the applied offset (CLOCK_MONOTONIC
+            is one clock for every process of the machine, the runner's included)."""
+            recent = self.step_times[-5:]
+            delay = self.change_in_step * (statistics.median(recent) if recent else 0.0)
+            start, step = time.monotonic(), self.step
+
+            def change() -> None:
+                time.sleep(delay)
+                self._wait_for_rate(k, rate)
+                with open(os.path.join(cfg["run_dir"], f"phase{k}.ack")) as fh:
+                    applied = float(fh.read().strip() or "nan")
+                self.rate_changes.append({"step": step, "rate_bps": rate, "requested_offset_s": delay,
+                                          "applied_offset_s": applied - start})
+
+            t = threading.Thread(target=change, name=f"rate-change-{k}", daemon=True)
+            t.start()
+            self._changers.append(t)
+
         # hooks --------------------------------------------------------------
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             s = self.step
             if s in self.boundaries and global_rank == 0:
-                self._wait_for_rate(*self.boundaries[s])
+                if self.change_in_step > 0:
+                    self._change_in_step(*self.boundaries[s])
+                else:
+                    self._wait_for_rate(*self.boundaries[s])
             if cfg.get("fail_rank") == global_rank and s == int(cfg.get("fail_step") or 0):
                 raise RuntimeError(f"injected failure on rank {global_rank} at step {s} (fail_rank test hook)")
             if s == cfg["warmup"]:
@@ -361,6 +392,8 @@ def run(cfg: dict) -> dict:
             return None
         return {k: b[k] - a.get(k, 0.0) for k in b} if isinstance(b, dict) else b - a
 
+    for t in cb._changers:  # a rate change asked for in the run's last steps: applied by now, or soon
+        t.join(timeout=float(cfg.get("sync_timeout", 120)))
     tx = None
     if cb.tx_start is not None and cb.tx_end is not None:
         tx = cb.tx_end - cb.tx_start - cb.tx_val
@@ -371,6 +404,7 @@ def run(cfg: dict) -> dict:
         "local_rank": local_rank,
         "steps_done": cb.step,
         "step_times": cb.step_times,
+        "rate_changes": cb.rate_changes,
         "compute_times": compute_times,
         "tx_window": tx,
         "tx_val_excluded": cb.tx_val,
@@ -451,7 +485,9 @@ def _auto_state(strategy) -> dict | None:
             "running_figure_s": _num(h.get("running_figure_s")),
         })
     gains = [{"step": int(c["step"]), "delta2": {k: float(v) for k, v in c["delta2"].items()},
-              "moved": float(c["moved"]), "redecided": bool(c["redecided"])} for c in getattr(chooser, "gain_checks", [])]
+              "moved": float(c["moved"]), "redecided": bool(c["redecided"]),
+              # steps to the next re-measurement (gain_every_max; None in checkpoints of earlier versions)
+              "next_interval": c.get("next_interval")} for c in getattr(chooser, "gain_checks", [])]
     return {"chosen": chooser.chosen, "candidates": list(chooser.config.candidates), "decisions": decisions,
             "gain_checks": gains}
 
