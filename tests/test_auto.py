@@ -158,7 +158,8 @@ def test_a_resumed_run_keeps_the_choice_and_is_exact(tmp_path):
     # so the epoch-0 checkpoint (after step 7) is saved armed, and the resumed run samples step 8
     # codecs timed upfront: on demand, a codec first timed after the checkpoint is timed by each run on
     # its own and could tilt a close pick between the two runs (its time is a measurement, like a window)
-    kw = dict(candidates=["ddp", "topk", "efsign"], gain_every=7, gain_drift=0.0, time_codecs="upfront")
+    kw = dict(candidates=["ddp", "topk", "efsign"], gain_every=7, gain_every_max=0, gain_drift=0.0,
+              time_codecs="upfront")
     full, full_auto = _fit(tmp_path / "a", _strategy(SLOWER_LINK, **kw), callbacks=[ckpt], enable_checkpointing=True)
     first = sorted((tmp_path / "ckpt").glob("epoch=0*.ckpt"))[0]
     resumed, resumed_auto = _fit(tmp_path / "b", _strategy(SLOWER_LINK, **kw), ckpt_path=str(first))
@@ -225,7 +226,8 @@ def test_errors_are_the_ranks_mean_on_local_gradients_and_re_measured_every_gain
     ``gain``), and each choice is the brute-force minimum on its inputs. The ranks' batches differ,
     so a MAX over ranks or the averaged gradient gives other values."""
     steps = (1, 5, 9, 13)
-    reports, autos = _fit(tmp_path, _strategy(progress_weight=0.5, gain_every=4, gain_drift=0.0), keep_steps=steps)
+    reports, autos = _fit(tmp_path, _strategy(progress_weight=0.5, gain_every=4, gain_every_max=0, gain_drift=0.0),
+                          keep_steps=steps)
     assert autos[0]["history"] == autos[1]["history"] and autos[0]["gain_checks"] == autos[1]["gain_checks"]
     hist = autos[0]["history"]
     assert [(h["step"], h["trigger"]) for h in hist] == [(1, "warmup"), (5, "gain"), (9, "gain"), (13, "gain")]
@@ -251,15 +253,17 @@ def test_the_first_re_measurement_comes_after_gain_first_steps_then_every_gain_e
     """By hand: the warm-up decides at step 1; the first re-measurement waits min(gain_every, gain_first) =
     5 steps (the sampled step 1 + 5 = 6), the next gain_every = 9 more (15). Without gain_first the first
     would wait 9 (step 10)."""
-    _, autos = _fit(tmp_path, _strategy(gain_every=9, gain_first=5, gain_drift=0.0))
+    _, autos = _fit(tmp_path, _strategy(gain_every=9, gain_first=5, gain_every_max=0, gain_drift=0.0))
     for a in autos:
         assert [c["step"] for c in a["gain_checks"]] == [6, 15], a["gain_checks"]
 
 
-def test_the_re_measurement_interval_doubles_while_the_errors_stay_put(tmp_path):
+def test_the_re_measurement_interval_doubles_while_the_pick_stands(tmp_path):
     """By hand: the warm-up decides at step 1; with errors that never move enough to re-decide (gain_drift
     1e9) the re-measurements come at 1 + 3 = 4, then 6 later (10), then 12 later (22, past the 16 steps);
-    without doubling (gain_every_max 0) every 3 steps: 4, 7, 10, 13. A re-decision (gain_drift 0) keeps 3."""
+    without doubling (gain_every_max 0) every 3 steps: 4, 7, 10, 13. With a re-decision at every one
+    (gain_drift 0) the interval doubles where the re-decision kept the method and is 3 again where it
+    switched (the rule, applied to the run's own decisions)."""
     kw = dict(gain_every=3, gain_first=0, gain_drift=1e9)
     for every_max, steps, intervals in ((12, [4, 10], [6, 12]), (0, [4, 7, 10, 13], [3, 3, 3, 3])):
         _, autos = _fit(tmp_path / str(every_max), _strategy(gain_every_max=every_max, **kw))
@@ -268,8 +272,15 @@ def test_the_re_measurement_interval_doubles_while_the_errors_stay_put(tmp_path)
         assert [c["step"] for c in checks] == steps and not any(c["redecided"] for c in checks), checks
         assert [c["next_interval"] for c in checks] == intervals
     _, autos = _fit(tmp_path / "act", _strategy(gain_every=3, gain_first=0, gain_drift=0.0, gain_every_max=12))
-    checks = autos[0]["gain_checks"]
-    assert [c["step"] for c in checks] == [4, 7, 10, 13] and all(c["redecided"] for c in checks), checks
+    checks, hist = autos[0]["gain_checks"], autos[0]["history"]
+    assert checks and all(c["redecided"] for c in checks), checks
+    interval, at = 3, 1
+    for c in checks:
+        assert c["step"] == at + interval, (c, checks)
+        (h,) = [h for h in hist if h["step"] == c["step"] and h["trigger"] == "gain"]
+        interval = min(2 * interval, 12) if h["chosen"] == h["previous"] else 3
+        assert c["next_interval"] == interval, (c, h["chosen"], h["previous"])
+        at = c["step"]
 
 
 class SleepFrom(L.Callback):

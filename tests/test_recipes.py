@@ -157,21 +157,25 @@ def test_auto_recipe_takes_the_opt_in_candidates(tmp_path, monkeypatch):
 
 
 def test_auto_recipe_turns_the_link_canary_on_from_yaml(tmp_path, monkeypatch):
-    """recipes/auto.yaml carries the link canary's option (off); set in YAML, the strategy is built with
-    it, and a bad factor is refused at construction with its value."""
+    """recipes/auto.yaml carries the link canary's option (off) and the errors' re-measurement doubling
+    (gain_every_max); set in YAML, the strategy is built with them, and bad values are refused at
+    construction with their value."""
     from lightning.pytorch.cli import LightningCLI
 
     cfg = yaml.safe_load((REPO / "recipes" / "auto.yaml").read_text())
     auto = cfg["trainer"]["strategy"]["init_args"]["auto"]
-    assert auto["canary_bytes"] == 0
-    auto.update(canary_bytes=65536, canary_factor=6.0)
+    assert auto["canary_bytes"] == 0 and auto["gain_every_max"] == 400
+    auto.update(canary_bytes=65536, canary_factor=6.0, gain_every_max=0)
     path = tmp_path / "auto_canary.yaml"
     path.write_text(yaml.safe_dump(cfg))
     monkeypatch.chdir(tmp_path)
     cli = LightningCLI(args=["--config", str(path)], run=False)
     got = cli.trainer.strategy._config.auto
     assert (got.canary_bytes, got.canary_factor, got.canary_margin_s) == (65536, 6.0, 0.02)
+    assert (got.gain_every, got.gain_every_max) == (50, 0)
     from lightning_gc import GCStrategy
 
     with pytest.raises(ValueError, match=r"auto_canary_factor=0.5 must be a finite number >= 1"):
         GCStrategy(compressor="auto", auto={**auto, "canary_factor": 0.5})
+    with pytest.raises(ValueError, match=r"auto_gain_every_max=2.5 must be an integer >= 0"):
+        GCStrategy(compressor="auto", auto={**auto, "gain_every_max": 2.5})

@@ -405,14 +405,15 @@ class AutoConfig:
             Costs one copy of the gradient and one compression per candidate, no communication
             beyond one agreement of a few floats.
         gain_every_max: the re-measurement's interval doubles, up to this many steps, after each one
-            whose errors moved too little to re-decide (``gain_drift``), and goes back to
-            ``gain_every`` after one that re-decided or a decision that switched the method. Why: a
+            that left the method as it was (its errors moved too little to re-decide, ``gain_drift``,
+            or the re-decision kept the method), and goes back to ``gain_every`` after any decision
+            that switched the method. Why: a
             re-measurement is the chooser's most expensive routine look; on ``mlp`` (1.09 M
             parameters, 4 ranks on 2 cores) the one at step 20 or 70 made its step 0.34-0.40 s
             against 60-80 ms (each rank measured its five compressed and 16-bit candidates in
             58-323 ms, and the agreement waited for the slowest), about 4 ms per step at every 50
-            steps; errors that stay put need not be measured that often. The price: a slow change
-            of the errors is seen up to this many steps late. Never below ``gain_every``. 0: no
+            steps; errors that keep the same pick need not be measured that often. The price: a
+            slow change of the errors that would move the pick is seen up to this many steps late. Never below ``gain_every``. 0: no
             doubling (every ``gain_every`` steps, the earlier behaviour).
         gain_first: the first re-measurement after the warm-up's comes this many steps after it, or
             after ``gain_every`` if that is sooner (0: after ``gain_every``). Why earlier than the
@@ -1326,18 +1327,22 @@ class AutoChooser(StepParticipant):
             before, after = efficiency(old, ws, w), efficiency(replace(old, delta2=d2), ws, w)
             moved = max(moved, abs(after - before) / before)
         act = moved > self.config.gain_drift
-        every, cap = self.config.gain_every, max(self.config.gain_every_max, self.config.gain_every)
-        # errors that stayed put: look again twice as late (gain_every_max); a re-decision starts from gain_every
-        self._gain_interval = min(2 * self._gain_interval, cap) if not act and self.config.gain_every_max else every
-        self.gain_checks.append({"step": step, "delta2": dict(zip((c.name for c in self.costs), errors)),
-                                 "moved": moved, "redecided": act, "next_interval": self._gain_interval})
+        entry = {"step": step, "delta2": dict(zip((c.name for c in self.costs), errors)), "moved": moved,
+                 "redecided": act}
+        self.gain_checks.append(entry)
         self._last_gain_step = step
-        if not act:
-            return
-        self.costs = [replace(c, delta2=d2) for c, d2 in zip(self.costs, errors)]
-        rank_zero_info(f"lightning_gc auto: the candidates' errors moved (progress per step by up to "
-                       f"{100 * moved:.0f}%): re-deciding")
-        self._decide(step, "gain", probe=False)
+        running = self.chosen
+        if act:
+            self.costs = [replace(c, delta2=d2) for c, d2 in zip(self.costs, errors)]
+            rank_zero_info(f"lightning_gc auto: the candidates' errors moved (progress per step by up to "
+                           f"{100 * moved:.0f}%): re-deciding")
+            self._decide(step, "gain", probe=False)
+        # the pick stood (the errors stayed put, or moved and the re-decision kept the method): look again twice
+        # as late (gain_every_max); a switch starts from gain_every
+        every, cap = self.config.gain_every, max(self.config.gain_every_max, self.config.gain_every)
+        stood = self.chosen == running and bool(self.config.gain_every_max)
+        self._gain_interval = min(2 * self._gain_interval, cap) if stood else every
+        entry["next_interval"] = self._gain_interval
 
     # ------------------------------------------------------------------ decision
     def _decide(self, step: int, trigger: str, probe: bool, dense_wall_s: float | None = None,
