@@ -313,3 +313,70 @@ def test_worker_records_the_choosers_decisions_from_its_history():
     assert _auto_state(SimpleNamespace(auto=chooser))["gain_checks"] == chooser.gain_checks
     assert _auto_state(SimpleNamespace(auto=None)) is None
     assert _auto_state(DDPStrategy()) is None
+
+
+def _steps(cb, trainer, n, work_s):
+    import time
+
+    for i in range(n):
+        t = time.monotonic()
+        cb.on_train_batch_start(trainer, None, None, i)
+        started = time.monotonic() - t
+        time.sleep(work_s)
+        cb.on_train_batch_end(trainer, None, None, None, i)
+        yield i, started
+
+
+def test_a_rate_change_within_a_step_is_asked_for_mid_step_and_recorded_with_its_offsets(tmp_path):
+    """--change-in-step 0.5: at the boundary step rank 0 does not wait; half the median of its last walls
+    later it asks for the change, and the runner's time of applying it (a stand-in here, 30 ms late)
+    comes back as the offset into that step."""
+    import os
+    import statistics
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from lightning_gc.bench.worker import _make_callback
+
+    cfg = {"boundaries": [[3, 10_000_000]], "run_dir": str(tmp_path), "warmup": 100, "steps": 6, "eval_every": 100,
+           "compute_steps": 1, "change_in_step": 0.5, "sync_timeout": 5}
+    cb = _make_callback(cfg, global_rank=0, local_rank=0)
+    seen: list[float] = []
+
+    def runner():  # the bench runner's part: see the request, apply (30 ms), write the time it took effect
+        req, ack = tmp_path / "phase0.req", tmp_path / "phase0.ack"
+        while not req.exists():
+            time.sleep(0.001)
+        seen.append(time.monotonic())
+        time.sleep(0.03)
+        (tmp_path / "ack.tmp").write_text(repr(time.monotonic()))
+        os.replace(tmp_path / "ack.tmp", ack)
+
+    th = threading.Thread(target=runner, daemon=True)
+    th.start()
+    trainer = SimpleNamespace(strategy=SimpleNamespace())
+    starts = dict(_steps(cb, trainer, 6, 0.06))
+    th.join(5)
+    for t in cb._changers:
+        t.join(5)
+    assert starts[3] < 0.01  # the boundary step did not wait for the rate
+    (change,) = cb.rate_changes
+    assert change["step"] == 3 and change["rate_bps"] == 10_000_000
+    assert change["requested_offset_s"] == pytest.approx(0.5 * statistics.median(cb.step_times[:3]))
+    assert change["requested_offset_s"] + 0.03 <= change["applied_offset_s"] < change["requested_offset_s"] + 0.2
+
+
+def test_a_rate_change_within_a_step_that_is_never_applied_fails_the_run(tmp_path):
+    """No runner answers: the thread's timeout is raised on the training thread at a later step, with
+    the step and the rate, instead of being lost in the thread."""
+    from types import SimpleNamespace
+
+    from lightning_gc.bench.worker import _make_callback
+
+    cfg = {"boundaries": [[1, 10_000_000]], "run_dir": str(tmp_path), "warmup": 100, "steps": 20,
+           "eval_every": 100, "compute_steps": 1, "change_in_step": 0.5, "sync_timeout": 0.05}
+    cb = _make_callback(cfg, global_rank=0, local_rank=0)
+    with pytest.raises(TimeoutError, match=r"rate change 0 \(to 10000000 bit/s\) at step 1 was not acknowledged"):
+        for _ in _steps(cb, SimpleNamespace(strategy=SimpleNamespace()), 20, 0.02):
+            pass

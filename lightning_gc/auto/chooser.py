@@ -407,14 +407,14 @@ class AutoConfig:
         gain_every_max: the re-measurement's interval doubles, up to this many steps, after each one
             that left the method as it was (its errors moved too little to re-decide, ``gain_drift``,
             or the re-decision kept the method), and goes back to ``gain_every`` after any decision
-            that switched the method. Why: a
-            re-measurement is the chooser's most expensive routine look; on ``mlp`` (1.09 M
-            parameters, 4 ranks on 2 cores) the one at step 20 or 70 made its step 0.34-0.40 s
+            that switched the method. Why: a re-measurement is the chooser's most expensive routine
+            look; on ``mlp`` (1.09 M parameters, 4 ranks on 2 cores) each made its step 0.19-0.40 s
             against 60-80 ms (each rank measured its five compressed and 16-bit candidates in
-            58-323 ms, and the agreement waited for the slowest), about 4 ms per step at every 50
+            58-323 ms, and the agreement waited for the slowest), 3-7 ms per step at every 50
             steps; errors that keep the same pick need not be measured that often. The price: a
-            slow change of the errors that would move the pick is seen up to this many steps late. Never below ``gain_every``. 0: no
-            doubling (every ``gain_every`` steps, the earlier behaviour).
+            slow change of the errors that would move the pick is seen up to this many steps late.
+            Never below ``gain_every``. 0: no doubling (every ``gain_every`` steps, the earlier
+            behaviour).
         gain_first: the first re-measurement after the warm-up's comes this many steps after it, or
             after ``gain_every`` if that is sooner (0: after ``gain_every``). Why earlier than the
             rest: the warm-up measures the errors on the first gradients of training, which are
@@ -937,7 +937,7 @@ class AutoChooser(StepParticipant):
         the re-measurement at step 21 ended DDP's trial window, begun at step 11, and DDP ran a second
         trial from step 31: 20 of 100 steps on the slower dense path (docs/auto.md). Deferred, the
         sample is taken at the first step after the trial's window is measured. The interval
-        doubles while the errors stay put (``gain_every_max``)."""
+        doubles while the pick stands (``gain_every_max``)."""
         every, first = (self._gain_interval if self.config.gain_every else 0), self.config.gain_first
         if every and first and not self.gain_checks:  # not re-measured yet: the warm-up's errors are the first
             every = min(every, first)

@@ -108,6 +108,7 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             self.change_in_step = float(cfg.get("change_in_step") or 0.0)
             self.rate_changes: list[dict] = []
             self._changers: list[threading.Thread] = []
+            self.change_error: BaseException | None = None  # a change that failed: raised at the next step
             self.ifname = cfg.get("ifname") if local_rank == 0 else None
             self.window_open = False
             self.tx_start = self.tx_end = None
@@ -164,7 +165,8 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             state = getattr(trainer.strategy, "hook_state", None)
             return None if state is None else float(getattr(state, "total_numel_after_compression", 0))
 
-        def _wait_for_rate(self, k: int, rate: int) -> None:
+        def _wait_for_rate(self, k: int, rate: int, step: int | None = None) -> None:
+            step = self.step if step is None else step
             req = os.path.join(cfg["run_dir"], f"phase{k}.req")
             ack = os.path.join(cfg["run_dir"], f"phase{k}.ack")
             with open(req, "w") as fh:
@@ -173,7 +175,7 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             while not os.path.exists(ack):
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"rate change {k} (to {rate} bit/s) at step {self.step} was not acknowledged by the runner "
+                        f"rate change {k} (to {rate} bit/s) at step {step} was not acknowledged by the runner "
                         f"within {cfg.get('sync_timeout', 120)}s"
                     )
                 time.sleep(0.002)
@@ -188,12 +190,15 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             start, step = time.monotonic(), self.step
 
             def change() -> None:
-                time.sleep(delay)
-                self._wait_for_rate(k, rate)
-                with open(os.path.join(cfg["run_dir"], f"phase{k}.ack")) as fh:
-                    applied = float(fh.read().strip() or "nan")
-                self.rate_changes.append({"step": step, "rate_bps": rate, "requested_offset_s": delay,
-                                          "applied_offset_s": applied - start})
+                try:
+                    time.sleep(delay)
+                    self._wait_for_rate(k, rate, step)
+                    with open(os.path.join(cfg["run_dir"], f"phase{k}.ack")) as fh:
+                        applied = float(fh.read().strip() or "nan")
+                    self.rate_changes.append({"step": step, "rate_bps": rate, "requested_offset_s": delay,
+                                              "applied_offset_s": applied - start})
+                except BaseException as exc:  # noqa: BLE001 - the training thread raises it (not lost in a thread)
+                    self.change_error = exc
 
             t = threading.Thread(target=change, name=f"rate-change-{k}", daemon=True)
             t.start()
@@ -202,6 +207,8 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
         # hooks --------------------------------------------------------------
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             s = self.step
+            if self.change_error is not None:
+                raise self.change_error
             if s in self.boundaries and global_rank == 0:
                 if self.change_in_step > 0:
                     self._change_in_step(*self.boundaries[s])
@@ -394,6 +401,8 @@ def run(cfg: dict) -> dict:
 
     for t in cb._changers:  # a rate change asked for in the run's last steps: applied by now, or soon
         t.join(timeout=float(cfg.get("sync_timeout", 120)))
+    if cb.change_error is not None:
+        raise cb.change_error
     tx = None
     if cb.tx_start is not None and cb.tx_end is not None:
         tx = cb.tx_end - cb.tx_start - cb.tx_val
