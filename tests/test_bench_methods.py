@@ -358,8 +358,7 @@ def test_a_rate_change_within_a_step_is_asked_for_mid_step_and_recorded_with_its
     trainer = SimpleNamespace(strategy=SimpleNamespace())
     starts = dict(_steps(cb, trainer, 6, 0.06))
     th.join(5)
-    for t in cb._changers:
-        t.join(5)
+    cb.finish_rate_changes(5)
     assert starts[3] < 0.01  # the boundary step did not wait for the rate
     (change,) = cb.rate_changes
     assert change["step"] == 3 and change["rate_bps"] == 10_000_000

@@ -204,6 +204,14 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             t.start()
             self._changers.append(t)
 
+        def finish_rate_changes(self, timeout_s: float) -> None:
+            """Wait for the rate changes asked for within steps (a change asked for in the run's last
+            steps is applied by now, or soon) and raise one that failed."""
+            for t in self._changers:
+                t.join(timeout=timeout_s)
+            if self.change_error is not None:
+                raise self.change_error
+
         # hooks --------------------------------------------------------------
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             s = self.step
@@ -399,10 +407,7 @@ def run(cfg: dict) -> dict:
             return None
         return {k: b[k] - a.get(k, 0.0) for k in b} if isinstance(b, dict) else b - a
 
-    for t in cb._changers:  # a rate change asked for in the run's last steps: applied by now, or soon
-        t.join(timeout=float(cfg.get("sync_timeout", 120)))
-    if cb.change_error is not None:
-        raise cb.change_error
+    cb.finish_rate_changes(float(cfg.get("sync_timeout", 120)))
     tx = None
     if cb.tx_start is not None and cb.tx_end is not None:
         tx = cb.tx_end - cb.tx_start - cb.tx_val
