@@ -896,13 +896,14 @@ def test_a_dense_modes_wall_agreed_at_once_decides_at_the_slow_step_itself(monke
 def test_a_step_the_link_canary_stopped_re_decides_at_once_on_its_beta(monkeypatch):
     """Under a dense mode on a group that takes the direct exchange, the engine sings the link canary
     before each step (at the start of its closure; GCEngine.sing_canary, played here by the fake
-    engine), carrying the step before's wall, which the every-step tests read one step later. A step
+    engine), carrying nothing (NaN): each step's wall is agreed at its own end, as without the canary,
+    so a fall inside a step is seen there (the one-step test), not only at the next canary. A step
     the canary stopped (StepStats.dense_stopped) makes auto re-decide at that step's end, whatever
     ``min_interval`` says (30 here; the last decision at step 4), on β from the canary (its time on
     the fastest rank less α, over the N-1 = 3 copies of its 64 KiB each rank sent; no probe):
     10 Mbit/s makes lowrank the pick, no canary is sung before the compressed steps after it, and
     the stopped step enters no window. A canary never gives a link faster than the model's.
-    Oracles: β written out by hand; the history; the walls carried."""
+    Oracles: β written out by hand; the history; the walls agreed."""
     import time
 
     from lightning_gc.engine.dense_stop import LinkCanary
@@ -918,15 +919,14 @@ def test_a_step_the_link_canary_stopped_re_decides_at_once_on_its_beta(monkeypat
         engine.step = s
         chooser.wrap_closure(lambda: None)()  # the canary before step s
         engine.step = s + 1
-        # the engine's part: step s's canary carried step s-1's wall (the mean over ranks: one rank here)
-        engine.last_step = StepStats(step=s, dense=True, carried_wall_mean_s=sung[-1][1] if s > 5 else None)
+        engine.last_step = StepStats(step=s, dense=True)
         chooser._t_prev_end = time.perf_counter() - ref * (1 + s / 100)
         chooser.after_optimizer_step()
+        # step s's wall, agreed at its own end (the mean over ranks: one rank here)
+        assert chooser._recent_pending is None and chooser._carried_walls[s] == pytest.approx(ref * (1 + s / 100),
+                                                                                              rel=1e-3)
     assert [a for a, _ in sung] == [5, 6, 7, 8, 9] and chooser.history[-1]["step"] == 4
-    assert sung[0][1] != sung[0][1]  # before step 5 nothing was pending (NaN)
-    for s in range(5, 9):  # each canary carried the step before's wall, read at the next step's end
-        assert sung[s - 4][1] == pytest.approx(ref * (1 + s / 100), rel=1e-3)
-        assert chooser._carried_walls[s] == pytest.approx(ref * (1 + s / 100), rel=1e-3)
+    assert all(c != c for _, c in sung)  # every canary carried NaN: nothing rides in it
     window = list(chooser._window)
     engine.step = 10
     chooser.wrap_closure(lambda: None)()
@@ -949,6 +949,38 @@ def test_a_step_the_link_canary_stopped_re_decides_at_once_on_its_beta(monkeypat
     beta = engine.network.model.beta_s_per_byte
     fast._decide(10, "drift", probe=True, check_link=False, canary_s=1e-5, detail="canary")
     assert fast.history[-1]["network"][1] == beta
+
+
+def test_with_the_canary_on_a_fall_inside_a_dense_step_is_acted_on_at_that_steps_end(monkeypatch):
+    """The link falls during step 8 (its canary, sung before it, saw the fast link): step 8 runs 10x
+    its reference. Its wall, agreed at its own end, makes the one-step test re-decide there (test
+    ``step``), and no canary is sung before step 9, which runs the compressed pick: the stopped step
+    the canary would have added after the slow one never comes. Oracle: the history, the canaries."""
+    import time
+
+    from lightning_gc.engine.dense_stop import LinkCanary
+    from lightning_gc.engine.stats import StepStats
+
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=30)
+    # the fake engine's network stays pinned, so the re-decision reads the fallen link from it (no probe)
+    chooser._dense_walls_direct, chooser.canary = True, LinkCanary()
+    sung: list[int] = []
+    engine.sing_canary = lambda carry: sung.append(engine.step)
+    ref = chooser._reference
+    for s in range(5, 10):
+        engine.step = s
+        chooser.wrap_closure(lambda: None)()
+        if s == 8:
+            engine.network.model = NetworkModel(engine.network.model.alpha_s, 8 / 1e7)  # 10 Mbit/s, mid-step
+        engine.step = s + 1
+        engine.last_step = StepStats(step=s, dense=chooser.chosen == "fp16")
+        chooser._t_prev_end = time.perf_counter() - (10 * ref if s == 8 else ref)
+        chooser.after_optimizer_step()
+        if s == 8:
+            h = chooser.history[-1]
+            assert (h["step"], h["trigger"], h["drift_test"]) == (8, "drift", "step"), h
+            assert chooser.chosen == "lowrank"
+    assert sung == [5, 6, 7, 8]  # none before step 9: a compressed method runs
 
 
 def test_before_its_reference_a_calibrated_method_is_judged_by_its_prediction_every_step(monkeypatch):

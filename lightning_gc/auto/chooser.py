@@ -696,15 +696,14 @@ class AutoChooser(StepParticipant):
         if not self._dense_walls_direct:
             engine.enable_dense_carry()
         #: the link canary before each step a dense mode runs (AutoConfig.canary_bytes; None: off; the engine
-        #: sings it, lightning_gc/engine/dense_stop.py); the step before's wall rides in it, in place of that
-        #: wall's own agreement at its step's end. Not under a network the user pinned: a fall it saw could not
+        #: sings it, lightning_gc/engine/dense_stop.py); each dense step's wall is still agreed at its own end
+        #: (_agree_wall_later), for a fall during a step. Not under a network the user pinned: a fall it saw could not
         #: re-read the link (the pinned figures are not recalibrated), and every dense step would stop
         pinned = bool(engine.network.pinned and engine.network.model is not None)
         self.canary = (config.canary() if self._dense_walls_direct and not pinned and engine.plan_sends_every_param
                        else None)
         if self.canary is not None:
             engine.enable_canary(self.canary)
-        self._canary_wall = math.nan  # the wall handed to the next canary (NaN: none)
         #: every decision (replicated, checkpointed): step, trigger, inputs, predictions, choice
         self.history: list[dict] = []
         self.chosen: str | None = None
@@ -816,8 +815,7 @@ class AutoChooser(StepParticipant):
     def wrap_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         def timed() -> Any:
             if self._canary_due():  # on the engine's worker: the step's buckets wait behind it
-                wall, self._canary_wall = self._canary_wall, math.nan
-                self.engine.sing_canary(wall)
+                self.engine.sing_canary(math.nan)  # nothing carried: the step before's wall was agreed at its end
             self._stamps = {}
             self._t_start = time.perf_counter()
             self._t_fwd = self._t_start
@@ -880,7 +878,7 @@ class AutoChooser(StepParticipant):
             return
         stats = engine.last_step
         if stats is not None and stats.step == step and stats.dense_stopped:
-            self._read_carried()  # the step before's wall rode in the canary
+            self._read_carried()  # the step before's wall (agreed at its end; nothing pending then)
             self._on_dense_stop(step, stats)
             return
         if wall is not None:  # None on the first step after a resume
@@ -1126,17 +1124,17 @@ class AutoChooser(StepParticipant):
         before the one-step test could act (``mlp`` at 10 Mbit/s: 2.9 s and 3.4-3.7 s); agreed now,
         the test acts at the end of the first. The exchange costs ~1 ms on 4 ranks of this project's
         2-core machine, where gloo's ring all-reduce of the same 8 bytes took 1.5-2 ms of a 43 ms
-        16-bit step (docs/auto.md). **With the link canary on** (:attr:`canary`), the wall rides in
-        the canary before the next step instead (:meth:`GCEngine.sing_canary`), read one step later
-        as a carried wall: the canary itself sees a fallen link before that step sends anything."""
+        16-bit step (docs/auto.md). **With the link canary on** (:attr:`canary`) too: the canary sees
+        a fall that comes before the next step, the wall one that came during this step. Why: the
+        wall rode in the next step's canary at first, and a link that fell inside a dense step
+        (``lightning-gc bench --change-in-step``) cost that step and then the canary's stopped step
+        after it (``mlp`` 1.40-1.51x the best static method's mean step, against the default's
+        1.18-1.44x in the same rounds; docs/auto.md, "The link canary")."""
         engine = self.engine
         if self._dense_agreed_now():
             value = agree_values([wall], "mean", engine.process_group, engine.device)[0]
             return lambda: value
-        if self._canary_due():
-            self._canary_wall = wall
-        else:
-            engine.carry_wall(wall)
+        engine.carry_wall(wall)
 
         def carried() -> float | None:
             stats = engine.last_step
@@ -1145,13 +1143,13 @@ class AutoChooser(StepParticipant):
 
     def _dense_agreed_now(self) -> bool:
         """Whether a step's wall is agreed at its own end (a dense mode runs, on a group that takes the
-        direct exchange, without the link canary; :meth:`_agree_wall_later`), not carried into the
-        next step. Replicated."""
-        return self._dense_walls_direct and self.canary is None and self._dense_mode_runs()
+        direct exchange, with or without the link canary; :meth:`_agree_wall_later`), not carried
+        into the next step. Replicated."""
+        return self._dense_walls_direct and self._dense_mode_runs()
 
     def _canary_due(self) -> bool:
-        """Whether the link canary goes before the next step (a dense mode runs, the canary is on; the
-        wall rides in it). Replicated."""
+        """Whether the link canary goes before the next step (a dense mode runs, the canary is on).
+        Replicated."""
         return self._dense_walls_direct and self.canary is not None and self._dense_mode_runs()
 
     def _dense_mode_runs(self) -> bool:
