@@ -493,7 +493,7 @@ class AutoConfig:
             re-decides at its end (lightning_gc/engine/dense_stop.py; docs/auto.md, "The link
             canary"). For links known to fall to a small fraction of their rate: on ``mlp`` at
             1 Gbit/s → 10 Mbit/s it turned a 2.9-3.0 s fp16 step into a stopped step of 0.61-0.66 s.
-            It costs ~3-7 ms of every dense step on ``mlp`` and ~30 ms on ``cnn`` width 16 on this
+            It costs ~3-7 ms of every dense step on ``mlp`` and 1-10 ms on ``cnn`` width 16 on this
             project's 2-core machine (4 ranks), beyond the fast-link bound. Above the link's burst
             allowance divided by ``N-1`` (the bench's shaper lets 64 KiB out at line rate), or a
             fall does not show. Only on 2-8 ranks off NCCL (the direct exchange), with a plan that
