@@ -983,6 +983,53 @@ def test_with_the_canary_on_a_fall_inside_a_dense_step_is_acted_on_at_that_steps
     assert sung == [5, 6, 7, 8]  # none before step 9: a compressed method runs
 
 
+@pytest.mark.parametrize("fell", [True, False])
+def test_a_gain_move_from_a_compressed_method_to_a_dense_mode_times_the_link_first(monkeypatch, fell):
+    """lowrank runs after the link fell (a drift decision on 10 Mbit/s); then the stored network says the
+    link is fast again, and a gain re-decision (no probe) would move to fp16. Before it does, one canary
+    message (LinkCanary's defaults: 64 KiB to each of the 3 others) times the link. If it fell (0.16 s
+    against the model's fraction of a millisecond), auto re-decides on β from that message (test
+    ``switch_check``; β by hand) and stays compressed; if not, fp16 is applied as the gain decision
+    chose. A move between compressed methods, or one that keeps the method, sends nothing."""
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.engine.dense_stop import CanaryResult, LinkCanary
+
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)  # 10 Mbit/s, pinned in the fake engine: no probe
+    chooser._decide(6, "drift", probe=True, detail="step")
+    assert chooser.chosen == "lowrank"
+    sung: list[int] = []
+    fast = NetworkModel(1e-4, 8 / 1e10)
+
+    def sing(canary, carry, network, group, world_size, device):
+        sung.append(canary.nbytes)
+        predicted = canary.predicted_s(network, world_size)
+        return CanaryResult(fell, 0.16 if fell else predicted, predicted, float("nan"), 2 if fell else 1)
+
+    monkeypatch.setattr(chooser_mod.dense_stop, "sing", sing)
+    engine.exchange_group, engine.device = None, None
+    chooser._switch_check = LinkCanary()
+    engine.network.pinned = False  # as on a real group: the check, and a fall's β, come from the canary
+    chooser.network = fast  # what the chooser last saw: the link back at 10 Gbit/s
+    n = len(chooser.history)
+    chooser._decide(40, "gain", probe=False)
+    assert sung == [65536]
+    if fell:
+        h = chooser.history[-1]
+        assert len(chooser.history) == n + 1
+        assert (h["step"], h["trigger"], h["drift_test"], h["network_source"]) == (40, "drift", "switch_check", "canary")
+        want = (0.16 - fast.alpha_s) / (3 * 65536)
+        assert h["network"][1] == pytest.approx(want) and chooser.chosen == "lowrank"
+        assert h["switch_check"]["fell"] is True and h["switch_check"]["bytes"] == 65536
+    else:
+        h = chooser.history[-1]
+        assert (h["step"], h["trigger"], h["chosen"], h["previous"]) == (40, "gain", "fp16", "lowrank")
+        assert h["switch_check"]["fell"] is False and chooser.chosen == "fp16"
+        # a decision that keeps a dense mode, or picks one from a dense mode, sends nothing
+        chooser._decide(41, "gain", probe=False)
+        assert sung == [65536] and chooser.history[-1]["switch_check"] is None
+
+
 def test_before_its_reference_a_calibrated_method_is_judged_by_its_prediction_every_step(monkeypatch):
     """A moderate drift decision at step 6 keeps fp16 (measured on this link): no reference until its
     second window. The link falls at once; steps from 8 on (7 is the switch's step, left out) run

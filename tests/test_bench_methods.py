@@ -297,7 +297,7 @@ def test_worker_records_the_choosers_decisions_from_its_history():
                      "delta2": {"ddp": 0.0, "topk": 0.6}, "beta_scale": 0.8, "compute_s": pytest.approx(0.045),
                      "link_check": None, "network_source": None, "shift_s": None, "settled": [],
                      "shift_from": [], "drift_test": None, "kept_reference": False, "held_by_margin": None,
-                     "running_figure_s": None, "decide_parts_s": {}}
+                     "running_figure_s": None, "decide_parts_s": {}, "switch_check": None}
     assert second["decide_parts_s"] == {"latency": 0.0, "probe": 0.0, "check": 0.07, "codecs": 0.2}
     assert second["drift_test"] == "steps" and second["kept_reference"] is True and second["held_by_margin"] == "ddp"
     assert second["running_figure_s"] == 0.041

@@ -72,6 +72,7 @@ from ..comm.cost_model import NetworkModel
 from ..comm.direct import DIRECT_MAX_RANKS, backend_allows
 from ..comm.probe import ProbeConfig, probe_network
 from ..compressors import GroupContext
+from ..engine import dense_stop
 from ..engine.agreement import agree_values
 from ..engine.dense_stop import LinkCanary
 from ..engine.session import StepParticipant
@@ -120,6 +121,10 @@ ONE_STEP_FACTOR = 4.0
 TIME_CODECS = ("on_demand", "upfront")
 #: the tests of ``severe_drift`` as a decision's history records them (``drift_test``)
 SEVERE_TESTS = ("severe_window", "steps", "step", "exchange", "reference_window")
+
+#: the decisions made without a fresh look at the link (no probe, no dense step, no canary) that, moving from a
+#: compressed method to a dense mode, first time the link with the canary's message (AutoChooser._switch_check)
+SWITCH_CHECK_TRIGGERS = ("gain", "calibration")
 
 #: the parts of a decision's own time its history records (``decide_parts_s``, slowest rank each): the
 #: latency round, the bandwidth probe, the link check (both messages, a retimed one included) and the
@@ -702,6 +707,11 @@ class AutoChooser(StepParticipant):
         pinned = bool(engine.network.pinned and engine.network.model is not None)
         self.canary = (config.canary() if self._dense_walls_direct and not pinned and engine.plan_sends_every_param
                        else None)
+        #: before a decision that did not look at the link moves from a compressed method to a dense mode, one
+        #: canary message tells whether the link fell meanwhile (a compressed method's step may not show it:
+        #: its exchange can fit the shaper's burst). The user's canary if on, else the defaults; None where the
+        #: group takes no direct exchange or the network is pinned. See _decide and docs/auto.md
+        self._switch_check = ((self.canary or LinkCanary()) if self._dense_walls_direct and not pinned else None)
         if self.canary is not None:
             engine.enable_canary(self.canary)
         #: every decision (replicated, checkpointed): step, trigger, inputs, predictions, choice
@@ -1147,6 +1157,15 @@ class AutoChooser(StepParticipant):
         into the next step. Replicated."""
         return self._dense_walls_direct and self._dense_mode_runs()
 
+    def _sing_switch_check(self) -> dense_stop.CanaryResult:
+        """One canary message (:class:`LinkCanary`, twice where the first says "fell") on the training thread,
+        between steps, on every rank alike (a collective; the decision that calls it is replicated)."""
+        engine = self.engine
+        assert self._switch_check is not None
+        engine.synchronize()
+        return dense_stop.sing(self._switch_check, math.nan, self.network, engine.exchange_group, engine.world_size,
+                               engine.device)
+
     def _canary_due(self) -> bool:
         """Whether the link canary goes before the next step (a dense mode runs, the canary is on).
         Replicated."""
@@ -1373,11 +1392,12 @@ class AutoChooser(StepParticipant):
             cost = next(c for c in self.costs if c.name == self.chosen)
             free = predict(cost, self.workload, NetworkModel(0.0, 0.0), ws).step_s
             dense = (drift_wall_s, drift_wall_s - free, cost)
-        if not pinned and canary_s is not None and self.network is not None and self.canary is not None:
-            # the link canary saw a fall (_on_dense_stop): β from its message, α as last looked at; never
+        fall_check = self.canary or self._switch_check
+        if not pinned and canary_s is not None and self.network is not None and fall_check is not None:
+            # the link canary (or the switch check) saw a fall: β from its message, α as last looked at; never
             # faster than the model that gave the message far less time
             alpha0, latency_bytes = self.network.alpha_s, 0
-            dense_beta = max((canary_s - alpha0) / ((ws - 1) * self.canary.nbytes), self.network.beta_s_per_byte)
+            dense_beta = max((canary_s - alpha0) / ((ws - 1) * fall_check.nbytes), self.network.beta_s_per_byte)
         elif not pinned and probe and dense is not None and self.config.dense_probe_s \
                 and dense[1] >= self.config.dense_probe_s:
             if dense_wall_s is None and self.network is not None:
@@ -1484,6 +1504,24 @@ class AutoChooser(StepParticipant):
                 best, held = self._hold_or_switch(best, preds, settled)
             elif self.in_family_trial and best == self.chosen:  # the sibling would stay: the interrupted mode holds
                 best, held = self._hold_or_switch(best, preds, settled, self.history[-1].get("previous"))
+        switch_check = None
+        if (trigger in SWITCH_CHECK_TRIGGERS and not probe and canary_s is None and self._switch_check is not None
+                and self.network is not None and self.chosen is not None and best != self.chosen
+                and candidate(best).compressor is None and candidate(self.chosen).compressor is not None):
+            # about to leave a compressed method for a dense mode on a network last looked at earlier: a link that
+            # fell meanwhile would cost a whole dense step at the fallen rate before the one-step test
+            res = timed("check", self._sing_switch_check)
+            switch_check = {"fell": res.fell, "fastest_s": res.fastest_s, "predicted_s": res.predicted_s,
+                            "messages": res.messages, "bytes": self._switch_check.nbytes}
+            if res.fell:
+                rank_zero_info(f"lightning_gc auto: before leaving {self.chosen!r} for {best!r} ({trigger}), one "
+                               f"{self._switch_check.nbytes} B message per rank took {1e3 * res.fastest_s:.1f} ms on the "
+                               f"fastest rank (twice), {1e3 * (res.predicted_s or 0.0):.2f} ms on the network model: the "
+                               "link fell, re-deciding on it")
+                self._decide(step, "drift", probe=True, check_link=False, canary_s=res.fastest_s, detail="switch_check")
+                if self.history:
+                    self.history[-1]["switch_check"] = switch_check
+                return
         previous = self.chosen
         if best != previous:
             self._apply(best)
@@ -1534,7 +1572,10 @@ class AutoChooser(StepParticipant):
                  "running_figure_s": running_figure,
                  # which test saw a drift: "window" (moderate, patience), "severe_window", "steps", "step",
                  # "exchange" (severe_steps), "reference_window"
-                 "drift_test": detail}
+                 "drift_test": detail,
+                 # a gain or calibration move from a compressed method to a dense mode timed the link first
+                 # (_switch_check): what it saw (None: no such move, or no check on this group)
+                 "switch_check": switch_check}
         # replicated state: the slowest rank's times, like every other figure here (one agreement for all)
         took = agree_values([time.perf_counter() - t0] + [parts[k] for k in DECIDE_PARTS], "max",
                             engine.process_group, engine.device)

@@ -386,8 +386,9 @@ def _auto_section(doc: dict) -> list[str]:
                                             f" (check{how}: moved, re-probed)")
             if d.get("network_source") == "dense_step":
                 checked = " (β from the dense step)"
-            elif d.get("network_source") == "canary":  # the link canary at a dense step's end saw a fall
-                checked = " (β from the link canary)"
+            elif d.get("network_source") == "canary":  # the link canary (or the switch check) saw a fall
+                checked = " (β from the link canary)" if d.get("drift_test") != "switch_check" else \
+                    " (β from the switch check's message)"
             elif d.get("network_source") == "check_slope":  # moved, and the check's messages measured β
                 checked = f" (check{how}: moved, β from the check)"
             trigger = d["trigger"] + (f" ({d['drift_test']})" if d.get("drift_test") else "")
@@ -403,7 +404,9 @@ def _auto_section(doc: dict) -> list[str]:
         "first measured window), `family` (a dense sibling run for one window), `drift` (the step time moved; in brackets which test saw it: "
         "*window* (moderate, for `patience` windows), *severe_window*, *steps* (the median of the last few steps, "
         "tested every step), *step* (one step of a dense mode 8x its reference at the defaults), *exchange* (a compressed "
-        "method's exchange got much faster) or *reference_window*), "
+        "method's exchange got much faster), *reference_window*, *canary* (the link canary before a dense step saw a "
+        "fall) or *switch_check* (a gain or calibration move from a compressed method to a dense mode timed the link "
+        "first and found it fallen)), "
         "`periodic` (a scheduled re-probe), `gain` (the candidates' errors, measured again, moved). *kept: X led "
         "by < switch_margin*: a method measured on this link led the running one by less than `switch_margin`, "
         "so the running one stayed. *link*: "

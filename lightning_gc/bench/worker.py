@@ -491,6 +491,8 @@ def _auto_state(strategy) -> dict | None:
             "shift_s": _num(h.get("shift_s")), "settled": list(h.get("settled") or []),
             "shift_from": list(h.get("shift_from") or []),  # whose speed-ups the shift is the least of
             "drift_test": h.get("drift_test"),  # which test saw a drift: window, steps, step, exchange, reference_window
+            # a gain or calibration move to a dense mode that timed the link first (None: none; docs/auto.md)
+            "switch_check": h.get("switch_check"),
             # a periodic or gain decision that kept the method on an unchanged link kept its reference
             "kept_reference": bool(h.get("kept_reference", False)),
             # a measured method that led the running one by less than switch_margin (the running one stayed)
