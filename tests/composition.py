@@ -105,7 +105,8 @@ def design() -> list[dict[str, Any]]:
     # (which acts only after a calibrated window) and the every-step severe test (severe_steps; on in the first
     # case, the default, with its all-reduce every step) travel switched off, every codec is timed at the
     # warm-up (time_codecs; on demand in the first case), probe_every_max travels as 0 (no periodic look
-    # comes within these runs' steps either way: tests/test_auto_model.py drives the doubling), and the opt-in topk3 and
+    # comes within these runs' steps either way: tests/test_auto_model.py drives the doubling), the errors' re-measurement
+    # doubles from 3 up to 6 steps while the pick stands (gain_every_max; its interval travels with the checkpoint), and the opt-in topk3 and
     # lowrank1 are candidates. The first also sings the opt-in link canary before its dense steps (the steps' jobs on
     # the engine's worker behind it; on loopback it sees no fall), and
     # reads β from the warm-up's DDP step (any exposed wait counts), explores only on a 10 % lead (explore_margin 0.1) and
@@ -119,7 +120,7 @@ def design() -> list[dict[str, Any]]:
              {"accumulate": 2, "precision": "bf16-mixed", "optimizer": "adamw_clip",
               "auto_options": {"gain_every": 3, "gain_drift": 0.0, "early_comm_ratio": 1e-9,
                                "compute_shift": False, "severe_steps": 0, "time_codecs": "upfront",
-                               "probe_every_max": 0,
+                               "probe_every_max": 0, "gain_every_max": 6,
                                "candidates": ("ddp", "fp16", "lowrank", "lowrank1", "topk", "topk3", "qsgd", "efsign")}})]
     # GCStrategy options beyond the factors: SparseLoCo's decayed error memory on a Top-k Δ, resumed inside a
     # round (the memory is decayed at every outer step and carried across the checkpoint); the opening check

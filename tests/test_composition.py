@@ -26,7 +26,8 @@ SUBSET = [
      "precision": "bf16-mixed", "optimizer": "sgd", "resume": "resumed"},
     {"compressor": "auto", "sync": "bsp", "plan": "model", "controller": "none", "accumulate": 2,
      "precision": "bf16-mixed", "optimizer": "adamw_clip", "resume": "resumed",
-     "auto_options": {"gain_every": 3, "gain_drift": 0.0, "early_comm_ratio": 1e-9, "compute_shift": False}},
+     "auto_options": {"gain_every": 3, "gain_drift": 0.0, "early_comm_ratio": 1e-9, "compute_shift": False,
+                      "gain_every_max": 6}},
 ]
 # Left to the full design (pytest -m matrix) to keep the suite under 15 minutes, because other suite
 # tests resume the same state: OSP + AdamW + clipping + accumulation + bf16 (tests/test_osp_lightning.py
