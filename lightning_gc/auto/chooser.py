@@ -1159,10 +1159,10 @@ class AutoChooser(StepParticipant):
 
     def _sing_switch_check(self) -> dense_stop.CanaryResult:
         """One canary message (:class:`LinkCanary`, twice where the first says "fell") on the training thread,
-        between steps, on every rank alike (a collective; the decision that calls it is replicated)."""
+        between steps, on every rank alike (a collective; the decision that calls it is replicated, and has
+        synchronized the engine already)."""
         engine = self.engine
         assert self._switch_check is not None
-        engine.synchronize()
         return dense_stop.sing(self._switch_check, math.nan, self.network, engine.exchange_group, engine.world_size,
                                engine.device)
 
