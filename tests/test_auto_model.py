@@ -410,6 +410,59 @@ def test_codecs_are_timed_only_when_a_lower_bound_leads_and_the_pick_equals_timi
     assert min(outcomes.values()) >= 5, outcomes
 
 
+def test_the_errors_re_measurement_skips_only_candidates_that_cannot_win(monkeypatch):
+    """The ``gain`` re-measurement measures the running method's error first, then only the candidates
+    whose predicted step is at most the least time per unit of progress measured so far: a candidate
+    above it loses whatever its error. Oracles, on random cases: the set measured is the by-hand
+    bound's (the steps by hand, the running method's new error); the pick after the re-decision is
+    the brute-force argmin with the measured errors, and the same with every skipped candidate's error
+    set to 0 (its best case) or left as stored: skipping changed nothing. Some cases skip candidates,
+    some measure them all."""
+    import torch
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    rng = random.Random(17)
+    w = 1.5
+    outcomes = {"skipped_some": 0, "measured_all": 0, "switched": 0}
+    for _ in range(150):
+        wl, net, n, costs = _random_case(rng)
+        costs = [c for c in costs if c.name != "randomk"]  # not an auto candidate
+        engine = _FakeEngine(net)
+        engine.world_size = n
+        chooser = AutoChooser(engine, AutoConfig(candidates=tuple(c.name for c in costs), probe_every=0,
+                                                 progress_weight=w, gain_drift=0.0, switch_margin=0.0),
+                              torch.nn.Linear(1, 1), [])
+        chooser.workload, chooser.costs = wl, list(costs)
+        chooser._group_sample = lambda grads: (torch.zeros(1), None, 0.0)
+        chooser._decide(0, "warmup", probe=False)
+        running = chooser.chosen
+        new = {c.name: (0.0 if c.name == "ddp" else rng.uniform(0.0, 2.0)) for c in costs}
+        calls: list[str] = []
+        monkeypatch.setattr(chooser_mod, "measure_error", lambda cand, *a, _c=calls, _n=new: _c.append(cand.name)
+                            or _n[cand.name])
+        chooser._check_gain(5, {})
+        d = (wl.as_dict(), net.alpha_s, net.beta_s_per_byte, n)
+        steps = {c.name: step_by_hand(c.as_dict(), *d) for c in costs}
+        run = next(c for c in costs if c.name == running)
+        bound = steps[running] * (1 + w * (new[running] if run.error_feedback else new[running] / n))
+        want = {running} | {name for name, s in steps.items() if s <= bound}
+        assert calls[0] == running and set(calls) == want and len(calls) == len(want), (calls, want)
+        check = chooser.gain_checks[-1]
+        assert set(check["delta2"]) == want and set(check["skipped"]) == {c.name for c in costs} - want
+        measured = [c.as_dict() | ({"delta2": new[c.name]} if c.name in want else {}) for c in costs]
+        best_case = [c | ({} if c["name"] in want else {"delta2": 0.0}) for c in measured]
+        pick = argmin_by_hand(measured, *d, w)
+        assert chooser.chosen == pick == argmin_by_hand(best_case, *d, w)
+        # gain_drift 0: any move re-decides (none where only an exact method was measured)
+        assert (chooser.history[-1]["trigger"] == "gain") == (check["moved"] > 0)
+        outcomes["skipped_some" if len(want) < len(costs) else "measured_all"] += 1
+        outcomes["switched"] += pick != running
+    assert min(outcomes.values()) >= 5, outcomes
+
+
 @pytest.mark.parametrize("explore", [1, 0])
 def test_a_method_slower_than_modelled_is_charged_alone_and_the_runner_up_is_measured(monkeypatch, explore):
     chooser, engine = _slow_link_chooser(monkeypatch, explore)

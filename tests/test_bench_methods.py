@@ -307,9 +307,9 @@ def test_worker_records_the_choosers_decisions_from_its_history():
     assert second["shift_s"] == -0.012 and second["settled"] == ["ddp"] and second["shift_from"] == ["fp16"]
     assert second["link_check"] == {"check_s": 0.07, "probe_s": 0.065, "bytes": 168_000, "unchanged": True,
                                     "retimed": False, "reference": "modelled", "beta_s_per_byte": None}
-    # a check of an earlier version has no next_interval: recorded as None
-    assert rec["gain_checks"] == [dict(gains[0], next_interval=None)]
-    chooser.gain_checks = [dict(gains[0], next_interval=100)]
+    # a check of an earlier version has no next_interval nor skipped: recorded as None
+    assert rec["gain_checks"] == [dict(gains[0], next_interval=None, skipped=None)]
+    chooser.gain_checks = [dict(gains[0], next_interval=100, skipped=["topk3"])]
     assert _auto_state(SimpleNamespace(auto=chooser))["gain_checks"] == chooser.gain_checks
     assert _auto_state(SimpleNamespace(auto=None)) is None
     assert _auto_state(DDPStrategy()) is None

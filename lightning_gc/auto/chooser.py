@@ -1329,28 +1329,66 @@ class AutoChooser(StepParticipant):
         """The group sample (:meth:`_group_sample`) of the gradients as they are now."""
         return self._group_sample({i: p.grad for i, p in enumerate(self.params) if p.grad is not None})
 
+    def _model_inputs(self) -> tuple[dict[str, float], list[str], list[str], float]:
+        """What a decision predicts with besides the costs, the workload and the network: the valid
+        corrections, the methods settled on this link, the compute shift's basis and the shift."""
+        valid = self._valid_corrections()
+        windowed = self._windowed()
+        settled = sorted(windowed & set(valid))
+        shift_from = self._shift_basis(windowed, settled)
+        shift = compute_shift([self._corrections[m] for m in shift_from]) if self.config.compute_shift else 0.0
+        return valid, settled, shift_from, shift
+
     def _check_gain(self, step: int, grads: dict[int, Tensor]) -> None:
-        """Measure every candidate's error again on this step's local gradients (agreed mean, as at
-        the warm-up) and re-decide (trigger ``"gain"``, no probe) if some candidate's progress per
-        step moved by more than ``gain_drift`` from what the last decision used."""
+        """Measure the candidates' errors again on this step's local gradients (agreed mean, as at the
+        warm-up) and re-decide (trigger ``"gain"``, no probe) if some measured candidate's progress
+        per step moved by more than ``gain_drift`` from what the last decision used.
+
+        Only the candidates that could win are measured (branch and bound on the error): the running
+        method first, then every candidate whose predicted step (the gain decision's own model, in
+        which the error does not enter the step) is at most the least time per unit of progress
+        among those measured. A candidate above that bound loses whatever its error (its time per
+        progress is its step over an efficiency of at most 1); its stored error stays, marked in
+        ``gain_checks[].skipped``. Why: on ``mlp`` at 10 Mbit/s each re-measurement took 0.15-0.2 s
+        of a ~60 ms step (4 ranks on 2 cores), most of it the error of candidates whose steps were
+        4-45x the pick's time per progress (docs/auto.md). Every rank measures the same candidates:
+        the bound is computed from agreed values only."""
         engine = self.engine
-        assert self.costs is not None
+        assert self.costs is not None and self.workload is not None and self.network is not None
         flat, ctx, _ = self._group_sample(grads)
-        errors = agree_values([measure_error(c, flat, ctx) for c in self.candidates], "mean",
-                              engine.process_group, engine.device)
         ws, w = engine.world_size, self.config.progress_weight
+        valid, settled, _, shift = self._model_inputs()
+        _, preds = choose_measured(self.costs, valid, self.workload, self.network, ws, w, shift_s=shift,
+                                   settled=settled)
+        step_s = [preds[c.name].step_s for c in self.costs]
+        errors: dict[int, float] = {}
+
+        def measure(ks: list[int]) -> None:
+            vals = agree_values([measure_error(self.candidates[k], flat, ctx) for k in ks], "mean",
+                                engine.process_group, engine.device)
+            errors.update(zip(ks, vals))
+
+        names = [c.name for c in self.costs]
+        first = names.index(self.chosen) if self.chosen in names else min(range(len(names)), key=step_s.__getitem__)
+        measure([first])
+        bound = min(step_s[k] / efficiency(replace(self.costs[k], delta2=d2), ws, w) for k, d2 in errors.items())
+        rest = [k for k in range(len(names)) if k not in errors and step_s[k] <= bound]
+        if rest:
+            measure(rest)
+        skipped = [names[k] for k in range(len(names)) if k not in errors]
         moved = 0.0
-        for old, d2 in zip(self.costs, errors):
+        for k, d2 in errors.items():
+            old = self.costs[k]
             before, after = efficiency(old, ws, w), efficiency(replace(old, delta2=d2), ws, w)
             moved = max(moved, abs(after - before) / before)
         act = moved > self.config.gain_drift
-        entry = {"step": step, "delta2": dict(zip((c.name for c in self.costs), errors)), "moved": moved,
-                 "redecided": act}
+        entry = {"step": step, "delta2": {names[k]: errors[k] for k in sorted(errors)}, "moved": moved,
+                 "redecided": act, "skipped": skipped, "bound_s": bound}
         self.gain_checks.append(entry)
         self._last_gain_step = step
         running = self.chosen
         if act:
-            self.costs = [replace(c, delta2=d2) for c, d2 in zip(self.costs, errors)]
+            self.costs = [replace(c, delta2=errors[k]) if k in errors else c for k, c in enumerate(self.costs)]
             rank_zero_info(f"lightning_gc auto: the candidates' errors moved (progress per step by up to "
                            f"{100 * moved:.0f}%): re-deciding")
             self._decide(step, "gain", probe=False)
@@ -1473,11 +1511,7 @@ class AutoChooser(StepParticipant):
         if trigger not in ("calibration", "family"):  # a new decision: the model's pick, a fresh exploration budget
             self._explore_left = self.config.explore
         explore = trigger not in ("calibration", "family") or self._explore_left > 0
-        valid = self._valid_corrections()
-        windowed = self._windowed()
-        settled = sorted(windowed & set(valid))
-        shift_from = self._shift_basis(windowed, settled)
-        shift = compute_shift([self._corrections[m] for m in shift_from]) if self.config.compute_shift else 0.0
+        valid, settled, shift_from, shift = self._model_inputs()
         best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
                                       self.config.progress_weight, explore=explore, shift_s=shift, settled=settled)
         timed_codecs: list[str] = []

@@ -503,7 +503,9 @@ def _auto_state(strategy) -> dict | None:
     gains = [{"step": int(c["step"]), "delta2": {k: float(v) for k, v in c["delta2"].items()},
               "moved": float(c["moved"]), "redecided": bool(c["redecided"]),
               # steps to the next re-measurement (gain_every_max; None in checkpoints of earlier versions)
-              "next_interval": c.get("next_interval")} for c in getattr(chooser, "gain_checks", [])]
+              "next_interval": c.get("next_interval"),
+              # the candidates whose errors were not measured again: they could not win (None: earlier versions)
+              "skipped": c.get("skipped")} for c in getattr(chooser, "gain_checks", [])]
     return {"chosen": chooser.chosen, "candidates": list(chooser.config.candidates), "decisions": decisions,
             "gain_checks": gains}
 
