@@ -441,7 +441,7 @@ def test_the_errors_re_measurement_skips_only_candidates_that_cannot_win(monkeyp
         running = chooser.chosen
         new = {c.name: (0.0 if c.name == "ddp" else rng.uniform(0.0, 2.0)) for c in costs}
         calls: list[str] = []
-        monkeypatch.setattr(chooser_mod, "measure_error", lambda cand, *a, _c=calls, _n=new: _c.append(cand.name)
+        monkeypatch.setattr(chooser_mod, "measure_error", lambda cand, *a, _c=calls, _n=new, **k: _c.append(cand.name)
                             or _n[cand.name])
         chooser._check_gain(5, {})
         d = (wl.as_dict(), net.alpha_s, net.beta_s_per_byte, n)

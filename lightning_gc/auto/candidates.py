@@ -97,12 +97,23 @@ def candidate(name: str) -> AutoCandidate:
         raise ValueError(f"auto candidate {name!r} is unknown; valid: {', '.join(CANDIDATES)}.") from None
 
 
-def _relative_error(x: Tensor, sent: Tensor) -> float:
+def squared_norm(x: Tensor) -> float:
+    """``‖x‖²`` summed in float64 (without a float64 copy): the denominator of every candidate's
+    :func:`measure_error` on one gradient sample. Compute it once per sample and pass it as
+    ``norm2``: each call allocates and sums a temporary the size of the gradient (1.4-7 ms for 1.09 M
+    elements on one quiet core of this project's machine, the spread mostly the temporary's first
+    touch), and the chooser measured up to six candidates on the same sample."""
+    return float(x.square().sum(dtype=torch.float64))
+
+
+def _relative_error(x: Tensor, sent: Tensor, x2: float | None = None) -> float:
     """``‖sent − x‖² / ‖x‖²``, summed in float64 without float64 copies: the difference of two float32
     values this close is exact, and its square loses only float32 rounding. 20 ms → 1.7 ms for 1 M
     elements on one core (three float64 copies before): the chooser measures every candidate's error
-    again every ``gain_every`` steps, on the step's critical path."""
-    x2 = float(x.square().sum(dtype=torch.float64))
+    again every ``gain_every`` steps, on the step's critical path. ``x2``: ``‖x‖²``
+    (:func:`squared_norm`) if the caller has it."""
+    if x2 is None:
+        x2 = squared_norm(x)
     if x2 == 0.0:
         return 0.0
     d2 = float((sent - x).square_().sum(dtype=torch.float64)) / x2
@@ -120,32 +131,35 @@ def rank_payloads(flat: Tensor, ctx: GroupContext, world_size: int) -> tuple[lis
     return xs, ctxs
 
 
-def measure_error(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, comp: Any = None) -> float:
+def measure_error(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, comp: Any = None,
+                  norm2: float | None = None) -> float:
     """The relative error ``δ² = ‖C(g) − g‖² / ‖g‖²`` of what ``cand`` sends for the gradient ``flat``
     (this rank's own, as each rank compresses its own): a 16-bit cast's rounding, a compressor's
     decompressed payload — for a warm-started compressor (``lowrank``) after :data:`WARM_STEPS`
     steps, not its cold start from a random ``Q`` (``LowRankCompressor.warm_compress``). ``ddp`` is
     exact (0). The chooser's progress proxy (:func:`lightning_gc.auto.model.efficiency`). ``comp``: the
-    candidate's compressor if the caller built one already (a fresh one otherwise)."""
+    candidate's compressor if the caller built one already (a fresh one otherwise); ``norm2``:
+    ``‖flat‖²`` (:func:`squared_norm`) where the caller measures several candidates on one sample."""
     if cand.compressor is None:
         if cand.name == "ddp":
             return 0.0
         dtype = torch.float16 if cand.name == "fp16" else torch.bfloat16
-        return _relative_error(flat, flat.to(dtype).float())
-    return _sent_error(cand, flat, ctx, comp)[0]
+        return _relative_error(flat, flat.to(dtype).float(), norm2)
+    return _sent_error(cand, flat, ctx, comp, norm2)[0]
 
 
-def _sent_error(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, comp: Any = None) -> tuple[float, int]:
+def _sent_error(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, comp: Any = None,
+                norm2: float | None = None) -> tuple[float, int]:
     """An engine candidate's ``δ²`` on ``flat`` (see :func:`measure_error`) and the bytes of that payload."""
     if comp is None:
         comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
     warm = getattr(comp, "warm_compress", None)
     c = warm(flat, ctx, WARM_STEPS) if warm is not None else comp.compress(flat, ctx)
-    return _relative_error(flat, comp.decompress(c.payload, c.meta, ctx)), int(c.nbytes)
+    return _relative_error(flat, comp.decompress(c.payload, c.meta, ctx), norm2), int(c.nbytes)
 
 
 def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_size: int, repeats: int = 3,
-                   exact_bytes: float = 0.0, time_codec: bool = True) -> MethodCost:
+                   exact_bytes: float = 0.0, time_codec: bool = True, norm2: float | None = None) -> MethodCost:
     """Measure one candidate on this rank (local values; the chooser agrees them across ranks).
 
     ``flat``: the model's compressed group as the engine flattens it (a live gradient); ``ctx``: its
@@ -157,7 +171,8 @@ def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_s
     ``time_codec=False`` (engine methods): payload and error only, from one compression; the codec is
     left untimed (``codec_s`` 0, ``codec_timed`` False: a lower bound the chooser times on demand,
     ``AutoConfig.time_codecs``). Timing is most of a measurement's cost: 3-7 ms per candidate on the
-    quickstart MLP against 0.3-1 ms for its error, on one quiet core.
+    quickstart MLP against 0.3-1 ms for its error, on one quiet core. ``norm2``: as for
+    :func:`measure_error`.
     """
     if cand.compressor is None:
         from ..bench.codec import time_runs
@@ -167,7 +182,7 @@ def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_s
         dtype = torch.float16 if cand.name == "fp16" else torch.bfloat16
         out = torch.empty_like(flat)
         cast_s = statistics.median(time_runs(lambda: out.copy_(flat.to(dtype).div_(world_size)), repeats))
-        return MethodCost(cand.name, "bucket", cast_s, delta2=measure_error(cand, flat, ctx))
+        return MethodCost(cand.name, "bucket", cast_s, delta2=measure_error(cand, flat, ctx, norm2=norm2))
     comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
     wire = _WIRE.get(comp.wire_format)
     if wire is None:
@@ -176,7 +191,7 @@ def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_s
     codec_s = time_method_codec(cand, flat, ctx, world_size, repeats, comp) if time_codec else 0.0
     # the error with this rank's context, as the gain re-measurement takes it; on a compressor the timing
     # did not run (a fresh one after it: timing leaves state, e.g. a warm start)
-    delta2, payload = _sent_error(cand, flat, ctx, None if time_codec else comp)
+    delta2, payload = _sent_error(cand, flat, ctx, None if time_codec else comp, norm2)
     ratio = float(comp.ratio) if comp.has_ratio else 0.0
     if wire == "lowrank":  # the exact group rides in the P message, in its type
         exact_bytes = float(exact_bytes) * comp.wire_element_size / 4

@@ -82,6 +82,7 @@ from .candidates import (
     candidate,
     measure_error,
     measure_method,
+    squared_norm,
     time_method_codec,
 )
 from .model import (
@@ -1293,8 +1294,9 @@ class AutoChooser(StepParticipant):
         engine = self.engine
         flat, ctx, exact_bytes = self._group_sample(grads)
         upfront = self.config.time_codecs == "upfront"
-        local = [measure_method(c, flat, ctx, engine.world_size, self.config.repeats, exact_bytes, time_codec=upfront)
-                 for c in self.candidates]
+        norm2 = squared_norm(flat)  # once for every candidate's error
+        local = [measure_method(c, flat, ctx, engine.world_size, self.config.repeats, exact_bytes, time_codec=upfront,
+                                norm2=norm2) for c in self.candidates]
         vals = []
         for m in local:
             vals += [m.codec_s, m.payload_bytes]
@@ -1362,9 +1364,10 @@ class AutoChooser(StepParticipant):
                                    settled=settled)
         step_s = [preds[c.name].step_s for c in self.costs]
         errors: dict[int, float] = {}
+        norm2 = squared_norm(flat)  # once for every candidate's error
 
         def measure(ks: list[int]) -> None:
-            vals = agree_values([measure_error(self.candidates[k], flat, ctx) for k in ks], "mean",
+            vals = agree_values([measure_error(self.candidates[k], flat, ctx, norm2=norm2) for k in ks], "mean",
                                 engine.process_group, engine.device)
             errors.update(zip(ks, vals))
 
