@@ -122,7 +122,7 @@ def _relative_error(x: Tensor, sent: Tensor, x2: float | None = None) -> float:
     20 ms → 1.7 ms for 1 M elements on one core (three float64 copies before), then 2.3 ms → 0.35 ms
     for the difference's sum in float32 instead of a float64 accumulation: the chooser measures the
     candidates' errors again every ``gain_every`` steps, on the step's critical path, where 4 ranks
-    share 2 cores (one ``‖x‖²`` in float64 took ~60 ms of CPU there, profiled). ``x2``: ``‖x‖²``
+    share 2 cores (a profile of one rank put ~0.12 s of CPU in one float64 ``‖x‖²`` there). ``x2``: ``‖x‖²``
     (:func:`squared_norm`) if the caller has it."""
     if x2 is None:
         x2 = squared_norm(x)

@@ -1351,10 +1351,11 @@ class AutoChooser(StepParticipant):
         which the error does not enter the step) is at most the least time per unit of progress
         among those measured. A candidate above that bound loses whatever its error (its time per
         progress is its step over an efficiency of at most 1); its stored error stays, marked in
-        ``gain_checks[].skipped``. Why: on ``mlp`` at 10 Mbit/s each re-measurement took 0.15-0.2 s
-        of a ~60 ms step (4 ranks on 2 cores), most of it the error of candidates whose steps were
-        4-45x the pick's time per progress (docs/auto.md). Every rank measures the same candidates:
-        the bound is computed from agreed values only."""
+        ``gain_checks[].skipped``. Why: every error measured is CPU on the step's critical path (4 ranks
+        share 2 cores on this project's machine); on ``mlp`` at 10 Mbit/s five of the six candidates'
+        predicted steps were 2.7-57x the pick's time per progress, and measuring the pick alone took
+        that step from 204-206 ms to 140-177 ms, against ~60 ms steps (docs/auto-measurements.md).
+        Every rank measures the same candidates: the bound is computed from agreed values only."""
         engine = self.engine
         assert self.costs is not None and self.workload is not None and self.network is not None
         flat, ctx, _ = self._group_sample(grads)
