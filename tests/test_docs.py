@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -185,3 +187,119 @@ def test_preset_table_is_describe_presets():
         assert metric == f"`{d['metric']}` ({d['mode']})"
         assert float(target) == d["target"]
         assert int(batch.split()[0]) == d["batch_size"]
+
+
+# ---------------------------------------------------------------- word limits, the record, links
+# Words are counted as `wc -w` counts them: runs of non-whitespace bytes, code blocks included (a
+# guide's commands are part of what a reader reads).
+README_WORDS = 1000
+GUIDE_WORDS = 2500
+GUIDES = ("getting-started", "choosing", "auto", "compressors", "monitoring", "fabric",
+          "diloco", "osp", "omgs", "adaptive", "multi-node", "bench", "gpu")
+# Pages trimmed in a parallel change; these marks are removed when it is merged.
+PARALLEL = {"diloco", "osp", "omgs", "adaptive", "multi-node", "bench", "gpu"}
+# ... and of those, the pages that still name runs by their sitting until it is merged
+SITTING_PENDING = {"docs/gpu.md", "docs/omgs.md"}
+_PARALLEL_MARK = pytest.mark.xfail(strict=False, reason="trimmed in a parallel change")
+
+
+def _words(path: Path) -> int:
+    return len(path.read_bytes().split())
+
+
+def _pages(names) -> list:
+    return [pytest.param(n, marks=_PARALLEL_MARK) if n in PARALLEL else n for n in names]
+
+
+def test_words_are_counted_as_wc_does(tmp_path):
+    sample = tmp_path / "sample.md"
+    sample.write_bytes("one  two\tthree\n```bash\nfour --five\n```\n\u00e9six\n".encode())
+    assert _words(sample) == 8  # code fences and their commands count, as in wc -w
+    wc = shutil.which("wc")
+    if wc is None:
+        pytest.skip("no wc on this machine to compare with")
+    def wc_words(path: Path) -> int:
+        out = subprocess.run([wc, "-w", str(path)], capture_output=True, text=True, check=True,
+                             env={"LC_ALL": "C.UTF-8"})
+        return int(out.stdout.split()[0])
+
+    sign = tmp_path / "sign.md"
+    sign.write_bytes("a \u2265 b\n".encode())  # a lone non-ASCII word: wc counts it only in a UTF-8 locale
+    if wc_words(sign) != 3:
+        pytest.skip("wc has no UTF-8 locale here to compare with")
+    for path in (sample, sign, REPO / "README.md", DOCS / "auto.md", DOCS / "choosing.md"):
+        assert _words(path) == wc_words(path), path
+
+
+def test_readme_is_a_front_page():
+    words = _words(REPO / "README.md")
+    assert words <= README_WORDS, f"README.md has {words} words (wc -w); at most {README_WORDS}"
+
+
+@pytest.mark.parametrize("guide", _pages(GUIDES))
+def test_guide_within_its_word_limit(guide):
+    words = _words(DOCS / f"{guide}.md")
+    assert words <= GUIDE_WORDS, (f"docs/{guide}.md has {words} words (wc -w, code blocks included); at most "
+                                  f"{GUIDE_WORDS}: move run-by-run figures to docs/measurements/{guide}.md")
+
+
+# A measured run is named by its date, device and command, never by the sitting it came from
+# ("a fourth session", "this session's checks"). The step session of the engine and the word in
+# Lightning's or torch's own sense are not caught: only a plural, or a singular with a qualifier
+# that counts or places a sitting.
+_SITTING = re.compile(
+    r"\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|\d+(?:st|nd|rd|th)|this|that|"
+    r"previous|next|last|later|earlier|same|one|another|other|each|every|these|those|GPU)\s+sessions?\b"
+    r"|\bsessions\b", re.IGNORECASE)
+
+
+def _doc_files() -> list[str]:
+    return [f.relative_to(REPO).as_posix() for f in [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]]
+
+
+def test_sitting_pattern_catches_what_it_should():
+    for bad in ("A fourth session reran it", "this session's checks", "in the same session",
+                "## Seventh session: the hand-over", "earlier sessions refused them", "a 3rd session"):
+        assert _SITTING.search(bad), bad
+    for fine in ("the step session hands the plan", "The session is what DiLoCo's outer step needs",
+                 "a Lightning session object"):
+        assert not _SITTING.search(fine), fine
+
+
+@pytest.mark.parametrize("rel", [pytest.param(r, marks=_PARALLEL_MARK) if r in SITTING_PENDING else r
+                                 for r in _doc_files()])
+def test_no_measured_run_is_named_by_its_sitting(rel):
+    text = re.sub(r"`[^`\n]*`", "", (REPO / rel).read_text())
+    found = [text[max(0, m.start() - 40):m.end() + 20].replace("\n", " ") for m in _SITTING.finditer(text)]
+    assert not found, f"{rel} names runs by the sitting they came from (name the date, device, command): {found}"
+
+
+def _relative_links(text: str) -> list[str]:
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    return [ln.split("#")[0] for ln in links if not ln.startswith(("http:", "https:", "mailto:", "#"))]
+
+
+_LINKS_AFTER_MERGE = pytest.mark.xfail(
+    strict=False, reason="links the measurement records of a parallel change (docs/measurements/<topic>.md)")
+
+
+@pytest.mark.parametrize("rel", [pytest.param(r, marks=_LINKS_AFTER_MERGE)
+                                 if r == "docs/measurements/README.md" else r
+                                 for r in _doc_files()])
+def test_relative_links_resolve(rel):
+    page = REPO / rel
+    broken = [ln for ln in _relative_links(page.read_text()) if ln and not (page.parent / ln).exists()]
+    assert not broken, f"{rel} links files that do not exist: {broken}"
+
+
+def test_the_measured_record_is_indexed_and_linked():
+    record = DOCS / "measurements"
+    index = (record / "README.md").read_text()
+    for page in record.glob("*.md"):
+        if page.name != "README.md":
+            assert f"]({page.name})" in index, f"docs/measurements/README.md does not link {page.name}"
+    assert "](docs/measurements/README.md)" in (REPO / "README.md").read_text()
+    assert "](measurements/README.md)" in (DOCS / "index.md").read_text()
+    for guide in ("auto", "choosing", "compressors"):  # the guides whose figures moved there
+        assert f"](measurements/{guide}.md)" in (DOCS / f"{guide}.md").read_text(), guide

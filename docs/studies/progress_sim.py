@@ -1,5 +1,5 @@
 """Study script (not part of the package): how many steps does Top-k with error feedback need,
-against dense, and do error measures of the gradient predict it? docs/auto-measurements.md, "Why the error
+against dense, and do error measures of the gradient predict it? docs/measurements/auto.md, "Why the error
 proxy misranks Top-k on lm".
 
 N ranks of data-parallel training are simulated in one process: each step takes N consecutive
