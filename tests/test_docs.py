@@ -196,19 +196,10 @@ README_WORDS = 1000
 GUIDE_WORDS = 2500
 GUIDES = ("getting-started", "choosing", "auto", "compressors", "monitoring", "fabric",
           "diloco", "osp", "omgs", "adaptive", "multi-node", "bench", "gpu")
-# Pages trimmed in a parallel change; these marks are removed when it is merged.
-PARALLEL = {"diloco", "osp", "omgs", "adaptive", "multi-node", "bench", "gpu"}
-# ... and of those, the pages that still name runs by their sitting until it is merged
-SITTING_PENDING = {"docs/gpu.md", "docs/omgs.md"}
-_PARALLEL_MARK = pytest.mark.xfail(strict=False, reason="trimmed in a parallel change")
 
 
 def _words(path: Path) -> int:
     return len(path.read_bytes().split())
-
-
-def _pages(names) -> list:
-    return [pytest.param(n, marks=_PARALLEL_MARK) if n in PARALLEL else n for n in names]
 
 
 def test_words_are_counted_as_wc_does(tmp_path):
@@ -236,7 +227,7 @@ def test_readme_is_a_front_page():
     assert words <= README_WORDS, f"README.md has {words} words (wc -w); at most {README_WORDS}"
 
 
-@pytest.mark.parametrize("guide", _pages(GUIDES))
+@pytest.mark.parametrize("guide", GUIDES)
 def test_guide_within_its_word_limit(guide):
     words = _words(DOCS / f"{guide}.md")
     assert words <= GUIDE_WORDS, (f"docs/{guide}.md has {words} words (wc -w, code blocks included); at most "
@@ -266,8 +257,7 @@ def test_sitting_pattern_catches_what_it_should():
         assert not _SITTING.search(fine), fine
 
 
-@pytest.mark.parametrize("rel", [pytest.param(r, marks=_PARALLEL_MARK) if r in SITTING_PENDING else r
-                                 for r in _doc_files()])
+@pytest.mark.parametrize("rel", _doc_files())
 def test_no_measured_run_is_named_by_its_sitting(rel):
     text = re.sub(r"`[^`\n]*`", "", (REPO / rel).read_text())
     found = [text[max(0, m.start() - 40):m.end() + 20].replace("\n", " ") for m in _SITTING.finditer(text)]
@@ -280,13 +270,7 @@ def _relative_links(text: str) -> list[str]:
     return [ln.split("#")[0] for ln in links if not ln.startswith(("http:", "https:", "mailto:", "#"))]
 
 
-_LINKS_AFTER_MERGE = pytest.mark.xfail(
-    strict=False, reason="links the measurement records of a parallel change (docs/measurements/<topic>.md)")
-
-
-@pytest.mark.parametrize("rel", [pytest.param(r, marks=_LINKS_AFTER_MERGE)
-                                 if r == "docs/measurements/README.md" else r
-                                 for r in _doc_files()])
+@pytest.mark.parametrize("rel", _doc_files())
 def test_relative_links_resolve(rel):
     page = REPO / rel
     broken = [ln for ln in _relative_links(page.read_text()) if ln and not (page.parent / ln).exists()]
