@@ -6,7 +6,7 @@ named by ``class_path`` in the YAML, and the ``gc_*`` strategy aliases are regis
 module imports lightning_gc.
 
 ``lightning-gc bench ...`` runs the benchmark (see docs/bench.md); ``lightning-gc advise ...``
-predicts the ``compressor="auto"`` candidates' steps offline (lightning_gc/auto/advise.py);
+predicts the ``compressor="auto"`` candidates' steps offline (lightning_gc/bench/advise.py);
 ``lightning-gc list`` prints
 the compressors, collectives, plans and strategy aliases, one line each, and points to
 docs/choosing.md; ``lightning-gc --help`` names every compressor, plan, synchronisation model, the
@@ -122,8 +122,8 @@ def version_text() -> str:
 
 def list_text() -> str:
     """Compressors, collectives, plans and strategy aliases, one line each."""
-    from .comm.registry import available_collectives, validate_collective
     from .compressors import available_compressors, build_compressor, get_entry
+    from .exchanges.registry import available_collectives, validate_collective
     from .plans import planner_summaries
 
     lines = ["which to choose for your network, model, optimizer and world size: docs/choosing.md",
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(args[1:])
     if first == "advise":
-        from .auto.advise import main as advise_main
+        from .bench.advise import main as advise_main
 
         return advise_main(args[1:])
     if first not in LIGHTNING_COMMANDS and not first.startswith("-"):

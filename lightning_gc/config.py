@@ -64,7 +64,7 @@ class CompressionConfig:
         if self.compressor_args is None:
             object.__setattr__(self, "compressor_args", {})
         check_bool("error_feedback", self.error_feedback, "None uses the compressor's default.", allow_none=True)
-        from .comm.registry import validate_collective
+        from .exchanges.registry import validate_collective
 
         probe = get_entry(self.compressor).compressor_cls(self.compressor_config())  # validates name and options
         validate_collective(probe, self.collective)
@@ -75,7 +75,7 @@ class CompressionConfig:
 
     def resolved(self) -> tuple[str, bool]:
         """(collective name with ``"auto"`` resolved, error feedback with ``None`` resolved)."""
-        from .comm.registry import validate_collective
+        from .exchanges.registry import validate_collective
 
         probe = get_entry(self.compressor).compressor_cls(self.compressor_config())
         ef = probe.default_error_feedback if self.error_feedback is None else bool(self.error_feedback)

@@ -44,6 +44,7 @@ from .config import GCConfig
 from .engine import EngineConfig, GCEngine, gc_comm_hook
 from .engine.exit import ExitCleanMultiProcessingLauncher, destroy_default_group_at_exit
 from .engine.omgs import OMGSConfig, OMGSController
+from .engine.owner import SessionOwner
 from .engine.session import StepParticipant, StepSession
 from .summary import GCSummary, summarize
 from .sync import OSPSync, check_optimizer
@@ -111,7 +112,7 @@ _UNUSED_PATTERNS = (
 )
 
 
-class GCStrategy(DDPStrategy):
+class GCStrategy(DDPStrategy, SessionOwner):
     """Data-parallel training with compressed gradient communication.
 
     A drop-in for :class:`~lightning.pytorch.strategies.DDPStrategy`: the positional arguments are

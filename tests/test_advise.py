@@ -1,4 +1,4 @@
-"""``lightning-gc advise`` (lightning_gc/auto/advise.py): the auto chooser's model, offline.
+"""``lightning-gc advise`` (lightning_gc/bench/advise.py): the auto chooser's model, offline.
 
 * the pick against a brute-force argmin written here from the documented equations (not with
   lightning_gc.auto.model), over a grid of world sizes, links and progress weights;
@@ -13,17 +13,20 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gc.auto import advise as adv
 from lightning_gc.auto.candidates import CANDIDATES, DEFAULT_CANDIDATES
 from lightning_gc.auto.model import MethodCost, Workload
+from lightning_gc.bench import advise as adv
+from lightning_gc.bench.workloads import WorkloadError, resolve_preset
 from lightning_gc.cli import main as cli_main
 from lightning_gc.comm.cost_model import NetworkModel
+from lightning_gc.compressors import GroupContext
 
 MiB = 1024 * 1024
 
@@ -173,7 +176,7 @@ SMALL_DATA = ["--preset-arg", "num_train=512", "--preset-arg", "num_val=128"]
 
 
 def test_cli_json_end_to_end(capsys):
-    rc = cli_main(["advise", "--preset", "quickstart", *SMALL_DATA, "--world-size", "64", "--bandwidth", "1gbit",
+    rc = cli_main(["advise", "--preset", "quickstart", *SMALL_DATA, "--ranks", "64", "--bandwidth", "1gbit",
                    "--latency", "50us", "--json", "--repeats", "1", "--profile-steps", "2"])
     out = capsys.readouterr()
     assert rc == 0, out.err
@@ -195,7 +198,7 @@ def test_cli_json_end_to_end(capsys):
 
 
 def test_cli_text_names_the_pick_and_the_figures_given(capsys):
-    rc = cli_main(["advise", "--preset", "quickstart", *SMALL_DATA, "--world-size", "4", "--bandwidth", "100mbit",
+    rc = cli_main(["advise", "--preset", "quickstart", *SMALL_DATA, "--ranks", "4", "--bandwidth", "100mbit",
                    "--candidates", "ddp,topk", "--repeats", "1", "--profile-steps", "1", "--skip-steps", "0",
                    "--forward-ms", "2", "--backward-ms", "6", "--optimizer-ms", "1"])
     out = capsys.readouterr()
@@ -210,9 +213,10 @@ def test_cli_text_names_the_pick_and_the_figures_given(capsys):
 
 # ---------------------------------------------------------------- 3. bad input
 @pytest.mark.parametrize("argv, needle", [
-    (["--world-size", "0"], "--world-size 0"),
-    (["--world-size", "2048"], "--world-size 2048"),
-    (["--world-size", "many"], "'many'"),
+    (["--ranks", "0"], "--ranks 0"),
+    (["--ranks", "2048"], "--ranks 2048"),
+    (["--ranks", "many"], "'many'"),
+    (["--world-size", "0"], "--ranks 0"),  # the alias, checked the same way
     (["--bandwidth", "10mbps"], "'10mbps'"),
     (["--bandwidth", "fast"], "'fast'"),
     (["--latency", "5parsec"], "'5parsec'"),
@@ -226,10 +230,10 @@ def test_cli_text_names_the_pick_and_the_figures_given(capsys):
     (["--preset-arg", "nonsense_arg=3"], "nonsense_arg"),
 ])
 def test_bad_input_is_refused_naming_the_value(capsys, argv, needle):
-    base = {"--preset": "quickstart", "--world-size": "8", "--bandwidth": "1gbit"}
+    base = {"--preset": "quickstart", "--ranks": "8", "--bandwidth": "1gbit"}
     args = list(argv)
     for k, v in base.items():
-        if k not in args:
+        if k not in args and not (k == "--ranks" and "--world-size" in args):
             args += [k, v]
     assert cli_main(["advise", *args]) == 2
     err = capsys.readouterr().err
@@ -246,7 +250,7 @@ def test_parsers():
         adv.parse_latency("5")
     with pytest.raises(adv.AdviseError, match="byte unit"):
         adv.parse_bandwidth("100MB")
-    with pytest.raises(adv.AdviseError, match="world-size 1025"):
+    with pytest.raises(adv.AdviseError, match="ranks 1025"):
         adv.advise(ORACLE_WORKLOAD, ORACLE_COSTS, NetworkModel(0, 0), 1025)
 
 
@@ -284,6 +288,9 @@ def test_profile_follows_the_engines_model_plan(mlp_profile):
     assert prof.flat.numel() == w.numel - (768 + 768 + 512 + 10) == sum(prof.ctx.segments)
     assert all(len(s) == 2 for s in prof.ctx.shapes)  # lowrank sees the matrices' shapes
     assert w.forward_s > 0 and w.backward_total_s > 0 and w.optimizer_s > 0 and w.other_s == 0
+    # one compute time per timed step, each at least that step's forward (the medians' parts)
+    assert len(prof.step_s) == prof.steps == 2 and all(t > 0 for t in prof.step_s)
+    assert prof.spread == max(prof.step_s) / min(prof.step_s)
     assert [c.name for c in costs] == list(DEFAULT_CANDIDATES)
     # the exact group in fp32 beside the group, or in lowrank_bf16's bfloat16 P message
     assert all(c.exact_bytes == prof.exact_bytes / (2 if c.name == "lowrank_bf16" else 1)
@@ -381,8 +388,14 @@ class _Tiny(L.LightningModule):
                           batch_size=16)
 
 
-def tiny_factory(hidden: int = 64) -> L.LightningModule:
-    """A ``module:factory`` without a seed argument, returning a bare LightningModule."""
+def tiny_factory(seed: int = 0, hidden: int = 64) -> SimpleNamespace:
+    """A ``module:factory`` with the bench's contract (docs/bench.md): an object with model, datamodule, ..."""
+    return SimpleNamespace(model=_Tiny(hidden), datamodule=None, metric="val_loss", mode="min", target=None,
+                           batch_size=16)
+
+
+def bare_factory(seed: int = 0, hidden: int = 64) -> L.LightningModule:
+    """A factory returning a bare LightningModule: not the bench's contract."""
     return _Tiny(hidden)
 
 
@@ -394,7 +407,65 @@ def test_module_factory_and_unused_parameters():
     assert prof.flat.numel() == 32 * 48 and prof.exact_names  # b.weight (144), the biases: exact
     assert prof.workload.numel == 32 * 48 + 48 + 48 * 3 + 3
     with pytest.raises(adv.AdviseError, match="min_compress_numel"):
-        adv.profile_module(tiny_factory(8), skip_steps=0, profile_steps=1)
+        adv.profile_module(_Tiny(8), skip_steps=0, profile_steps=1)
+
+
+def test_advise_takes_exactly_the_bench_presets():
+    """advise and the bench load --preset through one function: what one accepts the other does, and a
+    factory returning a bare LightningModule is refused by both with the contract in the message."""
+    bench_w = resolve_preset(f"{__name__}:tiny_factory", seed=0, hidden=40)
+    model, _, _ = adv.build_module(f"{__name__}:tiny_factory", {"hidden": 40})
+    assert type(model) is type(bench_w.model) and model.a.out_features == bench_w.model.a.out_features == 40
+    with pytest.raises(WorkloadError, match="model, datamodule, metric, mode, target, batch_size") as bench_err:
+        resolve_preset(f"{__name__}:bare_factory", seed=0)
+    with pytest.raises(adv.AdviseError, match="model, datamodule, metric, mode, target, batch_size") as adv_err:
+        adv.build_module(f"{__name__}:bare_factory")
+    assert str(bench_err.value) in str(adv_err.value)
+    with pytest.raises(adv.AdviseError, match="nonsense"):  # the factory's own TypeError, named
+        adv.build_module(f"{__name__}:tiny_factory", {"nonsense": 1})
+
+
+def test_ranks_is_the_main_spelling_and_world_size_an_alias():
+    for flag in ("--ranks", "--world-size", "-N"):
+        args = adv.build_parser().parse_args(["--preset", "mlp", flag, "64", "--bandwidth", "1gbit"])
+        assert args.ranks == 64, flag
+    assert "--ranks" in adv.build_parser().format_help()
+
+
+# ---------------------------------------------------------------- 5. timed steps that disagree
+def test_spread_warning_on_steps_that_disagree():
+    """Analytic cases: compute 10, 11 and 40 ms is a 4x spread (warned, above 2x); 10, 12, 15 ms is 1.5x."""
+    assert adv.compute_spread([0.010, 0.011, 0.040]) == pytest.approx(4.0)
+    msg = adv.spread_warning([0.010, 0.011, 0.040])
+    assert msg is not None and "4.0x > 2x" in msg and "10.0, 11.0, 40.0 ms" in msg and "--profile-steps" in msg
+    assert adv.spread_warning([0.010, 0.012, 0.015]) is None
+    assert adv.spread_warning([0.010, 0.020]) is None  # exactly the factor: not above it
+    assert adv.spread_warning([0.010, 0.0201]) is not None
+    assert adv.spread_warning([0.010]) is None and adv.compute_spread([]) == 1.0
+    assert adv.spread_warning([0.0, 0.01]) is not None  # a step of 0 s: an infinite spread
+    assert adv.spread_warning([0.010, 0.030], factor=4.0) is None
+
+
+def _fake_profile(step_s: tuple[float, ...]) -> adv.Profile:
+    flat = torch.ones(2048)
+    ctx = GroupContext(step=1, rank=0, world_size=1, segments=(2048,), seed=0)
+    return adv.Profile(ORACLE_WORKLOAD, flat, ctx, 0.0, ("w",), len(step_s), step_s=step_s)
+
+
+@pytest.mark.parametrize("step_s, warned", [((0.010, 0.011, 0.040), True), ((0.010, 0.011, 0.012), False)])
+def test_advise_reports_a_profile_whose_steps_disagree(monkeypatch, capsys, step_s, warned):
+    monkeypatch.setattr(adv, "build_module", lambda preset, args, seed: (None, None, preset))
+    monkeypatch.setattr(adv, "profile_module", lambda *a, **k: _fake_profile(step_s))
+    monkeypatch.setattr(adv, "measure_costs", lambda names, *a, **k: [c for c in ORACLE_COSTS if c.name in names])
+    names = ",".join(c.name for c in ORACLE_COSTS)
+    assert adv.main(["--preset", "fake", "--ranks", "4", "--bandwidth", "1gbit", "--candidates", names]) == 0
+    text = capsys.readouterr().out
+    assert ("timed steps disagree" in text) is warned
+    assert adv.main(["--preset", "fake", "--ranks", "4", "--bandwidth", "1gbit", "--candidates", names,
+                     "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["inputs"]["warnings"]) == int(warned)
+    assert doc["inputs"]["profile"]["spread"] == pytest.approx(max(step_s) / min(step_s))
 
 
 def test_candidates_cover_the_choosers():
@@ -412,7 +483,7 @@ def test_the_progress_weight_default_is_one_constant_for_the_chooser_and_advise(
 
     assert DEFAULT_PROGRESS_WEIGHT == 2.0
     assert AutoConfig().progress_weight == DEFAULT_PROGRESS_WEIGHT
-    assert adv.build_parser().parse_args(["--preset", "mlp", "--world-size", "4", "--bandwidth", "1gbit"]
+    assert adv.build_parser().parse_args(["--preset", "mlp", "--ranks", "4", "--bandwidth", "1gbit"]
                                          ).progress_weight == DEFAULT_PROGRESS_WEIGHT
     for fn in (adv.advise, adv.run):
         assert inspect.signature(fn).parameters["progress_weight"].default == DEFAULT_PROGRESS_WEIGHT

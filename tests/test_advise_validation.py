@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import lightning_gc.auto.advise as advise_mod
+import lightning_gc.bench.advise as advise_mod
 from lightning_gc.auto.model import MethodCost, Workload
 from lightning_gc.bench import advise_validation as av
 

@@ -20,10 +20,10 @@ import pytest
 import torch
 from dist_harness import run_distributed
 
-from lightning_gc.comm.artopk import AutoSparseExchange, NetworkState
 from lightning_gc.comm.cost_model import NetworkModel
 from lightning_gc.comm.exchange import ExchangeTimes, Timer
 from lightning_gc.compressors import GroupContext, build_compressor
+from lightning_gc.exchanges.artopk import AutoSparseExchange, NetworkState
 
 NUMEL = 3000
 RATIO = 0.05

@@ -222,8 +222,8 @@ def test_fp16_values_with_int32_indices_hand_computed() -> None:
 
 
 def test_auto_exchange_predicts_fp16_cost_by_hand() -> None:
-    from lightning_gc.comm.artopk import AutoSparseExchange, NetworkState
     from lightning_gc.compressors import GroupContext, build_compressor
+    from lightning_gc.exchanges.artopk import AutoSparseExchange, NetworkState
 
     a, b, N, c, numel = 1e-3, 1e-6, 4, 0.1, 1000
     ex = AutoSparseExchange(build_compressor("artopk_auto", ratio=c), None, NetworkState(NetworkModel(a, b), True))

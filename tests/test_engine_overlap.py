@@ -26,9 +26,9 @@ import torch.distributed as dist
 from dist_harness import run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_gc.comm.registry import compatible_collectives
 from lightning_gc.compressors import available_compressors, build_compressor, takes_ratio
 from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
+from lightning_gc.exchanges.registry import compatible_collectives
 
 STEPS = 12  # GradiVeQ's pairs: 12 steps reach every phase: it warms up (0-1), samples (2-4), compresses (5-9)
 # and starts its second sample phase (10-11)

@@ -179,38 +179,45 @@ def test_engine_state_round_trip_and_version_refusal():
 
 
 # ---------------------------------------------------------------- algorithm packages
-def test_algorithm_packages_own_codec_state_and_exchange():
-    """GradiVeQ and Marsit each live in one package; the old module paths are the same modules.
-
-    The registries must hand out the package's classes (not a copy left behind at an old path),
-    and an alias must be the very module object, so that code patching ``comm.marsit`` patches
-    the exchange that runs.
+def test_algorithm_packages_own_codec_and_state_and_their_exchanges_sit_above_comm():
+    """GradiVeQ, Marsit and the low-rank family keep codec and compressor in one package under
+    compressors/ (communication-free: compressors are pure tensor transforms); their exchanges live in
+    lightning_gc.exchanges, above the transport, and the registry hands out exactly those classes.
+    The earlier alias modules (comm.gradiveq, comm.marsit) are gone: they made comm/ import upward.
     """
+    import ast
     import importlib
     import pathlib
 
-    from lightning_gc.comm.registry import make_exchange
     from lightning_gc.compressors import gradiveq as gq_pkg
+    from lightning_gc.compressors import lowrank as lr_pkg
     from lightning_gc.compressors import marsit as ms_pkg
     from lightning_gc.compressors.registry import build_compressor
+    from lightning_gc.exchanges import gradiveq as gq_ex
+    from lightning_gc.exchanges import lowrank as lr_ex
+    from lightning_gc.exchanges import marsit as ms_ex
+    from lightning_gc.exchanges.registry import make_exchange
 
-    for pkg, old, exchange_names in (
-        (gq_pkg, "lightning_gc.comm.gradiveq", ("GradiVeQExchange", "GradiVeQRingExchange")),
-        (ms_pkg, "lightning_gc.comm.marsit", ("MarsitExchange",)),
-    ):
-        parts = {m: importlib.import_module(f"{pkg.__name__}.{m}") for m in ("codec", "compressor", "exchange")}
-        assert importlib.import_module(old) is parts["exchange"]
-        for name in exchange_names:
-            assert getattr(pkg, name) is getattr(parts["exchange"], name)
-        # codec.py is communication-free: it must not import torch.distributed or comm/
-        codec_src = pathlib.Path(parts["codec"].__file__).read_text()
-        assert "torch.distributed" not in codec_src and "comm." not in codec_src
+    for pkg in (gq_pkg, lr_pkg, ms_pkg):
+        for m in ("codec", "compressor", "__init__"):
+            tree = ast.parse(pathlib.Path(pkg.__file__).with_name(f"{m}.py").read_text())
+            imported = [("." * n.level + (n.module or "")) if isinstance(n, ast.ImportFrom) else a.name
+                        for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                        for a in n.names]
+            assert not [x for x in imported if "distributed" in x or "comm" in x or "exchange" in x], (pkg, m, imported)
+        assert not pathlib.Path(pkg.__file__).with_name("exchange.py").exists()
+    for old in ("lightning_gc.comm.gradiveq", "lightning_gc.comm.marsit"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
 
     gq = build_compressor("gradiveq")
     ms = build_compressor("marsit")
+    lr = build_compressor("lowrank")
     assert type(gq) is gq_pkg.GradiVeQCompressor and type(ms) is ms_pkg.MarsitCompressor
-    assert type(make_exchange(gq, "auto")).__module__ == "lightning_gc.compressors.gradiveq.exchange"
-    assert type(make_exchange(ms, "auto")) is ms_pkg.MarsitExchange
+    assert type(make_exchange(gq, "auto")) is gq_ex.GradiVeQRingExchange
+    assert type(make_exchange(gq, "gradiveq_allreduce")) is gq_ex.GradiVeQExchange
+    assert type(make_exchange(ms, "auto")) is ms_ex.MarsitExchange
+    assert type(make_exchange(lr, "auto")) is lr_ex.LowRankExchange
     # the advice is the package's own (momentum with full-precision rounds), not the strategy's; without
     # error feedback nothing is released, so there is nothing to warn about
     sgd = torch.optim.SGD([torch.zeros(1)], lr=0.1, momentum=0.9)

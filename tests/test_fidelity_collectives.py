@@ -24,8 +24,8 @@ import torch
 from dist_harness import gather_all, run_distributed
 
 from lightning_gc.comm.exchange import ExchangeTimes, SparseSent, Timer
-from lightning_gc.comm.registry import make_exchange
 from lightning_gc.compressors import GroupContext, build_compressor, takes_ratio
+from lightning_gc.exchanges.registry import make_exchange
 
 SEGMENTS = (700, 37, 563)  # uneven layers: layer-wise Top-k differs from global Top-k here
 NUMEL = sum(SEGMENTS)

@@ -31,13 +31,9 @@ from dist_harness import run_distributed
 
 from lightning_gc.comm.exchange import ExchangeTimes, Timer
 from lightning_gc.compressors import GroupContext, available_compressors, build_compressor, takes_ratio
-from lightning_gc.compressors.gradiveq import (
-    GradiVeQCompressor,
-    GradiVeQConfig,
-    GradiVeQRingExchange,
-    GroupBasis,
-)
+from lightning_gc.compressors.gradiveq import GradiVeQCompressor, GradiVeQConfig, GroupBasis
 from lightning_gc.engine import EngineConfig, GCEngine
+from lightning_gc.exchanges.gradiveq import GradiVeQRingExchange
 
 SHAPES = ((12, 40), (12,))  # a linear layer: F·D = 480 > 96 → K = 12·8 = 96, 5 rows; its bias exact
 SEGS = (480, 12)

@@ -31,18 +31,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gc import GCStrategy
 from lightning_gc.comm.exchange import ExchangeTimes, Timer
-from lightning_gc.comm.registry import make_exchange, validate_collective
 from lightning_gc.compressors import GroupContext, build_compressor
-from lightning_gc.compressors.gradiveq import (
-    GradiVeQCompressor,
-    GradiVeQConfig,
-    GradiVeQExchange,
-    GradiVeQRingExchange,
-    chunk_plan,
-    pieces_of,
-    slice_rule,
-)
+from lightning_gc.compressors.gradiveq import GradiVeQCompressor, GradiVeQConfig, slice_rule
 from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
+from lightning_gc.exchanges.gradiveq import GradiVeQExchange, GradiVeQRingExchange, chunk_plan, pieces_of
+from lightning_gc.exchanges.registry import make_exchange, validate_collective
 
 
 # ----------------------------------------------------------------------------- config, registry

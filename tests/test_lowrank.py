@@ -27,10 +27,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gc.comm import direct
 from lightning_gc.comm.exchange import ExchangeTimes, LazySent, Timer
-from lightning_gc.comm.registry import make_exchange, validate_collective
 from lightning_gc.compressors import GroupContext, build_compressor
-from lightning_gc.compressors.lowrank import LowRankConfig, LowRankExchange, plan_blocks, project, project_t
+from lightning_gc.compressors.lowrank import LowRankConfig, plan_blocks, project, project_t
 from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
+from lightning_gc.exchanges.lowrank import LowRankExchange
+from lightning_gc.exchanges.registry import make_exchange, validate_collective
 
 RANK = 2
 # a group: a 12×10 matrix (compressed), a bias, a 3×2 matrix (too small: dense), a 10×3×3 conv

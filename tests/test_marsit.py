@@ -31,17 +31,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gc import GCStrategy
 from lightning_gc.comm.exchange import ExchangeTimes, Timer
-from lightning_gc.comm.registry import make_exchange, validate_collective
 from lightning_gc.compressors import GroupContext, build_compressor
 from lightning_gc.compressors.marsit import (
     MarsitCompressor,
     MarsitConfig,
-    MarsitExchange,
     merge_packed,
     transient_bits,
 )
 from lightning_gc.compressors.packing import pack_bits, unpack_bits
 from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
+from lightning_gc.exchanges.marsit import MarsitExchange
+from lightning_gc.exchanges.registry import make_exchange, validate_collective
 
 
 # ----------------------------------------------------------------------------- config, registry

@@ -13,9 +13,9 @@ import torch
 from dist_harness import run_distributed
 
 from lightning_gc.comm.exchange import ExchangeTimes, Timer
-from lightning_gc.comm.registry import make_exchange
-from lightning_gc.comm.ssdm_cascade import ssdm_decode, ssdm_encode
 from lightning_gc.compressors import GroupContext, build_compressor
+from lightning_gc.exchanges.registry import make_exchange
+from lightning_gc.exchanges.ssdm_cascade import ssdm_decode, ssdm_encode
 
 
 def test_ssdm_stochastic_sign_is_unbiased():

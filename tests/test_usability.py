@@ -232,7 +232,7 @@ def test_unknown_command_and_no_command_exit_2(capsys):
 
 
 def test_list_has_one_line_per_compressor_collective_plan_and_alias(capsys):
-    from lightning_gc.comm.registry import available_collectives
+    from lightning_gc.exchanges.registry import available_collectives
 
     assert cli_main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()

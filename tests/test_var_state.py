@@ -19,10 +19,10 @@ import pytest
 import torch
 from dist_harness import run_distributed
 
-from lightning_gc.comm.artopk import ARTopkExchange
 from lightning_gc.comm.exchange import ExchangeTimes, Timer
 from lightning_gc.compressors import GroupContext, ratio_to_k
 from lightning_gc.compressors.artopk import ARTopKConfig, VARTopKCompressor
+from lightning_gc.exchanges.artopk import ARTopkExchange
 
 BETA = 0.8
 RATIO = 0.05

@@ -38,9 +38,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ..comm.cost_model import SPARSE_COLLECTIVE_TIE_ORDER, NetworkModel
 from ..comm.probe import ProbeConfig, probe_network
-from ..comm.registry import collective_code
 from ..compressors import build_config
+from ..engine.owner import SessionOwner
 from ..engine.ports import EngineControl
+from ..exchanges.registry import collective_code
 from .config import AdaptiveConfig
 from .decision import Decision, decide
 from .objectives import (
@@ -135,10 +136,8 @@ class AdaptiveRatio(Callback):
     # ------------------------------------------------------------------ setup
     @staticmethod
     def _strategy(trainer: Any):
-        from ..strategy import GCStrategy
-
         strategy = trainer.strategy
-        if not isinstance(strategy, GCStrategy):
+        if not isinstance(strategy, SessionOwner):
             raise ValueError(
                 f"AdaptiveRatio needs a lightning_gc GCStrategy, got {type(strategy).__name__}: it changes the "
                 "compression ratio of the strategy's engine. Use Trainer(strategy=GCStrategy(compressor='topk'), ...) "

@@ -3,7 +3,7 @@
 * :mod:`~lightning_gc.auto.model` -- the step-time and progress model (pure functions);
 * :mod:`~lightning_gc.auto.candidates` -- the methods chosen among, measured on a live gradient;
 * :mod:`~lightning_gc.auto.chooser` -- the step participant that profiles, decides and re-decides;
-* :mod:`~lightning_gc.auto.advise` -- the same model offline (``lightning-gc advise``).
+* :mod:`~lightning_gc.bench.advise` -- the same model offline (``lightning-gc advise``, beside the bench).
 """
 
 from .candidates import CANDIDATES, DEFAULT_CANDIDATES, AutoCandidate

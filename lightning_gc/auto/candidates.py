@@ -187,7 +187,7 @@ def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_s
     :func:`measure_error`.
     """
     if cand.compressor is None:
-        from ..bench.codec import time_runs
+        from ..compressors.timing import time_runs
 
         if cand.name == "ddp":
             return MethodCost("ddp", "bucket", 0.0)
@@ -218,7 +218,7 @@ def time_method_codec(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, worl
     :func:`~lightning_gc.bench.codec.time_codec` (the codec micro-benchmark's one timing function) on
     ``world_size`` payloads made from ``flat`` (:func:`rank_payloads`); ``comp``: the compressor to
     time (a fresh one otherwise)."""
-    from ..bench.codec import time_codec
+    from ..compressors.timing import time_codec
 
     if comp is None:
         comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)

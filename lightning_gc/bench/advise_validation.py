@@ -1,7 +1,7 @@
 """Validate ``lightning-gc advise`` against the steps a bench run measured.
 
 Given a bench JSON (one run, or a ``--bandwidth a,b,...`` sweep), for every link of it this runs
-:func:`lightning_gc.auto.advise.run` for the same preset, preset arguments, world size and link rate,
+:func:`lightning_gc.bench.advise.run` for the same preset, preset arguments, world size and link rate,
 and sets each measured method's median step beside the prediction of the advise candidate that models
 it:
 
@@ -61,7 +61,7 @@ def validate_run(run: dict, repeats: int = 3, other_ms: float | None = None) -> 
     """Advise for one bench run's preset, ranks and link; one row per modelled method."""
     import torch
 
-    from ..auto import advise as advise_mod
+    from . import advise as advise_mod
 
     cfg = run["config"]
     torch.set_num_threads(int(cfg.get("threads") or 1))  # the ranks' own thread count

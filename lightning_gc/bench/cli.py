@@ -15,22 +15,13 @@ import sys
 
 from lightning_gc.bench.methods import MethodError
 from lightning_gc.bench.schedule import ScheduleError
-from lightning_gc.bench.workloads import WorkloadError
+from lightning_gc.bench.workloads import WorkloadError, preset_arg
 
 __all__ = ["main", "build_parser"]
 
 
 def _log(msg: str) -> None:
     print(msg, flush=True)
-
-
-def _kv(text: str) -> tuple[str, object]:
-    from lightning_gc.bench.methods import _parse_value
-
-    key, eq, value = text.partition("=")
-    if not eq or not key.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE; write e.g. --preset-arg batch_size=64")
-    return key.strip(), _parse_value(value)
 
 
 def _seeds(text: str) -> tuple[int, ...]:
@@ -63,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w = p.add_argument_group("workload")
     w.add_argument("--preset", default="mlp", help="mlp | cnn | lm | gpt | quickstart | probe | deep | module:factory")
-    w.add_argument("--preset-arg", action="append", type=_kv, default=[], metavar="KEY=VALUE",
+    w.add_argument("--preset-arg", action="append", type=preset_arg, default=[], metavar="KEY=VALUE",
                    help="extra keyword for the preset factory (repeatable)")
     w.add_argument("--steps", type=int, default=20, help="training steps per method (with --budget: the most)")
     w.add_argument("--budget", type=float, default=None, metavar="SECONDS",

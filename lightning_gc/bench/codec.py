@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from lightning_gc.compressors.timing import time_codec, time_runs
+
 SCHEMA = "lightning_gc.bench.codec/1"
 
 _SUFFIX = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
@@ -124,28 +126,6 @@ class Timing:
     runs: list[float] = field(default_factory=list)
 
 
-def _sync() -> None:
-    """Wait for queued CUDA kernels (a no-op where CUDA was never used): a wall-clock time of CUDA
-    work without it measures the kernel launches, not the kernels."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def time_runs(fn: Callable[[], object], repeats: int) -> list[float]:
-    """Seconds of ``repeats`` calls of ``fn`` after one untimed warm-up call (allocator, lazy
-    initialisation); the codec bench and the ``auto`` chooser's measurement both time with it.
-    Each call is bracketed by a CUDA synchronisation where CUDA is in use."""
-    fn()  # warm-up (allocator, lazy initialisation)
-    out = []
-    for _ in range(repeats):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def _timing(runs: list[float], n: int, ref_s: float) -> dict:
     s = statistics.median(runs)
     return asdict(Timing(seconds=s, elements_per_s=n / s if s > 0 else float("inf"),
@@ -209,83 +189,6 @@ def _near_square(numel: int) -> tuple[int, int]:
     """``(d, numel // d)`` with d the largest divisor of ``numel`` not above its square root."""
     d = max(k for k in range(1, int(numel ** 0.5) + 1) if numel % k == 0)
     return d, numel // d
-
-
-def time_codec(comp, xs: list[torch.Tensor], ctxs: list, repeats: int) -> dict:
-    """Time one compressor's passes as the engine runs them per step and rank; raw seconds.
-
-    The one function through which codec costs reach the ``auto`` chooser
-    (:mod:`lightning_gc.auto.measure` calls it on the live gradient, :func:`run_codec_bench` on
-    synthetic ones). ``xs``: one flat fp32 gradient per rank (``len(xs)`` = world size), ``ctxs``:
-    their :class:`~lightning_gc.compressors.GroupContext` s (rank ``r`` for ``xs[r]``).
-
-    Returns ``{"wire_format", "describe", "payload_bytes", "needs_dense_sent", "timings": {pass:
-    [seconds per run]}, "engine_codec_s"}``; ``engine_codec_s`` (medians) is what the engine's
-    ``compress`` timer covers per step: compress + aggregate (+ the gather of values for AR-Topk)
-    (+ decompress when the format's ``sent`` is not an exact subset of ``p``).
-    """
-    from lightning_gc.comm.collectives import pack_payload, unpack_payload
-    from lightning_gc.compressors.sparse import scatter_sparse
-
-    n = xs[0].numel()
-    N = len(xs)
-    c0 = ctxs[0]
-    res: dict = {"wire_format": comp.wire_format, "describe": comp.describe()}
-    timings: dict[str, list[float]] = {}
-    timings["compress"] = time_runs(lambda: comp.compress(xs[0], c0), repeats)
-    outs = [comp.compress(x, c) for x, c in zip(xs, ctxs)]
-    res["payload_bytes"] = outs[0].nbytes
-    fmt = comp.wire_format
-    if fmt == "allgather":
-        specs = comp.payload_specs(c0, xs[0].dtype)
-        timings["pack"] = time_runs(lambda: pack_payload(outs[0].payload), repeats)
-        bufs = [pack_payload(o.payload) for o in outs]
-        timings["unpack"] = time_runs(lambda: [unpack_payload(b, specs) for b in bufs], repeats)
-        payloads = [unpack_payload(b, specs) for b in bufs]
-        timings["aggregate"] = time_runs(lambda: comp.aggregate_gathered(payloads, outs[0].meta, c0), repeats)
-        needs_sent = not getattr(comp, "sends_exact_subset", False)
-    elif fmt in ("allreduce", "gradiveq"):  # gradiveq: coefficients add up (identity before a basis is fitted)
-        summed = tuple(sum(o.payload[i] for o in outs) for i in range(len(outs[0].payload)))
-        # aggregate_summed may work in place on the summed buffers (it owns them in the exchange)
-        timings["aggregate"] = time_runs(
-            lambda: comp.aggregate_summed(tuple(t.clone() for t in summed), outs[0].meta, c0), repeats
-        )
-        clone_s = time_runs(lambda: tuple(t.clone() for t in summed), repeats)
-        timings["aggregate"] = [max(a - b, 0.0) for a, b in zip(timings["aggregate"], clone_s)]
-        needs_sent = True
-    elif fmt == "lowrank":  # P and Q add up; the mean is P̂·Q̄ᵀ, what decompress computes
-        summed = tuple(sum(o.payload[i] for o in outs) for i in range(len(outs[0].payload)))
-        timings["aggregate"] = time_runs(lambda: comp.decompress(summed, outs[0].meta, c0), repeats)
-        needs_sent = True
-    elif fmt == "marsit":  # the ring's ⊙ merges: per rank N−1 hops, each merging one 1/N chunk of the bits
-        from lightning_gc.compressors.marsit.codec import merge_packed
-
-        bits = [o.payload[1] for o in outs]
-
-        def merges() -> None:
-            acc = torch.tensor_split(bits[0], N)
-            for hop in range(N - 1):
-                merge_packed(torch.tensor_split(bits[(hop + 1) % N], N)[hop], acc[hop], hop + 2,
-                             comp.transient_generator(c0, hop))
-
-        timings["aggregate"] = time_runs(merges, repeats)
-        needs_sent = True  # the merged bits decoded into the mean (η·sign), which is also its sent
-    else:  # AR-Topk: the source's indices, every rank's values there summed, scattered into the mean
-        idx = outs[0].payload[1]
-        idx_long = idx.long()
-        timings["gather_values"] = time_runs(lambda: xs[0][idx_long].contiguous(), repeats)
-        summed_v = sum(x[idx_long] for x in xs)
-        timings["aggregate"] = time_runs(lambda: scatter_sparse(summed_v / N, idx, n), repeats)
-        needs_sent = False
-    timings["decompress"] = time_runs(lambda: comp.decompress(outs[0].payload, outs[0].meta, c0), repeats)
-    med = {k: statistics.median(v) for k, v in timings.items()}
-    total = med["compress"] + med["aggregate"] + med.get("gather_values", 0.0)
-    if needs_sent:
-        total += med["decompress"]
-    res["needs_dense_sent"] = needs_sent
-    res["timings"] = timings
-    res["engine_codec_s"] = total
-    return res
 
 
 def _compressor_passes(name: str, xs: list[torch.Tensor], cfg: CodecBenchConfig, ref_s: float) -> dict:

@@ -87,6 +87,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from ..auto.chooser import AutoConfig
 from ..config import FLAT_FIELDS, FLAT_PREFIXES
+from .workloads import parse_value
 
 __all__ = [
     "MethodError",
@@ -126,22 +127,6 @@ _OPTION_ALIASES = {"marsit": {"K": "full_precision_every"},
 
 class MethodError(ValueError):
     """An unknown method or a bad method option; the message names the value, the reason and the fix."""
-
-
-def _parse_value(text: str) -> Any:
-    low = text.strip().lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    if low in ("none", "null"):
-        return None
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text.strip()
 
 
 @dataclass(frozen=True)
@@ -279,7 +264,7 @@ def parse_methods(text: str, *, default_ratio: float | None) -> list[MethodSpec]
                 raise MethodError(
                     f"method {entry!r}: option {part!r} is not KEY=VALUE; write e.g. 'topk:ratio=0.001'"
                 )
-            options[key] = _parse_value(value)
+            options[key] = parse_value(value)
         if gc and name == AUTO:
             _check_auto(entry, options)
         elif gc:

@@ -27,13 +27,45 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["WorkloadError", "Workload", "resolve_preset"]
+__all__ = ["WorkloadError", "Workload", "parse_value", "preset_arg", "resolve_preset"]
 
 _REQUIRED = ("model", "datamodule", "metric", "mode", "target", "batch_size")
+_CONTRACT = ("a 'module:factory' preset is a callable factory(seed=..., **preset_args) returning an object with "
+             f"the attributes {', '.join(_REQUIRED)}, e.g. types.SimpleNamespace(model=MyModule(), "
+             "datamodule=MyData(), metric='val_loss', mode='min', target=None, batch_size=32)")
 
 
 class WorkloadError(ValueError):
     """A preset that cannot be built; the message names it, the reason and the fix."""
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as Python: ``true/yes/on``, ``false/no/off``, ``none/null``, an int, a
+    float, else the stripped text (``--preset-arg`` values and method options)."""
+    low = text.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    if low in ("none", "null"):
+        return None
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def preset_arg(text: str) -> tuple[str, Any]:
+    """``--preset-arg KEY=VALUE`` → ``(key, value)``: the argparse type that ``lightning-gc bench`` and
+    ``lightning-gc advise`` share (values through :func:`parse_value`)."""
+    import argparse
+
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE; write e.g. --preset-arg batch_size=64")
+    return key.strip(), parse_value(value)
 
 
 def meets_target(value: float | None, target: float | None, mode: str) -> bool:
@@ -146,7 +178,13 @@ def resolve_preset(name: str, seed: int = 0, **overrides: Any):
                 f"preset {name!r}: cannot import {attr!r} from module {module_name!r} ({exc}); make the module "
                 f"importable (PYTHONPATH) or use a built-in preset"
             ) from exc
-        preset = factory(seed=seed, **overrides)
+        if not callable(factory):
+            raise WorkloadError(f"preset {name!r}: {attr!r} is a {type(factory).__name__}, not a callable; "
+                                f"{_CONTRACT}")
+        try:
+            preset = factory(seed=seed, **overrides)
+        except TypeError as exc:
+            raise WorkloadError(f"preset {name!r} with arguments {overrides}: {exc}; {_CONTRACT}") from exc
     else:
         try:
             from lightning_gc.examples.presets import get_preset
@@ -161,10 +199,8 @@ def resolve_preset(name: str, seed: int = 0, **overrides: Any):
             raise WorkloadError(f"preset {name!r} with arguments {overrides}: {exc}") from exc
     missing = [a for a in _REQUIRED if not hasattr(preset, a)]
     if missing:
-        raise WorkloadError(
-            f"preset {name!r} returned a {type(preset).__name__} without attribute(s) {missing}; a preset needs "
-            f"{', '.join(_REQUIRED)}"
-        )
+        raise WorkloadError(f"preset {name!r} returned a {type(preset).__name__} without attribute(s) {missing}; "
+                            f"{_CONTRACT}")
     if preset.mode not in ("max", "min"):
         raise WorkloadError(f"preset {name!r} has mode={preset.mode!r}; it must be 'max' or 'min'")
     return preset

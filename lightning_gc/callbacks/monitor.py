@@ -85,8 +85,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .._validation import check_bool
-from ..comm.registry import collective_code
 from ..engine.stats import PHASE_MODES
+from ..exchanges.registry import collective_code
 
 
 def payload_fraction(s: Any, world_size: int) -> float:

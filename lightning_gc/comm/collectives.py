@@ -7,7 +7,6 @@ Byte counts are *modelled* per rank for the algorithms gloo and NCCL use for the
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Callable
 
@@ -15,68 +14,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-_ALIGN = 8
+# the payload packing is the compressors' wire layout; imported here for allgather_payload and the
+# modules that gather payloads
+from ..compressors.packing import pack_payload, packed_nbytes, unpack_payload  # noqa: F401
 
-
-def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends in a ring allreduce of an ``nbytes`` message."""
-    if world_size <= 1:
-        return 0
-    return int(round(2 * (world_size - 1) * nbytes / world_size))
-
-
-def allgather_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends in a ring allgather where every rank contributes ``nbytes``."""
-    return (world_size - 1) * nbytes if world_size > 1 else 0
+# the modelled byte counts live with the cost model (the direct exchange below uses them too)
+from .cost_model import allgather_bytes, ring_allreduce_bytes  # noqa: F401
+from .direct import allgather, allreduce_chosen
 
 
 def allreduce(tensors: list[Tensor], group=None, network=None) -> int:
     """Sum-allreduce each tensor in place; returns modelled bytes sent by this rank. A small message
     goes by the direct exchange, the others by the backend's ring (:func:`.direct.use_direct`;
     ``network``: the agreed :class:`~.cost_model.NetworkModel`, or None)."""
-    from .direct import allreduce_chosen
-
     return sum(allreduce_chosen(t, group, network) for t in tensors)
-
-
-def pack_payload(tensors: tuple[Tensor, ...]) -> Tensor:
-    """Concatenate tensors into one uint8 buffer, each part padded to 8-byte alignment.
-
-    Each part is copied once, straight into its slot of the buffer (no intermediate list of
-    byte views and padding tensors for ``torch.cat``); padding bytes are zero.
-    """
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    total = sum(n + (-n) % _ALIGN for n in sizes)
-    device = tensors[0].device if tensors else torch.device("cpu")
-    buf = torch.empty(total, dtype=torch.uint8, device=device)
-    off = 0
-    for t, n in zip(tensors, sizes):
-        if n:
-            buf[off:off + n].view(t.dtype).view(t.shape).copy_(t)
-        pad = (-n) % _ALIGN
-        if pad:
-            buf[off + n:off + n + pad].zero_()
-        off += n + pad
-    return buf
-
-
-def unpack_payload(buf: Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[Tensor, ...]:
-    """Inverse of :func:`pack_payload` given each part's shape and dtype."""
-    out = []
-    off = 0
-    for shape, dtype in specs:
-        nbytes = _part_nbytes(shape, dtype)
-        out.append(buf[off:off + nbytes].view(dtype).reshape(shape))
-        off += nbytes + (-nbytes) % _ALIGN
-    return tuple(out)
-
-
-def packed_nbytes(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
-    return sum(n + (-n) % _ALIGN for n in (_part_nbytes(shape, dtype) for shape, dtype in specs))
-
-
-def _part_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def allgather_payload(payload: tuple[Tensor, ...], specs, group=None,
@@ -101,8 +52,6 @@ def allgather_payload(payload: tuple[Tensor, ...], specs, group=None,
             raise RuntimeError(message)
         on_mismatch(message)
         buf = torch.zeros(expected, dtype=torch.uint8, device=buf.device)
-    from .direct import allgather
-
     ws = dist.get_world_size(group)
     bufs = [torch.empty_like(buf) for _ in range(ws)]
     sent = allgather(bufs, buf, group)
@@ -122,8 +71,6 @@ def check_descriptor(text: str, step: int, group, world_size: int, device: torch
     not applied) instead of about to be."""
     mine = torch.tensor([descriptor_hash(text)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
-    from .direct import allgather
-
     allgather(gathered, mine, group)
     hashes = [int(t.item()) for t in gathered]
     if len(set(hashes)) > 1:

@@ -150,6 +150,22 @@ def _check_vb(value_bytes: float) -> float:
 
 
 # --------------------------------------------------------------------------------------------
+# Bytes one rank sends (the byte accounting of collectives.py and direct.py)
+
+
+def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring allreduce of an ``nbytes`` message."""
+    if world_size <= 1:
+        return 0
+    return int(round(2 * (world_size - 1) * nbytes / world_size))
+
+
+def allgather_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring allgather where every rank contributes ``nbytes``."""
+    return (world_size - 1) * nbytes if world_size > 1 else 0
+
+
+# --------------------------------------------------------------------------------------------
 # Table I (dense collectives on M bytes)
 # --------------------------------------------------------------------------------------------
 def parameter_server_cost(alpha: float, beta: float, M: float, N: int) -> float:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import cost_model
-from .collectives import allgather_bytes, ring_allreduce_bytes  # collectives imports this module lazily
+from .cost_model import allgather_bytes, ring_allreduce_bytes
 from .p2p import batch_send_recv
 
 #: the most ranks a direct exchange serves (each rank sends N-1 messages at once)

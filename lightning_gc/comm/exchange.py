@@ -22,7 +22,8 @@ Capabilities are declared on the classes (never discovered with ``hasattr``):
 ``summable``       payloads are combined by element-wise summation
 ``ring_combinable`` payloads are combined hop by hop along our P2P ring (pluggable combine)
 
-The registry of names users pass as ``collective=`` lives in :mod:`lightning_gc.comm.registry`.
+The registry of names users pass as ``collective=`` lives above this module, with the compressed
+exchanges: :mod:`lightning_gc.exchanges.registry`.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ Two wire formats exist, and each compressor declares which one it speaks:
 
 Other formats name an exchange family that needs more than one collective (``"artopk"``,
 ``"artopk_auto"``: broadcast of indices, then allreduce; ``"marsit"``: a P2P ring that merges sign
-bits hop by hop, :mod:`lightning_gc.compressors.marsit.exchange`; ``"lowrank"``: PowerSGD's two
-allreduces with an orthogonalisation between them, :mod:`lightning_gc.compressors.lowrank.exchange`);
+bits hop by hop, :mod:`lightning_gc.exchanges.marsit`; ``"lowrank"``: PowerSGD's two
+allreduces with an orthogonalisation between them, :mod:`lightning_gc.exchanges.lowrank`);
 only their own exchanges can carry them.
 
 Randomness: ``ctx.shared_generator()`` returns a generator whose state is a pure function of

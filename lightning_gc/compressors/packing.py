@@ -16,8 +16,13 @@ which is how signSGD's vote and EF-signSGD's mean are decoded (see ``sign.py``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
+
+#: each part of a packed payload starts at a multiple of this many bytes
+_ALIGN = 8
 
 _SHIFTS8 = torch.arange(8, dtype=torch.uint8)
 # byte j of the product = bit 7-j ... : (w * _GATHER) >> 56 puts byte i's low bit at bit i
@@ -142,3 +147,47 @@ def packed_uint_nbytes(n: int, width: int) -> int:
         return n * (width // 8)
     per = 8 // width
     return (n + per - 1) // per
+
+
+# ------------------------------------------------------------------------------------------
+# a payload (a tuple of tensors) as one byte buffer: what the allgather exchange moves
+
+
+def pack_payload(tensors: tuple[Tensor, ...]) -> Tensor:
+    """Concatenate tensors into one uint8 buffer, each part padded to 8-byte alignment.
+
+    Each part is copied once, straight into its slot of the buffer (no intermediate list of
+    byte views and padding tensors for ``torch.cat``); padding bytes are zero.
+    """
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    total = sum(n + (-n) % _ALIGN for n in sizes)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    buf = torch.empty(total, dtype=torch.uint8, device=device)
+    off = 0
+    for t, n in zip(tensors, sizes):
+        if n:
+            buf[off:off + n].view(t.dtype).view(t.shape).copy_(t)
+        pad = (-n) % _ALIGN
+        if pad:
+            buf[off + n:off + n + pad].zero_()
+        off += n + pad
+    return buf
+
+
+def unpack_payload(buf: Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[Tensor, ...]:
+    """Inverse of :func:`pack_payload` given each part's shape and dtype."""
+    out = []
+    off = 0
+    for shape, dtype in specs:
+        nbytes = _part_nbytes(shape, dtype)
+        out.append(buf[off:off + nbytes].view(dtype).reshape(shape))
+        off += nbytes + (-nbytes) % _ALIGN
+    return tuple(out)
+
+
+def packed_nbytes(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    return sum(n + (-n) % _ALIGN for n in (_part_nbytes(shape, dtype) for shape, dtype in specs))
+
+
+def _part_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -8,17 +8,49 @@ change the strategy keeps the replicated parts and resets memory (see strategy.p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
+
+from torch import Tensor
 
 from .stats import Totals
-
-if TYPE_CHECKING:
-    from .hook import GCEngine
 
 STATE_VERSION = 2
 
 
-def engine_state(engine: GCEngine) -> dict:
+class CheckpointedEngine(Protocol):
+    """The members of the engine (:class:`~lightning_gc.engine.hook.GCEngine`) that its checkpoint
+    state reads and writes. Declared here, so this module does not import the engine that imports it."""
+
+    world_size: int
+    rank: int
+    step: int
+    gain_ewma: float | None
+    plan: Any
+    compressor: Any
+    config: Any
+    tracker: Any
+    exchange: Any
+    dense_mode: Any
+    dense_flush_pending: bool
+
+    def error_memory_by_name(self) -> dict[str, Tensor]: ...
+
+    def totals(self) -> dict: ...
+
+    def set_totals(self, totals: Totals) -> None: ...
+
+    def slot_specs(self) -> list: ...
+
+    def load_slot_specs(self, specs: list) -> None: ...
+
+    def restore_dense_mode(self, mode: Any, flush: bool) -> None: ...
+
+    def clear_error_memory(self) -> None: ...
+
+    def load_error_memory(self, memory: dict) -> list[str]: ...
+
+
+def engine_state(engine: CheckpointedEngine) -> dict:
     return {
         "version": STATE_VERSION,
         "world_size": engine.world_size,
@@ -38,7 +70,7 @@ def engine_state(engine: GCEngine) -> dict:
     }
 
 
-def load_engine_state(engine: GCEngine, state: dict, restore_memory: bool = True) -> list[str]:
+def load_engine_state(engine: CheckpointedEngine, state: dict, restore_memory: bool = True) -> list[str]:
     """Restore ``engine`` from :func:`engine_state`. Returns names whose memory was missing."""
     version = state.get("version")
     if version == 1:  # lightning_gc 0.1: same memory layout, network state in flat keys

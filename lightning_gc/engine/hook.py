@@ -58,11 +58,11 @@ from ..comm.exchange import (
     sent_sq_norm,
     sq_norm,
 )
-from ..comm.registry import make_exchange
 from ..comm.worker import InlineRunner, OrderedWorker
 from ..compressors.base import Compressor, GroupContext
 from ..compressors.dense import DenseCompressor
 from ..compressors.workspace import empty_output
+from ..exchanges.registry import make_exchange
 from ..plans import Plan, build_plan
 from . import checkpoint
 from .agreement import RIDER_MAX_RANKS, RiddenReport, StepReport, agree, check_descriptor, descriptor_hash

@@ -27,9 +27,9 @@ from typing import Any
 
 from ..comm.exchange import Exchange
 from ..comm.network import NetworkState
-from ..comm.registry import make_exchange
 from ..compressors.base import Compressor
 from ..compressors.registry import build_compressor
+from ..exchanges.registry import make_exchange
 
 
 @dataclass(frozen=True)

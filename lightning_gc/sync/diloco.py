@@ -268,7 +268,7 @@ class DiLoCoSync(StepParticipant):
         self.exchange = None
         self.error_feedback = False
         if compressor is not None and self.world_size > 1:
-            from ..comm.registry import make_exchange
+            from ..exchanges.registry import make_exchange
 
             self.exchange = make_exchange(compressor, collective, group=self.group)
             self.error_feedback = bool(error_feedback)

@@ -199,8 +199,8 @@ class OSPSync(StepParticipant):
         self._ics_exchange = None  # compressed deferred stage (None: dense allreduce)
         self._ics_error_feedback = False
         if self.world_size > 1 and config.deferred_compressor != "dense":
-            from ..comm.registry import make_exchange
             from ..compressors import build_compressor
+            from ..exchanges.registry import make_exchange
 
             compressor = build_compressor(config.deferred_compressor, ratio=config.deferred_ratio)
             self._ics_exchange = make_exchange(compressor, group=self.group)

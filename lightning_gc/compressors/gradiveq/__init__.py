@@ -6,12 +6,10 @@
 * :mod:`.compressor` — :class:`GradiVeQCompressor`: the warm-up / sample / compress schedule,
   the sampled statistics, the fitted bases, their checkpoint state, and the advice printed at
   setup (error feedback, optimizer).
-* :mod:`.exchange` — the two exchanges: the simple allreduce of coefficients and the ring of
-  Algorithm 1 that compresses the next segment while the previous one travels, with the
-  cross-rank basis digest check.
 
-``lightning_gc.comm.gradiveq`` is kept as an alias of :mod:`.exchange` for code written
-against the earlier layout.
+Its exchanges (the simple allreduce of coefficients and the ring of Algorithm 1 that compresses
+the next segment while the previous one travels, with the cross-rank basis digest check) live
+with the other exchanges, above the transport: :mod:`lightning_gc.exchanges.gradiveq`.
 """
 
 from .codec import (
@@ -31,7 +29,6 @@ from .codec import (
     slice_rule,
 )
 from .compressor import GradiVeQCompressor
-from .exchange import GradiVeQExchange, GradiVeQRingExchange, Piece, chunk_plan, pieces_of
 
 __all__ = [
     "COEF_DTYPES",
@@ -39,18 +36,13 @@ __all__ = [
     "Block",
     "GradiVeQCompressor",
     "GradiVeQConfig",
-    "GradiVeQExchange",
-    "GradiVeQRingExchange",
     "GroupBasis",
     "LayerSlicing",
-    "Piece",
     "SampleStats",
     "block_ranges",
     "choose_dim",
-    "chunk_plan",
     "group_key",
     "layout",
-    "pieces_of",
     "principal_axes",
     "sampled_rows",
     "slice_rule",

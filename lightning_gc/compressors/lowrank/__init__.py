@@ -6,12 +6,13 @@
   how to tune it.
 * :mod:`.compressor` — :class:`LowRankCompressor`: the blocks of a group and a one-rank
   compress/decompress (codec micro-benchmark).
-* :mod:`.exchange` — :class:`LowRankExchange`: the two allreduces with warm start and error feedback.
+
+Its exchange, the two allreduces with warm start and error feedback, lives with the other
+exchanges: :class:`lightning_gc.exchanges.lowrank.LowRankExchange`.
 """
 
 from .codec import Block, LowRankConfig, initial_q, matrix_shape, orthonormal, plan_blocks, project, project_t
 from .compressor import LowRankCompressor
-from .exchange import LowRankExchange
 
-__all__ = ["Block", "LowRankCompressor", "LowRankConfig", "LowRankExchange", "initial_q", "matrix_shape",
+__all__ = ["Block", "LowRankCompressor", "LowRankConfig", "initial_q", "matrix_shape",
            "orthonormal", "plan_blocks", "project", "project_t"]

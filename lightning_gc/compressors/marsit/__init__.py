@@ -6,22 +6,17 @@
 * :mod:`.compressor` — :class:`MarsitCompressor`: sign bits, the local scale, the full-precision
   schedule (every K steps), the per-hop transient generators and the advice printed at setup
   (momentum, error feedback).
-* :mod:`.exchange` — :class:`MarsitExchange`, the one-bit ring allreduce that merges bits hop by
-  hop, and its exact byte count.
 
-``lightning_gc.comm.marsit`` is kept as an alias of :mod:`.exchange` for code written against
-the earlier layout.
+Its exchange, the one-bit ring allreduce that merges bits hop by hop, and its exact byte count
+live with the other exchanges: :mod:`lightning_gc.exchanges.marsit`.
 """
 
 from .codec import MarsitConfig, merge_packed, transient_bits
 from .compressor import MarsitCompressor
-from .exchange import MarsitExchange, marsit_one_bit_bytes
 
 __all__ = [
     "MarsitCompressor",
     "MarsitConfig",
-    "MarsitExchange",
-    "marsit_one_bit_bytes",
     "merge_packed",
     "transient_bits",
 ]

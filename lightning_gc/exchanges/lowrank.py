@@ -34,12 +34,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ...comm.collectives import allreduce
-from ...comm.exchange import Exchange, LazySent, Timer, sq_norm
-from ...comm.network import NetworkState
-from ..base import GroupContext
-from .codec import Block, orthonormal, project, project_t
-from .compressor import LowRankCompressor
+from ..comm.collectives import allreduce
+from ..comm.exchange import Exchange, LazySent, Timer, sq_norm
+from ..comm.network import NetworkState
+from ..compressors.base import GroupContext
+from ..compressors.lowrank.codec import Block, orthonormal, project, project_t
+from ..compressors.lowrank.compressor import LowRankCompressor
 
 
 class LowRankExchange(Exchange):

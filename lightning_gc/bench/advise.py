@@ -12,7 +12,9 @@ measurement functions as the live chooser (:mod:`lightning_gc.auto.chooser`) -- 
   times its dense warm-up -- forward (start of the step to the end of the module's ``forward``), the
   moment each gradient tensor is ready in backward (post-accumulate-grad hooks), the optimizer (end of
   backward to the end of the step, clipping included) -- medians over the timed steps, turned into a
-  :class:`~lightning_gc.auto.model.Workload` (``other_s = 0`` unless given);
+  :class:`~lightning_gc.auto.model.Workload` (``other_s = 0`` unless given). When the slowest timed
+  step's compute is more than :data:`SPREAD_WARN` times the fastest's, the host was busy during the
+  profile and advise says so (:func:`spread_warning`): the medians of a few such steps can be far off;
 * the codec costs (:func:`measure_costs`): :func:`lightning_gc.auto.candidates.measure_method` on the
   last step's gradient, flattened like the engine's ``"model"`` plan (every tensor with at least
   ``min_compress_numel`` elements in one group, the smaller ones sent exactly beside it). The
@@ -36,8 +38,6 @@ overridden; the progress proxy is the measured relative error of one gradient (d
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import itertools
 import json
 import logging
@@ -54,9 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..comm.cost_model import NetworkModel
-from ..compressors import GroupContext
-from .candidates import (
+from ..auto.candidates import (
     CANDIDATES,
     DEFAULT_CANDIDATES,
     AutoCandidate,
@@ -64,17 +62,28 @@ from .candidates import (
     measure_method,
     rank_payloads,
 )
-from .model import DEFAULT_PROGRESS_WEIGHT, MethodCost, Prediction, Workload, choose, table
+from ..auto.model import DEFAULT_PROGRESS_WEIGHT, MethodCost, Prediction, Workload, choose, table
+from ..comm.cost_model import NetworkModel
+from ..compressors import GroupContext, build_compressor
+from ..compressors.timing import time_codec
+from . import schedule
+from .workloads import WorkloadError, preset_arg, resolve_preset
 
-__all__ = ["Advice", "AdviseError", "Profile", "TIMING_PAYLOADS", "MAX_WORLD_SIZE", "advise", "aggregation_slope",
-           "build_module", "build_parser", "main", "measure_costs", "override_workload", "parse_bandwidth",
-           "parse_candidates", "parse_latency", "profile_module", "run"]
+__all__ = ["Advice", "AdviseError", "Profile", "PROFILE_STEPS", "SPREAD_WARN", "TIMING_PAYLOADS", "MAX_WORLD_SIZE",
+           "advise", "aggregation_slope", "build_module", "build_parser", "compute_spread", "main", "measure_costs",
+           "override_workload", "parse_bandwidth", "parse_candidates", "parse_latency", "profile_module", "run",
+           "spread_warning"]
 
 SCHEMA = "lightning_gc.advise/1"
 #: payloads aggregated when timing a codec (``min(N, TIMING_PAYLOADS)``); beyond, allgather codecs are extrapolated
 TIMING_PAYLOADS = 8
 MAX_WORLD_SIZE = 1024
 DEFAULT_LATENCY = "0.1ms"
+#: training steps timed by default: the medians need a few, and more show a host that is busy in some of them
+PROFILE_STEPS = 5
+#: the slowest timed step's compute over the fastest's above which advise warns that the host was busy
+#: (the medians are then unreliable): rerun on a quiet host, with more --profile-steps, or give the figures
+SPREAD_WARN = 2.0
 
 
 class AdviseError(ValueError):
@@ -87,8 +96,6 @@ def parse_bandwidth(text: str) -> float:
 
     Unlike the bench, which shapes real links, any rate above the bench's shaping limit is accepted
     (a model needs no ``tc``): ``"800gbit"``, ``"2tbit"``."""
-    from ..bench import schedule
-
     try:
         return float(schedule.parse_rate(text, what="--bandwidth", shaped=False))
     except schedule.ScheduleError as exc:
@@ -138,8 +145,8 @@ def parse_candidates(text: str | Sequence[str]) -> tuple[str, ...]:
 
 def _check_world_size(world_size: Any) -> int:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise AdviseError(f"--world-size {world_size!r} is out of range: the number of data-parallel ranks must be an "
-                          f"integer from 1 to {MAX_WORLD_SIZE}, e.g. --world-size 64")
+        raise AdviseError(f"--ranks {world_size!r} is out of range: the number of data-parallel ranks must be an "
+                          f"integer from 1 to {MAX_WORLD_SIZE}, e.g. --ranks 64")
     return world_size
 
 
@@ -153,55 +160,20 @@ def _check_nonneg(flag: str, value: Any, example: str, positive: bool = False) -
 
 # ---------------------------------------------------------------------------------------------- the workload
 def build_module(preset: str, preset_args: dict[str, Any] | None = None, seed: int = 0) -> tuple[Any, Any, str]:
-    """``(LightningModule, LightningDataModule or None, description)`` of a workload.
-
-    ``preset``: a bench preset (``mlp``, ``cnn``, ``lm``, ``gpt``, ``quickstart``, ``probe``, ``deep``;
-    :mod:`lightning_gc.bench.workloads`) with ``preset_args``, or ``package.module:factory``: a callable
-    (given ``seed=`` when it takes it, and ``preset_args``) returning a LightningModule with its own
-    ``train_dataloader``, or a bench-style object with ``model`` and ``datamodule``."""
-    import lightning as L
-
-    from ..bench.workloads import WorkloadError, resolve_preset
-    from ..examples.presets import PRESETS
-
+    """``(LightningModule, LightningDataModule, description)`` of a workload, loaded exactly as
+    ``lightning-gc bench --preset`` loads it (:func:`lightning_gc.bench.workloads.resolve_preset`):
+    a bench preset (``mlp``, ``cnn``, ``lm``, ``gpt``, ``quickstart``, ``probe``, ``deep``) with
+    ``preset_args``, or ``package.module:factory``, a callable ``factory(seed=..., **preset_args)``
+    returning an object with ``model``, ``datamodule``, ``metric``, ``mode``, ``target`` and
+    ``batch_size`` (docs/bench.md). Advise trains ``model`` on ``datamodule`` and reads nothing else."""
     args = dict(preset_args or {})
-    if ":" not in preset:
-        known = [*PRESETS, "probe", "deep"]
-        if preset not in known:
-            raise AdviseError(f"--preset {preset!r} is unknown: use one of {', '.join(known)}, or "
-                              "package.module:factory for a callable returning a LightningModule")
-        try:
-            w = resolve_preset(preset, seed=seed, **args)
-        except (WorkloadError, TypeError, ValueError) as exc:
-            raise AdviseError(f"--preset {preset!r} with --preset-arg {args}: {exc}") from None
-        return w.model, w.datamodule, preset
-    module_name, _, attr = preset.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise AdviseError(f"--preset {preset!r}: cannot import {attr!r} from module {module_name!r} ({exc}); make the "
-                          "module importable (PYTHONPATH) or use a built-in preset such as mlp") from None
-    if not callable(factory):
-        raise AdviseError(f"--preset {preset!r}: {attr!r} is a {type(factory).__name__}, not a callable returning a "
-                          "LightningModule")
-    try:
-        params = inspect.signature(factory).parameters
-        takes_seed = "seed" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    except (TypeError, ValueError):
-        takes_seed = False
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            obj = factory(seed=seed, **args) if takes_seed else factory(**args)
-        except TypeError as exc:
+            w = resolve_preset(preset, seed=seed, **args)
+        except (WorkloadError, ValueError) as exc:
             raise AdviseError(f"--preset {preset!r} with --preset-arg {args}: {exc}") from None
-    if isinstance(obj, L.LightningModule):
-        return obj, None, preset
-    model, data = getattr(obj, "model", None), getattr(obj, "datamodule", None)
-    if isinstance(model, L.LightningModule):
-        return model, data, preset
-    raise AdviseError(f"--preset {preset!r} returned a {type(obj).__name__}; it must return a LightningModule (with a "
-                      "train_dataloader) or an object with attributes model and datamodule")
+    return w.model, w.datamodule, preset
 
 
 @dataclass
@@ -216,11 +188,43 @@ class Profile:
     steps: int  # timed steps
     no_grad: tuple[str, ...] = ()  # trainable tensors that never received a gradient (left out)
     exact_names: tuple[str, ...] = ()
+    step_s: tuple[float, ...] = ()  # each timed step's compute: forward + backward + optimizer
+
+    @property
+    def spread(self) -> float:
+        """The slowest timed step's compute over the fastest's (1.0 with fewer than two steps)."""
+        return compute_spread(self.step_s)
+
+    def spread_warning(self, factor: float = SPREAD_WARN) -> str | None:
+        return spread_warning(self.step_s, factor)
 
     def summary(self) -> dict:
         return {"tensors": len(self.names), "numel": self.workload.numel, "compressed_numel": int(self.flat.numel()),
                 "compressed_tensors": len(self.ctx.segments), "exact_tensors": len(self.exact_names),
-                "exact_bytes": self.exact_bytes, "timed_steps": self.steps, "no_grad": list(self.no_grad)}
+                "exact_bytes": self.exact_bytes, "timed_steps": self.steps, "no_grad": list(self.no_grad),
+                "step_ms": [1e3 * t for t in self.step_s], "spread": self.spread}
+
+
+def compute_spread(step_s: Sequence[float]) -> float:
+    """``max / min`` of the timed steps' compute (1.0 for fewer than two steps; inf when one took 0 s)."""
+    if len(step_s) < 2:
+        return 1.0
+    lo, hi = min(step_s), max(step_s)
+    return hi / lo if lo > 0 else math.inf
+
+
+def spread_warning(step_s: Sequence[float], factor: float = SPREAD_WARN) -> str | None:
+    """A warning when the timed steps disagree by more than ``factor`` (max/min), else None.
+
+    The compute advise models is the median of these steps; on a host busy with other work some
+    steps take several times longer, and the median of a few steps can be such a step."""
+    spread = compute_spread(step_s)
+    if spread <= factor:
+        return None
+    ms = ", ".join(f"{1e3 * t:.1f}" for t in step_s)
+    return (f"warning: the {len(step_s)} timed steps disagree (compute {ms} ms; slowest/fastest = {spread:.1f}x > "
+            f"{factor:g}x): this host was busy, so the measured compute is unreliable. Rerun on a quiet host or "
+            "with more --profile-steps (e.g. 10), or give --forward-ms/--backward-ms/--optimizer-ms")
 
 
 def _timer_callback(params: list[Tensor], skip_steps: int):
@@ -273,7 +277,7 @@ def _timer_callback(params: list[Tensor], skip_steps: int):
     return _StepTimer()
 
 
-def profile_module(model: Any, datamodule: Any = None, *, skip_steps: int = 1, profile_steps: int = 3,
+def profile_module(model: Any, datamodule: Any = None, *, skip_steps: int = 1, profile_steps: int = PROFILE_STEPS,
                    min_compress_numel: int = 1024, seed: int = 0) -> Profile:
     """Train ``model`` for ``skip_steps + profile_steps`` steps in one process on the CPU and time them
     as the chooser does (see the module docstring); return the :class:`Profile`.
@@ -352,8 +356,9 @@ def profile_module(model: Any, datamodule: Any = None, *, skip_steps: int = 1, p
     ctx = GroupContext(step=skip_steps + profile_steps, rank=0, world_size=1, segments=g.numels, group_id=g.gid,
                        seed=seed, device=flat.device, shapes=tuple(tuple(params[i].shape) for i in members),
                        names=g.names)
+    step_s = tuple(r["forward_s"] + max(r["ready"][i] for i in ids) + r["optimizer_s"] for r in records)
     return Profile(workload, flat, ctx, exact_bytes, tuple(named[i][0] for i in order), len(records), no_grad,
-                   tuple(n for e in exact for n in e.names))
+                   tuple(n for e in exact for n in e.names), step_s)
 
 
 def override_workload(workload: Workload, forward_ms: float | None = None, backward_ms: float | None = None,
@@ -388,10 +393,7 @@ def override_workload(workload: Workload, forward_ms: float | None = None, backw
 # ---------------------------------------------------------------------------------------------- codec costs
 def _aggregate_s(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, payloads: int, repeats: int) -> float:
     """Seconds of an allgather method's aggregation of ``payloads`` payloads, timed by
-    :func:`lightning_gc.bench.codec.time_codec` on :func:`rank_payloads` (as measure_method times; fastest run)."""
-    from ..bench.codec import time_codec
-    from ..compressors import build_compressor
-
+    :func:`lightning_gc.compressors.timing.time_codec` on :func:`rank_payloads` (as measure_method times; fastest run)."""
     comp = build_compressor(cand.compressor, cand.ratio, dict(cand.compressor_args) or None)
     xs, ctxs = rank_payloads(flat, ctx, payloads)
     return min(time_codec(comp, xs, ctxs, repeats)["timings"]["aggregate"])
@@ -492,12 +494,10 @@ class Advice:
                 "inputs": self.inputs}
 
     def text(self) -> str:
-        from ..bench.schedule import format_rate
-
         i, w = self.inputs, self.workload
         prof = i.get("profile", {})
         bw = self.network.bandwidth_bits_per_s
-        link = "infinite bandwidth" if math.isinf(bw) else format_rate(round(bw))
+        link = "infinite bandwidth" if math.isinf(bw) else schedule.format_rate(round(bw))
         given = i.get("given", {})
 
         def src(key: str) -> str:
@@ -516,6 +516,7 @@ class Advice:
         timing = i.get("codec_timing")
         if timing:
             lines.append(timing)
+        lines.extend(i.get("warnings", ()))
         if prof.get("no_grad"):
             lines.append(f"left out (no gradient in the timed steps): {', '.join(prof['no_grad'])}")
         lines.append(table(self.predictions, self.pick))
@@ -534,7 +535,7 @@ def run(preset: str, world_size: int, bandwidth: str, latency: str = DEFAULT_LAT
         preset_args: dict[str, Any] | None = None, candidates: str | Sequence[str] = DEFAULT_CANDIDATES,
         progress_weight: float = DEFAULT_PROGRESS_WEIGHT, forward_ms: float | None = None, backward_ms: float | None = None,
         optimizer_ms: float | None = None, other_ms: float | None = None, codec_scale: float = 1.0,
-        compute_scale: float = 1.0, skip_steps: int = 1, profile_steps: int = 3, repeats: int = 3,
+        compute_scale: float = 1.0, skip_steps: int = 1, profile_steps: int = PROFILE_STEPS, repeats: int = 3,
         min_compress_numel: int = 1024, seed: int = 0) -> Advice:
     """Build, profile and measure the workload, then advise (what the command does; inputs are
     checked before anything is built, so a typo costs no training)."""
@@ -579,6 +580,7 @@ def run(preset: str, world_size: int, bandwidth: str, latency: str = DEFAULT_LAT
         "compute_source": f"{skip_steps} skipped + {prof.steps} timed steps on this CPU, medians"
                           + (f", x {compute_scale:g}" if compute_scale != 1 else "") + ", unless given",
         "torch_threads": torch.get_num_threads(),
+        "warnings": [x for x in (prof.spread_warning(),) if x],
     }
     return Advice(pick, preds, workload, costs, network, n, w, inputs)
 
@@ -600,8 +602,6 @@ def _float_arg(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..bench.cli import _kv
-
     p = argparse.ArgumentParser(
         prog="lightning-gc advise",
         description="Predict every compressor='auto' candidate's step time for a workload on N ranks over a given "
@@ -610,13 +610,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     w = p.add_argument_group("workload")
     w.add_argument("--preset", required=True,
-                   help="mlp | cnn | lm | gpt | quickstart | probe | deep | package.module:factory (a callable "
-                        "returning a LightningModule)")
-    w.add_argument("--preset-arg", action="append", type=_kv, default=[], metavar="KEY=VALUE",
+                   help="mlp | cnn | lm | gpt | quickstart | probe | deep | package.module:factory (as for "
+                        "`lightning-gc bench`: a callable returning an object with model, datamodule, metric, mode, "
+                        "target, batch_size; docs/bench.md)")
+    w.add_argument("--preset-arg", action="append", type=preset_arg, default=[], metavar="KEY=VALUE",
                    help="keyword for the preset or factory (repeatable), e.g. width=16")
     w.add_argument("--seed", type=int, default=0, help="seed of the preset's data and initial weights")
     c = p.add_argument_group("cluster")
-    c.add_argument("--world-size", "-N", type=_world_size_arg, required=True, help=f"ranks, 1..{MAX_WORLD_SIZE}")
+    c.add_argument("--ranks", "--world-size", "-N", dest="ranks", type=_world_size_arg, required=True,
+                   help=f"data-parallel ranks, 1..{MAX_WORLD_SIZE} (as in `lightning-gc bench --ranks`)")
     c.add_argument("--bandwidth", required=True, help="link rate per rank and direction, bits/s: 100mbit, 10gbit")
     c.add_argument("--latency", default=DEFAULT_LATENCY, help="latency per message (alpha): 50us, 0.5ms, 20ms")
     m = p.add_argument_group("candidates and progress")
@@ -637,7 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "4 ranks sharing 2 cores); --forward-ms/--backward-ms/--optimizer-ms replace it")
     t = p.add_argument_group("measurement")
     t.add_argument("--skip-steps", type=int, default=1, help="training steps run first and not timed")
-    t.add_argument("--profile-steps", type=int, default=3, help="training steps timed (medians)")
+    t.add_argument("--profile-steps", type=int, default=PROFILE_STEPS,
+                   help=f"training steps timed (medians); a warning names a spread above {SPREAD_WARN:g}x between them")
     t.add_argument("--repeats", type=int, default=3, help="timed runs per codec measurement (median)")
     t.add_argument("--min-compress-numel", type=int, default=1024,
                    help="tensors with fewer elements are sent exactly (GCStrategy's min_compress_numel)")
@@ -654,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse printed the usage and the reason
         return int(exc.code or 0)
     try:
-        advice = run(args.preset, args.world_size, args.bandwidth, args.latency, preset_args=dict(args.preset_arg),
+        advice = run(args.preset, args.ranks, args.bandwidth, args.latency, preset_args=dict(args.preset_arg),
                      candidates=args.candidates, progress_weight=args.progress_weight, forward_ms=args.forward_ms,
                      backward_ms=args.backward_ms, optimizer_ms=args.optimizer_ms, other_ms=args.other_ms,
                      codec_scale=args.codec_scale, compute_scale=args.compute_scale, skip_steps=args.skip_steps,

@@ -15,7 +15,7 @@ instead.
 Wire format per chunk: a float32 norm (4 bytes) + the chunk's sign bits, whole bytes; all chunks
 are padded to the largest so the ring's even byte split lands on chunk boundaries. One-bit rounds,
 full-precision rounds (every K steps) and the compensation (``sent = g_global``) follow the Marsit
-compressor's config exactly as :class:`~lightning_gc.compressors.marsit.exchange.MarsitExchange` does, so the only
+compressor's config exactly as :class:`~lightning_gc.exchanges.marsit.MarsitExchange` does, so the only
 difference is the merge. Stochastic signs come from the generator of (seed, step, group, hop, rank)
 (hop 0 = the chunk's first compression).
 
@@ -28,11 +28,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..comm.exchange import Timer
+from ..comm.p2p_allreduce import ring_allreduce, ring_chunk_sizes
 from ..compressors.base import GroupContext
-from ..compressors.marsit.exchange import MarsitExchange
 from ..compressors.packing import pack_bits, unpack_bits
-from .exchange import Timer
-from .p2p_allreduce import ring_allreduce, ring_chunk_sizes
+from .marsit import MarsitExchange
 
 __all__ = ["SSDMCascadeExchange", "ssdm_encode", "ssdm_decode"]
 

@@ -51,14 +51,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ...comm import p2p
-from ...comm.collectives import allgather_payload, ring_allreduce_bytes
-from ...comm.exchange import Exchange, LazySent, Timer
-from ...comm.network import NetworkState
-from ..base import GroupContext
-from ..qsgd import QSGDCompressor, QSGDConfig
-from .codec import GroupBasis
-from .compressor import GradiVeQCompressor
+from ..comm import p2p
+from ..comm.collectives import allgather_payload, ring_allreduce_bytes
+from ..comm.exchange import Exchange, LazySent, Timer
+from ..comm.network import NetworkState
+from ..compressors.base import GroupContext
+from ..compressors.gradiveq.codec import GroupBasis
+from ..compressors.gradiveq.compressor import GradiVeQCompressor
+from ..compressors.qsgd import QSGDCompressor, QSGDConfig
 
 __all__ = ["GradiVeQExchange", "GradiVeQRingExchange", "Piece", "chunk_plan", "pieces_of"]
 
@@ -333,7 +333,7 @@ class GradiVeQExchange(Exchange):
         return mean, sent
 
     def _check_digest(self, basis: GroupBasis, ctx: GroupContext, timer: Timer) -> None:
-        from ...comm.collectives import check_descriptor
+        from ..comm.collectives import check_descriptor
 
         text = f"gradiveq basis group={ctx.group_id} epoch={self.compressor.epoch} digest={basis.digest}"
         try:

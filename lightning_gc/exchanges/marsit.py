@@ -38,21 +38,21 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-from ...comm.collectives import ring_allreduce_bytes
-from ...comm.exchange import Exchange, Timer
-from ...comm.network import NetworkState
-from ...comm.p2p_allreduce import ring_allreduce
-from ..base import GroupContext
-from ..packing import pack_bits
-from .codec import merge_packed
-from .compressor import MarsitCompressor
+from ..comm.collectives import ring_allreduce_bytes
+from ..comm.exchange import Exchange, Timer
+from ..comm.network import NetworkState
+from ..comm.p2p_allreduce import ring_allreduce
+from ..compressors.base import GroupContext
+from ..compressors.marsit.codec import merge_packed
+from ..compressors.marsit.compressor import MarsitCompressor
+from ..compressors.packing import pack_bits
 
 __all__ = ["MarsitExchange", "marsit_one_bit_bytes"]
 
 
 def marsit_one_bit_bytes(numel: int, world_size: int, rank: int, scale: str = "l1") -> int:
     """Exact bytes group rank ``rank`` sends in one one-bit round of ``numel`` elements."""
-    from ...comm.p2p_allreduce import ring_bytes_sent
+    from ..comm.p2p_allreduce import ring_bytes_sent
 
     ring = ring_bytes_sent((numel + 7) // 8, 1, world_size, rank)
     return ring + (ring_allreduce_bytes(4, world_size) if scale == "l1" else 0)

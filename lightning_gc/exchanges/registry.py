@@ -10,19 +10,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..compressors.base import Compressor
-from ..compressors.gradiveq.exchange import GradiVeQExchange, GradiVeQRingExchange
-from ..compressors.lowrank.exchange import LowRankExchange
-from ..compressors.marsit.exchange import MarsitExchange
-from .artopk import ARTopkExchange, AutoSparseExchange
-from .exchange import (
+from ..comm.exchange import (
     AllgatherExchange,
     AllreduceExchange,
     Exchange,
     RingAllreduceExchange,
     TreeAllreduceExchange,
 )
-from .network import NetworkState
+from ..comm.network import NetworkState
+from ..compressors.base import Compressor
+from .artopk import ARTopkExchange, AutoSparseExchange
+from .gradiveq import GradiVeQExchange, GradiVeQRingExchange
+from .lowrank import LowRankExchange
+from .marsit import MarsitExchange
 from .ssdm_cascade import SSDMCascadeExchange
 
 ExchangeFactory = Callable[[Compressor, object, NetworkState], Exchange]

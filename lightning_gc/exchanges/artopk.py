@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..comm.collectives import allgather_bytes, ring_allreduce_bytes
+from ..comm.exchange import AllgatherExchange, Exchange, SparseSent, Timer
+from ..comm.network import NetworkState
+from ..comm.p2p_allreduce import binomial_broadcast, ring_allreduce, tree_allreduce
 from ..compressors.artopk import ARTopKCompressor, select_source
 from ..compressors.base import GroupContext, ratio_to_k
 from ..compressors.sparse import scatter_sparse
-from .collectives import allgather_bytes, ring_allreduce_bytes
-from .exchange import AllgatherExchange, Exchange, SparseSent, Timer
-from .network import NetworkState
-from .p2p_allreduce import binomial_broadcast, ring_allreduce, tree_allreduce
 
 
 class ARTopkExchange(Exchange):
