@@ -176,22 +176,12 @@ def list_text() -> str:
     return "\n".join(lines)
 
 
-def strategy_refusal(strategy: Any) -> str | None:
-    """lightning_gc's own refusal of a parsed ``trainer.strategy`` (``class_path`` + ``init_args``),
-    or ``None`` when it is not a :class:`~lightning_gc.GCStrategy` or the strategy accepts it.
-
-    Why: jsonargparse builds the strategy while resolving the Trainer's ``str | Strategy`` union, and
-    reports a refusal as "Expected a <class 'str'>" with the project's message some fifty lines
-    below. Building the strategy here first, from the same values, puts that message first. Options
-    that are objects themselves (``cluster_environment``, ...) keep their defaults here: jsonargparse
-    builds and checks those."""
+def _gc_strategy_class(class_path: Any) -> type | None:
+    """The :class:`~lightning_gc.GCStrategy` (sub)class ``class_path`` names, else ``None``."""
     import importlib
-
-    from jsonargparse import Namespace
 
     from .strategy import GCStrategy
 
-    class_path = getattr(strategy, "class_path", None) if isinstance(strategy, Namespace) else None
     if not isinstance(class_path, str) or "." not in class_path:
         return None
     module, _, name = class_path.rpartition(".")
@@ -199,11 +189,10 @@ def strategy_refusal(strategy: Any) -> str | None:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
         return None  # jsonargparse names the class it cannot import
-    if not (isinstance(cls, type) and issubclass(cls, GCStrategy)):
-        return None
-    given = strategy.get("init_args") or Namespace()
-    kwargs = {k: (v.as_dict() if isinstance(v, Namespace) else v) for k, v in vars(given).items()
-              if not (isinstance(v, Namespace) and "class_path" in v)}
+    return cls if isinstance(cls, type) and issubclass(cls, GCStrategy) else None
+
+
+def _refusal(cls: type, kwargs: dict[str, Any]) -> str | None:
     try:
         cls(**kwargs)
     except ValueError as e:
@@ -213,24 +202,90 @@ def strategy_refusal(strategy: Any) -> str | None:
     return None
 
 
+def strategy_refusal(strategy: Any) -> str | None:
+    """lightning_gc's own refusal of a parsed ``trainer.strategy`` (``class_path`` + ``init_args``),
+    or ``None`` when it is not a :class:`~lightning_gc.GCStrategy` or the strategy accepts it.
+
+    Why: jsonargparse builds the strategy while resolving the Trainer's ``str | Strategy`` union, and
+    reports a refusal as "Expected a <class 'str'>" with the project's message some fifty lines
+    below. Building the strategy here first, from the same values, puts that message first. Options
+    that are objects themselves (``cluster_environment``, ...) keep their defaults here: jsonargparse
+    builds and checks those."""
+    from jsonargparse import Namespace
+
+    cls = _gc_strategy_class(strategy.get("class_path")) if isinstance(strategy, Namespace) else None
+    if cls is None:
+        return None
+    given = strategy.get("init_args") or Namespace()
+    return _refusal(cls, {k: (v.as_dict() if isinstance(v, Namespace) else v) for k, v in vars(given).items()
+                          if not (isinstance(v, Namespace) and "class_path" in v)})
+
+
+def unknown_option_refusal(strategy: Any) -> str | None:
+    """The refusal of an option name the strategy does not take, from a YAML's raw ``trainer.strategy``
+    block (jsonargparse refuses it while parsing, under its usage text): only the unknown names are
+    passed, so YAML's own reading of the values cannot give a false refusal."""
+    import inspect
+
+    if not isinstance(strategy, dict) or not isinstance(strategy.get("init_args"), dict):
+        return None
+    cls = _gc_strategy_class(strategy.get("class_path"))
+    if cls is None:
+        return None
+    known = inspect.signature(cls.__init__).parameters
+    unknown = {k: v for k, v in strategy["init_args"].items() if k not in known}
+    return _refusal(cls, unknown) if unknown else None
+
+
+def _config_paths(args: Any) -> list[str]:
+    """The files given with ``--config``/``-c`` in a command line."""
+    if not isinstance(args, (list, tuple)):
+        return []
+    out = []
+    for i, a in enumerate(args):
+        if a in ("--config", "-c") and i + 1 < len(args):
+            out.append(args[i + 1])
+        elif isinstance(a, str) and a.startswith("--config="):
+            out.append(a.split("=", 1)[1])
+    return out
+
+
+def _refuse(problem: str, where: str) -> None:
+    print(f"lightning-gc: {problem}\n  (trainer.strategy.init_args{' of ' + where if where else ''}: "
+          "fix the value there, or override it with --trainer.strategy.init_args.NAME=VALUE; "
+          "`lightning-gc list` names every compressor, docs/getting-started.md every argument.)", file=sys.stderr)
+    sys.exit(2)
+
+
+def _check_config_files(args: Any) -> None:
+    import yaml
+
+    for path in _config_paths(sys.argv[1:] if args is None else args):
+        try:
+            cfg = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError):
+            continue  # jsonargparse says what is wrong with the file
+        strategy = (cfg.get("trainer") or {}).get("strategy") if isinstance(cfg, dict) else None
+        problem = unknown_option_refusal(strategy)
+        if problem is not None:
+            _refuse(problem, path)
+
+
 def lightning_cli_class() -> type:
-    """Lightning's ``LightningCLI`` whose refusal of a bad lightning_gc strategy value is printed
-    first (:func:`strategy_refusal`), as ``lightning-gc fit|validate|test|predict`` runs it."""
+    """Lightning's ``LightningCLI`` whose refusal of a bad lightning_gc strategy option or value is
+    printed first (:func:`unknown_option_refusal`, :func:`strategy_refusal`), as ``lightning-gc
+    fit|validate|test|predict`` runs it."""
     from lightning.pytorch.cli import LightningCLI
 
     class GCLightningCLI(LightningCLI):
         def parse_arguments(self, parser: Any, args: Any) -> None:
+            _check_config_files(args)
             super().parse_arguments(parser, args)
             sub = self.config.get("subcommand")
             node = self.config.get(sub) if sub else self.config
             problem = strategy_refusal(node.get("trainer.strategy")) if node is not None else None
             if problem is not None:
-                configs = ", ".join(str(c) for c in (node.get("config") or ()))
-                print(f"lightning-gc: {problem}\n  (trainer.strategy.init_args{' of ' + configs if configs else ''}: "
-                      "fix the value there, or override it with --trainer.strategy.init_args.NAME=VALUE; "
-                      "`lightning-gc list` names every compressor, docs/getting-started.md every argument.)",
-                      file=sys.stderr)
-                sys.exit(2)
+                _refuse(problem, ", ".join(str(c) for c in (node.get("config") or ())))
 
     return GCLightningCLI
 

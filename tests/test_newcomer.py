@@ -15,7 +15,14 @@ import yaml
 from lit_models import TinyClassifier, make_loader
 
 from lightning_gc import GCStrategy
-from lightning_gc.cli import RECIPES, help_text, lightning_cli_class, list_text, strategy_refusal
+from lightning_gc.cli import (
+    RECIPES,
+    help_text,
+    lightning_cli_class,
+    list_text,
+    strategy_refusal,
+    unknown_option_refusal,
+)
 from lightning_gc.compressors import available_compressors, compressor_choices, get_entry
 from lightning_gc.summary import GCSummary, auto_decisions
 
@@ -100,11 +107,22 @@ def test_ratio_zero_in_a_recipe_is_refused_with_value_reason_and_fix(tmp_path, c
     assert first.startswith("lightning-gc: ratio=0") and "(0, 1]" in first and "e.g. ratio=0.01" in first, first
 
 
+def test_misspelt_option_name_in_a_recipe_is_refused_first_with_the_closest_name(tmp_path, capsys):
+    path = _bad_recipe(tmp_path, ratoi=0.01)
+    with pytest.raises(SystemExit) as code:
+        lightning_cli_class()(args=["fit", "-c", str(path)])
+    assert code.value.code == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("lightning-gc: GCStrategy got an unknown keyword argument ratoi=0.01"), first
+    assert "Did you mean ratio=?" in first
+
+
 @pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
-def test_every_recipe_passes_the_early_check(recipe):
+def test_every_recipe_passes_the_early_checks(recipe):
     from jsonargparse import dict_to_namespace
 
     block = yaml.safe_load(recipe.read_text())["trainer"]["strategy"]
+    assert unknown_option_refusal(block) is None
     assert strategy_refusal(dict_to_namespace(block)) is None
     bad = dict_to_namespace({**block, "init_args": {**block["init_args"], "collective": "nope"}})
     assert "nope" in strategy_refusal(bad)
