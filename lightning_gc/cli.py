@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import lightning_gc  # noqa: F401  (registers the gc_* strategy aliases)
 
@@ -28,6 +29,19 @@ def _recipes_dir() -> Path | None:
     """The recipes of a source checkout (they are not part of the installed package)."""
     d = Path(lightning_gc.__file__).resolve().parents[1] / "recipes"
     return d if d.is_dir() else None
+
+
+#: the recipes beside the one per compressor (``recipes/<compressor>.yaml``), one line each;
+#: tests/test_newcomer.py checks that this and the compressors name every file of recipes/
+RECIPES = {
+    "quickstart.yaml": "start here: Top-k keeping 1% with error feedback, 2 CPU processes",
+    "auto.yaml": "compressor='auto': the method chosen at run time",
+    "adaptive.yaml": "AdaptiveRatio, the run-time compression-ratio controller",
+    "omgs.yaml": "OMGS merge plan (plan='omgs')",
+    "osp.yaml": "OSP two-stage synchronisation (sync='osp')",
+    "diloco.yaml": "DiLoCo, rare outer steps (sync='diloco')",
+    "gpt.yaml": "the gpt workload, a small byte-level transformer",
+}
 
 
 #: every page of docs/, one line each (tests/test_docs.py checks this against the directory)
@@ -67,13 +81,15 @@ def help_text() -> str:
     import lightning
     import torch
 
-    from .compressors import available_compressors
+    from .compressors import compressor_choices
     from .plans import planner_summaries
 
     recipes = _recipes_dir()
     where = (f"{recipes} ({len(list(recipes.glob('*.yaml')))} recipes)" if recipes
              else "recipes/ in the lightning_gc source repository")
-    compressors = textwrap.fill(", ".join(available_compressors()), width=96, subsequent_indent=" " * 16)
+    compressors = textwrap.fill(", ".join(compressor_choices()), width=96, subsequent_indent=" " * 16)
+    recipe_width = max(len(n) for n in RECIPES) + 2
+    recipe_lines = "\n".join(f"  {name:<{recipe_width}}{what}" for name, what in RECIPES.items())
     plans = ", ".join(planner_summaries())
     syncs = ", ".join(sync_models())
     width = max(len(n) for n in DOC_PAGES) + 2
@@ -87,7 +103,8 @@ lightning_gc.fabric.GCFabricStrategy does the same for Lightning Fabric.
 
   compressors   {compressors}
                 (Top-k family, RandomK, QSGD, signSGD / EF-signSGD, fp16/bf16, Marsit, GradiVeQ,
-                AR-Topk STAR / VAR and artopk_auto; GCStrategy(compressor=NAME))
+                low-rank, AR-Topk STAR / VAR and artopk_auto; GCStrategy(compressor=NAME);
+                auto: the method chosen at run time among DDP, fp16 and compressors)
   merge plans   {plans} (GCStrategy(plan=NAME); OMGS: plan='omgs')
   sync models   {syncs} (GCStrategy(sync=NAME); OSP: sync='osp'; DiLoCo: sync='diloco')
   controller    lightning_gc.AdaptiveRatio, a callback that keeps choosing the compression ratio
@@ -104,8 +121,9 @@ commands:
   --version                      versions of lightning-gc, Lightning and PyTorch
   --help                         this text
 
-recipes: {where}; one per compressor plus quickstart.yaml, omgs.yaml, osp.yaml, adaptive.yaml. The
-`trainer.strategy` block of a recipe can be copied into any LightningCLI config.
+recipes: {where}; one per compressor (<compressor>.yaml), and
+{recipe_lines}
+The `trainer.strategy` block of a recipe can be copied into any LightningCLI config.
 which method to use: docs/choosing.md.
 docs (docs/ in the source repository):
 {pages}
@@ -122,18 +140,19 @@ def version_text() -> str:
 
 def list_text() -> str:
     """Compressors, collectives, plans and strategy aliases, one line each."""
-    from .compressors import available_compressors, build_compressor, get_entry
+    from .compressors import AUTO, AUTO_SUMMARY, available_compressors, build_compressor, get_entry
     from .exchanges.registry import available_collectives, validate_collective
     from .plans import planner_summaries
 
     lines = ["which to choose for your network, model, optimizer and world size: docs/choosing.md",
              "compressors (GCStrategy(compressor=NAME); default collective in brackets):"]
     names = available_compressors()
-    width = max(len(n) for n in names) + 2
+    width = max(len(n) for n in [*names, AUTO]) + 2
     for name in names:
         comp = build_compressor(name)
         default = validate_collective(comp, "auto")
         lines.append(f"  {name:<{width}}{get_entry(name).summary} [{default}]")
+    lines.append(f"  {AUTO:<{width}}{AUTO_SUMMARY}")
     lines.append("collectives (GCStrategy(collective=NAME); 'auto' = the compressor's default):")
     collectives = available_collectives()
     width = max(len(n) for n in collectives) + 2
@@ -156,10 +175,122 @@ def list_text() -> str:
     return "\n".join(lines)
 
 
-def _lightning_cli(argv: list[str] | None) -> int:
+def _gc_strategy_class(class_path: Any) -> type | None:
+    """The :class:`~lightning_gc.GCStrategy` (sub)class ``class_path`` names, else ``None``."""
+    import importlib
+
+    from .strategy import GCStrategy
+
+    if not isinstance(class_path, str) or "." not in class_path:
+        return None
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None  # jsonargparse names the class it cannot import
+    return cls if isinstance(cls, type) and issubclass(cls, GCStrategy) else None
+
+
+def _refusal(cls: type, kwargs: dict[str, Any]) -> str | None:
+    try:
+        cls(**kwargs)
+    except ValueError as e:
+        return str(e)
+    except Exception:  # noqa: BLE001 - not a lightning_gc refusal: jsonargparse reports it as before
+        return None
+    return None
+
+
+def strategy_refusal(strategy: Any) -> str | None:
+    """lightning_gc's own refusal of a parsed ``trainer.strategy`` (``class_path`` + ``init_args``),
+    or ``None`` when it is not a :class:`~lightning_gc.GCStrategy` or the strategy accepts it.
+
+    Why: jsonargparse builds the strategy while resolving the Trainer's ``str | Strategy`` union, and
+    reports a refusal as "Expected a <class 'str'>" with the project's message some fifty lines
+    below. Building the strategy here first, from the same values, puts that message first. Options
+    that are objects themselves (``cluster_environment``, ...) keep their defaults here: jsonargparse
+    builds and checks those."""
+    from jsonargparse import Namespace
+
+    cls = _gc_strategy_class(strategy.get("class_path")) if isinstance(strategy, Namespace) else None
+    if cls is None:
+        return None
+    given = strategy.get("init_args") or Namespace()
+    return _refusal(cls, {k: (v.as_dict() if isinstance(v, Namespace) else v) for k, v in vars(given).items()
+                          if not (isinstance(v, Namespace) and "class_path" in v)})
+
+
+def unknown_option_refusal(strategy: Any) -> str | None:
+    """The refusal of an option name the strategy does not take, from a YAML's raw ``trainer.strategy``
+    block (jsonargparse refuses it while parsing, under its usage text): only the unknown names are
+    passed, so YAML's own reading of the values cannot give a false refusal."""
+    import inspect
+
+    if not isinstance(strategy, dict) or not isinstance(strategy.get("init_args"), dict):
+        return None
+    cls = _gc_strategy_class(strategy.get("class_path"))
+    if cls is None:
+        return None
+    known = inspect.signature(cls.__init__).parameters
+    unknown = {k: v for k, v in strategy["init_args"].items() if k not in known}
+    return _refusal(cls, unknown) if unknown else None
+
+
+def _config_paths(args: Any) -> list[str]:
+    """The files given with ``--config``/``-c`` in a command line."""
+    if not isinstance(args, (list, tuple)):
+        return []
+    out = []
+    for i, a in enumerate(args):
+        if a in ("--config", "-c") and i + 1 < len(args):
+            out.append(args[i + 1])
+        elif isinstance(a, str) and a.startswith("--config="):
+            out.append(a.split("=", 1)[1])
+    return out
+
+
+def _refuse(problem: str, where: str) -> None:
+    print(f"lightning-gc: {problem}\n  (trainer.strategy.init_args{' of ' + where if where else ''}: "
+          "fix the value there, or override it with --trainer.strategy.init_args.NAME=VALUE; "
+          "`lightning-gc list` names every compressor, docs/getting-started.md every argument.)", file=sys.stderr)
+    sys.exit(2)
+
+
+def _check_config_files(args: Any) -> None:
+    import yaml
+
+    for path in _config_paths(sys.argv[1:] if args is None else args):
+        try:
+            cfg = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError):
+            continue  # jsonargparse says what is wrong with the file
+        strategy = (cfg.get("trainer") or {}).get("strategy") if isinstance(cfg, dict) else None
+        problem = unknown_option_refusal(strategy)
+        if problem is not None:
+            _refuse(problem, path)
+
+
+def lightning_cli_class() -> type:
+    """Lightning's ``LightningCLI`` whose refusal of a bad lightning_gc strategy option or value is
+    printed first (:func:`unknown_option_refusal`, :func:`strategy_refusal`), as ``lightning-gc
+    fit|validate|test|predict`` runs it."""
     from lightning.pytorch.cli import LightningCLI
 
-    LightningCLI(args=argv, save_config_kwargs={"overwrite": True})
+    class GCLightningCLI(LightningCLI):
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            _check_config_files(args)
+            super().parse_arguments(parser, args)
+            sub = self.config.get("subcommand")
+            node = self.config.get(sub) if sub else self.config
+            problem = strategy_refusal(node.get("trainer.strategy")) if node is not None else None
+            if problem is not None:
+                _refuse(problem, ", ".join(str(c) for c in (node.get("config") or ())))
+
+    return GCLightningCLI
+
+
+def _lightning_cli(argv: list[str] | None) -> int:
+    lightning_cli_class()(args=argv, save_config_kwargs={"overwrite": True})
     return 0
 
 

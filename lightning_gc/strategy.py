@@ -391,7 +391,8 @@ class GCStrategy(DDPStrategy, SessionOwner):
         """
         if self._engine is None:
             return None
-        return summarize(self._engine, self._compressor_name, self.skipped_steps, self._diloco, self._auto)
+        return summarize(self._engine, self._compressor_name, self.skipped_steps, self._diloco, self._auto,
+                         osp=self._osp)
 
     # ------------------------------------------------------------------ lifecycle
     @override

@@ -44,7 +44,11 @@ class GCSummary:
             the inner optimizer steps, none of which sent a gradient, and ``bytes_dense`` is what
             DDP's fp32 ring allreduce would have sent for all of them.
         auto_decisions: ``compressor="auto"``: every decision (step, trigger, chosen method, its
-            predicted step and the step measured in the first window after it; ``None`` otherwise).
+            predicted step and the step measured in the first window after it, and the best *other*
+            method with its predicted step; ``None`` otherwise): :func:`auto_decisions`.
+        osp: ``sync="osp"``: ``steps``, ``deferred_fraction`` (mean over those steps of the fraction of
+            the model's elements whose synchronisation was deferred to overlap the next step) and
+            ``deferred_bytes`` (bytes this rank sent for them, part of ``bytes_sent``); ``None`` otherwise.
     """
 
     compressor: str
@@ -64,6 +68,7 @@ class GCSummary:
     skipped_steps: int
     outer_steps: int | None = None
     auto_decisions: list[dict[str, Any]] | None = None
+    osp: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,18 +91,65 @@ class GCSummary:
              + (f"{self.sample_steps} sample, " if self.sample_steps else "")
              + f"{self.dense_steps} dense)"),
             f"  bytes: {traffic}",
-            f"  time: compression {self.compress_time_s:.3f} s, communication {self.comm_time_s:.3f} s",
+            f"  time: compression {self.compress_time_s:.3f} s, communication {self.comm_time_s:.3f} s"
+            + (" (the outer exchanges)" if self.outer_steps is not None else ""),
+            *([_osp_line(self.osp, self.bytes_sent)] if self.osp is not None else []),
             f"  non-finite gradient steps: {self.nonfinite_steps} (optimizer steps skipped: {self.skipped_steps})",
             *[_auto_line(d) for d in self.auto_decisions or ()],
         ])
 
 
+#: ``compressor="auto"``'s decision triggers in plain words (the chooser's names in brackets)
+AUTO_TRIGGERS = {
+    "warmup": "first choice, from the dense warm-up's measurements",
+    "periodic": "periodic look at the link",
+    "drift": "the step time drifted",
+    "gain": "the compressors' errors were measured again",
+    "calibration": "re-decided after measuring the method's real step",
+    "family": "trial of a dense sibling (ddp, fp16 and bf16 share one path, so one's measurement predicts the others)",
+}
+
+
 def _auto_line(d: dict[str, Any]) -> str:
     measured = d.get("measured_step_s")
     seen = f", measured {1e3 * measured:.1f} ms" if measured is not None else ""
-    return (f"  auto: step {d['step']} ({d['trigger']}): chose {d['chosen']!r}, predicted "
-            f"{1e3 * d['predicted_step_s']:.1f} ms/step{seen} (runner-up {d['runner_up']!r}"
-            + (", by a lower bound: its codec was not timed)" if d.get("runner_up_bound") else ")"))
+    why = AUTO_TRIGGERS.get(d["trigger"], d["trigger"])
+    line = (f"  auto, step {d['step']} ({why}): chose {d['chosen']!r}, predicted "
+            f"{1e3 * d['predicted_step_s']:.1f} ms/step{seen}")
+    other = d.get("runner_up")
+    if other is None:
+        return line
+    step = d.get("runner_up_step_s")
+    return (line + f"; best other method {other!r}" + (f", predicted {1e3 * step:.1f} ms/step" if step is not None else "")
+            + (" (a lower bound: its codec was not timed)" if d.get("runner_up_bound") else ""))
+
+
+def _osp_line(osp: dict[str, Any], bytes_sent: int) -> str:
+    share = f" ({osp['deferred_bytes'] / bytes_sent:.0%} of the bytes sent)" if bytes_sent > 0 else ""
+    return (f"  OSP (sync='osp'): {osp['deferred_fraction']:.1%} of the model's elements deferred per step on average "
+            f"(synchronised while the next step computes, over {osp['steps']} steps); the deferred stage sent "
+            f"{_fmt_bytes(osp['deferred_bytes'])}{share}")
+
+
+def auto_decisions(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every decision of ``compressor="auto"``'s history in brief: step, trigger, the choice, its
+    predicted step, the step measured in the first window after it (``None`` until then), and the
+    best method other than the choice by predicted time per unit of progress (the choice need not be
+    the model's minimum: a margin can hold the running method, a trial installs a sibling)."""
+    out = []
+    for h in history:
+        preds = h["predictions"]
+        others = sorted((kv for kv in preds.items() if kv[0] != h["chosen"]),
+                        key=lambda kv: kv[1]["time_per_progress_s"])
+        runner = others[0] if others else None
+        out.append({"step": h["step"], "trigger": h["trigger"], "chosen": h["chosen"],
+                    "predicted_step_s": preds[h["chosen"]]["step_s"],
+                    "measured_step_s": h.get("measured_step_s"),
+                    "runner_up": runner[0] if runner else None,
+                    "runner_up_step_s": runner[1]["step_s"] if runner else None,
+                    # ranked by a lower bound: its codec was not timed (time_codecs="on_demand")
+                    "runner_up_bound": bool(runner and runner[1].get("details", {}).get("lower_bound"))})
+    return out
 
 
 def _fmt_bytes(n: float) -> str:
@@ -108,12 +160,15 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.2f} GiB"  # pragma: no cover
 
 
-def summarize(engine: Any, compressor: str, skipped_steps: int, diloco: Any = None, auto: Any = None) -> GCSummary:
+def summarize(engine: Any, compressor: str, skipped_steps: int, diloco: Any = None, auto: Any = None,
+              osp: Any = None) -> GCSummary:
     """Build the summary from ``engine.totals()``, the engine's exchange and the skipped steps
-    (with ``sync="diloco"``, from the DiLoCo synchroniser's step counts: the engine sees no step)."""
+    (with ``sync="diloco"``, from the DiLoCo synchroniser's step counts and exchange times: the
+    engine sees no step; with ``sync="osp"``, the OSP synchroniser's deferred share)."""
     t = engine.totals()
     steps, compressed, sample = int(t["steps"]), int(t["compressed_steps"]), int(t.get("sample_steps", 0))
     sent, dense = int(t["bytes_sent"]), int(t["bytes_dense"])
+    comm_s = float(t["comm_time_s"])
     collective = str(engine.exchange.name)
     outer = None
     if diloco is not None:
@@ -121,6 +176,12 @@ def summarize(engine: Any, compressor: str, skipped_steps: int, diloco: Any = No
         dense = steps * int(diloco.dense_bytes_per_step)
         collective = diloco.exchange.name if diloco.exchange is not None else "allreduce (dense Δ)"
         outer = int(diloco.outer_steps)
+        comm_s += float(diloco.comm_s_total)  # the engine's hook never runs: no step time of its own
+    osp_facts = None
+    if osp is not None:
+        n = int(osp.summary_steps)
+        osp_facts = {"steps": n, "deferred_fraction": osp.deferred_fraction_sum / n if n else 0.0,
+                     "deferred_bytes": int(osp.deferred_bytes_sent)}
     return GCSummary(
         compressor=compressor,
         collective=collective,
@@ -134,9 +195,10 @@ def summarize(engine: Any, compressor: str, skipped_steps: int, diloco: Any = No
         bytes_dense=dense,
         bytes_ratio=sent / dense if dense > 0 else 1.0,
         compress_time_s=float(t["compress_time_s"]),
-        comm_time_s=float(t["comm_time_s"]),
+        comm_time_s=comm_s,
         nonfinite_steps=int(t["nonfinite_steps"]),
         skipped_steps=int(skipped_steps),
         outer_steps=outer,
-        auto_decisions=None if auto is None else auto.decisions(),
+        auto_decisions=None if auto is None else auto_decisions(auto.history),
+        osp=osp_facts,
     )

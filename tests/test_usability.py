@@ -238,7 +238,7 @@ def test_list_has_one_line_per_compressor_collective_plan_and_alias(capsys):
     lines = capsys.readouterr().out.splitlines()
     items = [ln.split()[0] for ln in lines if ln.startswith("  ")]
     aliases = [n for n, e in StrategyRegistry.items() if e["strategy"] is GCStrategy]
-    expected = [*COMPRESSORS, *available_collectives(), *available_planners(), *aliases]
+    expected = [*COMPRESSORS, "auto", *available_collectives(), *available_planners(), *aliases]
     assert items == expected
     # gc_<c>, gc_<c>_find_unused_parameters_true, gc_<c>_osp, gc_<c>_diloco, plus gc_auto, gc_omgs, gc_osp, gc_diloco
     assert len(aliases) == 4 * len(COMPRESSORS) + 4

@@ -9,9 +9,10 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 ``gc/dense_step``      1 on steps sent exactly (engine warm-up, GradiVeQ's own warm-up, Marsit's
                        full-precision rounds), 0 otherwise
 ``gc/sample_step``     GradiVeQ only: 1 on PCA sample steps (QSGD-quantised, neither dense nor compressed)
-``gc/bytes_sent``      bytes this rank transmitted, modelled for the collectives' algorithms
-``gc/bytes_dense``     bytes the same rank would send with dense fp32 ring allreduce
-``gc/bytes_ratio``     bytes_sent / bytes_dense
+``gc/bytes_sent``      bytes this rank transmitted per optimizer step, modelled for the collectives'
+                       algorithms (mean over the steps since the previous written point, see below)
+``gc/bytes_dense``     bytes the same rank would send with dense fp32 ring allreduce (the same mean)
+``gc/bytes_ratio``     bytes_sent / bytes_dense over those steps
 ``gc/compress_ms``     time spent compressing, decompressing and aggregating (ms)
 ``gc/comm_ms``         wall time inside collectives (ms)
 ``gc/error_norm``      ‖e‖₂ of this rank's error memory after the step
@@ -41,8 +42,9 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 ``gc/osp_ics_comm_ms``  sync="osp": duration of the previous step's ICS allreduce
 ``gc/osp_umax_fraction`` sync="osp" schedule: the bound Umax as a fraction of the model (after round 1)
 ``gc/diloco_outer_step`` sync="diloco": 1 on an optimizer step that ended with an outer step, 0 on an
-                       inner step; with it ``gc/bytes_sent`` (0 on inner steps), ``gc/bytes_dense``
-                       (DDP's fp32 ring allreduce per step) and ``gc/bytes_ratio`` every step
+                       inner step; with it ``gc/bytes_sent`` (the outer exchanges' bytes spread over the
+                       steps since the previous written point), ``gc/bytes_dense`` (DDP's fp32 ring
+                       allreduce per step) and ``gc/bytes_ratio``
 ``gc/diloco_delta_norm`` sync="diloco": ‖mean Δ‖₂ the last outer step applied (logged at outer steps;
                        Lightning repeats the value on the inner steps that follow)
 ``gc/diloco_comm_ms``  sync="diloco": wall time of the last outer exchange (Δ and buffers)
@@ -61,6 +63,13 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 ``gc/auto_delta2/<m>`` compressor="auto": candidate ``m``'s latest measured relative error (the ranks'
                        mean on local gradients; re-measured every ``auto_gain_every`` steps)
 ====================  ========================================================================
+
+``gc/bytes_sent``, ``gc/bytes_dense`` and ``gc/bytes_ratio`` as GCMonitor writes them are the mean per
+optimizer step over the steps since the previous written point (:class:`ByteWindow`; a change of
+communication mode starts a new window), so that a schedule which sends in bursts — DiLoCo's outer
+step every H steps, Marsit's full-precision rounds — cannot alias with ``log_every_n_steps``: the
+written series averages to the bytes per step of the run. :func:`step_metrics` itself gives the
+step's own bytes.
 
 Logging frequency follows the Trainer's ``log_every_n_steps``, with one exception: the step where
 communication changes mode (the first step, the first compressed step after warm-up, and any
@@ -109,6 +118,27 @@ def step_ratio(engine: Any, s: Any) -> float:
     if mode == "compressed" and engine.compressor.has_ratio:
         return float(s.ratio)
     return payload_fraction(s, engine.world_size)
+
+
+class ByteWindow:
+    """Bytes sent and dense-equivalent bytes of the optimizer steps since the last written point."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.sent, self.dense, self.steps = 0.0, 0.0, 0
+
+    def add(self, sent: float, dense: float) -> None:
+        self.sent += sent
+        self.dense += dense
+        self.steps += 1
+
+    def metrics(self) -> dict[str, float]:
+        """``gc/bytes_*`` as the mean per step over the window."""
+        n = max(self.steps, 1)
+        return {"gc/bytes_sent": self.sent / n, "gc/bytes_dense": self.dense / n,
+                "gc/bytes_ratio": self.sent / self.dense if self.dense else 1.0}
 
 
 def diloco_step_metrics(diloco: Any) -> dict[str, float]:
@@ -232,6 +262,7 @@ class GCMonitor(Callback):
         self._auto_logged = 0
         #: OMGS plan figures written (plan versions), for tests
         self.omgs_figures: list[int] = []
+        self._bytes = ByteWindow()
 
     def _log_plan_figure(self, trainer: Any, state: Any) -> None:
         if not trainer.is_global_zero:
@@ -248,17 +279,23 @@ class GCMonitor(Callback):
                 add_figure("gc/omgs_plan", fig, global_step=step)
                 self.omgs_figures.append(state.plan_version)
 
-    def _log_diloco(self, diloco: Any, pl_module: Any) -> None:
+    def _log_diloco(self, diloco: Any, pl_module: Any, writes: bool) -> None:
         if diloco.inner_step == self._last_step:  # accumulation micro-batch: no new optimizer step
             return
         self._last_step = diloco.inner_step
-        for key, value in diloco_step_metrics(diloco).items():
+        metrics = diloco_step_metrics(diloco)
+        self._bytes.add(metrics.pop("gc/bytes_sent"), metrics.pop("gc/bytes_dense"))
+        del metrics["gc/bytes_ratio"]
+        if writes:  # the window's mean: with H = log_every_n_steps every written step is an outer step
+            metrics.update(self._bytes.metrics())
+            self._bytes.reset()
+        for key, value in metrics.items():
             pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         diloco = getattr(trainer.strategy, "diloco", None)
         if diloco is not None:
-            self._log_diloco(diloco, pl_module)
+            self._log_diloco(diloco, pl_module, trainer._logger_connector.should_update_logs)
             return
         engine = getattr(trainer.strategy, "engine", None)
         if engine is None or engine.last_step is None:
@@ -270,6 +307,9 @@ class GCMonitor(Callback):
         mode = s.mode
         mode_changed = self._last_mode is None or mode != self._last_mode
         self._last_mode = mode
+        if mode_changed:  # a written point never mixes dense and compressed steps
+            self._bytes.reset()
+        self._bytes.add(float(s.bytes_sent), float(s.bytes_dense))
         auto = getattr(trainer.strategy, "auto", None)
         if auto is not None:
             self._log_auto_decision(trainer, auto)
@@ -282,6 +322,9 @@ class GCMonitor(Callback):
             return
         metrics = step_metrics(engine, s, getattr(trainer.strategy, "omgs", None),
                                getattr(trainer.strategy, "osp", None))
+        metrics.update(self._bytes.metrics())
+        if writes or mode_changed:  # written: the next point's window starts after this step
+            self._bytes.reset()
         omgs = getattr(trainer.strategy, "omgs", None)
         if omgs is not None and not s.dense and omgs.state.predicted_s is not None:
             if omgs.state.plan_version != self._omgs_figure_version:

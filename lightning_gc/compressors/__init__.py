@@ -2,17 +2,23 @@
 
 from .base import Compressed, Compressor, GroupContext, ratio_to_k
 from .registry import (
+    AUTO,
+    AUTO_SUMMARY,
     COMPRESSORS,
     CompressorEntry,
     available_compressors,
     build_compressor,
     build_config,
+    compressor_choices,
     get_entry,
     register_compressor,
     takes_ratio,
+    unknown_compressor_message,
 )
 
 __all__ = [
+    "AUTO",
+    "AUTO_SUMMARY",
     "COMPRESSORS",
     "Compressed",
     "Compressor",
@@ -21,8 +27,10 @@ __all__ = [
     "available_compressors",
     "build_compressor",
     "build_config",
+    "compressor_choices",
     "get_entry",
     "ratio_to_k",
     "register_compressor",
     "takes_ratio",
+    "unknown_compressor_message",
 ]

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .._names import closest
 from .artopk import ARTopKConfig, AutoARTopKCompressor, STARTopKCompressor, VARTopKCompressor
 from .base import Compressor
 from .cast import BF16Compressor, CastConfig, FP16Compressor
@@ -66,6 +67,12 @@ _ENTRIES = [
 
 COMPRESSORS: dict[str, CompressorEntry] = {e.name: e for e in _ENTRIES}
 
+#: ``GCStrategy(compressor="auto")``: not a compressor of this registry but the run-time chooser
+#: (lightning_gc/auto), listed wherever compressors are listed so that a user finds it
+AUTO = "auto"
+AUTO_SUMMARY = ("the method chosen at run time from measured steps: DDP, fp16 or a compressor "
+                "(GCStrategy only; docs/auto.md)")
+
 
 def register_compressor(entry: CompressorEntry) -> None:
     """Add a compressor (used by modules that add new algorithms, e.g. AR-Topk)."""
@@ -75,14 +82,31 @@ def register_compressor(entry: CompressorEntry) -> None:
 
 
 def available_compressors() -> list[str]:
+    """The registered compressors (``"auto"``, the chooser among them, is not one: see :data:`AUTO`)."""
     return list(COMPRESSORS)
 
 
+def compressor_choices() -> list[str]:
+    """Every value ``GCStrategy(compressor=...)`` takes: the registered compressors, then ``"auto"``."""
+    return [*COMPRESSORS, AUTO]
+
+
+def unknown_compressor_message(name: Any) -> str:
+    """The refusal of a compressor name nobody registered, with the closest valid one."""
+    near = closest(name, compressor_choices()) if isinstance(name, str) else None
+    hint = f" Did you mean {near!r}?" if near else ""
+    return (f"unknown compressor {name!r}. Valid compressors: {', '.join(COMPRESSORS)}; and {AUTO!r}, "
+            f"{AUTO_SUMMARY}.{hint} `lightning-gc list` describes each.")
+
+
 def get_entry(name: str) -> CompressorEntry:
-    if not isinstance(name, str) or name not in COMPRESSORS:
+    if name == AUTO:  # reached where one concrete compressor is needed (OSP's deferred stage, a codec)
         raise ValueError(
-            f"unknown compressor {name!r}. Valid compressors: {', '.join(COMPRESSORS)}."
+            f"compressor {AUTO!r} is the run-time chooser of GCStrategy(compressor='auto') (with sync='bsp' and "
+            f"plan='model'), not one compressor; here name one of: {', '.join(COMPRESSORS)}."
         )
+    if not isinstance(name, str) or name not in COMPRESSORS:
+        raise ValueError(unknown_compressor_message(name))
     return COMPRESSORS[name]
 
 

@@ -281,6 +281,7 @@ class DiLoCoSync(StepParticipant):
         self.sends = [0] * len(self.fragments)  # exchanges started per fragment
         self.last_send = [0] * len(self.fragments)  # inner step of each fragment's last send
         self.last_stats: DiLoCoStats | None = None
+        self.comm_s_total = 0.0  # wall time of every outer exchange since this process started (summary)
         self._pending: dict[int, _Exchange] = {}
         self._runner: OrderedWorker | InlineRunner = (
             OrderedWorker(name="lightning_gc-diloco", device=self.device)
@@ -466,6 +467,7 @@ class DiLoCoSync(StepParticipant):
         if p in self.memories:
             stats.error_norm = float(self.memories[p].norm())
         self.engine.add_deferred_traffic(stats.bytes_sent, stats.bytes_payload)
+        self.comm_s_total += stats.comm_s
         self.last_stats = stats
 
     def _average_buffers(self) -> int:

@@ -226,6 +226,8 @@ class OSPSync(StepParticipant):
         self.last_stats: OSPStats | None = None
         self.probed_network: Any = None
         self.carried_layers = 0  # layers whose error memory moved into the deferred stage (total)
+        # for the end-of-fit summary, since this process started: steps, Σ deferred fraction, deferred bytes sent
+        self.summary_steps, self.deferred_fraction_sum, self.deferred_bytes_sent = 0, 0.0, 0
 
     def bind_plan(self, control: PlanControl) -> None:
         self._plan_control = control
@@ -376,6 +378,7 @@ class OSPSync(StepParticipant):
             if self._ics_exchange is None:  # compressed: counted when it completes (_apply_pending)
                 nbytes = flat.numel() * flat.element_size()
                 self.engine.add_deferred_traffic(ring_allreduce_bytes(nbytes, self.world_size), nbytes)
+                self.deferred_bytes_sent += ring_allreduce_bytes(nbytes, self.world_size)
         self._captured.clear()
         self._carry_used = {}
         self._snapshot = None
@@ -384,6 +387,8 @@ class OSPSync(StepParticipant):
         s.deferred_fraction = sum(self.numels[i] for i in self.deferred) / self.total_numel
         s.threshold = self.threshold
         self.last_stats = s
+        self.summary_steps += 1
+        self.deferred_fraction_sum += s.deferred_fraction
         self.step += 1
         self._choose_split()
         self._t_opt_end = time.perf_counter()
@@ -477,6 +482,7 @@ class OSPSync(StepParticipant):
             ) from pending.error
         if self._ics_exchange is not None:
             self.engine.add_deferred_traffic(pending.bytes_sent, pending.bytes_payload)
+            self.deferred_bytes_sent += pending.bytes_sent
         grads, offset = [], 0
         for pid in pending.pids:
             grads.append(pending.flat[offset:offset + self.numels[pid]].view_as(self.params[pid]))
