@@ -350,7 +350,8 @@ class CanaryAt(L.Callback):
         if trainer.global_step == self.step + 1:  # step `step` has just run its optimizer step
             engine = trainer.strategy.engine
             torch.save({"before": self.before, "after": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
-                        "stopped": engine.last_step.dense_stopped, "memory": engine.error_memory_by_name()},
+                        "stopped": engine.last_step.dense_stopped, "memory": engine.error_memory_by_name(),
+                        "canary_s": engine.last_step.dense_check_s},
                        self.out / f"stop{trainer.global_rank}.pt")
 
 
@@ -361,12 +362,16 @@ def test_a_dense_step_the_link_canary_stopped_sends_its_exact_group_keeps_the_re
     their gradient was zero on every rank), the exact one (the last bias, 4 < 16 elements) moved by
     -lr times the mean of the two ranks' gradients, each rank's error memory is its own gradient of
     the compressed tensors, and auto re-decided at step 6 on β read from the canary, alike on both
-    ranks. With the canary off (the same run) nothing stops and nothing is decided at step 6."""
+    ranks. With the canary off (the same run) nothing stops and nothing is decided at step 6. Load:
+    auto's own canary gets a margin no busy host reaches (only CanaryAt's makes a fall), and β is
+    checked against the rule (canary time less the last α, never below the last β), not against 0:
+    a warm-up probe on a loaded host can read β = 0 and an α above the canary's time."""
     def fit(canary_bytes: int, sub: str):
         out = tmp_path / sub / "report"
         strategy = GCStrategy(compressor="auto", start_method="spawn", min_compress_numel=16,
                               auto={"window": 1000, "probe_every": 0, "early_comm_ratio": 0.0, "explore": 0,
-                                    "candidates": ["ddp", "fp16"], "canary_bytes": canary_bytes})
+                                    "candidates": ["ddp", "fp16"], "canary_bytes": canary_bytes,
+                                    "canary_margin_s": 60.0})
         cbs = [CanaryAt(6, out)] if canary_bytes else []
         return out, _fit(tmp_path / sub, strategy, callbacks=cbs, keep_steps=(6,),
                          model=TinyClassifier(momentum=0.0), max_epochs=1)[1]
@@ -375,8 +380,12 @@ def test_a_dense_step_the_link_canary_stopped_sends_its_exact_group_keeps_the_re
     assert autos[0]["history"] == autos[1]["history"]
     h = next(h for h in autos[0]["history"] if h["step"] == 6)
     assert (h["trigger"], h["drift_test"], h["network_source"]) == ("drift", "canary", "canary")
-    assert h["network"][1] > 0  # β from the canary's time (the model that saw the fall said 0)
     stops = [torch.load(out / f"stop{r}.pt", weights_only=False) for r in range(2)]
+    # β from the canary's time (its 256-byte message, N - 1 = 1 copy), α as last looked at
+    alpha0, beta0 = [e for e in autos[0]["history"] if e["step"] < 6][-1]["network"]
+    canary_s = stops[0]["canary_s"]
+    assert canary_s == stops[1]["canary_s"] and canary_s > 0  # agreed: the fastest rank's time
+    assert h["network"] == [alpha0, pytest.approx(max((canary_s - alpha0) / 256, beta0), rel=1e-12)]
     local = [a["grads"][6] for a in autos]
     lossy = ["net.0.weight", "net.0.bias", "net.2.weight"]
     for r, st in enumerate(stops):
