@@ -23,7 +23,18 @@ import torch.distributed as dist
 from dist_harness import run_distributed
 
 from lightning_gc.comm.cost_model import NetworkModel
-from lightning_gc.comm.link import LinkObserver, LinkSchedule, solve_beta
+from lightning_gc.comm.link import (
+    PROBE_MAX_BYTES,
+    PROBE_TARGET_S,
+    LinkObserver,
+    LinkSchedule,
+    check_link,
+    next_probe_bytes,
+    probe_sized,
+    probe_start_bytes,
+    sized_measure,
+    solve_beta,
+)
 from lightning_gc.comm.probe import ProbeConfig
 from lightning_gc.engine.config import EngineConfig
 from lightning_gc.engine.network import NetworkTracker
@@ -237,6 +248,19 @@ def test_adaptive_ratio_probes_at_its_old_steps():
     assert measure.calls == _old_adaptive(5, calls) == [23, 30, 35, 36, 41, 47]
 
 
+@pytest.mark.parametrize("keeps", [False, True])
+def test_adaptive_ratio_subscribes_its_interval_only_when_the_engine_keeps_no_model(monkeypatch, keeps):
+    from lightning_gc import AdaptiveRatio
+    from lightning_gc.adaptive.callback import LINK_CLIENT
+
+    engine = _adaptive_engine(_Counting(), keeps=keeps)
+    engine.exchange = types.SimpleNamespace(name="allgather")
+    engine.raise_warmup_steps = lambda steps: None
+    monkeypatch.setattr(AdaptiveRatio, "_engine", staticmethod(lambda trainer: engine))
+    AdaptiveRatio(probe_every=7).on_fit_start(None, None)
+    assert engine.link.schedule.clients == ({} if keeps else {LINK_CLIENT: (7, True)})
+
+
 def test_adaptive_ratio_reads_the_engines_model_and_shares_probes_with_osp():
     from lightning_gc import AdaptiveRatio
     from lightning_gc.adaptive.callback import LINK_CLIENT
@@ -359,3 +383,24 @@ def test_engine_probes_at_the_old_rules_steps(cfg, want):
     assert oracle == want
     out = run_distributed(_engine_probe_steps, 2, cfg)
     assert out[0] == out[1] == want, out
+
+
+def _sized(rank: int, ws: int, model_bytes: int) -> dict:
+    got = probe_sized(None, "cpu", model_bytes)
+    check = check_link(None, "cpu", got.probe_bytes)
+    link = LinkObserver(world_size=ws, measure=sized_measure(model_bytes))
+    link.subscribe("auto", 0)
+    link.maybe_refresh(0, None, "cpu")
+    return {"probe": got, "check": check, "link": link.model, "start": probe_start_bytes(model_bytes)}
+
+
+def test_sized_probe_and_check_agree_across_ranks():
+    out = run_distributed(_sized, 2, 400_000)
+    p = out[0]["probe"]
+    assert all(o["probe"] == p and o["check"] == out[0]["check"] and o["link"] == out[0]["link"] for o in out)
+    assert out[0]["start"] == 200_000  # half the gradient, above the 128 KiB floor, below 256 KiB
+    # the last size is where next_probe_bytes stopped: at the cap or bandwidth-bound
+    assert next_probe_bytes(p.probe_bytes, p.probe_time_s, PROBE_MAX_BYTES) is None
+    assert p.probe_bytes == PROBE_MAX_BYTES or p.probe_time_s >= PROBE_TARGET_S / 4
+    assert 200_000 <= p.probe_bytes <= PROBE_MAX_BYTES
+    assert p.network.alpha_s >= 0 and p.network.beta_s_per_byte >= 0 and out[0]["check"][0] > 0

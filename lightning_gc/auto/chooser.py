@@ -70,7 +70,7 @@ from torch import Tensor
 
 from ..comm.cost_model import NetworkModel
 from ..comm.direct import DIRECT_MAX_RANKS, backend_allows
-from ..comm.link import (
+from ..comm.link import (  # noqa: F401 (re-exported: the names auto always had)
     PROBE_LATENCY,
     PROBE_MAX_BYTES,
     PROBE_SMALL_MIN_BYTES,

@@ -29,13 +29,15 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .cost_model import NetworkModel
+from .direct import allreduce_chosen
 from .network import NetworkState
-from .probe import ProbeConfig, ProbePolicy, probe_network
+from .probe import ProbeConfig, ProbePolicy, ProbeResult, probe_network
 
 __all__ = [
     "PROBE_LATENCY",
@@ -52,6 +54,11 @@ __all__ = [
     "factor_apart",
     "steps_apart",
     "link_unchanged",
+    "SizedProbe",
+    "probe_latency",
+    "probe_sized",
+    "check_link",
+    "sized_measure",
     "solve_beta",
     "LinkSchedule",
     "LinkObserver",
@@ -195,6 +202,91 @@ def link_unchanged(check_s: float, probe_s: float, factor: float) -> bool:
     if probe_s <= 0 or check_s <= 0:
         return False
     return 1.0 / factor <= check_s / probe_s <= factor
+
+
+# --------------------------------------------------------------------------------------------
+# the probe sized to the link, and the link check (collectives)
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SizedProbe:
+    """What :func:`probe_sized` measured, identical on every rank: the model, and the last large
+    message's size and agreed time (the reference a later :func:`check_link` is compared with by
+    :func:`link_unchanged`)."""
+
+    network: NetworkModel
+    probe_bytes: int
+    probe_time_s: float
+
+
+def _agree_max(values: Sequence[float], group: Any, device: Any) -> list[float]:
+    """Element-wise MAX over the ranks (one float64 all-reduce, on ``device`` when it is CUDA), as
+    ``lightning_gc.engine.agreement.agree_values(..., "max")`` does it."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if device is not None and torch.device(device).type == "cuda":
+        t = t.to(device)
+    allreduce_chosen(t, group, op="max")
+    return [float(x) for x in t.cpu().tolist()]
+
+
+def probe_latency(group: Any, device: Any) -> ProbeResult:
+    """The latency round (:data:`PROBE_LATENCY`), timed before any large message; ``min_times_s[0]``
+    is this rank's fastest 64-byte shift (not agreed: :func:`probe_sized` agrees what it derives)."""
+    return probe_network(group, PROBE_LATENCY, device=device)
+
+
+def probe_sized(group: Any, device: Any, model_bytes: int, latency: ProbeResult | None = None) -> SizedProbe:
+    """α from 64-byte ring shifts timed before any large message, β from the slope between two larger
+    shifts, ``S/4`` and ``S`` bytes (each rank's medians, then the MAX), ``S`` grown from
+    :func:`probe_start_bytes` of ``model_bytes`` until its message is bandwidth-bound
+    (:func:`probe_bandwidth`). A collective: every rank calls it alike.
+
+    Not one least-squares line over interleaved sizes (:func:`~lightning_gc.comm.probe.probe_network`'s
+    default): on token-bucket-shaped links a large message's send completes while its bytes still sit
+    in the shaper's queue, and a small message timed next waits behind them, so α comes out far too
+    high. α is each rank's *fastest* 64-byte shift (scheduling noise only ever adds time), then the
+    MAX. ``latency``: a latency round already run (:func:`probe_latency`), else one is run first.
+
+    This is ``compressor="auto"``'s probe, for any client of the :class:`LinkObserver` (as its
+    ``measure``, through :func:`sized_measure`)."""
+    small = latency if latency is not None else probe_latency(group, device)
+    rounds: list[int] = []
+
+    def measure(size: int) -> tuple[float, float]:
+        # a warm-up run in the first round only: a grown round reuses the connections it warmed
+        cfg = ProbeConfig(sizes_bytes=(probe_small_bytes(size), size), warmup=0 if rounds else 1, repeats=3)
+        large = probe_network(group, cfg, device=device)
+        rounds.append(size)
+        (s0, s1), (t0, t1) = large.sizes_bytes, large.median_times_s
+        beta, t_large = _agree_max([max((t1 - t0) / (s1 - s0), 0.0), t1], group, device)
+        return beta, t_large
+
+    beta, size, large_s = probe_bandwidth(measure, probe_start_bytes(model_bytes))
+    alpha = max(small.min_times_s[0] - beta * small.sizes_bytes[0], 0.0)
+    a = _agree_max([alpha], group, device)[0]
+    return SizedProbe(NetworkModel(a, beta), size, large_s)
+
+
+def sized_measure(model_bytes: int) -> Callable[[Any, ProbeConfig, Any], NetworkModel]:
+    """A :class:`LinkObserver` ``measure`` that probes with :func:`probe_sized` (the config is unused)."""
+
+    def measure(group: Any, config: ProbeConfig, device: Any) -> NetworkModel:
+        return probe_sized(group, device, model_bytes).network
+
+    return measure
+
+
+def check_link(group: Any, device: Any, size: int) -> tuple[float, float]:
+    """The cheap link check: one ``size``-byte message after its small partner (the order
+    :func:`probe_sized` times them in), once, on every rank. Returns that message's time (compare it
+    with the probe's by :func:`link_unchanged`) and the slope between the two messages (β, as one
+    round of the probe gives it), both agreed (MAX). About a quarter of a full probe's traffic and no
+    latency round: what a periodic or drift re-decision sends on a link that most often did not move."""
+    small = probe_small_bytes(size)
+    r = probe_network(group, ProbeConfig(sizes_bytes=(small, size), warmup=0, repeats=1), device=device)
+    t0, t1 = r.median_times_s
+    slope = max((t1 - t0) / (size - small), 0.0) if size > small else 0.0
+    t1, slope = _agree_max([t1, slope], group, device)
+    return t1, slope
 
 
 # --------------------------------------------------------------------------------------------
