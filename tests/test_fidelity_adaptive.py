@@ -32,6 +32,7 @@ from lightning_gc import AdaptiveRatio
 from lightning_gc.adaptive import CandidateResult
 from lightning_gc.adaptive.objectives import calibration
 from lightning_gc.comm.cost_model import NetworkModel
+from lightning_gc.comm.link import LinkObserver
 from lightning_gc.compressors import GroupContext
 
 ALPHA, BETA = 1e-4, 8e-9  # pinned network: 100 µs, 1 Gbit/s
@@ -55,7 +56,8 @@ class _Engine:
     """What AdaptiveRatio reads from a GCEngine, and nothing else (world size N, pinned network)."""
 
     def __init__(self, exchange: str = "allgather", ratio: float = 0.01, warmup: int = 1) -> None:
-        self.network = types.SimpleNamespace(pinned=True, model=NetworkModel(ALPHA, BETA))
+        self.link = LinkObserver(NetworkModel(ALPHA, BETA), pinned=True)  # the engine's link observer
+        self.network = self.link.state
         self.tracker = types.SimpleNamespace(policy=None)
         self.exchange = types.SimpleNamespace(name=exchange)
         self.plan = types.SimpleNamespace(groups=[_Group(n, False) for n in NUMELS] + [_Group(64, True)])

@@ -398,7 +398,7 @@ def _run_schedule(rank: int, ws: int, pinned: bool = True):
         osp.after_optimizer_step()
         budgets.append((osp.schedule.budget, osp.schedule.umax))
     osp.drain()
-    probed = osp.probed_network
+    probed = (osp.probed_network, engine.link.probes, engine.network.model)
     osp.close()
     engine.close()
     return (losses, budgets, splits) if pinned else (probed, budgets, splits)
@@ -938,8 +938,11 @@ def test_schedule_budget_follows_the_rank_averaged_loss(runs):
 
 
 def test_schedule_without_a_network_model_probes_once_and_ranks_agree(runs):
-    (net0, b0, s0), (net1, b1, s1) = runs[0]["schedule_probed"], runs[1]["schedule_probed"]
+    (probed0, b0, s0), (probed1, b1, s1) = runs[0]["schedule_probed"], runs[1]["schedule_probed"]
+    (net0, probes0, engine0), (net1, probes1, engine1) = probed0, probed1
     assert net0 is not None and net0 == net1  # the probe's model is agreed across ranks
+    assert probes0 == probes1 == 1  # once, at the first round's end, though three rounds ended
+    assert engine0 is engine1 is None  # the dense exchange, which picks no algorithm by it, keeps none
     assert b0 == b1 and s0 == s1 and all(u is not None for _, u in b0[2:])
 
 

@@ -227,3 +227,18 @@ def test_probe_agrees_by_max_at_even_and_odd_world_sizes(ws: int) -> None:
     for r in results:
         assert r["cuda_on_gloo"] == ("cpu", "cpu", "cpu", "cpu")
         assert r["cuda_on_gloo_ring_shift"] == r["cuda_on_gloo_ring_allreduce"] == ws
+
+
+def test_policy_due_reads_without_changing_and_probed_restarts_the_clock() -> None:
+    # the three parts update() is made of: due() only reads, probed() restarts the clock and the drift count
+    p = ProbePolicy(refresh_every=4, drift_threshold=0.5, drift_patience=2)
+    assert p.due(0) and p.due(0) and p.last_probe_step is None  # asking twice changes nothing
+    p.probed(0)
+    assert [s for s in range(1, 9) if p.due(s)] == [4, 5, 6, 7, 8]  # not probed: stays due from 4 on
+    p.observe(2.0, 1.0)
+    p.observe(2.0, 1.0)
+    assert p.consecutive_drift == 2 and p.due(1)  # patience reached
+    p.probed(1)
+    assert (p.last_probe_step, p.consecutive_drift) == (1, 0) and not p.due(4) and p.due(5)
+    p.observe(None)  # no measurement: the counter stays
+    assert p.consecutive_drift == 0

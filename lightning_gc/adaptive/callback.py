@@ -30,17 +30,17 @@ import dataclasses
 import math
 import time
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ..comm.cost_model import SPARSE_COLLECTIVE_TIE_ORDER, NetworkModel
-from ..comm.probe import ProbeConfig, probe_network
+from ..comm.probe import ProbeConfig
 from ..compressors import build_config
 from ..engine.owner import SessionOwner
-from ..engine.ports import EngineControl
+from ..engine.ports import EngineControl, LinkPort
 from ..exchanges.registry import collective_code
 from .config import AdaptiveConfig
 from .decision import Decision, decide
@@ -57,9 +57,11 @@ from .snapshot import TrainingSnapshot
 
 STATE_VERSION = 1
 TRIGGER_CODES = {"warmup": 0, "gain": 1, "network": 2}
-#: the controller's own network probe (when the engine keeps none): up to 1 MiB, so that a probe on
+#: the controller's network probe (when the engine keeps no model): up to 1 MiB, so that a probe on
 #: a slow link stays around a second
 PROBE = ProbeConfig(sizes_bytes=(64, 16384, 262144, 1048576), warmup=1, repeats=5)
+#: the controller's name among the link observer's clients
+LINK_CLIENT = "adaptive"
 
 
 class AdaptiveRatio(Callback):
@@ -122,8 +124,6 @@ class AdaptiveRatio(Callback):
         self.gain_ref: float | None = None
         self.net_ref: tuple[float, float] | None = None
         self.pending_trigger: str | None = None
-        self._network: NetworkModel | None = None
-        self._last_probe_step: int | None = None
         self._shadow: ShadowScorer | None = None
         self._shadow_comm: list[float] = []
         self._shadow_trigger: str | None = None
@@ -173,6 +173,8 @@ class AdaptiveRatio(Callback):
             return
         collective_choices(engine.exchange.name)  # refuses an exchange without a cost formula
         engine.raise_warmup_steps(self.config.warmup_steps)  # same Callback arguments on every rank
+        if not engine.keeps_network_model:  # the engine's model, when it keeps one, is read instead
+            cast(LinkPort, engine).link.subscribe(LINK_CLIENT, self.config.probe_every, at_start=True)
         if self._loaded is not None:
             self._apply_loaded(engine)
 
@@ -248,19 +250,17 @@ class AdaptiveRatio(Callback):
         return False
 
     def _network_model(self, engine: EngineControl, step: int, refresh: bool) -> NetworkModel | None:
-        """The agreed alpha-beta model: the engine's when it keeps one (probed or pinned), else the
-        controller's own probe, refreshed every ``probe_every`` steps (and when ``refresh``)."""
-        if engine.keeps_network_model:
-            if engine.network.model is not None:
-                return engine.network.model
-        due = refresh or self._network is None or (
-            self.config.probe_every > 0 and self._last_probe_step is not None
-            and step - self._last_probe_step >= self.config.probe_every)
-        if due:
+        """The agreed alpha-beta model, from the engine's link observer: the engine's model when it
+        keeps one (probed or pinned), else the observer's last measurement, refreshed when the
+        observer's schedule is due (``probe_every`` steps after the last probe of any client) and when
+        ``refresh``."""
+        link = cast(LinkPort, engine).link
+        if engine.keeps_network_model and link.model is not None:
+            return link.model
+        if refresh or link.model is None or link.due(step):
             engine.synchronize()
-            self._network = probe_network(engine.process_group, PROBE, device=engine.device).network
-            self._last_probe_step = step
-        return self._network
+            link.refresh(step, engine.process_group, engine.device, PROBE)
+        return link.model
 
     # ------------------------------------------------------------------ exploration
     def _explore(self, trainer: Any, pl_module: Any, engine: EngineControl, step: int, trigger: str) -> None:
@@ -354,9 +354,7 @@ class AdaptiveRatio(Callback):
     def _decide(self, trainer: Any, engine: EngineControl, step: int, trigger: str, results: list[CandidateResult],
                 measured_live: tuple[float, float] | None, overhead_s: float) -> None:
         net = self._network_model(engine, step, refresh=True)
-        if net is None:  # engine keeps a model but has not probed yet: probe ourselves
-            self._network = probe_network(engine.process_group, PROBE, device=engine.device).network
-            self._last_probe_step, net = step, self._network
+        assert net is not None  # refreshed above unless the engine's model was in force
         choices = collective_choices(engine.exchange.name)
         numels = tuple(g.numel for g in engine.plan.groups if not g.exact)
         value_bytes = engine.params[0].element_size()

@@ -111,9 +111,11 @@ class AdaptiveConfig:
             value after the last decision (the paper: 10 %).
         network_threshold: re-explore when the probed latency or bandwidth moved by at least this
             fraction since the last decision.
-        probe_every: optimizer steps between network probes made by the controller (only when the
-            engine itself does not keep a probed model, i.e. collectives that do not choose by the
-            model); 0 = probe only at explorations.
+        probe_every: optimizer steps between network probes asked for by the controller (only when
+            the engine itself does not keep a probed model, i.e. collectives that do not choose by the
+            model); 0 = probe only at explorations. The probe is the engine's link observer's
+            (``lightning_gc.comm.link``): a probe made for another client (OSP) restarts this count,
+            and with another client's shorter interval the link is probed at that one, for both.
         min_interval: optimizer steps between two explorations at least.
         settle_steps: steps after a decision before the smoothed gain is taken as the reference
             of the gain trigger (the EWMA needs ~1/(1−β) steps to forget the previous ratio).

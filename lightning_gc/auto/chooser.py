@@ -70,6 +70,22 @@ from torch import Tensor
 
 from ..comm.cost_model import NetworkModel
 from ..comm.direct import DIRECT_MAX_RANKS, backend_allows
+from ..comm.link import (  # noqa: F401 (re-exported: the names auto always had)
+    PROBE_LATENCY,
+    PROBE_MAX_BYTES,
+    PROBE_SMALL_MIN_BYTES,
+    PROBE_START_BYTES,
+    PROBE_TARGET_S,
+    check_bytes,
+    factor_apart,
+    link_unchanged,
+    modelled_check_s,
+    next_probe_bytes,
+    probe_bandwidth,
+    probe_small_bytes,
+    probe_start_bytes,
+    steps_apart,
+)
 from ..comm.probe import ProbeConfig, probe_network
 from ..compressors import GroupContext
 from ..engine import dense_stop
@@ -137,146 +153,6 @@ DECIDE_PARTS = ("latency", "probe", "check", "codecs")
 #: the fewest windows (the reference one included) whose median replaces the running method's figure
 #: at a gain or periodic re-decision (AutoChooser._running_figure)
 RUN_FIGURE_MIN_WINDOWS = 3
-
-#: the chooser's network probes: latency from small messages alone, first (a large message leaves bytes
-#: in the shaper's queue after its send completed, and a small one timed after it waits for them),
-#: then bandwidth from two larger ones sized to the link (:func:`next_probe_bytes`)
-#: one warm-up and 7 timed runs of each size (16 shifts; 2 + 9 before, 22): on 4 shaped namespaces, 12
-#: rounds each at 1 Gbit/s and 20 Mbit/s, the fastest 64-byte shift read 0.22-0.60 ms against
-#: 0.21-0.62 ms, in 24-32 ms per round against 39-44 ms; 1 + 5 read 2.3 ms once (docs/auto.md)
-PROBE_LATENCY = ProbeConfig(sizes_bytes=(64, 256), warmup=1, repeats=7)
-#: the bandwidth probe's large message starts at this size (or half the model's gradient, if smaller:
-#: :func:`probe_start_bytes`); its small one is
-#: a quarter of it. Both stay above a shaper's token bucket (64 KiB on the bench's links,
-#: lightning_gc.bench.netns.tc_burst_bytes): a bucket's worth of bytes goes out at line rate, and the
-#: slope between two messages that both exceed it is the link's β, unbiased
-PROBE_START_BYTES = 256 * 1024
-#: ... except that the small one is never below this: a quarter of a small model's first message (the
-#: quickstart MLP's 168 kB gives 42 kB) would sit inside the 64 KiB bucket, leave at line rate, and
-#: tilt the slope: on a simulated 20 Mbit/s shaped link that probe read 24.6 Mbit/s
-#: (tests/test_auto_model.py). The start's floor (128 KiB) keeps the large one above it.
-PROBE_SMALL_MIN_BYTES = 80 * 1024
-
-
-def probe_small_bytes(size: int) -> int:
-    """The bandwidth probe's small message for a large one of ``size`` bytes (see above)."""
-    return max(size // 4, PROBE_SMALL_MIN_BYTES)
-
-
-#: the large message is grown until it takes at least a quarter of this (bandwidth-bound wherever α
-#: is well under 5 ms), by the factor that would make it take this long
-PROBE_TARGET_S = 0.02
-
-
-#: the bandwidth probe's largest message, on any model
-PROBE_MAX_BYTES = 1024 * 1024
-
-
-def probe_start_bytes(model_bytes: int) -> int:
-    """The bandwidth probe's first large message: :data:`PROBE_START_BYTES`, or half the model's fp32
-    gradient if smaller (at least 128 KiB), so that the first round is never several dense steps'
-    worth of traffic on a slow link (a fixed 256 KiB + 1 MiB probe took 4.4 s at 20 Mbit/s on the
-    84k-parameter quickstart MLP, whose dense step is 0.22 s). Where that message is too short to be
-    bandwidth-bound (a fast link), the probe grows it up to :data:`PROBE_MAX_BYTES` whatever the
-    model's size (:func:`next_probe_bytes`). Before, half the model's gradient also capped the growth:
-    on the quickstart MLP at 1 Gbit/s the probe then timed 168 kB messages (1.2-4 ms, in scheduling
-    noise on 4 ranks sharing 2 cores) and read the link at 205-14 000 Mbit/s in four runs; at 1 MiB,
-    ten probes read 610-835 Mbit/s (docs/auto.md)."""
-    return int(min(max(model_bytes // 2, 128 * 1024), PROBE_START_BYTES))
-
-
-def next_probe_bytes(size: int, large_s: float, cap: int) -> int | None:
-    """The next large-message size of the bandwidth probe, or ``None`` when ``size`` was enough.
-
-    ``large_s``: the (agreed) median time of the ``size``-byte message. It was enough when it took at
-    least ``PROBE_TARGET_S / 4`` (then ``size·β`` dominates α) or ``size`` is already ``cap``; else the
-    probe grows it by ``PROBE_TARGET_S / large_s`` (so more than 4×), at most to ``cap``. Why not always
-    the cap: on ``cnn`` or ``gpt`` at 20 Mbit/s a 1 MiB probe (with its 256 KiB partner, a warm-up
-    and three timed runs) sends ~5 MiB per rank, about 2 s, at the first decision and at every
-    periodic or drift re-probe; 256 KiB messages already take 0.1 s each there. On a fast link the
-    first, small round costs a few milliseconds before the cap is measured, as before."""
-    if size >= cap or large_s >= PROBE_TARGET_S / 4:
-        return None
-    grow = size * PROBE_TARGET_S / max(large_s, 1e-9)
-    return int(min(cap, round(grow)))  # > 4x size: large_s < PROBE_TARGET_S / 4
-
-
-def probe_bandwidth(measure: Callable[[int], tuple[float, float]], start: int) -> tuple[float, int, float]:
-    """β (s/byte) from the slope between ``S/4``- and ``S``-byte messages, ``S`` grown from ``start``
-    (:func:`probe_start_bytes`) by :func:`next_probe_bytes` up to :data:`PROBE_MAX_BYTES`; returns β,
-    the last ``S`` and that ``S``-byte message's time (the reference of :func:`link_unchanged`).
-
-    ``measure(S)`` returns that slope and the ``S``-byte message's time, both agreed across ranks (the
-    loop's decisions must be identical on every rank)."""
-    size = start
-    while True:
-        beta, large_s = measure(size)
-        nxt = next_probe_bytes(size, large_s, PROBE_MAX_BYTES)
-        if nxt is None:
-            return beta, size, large_s
-        size = nxt
-
-
-def check_bytes(network: NetworkModel, start: int) -> int:
-    """The link check's message size where no probe chose one (β from a dense step): what the bandwidth
-    probe would have settled on for this network, ``start`` (:func:`probe_start_bytes`) grown until
-    the message takes :data:`PROBE_TARGET_S` / 4, at most :data:`PROBE_MAX_BYTES`. Not the largest:
-    on ``cnn`` width 16 at 20 Mbit/s a 1 MiB check with its 256 KiB partner took 0.52 s, where
-    256 KiB (the probe's size there) takes 0.13 s."""
-    size = start
-    beta = network.beta_s_per_byte
-    if beta > 0 and network.alpha_s + size * beta < PROBE_TARGET_S / 4:
-        size = min(PROBE_MAX_BYTES, max(size, math.ceil((PROBE_TARGET_S / 4 - network.alpha_s) / beta)))
-    return size
-
-
-def modelled_check_s(network: NetworkModel, size: int) -> float:
-    """The link check's reference where no probe timed one (β from a dense step, see
-    :meth:`AutoChooser._decide`): the model's time for one ``size``-byte ring shift, ``α + size·β``,
-    the relation the probe's two sizes fit (:func:`probe_bandwidth`).
-
-    Why a model and not a timed message: the decision that measured β from a dense step does not
-    need the message, and on a link that just fell it was the slowest part of that decision
-    (0.27-0.37 s of 0.46 s on the quickstart MLP at 10 Mbit/s). How close: over 32 link checks of
-    earlier bench runs at 10-20 Mbit/s (links that had not changed), the check's time was 0.68-1.66x
-    this figure for its network (median 1.21x, 3 outside 1.5x), and 0.60-1.50x the timed reference it
-    was compared with (median 1.02x, 2 outside) (docs/auto-measurements.md). A check outside
-    ``probe_check`` of it is timed again and, where its message is bandwidth-bound (a slow link),
-    sets β from its own slope, no full probe: a misjudged reference costs one more message."""
-    return float(network.alpha_s) + int(size) * float(network.beta_s_per_byte)
-
-
-def factor_apart(a: float, b: float, factor: float) -> bool:
-    """Whether two positive times are ``factor`` or more apart, either way (a severe drift)."""
-    return a > 0 and b > 0 and max(a / b, b / a) >= factor
-
-
-def steps_apart(times: Sequence[float], reference: float, factor: float) -> bool:
-    """The every-step severe test (``severe_steps``) on the last few step times: every one of them
-    ``factor`` or more off ``reference`` the same way, or their median twice that far (a link that
-    fell tenfold makes a dense step 10-20x longer: seen as soon as most of the steps are, without
-    waiting for all of them). Not the median at ``factor`` alone: two slow steps of three are
-    scheduling noise often enough on a busy host (see ``AutoConfig.severe_steps``)."""
-    if reference <= 0 or factor <= 0 or not times:
-        return False
-    slow, fast, med = min(times), max(times), statistics.median(times)
-    return (slow >= factor * reference or fast * factor <= reference
-            or med >= 2 * factor * reference or med * 2 * factor <= reference)
-
-
-def link_unchanged(check_s: float, probe_s: float, factor: float) -> bool:
-    """Whether a link check's message time ``check_s`` says the link is the one last probed, whose
-    same-size message took ``probe_s``: within ``factor`` of it either way (``factor`` > 1).
-
-    The check exists to spare the full probe (latency, then two message sizes, each timed three times
-    after a warm-up) at a periodic or drift re-decision on a link that did not change: on the quickstart
-    MLP at 20 Mbit/s each full re-probe cost 0.47-0.52 s of a 6 s run to the target (docs/auto.md).
-    The changes that matter are large (a correction is not carried over a 2x change of β, and a
-    link that fell from 1 Gbit/s to 10 Mbit/s moves this time by more than 10x), so a coarse factor
-    (1.5 by default) keeps one message's noise from forcing a probe."""
-    if probe_s <= 0 or check_s <= 0:
-        return False
-    return 1.0 / factor <= check_s / probe_s <= factor
 
 
 def _int(name: str, value: Any, lo: int, hint: str) -> None:

@@ -38,7 +38,8 @@ How to tune: the sizes should span latency-dominated (``alpha >> beta * B``) to 
 More ``repeats`` make the medians robust against more outliers, at linear cost; on a
 shared or oversubscribed host use 15 or more (the default). A probe costs roughly
 ``(warmup + repeats) * sum(t(B))``; the defaults take about a tenth of a second on loopback.
-Re-probe with :class:`ProbePolicy`, or skip probing altogether with :class:`PinnedNetwork`.
+Re-probe with :class:`ProbePolicy` (the engine and its collaborators share one schedule built on
+it: :class:`lightning_gc.comm.link.LinkObserver`), or skip probing altogether with :class:`PinnedNetwork`.
 
 Note that on loopback or veth pairs there is no wire: the measured ``alpha`` is the software
 stack's latency (tens of microseconds with gloo), not a network's.
@@ -480,40 +481,55 @@ class ProbePolicy:
         Returns True when (a) no probe happened yet and ``probe_at_start``, (b) ``refresh_every``
         steps passed since the last probe, or (c) the drift counter reached ``drift_patience``.
         A True answer is taken as "the caller probes at this step": the counter resets and
-        ``last_probe_step`` becomes ``step``.
+        ``last_probe_step`` becomes ``step``. The same as :meth:`observe`, then :meth:`due`, then
+        :meth:`probed` when due.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step={step!r} must be an integer >= 0 (the optimizer step)")
-        if measured_s is not None:
-            if predicted_s is None:
-                raise ValueError(
-                    f"measured_s={measured_s!r} was given without predicted_s; pass the model's "
-                    "prediction for the same communication (or neither)"
-                )
-            for name, v in (("measured_s", measured_s), ("predicted_s", predicted_s)):
-                if not math.isfinite(v) or v < 0:
-                    raise ValueError(
-                        f"{name}={v!r} must be a finite number of seconds >= 0; skip the step "
-                        "(pass None) when no valid timing exists"
-                    )
-            if self.relative_drift(measured_s, predicted_s) > self.drift_threshold:
-                self.consecutive_drift += 1
-            else:
-                self.consecutive_drift = 0
-
-        probe = False
-        if self.last_probe_step is None and self.probe_at_start:
-            probe = True
-        elif self.refresh_every:
-            # Without a start probe the periodic refresh counts from step 0.
-            since = step - (self.last_probe_step if self.last_probe_step is not None else 0)
-            probe = since >= self.refresh_every
-        if self.consecutive_drift >= self.drift_patience:
-            probe = True
+        _check_step(step)
+        self.observe(measured_s, predicted_s)
+        probe = self.due(step)
         if probe:
-            self.last_probe_step = step
-            self.consecutive_drift = 0
+            self.probed(step)
         return probe
+
+    def observe(self, measured_s: float | None = None, predicted_s: float | None = None) -> None:
+        """Count one step's drift: ``measured_s`` against ``predicted_s`` (both replicated), or
+        nothing when ``measured_s`` is None (the counter is left as it is)."""
+        if measured_s is None:
+            return
+        if predicted_s is None:
+            raise ValueError(
+                f"measured_s={measured_s!r} was given without predicted_s; pass the model's "
+                "prediction for the same communication (or neither)"
+            )
+        for name, v in (("measured_s", measured_s), ("predicted_s", predicted_s)):
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(
+                    f"{name}={v!r} must be a finite number of seconds >= 0; skip the step "
+                    "(pass None) when no valid timing exists"
+                )
+        if self.relative_drift(measured_s, predicted_s) > self.drift_threshold:
+            self.consecutive_drift += 1
+        else:
+            self.consecutive_drift = 0
+
+    def due(self, step: int) -> bool:
+        """Whether a probe is due at ``step`` (reads the state, changes nothing)."""
+        _check_step(step)
+        if self.last_probe_step is None and self.probe_at_start:
+            return True
+        if self.consecutive_drift >= self.drift_patience:
+            return True
+        if not self.refresh_every:
+            return False
+        # Without a start probe the periodic refresh counts from step 0.
+        since = step - (self.last_probe_step if self.last_probe_step is not None else 0)
+        return since >= self.refresh_every
+
+    def probed(self, step: int) -> None:
+        """A probe was made at ``step``: the periodic refresh counts from it, the drift counter restarts."""
+        _check_step(step)
+        self.last_probe_step = step
+        self.consecutive_drift = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_probe_step": self.last_probe_step, "consecutive_drift": self.consecutive_drift}
@@ -521,3 +537,8 @@ class ProbePolicy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_probe_step = state["last_probe_step"]
         self.consecutive_drift = int(state["consecutive_drift"])
+
+
+def _check_step(step: int) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r} must be an integer >= 0 (the optimizer step)")

@@ -36,7 +36,9 @@ class EngineConfig:
         collective: ``"auto"`` (the compressor's natural collective) or an explicit name.
         network_alpha_s, network_beta_s_per_byte: pin the network model (latency per message in
             seconds, transfer time per byte in seconds) instead of probing; both or neither.
-        probe_every: re-probe the network every this many optimizer steps (0 = never again).
+        probe_every: re-probe the network every this many optimizer steps (0 = never again). The
+            count runs from the last probe of the engine's link observer (``GCEngine.link``,
+            :mod:`lightning_gc.comm.link`), whichever client asked for it.
         probe_drift: re-probe when the measured communication time of the model-chosen
             collectives differs from the prediction by more than this fraction ...
         probe_patience: ... for this many consecutive steps.

@@ -269,6 +269,12 @@ class GCEngine:
         return self.tracker.state
 
     @property
+    def link(self):
+        """The link observer (:class:`~lightning_gc.comm.link.LinkObserver`): the model in force, when
+        to probe again, and the probe; collaborators reach it through :class:`~.ports.LinkPort`."""
+        return self.tracker.observer
+
+    @property
     def overlap(self) -> bool:
         return isinstance(self._runner, OrderedWorker)
 

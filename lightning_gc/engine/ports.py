@@ -22,6 +22,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from ..comm.exchange import Exchange
+    from ..comm.link import LinkObserver
     from ..comm.network import NetworkState
     from ..compressors.base import Compressor, GroupContext
     from ..plans import Plan
@@ -89,3 +90,14 @@ class PlanControl(Protocol):
 
     def replace_plan(self, plan: Plan, verify: bool = True) -> list[str]: ...
 
+
+# ---------------------------------------------------------------- the link observer
+@runtime_checkable
+class LinkPort(Protocol):
+    """The engine's link observer (:class:`~lightning_gc.comm.link.LinkObserver`), the one owner of
+    "what is the link now". Collaborators read ``link.model`` and, where they need a fresh look, call
+    ``link.refresh`` / ``link.maybe_refresh`` between steps on every rank alike; a collaborator with
+    an interval of its own subscribes it (``link.subscribe``), so one probe serves every client."""
+
+    @property
+    def link(self) -> LinkObserver: ...

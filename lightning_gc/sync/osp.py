@@ -35,7 +35,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -43,14 +43,18 @@ from torch import Tensor
 
 from .._finite import all_finite
 from ..comm.collectives import ring_allreduce_bytes
+from ..comm.probe import ProbeConfig
 from ..comm.worker import InlineRunner, OrderedWorker
-from ..engine.ports import EngineControl, PlanControl
+from ..engine.ports import EngineControl, LinkPort, PlanControl
 from ..engine.session import StepParticipant
 from ..plans import Group, Plan
 from .importance import layer_importance, rank_split
 from .lgp import LGPSnapshot
 from .schedule import DeferredSchedule, ring_umax
 
+#: OSP's probe where the link observer holds no model yet: small messages, since the default's 4 MB
+#: would take seconds on a slow link, and the bound S(Gu) needs α and β only roughly
+OSP_PROBE = ProbeConfig(sizes_bytes=(64, 64 * 1024, 256 * 1024), repeats=5)
 _ICS_GROUP_ID = 1 << 20  # GroupContext.group_id of the deferred stage: random draws differ from the plan's groups
 
 
@@ -224,7 +228,6 @@ class OSPSync(StepParticipant):
         self._t_backward_end: float | None = None
         self._stats = OSPStats(step=0)
         self.last_stats: OSPStats | None = None
-        self.probed_network: Any = None
         self.carried_layers = 0  # layers whose error memory moved into the deferred stage (total)
         # for the end-of-fit summary, since this process started: steps, Σ deferred fraction, deferred bytes sent
         self.summary_steps, self.deferred_fraction_sum, self.deferred_bytes_sent = 0, 0.0, 0
@@ -516,16 +519,17 @@ class OSPSync(StepParticipant):
         self.schedule.end_round(mean, recent, umax)
 
     def _network_model(self) -> Any:
-        model = self.engine.network.model
-        if model is not None:
-            return model
-        if self.probed_network is None and self.world_size > 1:
-            from ..comm.probe import ProbeConfig, probe_network
+        """The engine's link observer's model; if it holds none yet (the engine keeps no model and no
+        client probed), one probe on OSP's group, whose result every client of the observer reads."""
+        link = cast(LinkPort, self.engine).link
+        if link.model is None and self.world_size > 1:
+            link.refresh(self.engine.step, self.group, self._comm_device(), OSP_PROBE)
+        return link.model
 
-            # small messages: a probe of the default 4 MB would take seconds on a slow link
-            cfg = ProbeConfig(sizes_bytes=(64, 64 * 1024, 256 * 1024), repeats=5)
-            self.probed_network = probe_network(self.group, cfg, device=self._comm_device()).network
-        return self.probed_network
+    @property
+    def probed_network(self) -> Any:
+        """The model OSP's bound reads (the link observer's; None before any)."""
+        return cast(LinkPort, self.engine).link.model
 
     def _choose_split(self) -> None:
         budget = self.schedule.budget_for_step(self.step) if self.world_size > 1 else 0
@@ -567,7 +571,6 @@ class OSPSync(StepParticipant):
             "pending": self._pending,
             "last_stats": self.last_stats,
             "carried_layers": self.carried_layers,
-            "probed_network": self.probed_network,
         }
 
     def restore(self, snapshot: dict) -> None:
@@ -579,7 +582,6 @@ class OSPSync(StepParticipant):
         self._snapshot = None
         self.last_stats = snapshot["last_stats"]
         self.carried_layers = snapshot["carried_layers"]
-        self.probed_network = snapshot["probed_network"]
         # the compute-time sample of the next step would include the exploration: leave it out
         self._t_opt_end = None
 
