@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from ..comm.cost_model import NetworkModel
@@ -75,7 +75,9 @@ from ..compressors import GroupContext
 from ..engine import dense_stop
 from ..engine.agreement import agree_values
 from ..engine.dense_stop import LinkCanary
+from ..engine.ports import MethodControl
 from ..engine.session import StepParticipant
+from . import policy
 from .candidates import (
     AutoCandidate,
     candidate,
@@ -85,6 +87,7 @@ from .candidates import (
     time_method_codec,
 )
 from .config import AutoConfig
+from .measure import check_agreed
 from .model import (
     MethodCost,
     Prediction,
@@ -95,10 +98,10 @@ from .model import (
     choose_measured,
     compute_shift,
     efficiency,
-    overhead_used,
     predict,
     table,
 )
+from .policy import Trigger
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +123,6 @@ ONE_STEP_FACTOR = 4.0
 #: the tests of ``severe_drift`` as a decision's history records them (``drift_test``)
 SEVERE_TESTS = ("severe_window", "steps", "step", "exchange", "reference_window")
 
-#: the decisions made without a fresh look at the link (no probe, no dense step, no canary) that, moving from a
-#: compressed method to a dense mode, first time the link with the canary's message (AutoChooser._switch_check)
-SWITCH_CHECK_TRIGGERS = ("gain", "calibration")
 
 #: the parts of a decision's own time its history records (``decide_parts_s``, slowest rank each): the
 #: latency round, the bandwidth probe, the link check (both messages, a retimed one included) and the
@@ -276,36 +276,19 @@ def link_unchanged(check_s: float, probe_s: float, factor: float) -> bool:
     return 1.0 / factor <= check_s / probe_s <= factor
 
 
-def _lead(preds: dict[str, Prediction], a: str, b: str) -> float:
-    """How much lower ``a``'s predicted time per unit of progress is than ``b``'s, relative to ``b``'s
-    (the lead that ``explore_margin`` and ``switch_margin`` are compared with)."""
-    return 1.0 - preds[a].time_per_progress_s / preds[b].time_per_progress_s
-
-
-def _overhead_in(entry: dict, name: str) -> float:
-    """What a history entry's decision added to ``name``'s raw prediction (``model.overhead_used``);
-    entries written before the compute shift have neither ``settled`` nor ``shift_s``."""
-    return overhead_used(name, entry["corrections"], float(entry.get("shift_s", 0.0)), entry.get("settled"))
-
-
-#: a per-method correction measured on a link whose bandwidth differs from the current one by more
-#: than this factor is not used (:meth:`AutoChooser._valid_corrections`); probes of one 1 Gbit/s
-#: link varied well within it
-STALE_NETWORK_FACTOR = 2.0
-_BETA_FLOOR = 1e-12  # s/byte (8 Tbit/s): an unlimited link (β = 0) compares as a very fast one
-
-
 class AutoChooser(StepParticipant):
     """Profiles, measures, chooses and re-chooses the method (see the module docstring)."""
 
     name = "auto"
     state_scope = "replicated"
 
-    def __init__(self, engine: Any, config: AutoConfig, module: torch.nn.Module,
+    def __init__(self, engine: MethodControl, config: AutoConfig, module: torch.nn.Module,
                  named_parameters: list[tuple[str, Tensor]]) -> None:
         self.engine = engine
         self.config = config
         self.candidates: list[AutoCandidate] = [candidate(c) for c in config.candidates]
+        #: the candidates that are bucket modes (no compressor: ``ddp``, ``fp16``, ``bf16``)
+        self._dense_names = frozenset(c.name for c in self.candidates if c.compressor is None)
         self.params = [p for _, p in named_parameters]
         self.names = [n for n, _ in named_parameters]
         #: the early path (early_comm_ratio) never shortens the warm-up below this: the configuration
@@ -315,13 +298,18 @@ class AutoChooser(StepParticipant):
         w = int(engine.config.warmup_steps)
         self._configured_warmup = w if w > config.dense_steps_needed else 1
         engine.raise_warmup_steps(config.dense_steps_needed)
+        #: the plan has no group to compress (every tensor below ``min_compress_numel``): nothing to choose, so
+        #: auto runs DDP's dense path from the first step boundary on and measures nothing (replicated: the
+        #: plan is the same on every rank)
+        self.nothing_to_compress = not any(not g.exact for g in engine.plan.groups)
         # every step's wall rides in the next step's messages (the every-step test and the windows read
         # them there): a compressed step's closing report. A dense mode's is agreed at once by a direct
         # exchange (one message latency) where the group allows one, else it rides in the next step's
         # first gradient bucket (see _agree_wall_later)
         self._dense_walls_direct = (1 < engine.world_size <= DIRECT_MAX_RANKS and dist.is_available()
-                                 and dist.is_initialized() and backend_allows(engine.process_group))
-        if not self._dense_walls_direct:
+                                 and dist.is_initialized() and backend_allows(engine.process_group)
+                                 and not self.nothing_to_compress)
+        if not self._dense_walls_direct and not self.nothing_to_compress:
             engine.enable_dense_carry()
         #: the link canary before each step a dense mode runs (AutoConfig.canary_bytes; None: off; the engine
         #: sings it, lightning_gc/engine/dense_stop.py); each dense step's wall is still agreed at its own end
@@ -406,7 +394,7 @@ class AutoChooser(StepParticipant):
         #: every re-measurement of the errors (replicated, checkpointed): step, each candidate's
         #: agreed delta2, the largest relative change of progress per step, whether it re-decided
         self.gain_checks: list[dict] = []
-        if engine.world_size > 1:
+        if engine.world_size > 1 and not self.nothing_to_compress:
             self._sample = {}
             self._handles = [p.register_post_accumulate_grad_hook(self._stamp(i)) for i, p in enumerate(self.params)]
             self._handles.append(module.register_forward_hook(self._on_forward))
@@ -496,6 +484,10 @@ class AutoChooser(StepParticipant):
         if engine.world_size == 1:
             return
         step = engine.step - 1  # the step that just finished
+        if self.nothing_to_compress:
+            if self.chosen is None:
+                self._run_dense_only(step)
+            return
         if self.chosen is None:
             cfg = self.config
             complete = len(self._stamps) == len(self.params)
@@ -538,6 +530,34 @@ class AutoChooser(StepParticipant):
             self._check_severe_steps(step, wall, exchange_s, exchange_step)
         if self._gain_due(step):
             self._arm_sample()
+
+    def _run_dense_only(self, step: int) -> None:
+        """Nothing to compress (:attr:`nothing_to_compress`): run DDP's fp32 path from the next step on and
+        say so once. No profile, measurement or decision follows: every candidate would send the same
+        exact tensors. Every rank gets here at the same step (the plan is replicated)."""
+        rank_zero_warn(f"lightning_gc auto: the plan has no tensor to compress (every one is below min_compress_numel="
+                       f"{self.engine.config.min_compress_numel} elements), so auto runs DDP's dense path from step "
+                       f"{step + 1} on. Lower min_compress_numel to let it choose among methods.")
+        self.chosen = "ddp"
+        self._apply("ddp")
+
+    # ------------------------------------------------------------------ the participant's lifecycle hooks
+    def on_validation_start(self) -> None:
+        """Validation time is not a training step's (:meth:`pause_walls`)."""
+        self.pause_walls()
+
+    def on_validation_end(self) -> None:
+        """Back from validation (:meth:`resume_walls`)."""
+        self.resume_walls()
+
+    def on_train_batch_start(self, batch_idx: int) -> None:
+        """An epoch's first batch holds the epoch's end and start in its wall (:meth:`mark_wall`)."""
+        if batch_idx == 0:
+            self.mark_wall()
+
+    def on_checkpoint_saved(self) -> None:
+        """A checkpoint saved between steps is in the next step's wall (:meth:`mark_wall`)."""
+        self.mark_wall()
 
     def _on_dense_stop(self, step: int, stats: Any) -> None:
         """Step ``step`` was a dense mode's, and the link canary before it saw the link fall: the step
@@ -953,13 +973,33 @@ class AutoChooser(StepParticipant):
         """The group sample (:meth:`_group_sample`) of the gradients as they are now."""
         return self._group_sample({i: p.grad for i, p in enumerate(self.params) if p.grad is not None})
 
+    def _check_inputs_agree(self, step: int, trigger: Trigger, valid: dict[str, float], shift: float,
+                            *walls: float | None) -> None:
+        """Every figure the decision at ``step`` feeds the policy, checked to be the same on every rank
+        (:func:`~lightning_gc.auto.measure.check_agreed`): a disagreement raises a clear error on every rank
+        instead of a gloo abort in the collectives that divergent decisions would issue."""
+        assert self.costs is not None and self.workload is not None and self.network is not None
+        named: list[tuple[str, float]] = []
+        for c in self.costs:
+            named += [(f"codec_s[{c.name}]", c.codec_s), (f"payload_bytes[{c.name}]", c.payload_bytes),
+                      (f"delta2[{c.name}]", c.delta2), (f"codec_timed[{c.name}]", float(c.codec_timed))]
+        w = self.workload
+        named += [("network.alpha_s", self.network.alpha_s), ("network.beta_s_per_byte", self.network.beta_s_per_byte),
+                  ("workload.forward_s", w.forward_s), ("workload.backward_s", sum(w.backward_s)),
+                  ("workload.optimizer_s", w.optimizer_s), ("workload.other_s", w.other_s), ("shift_s", shift),
+                  ("explore_left", float(self._explore_left))]
+        named += [(f"correction[{k}]", v) for k, v in sorted(valid.items())]
+        named += [(f"wall_s[{i}]", v) for i, v in enumerate(walls) if v is not None]
+        check_agreed(named, f"the {trigger.value} decision at step {step}", self.engine.process_group,
+                     self.engine.device)
+
     def _model_inputs(self) -> tuple[dict[str, float], list[str], list[str], float]:
         """What a decision predicts with besides the costs, the workload and the network: the valid
         corrections, the methods settled on this link, the compute shift's basis and the shift."""
         valid = self._valid_corrections()
         windowed = self._windowed()
         settled = sorted(windowed & set(valid))
-        shift_from = self._shift_basis(windowed, settled)
+        shift_from = policy.shift_basis(windowed, settled, self._corrections, self._dense_names)
         shift = compute_shift([self._corrections[m] for m in shift_from]) if self.config.compute_shift else 0.0
         return valid, settled, shift_from, shift
 
@@ -997,10 +1037,16 @@ class AutoChooser(StepParticipant):
         names = [c.name for c in self.costs]
         first = names.index(self.chosen) if self.chosen in names else min(range(len(names)), key=step_s.__getitem__)
         measure([first])
+        # the bound below sets which candidates are measured next: a rank-local error would make the ranks
+        # issue different agreements
+        check_agreed([(f"delta2[{names[k]}]", d2) for k, d2 in sorted(errors.items())],
+                     f"the errors' re-measurement at step {step}", engine.process_group, engine.device)
         bound = min(step_s[k] / efficiency(replace(self.costs[k], delta2=d2), ws, w) for k, d2 in errors.items())
         rest = [k for k in range(len(names)) if k not in errors and step_s[k] <= bound]
         if rest:
             measure(rest)
+            check_agreed([(f"delta2[{names[k]}]", errors[k]) for k in rest],
+                         f"the errors' re-measurement at step {step}", engine.process_group, engine.device)
         skipped = [names[k] for k in range(len(names)) if k not in errors]
         moved = 0.0
         for k, d2 in errors.items():
@@ -1026,12 +1072,13 @@ class AutoChooser(StepParticipant):
         entry["next_interval"] = self._gain_interval
 
     # ------------------------------------------------------------------ decision
-    def _decide(self, step: int, trigger: str, probe: bool, dense_wall_s: float | None = None,
+    def _decide(self, step: int, trigger: Trigger | str, probe: bool, dense_wall_s: float | None = None,
                 force: str | None = None, dense_exposed_s: float | None = None, check_link: bool = True,
                 drift_wall_s: float | None = None, detail: str | None = None,
                 canary_s: float | None = None) -> None:
         engine = self.engine
         assert self.workload is not None and self.costs is not None
+        trigger = Trigger(trigger)
         t0 = time.perf_counter()
         parts = dict.fromkeys(DECIDE_PARTS, 0.0)
 
@@ -1134,51 +1181,42 @@ class AutoChooser(StepParticipant):
             self._corrections.setdefault("ddp", 0.0)
             self._correction_beta.setdefault("ddp", self.network.beta_s_per_byte)
         running_figure = self._running_figure(trigger, source)
-        if trigger not in ("calibration", "family"):  # a new decision: the model's pick, a fresh exploration budget
-            self._explore_left = self.config.explore
-        explore = trigger not in ("calibration", "family") or self._explore_left > 0
         valid, settled, shift_from, shift = self._model_inputs()
-        best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
-                                      self.config.progress_weight, explore=explore, shift_s=shift, settled=settled)
-        timed_codecs: list[str] = []
-        sample = None
-        while force is None and not next(c for c in self.costs if c.name == best).codec_timed:
-            # the best is a lower bound: time its codec and decide again, until the best is timed. The
-            # others' bounds lost to it already and only grow when timed, so a timed best is the pick
-            # timing every codec would give (branch and bound). Not every untimed codec at once: on the
-            # quickstart MLP at 10-20 Mbit/s that took 44-53 ms of a decision (4 ranks on 2 cores)
-            sample = sample or timed("codecs", self._live_sample)
-            timed_codecs += timed("codecs", self._time_codecs, [best], sample)
-            best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
-                                          self.config.progress_weight, explore=explore, shift_s=shift,
-                                          settled=settled)
-        held = None
-        if force is not None:  # a dense sibling's trial window (see _dense_sibling): every prediction as usual
-            best = force
-        else:
-            if best not in valid and trigger != "gain":  # an unmeasured method must lead by explore_margin
-                best = self._explore_or_stay(best, preds, settled)
-            if trigger == "calibration" and best not in valid:
-                self._explore_left -= 1
-            if trigger != "calibration":  # a calibration compares two recent windows: see _hold_or_switch
-                best, held = self._hold_or_switch(best, preds, settled)
-            elif self.in_family_trial and best == self.chosen:  # the sibling would stay: the interrupted mode holds
-                best, held = self._hold_or_switch(best, preds, settled, self.history[-1].get("previous"))
+        self._check_inputs_agree(step, trigger, valid, shift, dense_wall_s, drift_wall_s)
+        sample: list[tuple[Tensor, GroupContext, float]] = []
+
+        def time_codec(name: str) -> list[MethodCost]:
+            # the best is a lower bound: time its codec (the policy decides again, until the best is timed)
+            if not sample:
+                sample.append(timed("codecs", self._live_sample))
+            timed("codecs", self._time_codecs, [name], sample[0])
+            assert self.costs is not None
+            return self.costs
+
+        last = self.history[-1] if self.history else None
+        decision = policy.decide(policy.DecisionInputs(
+            trigger, tuple(self.costs), self.workload, self.network, ws, self.config, valid, tuple(settled), shift,
+            self.chosen, self._explore_left, force, self.in_family_trial,
+            last.get("previous") if last is not None else None), time_codec)
+        self._explore_left = decision.explore_left
+        best, preds, held, timed_codecs = (decision.chosen, decision.predictions, decision.held_by_margin,
+                                           list(decision.timed_codecs))
         switch_check = None
-        if (trigger in SWITCH_CHECK_TRIGGERS and not probe and canary_s is None and self._switch_check is not None
-                and self.network is not None and self.chosen is not None and best != self.chosen
-                and candidate(best).compressor is None and candidate(self.chosen).compressor is not None):
+        if policy.needs_switch_check(trigger, probe, canary_s is not None, self._switch_check is not None
+                                     and self.network is not None, self.chosen, best, self._dense_names):
+            assert self._switch_check is not None
             # about to leave a compressed method for a dense mode on a network last looked at earlier: a link that
             # fell meanwhile would cost a whole dense step at the fallen rate before the one-step test
             res = timed("check", self._sing_switch_check)
             switch_check = {"fell": res.fell, "fastest_s": res.fastest_s, "predicted_s": res.predicted_s,
                             "messages": res.messages, "bytes": self._switch_check.nbytes}
             if res.fell:
-                rank_zero_info(f"lightning_gc auto: before leaving {self.chosen!r} for {best!r} ({trigger}), one "
+                rank_zero_info(f"lightning_gc auto: before leaving {self.chosen!r} for {best!r} ({trigger.value}), one "
                                f"{self._switch_check.nbytes} B message per rank took {1e3 * res.fastest_s:.1f} ms on the "
                                f"fastest rank (twice), {1e3 * (res.predicted_s or 0.0):.2f} ms on the network model: the "
                                "link fell, re-deciding on it")
-                self._decide(step, "drift", probe=True, check_link=False, canary_s=res.fastest_s, detail="switch_check")
+                self._decide(step, Trigger.DRIFT, probe=True, check_link=False, canary_s=res.fastest_s,
+                             detail="switch_check")
                 if self.history:
                     self.history[-1]["switch_check"] = switch_check
                 return
@@ -1193,8 +1231,7 @@ class AutoChooser(StepParticipant):
         # measured whatever came next as the new normal; on the quickstart MLP the periodic re-probe kept
         # `lowrank` one step before 10 Mbit/s went back to 1 Gbit/s, and `lowrank` ran to the end of the run
         # on the fast link where fp16 runs at half its step (docs/auto.md)
-        kept = best == previous and self._reference is not None and (
-            trigger == "calibration" or (trigger in ("periodic", "gain") and source in ("check", "kept", "pinned")))
+        kept = policy.keeps_reference(trigger, source, best, previous, self._reference is not None)
         if not kept:
             self._reference, self._drifted, self._window, self._settling = None, 0, [], True
             self._run_medians = []
@@ -1205,11 +1242,9 @@ class AutoChooser(StepParticipant):
             self._last_link_step = step
             # a periodic look that found the link as it was and kept the method: look again twice as late
             # (probe_every_max); anything else that looked at the link starts from probe_every again
-            calm = trigger == "periodic" and source in ("check", "pinned") and best == previous
-            cap = max(self.config.probe_every_max, self.config.probe_every)
-            self._link_interval = (min(2 * self._link_interval, cap)
-                                   if calm and self.config.probe_every_max else self.config.probe_every)
-        entry = {"step": step, "trigger": trigger, "chosen": best, "previous": previous,
+            self._link_interval = policy.next_link_interval(trigger, source, best, previous, self._link_interval,
+                                                            self.config.probe_every, self.config.probe_every_max)
+        entry = {"step": step, "trigger": trigger.value, "chosen": best, "previous": previous,
                  "network": [self.network.alpha_s, self.network.beta_s_per_byte], "probe_bytes": self.probe_bytes,
                  "beta_scale": self.beta_scale, "link_check": link_check, "network_source": source,
                  "dense_exposed_s": dense_exposed_s,
@@ -1235,7 +1270,9 @@ class AutoChooser(StepParticipant):
                  "drift_test": detail,
                  # a gain or calibration move from a compressed method to a dense mode timed the link first
                  # (_switch_check): what it saw (None: no such move, or no check on this group)
-                 "switch_check": switch_check}
+                 "switch_check": switch_check,
+                 # the decision in one plain sentence (also logged)
+                 "sentence": policy.sentence(decision, self.network, self._dense_names)}
         # replicated state: the slowest rank's times, like every other figure here (one agreement for all)
         took = agree_values([time.perf_counter() - t0] + [parts[k] for k in DECIDE_PARTS], "max",
                             engine.process_group, engine.device)
@@ -1255,47 +1292,16 @@ class AutoChooser(StepParticipant):
             kept_mode = "the mode its trial interrupted comes back" if held == previous else "the running method stays"
             notes += (f"{held!r} leads by less than switch_margin "
                       f"({100 * self.config.switch_margin:g}%), so {kept_mode}; ")
-        head = (f"lightning_gc auto ({trigger}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
+        rank_zero_info(f"lightning_gc auto (step {step}): {entry['sentence']}")
+        head = (f"lightning_gc auto ({trigger.value}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
                 f"{bw / 1e6:.1f} Mbit/s{checked}; {shifted}{notes}")
         if best == previous:
             nxt = (f"; next periodic look at the link in {self._link_interval} steps"
-                   if trigger == "periodic" and self.config.probe_every else "")
+                   if trigger == Trigger.PERIODIC and self.config.probe_every else "")
             rank_zero_info(head + f"kept {best!r} (predicted {1e3 * preds[best].step_s:.1f} ms/step){nxt}")
         else:
             rank_zero_info(head + f"chose {best!r}" + (f" (was {previous!r})" if previous else "") + "\n"
                            + table(preds, best))
-
-    def _explore_or_stay(self, best: str, preds: dict, settled: list[str]) -> str:
-        """``best``, an unmeasured method the plain minimum would install, if its predicted time per
-        unit of progress leads the best method measured in a window on this link (``settled``) by at
-        least ``explore_margin``; else that measured method (ties to the earlier candidate). Without
-        such a method (the warm-up, a link that moved) the plain minimum stands."""
-        measured = [c for c in self.config.candidates if c in settled and c in preds]
-        if not measured:
-            return best
-        stay = min(measured, key=lambda c: preds[c].time_per_progress_s)
-        return best if _lead(preds, best, stay) >= self.config.explore_margin else stay
-
-    def _hold_or_switch(self, best: str, preds: dict, settled: list[str],
-                        incumbent: str | None = None) -> tuple[str, str | None]:
-        """``(best, None)``, or ``(running, best)`` when ``best`` would replace the running method
-        while both were measured in a window on this link (``settled``) and ``best``'s predicted time
-        per unit of progress is less than ``switch_margin`` below the running method's
-        (``AutoConfig.switch_margin``: the running one's figure is the fresher one).
-
-        ``incumbent``: at the calibration that ends a dense sibling's trial, when the sibling would
-        stay, the mode the trial interrupted, which holds in the running method's place: the
-        sibling replaces it only on a lead of ``switch_margin``, the bar any switch between
-        measured methods has to clear (another measured method is taken as any calibration takes
-        the faster). Why: the two figures are single 5-step windows, ten steps apart. On ``cnn``
-        width 16, ``gpt`` and ``lm`` at 1 Gbit/s (one round each) DDP's trial window led fp16's by
-        2.5 %, 2.1 % and 2.7 %, auto kept DDP for the rest of the run, and the static runs of the
-        same rounds had fp16 3.8 %, 0.3 % and 3.4 % faster than DDP (docs/auto-measurements.md).
-        Not at other calibrations, whose purpose is to take the faster of two recent figures."""
-        running = self.chosen if incumbent is None else incumbent
-        if running is None or best == running or best not in settled or running not in settled or running not in preds:
-            return best, None
-        return (best, None) if _lead(preds, best, running) >= self.config.switch_margin else (running, best)
 
     def _calibrate(self, step: int, measured_s: float) -> None:
         """Every reference window sets the running method's correction: its measured step minus the
@@ -1311,7 +1317,7 @@ class AutoChooser(StepParticipant):
         assert chosen is not None and self.costs is not None and self.network is not None
         was_valid = chosen in self._valid_corrections()
         # the last decision's predictions used the corrections (and shift) its history entry records
-        raw = self.predictions[chosen].step_s - _overhead_in(self.history[-1], chosen)
+        raw = self.predictions[chosen].step_s - policy.overhead_in(self.history[-1], chosen)
         self._corrections[chosen] = measured_s - raw
         self._correction_beta[chosen] = self.network.beta_s_per_byte
         if self.in_family_trial:  # the sibling's window: choose among what has been measured
@@ -1342,30 +1348,13 @@ class AutoChooser(StepParticipant):
                 or not self.history or chosen not in self.predictions):
             return None
         figure = statistics.median(self._run_medians)
-        raw = self.predictions[chosen].step_s - _overhead_in(self.history[-1], chosen)
+        raw = self.predictions[chosen].step_s - policy.overhead_in(self.history[-1], chosen)
         self._corrections[chosen] = figure - raw
         return figure
 
     def _switched_on_an_older_figure(self) -> bool:
-        """Whether the last decision replaced the running method by another one at a re-decision
-        (``gain``, ``periodic``, ``drift``), not at a calibration. Such a decision weighed the
-        running method's fresh figure against the other's older one (the other had one on this
-        link; a method without one is calibrated by its first window anyway). Its first window then
-        decides again (trigger ``"calibration"``): two figures a window apart, the faster kept. Not
-        after a calibration's own switch (it compared two recent windows already), so this adds at
-        most one decision per re-decision, and no probe.
-
-        Why: on ``cnn`` width 16 at 1 Gbit/s the 16-bit mode was measured at 154.9 ms after step 1
-        and at 179.4 ms after step 22, as this host slowed; DDP's figure, 172.4 ms, was from its trial
-        at steps 11-20. The ``gain`` re-decision at step 72 moved to DDP on that 4 % lead, DDP's
-        window then read 199.0 ms, and DDP ran to the end of the run (docs/auto-measurements.md)."""
-        if not self.history:
-            return False
-        last = self.history[-1]
-        # "corrections": the figures that decision had, per method measured on its link
-        return (last["trigger"] in ("gain", "periodic", "drift") and last.get("previous") is not None
-                and last["previous"] != last["chosen"] and last["chosen"] in (last.get("corrections") or {}))
-
+        """Whether the last decision switched on an older figure (:func:`policy.switched_on_an_older_figure`)."""
+        return policy.switched_on_an_older_figure(self.history[-1] if self.history else None)
     @property
     def in_family_trial(self) -> bool:
         """Whether a dense sibling is running its one window (the last decision was its trial)."""
@@ -1385,36 +1374,14 @@ class AutoChooser(StepParticipant):
                 or self._switched_on_an_older_figure())
 
     def _windowed(self) -> set[str]:
-        """The methods measured in a window of their own (a decision whose step was then measured),
-        not only by the warm-up's profile; derived from the history, so a checkpoint carries it."""
-        return {h["chosen"] for h in self.history if h.get("measured_step_s") is not None}
-
+        """The methods measured in a window of their own (:func:`policy.windowed`; from the history, so a
+        checkpoint carries it)."""
+        return policy.windowed(self.history)
     def _dense_sibling(self, chosen: str, correction: float, measured_s: float) -> str | None:
-        """The dense mode to run next for one window (step 6 of the module docstring), or None.
-
-        ``chosen`` must be a dense mode just measured in a window with ``correction``; a sibling
-        qualifies if it was not measured in a window of its own on this link and its raw prediction
-        plus that correction, per unit of progress, is within ``family_margin`` of ``measured_s`` per
-        unit of progress; the best-predicted one is returned."""
-        dense = [c for c in self.config.candidates if candidate(c).compressor is None]
-        if chosen not in dense or len(dense) < 2:
-            return None
-        valid, last = self._valid_corrections(), self.history[-1]
-
-        def per_progress(name: str, step_s: float) -> float:
-            p = self.predictions[name]
-            return step_s * (p.time_per_progress_s / p.step_s) if p.step_s > 0 else step_s
-
-        limit = (1.0 + self.config.family_margin) * per_progress(chosen, measured_s)
-        best, best_t, windowed = None, math.inf, self._windowed()
-        for name in dense:
-            if name == chosen or (name in windowed and name in valid) or name not in self.predictions:
-                continue
-            t = per_progress(name, self.predictions[name].step_s - _overhead_in(last, name) + correction)
-            if t <= limit and t < best_t:
-                best, best_t = name, t
-        return best
-
+        """The dense mode to run next for one window (step 6 of the module docstring; :func:`policy.dense_sibling`)."""
+        dense = [c for c in self.config.candidates if c in self._dense_names]
+        return policy.dense_sibling(chosen, correction, measured_s, dense, self.predictions, self._valid_corrections(),
+                                    self._windowed(), self.history[-1], self.config.family_margin)
     def _link_moved_under(self, measured: Sequence[float]) -> bool:
         """Whether a reference window's median is ``severe_drift`` times or more off the running
         method's prediction although that prediction carried the method's own correction, measured
@@ -1442,43 +1409,9 @@ class AutoChooser(StepParticipant):
         calibrated = chosen in (self.history[-1].get("corrections") or {}) and chosen in self._windowed()
         return self.predictions[chosen].step_s if calibrated else None
 
-    def _shift_basis(self, windowed: set[str], settled: list[str]) -> list[str]:
-        """The methods whose corrections the compute shift is taken from (:func:`compute_shift`):
-        the dense modes measured in a window of their own (``windowed``), on any link, if there are
-        any; else every method measured in a window on this link (``settled``).
-
-        Why the dense modes: the warm-up profiled a DDP step and fitted ``other`` to it, so a dense
-        mode's path is the one the raw model describes best, and its correction is mostly what the
-        shift is for, the warm-up's slow compute, which does not depend on the link. A compressed
-        method's correction adds its own unmodelled cost, and the least speed-up of all then lets
-        that method hold every unmeasured one back. Measured on the quickstart MLP on a link that
-        fell from 1 Gbit/s to 10 Mbit/s: fp16 had run 32 ms under the raw model at 1 Gbit/s; on the
-        slow link `lowrank`, picked first, ran only 10 ms under it (its own CPU cost), so Top-k was
-        predicted 53.6 ms, where static Top-k ran 38 ms in the same run, and was never tried
-        (docs/auto.md). A dense correction measured on another link still counts: it is the
-        compute part that carries over, and taking the least speed-up keeps it conservative."""
-        dense = sorted(m for m in windowed if m in self._corrections and candidate(m).compressor is None)
-        return dense if dense else list(settled)
-
     def _valid_corrections(self) -> dict[str, float]:
-        """The corrections measured on a network like the current one. An additive correction holds
-        for the link it was measured on: measured on the quickstart MLP, ``lowrank`` ran 24 ms under
-        its prediction at a probed 7.5 Mbit/s; carried to the link back at 920 Mbit/s it predicted
-        19.8 ms for a method that ran 39.9 ms, and auto stayed on it at 2.3x DDP's step. A correction
-        whose network's bandwidth differs from the current one by more than
-        :data:`STALE_NETWORK_FACTOR` is left out, and its method is judged by the raw model again
-        (and explored, if that favours it)."""
-        if self.network is None:
-            return dict(self._corrections)
-        now = self.network.beta_s_per_byte + _BETA_FLOOR
-        out = {}
-        for name, corr in self._corrections.items():
-            then = self._correction_beta.get(name)
-            if then is not None and max(now / (then + _BETA_FLOOR), (then + _BETA_FLOOR) / now) > STALE_NETWORK_FACTOR:
-                continue
-            out[name] = corr
-        return out
-
+        """The corrections measured on a network like the current one (:func:`policy.valid_corrections`)."""
+        return policy.valid_corrections(self._corrections, self._correction_beta, self.network)
     def _probe(self, latency: Any = None) -> NetworkModel:
         """α from 64-byte ring shifts timed before any large message, β from the slope between two
         larger shifts, ``S/4`` and ``S`` bytes (each rank's medians, then the MAX), ``S`` grown from
