@@ -108,5 +108,16 @@ def test_auto_with_one_group_to_compress_decides_and_keeps_ranks_identical(tmp_p
         assert [h["trigger"] for h in f["history"]][:1] == ["warmup"]
     assert facts[0]["history"] == facts[1]["history"]  # every input agreed
     assert not any("no tensor to compress" in w for w in facts[0]["warned"])
+    h = facts[0]["history"][0]  # the warm-up's decision in one sentence, from its own recorded numbers
+    ranked = sorted(h["predictions"].values(), key=lambda p: p["time_per_progress_s"])
+    runner = next(p for p in ranked if p["name"] != h["chosen"])
+
+    def num(x):
+        return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+    mbit = 8 / h["network"][1] / 1e6
+    assert h["sentence"] == (
+        f"chose {h['chosen']} over {runner['name']}: predicted "
+        f"{num(1e3 * h['predictions'][h['chosen']]['time_per_progress_s'])} ms per unit of progress against "
+        f"{num(1e3 * runner['time_per_progress_s'])} ms on this {num(mbit)} Mbit/s link")
     for k, v in reports[0]["params"].items():
         assert torch.equal(v, reports[1]["params"][k]), k

@@ -35,7 +35,7 @@ when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
    ``explore`` of them after each probed decision. Unmeasured ones are predicted by the raw model
    lowered by the least speed-up every measured method showed against it (``compute_shift``: the
    warm-up's profiled compute is slower than a settled step's, for every method alike), taken from
-   the dense modes measured in a window (on any link) when there are any (``_shift_basis``). The dense
+   the dense modes measured in a window (on any link) when there are any (``policy.shift_basis``). The dense
    warm-up measured ``ddp`` (``other`` is fitted to it), so ``ddp`` starts measured.
 6. **Try the dense sibling**: the dense modes (``ddp``, ``fp16``, ``bf16``) run the same path on
    DDP's buckets and differ only in the bytes and the cast, so the first window of one of them also
@@ -43,10 +43,12 @@ when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
    whose raw prediction plus the measured one's correction lies within ``family_margin`` of the
    measured step (time per unit of progress), runs the next window (trigger ``"family"``), and the
    choice is then made among the measured methods, the mode the trial interrupted holding unless
-   the sibling leads it by ``switch_margin`` (:meth:`AutoChooser._hold_or_switch`). Measured on
-   ``gpt`` at 1 Gbit/s (4 ranks, 2 cores): auto picked ``fp16`` (136 ms) from a warm-up whose DDP
-   step had taken 206 ms, while DDP ran 126 ms in steady state, so auto's step was 1.09x the
-   faster of the two (docs/auto.md).
+   the sibling leads it by ``switch_margin`` (:func:`~lightning_gc.auto.policy.hold_or_switch`).
+
+The rules of a decision are pure functions of agreed numbers in :mod:`lightning_gc.auto.policy`;
+what is measured, and how, is in :mod:`lightning_gc.auto.measure`; the options in
+:mod:`lightning_gc.auto.config`. This module is the step participant that measures, agrees, asks
+the policy and applies its decision to the engine (:class:`~lightning_gc.engine.ports.MethodControl`).
 
 Everything a decision used is in :attr:`AutoChooser.history` (checkpointed, replicated) and logged
 (see :mod:`lightning_gc.callbacks.monitor`, ``auto/*``); the end-of-fit summary names the choice.
@@ -82,12 +84,11 @@ from .candidates import (
     AutoCandidate,
     candidate,
     measure_error,
-    measure_method,
     squared_norm,
     time_method_codec,
 )
 from .config import AutoConfig
-from .measure import check_agreed
+from .measure import check_agreed, group_sample, measure_costs, profile_entry, workload_from_profile
 from .model import (
     MethodCost,
     Prediction,
@@ -453,12 +454,9 @@ class AutoChooser(StepParticipant):
     # ------------------------------------------------------------------ step boundary
     def pause_walls(self) -> None:
         """Time from now until :meth:`resume_walls` is not a training step's (the strategy calls the
-        two around validation, and the checkpoint saved at its end). Why: the step after a validation
-        carried it in its wall (80-130 ms against ~20 ms steps on the quickstart MLP at 1 Gbit/s), and
-        with one more noisy step the median of 3 fired the 2x test on a steady link; that false
-        re-decision then held the real one (the link falling 14 steps later) for ``min_interval``
-        steps: 16 DDP steps of ~440 ms (docs/auto.md). The bench leaves validation out of its step
-        times the same way."""
+        two around validation, and the checkpoint saved at its end). Why: a validation in a step's wall
+        makes a steady link look moved, and the false re-decision it sets off then holds a real one
+        back for ``min_interval`` steps. The bench leaves validation out of its step times the same way."""
         self._t_paused = time.perf_counter()
 
     def mark_wall(self) -> None:
@@ -566,8 +564,8 @@ class AutoChooser(StepParticipant):
         ``canary``), whatever ``min_interval`` says: until a decision looks at the link again, every
         dense step would stop. The network for it: β from the canary itself (its second message's time
         on the fastest rank, less the model's α, over the ``N-1`` copies each rank sent), no probe.
-        Why: a probe that starts small and grows took 0.9 s on the quickstart MLP at 10 Mbit/s, and the
-        canary timed the link at the size a probe ends at. The stopped step is not a step of the
+        Why: on a fallen link a probe that starts small and grows is slow, and the canary timed the link
+        at the size a probe ends at. The stopped step is not a step of the
         method (it sent its exact group only) and enters no window; a gradient sample armed for it
         is dropped (the next one comes at the next due step)."""
         canary = self.canary
@@ -584,9 +582,7 @@ class AutoChooser(StepParticipant):
         """Whether the next step's gradients are sampled to measure the candidates' errors again:
         ``gain_first`` (then ``gain_every``) steps after the last measurement, and not while a method
         is on trial (:attr:`in_trial`). A re-decision in the middle of a trial cut it short: its
-        window was never measured, and the trial ran again later. On ``cnn`` width 16 at 1 Gbit/s
-        the re-measurement at step 21 ended DDP's trial window, begun at step 11, and DDP ran a second
-        trial from step 31: 20 of 100 steps on the slower dense path (docs/auto.md). Deferred, the
+        window was never measured, and the trial ran again later. Deferred, the
         sample is taken at the first step after the trial's window is measured. The interval
         doubles while the pick stands (``gain_every_max``)."""
         every, first = (self._gain_interval if self.config.gain_every else 0), self.config.gain_first
@@ -596,12 +592,7 @@ class AutoChooser(StepParticipant):
         return due and not self.in_trial
 
     def _profile_entry(self, t_end: float, wall: float) -> dict:
-        order = sorted(range(len(self.params)), key=lambda i: self._stamps[i])
-        return {"forward_s": self._t_fwd - self._t_start, "order": order,
-                "ready": [self._stamps[i] - self._t_fwd for i in order],
-                "optimizer_s": max(t_end - self._t_closure_end, 0.0), "wall_s": wall,
-                # DDP's wait for its buckets: the end of the closure after the last gradient was ready
-                "exposed_s": max(self._t_closure_end - max(self._stamps.values()), 0.0)}
+        return profile_entry(self._stamps, self._t_start, self._t_fwd, self._t_closure_end, t_end, wall)
 
     def _early(self, t_end: float, complete: bool) -> bool:
         """Whether a skipped dense step's exposed communication (closure end after the last
@@ -634,24 +625,16 @@ class AutoChooser(StepParticipant):
           closing report, agreed already; the step before's where the report rode in the step's
           last message, ``EngineConfig.report_rides``), against the fastest exchange of the reference window: the median of the last
           ``severe_steps`` ``severe_drift`` times or more *faster* and by at least
-          :data:`EXCHANGE_SHARE` of the reference step. The fastest, not the median: the median let
-          a reference window that caught the slow mode of a two-mode exchange (below) fire on the
-          fast one; with the median, Top-k on a steady 20 Mbit/s link re-decided twice per
-          300-step run (quickstart MLP, 3 rounds), each time with a link check.
-          Why: a compressed method's step can hide a link that came back; on the quickstart MLP
-          ``lowrank`` went from 53 to 43 ms when 10 Mbit/s returned to 1 Gbit/s, under the step
-          test's 2x, and auto ran it to the end of the run where fp16 takes ~24 ms (docs/auto.md);
-          the exchange is the part of the step that the link sets.
+          :data:`EXCHANGE_SHARE` of the reference step. The fastest, not the median: a reference
+          window that caught the slow mode of a two-mode exchange (below) would fire on the fast one.
+          Why: a compressed method's step can hide a link that came back; the exchange is the part
+          of the step that the link sets.
 
-          Only faster, since a fall shows in the step test. Measured on the quickstart MLP on a
-          steady 10 Mbit/s link: tested both ways, it fired twice in one run (Top-k at step 162,
-          EF-signSGD at 188; the first moved auto to ``lowrank``); faster only, once in the next
-          (Top-k at step 152: the full probe cost 0.91 s and kept Top-k). A likely cause, not
-          confirmed by a trace: the shaper lets a burst of a few tens of kilobytes out at line
-          rate, so a small exchange's time has two modes on an unchanged link. So the decision
-          this test starts begins with the link check (``probe_check``: one message of the last
-          probe's size, above any burst allowance), and on an unchanged link the stored network
-          decides without the probe."""
+          Only faster, since a fall shows in the step test, and a small exchange's time on a shaped,
+          steady link has two modes (likely the shaper's burst allowance). So the decision this test
+          starts begins with the link check (``probe_check``: one message of the last probe's size,
+          above any burst allowance), and on an unchanged link the stored network decides without
+          the probe."""
         n, sv = self.config.severe_steps, self.config.severe_drift
         self._read_carried()
         # carried whatever the test's setting: the windows read their medians from these walls too
@@ -749,8 +732,7 @@ class AutoChooser(StepParticipant):
         them arrived: the window shifted one step back (steps ``step - len .. step - 1``: the last
         one's wall arrives with the next step), the mean over ranks of each step, no collective. Else
         (a lost wall: a resume, a step not carried) the median of this rank's walls, agreed as the MAX
-        over ranks: a blocking all-reduce. Why: on ``mlp`` on 4 unshaped ranks that all-reduce took
-        ~4 ms every 5 steps, 0.8 ms of the chooser's 2.3 ms per step (docs/auto.md)."""
+        over ranks: a blocking all-reduce, which the carried walls spare every window."""
         n = len(self._window)
         carried = [self._carried_walls.get(s) for s in range(step - n, step)]
         if n and all(v is not None for v in carried):
@@ -765,24 +747,17 @@ class AutoChooser(StepParticipant):
         report, or a dense step's first gradient bucket (:meth:`GCEngine.enable_dense_carry`; in the
         bucket's dtype, so about 3 significant digits under a 16-bit mode). Why: a separate 8-byte
         all-reduce per step is one more latency-bound collective on the process group the exchanges
-        use; at 20 Mbit/s auto's Top-k steps took 1.1-3.5 ms (3-10 %) longer with it than without the
-        every-step test, and on the ``mlp`` preset on unshaped ranks auto's 16-bit steps took
-        1.5-2 ms more (docs/auto.md). A rank that lost its value (a resume) makes it None on every
+        use, and it showed in every step. A rank that lost its value (a resume) makes it None on every
         rank, and the test skips it (the step after a decision is left out anyway).
 
         **Under a dense mode** on up to 8 ranks off NCCL the wall is agreed now instead, by a direct
         exchange of its own (one message latency; lightning_gc/comm/direct.py), and the returned
         function gives that mean. Why: carried in the next step's first bucket, a wall was read one
         step late, so a link that fell under a dense mode cost two dense steps at the fallen rate
-        before the one-step test could act (``mlp`` at 10 Mbit/s: 2.9 s and 3.4-3.7 s); agreed now,
-        the test acts at the end of the first. The exchange costs ~1 ms on 4 ranks of this project's
-        2-core machine, where gloo's ring all-reduce of the same 8 bytes took 1.5-2 ms of a 43 ms
-        16-bit step (docs/auto.md). **With the link canary on** (:attr:`canary`) too: the canary sees
-        a fall that comes before the next step, the wall one that came during this step. Why: the
-        wall rode in the next step's canary at first, and a link that fell inside a dense step
-        (``lightning-gc bench --change-in-step``) cost that step and then the canary's stopped step
-        after it (``mlp`` 1.40-1.51x the best static method's mean step, against the default's
-        1.18-1.44x in the same rounds; docs/auto.md, "The link canary")."""
+        before the one-step test could act; agreed now, the test acts at the end of the first (one
+        message latency, less than gloo's ring all-reduce of the same bytes). **With the link canary
+        on** (:attr:`canary`) too: the canary sees a fall that comes before the next step, the wall
+        one that came during this step."""
         engine = self.engine
         if self._dense_agreed_now():
             value = agree_values([wall], "mean", engine.process_group, engine.device)[0]
@@ -884,69 +859,22 @@ class AutoChooser(StepParticipant):
             raise RuntimeError(
                 "lightning_gc auto: no dense step could be profiled (every gradient must reach backward on every "
                 "step); pass find_unused_parameters=False models, or raise auto_profile_steps/warmup_steps.")
-        prof = self._profile
-        order = prof[-1]["order"]
-        n = len(self.params)
-        # per-tensor ready times in the last profile's order (medians over steps), then durations
-        ready_by_param = [statistics.median(p["ready"][p["order"].index(i)] for p in prof) for i in range(n)]
-        local = ([statistics.median(p["forward_s"] for p in prof), statistics.median(p["optimizer_s"] for p in prof),
-                  statistics.median(p["wall_s"] for p in prof), statistics.median(p["exposed_s"] for p in prof)]
-                 + ready_by_param)
-        agreed = agree_values(local, "max", engine.process_group, engine.device)
-        fwd, opt, wall, exposed = agreed[:4]
-        ready = agreed[4:]
-        # the ready order is fixed by the first rank's (replicated) view: sort the agreed times
-        order = sorted(range(n), key=lambda i: (ready[i], i))
-        t_prev, durations = 0.0, []
-        for i in order:
-            durations.append(max(ready[i] - t_prev, 0.0))
-            t_prev = max(ready[i], t_prev)
-        self.workload = Workload(fwd, tuple(durations), tuple(self.params[i].numel() for i in order), opt, 0.0)
+        self.workload, wall, exposed = workload_from_profile(self._profile, [p.numel() for p in self.params],
+                                                             engine.process_group, engine.device)
         self._measure_costs(self._disarm_sample() or {})
         self._last_gain_step = step
         self._decide(step, "warmup", probe=True, dense_wall_s=wall, dense_exposed_s=exposed)
 
     def _group_sample(self, grads: dict[int, Tensor]) -> tuple[Tensor, GroupContext, float]:
-        """The compressed group's local gradient (``grads``: parameter index → this rank's copy) as
-        the engine flattens it, its context, and the bytes of the tensors sent exactly beside it.
-        A tensor without a gradient on this rank counts as zeros, as the engine sends it."""
-        engine = self.engine
-        lossy = [g for g in engine.plan.groups if not g.exact]
-        exact_bytes = float(sum(4 * n for g in engine.plan.groups if g.exact for n in g.numels))
-        g = lossy[0]
-        index = {id(p): i for i, p in enumerate(self.params)}
-        views = []
-        for pid in g.param_ids:
-            param = engine.params[pid]
-            grad = grads.get(index[id(param)])
-            views.append(torch.zeros(param.numel(), device=param.device) if grad is None
-                         else grad.reshape(-1).float())
-        flat = torch.cat(views)
-        ctx = GroupContext(step=engine.step, rank=engine.rank, world_size=engine.world_size, segments=g.numels,
-                           group_id=g.gid, seed=engine.config.seed, device=flat.device,
-                           shapes=tuple(tuple(engine.params[pid].shape) for pid in g.param_ids), names=g.names)
-        return flat, ctx, exact_bytes
+        """The compressed group's local gradient, its context and the exact bytes (:func:`group_sample`)."""
+        return group_sample(self.engine, self.params, grads)
 
     def _measure_costs(self, grads: dict[int, Tensor]) -> None:
         """Every candidate's codec time, payload and error on this rank's local gradient of the last
-        profiled step, agreed: MAX of times and payloads (the slowest rank sets a synchronous step),
-        the MEAN of the errors (each rank compresses its own gradient; the model's ``delta2/N`` for
-        a method without error feedback averages independent per-rank errors). Engine codecs are
-        timed here only with ``time_codecs="upfront"`` (else by :meth:`_time_codecs`, on demand)."""
+        profiled step, agreed (:func:`measure_costs`)."""
         engine = self.engine
-        flat, ctx, exact_bytes = self._group_sample(grads)
-        upfront = self.config.time_codecs == "upfront"
-        norm2 = squared_norm(flat)  # once for every candidate's error
-        local = [measure_method(c, flat, ctx, engine.world_size, self.config.repeats, exact_bytes, time_codec=upfront,
-                                norm2=norm2) for c in self.candidates]
-        vals = []
-        for m in local:
-            vals += [m.codec_s, m.payload_bytes]
-        agreed = agree_values(vals, "max", engine.process_group, engine.device)
-        errors = agree_values([m.delta2 for m in local], "mean", engine.process_group, engine.device)
-        self.costs = [MethodCost(m.name, m.wire, agreed[2 * k], agreed[2 * k + 1], errors[k], m.error_feedback,
-                                 m.sparse_ratio, m.value_bytes, m.exact_bytes, codec_timed=m.codec_timed)
-                      for k, m in enumerate(local)]
+        self.costs = measure_costs(self.candidates, self._group_sample(grads), engine.world_size, self.config.repeats,
+                                   self.config.time_codecs == "upfront", engine.process_group, engine.device)
 
     def _time_codecs(self, names: Collection[str],
                      sample: tuple[Tensor, GroupContext, float] | None = None) -> list[str]:
