@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._validation import check_bool
-from .auto.chooser import AutoConfig
+from .auto.config import AutoConfig
 from .compressors import build_config, get_entry
 from .engine.config import EngineConfig
 from .engine.omgs import OMGS_PLANS, OMGSConfig

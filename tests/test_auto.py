@@ -18,6 +18,7 @@ from auto_oracle import argmin_by_hand
 from lit_models import ReportCallback, TinyClassifier, make_loader
 
 from lightning_gc import GCStrategy
+from lightning_gc.auto.model import DEFAULT_PROGRESS_WEIGHT
 from lightning_gc.config import GCConfig
 
 pytestmark = pytest.mark.slow
@@ -145,8 +146,10 @@ def test_on_a_fast_link_a_dense_pick_times_no_codec_and_ranks_agree(tmp_path):
     _, autos = _fit(tmp_path, _strategy(fast))
     assert autos[0]["history"] == autos[1]["history"]
     (h,) = autos[0]["history"]
-    assert h["chosen"] in ("ddp", "fp16") and h["chosen"] == argmin_by_hand(h["costs"], h["workload"], *h["network"], 2, 1.0)
-    _check_codec_timing(h, 1.0)
+    # the oracle weighs progress as the chooser does (the default progress_weight)
+    w = DEFAULT_PROGRESS_WEIGHT
+    assert h["chosen"] in ("ddp", "fp16") and h["chosen"] == argmin_by_hand(h["costs"], h["workload"], *h["network"], 2, w)
+    _check_codec_timing(h, w)
     assert h["timed_codecs"] == []
     engine_names = {c["name"] for c in h["costs"] if c["wire"] != "bucket"}
     assert engine_names and {k for k, p in h["predictions"].items() if p["details"].get("lower_bound")} == engine_names
@@ -213,7 +216,8 @@ def test_a_first_dense_step_that_waited_on_the_network_is_profiled_and_ends_the_
     assert autos[0]["history"] == autos[1]["history"]
     (h,) = autos[0]["history"]
     assert h["trigger"] == "warmup" and h["step"] == 0
-    assert h["chosen"] == argmin_by_hand(h["costs"], h["workload"], *h["network"], 2, 1.0) != "ddp"
+    # the oracle weighs progress as the chooser does (the default progress_weight)
+    assert h["chosen"] == argmin_by_hand(h["costs"], h["workload"], *h["network"], 2, DEFAULT_PROGRESS_WEIGHT) != "ddp"
     assert autos[0]["dense_mode"] is None and autos[0]["compressed_steps"] == 16 - 1  # one dense step only
     for k, v in reports[0]["params"].items():
         assert torch.equal(v, reports[1]["params"][k]), k

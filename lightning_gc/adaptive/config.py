@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .._validation import check_bool
+from .._validation import check_bool, check_int
 
 Mode = Literal["shadow", "rollback"]
 Rule = Literal["asf", "pseudo_weights"]
@@ -19,12 +19,6 @@ Normalise = Literal["step", "front"]
 
 #: what ``weights`` weigh, in order: the three objectives of Eq. 6 of the AR-Topk paper
 OBJECTIVES = ("t_comp_s", "t_sync_s", "inv_gain")
-
-
-def _int(name: str, value: object, minimum: int, hint: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid: it must be an integer ≥ {minimum}. {hint}")
-    return value
 
 
 def _ratio(name: str, value: object) -> float:
@@ -160,8 +154,8 @@ class AdaptiveConfig:
         factor = _fraction("factor", self.factor, "Use e.g. 3 (candidates ×3 apart).")
         if factor <= 1.0:
             raise ValueError(f"factor={self.factor!r} must be > 1 (candidates are c_max, c_max/factor, …); use 3.")
-        _int("shadow_steps", self.shadow_steps, 1, "Use e.g. 3 live steps to score candidates on.")
-        _int("steps_per_candidate", self.steps_per_candidate, 1, "Use e.g. 5 (the paper: 10).")
+        check_int("shadow_steps", self.shadow_steps, 1, "Use e.g. 3 live steps to score candidates on.")
+        check_int("steps_per_candidate", self.steps_per_candidate, 1, "Use e.g. 5 (the paper: 10).")
         w = tuple(self.weights) if isinstance(self.weights, (list, tuple)) else ()
         if len(w) != 3 or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) for x in w):
             raise ValueError(
@@ -179,15 +173,15 @@ class AdaptiveConfig:
         if self.normalise not in ("step", "front"):
             raise ValueError(f"normalise={self.normalise!r} is unknown: use 'step' (time objectives as fractions "
                              "of the measured step) or 'front' (every objective by the front's range).")
-        _int("pop_size", self.pop_size, 4, "Use e.g. 40.")
-        _int("n_gen", self.n_gen, 1, "Use e.g. 40.")
-        _int("seed", self.seed, 0, "Use any non-negative integer.")
-        _int("warmup_steps", self.warmup_steps, 1, "Use e.g. 20 dense steps before the first exploration.")
+        check_int("pop_size", self.pop_size, 4, "Use e.g. 40.")
+        check_int("n_gen", self.n_gen, 1, "Use e.g. 40.")
+        check_int("seed", self.seed, 0, "Use any non-negative integer.")
+        check_int("warmup_steps", self.warmup_steps, 1, "Use e.g. 20 dense steps before the first exploration.")
         _fraction("gain_threshold", self.gain_threshold, "Use e.g. 0.1 (10 %).")
         _fraction("network_threshold", self.network_threshold, "Use e.g. 0.5 (50 %).")
-        _int("probe_every", self.probe_every, 0, "Use e.g. 50, or 0 to probe only when exploring.")
-        _int("min_interval", self.min_interval, 1, "Use e.g. 50 steps between explorations.")
-        _int("settle_steps", self.settle_steps, 0, "Use e.g. 10.")
+        check_int("probe_every", self.probe_every, 0, "Use e.g. 50, or 0 to probe only when exploring.")
+        check_int("min_interval", self.min_interval, 1, "Use e.g. 50 steps between explorations.")
+        check_int("settle_steps", self.settle_steps, 0, "Use e.g. 10.")
         check_bool("calibrate", self.calibrate, "True scales model times by measured/predicted.")
         object.__setattr__(self, "c_min", c_min)
         object.__setattr__(self, "c_max", c_max)

@@ -35,7 +35,7 @@ when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
    ``explore`` of them after each probed decision. Unmeasured ones are predicted by the raw model
    lowered by the least speed-up every measured method showed against it (``compute_shift``: the
    warm-up's profiled compute is slower than a settled step's, for every method alike), taken from
-   the dense modes measured in a window (on any link) when there are any (``_shift_basis``). The dense
+   the dense modes measured in a window (on any link) when there are any (``policy.shift_basis``). The dense
    warm-up measured ``ddp`` (``other`` is fitted to it), so ``ddp`` starts measured.
 6. **Try the dense sibling**: the dense modes (``ddp``, ``fp16``, ``bf16``) run the same path on
    DDP's buckets and differ only in the bytes and the cast, so the first window of one of them also
@@ -43,10 +43,12 @@ when ``compressor="auto"``. Its life, on every rank at the same step boundaries:
    whose raw prediction plus the measured one's correction lies within ``family_margin`` of the
    measured step (time per unit of progress), runs the next window (trigger ``"family"``), and the
    choice is then made among the measured methods, the mode the trial interrupted holding unless
-   the sibling leads it by ``switch_margin`` (:meth:`AutoChooser._hold_or_switch`). Measured on
-   ``gpt`` at 1 Gbit/s (4 ranks, 2 cores): auto picked ``fp16`` (136 ms) from a warm-up whose DDP
-   step had taken 206 ms, while DDP ran 126 ms in steady state, so auto's step was 1.09x the
-   faster of the two (docs/auto.md).
+   the sibling leads it by ``switch_margin`` (:func:`~lightning_gc.auto.policy.hold_or_switch`).
+
+The rules of a decision are pure functions of agreed numbers in :mod:`lightning_gc.auto.policy`;
+what is measured, and how, is in :mod:`lightning_gc.auto.measure`; the options in
+:mod:`lightning_gc.auto.config`. This module is the step participant that measures, agrees, asks
+the policy and applies its decision to the engine (:class:`~lightning_gc.engine.ports.MethodControl`).
 
 Everything a decision used is in :attr:`AutoChooser.history` (checkpointed, replicated) and logged
 (see :mod:`lightning_gc.callbacks.monitor`, ``auto/*``); the end-of-fit summary names the choice.
@@ -60,12 +62,12 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from ..comm.cost_model import NetworkModel
@@ -91,18 +93,19 @@ from ..compressors import GroupContext
 from ..engine import dense_stop
 from ..engine.agreement import agree_values
 from ..engine.dense_stop import LinkCanary
+from ..engine.ports import MethodControl
 from ..engine.session import StepParticipant
+from . import policy
 from .candidates import (
-    DEFAULT_CANDIDATES,
     AutoCandidate,
     candidate,
     measure_error,
-    measure_method,
     squared_norm,
     time_method_codec,
 )
+from .config import AutoConfig
+from .measure import check_agreed, group_sample, measure_costs, profile_entry, workload_from_profile
 from .model import (
-    DEFAULT_PROGRESS_WEIGHT,
     MethodCost,
     Prediction,
     Workload,
@@ -112,10 +115,10 @@ from .model import (
     choose_measured,
     compute_shift,
     efficiency,
-    overhead_used,
     predict,
     table,
 )
+from .policy import Trigger
 
 log = logging.getLogger(__name__)
 
@@ -134,14 +137,9 @@ EXCHANGE_SHARE = 0.1
 #: development machine, none took 3x the median of the 5 before it (docs/auto-measurements.md)
 ONE_STEP_FACTOR = 4.0
 
-#: values of ``AutoConfig.time_codecs``
-TIME_CODECS = ("on_demand", "upfront")
 #: the tests of ``severe_drift`` as a decision's history records them (``drift_test``)
 SEVERE_TESTS = ("severe_window", "steps", "step", "exchange", "reference_window")
 
-#: the decisions made without a fresh look at the link (no probe, no dense step, no canary) that, moving from a
-#: compressed method to a dense mode, first time the link with the canary's message (AutoChooser._switch_check)
-SWITCH_CHECK_TRIGGERS = ("gain", "calibration")
 
 #: the parts of a decision's own time its history records (``decide_parts_s``, slowest rank each): the
 #: latency round, the bandwidth probe, the link check (both messages, a retimed one included) and the
@@ -155,411 +153,19 @@ DECIDE_PARTS = ("latency", "probe", "check", "codecs")
 RUN_FIGURE_MIN_WINDOWS = 3
 
 
-def _int(name: str, value: Any, lo: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"auto_{name}={value!r} must be an integer >= {lo}. {hint}")
-
-
-@dataclass(frozen=True)
-class AutoConfig:
-    """Options of ``compressor="auto"`` (flat names ``auto_<field>``; docs/auto.md).
-
-    Attributes:
-        candidates: methods to choose among, in tie-break order (``lightning_gc.auto.CANDIDATES``).
-            ``ddp`` must be among them: the dense warm-up measures it, and it is the safe fallback.
-        progress_weight: ``w`` of the progress proxy ``1/(1 + w·delta2)``; 0 ranks by step time only.
-            2 by default (``model.DEFAULT_PROGRESS_WEIGHT``, fitted to steps to the target measured on
-            the bench). Raise it if compressed picks need many more steps than they save, lower it
-            if they converge as well as dense (docs/auto.md).
-        skip_steps: dense steps not profiled first (allocator and thread warm-up).
-        profile_steps: dense steps profiled; the engine's warm-up is raised to
-            ``skip_steps + profile_steps``. One by default: on a slow link every dense step costs the
-            full exchange (2.2 s on ``cnn`` width 16 at 20 Mbit/s, 4 ranks), and what one step gets
-            wrong the per-method calibration corrects (docs/auto.md). Raise it for a steadier first
-            decision on a fast link.
-        repeats: timed runs per candidate when measuring codec costs (median).
-        window: steps per drift window (median of the step walls). A drift is acted on after
-            ``patience`` windows: with 10-step windows a 10 Mbit/s drop under the 16-bit hook's
-            numerics cost 20 steps of 0.24 s before auto moved (quickstart MLP, 4 ranks).
-        drift: relative change of a window's median step against the reference that counts as drift.
-        patience: drifted windows in a row before re-deciding.
-        severe_drift: a window whose median step is at least this many times the reference, or at
-            most its inverse, re-decides at once, without waiting for ``patience`` or for
-            ``min_interval`` after another kind of decision (only after the last severe one: see
-            ``min_interval``); 0 turns it off. A link that fell tenfold makes the step of a dense mode
-            several times longer, and every step spent waiting for a second window costs that much
-            (on the quickstart MLP a 16-bit step at 10 Mbit/s is ~0.2 s against Top-k's ~0.05 s;
-            docs/auto-measurements.md, "A changing link"). A median of ``window`` steps moves by 2x only if most
-            of the window moved, so a single slow step (a validation, a pause) does not trigger it;
-            a false trigger costs one probe and usually keeps the method.
-        severe_steps: the same severe test, also made every step on the last this many steps: every
-            one of them ``severe_drift`` off the same way, or their median twice that far
-            (``steps_apart``) (each step's wall agreed across ranks by an all-reduce issued at its end and read
-            at the next step's end, so the step never waits for it; the step right after a decision
-            is left out). Compared with the reference, or, before the reference window, with the
-            running method's prediction when that carries its own correction measured on this link
-            (the test of a reference window, ``_link_moved_under``). 0: windows only. Why: a window
-            check sees a fall only at the window's end, and with 5-step windows a dense mode ran 7
-            steps of ~220 ms on a link fallen to 10 Mbit/s before auto moved (quickstart MLP), where
-            Top-k runs ~37 ms; a fall that makes the step 4x or more is seen 2 steps after it (the
-            median), a smaller one 3 steps after (every step), plus the one step the read lags; under
-            a dense mode one step :data:`ONE_STEP_FACTOR` times ``severe_drift`` slower (8x) is
-            enough (test ``step``; not an epoch's first step nor the step after a checkpoint, see
-            :meth:`AutoChooser.mark_wall`); otherwise one slow step (a validation, a checkpoint)
-            never sets it off, and two of three only beyond 4x. Until this version the test was the median of the 3 at 2x, which fired on any two
-            slow steps of three: on 2 unshaped ranks of the quickstart MLP (7.8 ms median step,
-            4.1-16.1 ms from the 5th to the 95th percentile) 6 times in 615 steps, each a full probe,
-            against once now (replayed on the recorded walls; docs/auto.md). While a
-            compressed method runs, its exchange time (the step's closing report, agreed already) is
-            tested the same way against its reference window's, when it moved by at least
-            :data:`EXCHANGE_SHARE` of the reference step: a link that came back shows there where the
-            step barely moves (``lowrank`` 53 → 43 ms on the quickstart MLP). At least 2.
-        min_interval: steps between a decision and a drift re-decision at least; a severe one
-            (``severe_drift``, any of its tests) waits this long only after the last severe one.
-            Why: the interval keeps moderate noise from switching methods back and forth, but a step
-            2x off is a moved link, and each step spent waiting costs that much: on the quickstart
-            MLP a moderate drift re-decision at step 80 kept DDP, the link fell at step 90, and the
-            interval held DDP at ~440 ms per step until step 110, where Top-k runs ~37 ms (1.56x the
-            best static method's mean step that round; docs/auto.md). Each severe re-decision costs
-            one probe, so the interval between severe ones still bounds the probes.
-        probe_every: re-probe and decide again this many steps after the last decision that looked at
-            the link (a probe or a link check: warm-up, drift, periodic; not a calibration, a trial or a
-            ``gain`` re-decision) even without drift (0: never): a link that gets faster may not move
-            the step of a compressed method much (measured: Top-k-like ``lowrank`` kept its step when
-            a 10 Mbit/s link went back to 1 Gbit/s, and auto stayed on it). Costs a probe (small on
-            fast links; about one dense step's traffic on slow ones), or only a link check
-            (``probe_check``). Counted from any decision before, a ``gain`` re-decision at step 172
-            put the re-probe at step 273 on the quickstart MLP, 73 steps into a link back at 1 Gbit/s
-            that Top-k's step did not show (docs/auto.md).
-        probe_every_max: the periodic re-decision's interval doubles, up to this many steps, each
-            time one keeps the method on a link its check found unchanged (``probe_check``), and
-            goes back to ``probe_every`` after any other decision that looked at the link. On the
-            quickstart MLP at 20 Mbit/s each periodic check sends 168 kB + 80 KiB, ~0.1 s: 4 checks
-            in a 475-step run took 0.4 of its 18.4 s, about half of what auto spent beyond static
-            ``lowrank`` (docs/auto.md). The price: a change that neither the step nor the exchange
-            shows (a link that came back under a compressed method whose exchange fits the shaper's
-            burst) is seen up to this many steps late on a long-steady link. Never below
-            ``probe_every``. 0: no doubling (every ``probe_every`` steps, the earlier behaviour).
-        probe_check: a periodic or (moderate) drift re-decision first sends one message of the last probe's
-            size (after its small partner, as in the probe) and compares its time with that
-            probe's: within this factor either way, the link is taken as unchanged and the decision
-            uses the stored network, without the full probe (latency, then two sizes three times
-            each after a warm-up: about 4x the traffic). 0: always the full probe. On the quickstart
-            MLP at 20 Mbit/s a full re-probe cost 0.47-0.52 s of a 6 s run to the target.
-        dense_probe_s: when the profiled dense step waited at least this long (seconds, slowest rank)
-            for DDP's buckets after its last gradient was ready, that step is the bandwidth
-            measurement: β is the value at which the model's DDP step equals it
-            (``model.beta_from_dense_step``), α comes from the latency round alone, and the warm-up's
-            bandwidth probe is skipped (the first periodic or drift re-decision then probes in full).
-            Such a step is hundreds of kilobytes per rank sent anyway; the probe it replaces cost about
-            0.4 s on the quickstart MLP at 20 Mbit/s (a tenth of its run to the target) and read that
-            link at 18-38 Mbit/s across runs. 0: always probe. Below the threshold (a fast link) the
-            step's wait is mostly the framework's and the collective's CPU time, not the link. A drift
-            re-decision while a dense mode runs uses its drifted window the same way (the window's
-            median less the mode's step on a free network is its wait).
-        explore: after a calibration, how many more not-yet-measured candidates may be installed
-            and measured (one ``window`` each, plus the settling window) because the raw model still
-            favours them, per probed decision; 0 settles on the measured methods at once. Measured:
-            with one correction for all compressed methods (no exploration), auto kept ``lowrank``
-            at 1.24x Top-k's step on the quickstart MLP at 20 Mbit/s.
-        explore_margin: a decision installs a method not yet measured on this link only if its
-            (optimistic, shifted) prediction per unit of progress is at least this fraction below
-            that of the best method measured in a window on this link; else it takes that method.
-            Without such a method (the warm-up, a link that moved) the plain minimum decides, and a
-            ``gain`` re-decision always does: it acts on re-measured errors, new information about
-            the measured methods themselves. Why: the raw model leaves out what a real path adds,
-            so a small predicted lead is often the model's optimism, and a window on the wrong
-            method costs its steps and, for a lossy one, progress. Off (0) by default, measured
-            (docs/auto.md): on the quickstart MLP at 20 Mbit/s, where auto had explored EF-signSGD on
-            a 3 % lead and reached the target 1.75x later than static Top-k, 0.1 gave 1.06/1.10/1.07x
-            the best static method's time against 1.18/1.16/1.12x with 0 (3 rounds, one run); on
-            ``lm`` at 100 Mbit/s 0.1 kept ``lowrank`` after a drift re-decision where fp16, predicted
-            2.6 % ahead, was the better method (1.63x the 16-bit hook's time; 0.98x in an earlier run
-            without it), and applied to ``gain`` re-decisions too it held ``lowrank`` against
-            Top-k's 6.3 % lead (1.28x). Try 0.1 where the candidates' steps are close and a wrong
-            lossy pick costs progress.
-        gain_every: every this many steps after the last measurement of the candidates' errors, the
-            next step's local gradients are copied (post-accumulate-grad hooks; nothing is sent) and
-            every candidate's ``delta2`` is measured on them again, between steps (0: only at the
-            warm-up). A gradient's compressibility changes as training goes on: on ``cnn`` width
-            16 (4 ranks' mean) ``lowrank``'s error fell from 0.69 at step 2 to 0.49 at step 40 while
-            Top-k's stayed at 0.53-0.60, which reverses their ranking (docs/auto.md, "Gain").
-            Costs one copy of the gradient and one compression per candidate, no communication
-            beyond one agreement of a few floats.
-        gain_every_max: the re-measurement's interval doubles, up to this many steps, after each one
-            that left the method as it was (its errors moved too little to re-decide, ``gain_drift``,
-            or the re-decision kept the method), and goes back to ``gain_every`` after any decision
-            that switched the method. Why: a re-measurement is the chooser's most expensive routine
-            look; on ``mlp`` (1.09 M parameters, 4 ranks on 2 cores) each made its step 0.19-0.40 s
-            against 60-80 ms (each rank measured its five compressed and 16-bit candidates in
-            58-323 ms, and the agreement waited for the slowest), 3-7 ms per step at every 50
-            steps; errors that keep the same pick need not be measured that often. The price: a
-            slow change of the errors that would move the pick is seen up to this many steps late.
-            Never below ``gain_every``. 0: no doubling (every ``gain_every`` steps, the earlier
-            behaviour).
-        gain_first: the first re-measurement after the warm-up's comes this many steps after it, or
-            after ``gain_every`` if that is sooner (0: after ``gain_every``). Why earlier than the
-            rest: the warm-up measures the errors on the first gradients of training, which are
-            unlike later ones. On ``lm`` at 100 Mbit/s (4 ranks) ``lowrank``'s weighted error
-            ``w·delta2`` was 0.013 at the warm-up (step 1) and 0.43 at step 51, Top-k's 0.18 and
-            0.32: auto ran ``lowrank`` until the re-measurement at step 51 moved it to Top-k
-            (docs/auto.md, "Gain"). One gradient copy and one compression per candidate.
-        gain_drift: the re-measured errors re-decide (trigger ``"gain"``, no probe) when some
-            candidate's progress per step (``1/(1 + w·delta2)``) moved by more than this, relative,
-            from the value the last decision used; smaller changes are not acted on (and the stored
-            errors kept, so a slow drift still adds up against them).
-        early_comm_ratio: if the first (skipped) dense step's exposed communication (end of backward's
-            closure after the last gradient was ready, where DDP waits for its buckets) is at least
-            this many times the rest of its wall, that step is profiled and decided on at once and
-            the dense warm-up ends there (0: never; a configured ``warmup_steps`` above
-            ``skip_steps + profile_steps`` still holds). So on a slow link auto runs no dense step
-            beyond the engine's own first one: a dense step there is mostly the exchange (2.1 s of a
-            2.2 s step on ``cnn`` width 16 at 20 Mbit/s), and the second one costs far more than the
-            profile gains. The first step's profile carries one-off costs that make every
-            unmeasured candidate look slower; this was off by default until ``compute_shift``
-            removed that bias after the first window (on ``cnn`` at 20 Mbit/s auto had stayed on
-            Top-k; with the shift it moved to ``lowrank`` at step 10). Measured with both in the
-            same bench run: on the quickstart MLP at 20 Mbit/s its time to target was lower than
-            with 0 in all 3 rounds (4.66, 4.63, 4.22 s against 4.77, 5.43, 5.55 s), on ``cnn``
-            equal (29.5 against 29.7 s) (docs/auto-measurements.md, "Measured").
-        family_margin: after the first window of a dense mode (``ddp``, ``fp16``, ``bf16``), a dense
-            sibling not yet measured on this link is run for one window when its raw prediction plus
-            the measured mode's correction (what the model misses on that shared path) is within
-            this fraction of the measured step, per unit of progress; then auto keeps the faster,
-            the interrupted mode unless the sibling leads it by ``switch_margin``.
-            The model cannot tell apart two paths this close: on ``gpt`` at 1 Gbit/s it put the
-            16-bit hook 13 ms under DDP, and DDP ran 11 ms faster (4 ranks on 2 cores: the cast's
-            passes over memory compete with backward). Costs at most one window on a step within
-            the margin; 0 tries a sibling only if it is predicted at least as fast. 0.3 was tried
-            on the quickstart MLP at 1 Gbit/s (3 rounds each): the trial then ran in every round,
-            and auto's step was 1.27/1.03/1.18x the faster of DDP and fp16 against 1.22/0.91/1.40x
-            with 0.15, no difference that run-to-run noise does not cover (docs/auto.md).
-        switch_margin: a decision replaces the running method, measured in a window on this link,
-            by another method measured in a window on this link only if that one's time per unit of
-            progress is at least this fraction lower; else the running method stays (the history
-            records the candidate so held off as ``held_by_margin``). Why: the running method's
-            figure is fresh and the other's was measured earlier, so on a host whose speed drifts
-            the running one always looks a little worse. On ``gpt`` at 1 Gbit/s (4 ranks, 2 cores)
-            auto went fp16 → ddp → fp16 → ddp at three periodic looks at an unchanged link, on leads
-            of 1.3 %, 2.8 % and 0.2 % (docs/auto.md). Costs at most this fraction of the step where
-            the other method really is that much faster; 0 switches on any lead (the earlier
-            behaviour). At the calibration that ends a dense sibling's trial, the mode the trial
-            interrupted holds in the running method's place: the sibling is kept only on this lead
-            over it (two single windows cannot tell 2-3 % apart; holding the sibling itself there,
-            an earlier version, kept DDP 1.4 % slower than fp16 on ``gpt`` at 1 Gbit/s). Not applied
-            at other calibrations (the decision after a method's first window on this link): they
-            compare two recent windows and take the faster. Nor to a method not yet measured
-            (``explore_margin`` decides those).
-        compute_shift: when every method measured in a window of its own ran faster than the raw
-            model said, lower the prediction of every method not yet measured so by the smallest of
-            those speed-ups (``model.compute_shift``): the warm-up's profiled compute is slower than
-            a settled step's, which the raw model otherwise charges to every method it has not run.
-            On ``lm`` at 100 Mbit/s it put Top-k at 244 ms where it ran 102 ms, and auto never tried
-            it. The speed-ups are the dense modes' measured in a window, on any link, when there
-            are any (their path is the profiled one; a compressed method's correction carries its
-            own costs too), else every method's measured on this link. False: unmeasured methods by
-            the raw model (the earlier behaviour).
-        time_codecs: when the engine candidates' codecs are timed. ``"on_demand"`` (default): the
-            warm-up measures every candidate's payload and error (one compression each) but times no
-            engine codec; a decision whose best candidate has an untimed codec (predicted with 0,
-            a lower bound: every prediction grows with the codec's time) times that codec and
-            decides again, until its best is timed (the others' bounds lost to it already, and only
-            grow). The pick is the one timing them all would give, and on a fast link,
-            where a dense mode wins even against the bounds, no codec is timed: on the quickstart
-            MLP (4 ranks, 1 Gbit/s) timing them took ~70 of the first decision's ~170 ms.
-            ``"upfront"``: time every codec at the warm-up (the earlier behaviour; every
-            prediction in the history is then a full one).
-        canary_bytes: off by default (0). With e.g. 65536, before each step a dense mode runs the
-            engine sends this many bytes from every rank to every other rank, timed, on its worker,
-            and on a fallen link the step stops (its gradient kept as error memory) and auto
-            re-decides at its end (lightning_gc/engine/dense_stop.py; docs/auto.md, "The link
-            canary"). For links known to fall to a small fraction of their rate: on ``mlp`` at
-            1 Gbit/s → 10 Mbit/s it turned a 2.9-3.0 s fp16 step into a stopped step of 0.61-0.66 s.
-            It costs ~3-7 ms of every dense step on ``mlp`` and 1-10 ms on ``cnn`` width 16 on this
-            project's 2-core machine (4 ranks), beyond the fast-link bound. Above the link's burst
-            allowance divided by ``N-1`` (the bench's shaper lets 64 KiB out at line rate), or a
-            fall does not show. Only on 2-8 ranks off NCCL (the direct exchange), with a plan that
-            sends every parameter every step, and with a network auto measures (not one pinned by
-            ``network_alpha_s``/``network_beta_s_per_byte``: it could not re-read it).
-        canary_factor: the link fell when the fastest rank's time for the canary is at least this
-            many times the network model's for it ...
-        canary_margin_s: ... and at least this many seconds more (scheduling noise: on this
-            project's 2-core machine a 4-rank direct exchange takes 0.7-1 ms at 1 Gbit/s, with
-            outliers of a scheduler slice).
-    """
-
-    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
-    progress_weight: float = DEFAULT_PROGRESS_WEIGHT
-    skip_steps: int = 1
-    profile_steps: int = 1
-    repeats: int = 3
-    window: int = 5
-    drift: float = 0.3
-    patience: int = 2
-    severe_drift: float = 2.0
-    severe_steps: int = 3
-    min_interval: int = 30
-    probe_every: int = 100
-    probe_every_max: int = 400
-    probe_check: float = 1.5
-    dense_probe_s: float = 0.1
-    explore: int = 2
-    explore_margin: float = 0.0
-    gain_every: int = 50
-    gain_every_max: int = 400
-    gain_first: int = 20
-    gain_drift: float = 0.1
-    early_comm_ratio: float = 1.0
-    family_margin: float = 0.15
-    switch_margin: float = 0.03
-    compute_shift: bool = True
-    time_codecs: str = "on_demand"
-    canary_bytes: int = 0
-    canary_factor: float = 4.0
-    canary_margin_s: float = 0.02
-
-    def __post_init__(self) -> None:
-        cands = tuple(self.candidates)
-        object.__setattr__(self, "candidates", cands)
-        if not cands:
-            raise ValueError("auto_candidates is empty: list at least 'ddp', e.g. ('ddp', 'fp16', 'topk').")
-        for c in cands:
-            candidate(c)
-        if len(set(cands)) != len(cands):
-            raise ValueError(f"auto_candidates={cands!r} lists a method twice.")
-        if "ddp" not in cands:
-            raise ValueError(f"auto_candidates={cands!r} must include 'ddp': the warm-up measures it, and it is the "
-                             "method auto falls back to.")
-        w = self.progress_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
-            raise ValueError(f"auto_progress_weight={w!r} must be a finite number >= 0 (0: step time only; "
-                             "default 2).")
-        _int("skip_steps", self.skip_steps, 0, "Use 0 to profile from the first step.")
-        _int("profile_steps", self.profile_steps, 1, "Use at least 1 (3 by default: the median of three).")
-        _int("repeats", self.repeats, 1, "Use at least 1.")
-        _int("window", self.window, 2, "Use at least 2 steps per window.")
-        _int("patience", self.patience, 1, "Use at least 1.")
-        sv = self.severe_drift
-        if isinstance(sv, bool) or not isinstance(sv, (int, float)) or not math.isfinite(sv) or not (sv == 0 or sv > 1):
-            raise ValueError(f"auto_severe_drift={sv!r} must be 0 (off) or a factor > 1 (e.g. 2.0: a window at twice or "
-                             "half the reference step re-decides at once).")
-        _int("severe_steps", self.severe_steps, 0, "Use 0 to test severe drift on windows only, or e.g. 3.")
-        if self.severe_steps == 1:
-            raise ValueError("auto_severe_steps=1 would re-decide on one slow step: a step's wall includes any "
-                             "validation or checkpoint before it. Use 0 (windows only) or at least 2 (e.g. 3).")
-        _int("min_interval", self.min_interval, 1, "Use at least 1.")
-        _int("probe_every", self.probe_every, 0, "Use 0 to re-decide on drift only.")
-        _int("probe_every_max", self.probe_every_max, 0, "Use 0 for no doubling, or e.g. 400.")
-        dp = self.dense_probe_s
-        if isinstance(dp, bool) or not isinstance(dp, (int, float)) or not math.isfinite(dp) or dp < 0:
-            raise ValueError(f"auto_dense_probe_s={dp!r} must be a finite number of seconds >= 0 (0: always probe the "
-                             "bandwidth; e.g. 0.1: a dense step that waited 0.1 s on the network measures it).")
-        pc = self.probe_check
-        if isinstance(pc, bool) or not isinstance(pc, (int, float)) or not math.isfinite(pc) or not (pc == 0 or pc > 1):
-            raise ValueError(f"auto_probe_check={pc!r} must be 0 (always the full probe) or a factor > 1 (e.g. 1.5: a "
-                             "check message within 1.5x of the last probe's time keeps the probed network).")
-        _int("explore", self.explore, 0, "Use 0 to settle on measured methods after the first calibration.")
-        _int("gain_every", self.gain_every, 0, "Use 0 to measure the candidates' errors at the warm-up only.")
-        _int("gain_every_max", self.gain_every_max, 0, "Use 0 for no doubling, or e.g. 400.")
-        _int("gain_first", self.gain_first, 0, "Use e.g. 20 steps after the warm-up; 0 waits gain_every steps.")
-        er = self.early_comm_ratio
-        if isinstance(er, bool) or not isinstance(er, (int, float)) or not math.isfinite(er) or er < 0:
-            raise ValueError(f"auto_early_comm_ratio={er!r} must be a finite number >= 0 (0: always profile after "
-                             "skip_steps; 1, the default: decide on the first dense step when it waited on the "
-                             "network at least as long as it did anything else).")
-        if not isinstance(self.compute_shift, bool):
-            raise ValueError(f"auto_compute_shift={self.compute_shift!r} must be true or false (true: a speed-up "
-                             "every measured method showed also lowers the unmeasured methods' predictions).")
-        if self.time_codecs not in TIME_CODECS:
-            raise ValueError(f"auto_time_codecs={self.time_codecs!r} is not one of {', '.join(TIME_CODECS)} "
-                             "('on_demand': time a codec only when its lower bound would be picked; 'upfront': "
-                             "time every codec at the warm-up).")
-        em = self.explore_margin
-        if isinstance(em, bool) or not isinstance(em, (int, float)) or not math.isfinite(em) or not 0 <= em < 1:
-            raise ValueError(f"auto_explore_margin={em!r} must be a number in [0, 1) (a relative lead, e.g. 0.1: an "
-                             "unmeasured method replaces the best measured one only if predicted 10% faster per "
-                             "unit of progress; 0: any lead, the default).")
-        sm = self.switch_margin
-        if isinstance(sm, bool) or not isinstance(sm, (int, float)) or not math.isfinite(sm) or not 0 <= sm < 1:
-            raise ValueError(f"auto_switch_margin={sm!r} must be a number in [0, 1) (a relative lead, e.g. 0.03: a "
-                             "measured method replaces the running measured one only if 3% faster per unit of "
-                             "progress; 0: any lead).")
-        fm = self.family_margin
-        if isinstance(fm, bool) or not isinstance(fm, (int, float)) or not math.isfinite(fm) or fm < 0:
-            raise ValueError(f"auto_family_margin={fm!r} must be a finite number >= 0 (a relative margin, e.g. 0.15; "
-                             "0: try a dense sibling only if the transferred correction makes it at least as fast).")
-        gd = self.gain_drift
-        if isinstance(gd, bool) or not isinstance(gd, (int, float)) or not math.isfinite(gd) or gd < 0:
-            raise ValueError(f"auto_gain_drift={gd!r} must be a finite number >= 0 (a relative change of a "
-                             "candidate's progress per step, e.g. 0.1; 0 re-decides on every re-measurement).")
-        d = self.drift
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not (0 < d):
-            raise ValueError(f"auto_drift={d!r} must be > 0 (a relative change, e.g. 0.3).")
-        _int("canary_bytes", self.canary_bytes, 0, "Use 0 (the default) to leave the link canary off, or e.g. 65536.")
-        try:  # the factor's and the margin's own checks, whether the canary is on or not
-            LinkCanary(self.canary_bytes or 1, self.canary_factor, self.canary_margin_s)
-        except ValueError as e:
-            raise ValueError(f"auto_{e}") from None
-
-    def canary(self) -> LinkCanary | None:
-        """The :class:`~lightning_gc.engine.dense_stop.LinkCanary` of these options (None: off)."""
-        if not self.canary_bytes:
-            return None
-        return LinkCanary(self.canary_bytes, self.canary_factor, self.canary_margin_s)
-
-    @property
-    def dense_steps_needed(self) -> int:
-        return self.skip_steps + self.profile_steps
-
-    @classmethod
-    def coerce(cls, value: AutoConfig | dict | None) -> AutoConfig:
-        """An :class:`AutoConfig` from itself, a dict of its fields (YAML) or ``None`` (defaults)."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            known = {f.name for f in fields(cls)}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise ValueError(f"auto={value!r}: unknown option(s) {unknown}; valid: {sorted(known)}.")
-            return cls(**value)
-        raise TypeError(f"auto={value!r} must be an AutoConfig, a dict of its fields or None.")
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "candidates": list(self.candidates)}
-
-
-def _lead(preds: dict[str, Prediction], a: str, b: str) -> float:
-    """How much lower ``a``'s predicted time per unit of progress is than ``b``'s, relative to ``b``'s
-    (the lead that ``explore_margin`` and ``switch_margin`` are compared with)."""
-    return 1.0 - preds[a].time_per_progress_s / preds[b].time_per_progress_s
-
-
-def _overhead_in(entry: dict, name: str) -> float:
-    """What a history entry's decision added to ``name``'s raw prediction (``model.overhead_used``);
-    entries written before the compute shift have neither ``settled`` nor ``shift_s``."""
-    return overhead_used(name, entry["corrections"], float(entry.get("shift_s", 0.0)), entry.get("settled"))
-
-
-#: a per-method correction measured on a link whose bandwidth differs from the current one by more
-#: than this factor is not used (:meth:`AutoChooser._valid_corrections`); probes of one 1 Gbit/s
-#: link varied well within it
-STALE_NETWORK_FACTOR = 2.0
-_BETA_FLOOR = 1e-12  # s/byte (8 Tbit/s): an unlimited link (β = 0) compares as a very fast one
-
-
 class AutoChooser(StepParticipant):
     """Profiles, measures, chooses and re-chooses the method (see the module docstring)."""
 
     name = "auto"
     state_scope = "replicated"
 
-    def __init__(self, engine: Any, config: AutoConfig, module: torch.nn.Module,
+    def __init__(self, engine: MethodControl, config: AutoConfig, module: torch.nn.Module,
                  named_parameters: list[tuple[str, Tensor]]) -> None:
         self.engine = engine
         self.config = config
         self.candidates: list[AutoCandidate] = [candidate(c) for c in config.candidates]
+        #: the candidates that are bucket modes (no compressor: ``ddp``, ``fp16``, ``bf16``)
+        self._dense_names = frozenset(c.name for c in self.candidates if c.compressor is None)
         self.params = [p for _, p in named_parameters]
         self.names = [n for n, _ in named_parameters]
         #: the early path (early_comm_ratio) never shortens the warm-up below this: the configuration
@@ -569,13 +175,18 @@ class AutoChooser(StepParticipant):
         w = int(engine.config.warmup_steps)
         self._configured_warmup = w if w > config.dense_steps_needed else 1
         engine.raise_warmup_steps(config.dense_steps_needed)
+        #: the plan has no group to compress (every tensor below ``min_compress_numel``): nothing to choose, so
+        #: auto runs DDP's dense path from the first step boundary on and measures nothing (replicated: the
+        #: plan is the same on every rank)
+        self.nothing_to_compress = not any(not g.exact for g in engine.plan.groups)
         # every step's wall rides in the next step's messages (the every-step test and the windows read
         # them there): a compressed step's closing report. A dense mode's is agreed at once by a direct
         # exchange (one message latency) where the group allows one, else it rides in the next step's
         # first gradient bucket (see _agree_wall_later)
         self._dense_walls_direct = (1 < engine.world_size <= DIRECT_MAX_RANKS and dist.is_available()
-                                 and dist.is_initialized() and backend_allows(engine.process_group))
-        if not self._dense_walls_direct:
+                                 and dist.is_initialized() and backend_allows(engine.process_group)
+                                 and not self.nothing_to_compress)
+        if not self._dense_walls_direct and not self.nothing_to_compress:
             engine.enable_dense_carry()
         #: the link canary before each step a dense mode runs (AutoConfig.canary_bytes; None: off; the engine
         #: sings it, lightning_gc/engine/dense_stop.py); each dense step's wall is still agreed at its own end
@@ -660,7 +271,7 @@ class AutoChooser(StepParticipant):
         #: every re-measurement of the errors (replicated, checkpointed): step, each candidate's
         #: agreed delta2, the largest relative change of progress per step, whether it re-decided
         self.gain_checks: list[dict] = []
-        if engine.world_size > 1:
+        if engine.world_size > 1 and not self.nothing_to_compress:
             self._sample = {}
             self._handles = [p.register_post_accumulate_grad_hook(self._stamp(i)) for i, p in enumerate(self.params)]
             self._handles.append(module.register_forward_hook(self._on_forward))
@@ -719,12 +330,9 @@ class AutoChooser(StepParticipant):
     # ------------------------------------------------------------------ step boundary
     def pause_walls(self) -> None:
         """Time from now until :meth:`resume_walls` is not a training step's (the strategy calls the
-        two around validation, and the checkpoint saved at its end). Why: the step after a validation
-        carried it in its wall (80-130 ms against ~20 ms steps on the quickstart MLP at 1 Gbit/s), and
-        with one more noisy step the median of 3 fired the 2x test on a steady link; that false
-        re-decision then held the real one (the link falling 14 steps later) for ``min_interval``
-        steps: 16 DDP steps of ~440 ms (docs/auto.md). The bench leaves validation out of its step
-        times the same way."""
+        two around validation, and the checkpoint saved at its end). Why: a validation in a step's wall
+        makes a steady link look moved, and the false re-decision it sets off then holds a real one
+        back for ``min_interval`` steps. The bench leaves validation out of its step times the same way."""
         self._t_paused = time.perf_counter()
 
     def mark_wall(self) -> None:
@@ -750,6 +358,10 @@ class AutoChooser(StepParticipant):
         if engine.world_size == 1:
             return
         step = engine.step - 1  # the step that just finished
+        if self.nothing_to_compress:
+            if self.chosen is None:
+                self._run_dense_only(step)
+            return
         if self.chosen is None:
             cfg = self.config
             complete = len(self._stamps) == len(self.params)
@@ -793,6 +405,34 @@ class AutoChooser(StepParticipant):
         if self._gain_due(step):
             self._arm_sample()
 
+    def _run_dense_only(self, step: int) -> None:
+        """Nothing to compress (:attr:`nothing_to_compress`): run DDP's fp32 path from the next step on and
+        say so once. No profile, measurement or decision follows: every candidate would send the same
+        exact tensors. Every rank gets here at the same step (the plan is replicated)."""
+        rank_zero_warn(f"lightning_gc auto: the plan has no tensor to compress (every one is below min_compress_numel="
+                       f"{self.engine.config.min_compress_numel} elements), so auto runs DDP's dense path from step "
+                       f"{step + 1} on. Lower min_compress_numel to let it choose among methods.")
+        self.chosen = "ddp"
+        self._apply("ddp")
+
+    # ------------------------------------------------------------------ the participant's lifecycle hooks
+    def on_validation_start(self) -> None:
+        """Validation time is not a training step's (:meth:`pause_walls`)."""
+        self.pause_walls()
+
+    def on_validation_end(self) -> None:
+        """Back from validation (:meth:`resume_walls`)."""
+        self.resume_walls()
+
+    def on_train_batch_start(self, batch_idx: int) -> None:
+        """An epoch's first batch holds the epoch's end and start in its wall (:meth:`mark_wall`)."""
+        if batch_idx == 0:
+            self.mark_wall()
+
+    def on_checkpoint_saved(self) -> None:
+        """A checkpoint saved between steps is in the next step's wall (:meth:`mark_wall`)."""
+        self.mark_wall()
+
     def _on_dense_stop(self, step: int, stats: Any) -> None:
         """Step ``step`` was a dense mode's, and the link canary before it saw the link fall: the step
         stopped (lightning_gc/engine/dense_stop.py; its compressed groups' gradients are error memory;
@@ -800,8 +440,8 @@ class AutoChooser(StepParticipant):
         ``canary``), whatever ``min_interval`` says: until a decision looks at the link again, every
         dense step would stop. The network for it: β from the canary itself (its second message's time
         on the fastest rank, less the model's α, over the ``N-1`` copies each rank sent), no probe.
-        Why: a probe that starts small and grows took 0.9 s on the quickstart MLP at 10 Mbit/s, and the
-        canary timed the link at the size a probe ends at. The stopped step is not a step of the
+        Why: on a fallen link a probe that starts small and grows is slow, and the canary timed the link
+        at the size a probe ends at. The stopped step is not a step of the
         method (it sent its exact group only) and enters no window; a gradient sample armed for it
         is dropped (the next one comes at the next due step)."""
         canary = self.canary
@@ -818,9 +458,7 @@ class AutoChooser(StepParticipant):
         """Whether the next step's gradients are sampled to measure the candidates' errors again:
         ``gain_first`` (then ``gain_every``) steps after the last measurement, and not while a method
         is on trial (:attr:`in_trial`). A re-decision in the middle of a trial cut it short: its
-        window was never measured, and the trial ran again later. On ``cnn`` width 16 at 1 Gbit/s
-        the re-measurement at step 21 ended DDP's trial window, begun at step 11, and DDP ran a second
-        trial from step 31: 20 of 100 steps on the slower dense path (docs/auto.md). Deferred, the
+        window was never measured, and the trial ran again later. Deferred, the
         sample is taken at the first step after the trial's window is measured. The interval
         doubles while the pick stands (``gain_every_max``)."""
         every, first = (self._gain_interval if self.config.gain_every else 0), self.config.gain_first
@@ -830,12 +468,7 @@ class AutoChooser(StepParticipant):
         return due and not self.in_trial
 
     def _profile_entry(self, t_end: float, wall: float) -> dict:
-        order = sorted(range(len(self.params)), key=lambda i: self._stamps[i])
-        return {"forward_s": self._t_fwd - self._t_start, "order": order,
-                "ready": [self._stamps[i] - self._t_fwd for i in order],
-                "optimizer_s": max(t_end - self._t_closure_end, 0.0), "wall_s": wall,
-                # DDP's wait for its buckets: the end of the closure after the last gradient was ready
-                "exposed_s": max(self._t_closure_end - max(self._stamps.values()), 0.0)}
+        return profile_entry(self._stamps, self._t_start, self._t_fwd, self._t_closure_end, t_end, wall)
 
     def _early(self, t_end: float, complete: bool) -> bool:
         """Whether a skipped dense step's exposed communication (closure end after the last
@@ -868,24 +501,16 @@ class AutoChooser(StepParticipant):
           closing report, agreed already; the step before's where the report rode in the step's
           last message, ``EngineConfig.report_rides``), against the fastest exchange of the reference window: the median of the last
           ``severe_steps`` ``severe_drift`` times or more *faster* and by at least
-          :data:`EXCHANGE_SHARE` of the reference step. The fastest, not the median: the median let
-          a reference window that caught the slow mode of a two-mode exchange (below) fire on the
-          fast one; with the median, Top-k on a steady 20 Mbit/s link re-decided twice per
-          300-step run (quickstart MLP, 3 rounds), each time with a link check.
-          Why: a compressed method's step can hide a link that came back; on the quickstart MLP
-          ``lowrank`` went from 53 to 43 ms when 10 Mbit/s returned to 1 Gbit/s, under the step
-          test's 2x, and auto ran it to the end of the run where fp16 takes ~24 ms (docs/auto.md);
-          the exchange is the part of the step that the link sets.
+          :data:`EXCHANGE_SHARE` of the reference step. The fastest, not the median: a reference
+          window that caught the slow mode of a two-mode exchange (below) would fire on the fast one.
+          Why: a compressed method's step can hide a link that came back; the exchange is the part
+          of the step that the link sets.
 
-          Only faster, since a fall shows in the step test. Measured on the quickstart MLP on a
-          steady 10 Mbit/s link: tested both ways, it fired twice in one run (Top-k at step 162,
-          EF-signSGD at 188; the first moved auto to ``lowrank``); faster only, once in the next
-          (Top-k at step 152: the full probe cost 0.91 s and kept Top-k). A likely cause, not
-          confirmed by a trace: the shaper lets a burst of a few tens of kilobytes out at line
-          rate, so a small exchange's time has two modes on an unchanged link. So the decision
-          this test starts begins with the link check (``probe_check``: one message of the last
-          probe's size, above any burst allowance), and on an unchanged link the stored network
-          decides without the probe."""
+          Only faster, since a fall shows in the step test, and a small exchange's time on a shaped,
+          steady link has two modes (likely the shaper's burst allowance). So the decision this test
+          starts begins with the link check (``probe_check``: one message of the last probe's size,
+          above any burst allowance), and on an unchanged link the stored network decides without
+          the probe."""
         n, sv = self.config.severe_steps, self.config.severe_drift
         self._read_carried()
         # carried whatever the test's setting: the windows read their medians from these walls too
@@ -983,8 +608,7 @@ class AutoChooser(StepParticipant):
         them arrived: the window shifted one step back (steps ``step - len .. step - 1``: the last
         one's wall arrives with the next step), the mean over ranks of each step, no collective. Else
         (a lost wall: a resume, a step not carried) the median of this rank's walls, agreed as the MAX
-        over ranks: a blocking all-reduce. Why: on ``mlp`` on 4 unshaped ranks that all-reduce took
-        ~4 ms every 5 steps, 0.8 ms of the chooser's 2.3 ms per step (docs/auto.md)."""
+        over ranks: a blocking all-reduce, which the carried walls spare every window."""
         n = len(self._window)
         carried = [self._carried_walls.get(s) for s in range(step - n, step)]
         if n and all(v is not None for v in carried):
@@ -999,24 +623,17 @@ class AutoChooser(StepParticipant):
         report, or a dense step's first gradient bucket (:meth:`GCEngine.enable_dense_carry`; in the
         bucket's dtype, so about 3 significant digits under a 16-bit mode). Why: a separate 8-byte
         all-reduce per step is one more latency-bound collective on the process group the exchanges
-        use; at 20 Mbit/s auto's Top-k steps took 1.1-3.5 ms (3-10 %) longer with it than without the
-        every-step test, and on the ``mlp`` preset on unshaped ranks auto's 16-bit steps took
-        1.5-2 ms more (docs/auto.md). A rank that lost its value (a resume) makes it None on every
+        use, and it showed in every step. A rank that lost its value (a resume) makes it None on every
         rank, and the test skips it (the step after a decision is left out anyway).
 
         **Under a dense mode** on up to 8 ranks off NCCL the wall is agreed now instead, by a direct
         exchange of its own (one message latency; lightning_gc/comm/direct.py), and the returned
         function gives that mean. Why: carried in the next step's first bucket, a wall was read one
         step late, so a link that fell under a dense mode cost two dense steps at the fallen rate
-        before the one-step test could act (``mlp`` at 10 Mbit/s: 2.9 s and 3.4-3.7 s); agreed now,
-        the test acts at the end of the first. The exchange costs ~1 ms on 4 ranks of this project's
-        2-core machine, where gloo's ring all-reduce of the same 8 bytes took 1.5-2 ms of a 43 ms
-        16-bit step (docs/auto.md). **With the link canary on** (:attr:`canary`) too: the canary sees
-        a fall that comes before the next step, the wall one that came during this step. Why: the
-        wall rode in the next step's canary at first, and a link that fell inside a dense step
-        (``lightning-gc bench --change-in-step``) cost that step and then the canary's stopped step
-        after it (``mlp`` 1.40-1.51x the best static method's mean step, against the default's
-        1.18-1.44x in the same rounds; docs/auto.md, "The link canary")."""
+        before the one-step test could act; agreed now, the test acts at the end of the first (one
+        message latency, less than gloo's ring all-reduce of the same bytes). **With the link canary
+        on** (:attr:`canary`) too: the canary sees a fall that comes before the next step, the wall
+        one that came during this step."""
         engine = self.engine
         if self._dense_agreed_now():
             value = agree_values([wall], "mean", engine.process_group, engine.device)[0]
@@ -1118,69 +735,22 @@ class AutoChooser(StepParticipant):
             raise RuntimeError(
                 "lightning_gc auto: no dense step could be profiled (every gradient must reach backward on every "
                 "step); pass find_unused_parameters=False models, or raise auto_profile_steps/warmup_steps.")
-        prof = self._profile
-        order = prof[-1]["order"]
-        n = len(self.params)
-        # per-tensor ready times in the last profile's order (medians over steps), then durations
-        ready_by_param = [statistics.median(p["ready"][p["order"].index(i)] for p in prof) for i in range(n)]
-        local = ([statistics.median(p["forward_s"] for p in prof), statistics.median(p["optimizer_s"] for p in prof),
-                  statistics.median(p["wall_s"] for p in prof), statistics.median(p["exposed_s"] for p in prof)]
-                 + ready_by_param)
-        agreed = agree_values(local, "max", engine.process_group, engine.device)
-        fwd, opt, wall, exposed = agreed[:4]
-        ready = agreed[4:]
-        # the ready order is fixed by the first rank's (replicated) view: sort the agreed times
-        order = sorted(range(n), key=lambda i: (ready[i], i))
-        t_prev, durations = 0.0, []
-        for i in order:
-            durations.append(max(ready[i] - t_prev, 0.0))
-            t_prev = max(ready[i], t_prev)
-        self.workload = Workload(fwd, tuple(durations), tuple(self.params[i].numel() for i in order), opt, 0.0)
+        self.workload, wall, exposed = workload_from_profile(self._profile, [p.numel() for p in self.params],
+                                                             engine.process_group, engine.device)
         self._measure_costs(self._disarm_sample() or {})
         self._last_gain_step = step
         self._decide(step, "warmup", probe=True, dense_wall_s=wall, dense_exposed_s=exposed)
 
     def _group_sample(self, grads: dict[int, Tensor]) -> tuple[Tensor, GroupContext, float]:
-        """The compressed group's local gradient (``grads``: parameter index → this rank's copy) as
-        the engine flattens it, its context, and the bytes of the tensors sent exactly beside it.
-        A tensor without a gradient on this rank counts as zeros, as the engine sends it."""
-        engine = self.engine
-        lossy = [g for g in engine.plan.groups if not g.exact]
-        exact_bytes = float(sum(4 * n for g in engine.plan.groups if g.exact for n in g.numels))
-        g = lossy[0]
-        index = {id(p): i for i, p in enumerate(self.params)}
-        views = []
-        for pid in g.param_ids:
-            param = engine.params[pid]
-            grad = grads.get(index[id(param)])
-            views.append(torch.zeros(param.numel(), device=param.device) if grad is None
-                         else grad.reshape(-1).float())
-        flat = torch.cat(views)
-        ctx = GroupContext(step=engine.step, rank=engine.rank, world_size=engine.world_size, segments=g.numels,
-                           group_id=g.gid, seed=engine.config.seed, device=flat.device,
-                           shapes=tuple(tuple(engine.params[pid].shape) for pid in g.param_ids), names=g.names)
-        return flat, ctx, exact_bytes
+        """The compressed group's local gradient, its context and the exact bytes (:func:`group_sample`)."""
+        return group_sample(self.engine, self.params, grads)
 
     def _measure_costs(self, grads: dict[int, Tensor]) -> None:
         """Every candidate's codec time, payload and error on this rank's local gradient of the last
-        profiled step, agreed: MAX of times and payloads (the slowest rank sets a synchronous step),
-        the MEAN of the errors (each rank compresses its own gradient; the model's ``delta2/N`` for
-        a method without error feedback averages independent per-rank errors). Engine codecs are
-        timed here only with ``time_codecs="upfront"`` (else by :meth:`_time_codecs`, on demand)."""
+        profiled step, agreed (:func:`measure_costs`)."""
         engine = self.engine
-        flat, ctx, exact_bytes = self._group_sample(grads)
-        upfront = self.config.time_codecs == "upfront"
-        norm2 = squared_norm(flat)  # once for every candidate's error
-        local = [measure_method(c, flat, ctx, engine.world_size, self.config.repeats, exact_bytes, time_codec=upfront,
-                                norm2=norm2) for c in self.candidates]
-        vals = []
-        for m in local:
-            vals += [m.codec_s, m.payload_bytes]
-        agreed = agree_values(vals, "max", engine.process_group, engine.device)
-        errors = agree_values([m.delta2 for m in local], "mean", engine.process_group, engine.device)
-        self.costs = [MethodCost(m.name, m.wire, agreed[2 * k], agreed[2 * k + 1], errors[k], m.error_feedback,
-                                 m.sparse_ratio, m.value_bytes, m.exact_bytes, codec_timed=m.codec_timed)
-                      for k, m in enumerate(local)]
+        self.costs = measure_costs(self.candidates, self._group_sample(grads), engine.world_size, self.config.repeats,
+                                   self.config.time_codecs == "upfront", engine.process_group, engine.device)
 
     def _time_codecs(self, names: Collection[str],
                      sample: tuple[Tensor, GroupContext, float] | None = None) -> list[str]:
@@ -1207,13 +777,33 @@ class AutoChooser(StepParticipant):
         """The group sample (:meth:`_group_sample`) of the gradients as they are now."""
         return self._group_sample({i: p.grad for i, p in enumerate(self.params) if p.grad is not None})
 
+    def _check_inputs_agree(self, step: int, trigger: Trigger, valid: dict[str, float], shift: float,
+                            *walls: float | None) -> None:
+        """Every figure the decision at ``step`` feeds the policy, checked to be the same on every rank
+        (:func:`~lightning_gc.auto.measure.check_agreed`): a disagreement raises a clear error on every rank
+        instead of a gloo abort in the collectives that divergent decisions would issue."""
+        assert self.costs is not None and self.workload is not None and self.network is not None
+        named: list[tuple[str, float]] = []
+        for c in self.costs:
+            named += [(f"codec_s[{c.name}]", c.codec_s), (f"payload_bytes[{c.name}]", c.payload_bytes),
+                      (f"delta2[{c.name}]", c.delta2), (f"codec_timed[{c.name}]", float(c.codec_timed))]
+        w = self.workload
+        named += [("network.alpha_s", self.network.alpha_s), ("network.beta_s_per_byte", self.network.beta_s_per_byte),
+                  ("workload.forward_s", w.forward_s), ("workload.backward_s", sum(w.backward_s)),
+                  ("workload.optimizer_s", w.optimizer_s), ("workload.other_s", w.other_s), ("shift_s", shift),
+                  ("explore_left", float(self._explore_left))]
+        named += [(f"correction[{k}]", v) for k, v in sorted(valid.items())]
+        named += [(f"wall_s[{i}]", v) for i, v in enumerate(walls) if v is not None]
+        check_agreed(named, f"the {trigger.value} decision at step {step}", self.engine.process_group,
+                     self.engine.device)
+
     def _model_inputs(self) -> tuple[dict[str, float], list[str], list[str], float]:
         """What a decision predicts with besides the costs, the workload and the network: the valid
         corrections, the methods settled on this link, the compute shift's basis and the shift."""
         valid = self._valid_corrections()
         windowed = self._windowed()
         settled = sorted(windowed & set(valid))
-        shift_from = self._shift_basis(windowed, settled)
+        shift_from = policy.shift_basis(windowed, settled, self._corrections, self._dense_names)
         shift = compute_shift([self._corrections[m] for m in shift_from]) if self.config.compute_shift else 0.0
         return valid, settled, shift_from, shift
 
@@ -1251,10 +841,16 @@ class AutoChooser(StepParticipant):
         names = [c.name for c in self.costs]
         first = names.index(self.chosen) if self.chosen in names else min(range(len(names)), key=step_s.__getitem__)
         measure([first])
+        # the bound below sets which candidates are measured next: a rank-local error would make the ranks
+        # issue different agreements
+        check_agreed([(f"delta2[{names[k]}]", d2) for k, d2 in sorted(errors.items())],
+                     f"the errors' re-measurement at step {step}", engine.process_group, engine.device)
         bound = min(step_s[k] / efficiency(replace(self.costs[k], delta2=d2), ws, w) for k, d2 in errors.items())
         rest = [k for k in range(len(names)) if k not in errors and step_s[k] <= bound]
         if rest:
             measure(rest)
+            check_agreed([(f"delta2[{names[k]}]", errors[k]) for k in rest],
+                         f"the errors' re-measurement at step {step}", engine.process_group, engine.device)
         skipped = [names[k] for k in range(len(names)) if k not in errors]
         moved = 0.0
         for k, d2 in errors.items():
@@ -1280,12 +876,13 @@ class AutoChooser(StepParticipant):
         entry["next_interval"] = self._gain_interval
 
     # ------------------------------------------------------------------ decision
-    def _decide(self, step: int, trigger: str, probe: bool, dense_wall_s: float | None = None,
+    def _decide(self, step: int, trigger: Trigger | str, probe: bool, dense_wall_s: float | None = None,
                 force: str | None = None, dense_exposed_s: float | None = None, check_link: bool = True,
                 drift_wall_s: float | None = None, detail: str | None = None,
                 canary_s: float | None = None) -> None:
         engine = self.engine
         assert self.workload is not None and self.costs is not None
+        trigger = Trigger(trigger)
         t0 = time.perf_counter()
         parts = dict.fromkeys(DECIDE_PARTS, 0.0)
 
@@ -1388,51 +985,42 @@ class AutoChooser(StepParticipant):
             self._corrections.setdefault("ddp", 0.0)
             self._correction_beta.setdefault("ddp", self.network.beta_s_per_byte)
         running_figure = self._running_figure(trigger, source)
-        if trigger not in ("calibration", "family"):  # a new decision: the model's pick, a fresh exploration budget
-            self._explore_left = self.config.explore
-        explore = trigger not in ("calibration", "family") or self._explore_left > 0
         valid, settled, shift_from, shift = self._model_inputs()
-        best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
-                                      self.config.progress_weight, explore=explore, shift_s=shift, settled=settled)
-        timed_codecs: list[str] = []
-        sample = None
-        while force is None and not next(c for c in self.costs if c.name == best).codec_timed:
-            # the best is a lower bound: time its codec and decide again, until the best is timed. The
-            # others' bounds lost to it already and only grow when timed, so a timed best is the pick
-            # timing every codec would give (branch and bound). Not every untimed codec at once: on the
-            # quickstart MLP at 10-20 Mbit/s that took 44-53 ms of a decision (4 ranks on 2 cores)
-            sample = sample or timed("codecs", self._live_sample)
-            timed_codecs += timed("codecs", self._time_codecs, [best], sample)
-            best, preds = choose_measured(self.costs, valid, self.workload, self.network, ws,
-                                          self.config.progress_weight, explore=explore, shift_s=shift,
-                                          settled=settled)
-        held = None
-        if force is not None:  # a dense sibling's trial window (see _dense_sibling): every prediction as usual
-            best = force
-        else:
-            if best not in valid and trigger != "gain":  # an unmeasured method must lead by explore_margin
-                best = self._explore_or_stay(best, preds, settled)
-            if trigger == "calibration" and best not in valid:
-                self._explore_left -= 1
-            if trigger != "calibration":  # a calibration compares two recent windows: see _hold_or_switch
-                best, held = self._hold_or_switch(best, preds, settled)
-            elif self.in_family_trial and best == self.chosen:  # the sibling would stay: the interrupted mode holds
-                best, held = self._hold_or_switch(best, preds, settled, self.history[-1].get("previous"))
+        self._check_inputs_agree(step, trigger, valid, shift, dense_wall_s, drift_wall_s)
+        sample: list[tuple[Tensor, GroupContext, float]] = []
+
+        def time_codec(name: str) -> list[MethodCost]:
+            # the best is a lower bound: time its codec (the policy decides again, until the best is timed)
+            if not sample:
+                sample.append(timed("codecs", self._live_sample))
+            timed("codecs", self._time_codecs, [name], sample[0])
+            assert self.costs is not None
+            return self.costs
+
+        last = self.history[-1] if self.history else None
+        decision = policy.decide(policy.DecisionInputs(
+            trigger, tuple(self.costs), self.workload, self.network, ws, self.config, valid, tuple(settled), shift,
+            self.chosen, self._explore_left, force, self.in_family_trial,
+            last.get("previous") if last is not None else None), time_codec)
+        self._explore_left = decision.explore_left
+        best, preds, held, timed_codecs = (decision.chosen, decision.predictions, decision.held_by_margin,
+                                           list(decision.timed_codecs))
         switch_check = None
-        if (trigger in SWITCH_CHECK_TRIGGERS and not probe and canary_s is None and self._switch_check is not None
-                and self.network is not None and self.chosen is not None and best != self.chosen
-                and candidate(best).compressor is None and candidate(self.chosen).compressor is not None):
+        if policy.needs_switch_check(trigger, probe, canary_s is not None, self._switch_check is not None
+                                     and self.network is not None, self.chosen, best, self._dense_names):
+            assert self._switch_check is not None
             # about to leave a compressed method for a dense mode on a network last looked at earlier: a link that
             # fell meanwhile would cost a whole dense step at the fallen rate before the one-step test
             res = timed("check", self._sing_switch_check)
             switch_check = {"fell": res.fell, "fastest_s": res.fastest_s, "predicted_s": res.predicted_s,
                             "messages": res.messages, "bytes": self._switch_check.nbytes}
             if res.fell:
-                rank_zero_info(f"lightning_gc auto: before leaving {self.chosen!r} for {best!r} ({trigger}), one "
+                rank_zero_info(f"lightning_gc auto: before leaving {self.chosen!r} for {best!r} ({trigger.value}), one "
                                f"{self._switch_check.nbytes} B message per rank took {1e3 * res.fastest_s:.1f} ms on the "
                                f"fastest rank (twice), {1e3 * (res.predicted_s or 0.0):.2f} ms on the network model: the "
                                "link fell, re-deciding on it")
-                self._decide(step, "drift", probe=True, check_link=False, canary_s=res.fastest_s, detail="switch_check")
+                self._decide(step, Trigger.DRIFT, probe=True, check_link=False, canary_s=res.fastest_s,
+                             detail="switch_check")
                 if self.history:
                     self.history[-1]["switch_check"] = switch_check
                 return
@@ -1447,8 +1035,7 @@ class AutoChooser(StepParticipant):
         # measured whatever came next as the new normal; on the quickstart MLP the periodic re-probe kept
         # `lowrank` one step before 10 Mbit/s went back to 1 Gbit/s, and `lowrank` ran to the end of the run
         # on the fast link where fp16 runs at half its step (docs/auto.md)
-        kept = best == previous and self._reference is not None and (
-            trigger == "calibration" or (trigger in ("periodic", "gain") and source in ("check", "kept", "pinned")))
+        kept = policy.keeps_reference(trigger, source, best, previous, self._reference is not None)
         if not kept:
             self._reference, self._drifted, self._window, self._settling = None, 0, [], True
             self._run_medians = []
@@ -1459,11 +1046,9 @@ class AutoChooser(StepParticipant):
             self._last_link_step = step
             # a periodic look that found the link as it was and kept the method: look again twice as late
             # (probe_every_max); anything else that looked at the link starts from probe_every again
-            calm = trigger == "periodic" and source in ("check", "pinned") and best == previous
-            cap = max(self.config.probe_every_max, self.config.probe_every)
-            self._link_interval = (min(2 * self._link_interval, cap)
-                                   if calm and self.config.probe_every_max else self.config.probe_every)
-        entry = {"step": step, "trigger": trigger, "chosen": best, "previous": previous,
+            self._link_interval = policy.next_link_interval(trigger, source, best, previous, self._link_interval,
+                                                            self.config.probe_every, self.config.probe_every_max)
+        entry = {"step": step, "trigger": trigger.value, "chosen": best, "previous": previous,
                  "network": [self.network.alpha_s, self.network.beta_s_per_byte], "probe_bytes": self.probe_bytes,
                  "beta_scale": self.beta_scale, "link_check": link_check, "network_source": source,
                  "dense_exposed_s": dense_exposed_s,
@@ -1489,7 +1074,9 @@ class AutoChooser(StepParticipant):
                  "drift_test": detail,
                  # a gain or calibration move from a compressed method to a dense mode timed the link first
                  # (_switch_check): what it saw (None: no such move, or no check on this group)
-                 "switch_check": switch_check}
+                 "switch_check": switch_check,
+                 # the decision in one plain sentence (also logged)
+                 "sentence": policy.sentence(decision, self.network, self._dense_names)}
         # replicated state: the slowest rank's times, like every other figure here (one agreement for all)
         took = agree_values([time.perf_counter() - t0] + [parts[k] for k in DECIDE_PARTS], "max",
                             engine.process_group, engine.device)
@@ -1509,47 +1096,16 @@ class AutoChooser(StepParticipant):
             kept_mode = "the mode its trial interrupted comes back" if held == previous else "the running method stays"
             notes += (f"{held!r} leads by less than switch_margin "
                       f"({100 * self.config.switch_margin:g}%), so {kept_mode}; ")
-        head = (f"lightning_gc auto ({trigger}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
+        rank_zero_info(f"lightning_gc auto (step {step}): {entry['sentence']}")
+        head = (f"lightning_gc auto ({trigger.value}, step {step}): network α={1e3 * self.network.alpha_s:.3f} ms, "
                 f"{bw / 1e6:.1f} Mbit/s{checked}; {shifted}{notes}")
         if best == previous:
             nxt = (f"; next periodic look at the link in {self._link_interval} steps"
-                   if trigger == "periodic" and self.config.probe_every else "")
+                   if trigger == Trigger.PERIODIC and self.config.probe_every else "")
             rank_zero_info(head + f"kept {best!r} (predicted {1e3 * preds[best].step_s:.1f} ms/step){nxt}")
         else:
             rank_zero_info(head + f"chose {best!r}" + (f" (was {previous!r})" if previous else "") + "\n"
                            + table(preds, best))
-
-    def _explore_or_stay(self, best: str, preds: dict, settled: list[str]) -> str:
-        """``best``, an unmeasured method the plain minimum would install, if its predicted time per
-        unit of progress leads the best method measured in a window on this link (``settled``) by at
-        least ``explore_margin``; else that measured method (ties to the earlier candidate). Without
-        such a method (the warm-up, a link that moved) the plain minimum stands."""
-        measured = [c for c in self.config.candidates if c in settled and c in preds]
-        if not measured:
-            return best
-        stay = min(measured, key=lambda c: preds[c].time_per_progress_s)
-        return best if _lead(preds, best, stay) >= self.config.explore_margin else stay
-
-    def _hold_or_switch(self, best: str, preds: dict, settled: list[str],
-                        incumbent: str | None = None) -> tuple[str, str | None]:
-        """``(best, None)``, or ``(running, best)`` when ``best`` would replace the running method
-        while both were measured in a window on this link (``settled``) and ``best``'s predicted time
-        per unit of progress is less than ``switch_margin`` below the running method's
-        (``AutoConfig.switch_margin``: the running one's figure is the fresher one).
-
-        ``incumbent``: at the calibration that ends a dense sibling's trial, when the sibling would
-        stay, the mode the trial interrupted, which holds in the running method's place: the
-        sibling replaces it only on a lead of ``switch_margin``, the bar any switch between
-        measured methods has to clear (another measured method is taken as any calibration takes
-        the faster). Why: the two figures are single 5-step windows, ten steps apart. On ``cnn``
-        width 16, ``gpt`` and ``lm`` at 1 Gbit/s (one round each) DDP's trial window led fp16's by
-        2.5 %, 2.1 % and 2.7 %, auto kept DDP for the rest of the run, and the static runs of the
-        same rounds had fp16 3.8 %, 0.3 % and 3.4 % faster than DDP (docs/auto-measurements.md).
-        Not at other calibrations, whose purpose is to take the faster of two recent figures."""
-        running = self.chosen if incumbent is None else incumbent
-        if running is None or best == running or best not in settled or running not in settled or running not in preds:
-            return best, None
-        return (best, None) if _lead(preds, best, running) >= self.config.switch_margin else (running, best)
 
     def _calibrate(self, step: int, measured_s: float) -> None:
         """Every reference window sets the running method's correction: its measured step minus the
@@ -1565,7 +1121,7 @@ class AutoChooser(StepParticipant):
         assert chosen is not None and self.costs is not None and self.network is not None
         was_valid = chosen in self._valid_corrections()
         # the last decision's predictions used the corrections (and shift) its history entry records
-        raw = self.predictions[chosen].step_s - _overhead_in(self.history[-1], chosen)
+        raw = self.predictions[chosen].step_s - policy.overhead_in(self.history[-1], chosen)
         self._corrections[chosen] = measured_s - raw
         self._correction_beta[chosen] = self.network.beta_s_per_byte
         if self.in_family_trial:  # the sibling's window: choose among what has been measured
@@ -1596,30 +1152,13 @@ class AutoChooser(StepParticipant):
                 or not self.history or chosen not in self.predictions):
             return None
         figure = statistics.median(self._run_medians)
-        raw = self.predictions[chosen].step_s - _overhead_in(self.history[-1], chosen)
+        raw = self.predictions[chosen].step_s - policy.overhead_in(self.history[-1], chosen)
         self._corrections[chosen] = figure - raw
         return figure
 
     def _switched_on_an_older_figure(self) -> bool:
-        """Whether the last decision replaced the running method by another one at a re-decision
-        (``gain``, ``periodic``, ``drift``), not at a calibration. Such a decision weighed the
-        running method's fresh figure against the other's older one (the other had one on this
-        link; a method without one is calibrated by its first window anyway). Its first window then
-        decides again (trigger ``"calibration"``): two figures a window apart, the faster kept. Not
-        after a calibration's own switch (it compared two recent windows already), so this adds at
-        most one decision per re-decision, and no probe.
-
-        Why: on ``cnn`` width 16 at 1 Gbit/s the 16-bit mode was measured at 154.9 ms after step 1
-        and at 179.4 ms after step 22, as this host slowed; DDP's figure, 172.4 ms, was from its trial
-        at steps 11-20. The ``gain`` re-decision at step 72 moved to DDP on that 4 % lead, DDP's
-        window then read 199.0 ms, and DDP ran to the end of the run (docs/auto-measurements.md)."""
-        if not self.history:
-            return False
-        last = self.history[-1]
-        # "corrections": the figures that decision had, per method measured on its link
-        return (last["trigger"] in ("gain", "periodic", "drift") and last.get("previous") is not None
-                and last["previous"] != last["chosen"] and last["chosen"] in (last.get("corrections") or {}))
-
+        """Whether the last decision switched on an older figure (:func:`policy.switched_on_an_older_figure`)."""
+        return policy.switched_on_an_older_figure(self.history[-1] if self.history else None)
     @property
     def in_family_trial(self) -> bool:
         """Whether a dense sibling is running its one window (the last decision was its trial)."""
@@ -1639,36 +1178,14 @@ class AutoChooser(StepParticipant):
                 or self._switched_on_an_older_figure())
 
     def _windowed(self) -> set[str]:
-        """The methods measured in a window of their own (a decision whose step was then measured),
-        not only by the warm-up's profile; derived from the history, so a checkpoint carries it."""
-        return {h["chosen"] for h in self.history if h.get("measured_step_s") is not None}
-
+        """The methods measured in a window of their own (:func:`policy.windowed`; from the history, so a
+        checkpoint carries it)."""
+        return policy.windowed(self.history)
     def _dense_sibling(self, chosen: str, correction: float, measured_s: float) -> str | None:
-        """The dense mode to run next for one window (step 6 of the module docstring), or None.
-
-        ``chosen`` must be a dense mode just measured in a window with ``correction``; a sibling
-        qualifies if it was not measured in a window of its own on this link and its raw prediction
-        plus that correction, per unit of progress, is within ``family_margin`` of ``measured_s`` per
-        unit of progress; the best-predicted one is returned."""
-        dense = [c for c in self.config.candidates if candidate(c).compressor is None]
-        if chosen not in dense or len(dense) < 2:
-            return None
-        valid, last = self._valid_corrections(), self.history[-1]
-
-        def per_progress(name: str, step_s: float) -> float:
-            p = self.predictions[name]
-            return step_s * (p.time_per_progress_s / p.step_s) if p.step_s > 0 else step_s
-
-        limit = (1.0 + self.config.family_margin) * per_progress(chosen, measured_s)
-        best, best_t, windowed = None, math.inf, self._windowed()
-        for name in dense:
-            if name == chosen or (name in windowed and name in valid) or name not in self.predictions:
-                continue
-            t = per_progress(name, self.predictions[name].step_s - _overhead_in(last, name) + correction)
-            if t <= limit and t < best_t:
-                best, best_t = name, t
-        return best
-
+        """The dense mode to run next for one window (step 6 of the module docstring; :func:`policy.dense_sibling`)."""
+        dense = [c for c in self.config.candidates if c in self._dense_names]
+        return policy.dense_sibling(chosen, correction, measured_s, dense, self.predictions, self._valid_corrections(),
+                                    self._windowed(), self.history[-1], self.config.family_margin)
     def _link_moved_under(self, measured: Sequence[float]) -> bool:
         """Whether a reference window's median is ``severe_drift`` times or more off the running
         method's prediction although that prediction carried the method's own correction, measured
@@ -1696,43 +1213,9 @@ class AutoChooser(StepParticipant):
         calibrated = chosen in (self.history[-1].get("corrections") or {}) and chosen in self._windowed()
         return self.predictions[chosen].step_s if calibrated else None
 
-    def _shift_basis(self, windowed: set[str], settled: list[str]) -> list[str]:
-        """The methods whose corrections the compute shift is taken from (:func:`compute_shift`):
-        the dense modes measured in a window of their own (``windowed``), on any link, if there are
-        any; else every method measured in a window on this link (``settled``).
-
-        Why the dense modes: the warm-up profiled a DDP step and fitted ``other`` to it, so a dense
-        mode's path is the one the raw model describes best, and its correction is mostly what the
-        shift is for, the warm-up's slow compute, which does not depend on the link. A compressed
-        method's correction adds its own unmodelled cost, and the least speed-up of all then lets
-        that method hold every unmeasured one back. Measured on the quickstart MLP on a link that
-        fell from 1 Gbit/s to 10 Mbit/s: fp16 had run 32 ms under the raw model at 1 Gbit/s; on the
-        slow link `lowrank`, picked first, ran only 10 ms under it (its own CPU cost), so Top-k was
-        predicted 53.6 ms, where static Top-k ran 38 ms in the same run, and was never tried
-        (docs/auto.md). A dense correction measured on another link still counts: it is the
-        compute part that carries over, and taking the least speed-up keeps it conservative."""
-        dense = sorted(m for m in windowed if m in self._corrections and candidate(m).compressor is None)
-        return dense if dense else list(settled)
-
     def _valid_corrections(self) -> dict[str, float]:
-        """The corrections measured on a network like the current one. An additive correction holds
-        for the link it was measured on: measured on the quickstart MLP, ``lowrank`` ran 24 ms under
-        its prediction at a probed 7.5 Mbit/s; carried to the link back at 920 Mbit/s it predicted
-        19.8 ms for a method that ran 39.9 ms, and auto stayed on it at 2.3x DDP's step. A correction
-        whose network's bandwidth differs from the current one by more than
-        :data:`STALE_NETWORK_FACTOR` is left out, and its method is judged by the raw model again
-        (and explored, if that favours it)."""
-        if self.network is None:
-            return dict(self._corrections)
-        now = self.network.beta_s_per_byte + _BETA_FLOOR
-        out = {}
-        for name, corr in self._corrections.items():
-            then = self._correction_beta.get(name)
-            if then is not None and max(now / (then + _BETA_FLOOR), (then + _BETA_FLOOR) / now) > STALE_NETWORK_FACTOR:
-                continue
-            out[name] = corr
-        return out
-
+        """The corrections measured on a network like the current one (:func:`policy.valid_corrections`)."""
+        return policy.valid_corrections(self._corrections, self._correction_beta, self.network)
     def _probe(self, latency: Any = None) -> NetworkModel:
         """α from 64-byte ring shifts timed before any large message, β from the slope between two
         larger shifts, ``S/4`` and ``S`` bytes (each rank's medians, then the MAX), ``S`` grown from

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from lightning_gc._validation import check_int
 from lightning_gc.bench import netns
 from lightning_gc.bench.methods import (
     AUTO,
@@ -104,9 +105,8 @@ class BenchConfig:
 
 
 def _check_int(name: str, value: Any, lo: int, hint: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise BenchError(f"{name}={value!r} must be an integer >= {lo}; {hint}")
-    return value
+    """:func:`check_int` raising :class:`BenchError` (the CLI prints it without a traceback)."""
+    return check_int(name, value, lo, hint, error=BenchError, phrasing="must")
 
 
 def resolve(cfg: BenchConfig) -> dict:

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._validation import check_bool
+from .._validation import check_bool, check_int
 from ..plans import available_planners
-
-
-def _int(name: str, value: object, minimum: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid: it must be an integer ≥ {minimum}. {hint}")
 
 
 @dataclass(frozen=True)
@@ -96,8 +91,8 @@ class EngineConfig:
         for name, v in zip(("network_alpha_s", "network_beta_s_per_byte"), pinned):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
                 raise ValueError(f"{name}={v!r} must be a number ≥ 0 (seconds per message / per byte).")
-        _int("probe_every", self.probe_every, 0, "Use 0 to probe only once, e.g. 1000 to refresh.")
-        _int("probe_patience", self.probe_patience, 1, "Use e.g. 5 consecutive drifted steps.")
+        check_int("probe_every", self.probe_every, 0, "Use 0 to probe only once, e.g. 1000 to refresh.")
+        check_int("probe_patience", self.probe_patience, 1, "Use e.g. 5 consecutive drifted steps.")
         if not isinstance(self.probe_drift, (int, float)) or not self.probe_drift > 0:
             raise ValueError(f"probe_drift={self.probe_drift!r} must be a fraction > 0, e.g. 0.5 (50%).")
         if self.plan not in available_planners():
@@ -109,11 +104,11 @@ class EngineConfig:
                    "overlapped with backward; False runs them inside the hook.")
         check_bool("report_rides", self.report_rides, "True sends the closing report inside the step's last "
                    "message where it can ride; False sends it in an allreduce of its own.")
-        _int("check_every", self.check_every, 1, "Use 1 to check before every compressed step, e.g. 50 to "
+        check_int("check_every", self.check_every, 1, "Use 1 to check before every compressed step, e.g. 50 to "
              "check every 50 steps (the closing report checks every step either way).")
-        _int("plan_threshold", self.plan_threshold, 1, "Use e.g. 8192 elements per merged group.")
-        _int("min_compress_numel", self.min_compress_numel, 0, "Use 0 to compress every tensor.")
-        _int("warmup_steps", self.warmup_steps, 0, "Use 0 for no dense warm-up.")
-        _int("seed", self.seed, 0, "Use any non-negative integer.")
+        check_int("plan_threshold", self.plan_threshold, 1, "Use e.g. 8192 elements per merged group.")
+        check_int("min_compress_numel", self.min_compress_numel, 0, "Use 0 to compress every tensor.")
+        check_int("warmup_steps", self.warmup_steps, 0, "Use 0 for no dense warm-up.")
+        check_int("seed", self.seed, 0, "Use any non-negative integer.")
         if not isinstance(self.gain_ewma_beta, (int, float)) or not (0.0 <= self.gain_ewma_beta < 1.0):
             raise ValueError(f"gain_ewma_beta={self.gain_ewma_beta!r} must lie in [0, 1); use 0.9.")

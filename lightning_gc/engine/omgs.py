@@ -58,6 +58,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from .._validation import check_int
 from ..comm.exchange import ExchangeTimes, Timer, error_feedback_residual
 from ..compressors.base import GroupContext
 from ..plans import ParamFacts, Plan, PlanRequest, get_planner
@@ -72,11 +73,6 @@ log = logging.getLogger(__name__)
 OMGS_PLANS = ("omgs", "omgs_paper")
 #: the values of ``OMGSConfig.profile_on``
 PROFILE_ON = ("compressed", "dense")
-
-
-def _int(name: str, value: object, minimum: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"OMGSConfig.{name}={value!r} is invalid: it must be an integer ≥ {minimum}. {hint}")
 
 
 @dataclass(frozen=True)
@@ -122,12 +118,12 @@ class OMGSConfig:
     profile_on: str = "compressed"
 
     def __post_init__(self) -> None:
-        _int("profile_skip_steps", self.profile_skip_steps, 0, "Use e.g. 2.")
-        _int("profile_steps", self.profile_steps, 1, "Use ≥ 20 for a robust median.")
-        _int("calibration_sizes", self.calibration_sizes, 2, "A line needs two sizes; use e.g. 6.")
-        _int("calibration_repeats", self.calibration_repeats, 1, "Use e.g. 5.")
-        _int("calibration_max_numel", self.calibration_max_numel, 2, "Use e.g. 4194304.")
-        _int("replan_window", self.replan_window, 1, "Use e.g. 20 steps.")
+        check_int("OMGSConfig.profile_skip_steps", self.profile_skip_steps, 0, "Use e.g. 2.")
+        check_int("OMGSConfig.profile_steps", self.profile_steps, 1, "Use ≥ 20 for a robust median.")
+        check_int("OMGSConfig.calibration_sizes", self.calibration_sizes, 2, "A line needs two sizes; use e.g. 6.")
+        check_int("OMGSConfig.calibration_repeats", self.calibration_repeats, 1, "Use e.g. 5.")
+        check_int("OMGSConfig.calibration_max_numel", self.calibration_max_numel, 2, "Use e.g. 4194304.")
+        check_int("OMGSConfig.replan_window", self.replan_window, 1, "Use e.g. 20 steps.")
         if self.profile_on not in PROFILE_ON:
             raise ValueError(
                 f"OMGSConfig.profile_on={self.profile_on!r} is invalid: use 'compressed' (profile backward on the "

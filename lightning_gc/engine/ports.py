@@ -9,7 +9,10 @@ engine double in a unit test needs only what a participant really uses.
 * :class:`EngineControl` — the view plus the changes a collaborator may make between steps
   (ratio, warm-up length, group observer, extra traffic to count);
 * :class:`PlanControl` — replacing the merge plan. The step session hands it to exactly one
-  participant, the plan owner (:class:`~lightning_gc.engine.session.StepSession`).
+  participant, the plan owner (:class:`~lightning_gc.engine.session.StepSession`);
+* :class:`MethodControl` — the control plus what a method chooser (``compressor="auto"``) changes:
+  the method of each group or a dense bucket mode, the network model it measured, and the step's
+  riders it needs (a carried wall, the link canary).
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from ..comm.cost_model import NetworkModel
     from ..comm.exchange import Exchange
     from ..comm.link import LinkObserver
     from ..comm.network import NetworkState
     from ..compressors.base import Compressor, GroupContext
     from ..plans import Plan
     from .config import EngineConfig
+    from .dense_stop import LinkCanary
+    from .slots import MethodSpec
     from .stats import StepStats
 
 GroupObserver = Callable[[int, Tensor, "GroupContext"], None]
@@ -89,6 +95,33 @@ class PlanControl(Protocol):
     """Replacing the engine's merge plan (only the session's plan owner holds one)."""
 
     def replace_plan(self, plan: Plan, verify: bool = True) -> list[str]: ...
+
+
+
+@runtime_checkable
+class MethodControl(EngineControl, Protocol):
+    """What ``compressor="auto"`` (:class:`~lightning_gc.auto.chooser.AutoChooser`) uses of the engine
+    beyond :class:`EngineControl`: every member here is called between steps, with the same values on
+    every rank (the chooser decides from agreed figures)."""
+
+    params: list[Tensor]
+
+    @property
+    def plan_sends_every_param(self) -> bool: ...
+
+    def set_dense_mode(self, mode: str | None) -> None: ...
+
+    def set_group_method(self, gid: int, spec: MethodSpec | None) -> None: ...
+
+    def adopt_network(self, model: NetworkModel) -> None: ...
+
+    def carry_wall(self, wall_s: float) -> None: ...
+
+    def enable_dense_carry(self) -> None: ...
+
+    def enable_canary(self, canary: LinkCanary) -> None: ...
+
+    def sing_canary(self, carry: float) -> None: ...
 
 
 # ---------------------------------------------------------------- the link observer

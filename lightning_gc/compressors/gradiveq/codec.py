@@ -90,15 +90,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..._validation import check_int
 from ..base import GroupContext
 
 PHASES = ("warmup", "sample", "compress")
 COEF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _int(name: str, value: object, minimum: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid: it must be an integer ≥ {minimum}. {hint}")
 
 
 @dataclass(frozen=True)
@@ -152,25 +148,25 @@ class GradiVeQConfig:
                 f"lam={lam!r} is invalid: λ is the share of sampled gradient variance GradiVeQ may drop "
                 "(Eq. 6) and must lie in [0, 1). Use 0.01 (the paper), smaller for more accuracy."
             )
-        _int("max_slice", self.max_slice, 2, "K is at most this; use e.g. 1024 (the paper: 768 for a 3x3x16x16 layer).")
-        _int("reuse", self.reuse, 0, "Use 0 for one basis per tensor (the paper's s = ∞).")
-        _int("pca_slices", self.pca_slices, 1, "Use e.g. 32 (1 = the paper's first slice only).")
-        _int("warmup", self.warmup, 0, "Use e.g. 50 (the paper: 2500).")
-        _int("sample_steps", self.sample_steps, 2, "L_t needs ≥ 2 samples for a covariance; use e.g. 10.")
-        _int("compress_steps", self.compress_steps, 1, "Use e.g. 20 (the paper: 400).")
+        check_int("max_slice", self.max_slice, 2, "K is at most this; use e.g. 1024 (the paper: 768 for a 3x3x16x16 layer).")
+        check_int("reuse", self.reuse, 0, "Use 0 for one basis per tensor (the paper's s = ∞).")
+        check_int("pca_slices", self.pca_slices, 1, "Use e.g. 32 (1 = the paper's first slice only).")
+        check_int("warmup", self.warmup, 0, "Use e.g. 50 (the paper: 2500).")
+        check_int("sample_steps", self.sample_steps, 2, "L_t needs ≥ 2 samples for a covariance; use e.g. 10.")
+        check_int("compress_steps", self.compress_steps, 1, "Use e.g. 20 (the paper: 400).")
         t = self.loss_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
             raise ValueError(
                 f"loss_threshold={t!r} is invalid: it is the relative compression loss ‖x − x̂‖²/‖x‖² above "
                 "which a rank votes to stop compressing, a number > 0 (e.g. 0.9), or None to disable."
             )
-        _int("sample_levels", self.sample_levels, 0, "Use 7 (4-bit QSGD, the paper) or 0 for exact samples.")
-        _int("sample_bucket", self.sample_bucket, 1, "Use 512.")
-        _int("min_numel", self.min_numel, 0, "Use e.g. 256.")
+        check_int("sample_levels", self.sample_levels, 0, "Use 7 (4-bit QSGD, the paper) or 0 for exact samples.")
+        check_int("sample_bucket", self.sample_bucket, 1, "Use 512.")
+        check_int("min_numel", self.min_numel, 0, "Use e.g. 256.")
         if not isinstance(self.compress_linear, bool):
             raise ValueError(f"compress_linear={self.compress_linear!r} must be True or False.")
         if self.dim is not None:
-            _int("dim", self.dim, 1, "Use None to choose d by λ.")
+            check_int("dim", self.dim, 1, "Use None to choose d by λ.")
         if self.outside_span not in ("mu", "zero"):
             raise ValueError(
                 f"outside_span={self.outside_span!r} is invalid: use 'mu' (the paper: the sampled mean fills "
