@@ -2027,3 +2027,17 @@ class AutoChooser(StepParticipant):
                         # ranked by a lower bound: its codec was not timed (time_codecs="on_demand")
                         "runner_up_bound": bool(runner and runner[1].get("details", {}).get("lower_bound"))})
         return out
+
+    # ------------------------------------------------------------------ lifecycle (StepSession)
+    def on_validation_start(self) -> None:
+        self.pause_walls()
+
+    def on_validation_end(self) -> None:
+        self.resume_walls()
+
+    def on_train_batch_start(self, batch_idx: int) -> None:
+        if batch_idx == 0:  # the epoch's end and start are in this step's wall
+            self.mark_wall()
+
+    def on_checkpoint_saved(self) -> None:
+        self.mark_wall()
