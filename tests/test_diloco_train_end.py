@@ -40,7 +40,7 @@ class _SeesTrainEnd(L.Callback):
         self.seen.update(callback=_flat(pl_module), outer_at_callback=diloco.outer_steps)
 
     def on_fit_end(self, trainer, pl_module):  # after the strategy's teardown
-        self.seen.update(module=pl_module.seen_at_train_end, after_fit=_flat(pl_module),
+        self.seen.update(module=getattr(pl_module, "seen_at_train_end", None), after_fit=_flat(pl_module),
                          outer_after_fit=trainer.strategy.diloco.outer_steps)
         torch.save(self.seen, os.path.join(self.out, f"rank{trainer.global_rank}.pt"))
 
@@ -50,13 +50,13 @@ class _ModuleSeesTrainEnd(TinyClassifier):
         self.seen_at_train_end = _flat(self)
 
 
-def _fit(tmp, callbacks) -> list[dict]:
+def _fit(tmp, callbacks, ckpt_path=None, **trainer_kw) -> list[dict]:
     trainer = L.Trainer(strategy=GCStrategy(compressor="dense", sync="diloco", diloco_inner_steps=H,
                                             start_method="spawn"),
                         accelerator="cpu", devices=2, max_steps=MAX_STEPS, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp),
-                        callbacks=callbacks)
-    trainer.fit(_ModuleSeesTrainEnd(momentum=0.0), make_loader(n=128))
+                        enable_model_summary=False, default_root_dir=str(tmp), callbacks=callbacks,
+                        **{"enable_checkpointing": False, **trainer_kw})
+    trainer.fit(_ModuleSeesTrainEnd(momentum=0.0), make_loader(n=128), ckpt_path=ckpt_path)
     return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(2)]
 
 
@@ -68,3 +68,20 @@ def test_on_train_end_sees_theta_outer_after_the_closing_step_even_from_a_callba
         assert torch.equal(r["callback"], r["after_fit"]) and torch.equal(r["module"], r["after_fit"])
     assert torch.equal(res[0]["callback"], res[1]["callback"])
     assert torch.equal(res[0]["module"], res[1]["module"])
+
+
+def test_a_run_resumed_at_its_last_step_still_ends_on_theta_outer(tmp_path):
+    """The checkpoint of the last epoch's end is written before on_train_end, inside the open round
+    (each rank's θ_local in it). Resumed with nothing left to train, the strategy's teardown closes
+    the round: the ranks end identical and on the first run's final model."""
+    ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
+    (tmp_path / "a").mkdir()
+    first = _fit(tmp_path / "a", [_SeesTrainEnd(str(tmp_path / "a")), ckpt_cb], enable_checkpointing=True)
+    last = sorted((tmp_path / "ckpt").glob(f"*step={MAX_STEPS}*.ckpt"))[0]
+    assert torch.load(last, weights_only=False)["lightning_gc"]["ranks"][0]["diloco"]["theta_local"] is not None
+    (tmp_path / "b").mkdir()
+    resumed = _fit(tmp_path / "b", [_SeesTrainEnd(str(tmp_path / "b"))], ckpt_path=str(last))
+    for r in range(2):
+        assert resumed[r]["outer_after_fit"] == MAX_STEPS // H + 1
+        assert torch.equal(resumed[r]["after_fit"], first[r]["after_fit"])
+    assert torch.equal(resumed[0]["after_fit"], resumed[1]["after_fit"])
