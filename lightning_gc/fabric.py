@@ -13,20 +13,31 @@ strategy of their own::
     fabric.backward(loss); optimizer.step()                   # every step through the step session
     fabric.log_dict(fabric.strategy.metrics(), step=step)     # the gc/* tags GCMonitor logs
     fabric.save("ckpt.pt", {"model": model, "optimizer": optimizer})   # + every rank's engine state
+    fabric.strategy.finish()                                  # end of training: DiLoCo's closing round
     print(fabric.strategy.summary().format())                 # the end-of-fit summary
     fabric.strategy.close()                                   # stop the exchange worker
 
 What is the same as the Trainer path: the keyword arguments (validated by ``GCStrategy`` itself, so
 every refusal and default is shared), the engine (:class:`~lightning_gc.engine.GCEngine`) behind
 the same step session (:class:`~lightning_gc.engine.session.StepSession`: non-finite steps skipped
-on every rank, error memory untouched), the checkpoint state (every rank's error memory, step
+on every rank, error memory untouched), both built by one function
+(:func:`~lightning_gc.assembly.build_session`), the checkpoint state (every rank's error memory, step
 counter and statistics under ``"lightning_gc"``, restored by ``fabric.load``), the ``gc/*`` tags
-(:func:`~lightning_gc.callbacks.monitor.step_metrics`) and the summary. What Fabric has no place for
-is refused at construction: ``sync="osp"`` (its S(Gu) schedule reads the loss from Lightning's
-training-step closure and it must be drained before evaluation and checkpoints, which the Trainer's
-callbacks do) and OMGS (``plan="omgs"``/``"omgs_paper"`` or ``omgs=``: it times backward inside
-the optimizer closure, while Fabric runs backward before ``optimizer.step()``). ``monitor`` has no
-effect: Fabric has no callbacks that log; log :meth:`GCFabricStrategy.metrics` yourself.
+(:func:`~lightning_gc.callbacks.monitor.step_metrics`) and the summary.
+
+``sync="diloco"`` runs: inner steps send nothing, the outer step happens inside ``optimizer.step()``
+every ``diloco_inner_steps`` steps. Fabric has no ``on_train_end``, so a round left open when the loop
+ends is closed by :meth:`GCFabricStrategy.finish` (or by :meth:`GCFabricStrategy.close`, which calls
+it): call it on every rank after the loop and before evaluating, exporting or saving the model; then
+every rank holds θ_outer. ``fabric.save`` writes θ_outer as the model's weights mid-round, like a
+Trainer checkpoint.
+
+What Fabric has no place for is refused at construction: ``sync="osp"`` (its S(Gu) schedule reads
+the loss from Lightning's training-step closure and it must be drained before evaluation and
+checkpoints, which the Trainer's callbacks do), OMGS (``plan="omgs"``/``"omgs_paper"`` or ``omgs=``)
+and ``compressor="auto"``: both time forward and backward inside the optimizer closure, while Fabric
+runs backward before ``optimizer.step()``. ``monitor`` has no effect: Fabric has no callbacks that
+log; log :meth:`GCFabricStrategy.metrics` yourself.
 
 ``import lightning_gc`` also registers the ``gc_<compressor>`` and
 ``gc_<compressor>_find_unused_parameters_true`` aliases in Fabric's strategy registry, so
@@ -42,16 +53,17 @@ from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
 from lightning.fabric.plugins.precision.amp import MixedPrecision
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from ._names import guard_registry, positional_string_message
+from .assembly import Assembly, adopt_defaults, apply_state, build_session
 from .callbacks.monitor import step_metrics
 from .compressors import available_compressors, get_entry
 from .config import GCConfig
-from .engine import GCEngine, gc_comm_hook
+from .engine import GCEngine
 from .engine.exit import destroy_default_group_at_exit
 from .engine.omgs import OMGS_PLANS
 from .engine.session import StepSession
@@ -66,22 +78,29 @@ except ImportError:  # pragma: no cover
 __all__ = ["GCFabricStrategy", "register_fabric_aliases"]
 
 
-def _refuse_unsupported(kwargs: dict[str, Any]) -> None:
-    sync = kwargs.get("sync", "bsp")
-    if sync == "osp":
+def _refuse_unsupported(config: GCConfig) -> None:
+    """What Fabric's loop cannot serve, refused at construction (reasons in the module docstring)."""
+    if config.sync == "osp":
         raise ValueError(
             "GCFabricStrategy(sync='osp') is not supported: OSP's S(Gu) schedule reads the training loss from "
             "Lightning's optimizer closure and its deferred exchange must be drained before evaluation and "
-            "checkpoints, which the Trainer's callbacks do and Fabric has no place for. Use sync='bsp' with Fabric, "
-            "or GCStrategy(sync='osp') with a Lightning Trainer (docs/osp.md)."
+            "checkpoints, which the Trainer's callbacks do and Fabric has no place for. Use sync='bsp' or "
+            "sync='diloco' with Fabric, or GCStrategy(sync='osp') with a Lightning Trainer (docs/osp.md)."
         )
-    plan = kwargs.get("plan", "model")
-    if plan in OMGS_PLANS or kwargs.get("omgs") is not None:
+    if config.omgs is not None:
+        plan = config.engine.plan
         what = f"plan={plan!r}" if plan in OMGS_PLANS else "omgs="
         raise ValueError(
-            f"GCFabricStrategy({what}) is not supported: OMGS times backward inside the optimizer closure, and "
-            "with Fabric backward runs before optimizer.step(). Use plan='model', 'layer' or 'threshold' with "
-            "Fabric, or GCStrategy(plan='omgs') with a Lightning Trainer (docs/omgs.md)."
+            f"GCFabricStrategy({what}) is not supported: OMGS times backward inside "
+            "the optimizer closure, and with Fabric backward runs before optimizer.step(). Use plan='model', 'layer' "
+            "or 'threshold' with Fabric, or GCStrategy(plan='omgs') with a Lightning Trainer (docs/omgs.md)."
+        )
+    if config.auto is not None:
+        raise ValueError(
+            "GCFabricStrategy(compressor='auto') is not supported: auto profiles forward and backward inside the "
+            "optimizer closure to predict each method's step, and with Fabric backward runs before "
+            "optimizer.step(). Pick the method for Fabric (`lightning-gc advise` predicts it from a profile of your "
+            "job; docs/choosing.md), or use GCStrategy(compressor='auto') with a Lightning Trainer (docs/auto.md)."
         )
 
 
@@ -94,7 +113,7 @@ class GCFabricStrategy(FabricDDPStrategy):
     (``compressor``, ``ratio``, ``compressor_args``, ``collective``, ``plan``, ``warmup_steps``,
     ``error_feedback``, ``nonfinite``, ``seed``, ... — docs/getting-started.md) or DDP's
     (``bucket_cap_mb``, ``find_unused_parameters``), validated by ``GCStrategy`` with the same
-    refusals. ``sync="osp"`` and OMGS are refused (see the module docstring).
+    refusals. ``sync="osp"``, OMGS and ``compressor="auto"`` are refused (see the module docstring).
     """
 
     def __init__(
@@ -113,16 +132,18 @@ class GCFabricStrategy(FabricDDPStrategy):
             raise ValueError(positional_string_message(
                 accelerator, list(ACCELERATOR_REGISTRY.available_accelerators()), available_compressors()
             ).replace("GCStrategy(", "GCFabricStrategy(").replace("Trainer(accelerator=", "Fabric(accelerator="))
-        _refuse_unsupported(kwargs)
         # the Trainer strategy validates every argument and works out the DDP keywords: one code path
         spec = GCStrategy(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
                           **kwargs)
+        _refuse_unsupported(spec.config)
         self._config = spec.config
         self._compressor_name = spec.compressor_name
+        self._assembly: Assembly | None = None
         self._engine: GCEngine | None = None
         self._session: StepSession | None = None
         self._pending_state: dict | None = None
         self._ddp: DistributedDataParallel | None = None
+        self._closed = False
         self._optimizers_seen: list = []
         super().__init__(
             accelerator=accelerator,
@@ -162,6 +183,11 @@ class GCFabricStrategy(FabricDDPStrategy):
         return self._config
 
     @property
+    def diloco(self) -> Any:
+        """The DiLoCo synchroniser with ``sync="diloco"`` (``None`` before ``fabric.setup`` or otherwise)."""
+        return self._assembly.diloco if self._assembly is not None else None
+
+    @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped on every rank because the gradient was non-finite."""
         return self._session.skipped_steps if self._session is not None else 0
@@ -177,13 +203,22 @@ class GCFabricStrategy(FabricDDPStrategy):
         """What compression did on this rank so far (``None`` before ``fabric.setup``)."""
         if self._engine is None:
             return None
-        return summarize(self._engine, self._compressor_name, self.skipped_steps)
+        return summarize(self._engine, self._compressor_name, self.skipped_steps, self.diloco)
+
+    def finish(self) -> None:
+        """End of training, on every rank (Fabric has no ``on_train_end``): finish work in flight and
+        close an open DiLoCo round with its outer step, so every rank holds θ_outer. Call it after the
+        loop, before evaluating, exporting or saving the final model. Idempotent."""
+        if self._session is not None:
+            self._session.finish()
 
     def close(self) -> None:
-        """Stop the engine's exchange worker and release its process group (call once training is
-        over, before the process group is destroyed). Idempotent."""
-        if self._session is not None:
+        """:meth:`finish`, then stop the engine's exchange worker and release its process group (call
+        once training is over, on every rank, before the process group is destroyed). Idempotent."""
+        if self._session is not None and not self._closed:
+            self.finish()
             self._session.close(timeout=60.0)
+            self._closed = True
 
     # ------------------------------------------------------------------ Fabric hooks
     @override
@@ -199,39 +234,18 @@ class GCFabricStrategy(FabricDDPStrategy):
                 "GCFabricStrategy wraps one model: its engine is already set up. Put the parts of your model "
                 "in one nn.Module and call fabric.setup once."
             )
-        named = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
-        cfg = self._config
-        compressor = get_entry(self._compressor_name).compressor_cls(cfg.compression.compressor_config())
-        self._engine = GCEngine(compressor, cfg.engine, named, process_group=ddp.process_group)
-        if self._engine.world_size == 1:
-            rank_zero_warn("lightning_gc: world size is 1, so gradients are neither communicated nor compressed.")
-        else:
-            rank_zero_info(
-                f"lightning_gc (Fabric): compressor={self._compressor_name} collective={self._engine.exchange.name} "
-                f"plan={cfg.engine.plan} groups={len(self._engine.plan.groups)} "
-                f"warmup_steps={cfg.engine.warmup_steps} error_feedback={self._engine.error_feedback}"
-            )
         scaler = getattr(self.precision, "scaler", None) if isinstance(self.precision, MixedPrecision) else None
-        self._session = StepSession(self._engine, (), skip_nonfinite=cfg.nonfinite == "skip" and scaler is None)
-        if self._pending_state is not None:
-            self._apply_state(self._pending_state)
-            self._pending_state = None
-        ddp.register_comm_hook(self._session, gc_comm_hook)
+        self._assembly = build_session(self._config, ddp, scaler=scaler, pending_state=self._pending_state)
+        self._engine, self._session, self._pending_state = self._assembly.engine, self._assembly.session, None
         self._ddp = ddp
         return ddp
 
     @override
     def setup_optimizer(self, optimizer: Any) -> Any:
         optimizer = super().setup_optimizer(optimizer)
-        if (self._engine is not None and self._config.compression.error_feedback is None
-                and self._config.sync == "bsp" and self._config.auto is None):
-            self._optimizers_seen.append(optimizer)  # the compressor's default knowing them, as GCStrategy
-            message = self._engine.adopt_error_feedback_default(self._optimizers_seen)
-            if message:
-                rank_zero_info(message)
-        if self._engine is not None:  # the algorithm's own measured pitfalls with this optimizer, as GCStrategy
-            for message in self._engine.compressor.advice([optimizer], self._engine.error_feedback):
-                rank_zero_warn(message)
+        if self._engine is not None:  # the error-feedback default and the algorithm's advice, as GCStrategy
+            self._optimizers_seen.append(optimizer)
+            adopt_defaults(self._config, self._engine, self._optimizers_seen, new=[optimizer])
         return optimizer
 
     @override
@@ -253,9 +267,13 @@ class GCFabricStrategy(FabricDDPStrategy):
     @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict[str, Any] | None = None) -> None:
-        if self._session is not None:  # a collective: fabric.save calls this on every rank
-            state = {**state, CHECKPOINT_KEY: {**self._session.state_dict(), "compressor": self._compressor_name}}
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        if self._session is None:
+            return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        # a collective: fabric.save calls this on every rank
+        state = {**state, CHECKPOINT_KEY: {**self._session.state_dict(), "compressor": self._compressor_name}}
+        with self._session.evaluation_view():  # DiLoCo: the model's weights are θ_outer (θ_local per rank above)
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        self._session.on_checkpoint_saved()
 
     @override
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
@@ -267,6 +285,9 @@ class GCFabricStrategy(FabricDDPStrategy):
                 self._apply_state(gc_state)
             else:
                 self._pending_state = gc_state
+        optimizers = [v for v in (state or {}).values() if isinstance(v, Optimizer)]
+        if self._session is not None and optimizers:  # e.g. DiLoCo: the file holds rank 0's inner state
+            self._session.on_optimizer_state_loaded(optimizers)
         return remainder
 
     @override
@@ -276,12 +297,7 @@ class GCFabricStrategy(FabricDDPStrategy):
 
     def _apply_state(self, state: dict[str, Any]) -> None:
         assert self._session is not None
-        missing = self._session.load_state_dict(state)
-        if missing:
-            rank_zero_warn(
-                f"lightning_gc: error memory for {len(missing)} parameter(s) was not in the checkpoint "
-                f"(e.g. {missing[:3]}); it starts at zero."
-            )
+        apply_state(self._session, state)
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -296,6 +312,11 @@ class GCFabricStrategy(FabricDDPStrategy):
                 strategy_registry.register(
                     alias + UNUSED_PARAMETERS_SUFFIX, cls, compressor=name, find_unused_parameters=True,
                     description=f"lightning_gc (Fabric): {get_entry(name).summary}; find_unused_parameters=True")
+        # DiLoCo runs under Fabric too: gc_diloco (dense Δ, the published method) and gc_<compressor>_diloco
+        for alias, name in {"gc_diloco": "dense", **{f"gc_{n}_diloco": n for n in available_compressors()}}.items():
+            if alias not in strategy_registry:
+                strategy_registry.register(alias, cls, compressor=name, sync="diloco",
+                                           description=f"lightning_gc (Fabric): DiLoCo, Δ sent with {name}")
 
 
 def register_fabric_aliases() -> None:

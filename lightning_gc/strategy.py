@@ -33,19 +33,19 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities.exceptions import _augment_message
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ._names import guard_registry, positional_string_message
+from .assembly import Assembly, adopt_defaults, apply_state, build_session
 from .auto import AutoChooser, AutoConfig
 from .compressors import available_compressors, get_entry
-from .config import GCConfig
-from .engine import EngineConfig, GCEngine, gc_comm_hook
+from .config import FLAT_FIELDS, GCConfig
+from .engine import EngineConfig, GCEngine
 from .engine.exit import ExitCleanMultiProcessingLauncher, destroy_default_group_at_exit
 from .engine.omgs import OMGSConfig, OMGSController
 from .engine.owner import SessionOwner
-from .engine.session import StepParticipant, StepSession
+from .engine.session import StepSession
 from .summary import GCSummary, summarize
 from .sync import OSPSync, check_optimizer
 from .sync.diloco import DiLoCoSync
@@ -110,6 +110,35 @@ _UNUSED_PATTERNS = (
     ".*It looks like your LightningModule has parameters that were not used.*",
     ".*lightning_gc: step .* ended with plan groups .* incomplete.*",
 )
+
+
+def _config_from(config: GCConfig | None, flat: dict[str, Any]) -> GCConfig:
+    """The configuration tree: ``config`` as given, or built from the flat keywords. Both at once is
+    refused unless every flat keyword is left at its default (one source of truth, no merge rule)."""
+    if config is None:
+        return GCConfig.from_flat(**flat)
+    if not isinstance(config, GCConfig):
+        raise TypeError(f"GCStrategy(config={config!r}): expected a lightning_gc.config.GCConfig (e.g. "
+                        "GCConfig.from_flat(compressor='topk', ratio=0.01)), or use the flat keyword arguments.")
+    params = inspect.signature(GCStrategy.__init__).parameters
+    given = [n for n in FLAT_FIELDS if n in flat and flat[n] != params[n].default]
+    if given:
+        raise ValueError(
+            f"GCStrategy got config= and {', '.join(f'{n}={flat[n]!r}' for n in given)}: the configuration comes "
+            "from one place. Put these into the tree (GCConfig.from_flat(..., "
+            f"{given[0]}=...), or dataclasses.replace), or drop config= and pass the flat keywords only.")
+    return config
+
+
+def check_trainer_setup(config: GCConfig, callbacks: list[Any]) -> None:
+    """Refuse a Trainer callback the configuration cannot serve, before any step."""
+    from .adaptive.callback import AdaptiveRatio
+
+    if config.sync == "diloco" and any(isinstance(cb, AdaptiveRatio) for cb in callbacks):
+        raise ValueError(
+            "GCStrategy(sync='diloco') with the AdaptiveRatio callback: inner steps send no gradients, so there "
+            "is no per-step compression ratio to adapt. Drop AdaptiveRatio, or use sync='bsp'."
+        )
 
 
 class GCStrategy(DDPStrategy, SessionOwner):
@@ -203,6 +232,9 @@ class GCStrategy(DDPStrategy, SessionOwner):
         diloco_error_decay: with ``sync="diloco"`` and a compressed Δ: SparseLoCo's β, the error
             memory is scaled by it before it is added to the next Δ (1.0: plain error feedback;
             SparseLoCo: 0.95 with outer SGD lr 1 and no momentum).
+        config: the whole configuration as one tree (:class:`~lightning_gc.config.GCConfig`, e.g.
+            ``GCConfig.from_flat(compressor="topk", ratio=0.01)``) instead of the flat keywords above,
+            which are then refused if set: the configuration comes from one place.
         process_group_backend, timeout, start_method: as in ``DDPStrategy``.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (e.g. ``bucket_cap_mb``;
             with a plan other than ``"model"`` it defaults to 1 MB instead of DDP's 25 MB, so that
@@ -264,6 +296,7 @@ class GCStrategy(DDPStrategy, SessionOwner):
         diloco_overlap_steps: int = 0,
         diloco_mixing: float = 0.0,
         diloco_error_decay: float = 1.0,
+        config: GCConfig | None = None,
         **kwargs: Any,
     ) -> None:
         if isinstance(accelerator, str) and accelerator not in AcceleratorRegistry:
@@ -285,7 +318,7 @@ class GCStrategy(DDPStrategy, SessionOwner):
             # start before half of backward was over. Small buckets let pipelined plans overlap.
             kwargs["bucket_cap_mb"] = PIPELINED_BUCKET_CAP_MB
         # the one mapping from these flat names to the typed configuration tree (lightning_gc/config.py)
-        self._config = GCConfig.from_flat(
+        flat = dict(
             compressor=compressor, ratio=ratio, compressor_args=compressor_args, collective=collective, plan=plan,
             plan_threshold=plan_threshold, min_compress_numel=min_compress_numel, warmup_steps=warmup_steps,
             error_feedback=error_feedback, check_finite=check_finite, nonfinite=nonfinite, seed=seed,
@@ -298,23 +331,11 @@ class GCStrategy(DDPStrategy, SessionOwner):
             diloco_overlap_steps=diloco_overlap_steps, diloco_mixing=diloco_mixing,
             diloco_error_decay=diloco_error_decay,
         )
-        cfg = self._config
-        self._compressor_config = cfg.compression.compressor_config()
-        self._collective = cfg.engine.collective
-        self._omgs_config = cfg.omgs
-        self._engine_config = cfg.engine
-        self._osp_config = cfg.osp
-        self._sync = cfg.sync
-        self._osp: OSPSync | None = None
-        self._diloco: DiLoCoSync | None = None
+        self._config = _config_from(config, flat)
+        self._compressor_name = self._config.to_flat()["compressor"]
         self._failed = False
-        self._compressor_name = compressor
-        self._auto_config = cfg.auto
-        self._auto: AutoChooser | None = None
-        self._nonfinite = cfg.nonfinite
-        self._monitor = cfg.monitor
+        self._assembly: Assembly | None = None
         self._engine: GCEngine | None = None
-        self._omgs: OMGSController | None = None
         self._session: StepSession | None = None
         self._pending_state: dict | None = None
         super().__init__(
@@ -338,22 +359,22 @@ class GCStrategy(DDPStrategy, SessionOwner):
     @property
     def auto(self) -> AutoChooser | None:
         """The run-time method chooser of ``compressor="auto"`` (``None`` otherwise or before setup)."""
-        return self._auto
+        return self._assembly.auto if self._assembly is not None else None
 
     @property
     def omgs(self) -> OMGSController | None:
         """The OMGS profiler/planner (``None`` unless ``plan="omgs"``/``"omgs_paper"`` or ``omgs=`` given)."""
-        return self._omgs
+        return self._assembly.omgs if self._assembly is not None else None
 
     @property
     def osp(self) -> OSPSync | None:
         """The two-stage synchroniser with ``sync="osp"`` (``None`` before setup or with BSP)."""
-        return self._osp
+        return self._assembly.osp if self._assembly is not None else None
 
     @property
     def diloco(self) -> DiLoCoSync | None:
         """The DiLoCo synchroniser with ``sync="diloco"`` (``None`` before setup or otherwise)."""
-        return self._diloco
+        return self._assembly.diloco if self._assembly is not None else None
 
     @property
     def ddp_kwargs(self) -> dict[str, Any]:
@@ -381,7 +402,7 @@ class GCStrategy(DDPStrategy, SessionOwner):
 
     @property
     def engine_config(self) -> EngineConfig:
-        return self._engine_config
+        return self._config.engine
 
     def summary(self) -> GCSummary | None:
         """What compression did in this process so far (``None`` before the model is wrapped).
@@ -391,8 +412,8 @@ class GCStrategy(DDPStrategy, SessionOwner):
         """
         if self._engine is None:
             return None
-        return summarize(self._engine, self._compressor_name, self.skipped_steps, self._diloco, self._auto,
-                         osp=self._osp)
+        return summarize(self._engine, self._compressor_name, self.skipped_steps, self.diloco, self.auto,
+                         osp=self.osp)
 
     # ------------------------------------------------------------------ lifecycle
     @override
@@ -408,50 +429,25 @@ class GCStrategy(DDPStrategy, SessionOwner):
 
     @override
     def setup(self, trainer: Any) -> None:
-        if self._monitor:
+        from .callbacks.session_hooks import put_first
+
+        if self._config.monitor:
             from .callbacks.monitor import GCMonitor
 
             if not any(isinstance(cb, GCMonitor) for cb in trainer.callbacks):
                 trainer.callbacks.append(GCMonitor())
-        if self._sync == "osp":
-            from .callbacks.osp_drain import OSPDrain
-
-            if not any(isinstance(cb, OSPDrain) for cb in trainer.callbacks):
-                trainer.callbacks.insert(0, OSPDrain())  # before every callback that reads the model
-        if self._sync == "diloco":
-            self._check_diloco_callbacks(trainer)
-            from .callbacks.diloco_view import DiLoCoView
-
-            if not any(isinstance(cb, DiLoCoView) for cb in trainer.callbacks):
-                trainer.callbacks.insert(0, DiLoCoView())  # evaluation sees θ_outer, before every other callback
+        check_trainer_setup(self._config, trainer.callbacks)
+        put_first(trainer.callbacks)  # the session's evaluation view and end of training, before every callback
         super().setup(trainer)
-        if self._sync == "osp":
-            self._check_osp_setup(trainer)
-        if (self._engine is not None and self._sync != "diloco" and self._auto_config is None
-                and self._config.compression.error_feedback is None):
-            # the compressor's default knowing the optimizers; under DiLoCo the engine sends no gradients,
-            # and auto's candidates keep their own settings (docs/auto.md)
-            message = self._engine.adopt_error_feedback_default(self.optimizers)
-            if message:
-                rank_zero_info(message)
-        if self._engine is not None:  # the algorithm's own measured pitfalls with this setup
-            for message in self._engine.compressor.advice(self.optimizers, self._engine.error_feedback):
-                rank_zero_warn(message)
+        if self._config.sync == "osp":
+            self._check_osp_setup()
+        self._route_clipping()
+        if self._engine is not None:  # the error-feedback default and the algorithm's advice, knowing the optimizers
+            adopt_defaults(self._config, self._engine, self.optimizers)
 
-    @staticmethod
-    def _check_diloco_callbacks(trainer: Any) -> None:
-        from .adaptive.callback import AdaptiveRatio
-
-        if any(isinstance(cb, AdaptiveRatio) for cb in trainer.callbacks):
-            raise ValueError(
-                "GCStrategy(sync='diloco') with the AdaptiveRatio callback: inner steps send no gradients, so there "
-                "is no per-step compression ratio to adapt. Drop AdaptiveRatio, or use sync='bsp'."
-            )
-
-    def _check_osp_setup(self, trainer: Any) -> None:
+    def _check_osp_setup(self) -> None:
         for optimizer in self.optimizers:
             check_optimizer(optimizer)
-        self._route_osp_clipping()
         if isinstance(self.precision_plugin, MixedPrecision) and getattr(self.precision_plugin, "scaler", None):
             raise ValueError(
                 "GCStrategy(sync='osp') with fp16 mixed precision ('16-mixed'): torch's GradScaler decides on each "
@@ -466,116 +462,41 @@ class GCStrategy(DDPStrategy, SessionOwner):
                 "the correction runs around optimizer.step()). Use sync='bsp' with manual optimization."
             )
 
-    def _route_osp_clipping(self) -> None:
+    def _route_clipping(self) -> None:
         """Send every clipping of the gradients (``gradient_clip_val`` and ``configure_gradient_clipping``
-        overrides alike reach the precision plugin's ``clip_gradients``) through OSP, which clips by a
-        transform identical on every rank while part of the gradient is still local
-        (:meth:`~lightning_gc.sync.OSPSync.clip_gradients`)."""
+        overrides alike reach the precision plugin's ``clip_gradients``) through the session, whose
+        participants may clip otherwise (OSP clips by a transform identical on every rank while part of
+        the gradient is still local, :meth:`~lightning_gc.sync.OSPSync.clip_gradients`)."""
         plugin = self.precision_plugin
         clip_gradients = plugin.clip_gradients
+        if getattr(clip_gradients, "_lightning_gc_session", False):
+            return
 
-        def clip_through_osp(optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
+        def clip_through_session(optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
             def plain() -> None:
                 clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
-            if self._osp is None or not clip_val or clip_val <= 0:  # the plugin returns early for clip_val <= 0
+            if self._session is None or not clip_val or clip_val <= 0:  # the plugin returns early for clip_val <= 0
                 return plain()
             algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)
-            return self._osp.clip_gradients(optimizer, float(clip_val), str(algorithm), plain)
+            return self._session.clip_gradients(optimizer, float(clip_val), str(algorithm), plain)
 
-        plugin.clip_gradients = clip_through_osp  # type: ignore[method-assign]
-
-    def _casts_on_buckets(self, compressor: Any) -> bool:
-        """Whether the configured compressor is a plain 16-bit cast that the engine sends on DDP's
-        buckets (its dense mode, ``GCEngine.set_dense_mode``) instead of through the plan's groups.
-
-        fp16/bf16 without error feedback over the allreduce compute, element by element, what torch's
-        ``fp16_compress_hook``/``bf16_compress_hook`` compute (divide by N, cast, sum, widen). Through
-        the plan's groups they cost more: a group is sent only once every bucket it spans has arrived
-        (the default plan is one group, so nothing overlaps backward), and every compressed step closes
-        with a cross-rank report. Measured on the bench's ``mlp`` preset, 4 ranks at 1 Gbit/s: the
-        grouped path took 1.39-1.44x the torch hook's step in 3 rounds, on the buckets 1.01-1.03x in
-        2 (docs/compressors.md, "fp16, bf16"). Error feedback, another collective (a P2P ring or
-        tree), OSP, DiLoCo, OMGS and ``compressor="auto"`` keep the grouped path: they need the
-        groups."""
-        from .compressors.cast import CastCompressor
-
-        return (isinstance(compressor, CastCompressor) and self._engine is not None
-                and self._engine.world_size > 1 and not self._engine.error_feedback
-                and self._engine.exchange.name == "allreduce" and self._sync == "bsp"
-                and self._omgs_config is None and self._auto_config is None)
+        clip_through_session._lightning_gc_session = True  # type: ignore[attr-defined]
+        plugin.clip_gradients = clip_through_session  # type: ignore[method-assign]
 
     @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks only on CUDA; the engine must run on every device type.
         assert isinstance(self.model, DistributedDataParallel)
-        named = [(n, p) for n, p in self.model.module.named_parameters() if p.requires_grad]
-        compressor = get_entry(self._config.compression.compressor).compressor_cls(self._compressor_config)
-        self._engine = GCEngine(compressor, self._engine_config, named, process_group=self.model.process_group)
-        if self._casts_on_buckets(compressor):
-            self._engine.set_dense_mode(compressor.name)
-        if self._engine.world_size == 1:
-            rank_zero_warn(
-                "lightning_gc: world size is 1, so gradients are neither communicated nor compressed; "
-                "training proceeds as on a single device."
-            )
-        else:
-            rank_zero_info(
-                f"lightning_gc: compressor={self._compressor_name} collective={self._engine.exchange.name} "
-                f"plan={self._engine_config.plan} groups={len(self._engine.plan.groups)} "
-                f"warmup_steps={self._engine_config.warmup_steps} error_feedback={self._engine.error_feedback}"
-                + (f"; a plain {compressor.name} cast: sent on DDP's buckets as torch's 16-bit hook (dense mode "
-                   f"{compressor.name}, docs/compressors.md)" if self._engine.dense_mode is not None else "")
-            )
-        participants: list[StepParticipant] = []  # in calling order
-        if self._omgs_config is not None and self._engine.world_size > 1:
-            self._omgs = OMGSController(self._engine, self._omgs_config, self.model, named, self._engine_config.plan)
-            participants.append(self._omgs)
-        if self._auto_config is not None and self._engine.world_size > 1:
-            self._auto = AutoChooser(self._engine, self._auto_config, self.model, named)
-            participants.append(self._auto)
-        if self._sync == "osp":
-            self._osp = OSPSync(self._engine, self._osp_config)
-            participants.append(self._osp)
-        if self._sync == "diloco":
-            self._diloco = self._build_diloco()
-            participants.append(self._diloco)
         scaler = getattr(self.precision_plugin, "scaler", None) if isinstance(self.precision_plugin, MixedPrecision) else None
-        # with an AMP GradScaler the scaler skips non-finite steps itself
-        self._session = StepSession(self._engine, participants,
-                                    skip_nonfinite=self._nonfinite == "skip" and scaler is None)
-        if self._pending_state is not None:
-            self._apply_state(self._pending_state)
-            self._pending_state = None
-        self.model.register_comm_hook(self._session, gc_comm_hook)
-
-    def _build_diloco(self) -> DiLoCoSync:
-        assert isinstance(self.model, DistributedDataParallel) and self._engine is not None
-        # DDP.no_sync() for good: no bucket is handed to the hook, inner steps send nothing. DDP's
-        # own no_sync() context (Lightning's gradient accumulation) saves and restores this flag.
-        self.model.require_backward_grad_sync = False
-        compression = self._config.compression
-        compressor = None
-        if compression.compressor != "dense":
-            compressor = get_entry(compression.compressor).compressor_cls(compression.compressor_config())
-        diloco = DiLoCoSync(self._engine, self._config.diloco, compressor, collective=compression.collective,
-                            error_feedback=self._engine_config.error_feedback,
-                            buffers=list(self.model.module.named_buffers()))
-        cfg = self._config.diloco
-        rank_zero_info(
-            f"lightning_gc: sync=diloco inner_steps={cfg.inner_steps} fragments={cfg.fragments} "
-            f"overlap_steps={cfg.overlap_steps} mixing={cfg.mixing} outer={cfg.outer_optimizer}"
-            f"({cfg.resolved_args()}) delta={compression.compressor}"
-            + (f" collective={diloco.exchange.name} error_feedback={diloco.error_feedback}"
-               if diloco.exchange is not None else " (dense fp32 allreduce)")
-        )
-        return diloco
+        self._assembly = build_session(self._config, self.model, scaler=scaler, pending_state=self._pending_state)
+        self._engine, self._session, self._pending_state = self._assembly.engine, self._assembly.session, None
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)
-        if self._diloco is not None:  # Lightning restored rank 0's inner state everywhere; each rank has its own
-            self._diloco.restore_inner_optimizer(self.optimizers)
+        if self._session is not None:  # e.g. DiLoCo: Lightning restored rank 0's inner state everywhere
+            self._session.on_optimizer_state_loaded(self.optimizers)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -588,11 +509,10 @@ class GCStrategy(DDPStrategy, SessionOwner):
 
     @override
     def teardown(self) -> None:
-        if self._diloco is not None and not self._failed:
-            # close an unfinished DiLoCo round, so the trained model contains every inner step and is
-            # the same on every rank. Here, not in on_train_end: Lightning skips the training loop
-            # (and on_train_end) when a run resumed at its last step has nothing left to train.
-            self._diloco.finish()
+        if self._session is not None and not self._failed:
+            # what on_train_end would have done, if it did not run: Lightning skips the training loop (and
+            # on_train_end) when a run resumed at its last step has nothing left to train (DiLoCo's last round)
+            self._session.finish()
         # stop the exchange workers and release their process groups before DDP and the default
         # process group go away: an orderly exit instead of threads dying with the interpreter
         if self._session is not None:
@@ -601,37 +521,43 @@ class GCStrategy(DDPStrategy, SessionOwner):
 
     def drain(self, timeout: float | None = None) -> bool:
         """Finish the participants' work in flight (OSP's deferred exchange and its correction) so
-        that parameters are final; the strategy calls it before checkpoints, evaluation and at the
-        end of fit (:class:`~lightning_gc.callbacks.osp_drain.OSPDrain`)."""
+        that parameters are final; called before checkpoints, evaluation and at the end of fit
+        (:class:`~lightning_gc.callbacks.session_hooks.SessionHooks`)."""
         return self._session.drain(timeout) if self._session is not None else True
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # Lightning reads the model and optimizer state for a checkpoint before save_checkpoint
+        if self._session is None:
+            return super().lightning_module_state_dict()
         self.drain()
-        if self._diloco is not None and self._diloco.round_open:
-            # a checkpoint's weights are θ_outer (every rank's θ_local is in the lightning_gc entry)
-            with self._diloco.outer_view():
-                return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
-        return super().lightning_module_state_dict()
+        with self._session.evaluation_view() as swapped:  # DiLoCo: a checkpoint's weights are θ_outer
+            state = super().lightning_module_state_dict()
+            return {k: v.clone() for k, v in state.items()} if swapped else state
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._session is not None:
+            self._session.on_train_start()
 
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        if self._auto is not None:  # validation time is not a training step's (AutoChooser.pause_walls)
-            self._auto.pause_walls()
+        if self._session is not None:
+            self._session.on_validation_start()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self._auto is not None and batch_idx == 0:  # the epoch's end and start are in this step's wall
-            self._auto.mark_wall()
+        if self._session is not None:
+            self._session.on_train_batch_start(batch_idx)
 
     @override
     def on_validation_end(self) -> None:
         super().on_validation_end()
-        if self._auto is not None:
-            self._auto.resume_walls()
+        if self._session is not None:
+            self._session.on_validation_end()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -652,8 +578,8 @@ class GCStrategy(DDPStrategy, SessionOwner):
         if self._session is not None:
             checkpoint[CHECKPOINT_KEY] = self._gather_state()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if self._auto is not None:  # saved between steps: in the next step's wall (AutoChooser.mark_wall)
-            self._auto.mark_wall()
+        if self._session is not None:  # saved between steps (auto: in the next step's wall)
+            self._session.on_checkpoint_saved()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -672,12 +598,7 @@ class GCStrategy(DDPStrategy, SessionOwner):
 
     def _apply_state(self, state: dict[str, Any]) -> None:
         assert self._session is not None
-        missing = self._session.load_state_dict(state)
-        if missing:
-            rank_zero_warn(
-                f"lightning_gc: error memory for {len(missing)} parameter(s) was not in the checkpoint "
-                f"(e.g. {missing[:3]}); it starts at zero."
-            )
+        apply_state(self._session, state)
 
     # ------------------------------------------------------------------ registry
     @classmethod

@@ -401,7 +401,7 @@ def test_bench_method_option_adds_the_controller_and_recipe_builds_it(tmp_path, 
     cb, = build_callbacks(spec)
     assert cb.config.mode == "rollback" and cb.config.min_interval == 30
     strategy = build_strategy(spec)  # the controller's keys do not reach GCStrategy
-    assert strategy.compressor_name == "topk" and strategy._compressor_config.ratio == 0.01
+    assert strategy.compressor_name == "topk" and strategy.config.compression.compressor_config().ratio == 0.01
     assert build_callbacks(parse_methods("topk", default_ratio=0.01)[0]) == []
     with pytest.raises(MethodError, match=r"adaptive='shadow' needs a lightning_gc compressor that takes a ratio"):
         build_callbacks(parse_methods("qsgd:adaptive=shadow", default_ratio=0.01)[0])

@@ -451,9 +451,15 @@ def test_the_strategy_marks_an_epochs_first_step_and_a_checkpoint_for_the_one_st
     every rank alike; without ``auto`` nothing is called."""
     from lightning.pytorch.strategies import DDPStrategy
 
+    from lightning_gc.auto import AutoChooser
+    from lightning_gc.engine.session import StepSession
+
     calls = []
     strategy = GCStrategy(compressor="auto")
-    strategy._auto = type("Recorder", (), {"mark_wall": lambda self: calls.append("mark")})()
+    chooser = AutoChooser.__new__(AutoChooser)  # only its lifecycle methods run: no engine behind it
+    chooser.mark_wall = lambda: calls.append("mark")
+    strategy._session = StepSession(object(), [chooser])
+    strategy._gather_state = dict
     for batch_idx in (0, 1, 7, 0):
         strategy.on_train_batch_start(None, batch_idx)
     assert calls == ["mark", "mark"]

@@ -277,10 +277,10 @@ def test_diloco_with_omgs_is_refused():
 
 def test_diloco_with_the_adaptive_controller_is_refused():
     from lightning_gc.adaptive.callback import AdaptiveRatio
+    from lightning_gc.strategy import check_trainer_setup
 
-    trainer = SimpleNamespace(callbacks=[AdaptiveRatio()])
     with pytest.raises(ValueError, match=r"sync='diloco'\) with the AdaptiveRatio callback"):
-        GCStrategy._check_diloco_callbacks(trainer)
+        check_trainer_setup(GCStrategy(sync="diloco").config, [AdaptiveRatio()])
 
 
 def test_aliases_pick_the_delta_compressor():

@@ -111,7 +111,7 @@ def test_help_names_every_compressor_plan_sync_model_and_doc_page():
 def test_sync_models_read_from_the_signature_are_accepted():
     assert {"bsp", "osp"} <= set(sync_models())
     for sync in sync_models():
-        assert GCStrategy(sync=sync)._sync == sync
+        assert GCStrategy(sync=sync).config.sync == sync
     with pytest.raises(ValueError, match="sync="):
         GCStrategy(sync="nope")
 

@@ -60,7 +60,7 @@ def test_config_rejects_bad_values(kwargs, match):
 
 def test_strategy_alias_collectives():
     s = GCStrategy(compressor="gradiveq", compressor_args={"sample_steps": 5})
-    assert s._collective == "gradiveq_ring" and s._compressor_config.sample_steps == 5
+    assert s.config.engine.collective == "gradiveq_ring" and s.config.compression.compressor_config().sample_steps == 5
     from lightning.pytorch.strategies import StrategyRegistry
 
     assert StrategyRegistry["gc_gradiveq"]["init_params"]["compressor"] == "gradiveq"

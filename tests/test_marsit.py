@@ -74,7 +74,7 @@ def test_unknown_option_and_wrong_collective_are_refused():
 
 def test_strategy_and_alias_reach_marsit():
     s = GCStrategy(compressor="marsit", compressor_args={"full_precision_every": 0, "seed": 3})
-    assert s._collective == "marsit" and s._compressor_config == MarsitConfig(0, "l1", 3)
+    assert s.config.engine.collective == "marsit" and s.config.compression.compressor_config() == MarsitConfig(0, "l1", 3)
     from lightning.pytorch.strategies import StrategyRegistry
 
     assert StrategyRegistry["gc_marsit"]["init_params"]["compressor"] == "marsit"
@@ -393,9 +393,9 @@ def test_bench_spellings_build_marsit_and_its_cascading_foil():
 
     plain, foil = parse_methods("marsit:K=7,marsit:K=0:cascade=true", default_ratio=0.01)
     s = build_strategy(plain)
-    assert s._compressor_config.full_precision_every == 7 and s._collective == "marsit"
+    assert s.config.compression.compressor_config().full_precision_every == 7 and s.config.engine.collective == "marsit"
     f = build_strategy(foil)
-    assert f._compressor_config.full_precision_every == 0 and f._collective == "marsit_cascade"
+    assert f.config.compression.compressor_config().full_precision_every == 0 and f.config.engine.collective == "marsit_cascade"
     with pytest.raises(MethodError, match="cascade='yes please' must be true or false"):
         build_strategy(parse_methods("marsit:cascade=yes please", default_ratio=None)[0])
 

@@ -314,4 +314,4 @@ def test_strategy_surface():
     s2 = GCStrategy(plan="omgs_paper", warmup_steps=100)
     assert s2.engine_config.warmup_steps == 100
     s3 = GCStrategy(plan="layer")
-    assert s3._omgs_config is None
+    assert s3.config.omgs is None

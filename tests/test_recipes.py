@@ -36,7 +36,7 @@ def test_recipe_instantiates_its_strategy(recipe, tmp_path, monkeypatch):
     block = yaml.safe_load(recipe.read_text())["trainer"]["strategy"]["init_args"]
     assert strategy.compressor_name == block["compressor"]
     if "ratio" in block:
-        assert strategy._compressor_config.ratio == block["ratio"]
+        assert strategy.config.compression.compressor_config().ratio == block["ratio"]
     assert cli.trainer.num_devices == 2
 
 
@@ -55,7 +55,7 @@ def test_strategy_block_drops_into_a_user_config(tmp_path, monkeypatch):
     path.write_text(yaml.safe_dump(user))
     cli = LightningCLI(args=["--config", str(path)], run=False)
     assert cli.trainer.strategy.compressor_name == "qsgd"
-    assert cli.trainer.strategy._compressor_config.levels == 7
+    assert cli.trainer.strategy.config.compression.compressor_config().levels == 7
 
 
 @pytest.mark.slow

@@ -70,7 +70,7 @@ def test_yaml_booleans_still_arrive_as_booleans(tmp_path, monkeypatch):
     )
     s = LightningCLI(args=["--config", str(cfg)], run=False).trainer.strategy
     assert s.engine_config.error_feedback is False and s.engine_config.check_finite is False
-    assert s._compressor_config.unbiased is False
+    assert s.config.compression.compressor_config().unbiased is False
 
 
 # ---------------------------------------------------------------- 5. refusals describe the compressor

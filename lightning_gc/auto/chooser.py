@@ -1371,18 +1371,3 @@ class AutoChooser(StepParticipant):
         if self._recent_pending is not None:  # every rank issued it: wait, so no collective is left in flight
             self._recent_pending[1]()
             self._recent_pending = None
-
-    def decisions(self) -> list[dict]:
-        """Every decision in brief: step, trigger, the choice, its predicted step, the step measured
-        in the first window after it (``None`` until then) and the runner-up (end-of-fit summary)."""
-        out = []
-        for h in self.history:
-            ranked = sorted(h["predictions"].items(), key=lambda kv: kv[1]["time_per_progress_s"])
-            runner = ranked[1] if len(ranked) > 1 else None
-            out.append({"step": h["step"], "trigger": h["trigger"], "chosen": h["chosen"],
-                        "predicted_step_s": h["predictions"][h["chosen"]]["step_s"],
-                        "measured_step_s": h.get("measured_step_s"),
-                        "runner_up": runner[0] if runner else None,
-                        # ranked by a lower bound: its codec was not timed (time_codecs="on_demand")
-                        "runner_up_bound": bool(runner and runner[1].get("details", {}).get("lower_bound"))})
-        return out

@@ -27,8 +27,9 @@ A step, in order (identical on every rank)::
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -119,6 +120,47 @@ class StepParticipant:
 
     def close(self, timeout: float = 60.0) -> None:
         """Release threads, hooks and process groups (teardown)."""
+
+    # ------------------------------------------------------------------ training lifecycle
+    # Called by the front door (GCStrategy, its SessionHooks callback, GCFabricStrategy) on every rank
+    # at the same point; the session dispatches them in the participants' order.
+    def on_train_start(self) -> None:
+        """Training begins (after the optimizers are set up and a checkpoint restored)."""
+
+    def on_train_batch_start(self, batch_idx: int) -> None:
+        """A training batch begins (``batch_idx`` restarts at 0 with every epoch)."""
+
+    def on_validation_start(self) -> None:
+        """Evaluation begins between training steps (its time is not a training step's)."""
+
+    def on_validation_end(self) -> None:
+        """Evaluation ended (after the checkpoints written at its end)."""
+
+    def on_checkpoint_saved(self) -> None:
+        """A checkpoint was written between training steps."""
+
+    def on_train_end(self) -> None:
+        """Training ended; called before any user hook reads the trained model (on every rank).
+        What must hold for the model at the end of fit is made true here (DiLoCo's closing round)."""
+
+    def finish(self) -> None:
+        """The end of a run that trained without error, if :meth:`on_train_end` did not run (a run
+        resumed at its last step); a second call must change nothing."""
+
+    @contextlib.contextmanager
+    def evaluation_view(self) -> Iterator[bool]:
+        """Inside the block the module's parameters are the model every rank agrees on (for
+        evaluation and the weights of a checkpoint); yields whether they were swapped."""
+        yield False
+
+    def on_optimizer_state_loaded(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """The optimizers' state was restored from a checkpoint (rank 0's state, on every rank)."""
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, max_value: float, algorithm: str,
+                       plain: Callable[[], Any]) -> None:
+        """Clip this step's gradients (``algorithm`` ``"norm"`` or ``"value"``); ``plain()`` clips them
+        as without this participant (the next participant's clipping, or the precision plugin's)."""
+        plain()
 
 
 @dataclass
@@ -242,6 +284,60 @@ class StepSession:
             p.close(timeout)
         self.engine.close(timeout)
 
+    # ------------------------------------------------------------------ training lifecycle
+    def on_train_start(self) -> None:
+        for p in self.participants:
+            p.on_train_start()
+
+    def on_train_batch_start(self, batch_idx: int) -> None:
+        for p in self.participants:
+            p.on_train_batch_start(batch_idx)
+
+    def on_validation_start(self) -> None:
+        for p in self.participants:
+            p.on_validation_start()
+
+    def on_validation_end(self) -> None:
+        for p in self.participants:
+            p.on_validation_end()
+
+    def on_checkpoint_saved(self) -> None:
+        for p in self.participants:
+            p.on_checkpoint_saved()
+
+    def on_train_end(self) -> None:
+        """Work in flight finished first, then each participant's end of training."""
+        self.drain()
+        for p in self.participants:
+            p.on_train_end()
+
+    def finish(self) -> None:
+        """End of a run that trained without error (teardown): what :meth:`on_train_end` would do,
+        if it did not run; idempotent."""
+        self.drain()
+        for p in self.participants:
+            p.finish()
+
+    @contextlib.contextmanager
+    def evaluation_view(self) -> Iterator[bool]:
+        """Every participant's evaluation view, entered in order; yields whether any swapped parameters."""
+        with contextlib.ExitStack() as stack:
+            swapped = [stack.enter_context(p.evaluation_view()) for p in self.participants]
+            yield any(swapped)
+
+    def on_optimizer_state_loaded(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        for p in self.participants:
+            p.on_optimizer_state_loaded(optimizers)
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, max_value: float, algorithm: str,
+                       plain: Callable[[], Any]) -> None:
+        """Clip through every participant, the first one outermost; the innermost ``plain`` is the
+        precision plugin's clipping."""
+        clip = plain
+        for p in reversed(self.participants):
+            clip = _bind_clip(p, optimizer, max_value, algorithm, clip)
+        clip()
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """Every rank's state gathered (call on every rank): the engine's and the rank-scoped
@@ -317,6 +413,11 @@ class StepSession:
         self.engine.load_state_dict(copy.deepcopy(snap.engine_state), check_next=snap.check_pending)
         self.engine.restore_reporting_state(snap.engine_reporting)
         self.skipped_steps = snap.skipped_steps
+
+
+def _bind_clip(p: StepParticipant, optimizer: torch.optim.Optimizer, max_value: float, algorithm: str,
+               inner: Callable[[], Any]) -> Callable[[], Any]:
+    return lambda: p.clip_gradients(optimizer, max_value, algorithm, inner)
 
 
 def session_comm_hook(session: StepSession, bucket: dist.GradBucket) -> torch.futures.Future:

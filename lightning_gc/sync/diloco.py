@@ -288,6 +288,7 @@ class DiLoCoSync(StepParticipant):
             if config.overlap_steps > 0 and self.world_size > 1 else InlineRunner())
         self._optimizer: torch.optim.Optimizer | None = None
         self._pending_inner_state: dict | None = None
+        self._finished_at: int | None = None  # the inner step of the last closing round (finish)
 
     @property
     def memory(self) -> Tensor | None:
@@ -340,7 +341,11 @@ class DiLoCoSync(StepParticipant):
     def finish(self) -> None:
         """End of fit (every rank at the same step): apply what is in flight, then close every
         fragment that may differ from θ_outer with an outer step (mixing 0), so the ranks end
-        identical and the model contains every inner step."""
+        identical and the model contains every inner step. Idempotent: a second call at the same
+        inner step changes nothing (with mixing > 0 every fragment counts as differing)."""
+        if self._finished_at == self.inner_step:
+            return
+        self._finished_at = self.inner_step
         for p in sorted(self._pending):
             self._apply(p)
         for p in range(len(self.fragments)):
@@ -591,6 +596,22 @@ class DiLoCoSync(StepParticipant):
         optimizers[0].load_state_dict(self._pending_inner_state)
         self._optimizer = optimizers[0]
         self._pending_inner_state = None
+
+    # ------------------------------------------------------------------ lifecycle (StepSession)
+    def on_train_end(self) -> None:
+        """Close the last round before any user hook reads the trained model: every ``on_train_end``
+        (callbacks' and the module's) sees θ_outer, identical on every rank."""
+        self.finish()
+
+    @contextlib.contextmanager
+    def evaluation_view(self) -> Iterator[bool]:
+        """θ_outer for evaluation and a checkpoint's weights while a round is open (:meth:`outer_view`)."""
+        swapped = self.round_open
+        with self.outer_view():
+            yield swapped
+
+    def on_optimizer_state_loaded(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.restore_inner_optimizer(optimizers)
 
     def snapshot(self) -> Any:
         raise ValueError("GCStrategy(sync='diloco') cannot be explored by AdaptiveRatio(mode='rollback'): inner steps "
