@@ -41,6 +41,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("callbacks", ("lightning_gc.callbacks",)),
     # the typed config tree gathers every feature's config
     ("config", ("lightning_gc.config",)),
+    # the one assembly of engine, participants and session from a GCConfig, used by both front doors
+    ("assembly", ("lightning_gc.assembly",)),
     ("front doors", ("lightning_gc.strategy", "lightning_gc.fabric")),
     ("package", ("lightning_gc",)),  # lightning_gc/__init__.py: the public names
     # demo models and data the bench and recipes train (they import only Lightning)
