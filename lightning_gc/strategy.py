@@ -469,7 +469,7 @@ class GCStrategy(DDPStrategy, SessionOwner):
         the gradient is still local, :meth:`~lightning_gc.sync.OSPSync.clip_gradients`)."""
         plugin = self.precision_plugin
         clip_gradients = plugin.clip_gradients
-        if getattr(clip_gradients, "_lightning_gc_session", False):
+        if getattr(clip_gradients, "lightning_gc_session", False):
             return
 
         def clip_through_session(optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = "norm") -> None:
@@ -481,7 +481,7 @@ class GCStrategy(DDPStrategy, SessionOwner):
             algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)
             return self._session.clip_gradients(optimizer, float(clip_val), str(algorithm), plain)
 
-        clip_through_session._lightning_gc_session = True  # type: ignore[attr-defined]
+        clip_through_session.lightning_gc_session = True  # type: ignore[attr-defined]
         plugin.clip_gradients = clip_through_session  # type: ignore[method-assign]
 
     @override

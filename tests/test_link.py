@@ -307,9 +307,10 @@ def test_solve_beta_is_the_inversion_auto_uses():
     ddp = MethodCost("ddp", "bucket", 0.0)
     wl = Workload(0.01, (0.01, 0.01), (100_000, 50_000), 0.003, 0.0)
     for measured in (0.05, 0.2, 1.5):
-        want = beta_from_dense_step(measured, wl, ddp, 2e-4, 4, 64)
-        got = solve_beta(lambda net: predict(ddp, wl, net, 4).step_s, measured, 2e-4, 64)
-        assert got == want
+        beta = beta_from_dense_step(measured, wl, ddp, 2e-4, 4, 64)
+        # the oracle: the model's own DDP step at the solved link is the measured step
+        net = NetworkModel(max(2e-4 - 64 * beta, 0.0), beta)
+        assert predict(ddp, wl, net, 4).step_s == pytest.approx(measured, rel=1e-6)
 
 
 # --------------------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ from dataclasses import asdict, dataclass, field, fields
 from ..comm import cost_model
 from ..comm.cost_model import NetworkModel
 from ..comm.direct import allgather_seconds, allreduce_seconds
+from ..comm.link import solve_beta
 from ..engine.agreement import RiddenReport, StepReport
 
 #: candidates that run on DDP's own bucket path (the value: bytes per element on the wire)
@@ -427,28 +428,12 @@ def beta_from_dense_step(measured_step_s: float, workload: Workload, ddp_cost: M
     For a step that waited long on the network (``AutoConfig.dense_probe_s``): its several hundred
     kilobytes to megabytes per rank, sent while the step is timed anyway, measure the link better than
     a probe's shorter messages and cost nothing extra. Everything beyond compute is charged to the
-    link, so β comes out slightly high by the step's framework time (~20 ms of the quickstart MLP's
-    0.23 s DDP step at 20 Mbit/s); per-method calibration corrects what that leaves. Bisection on
-    ``log β`` over ``[1e-13, 1e-3]`` s/byte (80 Tbit/s to 8 kbit/s); the prediction does not decrease
-    with β."""
+    link, so β comes out slightly high by the step's framework time; per-method calibration corrects
+    what that leaves. Solved by :func:`lightning_gc.comm.link.solve_beta` (the prediction does not
+    decrease with β)."""
     base = Workload(workload.forward_s, workload.backward_s, workload.numels, workload.optimizer_s, 0.0)
-
-    def step(beta: float) -> float:
-        alpha = max(latency_s - latency_bytes * beta, 0.0)
-        return predict(ddp_cost, base, NetworkModel(alpha, beta), world_size, **bucket_kw).step_s
-
-    lo, hi, measured = math.log(1e-13), math.log(1e-3), float(measured_step_s)
-    if step(math.exp(lo)) >= measured:
-        return None
-    if step(math.exp(hi)) <= measured:
-        return math.exp(hi)
-    for _ in range(100):
-        mid = 0.5 * (lo + hi)
-        if step(math.exp(mid)) > measured:
-            hi = mid
-        else:
-            lo = mid
-    return math.exp(0.5 * (lo + hi))
+    return solve_beta(lambda net: predict(ddp_cost, base, net, world_size, **bucket_kw).step_s,
+                      measured_step_s, latency_s, latency_bytes)
 
 
 def calibrate_other(measured_step_s: float, workload: Workload, ddp_cost: MethodCost, network: NetworkModel,

@@ -301,8 +301,8 @@ def solve_beta(step_s: Callable[[NetworkModel], float], measured_s: float, laten
     are solved together. ``step_s`` must not decrease with β (more time per byte never shortens a
     step). Bisection on ``log β`` over ``[1e-13, 1e-3]`` s/byte (80 Tbit/s to 8 kbit/s), 100 rounds.
 
-    This is the inversion behind ``lightning_gc.auto.model.beta_from_dense_step``, whose model of a
-    dense step is auto's: a step that waited long on the network measures the link with its own
+    ``lightning_gc.auto.model.beta_from_dense_step`` solves with it, its model of a dense step being
+    auto's: a step that waited long on the network measures the link with its own
     bytes, at no extra cost. Everything beyond compute is charged to the link, so β comes out slightly
     high by the step's framework time."""
 
