@@ -5,7 +5,9 @@
   :class:`~lightning_gc.auto.model.Workload`;
 * :func:`group_sample`: the compressed group's local gradient as the engine flattens it;
 * :func:`measure_costs`: every candidate's codec cost, payload and error on that sample, agreed;
-* :func:`check_agreed`: a decision's inputs compared across ranks.
+* :func:`remeasure_errors`: the candidates' errors again, only those that could still win;
+* :func:`early_figures`: whether a skipped warm-up step waited mostly on the network;
+* :func:`check_agreed` / :func:`decision_figures`: a decision's inputs compared across ranks.
 
 Every figure a decision uses is agreed across ranks (MAX of times, MEAN of errors) before the policy
 (:mod:`lightning_gc.auto.policy`) sees it, so every rank takes the same branch. A figure that is not
@@ -18,16 +20,18 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..comm.cost_model import NetworkModel
 from ..compressors import GroupContext
 from ..engine.agreement import agree_values
 from ..engine.ports import EngineView
-from .candidates import AutoCandidate, measure_method, squared_norm
-from .model import MethodCost, Workload
+from .candidates import AutoCandidate, measure_error, measure_method, squared_norm
+from .model import MethodCost, Workload, efficiency
 
 
 def profile_entry(stamps: Mapping[int, float], t_start: float, t_fwd: float, t_closure_end: float, t_end: float,
@@ -101,6 +105,61 @@ def measure_costs(candidates: Sequence[AutoCandidate], sample: tuple[Tensor, Gro
     return [MethodCost(m.name, m.wire, agreed[2 * k], agreed[2 * k + 1], errors[k], m.error_feedback,
                        m.sparse_ratio, m.value_bytes, m.exact_bytes, codec_timed=m.codec_timed)
             for k, m in enumerate(local)]
+
+
+def early_figures(stamps: Mapping[int, float], complete: bool, t_start: float, t_closure_end: float,
+                  t_end: float) -> list[float]:
+    """A skipped dense step's exposed communication (the closure's end after the last gradient was ready:
+    DDP's wait for its buckets), the rest of the step, and 1.0 where a gradient's time is missing (an
+    unused parameter): agree them (MAX) and compare with ``early_comm_ratio``."""
+    last_ready = max(stamps.values()) if complete and stamps else None
+    exposed = max(t_closure_end - last_ready, 0.0) if last_ready is not None else 0.0
+    return [exposed, max((t_end - t_start) - exposed, 0.0), 0.0 if last_ready is not None else 1.0]
+
+
+def remeasure_errors(candidates: Sequence[AutoCandidate], costs: Sequence[MethodCost], step_s: Sequence[float],
+                     running: str | None, sample: tuple[Tensor, GroupContext, float], world_size: int,
+                     progress_weight: float, what: str, group: object,
+                     device: torch.device | None) -> tuple[dict[int, float], float]:
+    """The candidates' errors on ``sample`` again (agreed MEAN), branch and bound: the running method
+    first, then every candidate whose predicted step (``step_s``, where the error does not enter) is at
+    most the least time per unit of progress among those measured; one above it loses whatever its
+    error. Returns (candidate index -> error, the bound). Each error is CPU on the step's critical path,
+    so the bound spares most of them where one method leads clearly. Every rank measures the same
+    candidates: the bound is computed from agreed values, checked (:func:`check_agreed`)."""
+    flat, ctx, _ = sample
+    norm2 = squared_norm(flat)  # once for every candidate's error
+    names = [c.name for c in costs]
+    errors: dict[int, float] = {}
+
+    def measure(ks: list[int]) -> None:
+        vals = agree_values([measure_error(candidates[k], flat, ctx, norm2=norm2) for k in ks], "mean", group, device)
+        errors.update(zip(ks, vals))
+        check_agreed([(f"delta2[{names[k]}]", errors[k]) for k in ks], what, group, device)
+
+    measure([names.index(running) if running in names else min(range(len(names)), key=step_s.__getitem__)])
+    bound = min(step_s[k] / efficiency(replace(costs[k], delta2=d2), world_size, progress_weight)
+                for k, d2 in errors.items())
+    rest = [k for k in range(len(names)) if k not in errors and step_s[k] <= bound]
+    if rest:
+        measure(rest)
+    return errors, bound
+
+
+def decision_figures(costs: Sequence[MethodCost], workload: Workload, network: NetworkModel, shift_s: float,
+                     explore_left: int, valid: Mapping[str, float], walls: Sequence[float | None]) -> list[tuple[str, float]]:
+    """Every figure a decision feeds the policy, named (for :func:`check_agreed`)."""
+    named: list[tuple[str, float]] = []
+    for c in costs:
+        named += [(f"codec_s[{c.name}]", c.codec_s), (f"payload_bytes[{c.name}]", c.payload_bytes),
+                  (f"delta2[{c.name}]", c.delta2), (f"codec_timed[{c.name}]", float(c.codec_timed))]
+    w = workload
+    named += [("network.alpha_s", network.alpha_s), ("network.beta_s_per_byte", network.beta_s_per_byte),
+              ("workload.forward_s", w.forward_s), ("workload.backward_s", sum(w.backward_s)),
+              ("workload.optimizer_s", w.optimizer_s), ("workload.other_s", w.other_s), ("shift_s", shift_s),
+              ("explore_left", float(explore_left))]
+    named += [(f"correction[{k}]", v) for k, v in sorted(valid.items())]
+    return named + [(f"wall_s[{i}]", v) for i, v in enumerate(walls) if v is not None]
 
 
 class InputsDisagree(RuntimeError):

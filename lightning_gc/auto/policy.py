@@ -23,6 +23,7 @@ The rules, each a small function:
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -306,3 +307,54 @@ def sentence(decision: Decision, network: NetworkModel, dense: Collection[str]) 
     runner = others[0]
     return (f"kept {best}: predicted {_num(1e3 * me.time_per_progress_s)} ms per unit of progress against "
             f"{_num(1e3 * runner.time_per_progress_s)} ms for {runner.name} on {link}{held}")
+
+
+#: the fewest windows (the reference one included) whose median replaces the running method's figure at a
+#: gain or periodic re-decision (:func:`running_correction`)
+RUN_FIGURE_MIN_WINDOWS = 3
+
+
+def in_trial(history: Sequence[Mapping], chosen: str | None, valid: Collection[str]) -> bool:
+    """Whether the running method is on trial, its window not measured yet: a dense sibling's one window,
+    a method a calibration installed that has no correction on this link, or a method a re-decision
+    switched to on an older figure (:func:`switched_on_an_older_figure`)."""
+    if not history:
+        return False
+    trigger = history[-1]["trigger"]
+    return (trigger == Trigger.FAMILY or (trigger == Trigger.CALIBRATION and chosen not in valid)
+            or switched_on_an_older_figure(history[-1]))
+
+
+def calibration_next(chosen: str, raw_s: float, measured_s: float, was_valid: bool, history: Sequence[Mapping],
+                     predictions: Mapping[str, Prediction], valid: Collection[str], dense: Sequence[str],
+                     family_margin: float) -> tuple[Trigger, str | None] | None:
+    """What follows a reference window that set ``chosen``'s correction (``measured_s - raw_s``): the
+    decision to make now, as (trigger, forced sibling), or None. A sibling's trial ends in a
+    calibration among the measured methods; a dense mode's first window may start a sibling's trial
+    (:func:`dense_sibling`); a method without a valid correction before, or one switched to on an older
+    figure, is decided on again at once (no probe)."""
+    last = history[-1]
+    if last["trigger"] == Trigger.FAMILY:
+        return Trigger.CALIBRATION, None
+    sibling = dense_sibling(chosen, measured_s - raw_s, measured_s, dense, predictions, valid, windowed(history),
+                            last, family_margin)
+    if sibling is not None:
+        return Trigger.FAMILY, sibling
+    if not was_valid or switched_on_an_older_figure(last):
+        return Trigger.CALIBRATION, None
+    return None
+
+
+def running_correction(trigger: Trigger, source: str, chosen: str | None, corrections: Collection[str],
+                       run_medians: Sequence[float], history: Sequence[Mapping],
+                       predictions: Mapping[str, Prediction]) -> tuple[float, float] | None:
+    """At a gain or periodic re-decision on the link the running method was measured on, its figure is the
+    median of its windows since the reference (at least :data:`RUN_FIGURE_MIN_WINDOWS`), not the
+    reference window alone (one short window on a busy host is off by 10-20 % often enough to decide):
+    returns (that median, the correction it gives), or None when not used."""
+    if (trigger not in (Trigger.GAIN, Trigger.PERIODIC) or source not in ("check", "kept", "pinned")
+            or chosen is None or chosen not in corrections or len(run_medians) < RUN_FIGURE_MIN_WINDOWS
+            or not history or chosen not in predictions):
+        return None
+    figure = statistics.median(run_medians)
+    return figure, figure - (predictions[chosen].step_s - overhead_in(history[-1], chosen))
