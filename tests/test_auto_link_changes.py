@@ -62,16 +62,16 @@ class CanaryAt(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         from lightning_gc.comm.cost_model import NetworkModel
-        from lightning_gc.engine.dense_stop import LinkCanary
+        from lightning_gc.auto.canary import LinkCanary
 
         auto, engine = trainer.strategy.auto, trainer.strategy.engine
         if trainer.global_step == self.step:
             assert auto.canary is not None and engine.dense_mode is not None
-            auto.canary = engine._canary = LinkCanary(nbytes=256, factor=1.0, margin_s=0.0)
+            auto.canary = LinkCanary(nbytes=256, factor=1.0, margin_s=0.0)
             engine.tracker.state.model = NetworkModel(0.0, 0.0)
             self.before = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
         elif trainer.global_step == self.step + 1:
-            auto.canary = engine._canary = auto.config.canary()
+            auto.canary = auto.config.canary()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step + 1:  # step `step` has just run its optimizer step

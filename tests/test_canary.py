@@ -1,4 +1,4 @@
-"""The link canary (lightning_gc/engine/dense_stop.py) on spawned gloo ranks, and its rule.
+"""The link canary (lightning_gc/auto/canary.py) on spawned gloo ranks, and its rule.
 
 Oracles written by hand: the mean of the values the ranks carried; a verdict from the *fastest*
 rank's time (ranks that waited for a late one do not make a fall); a "fell" timed a second time; the
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from dist_harness import run_distributed
 
 from lightning_gc.comm.cost_model import NetworkModel
-from lightning_gc.engine.dense_stop import LinkCanary, sing
+from lightning_gc.auto.canary import LinkCanary, sing
 
 
 def _skewed(rank: int, ws: int) -> dict:
@@ -60,13 +60,13 @@ def test_a_fall_stands_only_if_the_second_message_says_so_too(monkeypatch):
     """sing with its exchange scripted (one process): a first message that says "fell" is timed once
     more; a second that says nothing overturns it; a second that says "fell" too gives the verdict,
     with the second message's time (the first one's spent a shaper's burst)."""
-    from lightning_gc.engine import dense_stop
+    from lightning_gc.auto import canary as canary_module
 
     canary = LinkCanary(nbytes=1000, factor=4.0, margin_s=0.02)
     net = NetworkModel(1e-3, 1e-6)  # 4 ms for the message on 4 ranks
     for times, want in (([0.5, 0.003], (False, 0.003, 2)), ([0.5, 0.3], (True, 0.3, 2)), ([0.003], (False, 0.003, 1))):
         script = list(times)
-        monkeypatch.setattr(dense_stop, "_timed", lambda *a, _s=script: (_s.pop(0), 7.0))
+        monkeypatch.setattr(canary_module, "_timed", lambda *a, _s=script: (_s.pop(0), 7.0))
         res = sing(canary, 7.0, net, None, 4, torch.device("cpu"))
         assert (res.fell, res.fastest_s, res.messages) == want and res.carried == 7.0 and not script, (times, res)
 

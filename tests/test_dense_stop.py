@@ -1,4 +1,5 @@
-"""A dense step that stops on the link canary (lightning_gc/engine/dense_stop.py), on spawned gloo ranks.
+"""A dense step that stops on the link canary (lightning_gc/engine/dense_stop.py, run by
+``GCEngine.run_before_step``; lightning_gc/auto/canary.py), on spawned gloo ranks.
 
 Oracles, from every rank's own gradients gathered by ``all_gather`` (never through the engine):
 
@@ -23,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lightning_gc.comm.cost_model import NetworkModel
 from lightning_gc.compressors import build_compressor
 from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
-from lightning_gc.engine.dense_stop import LinkCanary
+from lightning_gc.auto.canary import LinkCanary, canary_job
 
 NEVER = LinkCanary(nbytes=64, factor=1e9, margin_s=1e3)
 ALWAYS = LinkCanary(nbytes=64, factor=1.0, margin_s=0.0)  # against a model that predicts 0 s
@@ -75,12 +76,13 @@ def _run(rank: int, ws: int) -> dict:
     ddp.register_comm_hook(engine, gc_comm_hook)
     engine.adopt_network(NetworkModel(0.0, 0.0))
     engine.set_dense_mode("fp16")
-    engine.enable_canary(NEVER)
+    canary = [NEVER]  # the canary sung before each step (the test swaps it)
     exact = [p.numel() < 64 for p in model.parameters()]
     out: dict = {"go_on": [], "stop": {}, "flush": [], "poison": {}, "carried": []}
 
     def step(s: int, poison: bool = False) -> list[torch.Tensor]:
-        engine.sing_canary(0.1 * (rank + 1) + s)
+        engine.run_before_step(canary_job(canary[0], 0.1 * (rank + 1) + s, engine.network.model, engine.exchange_group,
+                                          ws, engine.device))
         _grads(ddp, rank, s, poison)
         engine.before_optimizer_step()
         engine.after_optimizer_step()  # no optimizer: the weights stay, so the twin's gradients match
@@ -96,7 +98,7 @@ def _run(rank: int, ws: int) -> dict:
                              "check_s": engine.last_step.dense_check_s,
                              "check_bytes": engine.last_step.dense_check_bytes,
                              "bytes_sent": engine.last_step.bytes_sent})
-    engine.enable_canary(ALWAYS)
+    canary[0] = ALWAYS
     got = step(3)
     own = _local(twin, rank, 3)
     want = _mean(own, ws)
@@ -109,7 +111,7 @@ def _run(rank: int, ws: int) -> dict:
         "memory_worst": max(_rel(mem[n].view_as(o), o) for n, o, e in zip(names, own, exact) if not e),
         "memory_names": sorted(mem), "flush_pending": engine.dense_flush_pending,
     }
-    engine.enable_canary(NEVER)
+    canary[0] = NEVER
     got = step(4)  # goes on, and sends the memory with it
     nxt = _local(twin, rank, 4)
     withmem = [g + (o if not e else 0) for g, o, e in zip(nxt, own, exact)]
@@ -117,7 +119,7 @@ def _run(rank: int, ws: int) -> dict:
     out["flush"] = {"worst": max(_rel(a, b) for a, b in zip(got, want)), "memory_after": sorted(engine.error_memory_by_name()),
                     "flush_pending": engine.dense_flush_pending}
     # a stopped step whose deferred gradient is non-finite on one rank: non-finite everywhere, no memory kept
-    engine.enable_canary(ALWAYS)
+    canary[0] = ALWAYS
     got = step(5, poison=rank == ws - 1)
     out["poison"] = {"stopped": engine.last_step.dense_stopped, "nonfinite": engine.last_step.nonfinite,
                      "memory": sorted(engine.error_memory_by_name()),

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .._validation import check_int, check_number
-from ..engine.dense_stop import LinkCanary
+from .canary import LinkCanary
 from .candidates import DEFAULT_CANDIDATES, candidate
 from .model import DEFAULT_PROGRESS_WEIGHT
 
@@ -174,7 +174,7 @@ class AutoConfig:
     canary_bytes: int = _opt("canary", 0)
     """Off (0) by default. With e.g. 65536, before each step a dense mode runs the engine sends this
     many bytes from every rank to every other rank, timed; on a fallen link the step stops (its
-    gradient kept as error memory) and auto re-decides at its end (lightning_gc/engine/dense_stop.py).
+    gradient kept as error memory) and auto re-decides at its end (lightning_gc/auto/canary.py).
     For links known to fall to a small fraction of their rate; it costs a few milliseconds of every
     dense step. Must exceed the link's burst allowance divided by ``N-1`` or a fall does not show.
     Only on 2-8 ranks off NCCL, with a plan that sends every parameter every step, and with a network
@@ -276,7 +276,7 @@ class AutoConfig:
             raise ValueError(f"auto_{e}") from None
 
     def canary(self) -> LinkCanary | None:
-        """The :class:`~lightning_gc.engine.dense_stop.LinkCanary` of these options (None: off)."""
+        """The :class:`~lightning_gc.auto.canary.LinkCanary` of these options (None: off)."""
         if not self.canary_bytes:
             return None
         return LinkCanary(self.canary_bytes, self.canary_factor, self.canary_margin_s)

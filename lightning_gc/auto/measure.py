@@ -7,7 +7,8 @@
 * :func:`measure_costs`: every candidate's codec cost, payload and error on that sample, agreed;
 * :func:`remeasure_errors`: the candidates' errors again, only those that could still win;
 * :func:`early_figures`: whether a skipped warm-up step waited mostly on the network;
-* :func:`check_agreed` / :func:`decision_figures`: a decision's inputs compared across ranks.
+* :func:`check_agreed` / :func:`decision_figures`: a decision's inputs compared across ranks;
+* :class:`GradientTap`: the autograd hooks that time backward and copy a sampled step's gradients.
 
 Every figure a decision uses is agreed across ranks (MAX of times, MEAN of errors) before the policy
 (:mod:`lightning_gc.auto.policy`) sees it, so every rank takes the same branch. A figure that is not
@@ -19,8 +20,10 @@ that into a clear error on every rank, naming each rank's value.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -192,3 +195,60 @@ def check_agreed(named: Sequence[tuple[str, float]], what: str, group: object = 
         f"lightning_gc auto: the inputs of {what} differ across ranks, so the ranks would choose differently and "
         f"then deadlock: {detail}{more}. Every figure a decision uses must be agreed across ranks (MAX or MEAN) "
         "before the decision; a value measured on one rank only reached it. Please report this with the lines above.")
+
+
+class GradientTap:
+    """auto's autograd hooks: each gradient's readiness in backward (into ``walls.stamps``, for the
+    warm-up's profile) and a copy of this rank's own gradients on a sampled step. A post-accumulate-grad
+    hook runs before DDP's reducer or the engine touches the gradient, so the copy is this rank's; under
+    gradient accumulation the last micro-batch's copy holds the full sum."""
+
+    def __init__(self, params: Sequence[Tensor], walls: Any) -> None:
+        self.params, self.walls = list(params), walls
+        self.sample: dict[int, Tensor] | None = None  # parameter index -> copy; None: no step sampled
+        self._timing: list[Any] = []
+        self._sampling: list[Any] = []
+
+    def start(self, module: torch.nn.Module) -> None:
+        """Time the warm-up's steps and sample their gradients (the last profiled step's are measured)."""
+        self.sample = {}
+        self._timing = [p.register_post_accumulate_grad_hook(self._stamp(i)) for i, p in enumerate(self.params)]
+        self._timing.append(module.register_forward_hook(self._on_forward))
+
+    def _stamp(self, i: int) -> Callable[[Tensor], None]:
+        def hook(param: Tensor) -> None:
+            self.walls.stamps[i] = time.perf_counter()  # before the copy: the copy is not backward's time
+            self._keep(i, param)
+        return hook
+
+    def _on_forward(self, *_: Any) -> None:
+        self.walls.t_fwd = time.perf_counter()
+
+    def _keep(self, i: int, param: Tensor) -> None:
+        if self.sample is not None and param.grad is not None:
+            self.sample[i] = param.grad.detach().clone()
+
+    def stop_timing(self) -> None:
+        for h in self._timing:
+            h.remove()
+        self._timing = []
+
+    @property
+    def armed(self) -> bool:
+        """Whether the next (or this) step's gradients are sampled (:meth:`arm`)."""
+        return bool(self._sampling)
+
+    def arm(self) -> None:
+        """Copy the next step's local gradients (the errors' re-measurement, ``gain_every``)."""
+        self.disarm()
+        self.sample = {}
+        self._sampling = [p.register_post_accumulate_grad_hook(lambda param, i=i: self._keep(i, param))
+                          for i, p in enumerate(self.params)]
+
+    def disarm(self) -> dict[int, Tensor] | None:
+        """Stop sampling; returns what was sampled."""
+        sample, self.sample = self.sample, None
+        for h in self._sampling:
+            h.remove()
+        self._sampling = []
+        return sample

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..comm.cost_model import NetworkModel
 from .model import MethodCost, Prediction, Workload
 
 VERSION = 2
+
+
+def state_attr(name: str, doc: str | None = None) -> Any:
+    """A property that reads and writes ``self.state.<name>`` (the participant's public view of its state)."""
+    return property(lambda self: getattr(self.state, name), lambda self, v: setattr(self.state, name, v), doc=doc)
 
 
 @dataclass

@@ -67,7 +67,7 @@ from ..plans import Plan, build_plan
 from . import checkpoint
 from .agreement import RIDER_MAX_RANKS, RiddenReport, StepReport, agree, check_descriptor, descriptor_hash
 from .config import EngineConfig
-from .dense_stop import LinkCanary, defer_bucket, sing
+from .dense_stop import StopVerdict, defer_bucket
 from .memory import ErrorMemory
 from .network import NetworkTracker
 from .readiness import Readiness, new_future
@@ -104,13 +104,13 @@ class _StepWork:
     dense_pending: int = 0
     dense_dtype: torch.dtype | None = None  # dense mode "fp16"/"bf16": the buckets travel in 16 bits
     steady: bool = False  # a dense step of a dense-only run past warm-up: no opening check
-    inline: bool = False  # the step's jobs run on the hook's thread (steady, and no canary before it)
-    # GCEngine.sing_canary before this step (engine/dense_stop.py): its verdict (set on the runner, before
+    inline: bool = False  # the step's jobs run on the hook's thread (steady, and no job before it)
+    # GCEngine.run_before_step before this step (engine/dense_stop.py): its verdict (set on the runner, before
     # this step's first job), whether this step can stop on it, whether a job has read it; from then on
     # whether the step stopped, and the compressed groups' deferred gradients
-    canary: list | None = None  # [CanaryResult] or [the exception it raised]
+    pre_step: list | None = None  # [StopVerdict] or [the exception the job raised]
     can_stop: bool = False
-    canary_read: bool = False
+    pre_step_read: bool = False
     stopped: bool = False
     deferred: dict[int, Tensor] = field(default_factory=dict)
     carried_flush: bool = False  # this dense step added the error memory to its buckets
@@ -190,8 +190,7 @@ class GCEngine:
         self._dense_flush = False  # error memory awaits its flush into the next dense step's buckets
         self._carried_wall: float | None = None  # GCEngine.carry_wall: for the next step's closing report
         self._dense_carry = False  # enable_dense_carry: dense steps carry it in their first bucket
-        self._canary: LinkCanary | None = None  # enable_canary: a dense mode's steps can stop on it
-        self._canary_sung: list | None = None  # sing_canary's verdict box, for the next step
+        self._pre_step: list | None = None  # run_before_step's verdict box, for the next step
         self._layout: tuple[Plan, dict[int, tuple[int | None, int]]] | None = None  # (plan, pid -> (gid, offset))
         self._pid_of = {id(p): i for i, p in enumerate(self.params)}
         self.all_exact = all(g.exact for g in self.plan.groups)
@@ -332,41 +331,30 @@ class GCEngine:
         bucket) on the fp32 path, against a latency-bound collective per step."""
         self._dense_carry = True
 
-    def enable_canary(self, canary: LinkCanary) -> None:
-        """Allow :meth:`sing_canary` (lightning_gc/engine/dense_stop.py): a dense mode's step after a
-        canary that saw the link fall stops. Only on a group that takes the direct exchange (2-8
-        ranks, off NCCL) and with a plan that sends every parameter every step. Call it on every rank
-        alike, before training."""
+    def run_before_step(self, job: Callable[[], StopVerdict]) -> None:
+        """Run ``job`` before the next step on the engine's ordered worker (it overlaps the step's forward
+        and backward; the step's gradient buckets wait behind it). Its :class:`StopVerdict` stops that
+        step if it is a dense mode's (``StepStats.dense_stopped``; engine/dense_stop.py) and may carry a
+        value averaged over the ranks (``carried_wall_mean_s``). A collective: between steps, on every
+        rank alike. Only on a group that takes the direct exchange (2-8 ranks, off NCCL) and with a plan
+        that sends every parameter every step (a stopped step's exact group goes by a direct allreduce)."""
         from ..comm.direct import DIRECT_MAX_RANKS, backend_allows
         if not (1 < self.world_size <= DIRECT_MAX_RANKS and backend_allows(self.exchange_group)):
-            raise ValueError(f"enable_canary needs a process group of 2 to {DIRECT_MAX_RANKS} ranks on a backend other "
-                             f"than NCCL (it goes by the direct exchange, lightning_gc/comm/direct.py); this one has "
-                             f"{self.world_size} ranks.")
+            raise ValueError(f"run_before_step needs a process group of 2 to {DIRECT_MAX_RANKS} ranks on a backend "
+                             f"other than NCCL (a stopped step goes by the direct exchange, lightning_gc/comm/direct.py); "
+                             f"this one has {self.world_size} ranks.")
         if not self.plan_sends_every_param:
-            raise ValueError("enable_canary needs a plan that sends every parameter every step (not OSP).")
-        self._canary = canary
-
-    def sing_canary(self, carry: float) -> None:
-        """Time the link before the next step, on the engine's worker (it overlaps the step's forward
-        and backward; the step's gradient buckets wait behind it): :func:`dense_stop.sing`, carrying
-        ``carry`` (this rank's figure; NaN for none), whose mean over the ranks becomes the next
-        step's ``carried_wall_mean_s``, and whose verdict stops that step if it is a dense mode's
-        (``StepStats.dense_stopped``). Between steps, on every rank alike (a collective); after
-        :meth:`enable_canary`."""
-        canary = self._canary
-        if canary is None:
-            raise RuntimeError("sing_canary before enable_canary: call enable_canary(LinkCanary(...)) first.")
+            raise ValueError("run_before_step needs a plan that sends every parameter every step (not OSP).")
         self.synchronize()
-        box: list = []  # the verdict, or the exception the exchange raised (re-raised by the step's first job)
-        self._canary_sung = box
-        model = self.tracker.state.model
+        box: list = []  # the verdict, or the exception the job raised (re-raised by the step's first job)
+        self._pre_step = box
 
-        def job() -> None:
+        def run() -> None:
             try:
-                box.append(sing(canary, carry, model, self.exchange_group, self.world_size, self.device))
-            except BaseException as e:  # noqa: BLE001 - the step's jobs fail with it (_read_canary)
+                box.append(job())
+            except BaseException as e:  # noqa: BLE001 - the step's jobs fail with it (_read_pre_step)
                 box.append(e)
-        self._runner.submit(job)
+        self._runner.submit(run)
 
     def shorten_warmup_steps(self, steps: int) -> None:
         """Make the dense warm-up ``steps`` optimizer steps if it is longer (never lengthens it; at
@@ -770,12 +758,12 @@ class GCEngine:
         # alone did not close the gap to DDP; GCMonitor's per-step logging was most of it.)
         work.steady = (dense and self.world_size > 1 and self.step >= self.config.warmup_steps
                        and (self.all_exact or self.dense_mode is not None) and self.plan_sends_every_param)
-        # after a canary (sing_canary) the step's jobs queue on the runner behind it, so the first bucket sent
-        # knows its verdict; a dense mode's step stops on "fell"
-        work.canary, self._canary_sung = self._canary_sung, None
-        work.can_stop = (work.canary is not None and work.steady and self.dense_mode is not None
+        # after a job (run_before_step) the step's jobs queue on the runner behind it, so the first bucket sent
+        # knows its verdict; a dense mode's step stops on it
+        work.pre_step, self._pre_step = self._pre_step, None
+        work.can_stop = (work.pre_step is not None and work.steady and self.dense_mode is not None
                          and not self.all_exact)
-        work.inline = work.steady and work.canary is None
+        work.inline = work.steady and work.pre_step is None
         if not dense and self.world_size > 1:
             work.rider = self._rider()
         self._work = work
@@ -893,7 +881,7 @@ class GCEngine:
         ``carry``: one more element sent after the bucket's (:meth:`enable_dense_carry`); its mean over
         the ranks becomes the step's ``carried_wall_mean_s`` (None if some rank sent NaN).
         ``layout``: (gradient view, compressed group id or None for the exact group, offset in the
-        group) of the bucket's parameters, on a step that can stop (:meth:`sing_canary`)."""
+        group) of the bucket's parameters, on a step that can stop (:meth:`run_before_step`)."""
         if ready_event is not None:
             torch.cuda.current_stream().wait_event(ready_event)
         t0 = time.perf_counter()
@@ -902,8 +890,8 @@ class GCEngine:
             return
         for grad, mem in flush or ():
             grad.view(-1).add_(mem.to(grad.dtype))
-        self._read_canary(work)
-        if work.stopped:  # the canary before the step saw the link fall: nothing more of it goes dense
+        self._read_pre_step(work)
+        if work.stopped:  # the job before the step said stop: nothing more of it goes dense
             self._defer_dense_bucket(work, fut, buffer, layout, t0)
             return
         data = buffer if views is None else torch.cat([v.reshape(-1) for v in views])
@@ -968,21 +956,21 @@ class GCEngine:
             work.stats.dense_stopped = True
         self._dense_bucket_done(work, fut, buffer)
 
-    def _read_canary(self, work: _StepWork) -> None:
-        """The verdict of the canary sung before this step (runner thread: its job ran before this
-        one), into the step's statistics, once; a dense mode's step stops on "fell"."""
-        if work.canary is None or work.canary_read:
+    def _read_pre_step(self, work: _StepWork) -> None:
+        """The verdict of the job run before this step (runner thread: it ran before this one), into the
+        step's statistics, once; a dense mode's step stops on it."""
+        if work.pre_step is None or work.pre_step_read:
             return
-        work.canary_read = True
-        res = work.canary[0]
+        work.pre_step_read = True
+        res: StopVerdict | BaseException = work.pre_step[0]
         if isinstance(res, BaseException):
-            raise RuntimeError(f"lightning_gc: the link canary before step {work.step} failed: {res!r}") from res
+            raise RuntimeError(f"lightning_gc: the job before step {work.step} failed: {res!r}") from res
         with work.lock:
-            work.stats.dense_check_s, work.stats.dense_check_predicted_s = res.fastest_s, res.predicted_s
-            work.stats.dense_check_bytes = self._canary.nbytes if self._canary is not None else 0
+            work.stats.dense_check_s, work.stats.dense_check_predicted_s = res.check_s, res.predicted_s
+            work.stats.dense_check_bytes = res.nbytes
             if math.isfinite(res.carried):
                 work.stats.carried_wall_mean_s = res.carried
-        work.stopped = res.fell and work.can_stop
+        work.stopped = res.stop and work.can_stop
 
     def _bucket_layout(self, bucket: dist.GradBucket) -> list[tuple[Tensor, int | None, int]]:
         """(gradient view, compressed group id or None for an exact group's parameter, offset in the
@@ -1107,7 +1095,7 @@ class GCEngine:
                 and len(self._planned) == len(self.params))
 
     def _job_close(self, work: _StepWork) -> None:
-        self._read_canary(work)  # a step none of whose jobs read it (no dense bucket)
+        self._read_pre_step(work)  # a step none of whose jobs read it (no dense bucket)
         if work.dense:
             with work.lock:
                 work.closed = True

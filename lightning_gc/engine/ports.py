@@ -11,8 +11,9 @@ engine double in a unit test needs only what a participant really uses.
 * :class:`PlanControl` — replacing the merge plan. The step session hands it to exactly one
   participant, the plan owner (:class:`~lightning_gc.engine.session.StepSession`);
 * :class:`MethodControl` — the control plus what a method chooser (``compressor="auto"``) changes:
-  the method of each group or a dense bucket mode, the network model it measured, and the step's
-  riders it needs (a carried wall, the link canary).
+  the method of each group or a dense bucket mode and the network model it measured, with two generic
+  step riders: a value carried in the next step's messages, and a job run before the next step that
+  may stop a dense step (auto's link canary is one).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from ..compressors.base import Compressor, GroupContext
     from ..plans import Plan
     from .config import EngineConfig
-    from .dense_stop import LinkCanary
+    from .dense_stop import StopVerdict
     from .slots import MethodSpec
     from .stats import StepStats
 
@@ -100,9 +101,8 @@ class PlanControl(Protocol):
 
 @runtime_checkable
 class MethodControl(EngineControl, Protocol):
-    """What ``compressor="auto"`` (:class:`~lightning_gc.auto.chooser.AutoChooser`) uses of the engine
-    beyond :class:`EngineControl`: every member here is called between steps, with the same values on
-    every rank (the chooser decides from agreed figures)."""
+    """What a method chooser (``compressor="auto"``) uses beyond :class:`EngineControl`: every member is
+    called between steps, with the same values on every rank (the chooser decides from agreed figures)."""
 
     params: list[Tensor]
 
@@ -119,9 +119,7 @@ class MethodControl(EngineControl, Protocol):
 
     def enable_dense_carry(self) -> None: ...
 
-    def enable_canary(self, canary: LinkCanary) -> None: ...
-
-    def sing_canary(self, carry: float) -> None: ...
+    def run_before_step(self, job: Callable[[], StopVerdict]) -> None: ...
 
 
 # ---------------------------------------------------------------- the link observer
