@@ -63,25 +63,21 @@ CANDIDATES: dict[str, AutoCandidate] = {
     "fp16": AutoCandidate("fp16"),
     "bf16": AutoCandidate("bf16"),
     "topk": AutoCandidate("topk", "topk", 0.01, {}, "allgather"),
-    # 3 % on request: on the byte LSTM (`lm`) Top-k 1 % needed 375 steps to the target, 3 % 275 and
-    # dense 225 (docs/studies/progress_sim.py), for 3x the bytes of 1 %
+    # 3 % on request: fewer steps to a target than 1 % where 1 % loses too much, for 3x its bytes
     "topk3": AutoCandidate("topk3", "topk", 0.03, {}, "allgather"),
     "artopk": AutoCandidate("artopk", "artopk_auto", 0.01, {}, "auto_sparse"),
     "qsgd": AutoCandidate("qsgd", "qsgd"),
     "efsign": AutoCandidate("efsign", "efsignsgd"),
     "lowrank": AutoCandidate("lowrank", "lowrank", None, {"rank": 2}),
-    # rank 1 on request (torch's powerSGD_hook default, half of rank 2's bytes): on `mlp` at 20 Mbit/s auto
-    # picked it and ran 1.07/1.08x torch PowerSGD's step (1.23/1.18x without it), but on `gpt` at 20 Mbit/s
-    # it was picked first and the run ended at 3.516 val_bpb against static rank 2's 3.193 (docs/auto.md)
+    # rank 1 on request (torch's powerSGD_hook default, half of rank 2's bytes): its error can cost more
+    # progress than the sample shows, so it is not a default
     "lowrank1": AutoCandidate("lowrank1", "lowrank", None, {"rank": 1}),
     # rank 2 in bfloat16 messages: rank 1's fp32 bytes at rank 2's error (LowRankConfig.wire_dtype)
     "lowrank_bf16": AutoCandidate("lowrank_bf16", "lowrank", None, {"rank": 2, "wire_dtype": "bfloat16"}),
 }
 #: the default candidate list, in tie-break order (earlier wins an exact tie)
-#: ``artopk`` is not among them: its per-step error on the *averaged* gradient sample equals Top-k's, but
-#: its aggregate keeps only one source rank's indices, which the sample cannot show; it needed 200 steps
-#: to Top-k's 125 on the quickstart MLP at 20 Mbit/s (docs/bench.md), and auto picked it there on a
-#: 0.9 ms lead in predicted step. Add it to ``candidates`` to let auto choose it.
+#: ``artopk`` is not among them: its error on the gradient sample equals Top-k's, but its aggregate keeps
+#: only one source rank's indices, which the sample cannot show. Add it to ``candidates`` to let auto choose it.
 #: warm-started compressors' error is measured after this many steps on the live gradient (see
 #: LowRankCompressor.warm_compress): the cold start and one warm-started step
 WARM_STEPS = 2
@@ -98,11 +94,8 @@ def candidate(name: str) -> AutoCandidate:
 
 
 def _sum_of_squares(sq: Tensor) -> float:
-    """The sum of a tensor of squares: in float32 (torch's CPU reduction sums in cascades: 3.6e-9
-    relative error against float64 on 1.09 M squared gradient values, 0.20 ms against 1.30 ms for a
-    float64 accumulation on one quiet core), and again with a float64 accumulator only where the
-    float32 sum overflowed (above ~3.4e38, e.g. a thousand squares of 1e36) or came to 0. The squares
-    themselves are float32, as they were before."""
+    """The sum of a tensor of squares in float32 (torch's cascaded CPU sum is close to float64's and
+    several times faster), again in float64 only where the float32 sum overflowed or came to 0."""
     v = float(sq.sum())
     if v == 0.0 or not math.isfinite(v):
         v = float(sq.sum(dtype=torch.float64))
@@ -110,20 +103,14 @@ def _sum_of_squares(sq: Tensor) -> float:
 
 
 def squared_norm(x: Tensor) -> float:
-    """``‖x‖²``: the denominator of every candidate's :func:`measure_error` on one gradient sample.
-    Compute it once per sample and pass it as ``norm2``: the chooser measures up to six candidates
-    on the same sample."""
+    """``‖x‖²``: the denominator of every candidate's :func:`measure_error` (compute it once per sample)."""
     return _sum_of_squares(x.square())
 
 
 def _relative_error(x: Tensor, sent: Tensor, x2: float | None = None) -> float:
-    """``‖sent − x‖² / ‖x‖²`` without float64 copies: the difference of two float32 values this close
-    is exact, and its square loses only float32 rounding; the sums are :func:`_sum_of_squares`'s.
-    20 ms → 1.7 ms for 1 M elements on one core (three float64 copies before), then 2.3 ms → 0.35 ms
-    for the difference's sum in float32 instead of a float64 accumulation: the chooser measures the
-    candidates' errors again every ``gain_every`` steps, on the step's critical path, where 4 ranks
-    share 2 cores (a profile of one rank put ~0.12 s of CPU in one float64 ``‖x‖²`` there). ``x2``: ``‖x‖²``
-    (:func:`squared_norm`) if the caller has it."""
+    """``‖sent − x‖² / ‖x‖²`` without float64 copies (the difference of two close float32 values is
+    exact; the sums are :func:`_sum_of_squares`'s): the errors are measured again on the step's
+    critical path. ``x2``: ``‖x‖²`` (:func:`squared_norm`) if the caller has it."""
     if x2 is None:
         x2 = squared_norm(x)
     if x2 == 0.0:
@@ -182,10 +169,8 @@ def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_s
 
     ``time_codec=False`` (engine methods): payload and error only, from one compression; the codec is
     left untimed (``codec_s`` 0, ``codec_timed`` False: a lower bound the chooser times on demand,
-    ``AutoConfig.time_codecs``). Timing is most of a measurement's cost: 3-7 ms per candidate on the
-    quickstart MLP against 0.3-1 ms for its error, on one quiet core. ``norm2``: as for
-    :func:`measure_error`.
-    """
+    ``AutoConfig.time_codecs``): timing is most of a measurement's cost. ``norm2``: as for
+    :func:`measure_error`."""
     if cand.compressor is None:
         from ..compressors.timing import time_runs
 
@@ -215,7 +200,7 @@ def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_s
 def time_method_codec(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_size: int, repeats: int = 3,
                       comp: Any = None) -> float:
     """One engine candidate's codec seconds per step on this rank:
-    :func:`~lightning_gc.bench.codec.time_codec` (the codec micro-benchmark's one timing function) on
+    :func:`~lightning_gc.compressors.timing.time_codec` (the codec micro-benchmark's timing) on
     ``world_size`` payloads made from ``flat`` (:func:`rank_payloads`); ``comp``: the compressor to
     time (a fresh one otherwise)."""
     from ..compressors.timing import time_codec

@@ -38,20 +38,12 @@ from ..comm.direct import DIRECT_MAX_RANKS, backend_allows
 from ..engine.agreement import agree_values
 from ..engine.ports import MethodControl
 from ..engine.session import StepParticipant
-from . import drift, policy
+from . import drift, measure, policy
 from .canary import LinkCanary, canary_job
 from .candidates import AutoCandidate, candidate
 from .config import AutoConfig
 from .decider import Decider
-from .measure import (
-    GradientTap,
-    early_figures,
-    measure_costs,
-    profile_entry,
-    remeasure_errors,
-    workload_from_profile,
-)
-from .model import choose_measured, efficiency
+from .model import choose_measured
 from .policy import Trigger
 from .state import AutoState, state_attr
 from .walls import StepWalls
@@ -104,7 +96,7 @@ class AutoChooser(StepParticipant):
         self.decider = Decider(engine, config, self.state, self.walls, self.candidates, self.params, canary,
                                (canary or LinkCanary()) if direct else None)
         self._profile: list[dict] = []
-        self.tap = GradientTap(self.params, self.walls)
+        self.tap = measure.GradientTap(self.params, self.walls)
         if engine.world_size > 1 and not self.nothing_to_compress:
             self.tap.start(module)
 
@@ -208,7 +200,7 @@ class AutoChooser(StepParticipant):
     def _profile_step(self, step: int, t_end: float, wall: float | None) -> None:
         cfg, w, engine = self.config, self.walls, self.engine
         complete = len(w.stamps) == len(self.params)
-        entry = lambda wall_s: profile_entry(w.stamps, w.t_start, w.t_fwd, w.t_closure_end, t_end, wall_s)  # noqa: E731
+        entry = lambda wall_s: measure.profile_entry(w.stamps, w.t_start, w.t_fwd, w.t_closure_end, t_end, wall_s)  # noqa: E731
         if step >= cfg.skip_steps and wall is not None and complete:
             self._profile.append(entry(wall))
         elif step < cfg.skip_steps and step + 1 >= self._configured_warmup and self._early(t_end, complete):
@@ -224,7 +216,7 @@ class AutoChooser(StepParticipant):
         ratio, w = self.config.early_comm_ratio, self.walls
         if not ratio:
             return False
-        exposed, rest, missing = agree_values(early_figures(w.stamps, complete, w.t_start, w.t_closure_end, t_end),
+        exposed, rest, missing = agree_values(measure.early_figures(w.stamps, complete, w.t_start, w.t_closure_end, t_end),
                                               "max", self.engine.process_group, self.engine.device)
         return not missing and exposed > 0.0 and exposed >= ratio * rest
 
@@ -372,9 +364,9 @@ class AutoChooser(StepParticipant):
             raise RuntimeError(
                 "lightning_gc auto: no dense step could be profiled (every gradient must reach backward on every "
                 "step); pass find_unused_parameters=False models, or raise auto_profile_steps/warmup_steps.")
-        self.workload, wall, exposed = workload_from_profile(self._profile, [p.numel() for p in self.params],
+        self.workload, wall, exposed = measure.workload_from_profile(self._profile, [p.numel() for p in self.params],
                                                              engine.process_group, engine.device)
-        self.costs = measure_costs(self.candidates, self.decider.group_sample(self.tap.disarm() or {}),
+        self.costs = measure.measure_costs(self.candidates, self.decider.group_sample(self.tap.disarm() or {}),
                                    engine.world_size, self.config.repeats, self.config.time_codecs == "upfront",
                                    engine.process_group, engine.device)
         self.state.last_gain_step = step
@@ -389,15 +381,12 @@ class AutoChooser(StepParticipant):
         valid, settled, _, shift = self.decider.model_inputs()
         _, preds = choose_measured(st.costs, valid, st.workload, st.network, ws, w, shift_s=shift, settled=settled)
         step_s = [preds[c.name].step_s for c in st.costs]
-        errors, bound = remeasure_errors(self.candidates, st.costs, step_s, self.chosen, self.decider.group_sample(grads), ws,
-                                         w, f"the errors' re-measurement at step {step}", engine.process_group,
-                                         engine.device)
-        names = [c.name for c in st.costs]
-        moved = max((abs(efficiency(replace(st.costs[k], delta2=d2), ws, w) - efficiency(st.costs[k], ws, w))
-                     / efficiency(st.costs[k], ws, w) for k, d2 in errors.items()), default=0.0)
-        act = moved > cfg.gain_drift
-        entry = {"step": step, "delta2": {names[k]: errors[k] for k in sorted(errors)}, "moved": moved,
-                 "redecided": act, "skipped": [n for k, n in enumerate(names) if k not in errors], "bound_s": bound}
+        errors, bound = measure.remeasure_errors(self.candidates, st.costs, step_s, self.chosen,
+                                                 self.decider.group_sample(grads), ws, w,
+                                                 f"the errors' re-measurement at step {step}", engine.process_group,
+                                                 engine.device)
+        entry = measure.gain_check(step, st.costs, errors, bound, ws, w, cfg.gain_drift)
+        moved, act = entry["moved"], entry["redecided"]
         st.gain_checks.append(entry)
         st.last_gain_step, running = step, self.chosen
         if act:

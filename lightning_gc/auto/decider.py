@@ -132,7 +132,7 @@ class Decider:
             shift, self.chosen, st.explore_left, force, self.in_family_trial,
             self.history[-1].get("previous") if self.history else None), self._codec_timer(timed))
         st.explore_left = d.explore_left
-        switch_check = self.switch_check_fell(step, trigger, probe, canary_s, d.chosen, timed)
+        switch_check = self._switch_check_fell(step, trigger, probe, canary_s, d.chosen, timed)
         if switch_check is not None and switch_check["fell"]:
             return
         kept = self._adopt(step, trigger, d.chosen, d.predictions, source, probe or dense_wall_s is not None)

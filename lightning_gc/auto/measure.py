@@ -149,6 +149,22 @@ def remeasure_errors(candidates: Sequence[AutoCandidate], costs: Sequence[Method
     return errors, bound
 
 
+def gain_check(step: int, costs: Sequence[MethodCost], errors: Mapping[int, float], bound: float, world_size: int,
+               progress_weight: float, gain_drift: float) -> dict:
+    """The record of an errors' re-measurement: each measured candidate's new error, the largest relative
+    change of progress per step it makes, whether that re-decides (above ``gain_drift``), the skipped
+    candidates and the bound."""
+    names = [c.name for c in costs]
+
+    def eff(k: int, d2: float) -> float:
+        return efficiency(replace(costs[k], delta2=d2), world_size, progress_weight)
+    moved = max((abs(eff(k, d2) - eff(k, costs[k].delta2)) / eff(k, costs[k].delta2) for k, d2 in errors.items()),
+                default=0.0)
+    return {"step": step, "delta2": {names[k]: errors[k] for k in sorted(errors)}, "moved": moved,
+            "redecided": moved > gain_drift, "skipped": [n for k, n in enumerate(names) if k not in errors],
+            "bound_s": bound}
+
+
 def decision_figures(costs: Sequence[MethodCost], workload: Workload, network: NetworkModel, shift_s: float,
                      explore_left: int, valid: Mapping[str, float], walls: Sequence[float | None]) -> list[tuple[str, float]]:
     """Every figure a decision feeds the policy, named (for :func:`check_agreed`)."""

@@ -1,63 +1,30 @@
 """The step-time and progress model behind ``compressor="auto"`` and ``lightning-gc advise``.
 
-Pure functions of measured inputs, so that the live chooser, the offline advisor and the tests
-share one definition and every rank computes the same choice from the same (agreed) numbers.
+Pure functions of measured inputs, so the live chooser, the offline advisor and the tests share one
+definition, and every rank computes the same choice from the same agreed numbers.
 
-**Inputs.**
+**Inputs**: a :class:`Workload` (forward, each gradient's backward time in ready order, optimizer,
+and ``other_s``, whatever a measured step holds beyond the model, calibrated on the dense warm-up:
+:func:`calibrate_other`), a :class:`~lightning_gc.comm.cost_model.NetworkModel`, the world size ``N``,
+and one :class:`MethodCost` per candidate (codec time, bytes per rank, wire format, error ``delta2``).
 
-* :class:`Workload` -- the compute of one step on this machine: ``forward_s`` (from the start of the
-  step to the start of backward), the backward time of each gradient tensor in the order they
-  become ready (``backward_s[i]`` is the time from the previous tensor's readiness to tensor ``i``'s),
-  their sizes, ``optimizer_s`` (after backward: the optimizer step) and ``other_s`` (whatever a
-  measured step holds beyond the model: data loading, logging, the model's own error; calibrated on
-  the dense warm-up steps, see :func:`calibrate_other`).
-* a :class:`~lightning_gc.comm.cost_model.NetworkModel` (probed in band) and the world size ``N``;
-* one :class:`MethodCost` per candidate -- what compressing the model's gradient costs on this
-  machine (``codec_s``), how many bytes each rank sends (``payload_bytes``), on which wire format,
-  and the measured relative error ``delta2`` of what it sends (see below).
+**Step time** (:func:`predict`). ``ddp``/``fp16``/``bf16`` run on DDP's buckets: tensors in ready order
+are cut into DDP's buckets, and each bucket's ring allreduce starts when its last tensor is ready and
+the previous bucket's allreduce has ended, so communication overlaps backward. Every compressor runs in
+the engine with one group after backward: codec + its collective + the closing report + the exact
+tensors' allreduce, each allreduce charged for the algorithm the engine takes for its size
+(:func:`lightning_gc.comm.direct.allreduce_seconds`). ``step = forward + max(backward end, last
+exchange end) + optimizer + other + overhead``, where ``overhead`` is the method's measured correction.
 
-**Step time** (:func:`predict`). Two families of candidates:
+**Progress** (:func:`efficiency`): ``delta2 = ‖C(g) − g‖² / ‖g‖²`` on a live gradient (divided by ``N``
+for methods without error feedback, whose errors average out), and
+``efficiency = 1 / (1 + progress_weight · delta2)``; time per unit of progress = step / efficiency.
+``progress_weight = 0`` ranks by step time alone; raise it if lossy picks need many more steps than
+they save (docs/auto.md says how the default was fitted).
 
-* ``ddp`` / ``fp16`` / ``bf16`` run as DDP does without any hook (the *bucket* path): tensors in
-  ready order are cut into DDP's buckets (first bucket ``first_bucket_bytes``, then
-  ``bucket_bytes``, both counted in fp32 bytes as DDP does); bucket ``b``'s ring allreduce starts
-  when its last tensor is ready and the previous bucket's allreduce has ended, so communication
-  overlaps backward (the engine runs these steps on its steady dense path: no opening check and no
-  closing report). The 16-bit modes halve the bytes and add their cast (``codec_s``).
-* every compressor runs in the engine with the ``"model"`` plan: one group, exchanged after
-  backward ends (nothing to overlap with), costing ``codec_s`` + the collective's time for
-  ``payload_bytes`` + the engine's closing report (a 104-byte allreduce; its opening check runs
-  only every ``check_every`` steps and is left out) + the allreduce of the small
-  tensors it sends exactly (``exact_bytes``; for ``lowrank`` only their bytes: they ride in its
-  ``P`` allreduce, see :attr:`~lightning_gc.comm.exchange.Exchange.carries_exact`, and the report
-  only its bytes: it rides in the ``Q`` allreduce, ``Exchange.carries_report``, with the engine's
-  default ``report_rides=True``). Each allreduce and allgather is charged for the algorithm the
-  engine takes for its size on this network (:func:`lightning_gc.comm.direct.allreduce_seconds`,
-  ``allgather_seconds``): the direct exchange (``alpha + (N-1)·M·beta``) for small messages on up to
-  8 ranks, else the ring.
-
-``step = forward + max(backward end, last exchange end) + optimizer + other + overhead`` (never
-below the compute), where ``overhead`` is what the live chooser measured beyond the model for the
-method after it first ran it (0 offline and for a method not run yet).
-
-**Progress** (:func:`efficiency`). Step time alone picks the most aggressive compressor; time to a
-target also depends on how much progress a step makes. The proxy is the measured relative error of
-the update, ``delta2 = ‖C(g) − g‖² / ‖g‖²`` on a live gradient ``g`` (for methods without error
-feedback, whose errors are independent across ranks and average out, divided by ``N``), and
-
-    efficiency = 1 / (1 + progress_weight · delta2),      time per unit of progress = step / efficiency.
-
-``progress_weight = 0`` ranks by step time alone; the default 2 (:data:`DEFAULT_PROGRESS_WEIGHT`)
-says that a method sending half the gradient's energy (``delta2 = 0.5``) must take under half the
-exact step to be picked. It is a documented trade-off, not a law: see docs/auto.md for how it was
-chosen (fitted to steps to the target measured on the bench) and how to tune it.
-
-**Choice** (:func:`choose`): the candidate with the least time per unit of progress; exact ties go
-to the earlier candidate in the given order (the defaults list the cheaper-to-run methods first).
-The live chooser decides with :func:`choose_measured`: a candidate it has run is predicted with its
-own measured correction, one it has not by the raw model (optimistic) lowered by the speed-up every
-measured method showed (:func:`compute_shift`: the warm-up's profiled compute is slower than a
-settled step's), so a candidate that the model favours is measured before the choice settles.
+**Choice** (:func:`choose`): the least time per unit of progress, ties to the earlier candidate. The
+live chooser decides with :func:`choose_measured`: measured methods with their corrections, unmeasured
+ones by the raw (optimistic) model lowered by :func:`compute_shift`.
 """
 
 from __future__ import annotations
@@ -83,12 +50,9 @@ ENGINE_CONTROL_BYTES = 8 * len(fields(StepReport))
 #: the same report riding in lowrank's last message (fp32 elements: an upper bound for bfloat16 messages)
 RIDDEN_CONTROL_BYTES = 4 * RiddenReport.numel()
 
-#: ``w`` of the progress proxy ``1/(1 + w·delta2)`` by default. Fitted to the bench's steps to the
-#: target (4 ranks at 100 Mbit/s, where dense and compressed methods both reach it): Top-k 1 % needed
-#: 1.7x the 16-bit hook's steps on ``lm`` (``delta2`` 0.32-0.39, so w = 1.8-2.1) and 2.0-2.1x on
-#: ``cnn`` width 16 (``delta2`` 0.47, w = 2.2); ``lowrank`` 2.0-2.1x on ``cnn`` (w = 3.4); Top-k
-#: 1.66x on the quickstart MLP (w ~1.2). With w = 1 auto chose Top-k or ``lowrank`` there and took
-#: 1.42-1.49x the hook's time to the target on ``cnn``; with 2, the hook, at 0.97-1.00x (docs/auto.md)
+#: ``w`` of the progress proxy ``1/(1 + w·delta2)`` by default: fitted to the steps to a target that
+#: lossy methods needed against dense ones on the bench (docs/auto.md). With it, a method that sends
+#: half the gradient's energy (``delta2 = 0.5``) must take under half the exact step to be picked
 DEFAULT_PROGRESS_WEIGHT = 2.0
 
 
@@ -298,10 +262,8 @@ def predict(cost: MethodCost, workload: Workload, network: NetworkModel, world_s
         codec = cost.codec_s
         end = bwd_end + codec + comm_total
     step = w.forward_s + end + w.optimizer_s + w.other_s + cost.overhead_s
-    # the raw model (overhead 0 or more) never predicts below the profiled compute. A negative
-    # correction is a measurement that the method ran faster than that: the profiled warm-up step is
-    # slower than a settled one (gpt, 1 Gbit/s: profiled compute 199 ms, settled 16-bit steps 103 ms
-    # in all). Flooring it at the profiled compute made every measured method look alike.
+    # the raw model never predicts below the profiled compute; a negative correction is a measured step
+    # (a settled step is faster than the profiled warm-up's): flooring it would make measured methods alike
     step = max(step, compute) if cost.overhead_s >= 0 else max(step, MIN_PREDICTED_STEP_S)
     eff = efficiency(cost, n, progress_weight)
     if not cost.codec_timed:
@@ -332,19 +294,12 @@ def choose_measured(costs: Sequence[MethodCost], corrections: Mapping[str, float
                     **bucket_kw: int) -> tuple[str, dict[str, Prediction]]:
     """:func:`choose` with what the run has measured: the live chooser's decision rule.
 
-    ``costs`` carry no overhead of their own (``overhead_s = 0``: the raw model). A *measured*
-    candidate (its name in ``corrections``: it has run, and ``corrections[name]`` = its measured step
-    minus its raw prediction) is predicted with that correction as ``overhead_s``; an unmeasured one
-    by the raw model. What the model leaves out is mostly time a real path adds (Python per step,
-    the engine's worker and agreements), so the raw prediction of an unmeasured candidate is an
-    optimistic one, and a candidate that is better even so is worth one measured window: with
-    ``explore=True`` the choice is among all candidates (the caller then measures the pick if it
-    was unmeasured); with ``explore=False`` among the measured ones only (every candidate is still
-    predicted, for the record). Without any measured candidate, ``explore`` does not matter.
-
-    Measured on the quickstart MLP at 20 Mbit/s (4 ranks): ``lowrank`` was predicted 27.7 ms and ran
-    51.7 ms; charging that +24 ms to every compressed candidate (one correction per family, the first
-    version) kept Top-k at 52 ms in the model, while it ran 36 ms.
+    A *measured* candidate (in ``corrections``: its measured step minus its raw prediction) is
+    predicted with its own correction as ``overhead_s`` (a correction is per method: what one path
+    adds says little about another's); an unmeasured one by the raw model, which leaves out time a
+    real path adds and so is optimistic: a candidate better even so is worth one measured window.
+    ``explore=True`` chooses among all candidates, ``explore=False`` among the measured ones (every
+    candidate is still predicted, for the record).
 
     ``shift_s`` (``<= 0``, see :func:`compute_shift`) is added to the prediction of every candidate
     not in ``settled`` (the methods measured in a window of their own; ``None``: every name in
@@ -372,19 +327,13 @@ def compute_shift(settled_corrections: Sequence[float]) -> float:
     among the methods that were (``min(0, max(corrections))``), 0 when none was measured or any of
     them ran at or above its prediction.
 
-    Why: the raw model takes compute from the warm-up's profiled step, which is slower than a
-    settled step (allocator and kernel warm-up, DDP's first buckets): on ``lm`` at 100 Mbit/s
-    (4 ranks) the profile put every method about 130 ms above its settled step, ``lowrank`` ran
-    110 ms where the raw model said 243 ms, and Top-k, raw 244 ms, ran 102 ms; judged by the raw
-    model it was never tried, and auto stayed on ``lowrank``, which never reached the target that
-    Top-k reached in 39 s (docs/auto.md). That part of a correction is common to every method;
-    the rest (the method's own unmodelled cost, and the model's error on its communication, which
-    can go either way: small messages pass a shaped link's token bucket at line rate) is not. The
-    shift is the smallest speed-up that *every* measured method showed: conservative, one method
-    whose communication the model over-charged does not move the others. A positive correction is
-    not shared (measured: charging ``lowrank``'s +24 ms to Top-k on the quickstart MLP put it at
-    52 ms; it ran 36 ms). Unmeasured methods stay optimistic, so one the shifted model favours is
-    measured next (``explore``)."""
+    Why: the raw model takes compute from the warm-up's profiled step, slower than a settled one
+    (allocator and kernel warm-up, DDP's first buckets); judged by it, a method that would win can
+    look too slow to try. That part of a correction is common to every method; the rest (a method's
+    own unmodelled cost, the model's error on its communication) is not. The shift is the smallest
+    speed-up that *every* measured method showed, so one method the model over-charged does not move
+    the others; a positive correction is never shared. Unmeasured methods stay optimistic, so one the
+    shifted model favours is measured next (``explore``)."""
     if not settled_corrections:
         return 0.0
     return min(0.0, max(float(c) for c in settled_corrections))
@@ -399,12 +348,9 @@ def calibrate_beta(measured_step_s: float, workload: Workload, ddp_cost: MethodC
     """The β (s/byte) at which the model's ``ddp`` step, with ``other_s = 0``, equals a measured dense
     (DDP) step that is *shorter* than the probed network predicts; the probed β when it is not.
 
-    A DDP step that took less time than the model gives it at the probed β is evidence that the link
-    carried the step's bytes faster than the probe read it: on ``cnn`` width 16 at 20 Mbit/s
-    (4 ranks, 4.2 MB per step) the probe read 11.3 Mbit/s and the model predicted 3.09 s for the
-    profiled DDP step, which took 2.19 s. The probe's messages are small (256 KiB on a slow link)
-    and its β is the slowest rank's; a training step's transfers are long, and each rank's link is
-    shaped alike. Solved by bisection (the prediction does not decrease with β) within
+    A DDP step shorter than the model gives it at the probed β is evidence that the link carried the
+    step's bytes faster than the probe read it (the probe's messages are short and its β is the
+    slowest rank's; a step's transfers are long). Solved by bisection (the prediction does not decrease with β) within
     ``[MIN_BETA_SCALE·β, β]``: never raised (a slow dense step is explained by ``other_s`` instead,
     :func:`calibrate_other`), and lowered by at most 4×, as a step faster than even that is more
     likely a profile that over-counts compute than a link 4× faster than probed."""

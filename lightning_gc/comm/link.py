@@ -39,52 +39,20 @@ from .direct import allreduce_chosen
 from .network import NetworkState
 from .probe import ProbeConfig, ProbePolicy, ProbeResult, probe_network
 
-__all__ = [
-    "PROBE_LATENCY",
-    "PROBE_START_BYTES",
-    "PROBE_SMALL_MIN_BYTES",
-    "PROBE_TARGET_S",
-    "PROBE_MAX_BYTES",
-    "probe_small_bytes",
-    "probe_start_bytes",
-    "next_probe_bytes",
-    "probe_bandwidth",
-    "check_bytes",
-    "modelled_check_s",
-    "factor_apart",
-    "steps_apart",
-    "link_unchanged",
-    "SizedProbe",
-    "probe_latency",
-    "probe_sized",
-    "check_link",
-    "sized_measure",
-    "solve_beta",
-    "LinkSchedule",
-    "LinkObserver",
-]
-
 
 # --------------------------------------------------------------------------------------------
 # probe sizing and link checks
 # --------------------------------------------------------------------------------------------
-#: the latency round of a probe sized to the link: small messages alone, timed first (a large message
-#: leaves bytes in a shaper's queue after its send completed, and a small one timed after it waits for
-#: them); the bandwidth round follows with two larger messages sized to the link
-#: (:func:`next_probe_bytes`). One warm-up and 7 timed runs per size: the fastest run is the latency
-#: estimate, and fewer repeats let a busy host's scheduling show in it; more cost time on every
-#: re-probe. Raise ``repeats`` on an oversubscribed host, lower it where probes are frequent.
+#: the latency round of a probe sized to the link: small messages alone, timed first (a small message
+#: timed after a large one waits behind the large one's bytes in a shaper's queue). The fastest of the
+#: timed runs is the latency: raise ``repeats`` on an oversubscribed host, lower it where probes are frequent
 PROBE_LATENCY = ProbeConfig(sizes_bytes=(64, 256), warmup=1, repeats=7)
 #: the bandwidth probe's large message starts at this size (or half the model's gradient, if smaller:
 #: :func:`probe_start_bytes`); its small one is a quarter of it. Both stay above a shaper's token
-#: bucket (64 KiB on the bench's links, lightning_gc.bench.netns.tc_burst_bytes): a bucket's worth of
-#: bytes goes out at line rate, and the slope between two messages that both exceed it is the
-#: link's β, unbiased
+#: bucket (a bucket's worth of bytes leaves at line rate), so the slope between them is the link's β
 PROBE_START_BYTES = 256 * 1024
-#: ... except that the small one is never below this: a quarter of a small model's first message
-#: would sit inside a 64 KiB token bucket, leave at line rate, and tilt the slope towards a faster
-#: link than the real one (tests/test_auto_model.py simulates such a shaper). The start's floor
-#: (128 KiB) keeps the large one above it. Raise it if your shapers' buckets are larger.
+#: ... and the small one is never below this, or it would sit inside a token bucket and tilt the slope
+#: towards a faster link. Raise it if your shapers' buckets are larger than 64 KiB
 PROBE_SMALL_MIN_BYTES = 80 * 1024
 
 
@@ -104,12 +72,8 @@ PROBE_MAX_BYTES = 1024 * 1024
 
 def probe_start_bytes(model_bytes: int) -> int:
     """The bandwidth probe's first large message: :data:`PROBE_START_BYTES`, or half the model's fp32
-    gradient if smaller (at least 128 KiB), so that the first round is never several dense steps'
-    worth of traffic on a slow link. Where that message is too short to be bandwidth-bound (a fast
-    link), the probe grows it up to :data:`PROBE_MAX_BYTES` whatever the model's size
-    (:func:`next_probe_bytes`): half a small model's gradient takes a few milliseconds on a fast
-    link, inside a busy host's scheduling noise, and a slope read from it can be off by orders of
-    magnitude."""
+    gradient if smaller (at least 128 KiB), so the first round is never several dense steps' worth of
+    traffic on a slow link; on a fast link the probe grows it (:func:`next_probe_bytes`)."""
     return int(min(max(model_bytes // 2, 128 * 1024), PROBE_START_BYTES))
 
 
@@ -118,10 +82,8 @@ def next_probe_bytes(size: int, large_s: float, cap: int) -> int | None:
 
     ``large_s``: the (agreed) median time of the ``size``-byte message. It was enough when it took at
     least ``PROBE_TARGET_S / 4`` (then ``size·β`` dominates α) or ``size`` is already ``cap``; else the
-    probe grows it by ``PROBE_TARGET_S / large_s`` (so more than 4×), at most to ``cap``. Why not always
-    the cap: on a slow link a 1 MiB message with its partner, warm-up and timed runs costs seconds at
-    every probe, while messages of the start size are already bandwidth-bound there. On a fast link
-    the first, small round costs a few milliseconds before the cap is measured."""
+    probe grows it by ``PROBE_TARGET_S / large_s`` (so more than 4×), at most to ``cap``. Not always the
+    cap: on a slow link the largest message costs seconds at every probe, for no better answer."""
     if size >= cap or large_s >= PROBE_TARGET_S / 4:
         return None
     grow = size * PROBE_TARGET_S / max(large_s, 1e-9)
@@ -147,9 +109,7 @@ def probe_bandwidth(measure: Callable[[int], tuple[float, float]], start: int) -
 def check_bytes(network: NetworkModel, start: int) -> int:
     """The link check's message size where no probe chose one (β from a dense step): what the bandwidth
     probe would have settled on for this network, ``start`` (:func:`probe_start_bytes`) grown until
-    the message takes :data:`PROBE_TARGET_S` / 4, at most :data:`PROBE_MAX_BYTES`. Not the largest:
-    on a slow link the largest message and its partner cost several times what the probe's own size
-    does, for no better answer."""
+    the message takes :data:`PROBE_TARGET_S` / 4, at most :data:`PROBE_MAX_BYTES`."""
     size = start
     beta = network.beta_s_per_byte
     if beta > 0 and network.alpha_s + size * beta < PROBE_TARGET_S / 4:
@@ -160,15 +120,8 @@ def check_bytes(network: NetworkModel, start: int) -> int:
 def modelled_check_s(network: NetworkModel, size: int) -> float:
     """The link check's reference where no probe timed one (β from a dense step): the model's time
     for one ``size``-byte ring shift, ``α + size·β``, the relation the probe's two sizes fit
-    (:func:`probe_bandwidth`).
-
-    Why a model and not a timed message: the decision that measured β from a dense step does not
-    need the message, and on a link that just fell that message is the slowest part of the decision.
-    How close it is: a check on an unchanged link lands near this figure, within the default
-    ``probe_check`` factor (1.5) in most cases; the measured spread is in docs/auto-measurements.md.
-    A check outside ``probe_check`` of it is timed again and, where its message is bandwidth-bound
-    (a slow link), sets β from its own slope, no full probe: a misjudged reference costs one more
-    message."""
+    (:func:`probe_bandwidth`). Not a timed message: on a link that just fell that message would be the
+    slowest part of the decision; a misjudged reference costs one more check message."""
     return float(network.alpha_s) + int(size) * float(network.beta_s_per_byte)
 
 
@@ -179,10 +132,9 @@ def factor_apart(a: float, b: float, factor: float) -> bool:
 
 def steps_apart(times: Sequence[float], reference: float, factor: float) -> bool:
     """The every-step severe test (``severe_steps``) on the last few step times: every one of them
-    ``factor`` or more off ``reference`` the same way, or their median twice that far (a link that
-    fell tenfold makes a dense step an order of magnitude longer: seen as soon as most of the steps
-    are, without waiting for all of them). Not the median at ``factor`` alone: two slow steps of
-    three are scheduling noise often enough on a busy host (see ``AutoConfig.severe_steps``)."""
+    ``factor`` or more off ``reference`` the same way, or their median twice that far (a large fall is
+    seen as soon as most steps show it). Not the median at ``factor``: two slow steps of three are
+    scheduling noise often enough on a busy host."""
     if reference <= 0 or factor <= 0 or not times:
         return False
     slow, fast, med = min(times), max(times), statistics.median(times)
@@ -194,11 +146,9 @@ def link_unchanged(check_s: float, probe_s: float, factor: float) -> bool:
     """Whether a link check's message time ``check_s`` says the link is the one last probed, whose
     same-size message took ``probe_s``: within ``factor`` of it either way (``factor`` > 1).
 
-    The check exists to spare the full probe (latency, then two message sizes, each timed several
-    times after a warm-up) at a periodic or drift re-decision on a link that did not change. The
-    changes that matter are large (a correction is not carried over a 2x change of β, and a link
-    that fell a hundredfold moves this time by more than 10x), so a coarse factor (1.5 by default)
-    keeps one message's noise from forcing a probe; lower it to re-probe on smaller changes."""
+    The check spares the full probe on a link that did not change. The changes that matter are large,
+    so a coarse factor keeps one message's noise from forcing a probe; lower it to re-probe on smaller
+    changes."""
     if probe_s <= 0 or check_s <= 0:
         return False
     return 1.0 / factor <= check_s / probe_s <= factor
@@ -240,14 +190,11 @@ def probe_sized(group: Any, device: Any, model_bytes: int, latency: ProbeResult 
     :func:`probe_start_bytes` of ``model_bytes`` until its message is bandwidth-bound
     (:func:`probe_bandwidth`). A collective: every rank calls it alike.
 
-    Not one least-squares line over interleaved sizes (:func:`~lightning_gc.comm.probe.probe_network`'s
-    default): on token-bucket-shaped links a large message's send completes while its bytes still sit
-    in the shaper's queue, and a small message timed next waits behind them, so α comes out far too
-    high. α is each rank's *fastest* 64-byte shift (scheduling noise only ever adds time), then the
-    MAX. ``latency``: a latency round already run (:func:`probe_latency`), else one is run first.
-
-    This is ``compressor="auto"``'s probe, for any client of the :class:`LinkObserver` (as its
-    ``measure``, through :func:`sized_measure`)."""
+    Not one least-squares line over interleaved sizes: on token-bucket-shaped links a small message
+    timed after a large one waits behind its bytes, and α comes out far too high. α is each rank's
+    *fastest* 64-byte shift (scheduling noise only adds time), then the MAX. ``latency``: a latency
+    round already run (:func:`probe_latency`), else one is run first. A :class:`LinkObserver` client
+    measures with it through :func:`sized_measure`."""
     small = latency if latency is not None else probe_latency(group, device)
     rounds: list[int] = []
 
@@ -279,8 +226,7 @@ def check_link(group: Any, device: Any, size: int) -> tuple[float, float]:
     """The cheap link check: one ``size``-byte message after its small partner (the order
     :func:`probe_sized` times them in), once, on every rank. Returns that message's time (compare it
     with the probe's by :func:`link_unchanged`) and the slope between the two messages (β, as one
-    round of the probe gives it), both agreed (MAX). About a quarter of a full probe's traffic and no
-    latency round: what a periodic or drift re-decision sends on a link that most often did not move."""
+    round of the probe gives it), both agreed (MAX). About a quarter of a full probe's traffic."""
     small = probe_small_bytes(size)
     r = probe_network(group, ProbeConfig(sizes_bytes=(small, size), warmup=0, repeats=1), device=device)
     t0, t1 = r.median_times_s
@@ -301,10 +247,9 @@ def solve_beta(step_s: Callable[[NetworkModel], float], measured_s: float, laten
     are solved together. ``step_s`` must not decrease with β (more time per byte never shortens a
     step). Bisection on ``log β`` over ``[1e-13, 1e-3]`` s/byte (80 Tbit/s to 8 kbit/s), 100 rounds.
 
-    ``lightning_gc.auto.model.beta_from_dense_step`` solves with it, its model of a dense step being
-    auto's: a step that waited long on the network measures the link with its own
-    bytes, at no extra cost. Everything beyond compute is charged to the link, so β comes out slightly
-    high by the step's framework time."""
+    A step that waited long on the network measures the link with its own bytes, at no extra cost
+    (``lightning_gc.auto.model.beta_from_dense_step``); everything beyond compute is charged to the
+    link, so β comes out slightly high by the step's framework time."""
 
     def step(beta: float) -> float:
         return step_s(NetworkModel(max(latency_s - latency_bytes * beta, 0.0), beta))
@@ -334,19 +279,15 @@ class LinkSchedule:
 
     * **start**: due while nothing was probed yet, if any client asked for a start probe;
     * **every**: due when ``step − last probe ≥ every``, where ``every`` is the *smallest* positive
-      interval any client asked for (``0`` = no periodic refresh for that client). So when two
-      clients ask for different intervals, the link is probed once for both when the earlier is due,
-      and both read that result; the later one's clock restarts from it (it never probes twice for
-      one question);
+      interval any client asked for (``0`` = no periodic refresh for that client): one probe serves
+      every client, and every client's clock restarts from it;
     * **drift**: due after ``drift_patience`` consecutive steps whose measured communication time was
       more than ``drift_threshold`` (relative) off the model's prediction (:meth:`observe`).
 
     Every probe, whoever asked for it, restarts the clock and the drift counter (:meth:`probed`).
 
-    **Replicated inputs only.** :meth:`due` decides a collective (the probe), so every rank must reach
-    the same answer: pass the optimizer-step counter and measurements already agreed across ranks,
-    and subscribe with the same intervals on every rank (they come from the same configuration).
-    The schedule's state is a pure function of those inputs, so it stays replicated too.
+    **Replicated inputs only.** :meth:`due` decides a collective (the probe): pass the optimizer-step
+    counter and measurements agreed across ranks, and subscribe alike on every rank.
     """
 
     def __init__(self, drift_threshold: float = 0.5, drift_patience: int = 5) -> None:

@@ -316,19 +316,16 @@ class GCEngine:
         A dense next step has no closing report: it drops the value (``carried_wall_mean_s`` None)
         unless :meth:`enable_dense_carry` was called, in which case the value rides in that step's first
         gradient bucket. Call it between steps, on every rank alike: a rank that did not carry one
-        makes the mean None on every rank. Why: a separate 8-byte all-reduce per step is one more
-        latency-bound collective on the process group, ahead of the next step's exchanges
-        (docs/auto-measurements.md, "Seeing a link change within a few steps")."""
+        makes the mean None on every rank. Why: a separate 8-byte all-reduce per step would be one more
+        latency-bound collective on the process group, ahead of the next step's exchanges."""
         self._carried_wall = float(wall_s)
 
     def enable_dense_carry(self) -> None:
         """From now on every dense step sends one element more in its first gradient bucket's
-        allreduce: the value handed to :meth:`carry_wall` (NaN where a
-        rank has none, so the mean is None on every rank), divided by N with the bucket, so the sum is
-        the mean over ranks, in the bucket's dtype (16-bit modes: about 3 significant digits, ample
-        for the ``auto`` chooser's 2x tests). Call it on every rank alike, before training (the
-        buckets' sizes must match across ranks). Costs one copy of the first bucket (DDP's small first
-        bucket) on the fp32 path, against a latency-bound collective per step."""
+        allreduce: the value handed to :meth:`carry_wall` (NaN where a rank has none, so the mean is None
+        on every rank), divided by N with the bucket, in the bucket's dtype (16-bit modes: about 3
+        significant digits). Call it on every rank alike, before training (the buckets' sizes must
+        match across ranks). Costs one copy of DDP's small first bucket on the fp32 path."""
         self._dense_carry = True
 
     def run_before_step(self, job: Callable[[], StopVerdict]) -> None:
@@ -424,9 +421,9 @@ class GCEngine:
 
     def adopt_network(self, model: NetworkModel) -> None:
         """Use ``model`` (agreed across ranks by the caller) as the network model from now on, and stop
-        probing on the engine's own schedule: the caller owns re-probing (``compressor="auto"``
-        probes with small messages first and re-probes on drift; the engine's own start probe sends
-        4 MiB messages, ~20 s at 20 Mbit/s on 4 ranks). Between steps, on every rank."""
+        probing on the engine's own schedule: the caller owns re-probing (``compressor="auto"`` probes
+        with messages sized to the link; the engine's own start probe's large messages take seconds on
+        a slow link). Between steps, on every rank."""
         self.synchronize()
         self.tracker.state.model = model
         self.tracker.policy = None
