@@ -61,8 +61,8 @@ class CanaryAt(L.Callback):
         self.step, self.out, self.before = step, out, None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        from lightning_gc.comm.cost_model import NetworkModel
         from lightning_gc.auto.canary import LinkCanary
+        from lightning_gc.comm.cost_model import NetworkModel
 
         auto, engine = trainer.strategy.auto, trainer.strategy.engine
         if trainer.global_step == self.step:

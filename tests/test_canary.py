@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from dist_harness import run_distributed
 
-from lightning_gc.comm.cost_model import NetworkModel
 from lightning_gc.auto.canary import LinkCanary, sing
+from lightning_gc.comm.cost_model import NetworkModel
 
 
 def _skewed(rank: int, ws: int) -> dict:

@@ -21,10 +21,10 @@ import torch
 from dist_harness import gather_all, run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from lightning_gc.auto.canary import LinkCanary, canary_job
 from lightning_gc.comm.cost_model import NetworkModel
 from lightning_gc.compressors import build_compressor
 from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
-from lightning_gc.auto.canary import LinkCanary, canary_job
 
 NEVER = LinkCanary(nbytes=64, factor=1e9, margin_s=1e3)
 ALWAYS = LinkCanary(nbytes=64, factor=1.0, margin_s=0.0)  # against a model that predicts 0 s

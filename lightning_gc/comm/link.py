@@ -39,7 +39,6 @@ from .direct import allreduce_chosen
 from .network import NetworkState
 from .probe import ProbeConfig, ProbePolicy, ProbeResult, probe_network
 
-
 # --------------------------------------------------------------------------------------------
 # probe sizing and link checks
 # --------------------------------------------------------------------------------------------
