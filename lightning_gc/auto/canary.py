@@ -8,15 +8,12 @@ the step's forward and backward, and the step's buckets wait behind it): the eng
 (lightning_gc/engine/dense_stop.py: its compressed groups' gradients become error memory, sent by the
 next step's method; nothing is lost). auto then re-decides at the step's end.
 
-How: every rank sends ``nbytes`` of padding to every other rank at once (the direct exchange,
-:mod:`lightning_gc.comm.direct`), timed; one more direct exchange shares each rank's time and a value
-the caller carries (auto's step wall, at no message of its own). Every rank holds the same list and
-takes the same verdict: the link fell when the *fastest* rank's time is at least ``factor`` times the
-agreed network model's time for the message and at least ``margin_s`` more. The fastest rank, because
-a rank that enters early waits for the others in the exchange: a fall can be missed, never invented.
-A "fell" is timed once more and stands only if the second message says so too (one message slowed by
-a scheduler stall would otherwise stop a step on a steady link; the first may also have spent a
-shaper's burst allowance, so the second times the link's own rate).
+How: every rank sends ``nbytes`` to every other rank at once (the direct exchange), timed; one more
+direct exchange shares each rank's time and a value the caller carries (auto's step wall). Every rank
+takes the same verdict: the link fell when the *fastest* rank's time (a rank that enters early waits
+for the others, so a fall can be missed, never invented) is at least ``factor`` times the network
+model's time for the message and ``margin_s`` more. A "fell" stands only if a second message says so
+too: one scheduler stall must not stop a step, and the first message may have spent a shaper's burst.
 
 Tuning: ``nbytes`` must exceed the link's burst allowance divided by ``N-1`` or a fall does not show;
 ``factor`` and ``margin_s`` trade missed falls against false stops on a busy host. What it does not

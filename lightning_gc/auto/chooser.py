@@ -338,22 +338,7 @@ class AutoChooser(StepParticipant):
         st.reference_exchange = min(window_exchange) if n and len(window_exchange) >= n else None
         if st.history:
             st.history[-1]["measured_step_s"] = med
-        self._calibrate(step, med)
-
-    def _calibrate(self, step: int, measured_s: float) -> None:
-        """The reference window sets the running method's correction, tagged with its network; then the
-        choice may be made again at once (:func:`policy.calibration_next`)."""
-        st, chosen = self.state, self.chosen
-        assert chosen is not None and st.network is not None
-        was_valid = chosen in self.decider.valid()
-        raw = st.predictions[chosen].step_s - policy.overhead_in(st.history[-1], chosen)
-        st.corrections[chosen] = measured_s - raw
-        st.correction_beta[chosen] = st.network.beta_s_per_byte
-        dense = [c for c in self.config.candidates if c in self.decider.dense_names]
-        nxt = policy.calibration_next(chosen, raw, measured_s, was_valid, st.history, st.predictions, self.decider.valid(),
-                                      dense, self.config.family_margin)
-        if nxt is not None:
-            self.decider.decide(step, nxt[0], probe=False, force=nxt[1])
+        self.decider.calibrate(step, med)
 
     # ------------------------------------------------------------------ measurement
     def _first_decision(self, step: int) -> None:

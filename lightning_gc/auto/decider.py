@@ -147,6 +147,21 @@ class Decider:
         rank_zero_info(f"lightning_gc auto (step {step}): {entry['sentence']}")
         rank_zero_info(record.log_text(step, trigger, d, ctx, st, self.config))
 
+    def calibrate(self, step: int, measured_s: float) -> None:
+        """The reference window sets the running method's correction, tagged with its network; then the
+        choice may be made again at once (:func:`policy.calibration_next`)."""
+        st, chosen = self.state, self.chosen
+        assert chosen is not None and st.network is not None
+        was_valid = chosen in self.valid()
+        raw = st.predictions[chosen].step_s - policy.overhead_in(st.history[-1], chosen)
+        st.corrections[chosen] = measured_s - raw
+        st.correction_beta[chosen] = st.network.beta_s_per_byte
+        dense = [c for c in self.config.candidates if c in self.dense_names]
+        nxt = policy.calibration_next(chosen, raw, measured_s, was_valid, st.history, st.predictions, self.valid(),
+                                      dense, self.config.family_margin)
+        if nxt is not None:
+            self.decide(step, nxt[0], probe=False, force=nxt[1])
+
     def _look(self, req: LookRequest, timed: Callable[..., Any]) -> tuple[str, dict | None]:
         engine, st = self.engine, self.state
         assert st.workload is not None and st.costs is not None

@@ -364,15 +364,11 @@ class LinkObserver:
         drift_threshold, drift_patience: the drift rule of :class:`LinkSchedule`.
         world_size: ranks that share the link; with one there is nothing to measure (never due).
         measure: how a refresh measures: ``measure(group, config, device) -> NetworkModel`` agreed
-            across ranks. Default: :func:`~lightning_gc.comm.probe.probe_network`'s MAX-agreed model.
-            A test, or a client with a better measurement (auto's probe sized to the link), passes
-            its own.
-        publish: write measured models into :attr:`state`, the
-            :class:`~lightning_gc.comm.network.NetworkState` the engine's exchanges read. The engine
-            publishes when its exchange chooses by the model (``needs_network``); otherwise a
-            measurement serves the clients that asked for it (:attr:`model`) and leaves the
-            exchanges' state alone, so an exchange that would pick its allreduce by the model keeps
-            doing what it did without one.
+            across ranks (default: :func:`~lightning_gc.comm.probe.probe_network`'s MAX-agreed model;
+            :func:`sized_measure` for the probe sized to the link).
+        publish: write measured models into :attr:`state`, which the engine's exchanges read (the
+            engine publishes when its exchange chooses by the model); otherwise a measurement serves
+            only the clients that asked for it (:attr:`model`).
 
     Reading: :attr:`model` (the model in force, or the clients' last measurement when not published).
     Refreshing: :meth:`refresh` probes now, :meth:`maybe_refresh` probes when :meth:`due`. Both are
