@@ -1,10 +1,13 @@
 """``compressor="auto"``: choose at run time the method that reaches the target soonest (docs/auto.md).
 
-* :mod:`~lightning_gc.auto.config` -- its options, in sections (:class:`AutoConfig`);
-* :mod:`~lightning_gc.auto.model` -- the step-time and progress model (pure functions);
-* :mod:`~lightning_gc.auto.candidates` -- the methods chosen among, measured on a live gradient;
-* :mod:`~lightning_gc.auto.chooser` -- the step participant that profiles, decides and re-decides;
-* :mod:`~lightning_gc.bench.advise` -- the same model offline (``lightning-gc advise``, beside the bench).
+By role: :mod:`~lightning_gc.auto.config` (options, :class:`AutoConfig`); pure rules in
+:mod:`~lightning_gc.auto.model` (step time and progress), :mod:`~lightning_gc.auto.policy` (the
+decision) and :mod:`~lightning_gc.auto.drift` (when to look again); measurement in
+:mod:`~lightning_gc.auto.measure`, :mod:`~lightning_gc.auto.candidates` and :mod:`~lightning_gc.auto.walls`;
+the link through :mod:`~lightning_gc.auto.look` and :mod:`~lightning_gc.auto.canary`; one decision in
+:mod:`~lightning_gc.auto.decider` (recorded by :mod:`~lightning_gc.auto.record`, its state in
+:mod:`~lightning_gc.auto.state`); the step participant :mod:`~lightning_gc.auto.chooser`. The same model
+offline: ``lightning-gc advise`` (:mod:`lightning_gc.bench.advise`).
 
 :class:`AutoChooser` is imported on first use, so that ``lightning_gc.config`` (which needs
 :class:`AutoConfig` only) does not load the participant and torch.distributed with it.

@@ -97,7 +97,6 @@ class Decider:
                  else 0.0)
         return valid, settled, shift_from, shift
 
-
     def decide(self, step: int, trigger: Trigger | str, probe: bool, dense_wall_s: float | None = None,
                 force: str | None = None, dense_exposed_s: float | None = None, check_link: bool = True,
                 drift_wall_s: float | None = None, detail: str | None = None,
