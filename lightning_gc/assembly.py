@@ -27,6 +27,7 @@ from .engine import GCEngine, gc_comm_hook
 from .engine.omgs import OMGSController
 from .engine.session import StepParticipant, StepSession
 from .sync import OSPSync
+from .sync.lgp import check_training_setup
 from .sync.diloco import DiLoCoSync
 
 SINGLE_PROCESS_WARNING = ("lightning_gc: world size is 1, so gradients are neither communicated nor compressed; "
@@ -165,6 +166,13 @@ def adopt_defaults(config: GCConfig, engine: GCEngine, optimizers: list[Any], ne
         rank_zero_warn(message)
 
 
+def check_setup(config: GCConfig, optimizers: list[Any], *, fp16_scaler: bool, automatic_optimization: bool) -> None:
+    """Refuse, once the optimizers and precision are known, what the configured synchronisation cannot run
+    with (each participant's own rule; today only OSP has one)."""
+    if config.sync == "osp":
+        check_training_setup(optimizers, fp16_scaler, automatic_optimization)
+
+
 def apply_state(session: StepSession, state: dict[str, Any]) -> None:
     """Restore a checkpoint's ``"lightning_gc"`` entry into the session, warning about error memory
     the checkpoint did not hold."""
@@ -176,4 +184,4 @@ def apply_state(session: StepSession, state: dict[str, Any]) -> None:
         )
 
 
-__all__ = ["Assembly", "adopt_defaults", "apply_state", "build_session", "casts_on_buckets", "startup_header"]
+__all__ = ["Assembly", "adopt_defaults", "apply_state", "build_session", "casts_on_buckets", "check_setup", "startup_header"]

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ._names import guard_registry, positional_string_message
-from .assembly import Assembly, adopt_defaults, apply_state, build_session
+from .assembly import Assembly, adopt_defaults, apply_state, build_session, check_setup
 from .auto import AutoChooser, AutoConfig
 from .compressors import available_compressors, get_entry
 from .config import FLAT_FIELDS, GCConfig
@@ -47,7 +47,7 @@ from .engine.omgs import OMGSConfig, OMGSController
 from .engine.owner import SessionOwner
 from .engine.session import StepSession
 from .summary import GCSummary, summarize
-from .sync import OSPSync, check_optimizer
+from .sync import OSPSync
 from .sync.diloco import DiLoCoSync
 
 log = logging.getLogger(__name__)
@@ -439,28 +439,11 @@ class GCStrategy(DDPStrategy, SessionOwner):
         check_trainer_setup(self._config, trainer.callbacks)
         put_first(trainer.callbacks)  # the session's evaluation view and end of training, before every callback
         super().setup(trainer)
-        if self._config.sync == "osp":
-            self._check_osp_setup()
+        check_setup(self._config, self.optimizers, fp16_scaler=self._scaler is not None,
+                    automatic_optimization=self.lightning_module.automatic_optimization)
         self._route_clipping()
         if self._engine is not None:  # the error-feedback default and the algorithm's advice, knowing the optimizers
             adopt_defaults(self._config, self._engine, self.optimizers)
-
-    def _check_osp_setup(self) -> None:
-        for optimizer in self.optimizers:
-            check_optimizer(optimizer)
-        if isinstance(self.precision_plugin, MixedPrecision) and getattr(self.precision_plugin, "scaler", None):
-            raise ValueError(
-                "GCStrategy(sync='osp') with fp16 mixed precision ('16-mixed'): torch's GradScaler decides on each "
-                "rank alone, from that rank's gradients, whether to skip a step and how to change the loss scale; "
-                "under OSP the deferred layers' gradients are local, so ranks could skip different steps and "
-                "scale differently, and the replicas would diverge. Use precision='bf16-mixed' (no scaler) or "
-                "'32-true', or sync='bsp'."
-            )
-        if not self.lightning_module.automatic_optimization:
-            raise ValueError(
-                "GCStrategy(sync='osp') needs automatic optimization (the loss steers the S(Gu) schedule and "
-                "the correction runs around optimizer.step()). Use sync='bsp' with manual optimization."
-            )
 
     def _route_clipping(self) -> None:
         """Send every clipping of the gradients (``gradient_clip_val`` and ``configure_gradient_clipping``
@@ -484,12 +467,17 @@ class GCStrategy(DDPStrategy, SessionOwner):
         clip_through_session.lightning_gc_session = True  # type: ignore[attr-defined]
         plugin.clip_gradients = clip_through_session  # type: ignore[method-assign]
 
+    @property
+    def _scaler(self) -> Any:
+        """The AMP GradScaler of fp16 mixed precision, if any."""
+        plugin = self.precision_plugin
+        return getattr(plugin, "scaler", None) if isinstance(plugin, MixedPrecision) else None
+
     @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks only on CUDA; the engine must run on every device type.
         assert isinstance(self.model, DistributedDataParallel)
-        scaler = getattr(self.precision_plugin, "scaler", None) if isinstance(self.precision_plugin, MixedPrecision) else None
-        self._assembly = build_session(self._config, self.model, scaler=scaler, pending_state=self._pending_state)
+        self._assembly = build_session(self._config, self.model, scaler=self._scaler, pending_state=self._pending_state)
         self._engine, self._session, self._pending_state = self._assembly.engine, self._assembly.session, None
 
     @override
