@@ -11,6 +11,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from dist_harness import run_distributed
 from lit_models import ReportCallback, TinyClassifier, make_loader
 
 from lightning_gc import GCStrategy
@@ -188,34 +189,29 @@ def test_resume_with_other_world_size_resets_memory_with_warning():
     assert torch.equal(strategy.engine.memory[0], torch.ones(64 * 32))
 
 
-CAST_SCRIPT = textwrap.dedent(
-    """
-    import sys, lightning as L, torch
-    sys.path.insert(0, {tests!r})
-    from lightning_gc import GCStrategy
+def _cast_ranks(rank: int, world_size: int, tmp: str) -> dict:
+    """The same 6 steps on 2 ranks with torch's fp16 hook, GCStrategy(compressor="fp16") and the same with
+    error feedback, in this process group (the ranks exist already: the strategies start none)."""
     from lightning_gc.bench.methods import TorchHookDDPStrategy
-    from lit_models import TinyClassifier, make_loader
-    which = sys.argv[1]
-    strategy = {{"torch": lambda: TorchHookDDPStrategy("fp16"),
-                 "gc": lambda: GCStrategy(compressor="fp16", warmup_steps=0),
-                 "gc_ef": lambda: GCStrategy(compressor="fp16", warmup_steps=0, error_feedback=True)}}[which]()
-    L.seed_everything(0)
-    model = TinyClassifier()
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=6, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model, make_loader())
-    if trainer.global_rank == 0:
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
+    strategies = {"torch": lambda: TorchHookDDPStrategy("fp16"),
+                  "gc": lambda: GCStrategy(compressor="fp16", warmup_steps=0),
+                  "gc_ef": lambda: GCStrategy(compressor="fp16", warmup_steps=0, error_feedback=True)}
+    out = {}
+    for which, strategy in strategies.items():
+        L.seed_everything(0, verbose=False)
+        model = TinyClassifier()
+        trainer = L.Trainer(strategy=strategy(), accelerator="cpu", devices=2, max_steps=6, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=tmp)
+        trainer.fit(model, make_loader())
         engine = getattr(trainer.strategy, "engine", None)
-        info = dict() if engine is None else dict(dense_mode=engine.dense_mode,
-                                                  compressed=engine.totals()["compressed_steps"],
-                                                  bytes=engine.totals()["bytes_sent"])
-        torch.save({{"params": [p.detach().clone() for p in model.parameters()], "info": info}}, f"{{which}}.pt")
-    # a gloo group left to the interpreter's exit can abort the process ("terminate called without an
-    # active exception"); GCStrategy destroys it at exit itself, the plain DDPStrategy does not
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    """
-)
+        info = {} if engine is None else dict(dense_mode=engine.dense_mode,
+                                              compressed=engine.totals()["compressed_steps"],
+                                              bytes=engine.totals()["bytes_sent"])
+        out[which] = {"params": [p.detach().clone() for p in model.parameters()], "info": info}
+    return out
 
 
 def test_a_plain_16_bit_cast_goes_on_ddps_buckets_as_torchs_hook(tmp_path):
@@ -224,15 +220,7 @@ def test_a_plain_16_bit_cast_goes_on_ddps_buckets_as_torchs_hook(tmp_path):
     step on mlp at 1 Gbit/s): after 6 steps on 2 ranks its parameters equal those of DDP with torch's
     hook bit for bit. With error feedback the compressor keeps the plan's groups (a rounding residual
     per group) and its steps are compressed ones."""
-    script = tmp_path / "cast.py"
-    script.write_text(CAST_SCRIPT.format(tests=str(REPO / "tests")))
-    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
-    out = {}
-    for which in ("torch", "gc", "gc_ef"):
-        proc = subprocess.run([sys.executable, str(script), which], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[which] = torch.load(tmp_path / f"{which}.pt")
+    out = run_distributed(_cast_ranks, 2, str(tmp_path), timeout=300)[0]
     assert all(torch.equal(a, b) for a, b in zip(out["torch"]["params"], out["gc"]["params"]))
     # by hand: TinyClassifier has 16·96 + 96 + 96·4 + 4 = 2020 parameters; a ring allreduce of 2-byte
     # elements at 2 ranks sends 2·(2 − 1)/2 · 2 · 2020 bytes per rank and step, and nothing else goes out
