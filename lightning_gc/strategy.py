@@ -299,6 +299,9 @@ class GCStrategy(DDPStrategy, SessionOwner):
         config: GCConfig | None = None,
         **kwargs: Any,
     ) -> None:
+        # the flat keywords above are FLAT_FIELDS' names; their place in the typed tree is that table's alone
+        arguments = locals()
+        flat = {name: arguments[name] for name in FLAT_FIELDS}
         if isinstance(accelerator, str) and accelerator not in AcceleratorRegistry:
             # GCStrategy("qsgd") would otherwise become accelerator="qsgd" and fail at Trainer setup
             raise ValueError(positional_string_message(
@@ -317,20 +320,6 @@ class GCStrategy(DDPStrategy, SessionOwner):
             # 25 MB buckets a ResNet-18 step has two or three buckets, so per-layer groups could not
             # start before half of backward was over. Small buckets let pipelined plans overlap.
             kwargs["bucket_cap_mb"] = PIPELINED_BUCKET_CAP_MB
-        # the one mapping from these flat names to the typed configuration tree (lightning_gc/config.py)
-        flat = dict(
-            compressor=compressor, ratio=ratio, compressor_args=compressor_args, collective=collective, plan=plan,
-            plan_threshold=plan_threshold, min_compress_numel=min_compress_numel, warmup_steps=warmup_steps,
-            error_feedback=error_feedback, check_finite=check_finite, nonfinite=nonfinite, seed=seed,
-            monitor=monitor, network_alpha_s=network_alpha_s, network_beta_s_per_byte=network_beta_s_per_byte,
-            probe_every=probe_every, probe_drift=probe_drift, probe_patience=probe_patience, overlap=overlap,
-            check_every=check_every, report_rides=report_rides, omgs=omgs, auto=auto, sync=sync, osp_deferred_fraction=osp_deferred_fraction, osp_round_steps=osp_round_steps,
-            osp_deferred_compressor=osp_deferred_compressor, osp_deferred_ratio=osp_deferred_ratio,
-            diloco_inner_steps=diloco_inner_steps, diloco_outer_optimizer=diloco_outer_optimizer,
-            diloco_outer_args=diloco_outer_args, diloco_fragments=diloco_fragments,
-            diloco_overlap_steps=diloco_overlap_steps, diloco_mixing=diloco_mixing,
-            diloco_error_decay=diloco_error_decay,
-        )
         self._config = _config_from(config, flat)
         self._compressor_name = self._config.to_flat()["compressor"]
         self._failed = False
