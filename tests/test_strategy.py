@@ -36,7 +36,7 @@ def _fit(tmp: Path, strategy: GCStrategy, model=None, ckpt_path=None, logger=Fal
 
 
 def test_hook_runs_on_cpu_and_counts_optimizer_steps_with_accumulation(tmp_path):
-    reports = _fit(tmp_path, GCStrategy(compressor="topk", ratio=0.1, start_method="spawn"), accumulate_grad_batches=2)
+    reports = _fit(tmp_path, GCStrategy(compressor="topk", ratio=0.1, start_method="forkserver"), accumulate_grad_batches=2)
     for rep in reports:
         assert rep["comm_hook"] == "gc_comm_hook"  # Lightning's DDPStrategy would not register it on CPU
         assert rep["hook_calls"] > 0
@@ -51,7 +51,7 @@ def test_resume_from_epoch_checkpoint_is_exact(tmp_path):
     both per-rank memory and private randomness must be restored)."""
 
     def strategy():
-        return GCStrategy(compressor="qsgd", error_feedback=True, start_method="spawn", warmup_steps=2)
+        return GCStrategy(compressor="qsgd", error_feedback=True, start_method="forkserver", warmup_steps=2)
 
     ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
     full = _fit(tmp_path / "a", strategy(), max_epochs=3, enable_checkpointing=True, callbacks=[ckpt_cb])
@@ -72,7 +72,7 @@ def test_resume_from_epoch_checkpoint_is_exact(tmp_path):
 def test_nonfinite_step_skipped_on_all_ranks_and_monitor_writes_tensorboard(tmp_path):
     logger = L.pytorch.loggers.TensorBoardLogger(str(tmp_path), name="tb")
     model = TinyClassifier(nan_at_step=5, nan_rank=1)
-    reports = _fit(tmp_path, GCStrategy(compressor="efsignsgd", start_method="spawn"), model=model, logger=logger,
+    reports = _fit(tmp_path, GCStrategy(compressor="efsignsgd", start_method="forkserver"), model=model, logger=logger,
                    log_every_n_steps=1, max_epochs=1)
     for rep in reports:
         assert rep["skipped"] == 1 and rep["totals"]["nonfinite_steps"] == 1
@@ -228,3 +228,28 @@ def test_a_plain_16_bit_cast_goes_on_ddps_buckets_as_torchs_hook(tmp_path):
     assert (out["gc_ef"]["info"]["dense_mode"], out["gc_ef"]["info"]["compressed"]) == (None, 6)
     # the residual is fed back, so the path differs from the hook's (it is not the buckets' path)
     assert not all(torch.equal(a, b) for a, b in zip(out["torch"]["params"], out["gc_ef"]["params"]))
+
+
+class _WhereAmI(L.Callback):
+    """Each rank writes what the launching test set in its environment and its working directory."""
+
+    def on_train_end(self, trainer, pl_module):
+        with open(f"rank{trainer.global_rank}.txt", "w") as fh:  # relative: in the worker's working directory
+            fh.write(os.environ.get("LIGHTNING_GC_TEST_MARK", "missing"))
+
+
+def test_forkserver_ranks_start_with_the_launchers_environment_and_their_own_module(tmp_path, monkeypatch):
+    """start_method="forkserver": the workers fork from a server started before this test, yet they see the
+    environment and working directory of the launching process at launch, and each trains its own copy of
+    the module (shared tensors would make both ranks step one set of parameters: with plain SGD the result
+    would differ from DDP's, the oracle here)."""
+    monkeypatch.setenv("LIGHTNING_GC_TEST_MARK", "set-by-the-test")
+    monkeypatch.chdir(tmp_path)
+    L.seed_everything(0, verbose=False)
+    reports = _fit(tmp_path, GCStrategy(compressor="dense", start_method="forkserver"), callbacks=[_WhereAmI()])
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["set-by-the-test"] * 2
+    L.seed_everything(0, verbose=False)
+    ddp = _fit(tmp_path / "ddp", L.pytorch.strategies.DDPStrategy(start_method="spawn"))
+    for r in range(2):
+        for k, v in ddp[r]["params"].items():
+            torch.testing.assert_close(reports[r]["params"][k], v, rtol=0, atol=1e-6)

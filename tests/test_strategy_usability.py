@@ -78,7 +78,7 @@ def fp16_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fp16run")
     logger = L.pytorch.loggers.TensorBoardLogger(str(tmp), name="tb")
     strategy = GCStrategy(compressor="fp16", min_compress_numel=0, check_finite=False, warmup_steps=WARMUP,
-                          error_feedback=True, start_method="spawn")
+                          error_feedback=True, start_method="spawn")  # spawn: the ranks print to this test's stdout
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=logger, max_epochs=EPOCHS,
                         log_every_n_steps=50, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[GCMonitor(), SummaryProbe(str(tmp))])
