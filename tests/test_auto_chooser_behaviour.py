@@ -1,0 +1,521 @@
+"""``compressor="auto"``'s chooser driven through its public API only: a fake engine implementing the
+``MethodControl`` port, a fake clock, checkpoints (``state_dict``/``load_state_dict``) and the step
+boundary (``after_optimizer_step``). Expected picks and figures are worked out by hand in each test
+(leads, corrections, medians) or by the hand-written model (tests/auto_oracle.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from auto_drive import Clock, FakeEngine, redecide, resume, resume_after_warmup, window
+from auto_oracle import step_by_hand
+
+from lightning_gc.auto import policy
+from lightning_gc.auto.config import AutoConfig
+from lightning_gc.auto.model import MethodCost, Workload
+from lightning_gc.auto.policy import Trigger
+from lightning_gc.comm.cost_model import NetworkModel
+from lightning_gc.engine.ports import MethodControl
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    return Clock(monkeypatch)
+
+
+def _state(ch, key):
+    return ch.state_dict()[key]
+
+
+def test_the_fake_engine_implements_the_port():
+    assert isinstance(FakeEngine(NetworkModel(0.0, 0.0)), MethodControl)
+
+
+# ---------------------------------------------------------------------- drift and patience
+def test_drift_waits_for_a_settled_reference_and_patience_then_switches_only_on_a_new_choice(clock):
+    wl = Workload(0.001, (0.001,), (1_000_000,))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 80_000.0, 0.5, True)]
+    cfg = AutoConfig(candidates=("ddp", "topk"), window=2, drift=0.3, patience=2, min_interval=1)
+    ch, engine = resume_after_warmup(clock, cfg, wl, costs, NetworkModel(0.0, 8 / 1e13))  # fast: ddp
+    assert ch.chosen == "ddp" and engine.dense_mode == "fp32"
+    ddp_step = ch.predictions["ddp"].step_s
+    window(ch, 10, 9.0, clock)  # the first window after a decision holds the switch: ignored
+    assert _state(ch, "reference") is None
+    window(ch, 12, ddp_step, clock)  # the reference; the calibration finds no error: no switch
+    assert _state(ch, "reference") == pytest.approx(ddp_step) and ch.history[0]["measured_step_s"] == pytest.approx(ddp_step)
+    assert [h["trigger"] for h in ch.history] == ["warmup", "calibration"] and ch.chosen == "ddp"
+    window(ch, 14, 1.5 * ddp_step, clock)  # +50 %: one drifted window, patience 2
+    assert len(ch.history) == 2
+    window(ch, 16, 1.1 * ddp_step, clock)  # back within 30 %: the count restarts
+    window(ch, 18, 1.6 * ddp_step, clock)
+    assert len(ch.history) == 2
+    engine.network.model = NetworkModel(0.0, 8 / 1e6)  # the link fell to 1 Mbit/s
+    window(ch, 20, 1.6 * ddp_step, clock)  # second drifted window in a row: re-decide with the new network
+    assert [h["trigger"] for h in ch.history] == ["warmup", "calibration", "drift"]
+    assert ch.chosen == "topk" and engine.calls == [("slot", "topk"), ("dense", None)]
+    topk_step = ch.predictions["topk"].step_s
+    window(ch, 30, 5.0, clock)  # settling
+    window(ch, 32, topk_step + 0.002, clock)  # reference: 2 ms slower than modelled
+    assert ch.history[-1]["trigger"] == "calibration"
+    assert ch.predictions["topk"].step_s == pytest.approx(topk_step + 0.002)
+    assert ch.chosen == "topk" and len(engine.calls) == 2  # still the best: nothing switched
+    window(ch, 34, 2 * topk_step, clock)
+    window(ch, 36, 2 * topk_step, clock)  # drift again, the network unchanged: the same choice, nothing switched
+    assert [h["trigger"] for h in ch.history] == ["warmup", "calibration", "drift", "calibration", "drift"]
+    assert ch.chosen == "topk" and len(engine.calls) == 2
+
+
+def _settled(clock, severe, min_interval=1):
+    wl = Workload(0.001, (0.001,), (1_000_000,))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 80_000.0, 0.5, True)]
+    cfg = AutoConfig(candidates=("ddp", "topk"), window=2, drift=0.3, patience=3, min_interval=min_interval,
+                     probe_every=0, severe_drift=severe)
+    ch, _ = resume_after_warmup(clock, cfg, wl, costs, NetworkModel(0.0, 8 / 1e13))
+    ref = ch.predictions["ddp"].step_s
+    window(ch, 2, 9.0, clock)  # settling
+    window(ch, 4, ref, clock)  # reference (calibration: no error, no switch)
+    assert [h["trigger"] for h in ch.history] == ["warmup", "calibration"]
+    return ch, ref
+
+
+def test_a_severe_drift_re_decides_after_one_window_a_moderate_one_waits_for_patience(clock):
+    """A window at >= severe_drift x the reference (either way) re-decides at once; +50 % waits for
+    ``patience`` windows; ``min_interval`` still holds; ``severe_drift=0`` turns the shortcut off."""
+    ch, ref = _settled(clock, 2.0)
+    window(ch, 6, 1.5 * ref, clock)  # moderate: 1 of 3 windows
+    window(ch, 8, 1.9 * ref, clock)  # just under 2x: 2 of 3
+    assert [h["trigger"] for h in ch.history] == ["warmup", "calibration"]
+    window(ch, 10, 1.0 * ref, clock)  # back: the count restarts
+    window(ch, 12, 2.0 * ref, clock)  # 2x: at once, although only one window drifted
+    assert [h["trigger"] for h in ch.history] == ["warmup", "calibration", "drift"]
+
+    ch, ref = _settled(clock, 2.0)
+    window(ch, 6, 0.5 * ref, clock)  # twice as fast counts as well (a link that came back)
+    assert [h["trigger"] for h in ch.history][-1] == "drift"
+
+    ch, ref = _settled(clock, 0)
+    for step in (6, 8):
+        window(ch, step, 10 * ref, clock)  # off: even 10x waits for patience
+    assert [h["trigger"] for h in ch.history] == ["warmup", "calibration"]
+    window(ch, 10, 10 * ref, clock)
+    assert [h["trigger"] for h in ch.history][-1] == "drift"
+
+    ch, ref = _settled(clock, 2.0, min_interval=50)
+    for step in (6, 8, 10):
+        window(ch, step, 1.5 * ref, clock)  # moderate, 3 windows (patience): within min_interval of any decision
+    assert [h["trigger"] for h in ch.history] == ["warmup", "calibration"]
+    window(ch, 12, 10 * ref, clock)  # severe: min_interval holds it only after another severe re-decision
+    assert [(h["step"], h["trigger"], h["drift_test"]) for h in ch.history[2:]] == [(12, "drift", "severe_window")]
+    window(ch, 14, 1.0, clock)  # settling
+    window(ch, 16, ref, clock)  # the reference
+    window(ch, 18, 10 * ref, clock)  # 6 steps after the severe re-decision at 12: held
+    assert len(ch.history) == 3
+
+
+# ---------------------------------------------------------------------- calibration and exploration
+def _slow_link(clock, explore: int, **cfg):
+    """Two compressed candidates the raw model ranks lowrank < topk on a slow link (time per
+    progress), while lowrank really runs much slower than modelled: the quickstart case at 20 Mbit/s."""
+    wl = Workload(0.001, (0.001,), (1_000_000,))
+    costs = [MethodCost("ddp", "bucket", 0.0),
+             MethodCost("lowrank", "lowrank", 0.0, 40_000.0, 0.3, True),
+             MethodCost("topk", "allgather", 0.0, 20_000.0, 0.5, True)]
+    config = AutoConfig(**{"candidates": ("ddp", "lowrank", "topk"), "window": 2, "explore": explore,
+                           "probe_every": 0, **cfg})
+    return resume_after_warmup(clock, config, wl, costs, NetworkModel(1e-4, 8 / 2e7), dense_wall_s=0.5)
+
+
+@pytest.mark.parametrize("explore", [1, 0])
+def test_a_method_slower_than_modelled_is_charged_alone_and_the_runner_up_is_measured(clock, explore):
+    ch, engine = _slow_link(clock, explore)
+    assert ch.chosen == "lowrank" and _state(ch, "corrections") == {"ddp": 0.0}  # the warm-up ran DDP's path
+    raw = {k: p.step_s for k, p in ch.predictions.items()}
+    tpp = {k: p.time_per_progress_s for k, p in ch.predictions.items()}
+    assert tpp["lowrank"] < tpp["topk"] < tpp["ddp"]
+    lowrank_real = raw["lowrank"] + 0.03  # 30 ms the model does not see, lowrank's own
+    window(ch, 4, 1.0, clock)  # settling
+    window(ch, 6, lowrank_real, clock)  # lowrank's first window: its correction
+    assert _state(ch, "corrections")["lowrank"] == pytest.approx(0.03)
+    assert ch.predictions["lowrank"].step_s == pytest.approx(lowrank_real)
+    if explore == 0:  # no exploration: the measured methods only (ddp is far slower): stays
+        assert ch.chosen == "lowrank" and ch.history[-1]["trigger"] == "calibration"
+        return
+    # topk's raw prediction still beats lowrank's measured time per progress: measured next
+    assert ch.predictions["topk"].step_s == pytest.approx(raw["topk"])  # not charged lowrank's 30 ms
+    assert ch.chosen == "topk" and engine.calls == [("slot", "topk"), ("dense", None)]
+    assert _state(ch, "explore_left") == 0
+    window(ch, 8, 1.0, clock)  # settling
+    window(ch, 10, raw["topk"] + 0.002, clock)  # topk runs 2 ms over its model: still the best
+    assert _state(ch, "corrections")["topk"] == pytest.approx(0.002) and ch.chosen == "topk"
+    assert [h["trigger"] for h in ch.history] == ["warmup", "calibration", "calibration"]
+    n = len(ch.history)
+    window(ch, 12, raw["topk"] + 0.002, clock)  # both measured: no further calibration
+    assert len(ch.history) == n
+    # a checkpoint carries the corrections and the exploration budget
+    state = ch.state_dict()
+    other, _ = _slow_link(clock, explore)
+    other.load_state_dict(state)
+    assert _state(other, "corrections") == _state(ch, "corrections") and _state(other, "explore_left") == 0
+    assert other.chosen == "topk"
+    with pytest.raises(ValueError, match="version 1"):
+        other.load_state_dict({**state, "version": 1})
+
+
+def test_a_calibration_explores_only_on_a_lead_of_explore_margin(clock):
+    """After lowrank's window, Top-k (unmeasured) leads lowrank's measured time per unit of progress
+    by some fraction L (by hand from the recorded predictions). With explore_margin just under L it is
+    explored (one of the budget spent); just over L the calibration stays on lowrank and keeps the
+    budget, and so does a later periodic decision on the same link; a ``gain`` re-decision takes the
+    plain minimum."""
+    def run(margin):
+        ch, _ = _slow_link(clock, 1, explore_margin=margin)
+        raw = ch.predictions["lowrank"].step_s
+        window(ch, 4, 1.0, clock)
+        window(ch, 6, raw + 0.03, clock)
+        return ch
+
+    probe = run(0.0)
+    tpp = {k: p.time_per_progress_s for k, p in probe.predictions.items()}
+    lead = 1.0 - tpp["topk"] / tpp["lowrank"]
+    assert probe.chosen == "topk" and 0.05 < lead < 0.95  # the premise: a real lead, explored at margin 0
+    under, over = run(lead - 0.01), run(lead + 0.01)
+    assert under.chosen == "topk" and _state(under, "explore_left") == 0
+    assert over.chosen == "lowrank" and _state(over, "explore_left") == 1
+    assert over.history[-1]["trigger"] == "calibration" and over.history[-1]["chosen"] == "lowrank"
+    # the same link and predictions: the margin holds at a periodic decision too; a gain re-decision acts on
+    # new errors: the plain minimum
+    assert redecide(over, Trigger.PERIODIC).chosen == "lowrank"
+    assert redecide(over, Trigger.GAIN).chosen == "topk"
+
+
+def _fast_settled(clock, shift: bool):
+    """The ``lm`` case at 100 Mbit/s: the warm-up's profiled compute (0.2 s) is far above a settled
+    step's; ``lowrank`` is picked and runs 0.15 s under its raw prediction."""
+    wl = Workload(0.05, (0.1,), (1_000_000,), optimizer_s=0.05)
+    costs = [MethodCost("ddp", "bucket", 0.0),
+             MethodCost("lowrank", "lowrank", 0.0, 40_000.0, 0.05, True),
+             MethodCost("topk", "allgather", 0.005, 60_000.0, 0.2, True)]
+    cfg = AutoConfig(candidates=("ddp", "lowrank", "topk"), window=2, probe_every=0, compute_shift=shift)
+    return resume_after_warmup(clock, cfg, wl, costs, NetworkModel(1e-4, 8 / 1e8), dense_wall_s=0.3)
+
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_a_speed_up_every_measured_method_showed_lowers_the_unmeasured_predictions(clock, shift):
+    from dataclasses import replace
+
+    ch, engine = _fast_settled(clock, shift)
+    raw = {k: p.step_s for k, p in ch.predictions.items()}
+    assert ch.chosen == "lowrank"
+    window(ch, 4, 1.0, clock)  # settling
+    window(ch, 6, raw["lowrank"] - 0.15, clock)  # lowrank's first window: 0.15 s under the raw model
+    assert _state(ch, "corrections")["lowrank"] == pytest.approx(-0.15)
+    want = -0.15 if shift else 0.0
+    assert ch.history[-1]["shift_s"] == pytest.approx(want) and ch.history[-1]["settled"] == ["lowrank"]
+    for name in ("ddp", "topk"):  # ddp's profile correction (0) is not a window of its own: shifted too
+        assert ch.predictions[name].step_s == pytest.approx(raw[name] + want)
+    assert ch.chosen == "lowrank"
+    # the errors re-measured: lowrank's grew (0.05 -> 0.6), Top-k's did not
+    grown = [replace(c, delta2=0.6) if c.name == "lowrank" else c for c in ch.costs]
+    d = redecide(ch, Trigger.GAIN, costs=grown)
+    # judged by the raw model, Top-k looks 0.2 s slower than it is and is never tried
+    assert d.chosen == ("topk" if shift else "lowrank")
+    assert d.predictions["topk"].step_s == pytest.approx(raw["topk"] + want)
+
+
+def _fp16_measured_on_a_fast_link(clock, **cfg):
+    """fp16 picked at a 10 Gbit/s link and measured 30 ms under the raw model (the warm-up's slow
+    compute); lowrank and Top-k are the compressed candidates."""
+    wl = Workload(0.002, (0.002,), (1_000_000,))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("fp16", "bucket", 0.0005),
+             MethodCost("lowrank", "lowrank", 0.002, 40_000.0, 0.3, True),
+             MethodCost("topk", "allgather", 0.001, 20_000.0, 0.5, True)]
+    # the figures below are set for a progress weight of 1 (Top-k's measured window must beat lowrank's)
+    config = AutoConfig(**{"candidates": ("ddp", "fp16", "lowrank", "topk"), "window": 2, "explore": 1,
+                           "probe_every": 0, "family_margin": 0.0, "progress_weight": 1.0, **cfg})
+    ch, engine = resume_after_warmup(clock, config, wl, costs, NetworkModel(1e-4, 8 / 1e10), dense_wall_s=0.04)
+    assert ch.chosen == "fp16"
+    window(ch, 2, 1.0, clock)
+    window(ch, 4, ch.predictions["fp16"].step_s - 0.03, clock)
+    assert _state(ch, "corrections")["fp16"] == pytest.approx(-0.03) and ch.chosen == "fp16"
+    return ch, engine, costs, wl
+
+
+def test_the_shift_comes_from_the_dense_modes_measured_on_any_link(clock):
+    """The changing-link case on the quickstart MLP: fp16, measured at a fast link, ran 30 ms under
+    the raw model. The link falls (a severe window re-decides); the shift still comes from fp16
+    (``shift_from``), not from ``lowrank``, picked next and only 5 ms under the raw model: so Top-k,
+    predicted with fp16's speed-up, is measured next and kept. With the shift taken from ``lowrank``
+    Top-k would be predicted 25 ms slower, above ``lowrank``'s measured time per unit of progress."""
+    ch, engine, costs, wl = _fp16_measured_on_a_fast_link(clock)
+    ref = _state(ch, "reference")
+    slow = NetworkModel(1e-4, 8 / 1e7)  # 10 Mbit/s: fp16's correction is stale here
+    engine.network.model = slow
+    window(ch, 10, 10 * ref, clock)  # severe: a drift re-decision on the slow link
+    h = ch.history[-1]
+    assert (h["trigger"], h["drift_test"]) == ("drift", "severe_window")
+    assert h["settled"] == [] and h["shift_from"] == ["fp16"] and h["shift_s"] == pytest.approx(-0.03)
+    other = h["workload"]["other_s"]
+
+    def raw(name):  # the raw model by hand, with the warm-up's fitted `other`
+        c = next(c for c in costs if c.name == name).as_dict()
+        return step_by_hand(c, {**wl.as_dict(), "other_s": other}, slow.alpha_s, slow.beta_s_per_byte, 4)
+
+    for name in ("lowrank", "topk"):
+        assert ch.predictions[name].step_s == pytest.approx(raw(name) - 0.03, rel=1e-9)
+    assert ch.chosen == "lowrank"  # the better per unit of progress by the shifted model
+    window(ch, 12, 1.0, clock)
+    window(ch, 14, raw("lowrank") - 0.005, clock)  # lowrank: only 5 ms under the raw model
+    h = ch.history[-1]
+    assert h["settled"] == ["lowrank"] and h["shift_from"] == ["fp16"] and h["shift_s"] == pytest.approx(-0.03)
+    eff = {k: p.step_s / p.time_per_progress_s for k, p in ch.predictions.items()}
+    lowrank_tpp = (raw("lowrank") - 0.005) / eff["lowrank"]
+    assert (raw("topk") - 0.03) / eff["topk"] < lowrank_tpp < (raw("topk") - 0.005) / eff["topk"]  # the premise
+    assert ch.chosen == "topk" and h["trigger"] == "calibration"
+    window(ch, 16, 1.0, clock)
+    window(ch, 18, raw("topk") - 0.02, clock)
+    assert ch.chosen == "topk" and _state(ch, "corrections")["topk"] == pytest.approx(-0.02)
+
+
+def test_a_reference_window_far_off_a_measured_prediction_re_decides_instead_of_calibrating(clock):
+    """fp16 was measured on the fast link; a moderate drift re-decision keeps it with a new reference
+    due, and the link falls before its reference window: that window runs 10x its (measured)
+    prediction. It is not taken as the reference: auto re-decides (trigger ``drift``, test
+    ``reference_window``) on the slow link, although within ``min_interval`` of the last decision (a
+    moderate one). A method never measured on this link, off by as much in its first window, is
+    calibrated as usual."""
+    ch, engine, _, _ = _fp16_measured_on_a_fast_link(clock, min_interval=30, patience=2, drift=0.3)
+    ref = _state(ch, "reference")
+    for s in range(6, 34, 2):
+        window(ch, s, ref, clock)
+    window(ch, 34, 1.5 * ref, clock)
+    window(ch, 36, 1.5 * ref, clock)  # patience, 30 steps after the last decision: fp16 kept, a new reference due
+    h = ch.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"], h["chosen"]) == (36, "drift", "window", "fp16")
+    assert _state(ch, "reference") is None
+    fp16_pred = ch.predictions["fp16"].step_s
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)  # the link falls to 10 Mbit/s
+    window(ch, 38, 1.0, clock)  # settling
+    window(ch, 40, 10 * fp16_pred, clock)  # 4 steps after the moderate re-decision: not held
+    assert _state(ch, "reference") is None
+    h = ch.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"]) == (40, "drift", "reference_window") and ch.chosen == "lowrank"
+    assert h["network"][1] == pytest.approx(8 / 1e7)
+    window(ch, 42, 1.0, clock)  # settling
+    lowrank_pred = ch.predictions["lowrank"].step_s
+    window(ch, 44, 3 * lowrank_pred, clock)  # never measured on this link: its window calibrates it
+    assert h["measured_step_s"] == pytest.approx(3 * lowrank_pred)  # taken as its window, not as a drift
+    assert ch.history[-1]["trigger"] == "calibration" and _state(ch, "corrections")["lowrank"] > 0
+
+
+def test_the_periodic_re_probe_counts_from_the_last_look_at_the_link(clock):
+    """probe_every (20) counts from the last decision that looked at the link (the warm-up at step 0
+    here), not from a calibration (step 4), which does not: the periodic re-decision comes at step 20,
+    not 24; a checkpoint carries the count."""
+    ch, engine, _, _ = _fp16_measured_on_a_fast_link(clock, probe_every=20)
+    assert [(h["step"], h["trigger"]) for h in ch.history] == [(0, "warmup"), (4, "calibration")]
+    ref = _state(ch, "reference")
+    for s in (6, 8, 10, 12, 14, 16):
+        window(ch, s, ref, clock)
+    state = copy.deepcopy(ch.state_dict())  # a checkpoint: saved as it is now
+    window(ch, 18, ref, clock)
+    assert ch.history[-1]["trigger"] == "calibration"
+    window(ch, 20, ref, clock)
+    assert (ch.history[-1]["step"], ch.history[-1]["trigger"]) == (20, "periodic")
+    # a gain re-decision does not look at the link: it keeps the running method's references
+    assert policy.keeps_reference(Trigger.GAIN, "kept", "fp16", "fp16", True)
+    resumed, _ = resume_after_warmup(clock, ch.config, *_fp16_inputs(), dense_wall_s=0.04)
+    resume(resumed, state, clock, step=16)
+    window(resumed, 18, ref, clock)
+    window(resumed, 20, ref, clock)
+    assert (resumed.history[-1]["step"], resumed.history[-1]["trigger"]) == (20, "periodic")
+
+
+def _fp16_inputs():
+    wl = Workload(0.002, (0.002,), (1_000_000,))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("fp16", "bucket", 0.0005),
+             MethodCost("lowrank", "lowrank", 0.002, 40_000.0, 0.3, True),
+             MethodCost("topk", "allgather", 0.001, 20_000.0, 0.5, True)]
+    return wl, costs, NetworkModel(1e-4, 8 / 1e10)
+
+
+def test_a_correction_holds_for_the_link_it_was_measured_on(clock):
+    """The quickstart run on a 1 Gbit/s -> 10 Mbit/s -> 1 Gbit/s link: ``lowrank`` runs far under its
+    prediction on the slow link; carried back to the fast link that correction made it look faster
+    than DDP. A correction is used only on a link within a factor 2 of the one it was measured on; a
+    method already measured there keeps its newest figure, re-deciding only after a switch made on its
+    older figure. The periodic re-decisions come every 2 steps after the last look at the link."""
+    fast, slow = NetworkModel(1e-4, 8 / 1e9), NetworkModel(1e-4, 8 / 1e7)
+    wl = Workload(0.001, (0.001,), (1_000_000,))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("lowrank", "lowrank", 0.06, 40_000.0, 0.3, True)]
+    cfg = AutoConfig(candidates=("ddp", "lowrank"), window=2, explore=0, probe_every=2, probe_every_max=0,
+                     severe_drift=0, drift=10.0)
+    ch, engine = resume_after_warmup(clock, cfg, wl, costs, fast)
+    raw_fast = {k: p.step_s for k, p in ch.predictions.items()}  # nothing measured yet: the raw model
+    assert ch.chosen == "ddp"
+    window(ch, 2, 9.0, clock)
+    window(ch, 4, raw_fast["ddp"] + 0.002, clock)  # ddp measured 2 ms over the model on the fast link
+    assert _state(ch, "corrections") == {"ddp": pytest.approx(0.002)}
+
+    engine.network.model = slow
+    window(ch, 6, raw_fast["ddp"] + 0.002, clock)  # the periodic look: the slow link
+    raw_slow = {k: p.step_s for k, p in ch.predictions.items()}
+    assert (ch.history[-1]["step"], ch.history[-1]["trigger"], ch.chosen) == (6, "periodic", "lowrank")
+    window(ch, 8, 9.0, clock)
+    window(ch, 10, raw_slow["lowrank"] - 0.05, clock)  # 50 ms under the model on the slow link
+    assert _state(ch, "corrections")["lowrank"] == pytest.approx(-0.05)
+    assert ch.chosen == "lowrank" and ch.history[-1]["trigger"] == "calibration"
+    # with -50 ms lowrank would look faster than DDP on the fast link: the premise of the test
+    assert (raw_fast["lowrank"] - 0.05) * 1.3 < raw_fast["ddp"] + 0.002 < raw_fast["lowrank"]
+
+    engine.network.model = fast
+    window(ch, 12, raw_slow["lowrank"] - 0.05, clock)  # the periodic look: the fast link again
+    assert (ch.history[-1]["trigger"], ch.chosen) == ("periodic", "ddp")
+    assert ch.predictions["lowrank"].step_s == pytest.approx(raw_fast["lowrank"])  # judged by the raw model
+    assert ch.predictions["ddp"].step_s == pytest.approx(raw_fast["ddp"] + 0.002)  # its fast-link correction holds
+    n = len(ch.history)
+    window(ch, 14, 9.0, clock)
+    # ddp measured again, faster: the newer figure. The periodic decision switched to it on its older
+    # figure, so this first window decides once more (a calibration), and keeps it
+    window(ch, 16, 0.5 * raw_fast["ddp"], clock)
+    assert _state(ch, "corrections")["ddp"] == pytest.approx(-0.5 * raw_fast["ddp"]) and len(ch.history) == n + 1
+    assert (ch.history[-1]["trigger"], ch.history[-1]["chosen"]) == ("calibration", "ddp")
+
+    engine.network.model = slow  # back on the slow link, lowrank's slow-link correction counts again
+    window(ch, 18, 0.5 * raw_fast["ddp"], clock)
+    assert (ch.history[-1]["trigger"], ch.chosen) == ("periodic", "lowrank")
+    assert ch.predictions["lowrank"].step_s == pytest.approx(raw_slow["lowrank"] - 0.05)
+
+    state = ch.state_dict()  # the tags survive a checkpoint
+    other, _ = resume_after_warmup(clock, cfg, wl, costs, slow)
+    other.load_state_dict(state)
+    got = policy.valid_corrections(_state(other, "corrections"), _state(other, "correction_beta"), slow)
+    assert got == {"lowrank": pytest.approx(-0.05)}  # ddp's two figures were both measured on the fast link
+
+
+# ---------------------------------------------------------------------- dense siblings and switch_margin
+def _dense_pair(clock, margin: float, **cfg):
+    """ddp and fp16 (and Top-k) on a fast link, after a warm-up whose DDP step was slow (its first
+    steps), so the model puts DDP well above the 16-bit hook: the ``gpt`` case at 1 Gbit/s."""
+    wl = Workload(0.02, (0.03, 0.03), (400_000, 400_000))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("fp16", "bucket", 0.001),
+             MethodCost("topk", "allgather", 0.004, 64_000.0, 0.6, True)]
+    config = AutoConfig(**{"candidates": ("ddp", "fp16", "topk"), "window": 2, "explore": 0, "probe_every": 0,
+                           "family_margin": margin, **cfg})
+    return resume_after_warmup(clock, config, wl, costs, NetworkModel(1e-4, 8 / 8e8), dense_wall_s=0.2)
+
+
+@pytest.mark.parametrize("margin", [0.15, 0.0])
+def test_a_dense_sibling_within_the_margin_runs_one_window_and_the_faster_is_kept(clock, margin):
+    ch, engine = _dense_pair(clock, margin)
+    assert ch.chosen == "fp16" and _state(ch, "corrections") == {"ddp": 0.0}
+    raw = {k: p.step_s for k, p in ch.predictions.items()}
+    assert raw["fp16"] < raw["ddp"] == pytest.approx(0.2)  # ddp: the profiled step itself
+    fp16_real = raw["fp16"] - 0.06  # the steady 16-bit step: 60 ms under the warm-up-based model
+    tpp = {k: p.time_per_progress_s / p.step_s for k, p in ch.predictions.items()}
+    ddp_moved = (raw["ddp"] + (fp16_real - raw["fp16"])) * tpp["ddp"]
+    within = ddp_moved <= (1 + margin) * fp16_real * tpp["fp16"]
+    assert within == (margin > 0)  # the premise: the 15 % margin admits DDP, 0 does not
+    window(ch, 2, 1.0, clock)  # settling
+    window(ch, 4, fp16_real, clock)  # fp16's first window
+    assert _state(ch, "corrections")["fp16"] == pytest.approx(-0.06)
+    if not within:  # no trial: the calibration keeps fp16 among the measured (explore=0)
+        assert ch.chosen == "fp16" and [h["trigger"] for h in ch.history] == ["warmup", "calibration"]
+        return
+    assert ch.chosen == "ddp" and engine.calls[-1] == ("dense", "fp32")
+    assert [h["trigger"] for h in ch.history] == ["warmup", "family"]
+    state = copy.deepcopy(ch.state_dict())  # a checkpoint taken during the trial
+    window(ch, 6, 1.0, clock)  # settling
+    ddp_real = fp16_real - 0.011  # DDP really runs 11 ms faster (gpt at 1 Gbit/s)
+    window(ch, 8, ddp_real, clock)
+    assert _state(ch, "corrections")["ddp"] == pytest.approx(ddp_real - raw["ddp"])
+    assert ch.chosen == "ddp" and [h["trigger"] for h in ch.history] == ["warmup", "family", "calibration"]
+    assert ch.predictions["ddp"].step_s == pytest.approx(ddp_real)
+    assert ch.predictions["fp16"].step_s == pytest.approx(fp16_real)
+    n = len(ch.history)
+    window(ch, 10, ddp_real, clock)  # both measured: no further trial or calibration
+    assert len(ch.history) == n
+
+    other, _ = _dense_pair(clock, margin)
+    resume(other, state, clock)
+    assert other.in_family_trial and other.chosen == "ddp" and policy.windowed(other.history) == {"fp16"}
+    window(other, 6, 1.0, clock)
+    window(other, 8, fp16_real + 0.02, clock)  # this time DDP is the slower one: back to fp16
+    assert other.chosen == "fp16" and other.history[-1]["trigger"] == "calibration"
+    assert not other.in_family_trial
+
+
+@pytest.mark.parametrize("lead, margin, switches", [(0.02, 0.03, False), (0.05, 0.03, True), (0.02, 0.0, True)])
+def test_a_measured_method_replaces_the_running_measured_one_only_on_a_lead_of_switch_margin(
+        clock, lead, margin, switches):
+    """fp16 measured, then DDP's trial window measured faster, so DDP runs. The host then slows: DDP's
+    fresh figure is such that fp16's older one leads it by ``lead`` per unit of progress (set by hand).
+    A periodic decision switches to fp16 only if that lead reaches ``switch_margin``; else DDP stays and
+    fp16 is named as held off (the ``gpt`` ping-pong at 1 Gbit/s)."""
+    ch, engine = _dense_pair(clock, 0.15, switch_margin=margin)
+    raw = {k: p.step_s for k, p in ch.predictions.items()}
+    fp16_real = raw["fp16"] - 0.06
+    window(ch, 2, 1.0, clock)
+    window(ch, 4, fp16_real, clock)
+    window(ch, 6, 1.0, clock)
+    window(ch, 8, fp16_real - 0.011, clock)
+    assert ch.chosen == "ddp" and policy.windowed(ch.history) == {"ddp", "fp16"}
+    per_progress = {k: p.time_per_progress_s / p.step_s for k, p in ch.predictions.items()}
+    ddp_now = fp16_real * per_progress["fp16"] / (1.0 - lead) / per_progress["ddp"]
+    corr = _state(ch, "corrections")
+    d = redecide(ch, Trigger.PERIODIC, corrections={"ddp": corr["ddp"] + ddp_now - ch.predictions["ddp"].step_s})
+    tpp = {k: p.time_per_progress_s for k, p in d.predictions.items()}
+    assert 1.0 - tpp["fp16"] / tpp["ddp"] == pytest.approx(lead)  # the premise, from the predictions
+    assert (d.chosen, d.previous) == ("fp16" if switches else "ddp", "ddp")
+    assert d.held_by_margin == (None if switches else "fp16")
+
+
+@pytest.mark.parametrize("ddp_over_fp16, kept, held", [
+    (1.014, "fp16", None),  # DDP's trial 1.4 % slower: fp16 back
+    (0.975, "fp16", "ddp"),  # 2.5 % faster, under switch_margin: fp16, the mode the trial interrupted, holds
+    (0.96, "ddp", None),  # 4 % faster: DDP replaces it
+])
+def test_the_calibration_after_a_dense_siblings_trial_keeps_the_interrupted_mode_unless_the_sibling_leads_by_switch_margin(
+        clock, ddp_over_fp16, kept, held):
+    ch, engine = _dense_pair(clock, 0.15)
+    assert ch.config.switch_margin == 0.03  # the default
+    raw = {k: p.step_s for k, p in ch.predictions.items()}
+    fp16_real = raw["fp16"] - 0.06
+    window(ch, 2, 1.0, clock)
+    window(ch, 4, fp16_real, clock)
+    assert ch.chosen == "ddp" and ch.in_family_trial
+    window(ch, 6, 1.0, clock)
+    window(ch, 8, fp16_real * ddp_over_fp16, clock)
+    h = ch.history[-1]
+    tpp = {k: v["time_per_progress_s"] for k, v in h["predictions"].items()}
+    assert tpp["ddp"] / tpp["fp16"] == pytest.approx(ddp_over_fp16, rel=1e-3)  # the premise, as recorded
+    assert (h["trigger"], h["chosen"], h["previous"], h["held_by_margin"]) == ("calibration", kept, "ddp", held)
+    assert engine.calls[-1] == (("dense", "fp16") if kept == "fp16" else ("dense", "fp32"))
+    assert not ch.in_family_trial and ch.chosen == kept
+
+
+def test_at_the_end_of_a_siblings_trial_a_third_measured_method_is_taken_as_any_calibration_takes_it(clock):
+    """The interrupted mode holds only against the sibling. Here Top-k was measured on this link
+    before (a checkpoint says so), and at the calibration that ends DDP's trial its figure is the best:
+    2 % under fp16's per unit of progress (under ``switch_margin``), DDP's 1 % under. Top-k is taken,
+    as any calibration takes the faster, and nothing is held."""
+    ch, engine = _dense_pair(clock, 0.15)
+    raw = {k: p.step_s for k, p in ch.predictions.items()}
+    per = {k: p.time_per_progress_s / p.step_s for k, p in ch.predictions.items()}
+    fp16_real = raw["fp16"] - 0.06
+    window(ch, 2, 1.0, clock)
+    window(ch, 4, fp16_real, clock)
+    assert ch.chosen == "ddp" and ch.in_family_trial
+    topk_step = 0.98 * fp16_real * per["fp16"] / per["topk"]
+    state = ch.state_dict()
+    state["corrections"]["topk"] = topk_step - raw["topk"]
+    state["correction_beta"]["topk"] = ch.network.beta_s_per_byte
+    state["history"].insert(0, {"step": -1, "trigger": "warmup", "chosen": "topk", "measured_step_s": topk_step})
+    resume(ch, state, clock)
+    window(ch, 6, 1.0, clock)
+    window(ch, 8, 0.99 * fp16_real * per["fp16"] / per["ddp"], clock)
+    h = ch.history[-1]
+    tpp = {k: v["time_per_progress_s"] for k, v in h["predictions"].items()}
+    assert tpp["topk"] < tpp["ddp"] < tpp["fp16"] < tpp["topk"] / 0.97  # the premise: every lead under 3 %
+    assert (h["trigger"], h["chosen"], h["previous"], h["held_by_margin"]) == ("calibration", "topk", "ddp", None)
+    assert engine.calls[-2:] == [("slot", "topk"), ("dense", None)]
