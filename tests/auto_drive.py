@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -43,12 +44,18 @@ class Clock:
 
 class FakeEngine:
     """The members of :class:`~lightning_gc.engine.ports.MethodControl` the chooser uses, for one process
-    standing in for ``world_size`` ranks. ``calls`` records every method change the chooser applies. A
-    wall handed to ``carry_wall`` is lost on the way (``carried_wall_mean_s`` None, as after a resume):
-    each window's median is then this rank's own walls, agreed (the identity here)."""
+    standing in for ``world_size`` ranks. ``calls`` records every method change the chooser applies.
+
+    ``carry=False``: a wall handed to ``carry_wall`` is lost on the way (``carried_wall_mean_s`` None, as
+    after a resume): each window's median is then this rank's own walls, agreed (the identity here), and
+    the every-step tests see nothing. ``carry=True``: as GCEngine, the next step's messages carry it (its
+    closing report, or a dense step's first bucket once ``enable_dense_carry`` was called)."""
 
     def __init__(self, network: NetworkModel | None, world_size: int = 4, pinned: bool = True,
-                 params: Sequence[torch.Tensor] = ()) -> None:
+                 params: Sequence[torch.Tensor] | None = None, carry: bool = False) -> None:
+        self.carry = carry
+        if params is None:  # one small tensor: what a gradient sample hooks (the chooser never reads its values here)
+            params = [torch.nn.Parameter(torch.zeros(4))]
         self.world_size, self.rank, self.step, self.device = world_size, 0, 0, torch.device("cpu")
         self.process_group = self.exchange_group = None
         self.names = [f"p{i}" for i in range(len(params))]
@@ -119,17 +126,27 @@ class FakeEngine:
         return {}
 
 
-def step_end(chooser: AutoChooser, step: int, wall: float, clock: Clock) -> None:
-    """Step ``step`` ends after ``wall`` seconds: the engine's stats of the step (its carried wall lost,
-    no exchange time), then the chooser's ``after_optimizer_step``."""
+def step_end(chooser: AutoChooser, step: int, wall: float, clock: Clock, exchange_s: float | None = None) -> None:
+    """Step ``step`` ends after ``wall`` seconds: the engine's stats of the step (the wall carried from the
+    step before, see :class:`FakeEngine`; a compressed step's agreed exchange time ``exchange_s``), then the
+    chooser's ``after_optimizer_step``."""
     engine = chooser.engine
-    engine.last_step = SimpleNamespace(step=step, dense=engine.step_is_dense(), dense_stopped=False,
-                                       carried_wall_mean_s=None, exchange_comm_mean_s=None,
+    dense = engine.step_is_dense()
+    carried = engine.carried if engine.carry and (not dense or engine.dense_carry) else None
+    engine.last_step = SimpleNamespace(step=step, dense=dense, dense_stopped=False, carried_wall_mean_s=carried,
+                                       exchange_comm_mean_s=None if dense else exchange_s,
                                        exchange_comm_mean_step=None)
     engine.carried = None
     engine.step = step + 1
     clock.now += wall
     chooser.after_optimizer_step()
+
+
+def walls(chooser: AutoChooser, by_step: dict, clock: Clock) -> None:
+    """Step ends with these walls (``{step: wall}`` or ``{step: (wall, exchange_s)}``)."""
+    for s, w in by_step.items():
+        wall, x = w if isinstance(w, tuple) else (w, None)
+        step_end(chooser, s, wall, clock, x)
 
 
 def window(chooser: AutoChooser, step: int, wall: float, clock: Clock) -> None:
@@ -140,7 +157,8 @@ def window(chooser: AutoChooser, step: int, wall: float, clock: Clock) -> None:
 
 
 def warm_state(config: AutoConfig, workload: Workload, costs: Sequence[MethodCost], network: NetworkModel,
-               world_size: int = 4, dense_wall_s: float | None = None, time_codec=None) -> dict:
+               world_size: int = 4, dense_wall_s: float | None = None, time_codec=None,
+               last_gain_step: int | None = None) -> dict:
     """The state a chooser checkpoints right after its warm-up decision at step 0 on a pinned
     ``network`` (no probe), with ``costs`` as measured; ``dense_wall_s``: the profiled DDP step (it
     fits ``other_s`` and makes ``ddp`` measured)."""
@@ -166,7 +184,7 @@ def warm_state(config: AutoConfig, workload: Workload, costs: Sequence[MethodCos
             "reference": None, "drifted": 0, "settling": True, "reference_exchange": None, "run_medians": [],
             "corrections": corrections, "explore_left": d.explore_left, "correction_beta": correction_beta,
             "last_decision_step": 0, "last_link_step": 0 if looked else None, "link_interval": config.probe_every,
-            "gain_interval": config.gain_every, "last_gain_step": None, "gain_checks": [], "beta_scale": 1.0,
+            "gain_interval": config.gain_every, "last_gain_step": last_gain_step, "gain_checks": [], "beta_scale": 1.0,
             "sampling": False, "warmup_steps": 1, "probe_bytes": 0, "probe_time_s": 0.0, "probe_time_modelled": False}
 
 
@@ -182,11 +200,13 @@ def resume(chooser: AutoChooser, state: dict, clock: Clock, step: int | None = N
 
 def resume_after_warmup(clock: Clock, config: AutoConfig, workload: Workload, costs: Sequence[MethodCost],
                         network: NetworkModel, world_size: int = 4, dense_wall_s: float | None = None,
-                        engine: FakeEngine | None = None) -> tuple[AutoChooser, FakeEngine]:
+                        engine: FakeEngine | None = None, carry: bool = False, time_codec=None,
+                        last_gain_step: int | None = None) -> tuple[AutoChooser, FakeEngine]:
     """A chooser resumed right after its warm-up decision (:func:`warm_state`), at the end of step 0."""
-    engine = engine or FakeEngine(network, world_size)
-    chooser = AutoChooser(engine, config, torch.nn.Linear(1, 1), [])
-    resume(chooser, warm_state(config, workload, costs, network, world_size, dense_wall_s), clock)
+    engine = engine or FakeEngine(network, world_size, carry=carry)
+    chooser = AutoChooser(engine, config, torch.nn.Linear(1, 1), list(zip(engine.names, engine.params)))
+    resume(chooser, warm_state(config, workload, costs, network, world_size, dense_wall_s, time_codec,
+                               last_gain_step), clock)
     engine.calls.clear()
     return chooser, engine
 
@@ -218,3 +238,20 @@ def redecide(chooser: AutoChooser, trigger: Trigger, costs: Sequence[MethodCost]
                                         chooser.chosen, st["explore_left"], None, chooser.in_family_trial,
                                         chooser.history[-1].get("previous")),
                          lambda name: (_ for _ in ()).throw(AssertionError(f"timed {name}")))
+
+
+def resumed_with(chooser: AutoChooser, clock: Clock, step: int | None = None, **cfg) -> AutoChooser:
+    """A new chooser on the same engine, resumed from ``chooser``'s checkpoint with options ``cfg`` changed
+    (e.g. a window long enough that only the every-step tests act)."""
+    config = replace(chooser.config, **cfg)
+    engine = chooser.engine
+    other = AutoChooser(engine, config, torch.nn.Linear(1, 1), list(zip(engine.names, engine.params)))
+    resume(other, copy.deepcopy(chooser.state_dict()), clock, step)
+    return other
+
+
+def sampling_at(chooser: AutoChooser, step: int, clock: Clock) -> bool:
+    """Whether the chooser samples the gradients of the step after ``step`` (its errors' re-measurement is
+    due), read from a copy resumed from its checkpoint and ended at ``step``."""
+    probe = resumed_with(chooser, clock, step)
+    return bool(probe.state_dict()["sampling"])

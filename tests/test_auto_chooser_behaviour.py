@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from auto_drive import Clock, FakeEngine, redecide, resume, resume_after_warmup, window
+from auto_drive import Clock, FakeEngine, redecide, resume, resume_after_warmup, resumed_with, sampling_at, walls, window
 from auto_oracle import step_by_hand
 
 from lightning_gc.auto import policy
@@ -519,3 +519,140 @@ def test_at_the_end_of_a_siblings_trial_a_third_measured_method_is_taken_as_any_
     assert tpp["topk"] < tpp["ddp"] < tpp["fp16"] < tpp["topk"] / 0.97  # the premise: every lead under 3 %
     assert (h["trigger"], h["chosen"], h["previous"], h["held_by_margin"]) == ("calibration", "topk", "ddp", None)
     assert engine.calls[-2:] == [("slot", "topk"), ("dense", None)]
+
+
+# ---------------------------------------------------------------------- older figures, running figures
+def _fp16_back_after_ddps_trial(clock, ddp_slower_s, **cfg):
+    """fp16 measured 60 ms under the warm-up's model, then DDP's trial window measured slower (by
+    ``ddp_slower_s``, or 10 % if None), and the calibration back on fp16."""
+    ch, engine = _dense_pair(clock, 0.15, **cfg)
+    raw = {k: p.step_s for k, p in ch.predictions.items()}
+    fp16_real = raw["fp16"] - 0.06
+    window(ch, 2, 1.0, clock)
+    window(ch, 4, fp16_real, clock)  # fp16 measured; DDP's trial
+    window(ch, 6, 1.0, clock)
+    window(ch, 8, 1.1 * fp16_real if ddp_slower_s is None else fp16_real + ddp_slower_s, clock)
+    return ch, engine, raw, fp16_real
+
+
+@pytest.mark.parametrize("confirmed", [False, True])
+def test_a_switch_on_an_older_figure_is_decided_again_after_the_new_methods_first_window(clock, confirmed):
+    """fp16 and DDP measured (fp16 faster), fp16 runs. The host slows: fp16's fresh figure (its new
+    reference window) is 8 % above DDP's older one, so the periodic re-decision switches to DDP (a
+    ``gain`` re-decision chooses the same: the policy, by hand below). DDP's first window then
+    re-decides (trigger ``calibration``) between two figures a window apart: back to fp16 when DDP's
+    window reads slower than fp16's figure, DDP kept when faster. The calibration's own switch back is
+    not decided again. Meanwhile DDP is on trial: no re-measurement of the errors falls due."""
+    ch, engine, raw, fp16_real = _fp16_back_after_ddps_trial(clock, 0.01, probe_every=30, gain_first=0,
+                                                             gain_every=400)
+    assert ch.chosen == "fp16" and [h["trigger"] for h in ch.history] == ["warmup", "family", "calibration"]
+    ddp_figure = ch.predictions["ddp"].step_s
+    assert ddp_figure == pytest.approx(fp16_real + 0.01)
+    state = ch.state_dict()
+    state["last_gain_step"] = 0  # the errors were measured at step 0: the next re-measurement is due from step 400
+    resume(ch, state, clock)
+    window(ch, 10, 1.08 * ddp_figure, clock)  # settling after the switch back
+    window(ch, 12, 1.08 * ddp_figure, clock)  # fp16's reference: its fresh figure, no decision
+    assert len(ch.history) == 3
+    assert redecide(ch, Trigger.GAIN).chosen == "ddp"
+    for s in range(14, 30, 2):
+        window(ch, s, 1.08 * ddp_figure, clock)
+    window(ch, 30, 1.08 * ddp_figure, clock)  # 30 steps after the warm-up's look at the link: periodic
+    h = ch.history[-1]
+    assert (h["step"], h["trigger"], h["previous"], h["chosen"]) == (30, "periodic", "fp16", "ddp")
+    assert ch.in_trial and not sampling_at(ch, 500, clock)
+    fp16_figure = ch.predictions["fp16"].step_s
+    assert fp16_figure == pytest.approx(1.08 * ddp_figure)
+    ddp_window = fp16_figure * (0.95 if confirmed else 1.11)  # by hand: faster or slower than fp16's figure
+    window(ch, 32, 1.0, clock)  # settling
+    window(ch, 34, ddp_window, clock)
+    h = ch.history[-1]
+    assert (h["step"], h["trigger"], h["previous"]) == (34, "calibration", "ddp")
+    assert h["chosen"] == ("ddp" if confirmed else "fp16")
+    assert engine.calls[-1] == ("dense", "fp32" if confirmed else "fp16")
+    assert not ch.in_trial and sampling_at(ch, 500, clock)
+    n = len(ch.history)
+    steady = ch.predictions[ch.chosen].step_s
+    window(ch, 36, steady, clock)  # settling after the switch back, or a steady window
+    window(ch, 38, steady, clock)  # the calibration's own switch is not decided again
+    assert len(ch.history) == n
+
+
+@pytest.mark.parametrize("windows", [0, 1, 7])
+def test_a_re_decision_weighs_the_running_method_by_all_its_windows_not_its_reference_alone(clock, windows):
+    """fp16 and DDP measured, fp16 runs; its reference window after the calibration read 20 % slow
+    (an outlier), and DDP's older figure is 10 % above fp16's true step. With at least 3 windows
+    (the reference and 2 more), a periodic re-decision on the same link takes fp16's figure from the
+    median of all of them (by hand: the true step) and keeps fp16; with fewer it uses the reference
+    window and switches to DDP."""
+    ch, engine, raw, fp16_real = _fp16_back_after_ddps_trial(clock, None, probe_every=1000)
+    assert ch.chosen == "fp16" and ch.predictions["ddp"].step_s == pytest.approx(1.1 * fp16_real)
+    window(ch, 10, 1.0, clock)  # settling
+    window(ch, 12, 1.2 * fp16_real, clock)  # the reference window: an outlier; fp16 was measured, no decision
+    assert [h["trigger"] for h in ch.history] == ["warmup", "family", "calibration"]
+    assert ch.chosen == "fp16" and _state(ch, "corrections")["fp16"] == pytest.approx(1.2 * fp16_real - raw["fp16"])
+    for k in range(windows):  # within drift (30 %) of the reference: no re-decision
+        window(ch, 14 + 2 * k, fp16_real, clock)
+    assert len(ch.history) == 3
+    assert _state(ch, "run_medians") == pytest.approx([1.2 * fp16_real] + [fp16_real] * windows)
+    # the periodic look falls at the next window (a checkpoint whose last look at the link was 1000 steps ago)
+    state = ch.state_dict()
+    state["last_link_step"] = 40 - 1000
+    resume(ch, state, clock, step=38)
+    window(ch, 40, fp16_real, clock)  # this window counts too
+    medians = [1.2 * fp16_real] + [fp16_real] * (windows + 1)  # by hand
+    h = ch.history[-1]
+    assert (h["step"], h["trigger"]) == (40, "periodic")
+    if len(medians) >= 3:
+        assert h["running_figure_s"] == pytest.approx(sorted(medians)[len(medians) // 2])
+        assert h["predictions"]["fp16"]["step_s"] == pytest.approx(fp16_real)
+        assert h["chosen"] == "fp16"
+    else:
+        assert h["running_figure_s"] is None
+        assert h["predictions"]["fp16"]["step_s"] == pytest.approx(1.2 * fp16_real)
+        assert (h["chosen"], h["previous"]) == ("ddp", "fp16")
+
+
+def test_a_gain_re_measurement_waits_until_a_trial_window_is_measured(clock):
+    """A re-measurement of the errors that fell due while a method was on trial (a dense sibling's
+    window, or a method an exploration installed) is not taken until that window has been measured;
+    before and after a trial it is taken when due (read as the chooser arming the next step's gradient
+    sample). The ``cnn`` case at 1 Gbit/s: the first re-measurement came inside DDP's trial."""
+    ch, _ = _dense_pair(clock, 0.15)
+    state = ch.state_dict()
+    state["last_gain_step"] = 1  # the warm-up's errors, measured on step 1
+    resume(ch, state, clock)
+    due = 1 + ch.config.gain_first - 1  # by hand: gain_first (20) steps after step 1's sample
+    assert not sampling_at(ch, due - 1, clock) and sampling_at(ch, due, clock)  # not on trial: when due
+    window(ch, 2, 1.0, clock)  # settling
+    window(ch, 4, ch.predictions["fp16"].step_s - 0.06, clock)  # fp16 measured: DDP's trial begins
+    assert ch.in_trial and ch.chosen == "ddp"
+    assert not sampling_at(ch, due, clock) and not sampling_at(ch, due + 100, clock)
+    window(ch, 6, 1.0, clock)  # settling
+    assert not sampling_at(ch, due, clock)  # the trial's window is still to come
+    window(ch, 8, ch.predictions["fp16"].step_s - 0.011, clock)  # DDP's window measured
+    assert ch.history[-1]["trigger"] == "calibration" and not ch.in_trial
+    assert sampling_at(ch, due, clock)
+
+    # an exploration's trial: topk installed by the calibration, unmeasured until its window
+    explorer, _ = _slow_link(clock, 1)
+    state = explorer.state_dict()
+    state["last_gain_step"] = 0
+    resume(explorer, state, clock)
+    assert sampling_at(explorer, 50, clock) and not explorer.in_trial  # the warm-up's pick is not a trial
+    window(explorer, 4, 1.0, clock)
+    window(explorer, 6, explorer.predictions["lowrank"].step_s + 0.03, clock)
+    assert explorer.chosen == "topk" and explorer.history[-1]["trigger"] == "calibration"
+    assert explorer.in_trial and not sampling_at(explorer, 50, clock)
+    window(explorer, 8, 1.0, clock)
+    window(explorer, 10, explorer.predictions["topk"].step_s + 0.002, clock)
+    assert explorer.chosen == "topk" and not explorer.in_trial and sampling_at(explorer, 50, clock)
+
+
+def test_the_state_is_a_snapshot(clock):
+    """state_dict() is the state of its moment: later decisions do not change a dict already taken."""
+    ch, _, _, _ = _fp16_measured_on_a_fast_link(clock, min_interval=1)
+    state = ch.state_dict()
+    n = len(state["history"])
+    window(ch, 6, 10 * _state(ch, "reference"), clock)  # a severe drift: a decision
+    assert len(ch.history) == n + 1 and len(state["history"]) == n

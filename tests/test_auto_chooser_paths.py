@@ -1,0 +1,1194 @@
+"""The ``auto`` model against hand-written equations and a brute-force argmin (tests/auto_oracle.py)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import random
+
+import pytest
+from auto_oracle import argmin_by_hand, buckets_by_hand, step_by_hand
+
+from lightning_gc.auto.model import (
+    MethodCost,
+    Workload,
+    calibrate_other,
+    choose,
+    choose_measured,
+    ddp_buckets,
+    efficiency,
+    predict,
+)
+from lightning_gc.comm.cost_model import NetworkModel
+
+
+# ---------------------------------------------------------------------- the re-decision trigger
+class _FakeEngine:
+    """Just what AutoChooser's drift path touches (one process: agreement is the identity)."""
+
+    def __init__(self, network):
+        from types import SimpleNamespace
+
+        import torch
+
+        self.world_size, self.process_group, self.step, self.device = 4, None, 0, torch.device("cpu")
+        self.network = SimpleNamespace(pinned=True, model=network)
+        self.plan = SimpleNamespace(groups=[SimpleNamespace(gid=0, exact=False)])
+        self.config = SimpleNamespace(warmup_steps=1, seed=0)
+        self.calls: list = []
+        self.dense_mode = None  # as GCEngine: a dense mode runs every step on DDP's buckets
+        self.last_step = None  # _walls sets it: the stats of the step that just ended
+        self.carried = None  # carry_wall's value, for the next step's closing report
+        self.dense_carry = False  # enable_dense_carry: dense steps carry it too (in their first bucket)
+
+    def enable_dense_carry(self):
+        self.dense_carry = True
+
+    def step_is_dense(self):
+        return self.dense_mode is not None
+
+    def carry_wall(self, wall_s):
+        self.carried = wall_s
+
+    def raise_warmup_steps(self, steps):
+        pass
+
+    def shorten_warmup_steps(self, steps):
+        self.config.warmup_steps = min(self.config.warmup_steps, steps)
+
+    def synchronize(self):
+        pass
+
+    def set_dense_mode(self, mode):
+        self.calls.append(("dense", mode))
+        self.dense_mode = mode
+
+    def set_group_method(self, gid, spec):
+        self.calls.append(("slot", spec.compressor))
+
+    def adopt_network(self, model):  # an unpinned network: the chooser's agreed model
+        self.network.model = model
+
+
+def test_the_warm_up_dense_step_scales_every_probed_beta(monkeypatch):
+    """The probe under-reads a slow link (small messages, the slowest rank's view); the profiled DDP
+    step, shorter than the probed β predicts, sets a scale that every later probe gets too."""
+    import torch
+    from auto_oracle import step_by_hand
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    wl = Workload(0.01, (0.01, 0.01), (500_000, 500_000))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 80_000.0, 0.5, True)]
+    engine = _FakeEngine(None)
+    engine.network.pinned = False
+    engine.adopt_network = lambda net: engine.calls.append(("adopt", net.beta_s_per_byte))
+    probes = iter([NetworkModel(1e-4, 8 / 10e6), NetworkModel(1e-4, 8 / 5e6)])  # 10 Mbit/s, then 5
+    monkeypatch.setattr(AutoChooser, "_probe", lambda self, latency=None: next(probes))
+    ch = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), probe_every=0), torch.nn.Linear(1, 1), [])
+    ch.workload, ch.costs = wl, costs
+    d = dict(wl.as_dict(), other_s=0.0)
+    wall = step_by_hand(costs[0].as_dict(), d, 1e-4, 8 / 16e6, 4)  # the DDP step ran as at 16 Mbit/s
+    ch._decide(1, "warmup", probe=True, dense_wall_s=wall)
+    assert ch.beta_scale == pytest.approx(10 / 16, rel=1e-6)
+    assert ch.network.beta_s_per_byte == pytest.approx(8 / 16e6, rel=1e-6)
+    assert ch.workload.other_s == pytest.approx(0.0, abs=1e-9)  # the link explains the step
+    assert ch.history[-1]["beta_scale"] == ch.beta_scale and engine.calls[0] == ("adopt", ch.network.beta_s_per_byte)
+    ch._decide(50, "periodic", probe=True)
+    assert ch.network.beta_s_per_byte == pytest.approx(8 / 5e6 * 10 / 16, rel=1e-6)
+    state = ch.state_dict()
+    other = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), probe_every=0), torch.nn.Linear(1, 1), [])
+    other.load_state_dict(state)
+    assert other.beta_scale == ch.beta_scale
+
+
+def _slow_link_chooser(monkeypatch, explore: int):
+    """Two compressed candidates the raw model ranks lowrank < topk on a slow link (time per
+    progress), while lowrank really runs much slower than modelled: the quickstart case at 20 Mbit/s."""
+    import torch
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    wl = Workload(0.001, (0.001,), (1_000_000,))
+    costs = [MethodCost("ddp", "bucket", 0.0),
+             MethodCost("lowrank", "lowrank", 0.0, 40_000.0, 0.3, True),
+             MethodCost("topk", "allgather", 0.0, 20_000.0, 0.5, True)]
+    engine = _FakeEngine(NetworkModel(1e-4, 8 / 2e7))
+    cfg = AutoConfig(candidates=("ddp", "lowrank", "topk"), window=2, explore=explore, probe_every=0)
+    chooser = AutoChooser(engine, cfg, torch.nn.Linear(1, 1), [])
+    chooser.workload, chooser.costs = wl, costs
+    chooser._decide(0, "warmup", probe=False, dense_wall_s=0.5)
+    return chooser, engine
+
+
+def _window(chooser, step, wall):
+    chooser._window = [wall, wall]
+    chooser._check_drift(step)
+
+
+def test_codecs_are_timed_only_when_a_lower_bound_leads_and_the_pick_equals_timing_them_all(monkeypatch):
+    """``time_codecs="on_demand"``: the warm-up's costs carry no engine codec time (0, a lower bound);
+    a decision whose best is such a bound times that codec and decides again, until its best is
+    timed. Oracles: the brute-force argmin over the *true* costs (codec times pinned here, returned
+    by the timing function) is the pick; which codecs are timed, and in what order, is replayed by
+    hand (brute-force argmin over the bounds, the leader's true cost put in, again); every codec
+    left untimed could not have won (its bound is no better than the pick's true figure). Random
+    cases on fast and slow links: some decide on a dense mode without timing anything, some time one
+    codec and keep the bound's pick, some time more because the codec's true cost sank the bound,
+    and some leave codecs untimed that timing them all would have timed."""
+    import dataclasses
+
+    import torch
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    rng = random.Random(5)
+    outcomes = {"untimed": 0, "timed_kept": 0, "timed_switched": 0, "some_left_untimed": 0}
+    for _ in range(150):
+        wl, net, n, costs = _random_case(rng)
+        costs = [c for c in costs if c.name != "randomk"]  # not an auto candidate
+        true = {c.name: c.codec_s for c in costs}
+        engine_names = [c.name for c in costs if c.wire != "bucket"]
+        bounds = [c if c.wire == "bucket" else dataclasses.replace(c, codec_s=0.0, codec_timed=False) for c in costs]
+        engine = _FakeEngine(net)
+        engine.world_size = n
+        chooser = AutoChooser(engine, AutoConfig(candidates=tuple(c.name for c in costs), probe_every=0,
+                                                 progress_weight=1.5), torch.nn.Linear(1, 1), [])
+        chooser.workload, chooser.costs = wl, list(bounds)
+        timed: list[str] = []
+        monkeypatch.setattr(chooser_mod, "time_method_codec",
+                            lambda cand, *a, _t=timed, _c=true, **k: _t.append(cand.name) or _c[cand.name])
+        chooser._group_sample = lambda grads: (torch.zeros(1), None, 0.0)
+        chooser._decide(0, "warmup", probe=False)
+        d = dict(wl=wl.as_dict(), alpha=net.alpha_s, beta=net.beta_s_per_byte, n=n, w=1.5)
+        want = argmin_by_hand([c.as_dict() for c in costs], *d.values())
+        by_bound = argmin_by_hand([c.as_dict() for c in bounds], *d.values())
+        assert chooser.chosen == want
+        h = chooser.history[-1]
+        # the replay by hand: the leader over the bounds gets its true codec cost while it is an engine method
+        now, replayed = [c.as_dict() for c in bounds], []
+        while (lead := argmin_by_hand(now, *d.values())) in engine_names and lead not in replayed:
+            replayed.append(lead)
+            now = [next(c.as_dict() for c in costs if c.name == lead) if c["name"] == lead else c for c in now]
+        assert lead == want and replayed[:1] == ([by_bound] if by_bound in engine_names else [])
+        assert timed == replayed and h["timed_codecs"] == replayed  # each timed once, in the replay's order
+        for c in chooser.costs:  # the timed at their true cost; the rest still bounds
+            assert (c.codec_s, c.codec_timed) == ((true[c.name], True) if c.name in replayed or c.wire == "bucket"
+                                                  else (0.0, False)), c
+        bound_marked = {k for k, p in chooser.predictions.items() if p.details.get("lower_bound")}
+        assert bound_marked == set(engine_names) - set(replayed)
+        tpp = {k: p.time_per_progress_s for k, p in chooser.predictions.items()}
+        assert all(tpp[k] >= tpp[want] for k in bound_marked)  # an untimed bound could not have won
+        if not replayed:  # a dense mode beat every bound: nothing timed
+            outcomes["untimed"] += 1
+        else:
+            outcomes["timed_kept" if len(replayed) == 1 else "timed_switched"] += 1
+            outcomes["some_left_untimed"] += bool(bound_marked)
+        if bound_marked:  # a checkpoint keeps which codecs are still bounds (the next decision times them)
+            other = AutoChooser(engine, chooser.config, torch.nn.Linear(1, 1), [])
+            other.load_state_dict(copy.deepcopy(chooser.state_dict()))
+            assert [(c.name, c.codec_s, c.codec_timed) for c in other.costs] == \
+                [(c.name, c.codec_s, c.codec_timed) for c in chooser.costs]
+    assert min(outcomes.values()) >= 5, outcomes
+
+
+def test_the_errors_re_measurement_skips_only_candidates_that_cannot_win(monkeypatch):
+    """The ``gain`` re-measurement measures the running method's error first, then only the candidates
+    whose predicted step is at most the least time per unit of progress measured so far: a candidate
+    above it loses whatever its error. Oracles, on random cases: the set measured is the by-hand
+    bound's (the steps by hand, the running method's new error); the pick after the re-decision is
+    the brute-force argmin with the measured errors, and the same with every skipped candidate's error
+    set to 0 (its best case) or left as stored: skipping changed nothing. Some cases skip candidates,
+    some measure them all."""
+    import torch
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    rng = random.Random(17)
+    w = 1.5
+    outcomes = {"skipped_some": 0, "measured_all": 0, "switched": 0}
+    for _ in range(150):
+        wl, net, n, costs = _random_case(rng)
+        costs = [c for c in costs if c.name != "randomk"]  # not an auto candidate
+        engine = _FakeEngine(net)
+        engine.world_size = n
+        chooser = AutoChooser(engine, AutoConfig(candidates=tuple(c.name for c in costs), probe_every=0,
+                                                 progress_weight=w, gain_drift=0.0, switch_margin=0.0),
+                              torch.nn.Linear(1, 1), [])
+        chooser.workload, chooser.costs = wl, list(costs)
+        chooser._group_sample = lambda grads: (torch.zeros(1), None, 0.0)
+        chooser._decide(0, "warmup", probe=False)
+        running = chooser.chosen
+        new = {c.name: (0.0 if c.name == "ddp" else rng.uniform(0.0, 2.0)) for c in costs}
+        calls: list[str] = []
+        monkeypatch.setattr(chooser_mod, "measure_error", lambda cand, *a, _c=calls, _n=new, **k: _c.append(cand.name)
+                            or _n[cand.name])
+        chooser._check_gain(5, {})
+        d = (wl.as_dict(), net.alpha_s, net.beta_s_per_byte, n)
+        steps = {c.name: step_by_hand(c.as_dict(), *d) for c in costs}
+        run = next(c for c in costs if c.name == running)
+        bound = steps[running] * (1 + w * (new[running] if run.error_feedback else new[running] / n))
+        want = {running} | {name for name, s in steps.items() if s <= bound}
+        assert calls[0] == running and set(calls) == want and len(calls) == len(want), (calls, want)
+        check = chooser.gain_checks[-1]
+        assert set(check["delta2"]) == want and set(check["skipped"]) == {c.name for c in costs} - want
+        measured = [c.as_dict() | ({"delta2": new[c.name]} if c.name in want else {}) for c in costs]
+        best_case = [c | ({} if c["name"] in want else {"delta2": 0.0}) for c in measured]
+        pick = argmin_by_hand(measured, *d, w)
+        assert chooser.chosen == pick == argmin_by_hand(best_case, *d, w)
+        # gain_drift 0: any move re-decides (none where only an exact method was measured)
+        assert (chooser.history[-1]["trigger"] == "gain") == (check["moved"] > 0)
+        outcomes["skipped_some" if len(want) < len(costs) else "measured_all"] += 1
+        outcomes["switched"] += pick != running
+    assert min(outcomes.values()) >= 5, outcomes
+
+
+def _fp16_measured_on_a_fast_link(monkeypatch, **cfg):
+    """fp16 picked at a 10 Gbit/s link and measured 30 ms under the raw model (the warm-up's slow
+    compute); lowrank and Top-k are the compressed candidates. Returns the chooser, its engine and
+    the costs and workload."""
+    import torch
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    wl = Workload(0.002, (0.002,), (1_000_000,))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("fp16", "bucket", 0.0005),
+             MethodCost("lowrank", "lowrank", 0.002, 40_000.0, 0.3, True),
+             MethodCost("topk", "allgather", 0.001, 20_000.0, 0.5, True)]
+    engine = _FakeEngine(NetworkModel(1e-4, 8 / 1e10))
+    # the figures below are set for a progress weight of 1 (Top-k's measured window must beat lowrank's)
+    cfg = AutoConfig(**{"candidates": ("ddp", "fp16", "lowrank", "topk"), "window": 2, "explore": 1,
+                        "probe_every": 0, "family_margin": 0.0, "progress_weight": 1.0, **cfg})
+    chooser = AutoChooser(engine, cfg, torch.nn.Linear(1, 1), [])
+    chooser.workload, chooser.costs = wl, costs
+    chooser._decide(0, "warmup", probe=False, dense_wall_s=0.04)
+    assert chooser.chosen == "fp16"
+    _window(chooser, 2, 1.0)
+    _window(chooser, 4, chooser.predictions["fp16"].step_s - 0.03)
+    assert chooser._corrections["fp16"] == pytest.approx(-0.03) and chooser.chosen == "fp16"
+    return chooser, engine, costs, wl
+
+
+def _walls(chooser, walls):
+    """Step ends with these walls ({step: wall}), as after_optimizer_step feeds the every-step test.
+    A _FakeEngine plays GCEngine's part: a compressed step's closing report carries the wall handed
+    to carry_wall before it (one rank here: the mean is the value); a dense step drops it."""
+    for step, wall in walls.items():
+        _step_end(chooser, step, wall)
+
+
+def _step_end(chooser, step, wall, exchange_s=None):
+    """One step's end for the every-step tests: its wall and (compressed steps) its agreed exchange."""
+    from types import SimpleNamespace
+
+    engine = chooser.engine
+    if isinstance(engine, _FakeEngine):
+        dense, carried, engine.carried = engine.step_is_dense(), engine.carried, None
+        lost = dense and not engine.dense_carry  # GCEngine: a dense step carries it only when enabled
+        engine.last_step = SimpleNamespace(step=step, dense=dense, dense_stopped=False, carried_wall_mean_s=None if lost else carried,
+                                           exchange_comm_mean_s=exchange_s)
+    chooser._check_severe_steps(step, wall, exchange_s)
+
+
+def test_a_window_reads_its_median_from_the_carried_walls_without_an_agreement(monkeypatch):
+    """The windows' median comes from the walls carried in the steps' own messages (the mean over
+    ranks, read one step late), shifted one step back, with no collective of its own; a window in
+    which one carried wall was lost falls back to this rank's walls, agreed (one all-reduce). The
+    carried walls here say the step tripled while this rank's own walls stayed at the reference, so
+    the two sources give different decisions. ``severe_steps=0``: the walls are carried all the same."""
+    from lightning_gc.auto import chooser as chooser_mod
+
+    for lose in (None, 9):
+        chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=1, severe_steps=0,
+                                                               patience=9)
+        agreed = []
+        monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a, _seen=agreed: _seen.append(values) or list(values))
+        ref = chooser._reference
+        assert engine.dense_carry  # the chooser enabled it although the every-step test is off
+        for step in range(5, 11):  # each step's wall read at the next step's end: steps 5-9 read by step 10
+            if step == lose:
+                engine.dense_carry = False  # this dense step drops the wall it should carry (step 8's)
+            _step_end(chooser, step, 3 * ref)
+            engine.dense_carry = True
+        chooser._window = [ref, ref]  # this rank's own walls of steps 9-10
+        chooser._check_drift(10)
+        h = chooser.history[-1]
+        if lose is None:  # the carried steps 8-9: 3x the reference, a severe window; no wall was agreed
+            # (the decision agrees its own duration, decide_s, after the window)
+            assert not any(v in ([ref], [3 * ref]) for v in agreed), agreed
+            assert (h["step"], h["trigger"], h["drift_test"]) == (10, "drift", "severe_window")
+        else:  # step 8's wall (carried by step 9) was lost: agreed from this rank's walls
+            assert chooser._carried_walls[8] is None and chooser._carried_walls[9] == pytest.approx(3 * ref)
+            assert agreed == [[ref]] and h["step"] == 4 and chooser._drifted == 0
+
+
+def test_a_decision_steps_wall_is_carried_so_the_next_window_needs_no_agreement(monkeypatch):
+    """Driven through ``after_optimizer_step`` with a fake clock: a periodic re-decision that keeps
+    fp16 (step 6) keeps the window running, so the next window (steps 7-8, read as 6-7) holds the
+    decision step's wall. That wall is carried like any other, so the window at step 8 issues no
+    agreement; without it, the window fell back to the blocking all-reduce."""
+    from types import SimpleNamespace
+
+    from lightning_gc.auto import chooser as chooser_mod
+
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=1, gain_every=0, probe_every=6)
+    ref = chooser._reference
+    agreed: list = []
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a, _seen=agreed: _seen.append(list(values))
+                        or [float(v) for v in values])
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(chooser_mod, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    chooser._t_prev_end = clock.now
+
+    def step_end(s: int, wall: float) -> int:
+        # GCEngine's part: step s's first bucket carried the wall handed to carry_wall at the step before
+        engine.last_step = SimpleNamespace(step=s, dense=True, dense_stopped=False, carried_wall_mean_s=engine.carried,
+                                           exchange_comm_mean_s=None)
+        engine.carried, engine.step = None, s + 1
+        clock.now += wall
+        before = len(agreed)
+        chooser.after_optimizer_step()
+        return len(agreed) - before
+
+    for s in (5, 6, 7):
+        step_end(s, ref)
+    h = chooser.history[-1]
+    assert (h["step"], h["trigger"], h["chosen"]) == (6, "periodic", "fp16") and chooser._reference == ref
+    assert step_end(8, ref) == 0  # the window of steps 7-8, read from the walls of 6-7
+    assert chooser._carried_walls[6] == pytest.approx(ref) and chooser._carried_walls[7] == pytest.approx(ref)
+
+
+@pytest.mark.parametrize("factor", [10.0, 0.2, 3.0, 0.3])
+def test_severe_drift_is_seen_within_severe_steps_of_the_change(monkeypatch, factor):
+    """fp16 runs at its reference (measured at step 4); from step 10 every step takes ``factor``
+    times as long (a link that fell tenfold, or a much faster one). Each step's agreed wall is read
+    at the next step's end, and the step right after a decision (5) is left out. At 8x or more
+    (``ONE_STEP_FACTOR`` times the factor, slower only, under a dense mode) that one step is enough:
+    step 10's wall, read at step 11 (test ``step``). At 4x or more (or a quarter) the median of the
+    last 3 (steps 9-11) sees it at step 12; a smaller change needs every one of them off (steps
+    10-12, at step 13). Auto re-decides there with a probe (trigger ``drift``, test ``steps``),
+    where the 5-step windows would first see it at step 14 or later. A single slow step under 8x (or
+    any single fast one) never sets it off, two of three at 2.5x (or 0.4x) not either (the median of
+    3 at 2x, the earlier test, fired on them); ``min_interval`` holds the decision back;
+    ``severe_steps=0`` turns the test off."""
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    ref = chooser._reference
+    assert ref is not None and chooser._last_decision_step == 4 and chooser.chosen == "fp16"
+    if factor > 1:
+        engine.network.model = NetworkModel(1e-4, 8 / 1e7)  # the link falls to 10 Mbit/s
+    # one step at 8x; the median at twice the factor; or all 3
+    first = 11 if factor >= 8 else 12 if factor >= 4 or factor <= 0.25 else 13
+    test = "step" if factor >= 8 else "steps"
+    _walls(chooser, {s: ref for s in range(5, 10)} | {s: factor * ref for s in range(10, first)})
+    assert chooser.history[-1]["step"] == 4  # steps 8-10 (9-11) still hold a step at the reference
+    _walls(chooser, {first: factor * ref})
+    h = chooser.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"]) == (first, "drift", test)
+    if factor > 1:  # re-decided on the slow link: a compressed method
+        assert chooser.chosen == "lowrank" and h["network"][1] == pytest.approx(8 / 1e7)
+
+    one, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    _walls(one, {s: ref for s in range(5, 10)} | {10: factor * ref} | {s: ref for s in range(11, 20)})
+    if factor >= 8:  # one step at 8x or more under a dense mode: seen at step 11, alone
+        assert (one.history[-1]["step"], one.history[-1]["drift_test"]) == (11, "step")
+    else:
+        assert one.history[-1]["step"] == 4  # one slow (or fast) step: no decision
+
+    two, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    f2 = 2.5 if factor > 1 else 0.4
+    _walls(two, {s: ref for s in range(5, 10)} | {s: (ref if s % 3 == 0 else f2 * ref) for s in range(10, 30)})
+    assert two.history[-1]["step"] == 4  # two of three at 2.5x (0.4x), again and again: no decision
+
+    held, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=30)
+    _walls(held, {s: ref for s in range(5, 10)} | {s: factor * ref for s in range(10, first + 1)})
+    assert (held.history[-1]["step"], held.history[-1]["drift_test"]) == (first, test)  # after a calibration
+    _window(held, 14, 1.0)  # settling
+    new_ref = held.predictions[held.chosen].step_s
+    _window(held, 16, new_ref)  # the reference
+    n = len(held.history)
+    _walls(held, {s: new_ref / factor for s in range(17, 44)})  # back: held until 30 steps after `first`
+    assert len(held.history) == n + 1 and (held.history[-1]["step"], held.history[-1]["drift_test"]) == (first + 30, "steps")
+
+    off, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4, severe_steps=0)
+    _walls(off, {s: ref for s in range(5, 10)} | {s: factor * ref for s in range(10, 20)})
+    assert off.history[-1]["step"] == 4
+
+
+@pytest.mark.parametrize("case", ["marked", "compressed", "just_under", "exactly"])
+def test_the_one_step_test_acts_on_a_dense_mode_only_and_not_on_a_marked_step(monkeypatch, case):
+    """The one-step test (ONE_STEP_FACTOR · severe_drift = 8x the reference by default): a dense mode's
+    step of exactly 8x re-decides at the next step's end, with that step's wall as the drifted figure
+    (the dense window the new β is solved from). Not when the step was marked (an epoch's first step,
+    a checkpoint saved before it: mark_wall, the strategy's calls): the test of the last 3 sees the
+    slow link a step later. Not under a compressed method, nor at 7.9x."""
+    from lightning_gc.auto import chooser as chooser_mod
+
+    assert chooser_mod.ONE_STEP_FACTOR == 4.0
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    ref = chooser._reference
+    seen = []
+    real = chooser._decide
+    monkeypatch.setattr(chooser, "_decide", lambda *a, **kw: seen.append(kw.get("drift_wall_s")) or real(*a, **kw))
+    if case == "compressed":
+        chooser._apply("lowrank")
+        chooser.chosen = "lowrank"
+    _walls(chooser, {s: ref for s in range(5, 10)})
+    if case == "marked":
+        engine.step = 10  # the step about to run: its wall holds the epoch's boundary (or a checkpoint)
+        chooser.mark_wall()
+    factor = 7.9 if case == "just_under" else 8.0
+    # the marked case: the link did fall, steps 10 and 11 are both slow
+    _walls(chooser, {10: factor * ref, 11: factor * ref if case == "marked" else ref})
+    h = chooser.history[-1]
+    if case == "exactly":
+        assert (h["step"], h["trigger"], h["drift_test"]) == (11, "drift", "step")
+        assert seen == [pytest.approx(8.0 * ref)]  # step 10's wall alone, not the median of the last 3
+    else:
+        assert h["step"] == 4 and seen == []
+    if case == "marked":  # step 11's wall, read at 12, is not marked: the two tests see the fall there
+        _walls(chooser, {12: 8.0 * ref})
+        assert (chooser.history[-1]["step"], chooser.history[-1]["drift_test"]) == (12, "steps")
+
+
+def test_a_dense_modes_wall_agreed_at_once_decides_at_the_slow_step_itself(monkeypatch):
+    """On a group that takes the direct exchange (up to 8 ranks off NCCL: ``_dense_walls_direct``) a
+    dense mode's wall is agreed at its own step's end, by an agreement of its own, instead of riding
+    in the next step's first bucket: the one-step test acts at the slow step itself (10, where the
+    carried wall is read at 11), nothing is handed to ``carry_wall``, and every step's agreed wall
+    is this rank's here (one process: the agreement is the identity). Once a compressed method runs,
+    its wall rides in the closing report again (``carry_wall``)."""
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.candidates import candidate
+
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    chooser._dense_walls_direct = True
+    agreed: list = []
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a, _seen=agreed: _seen.append(list(values))
+                        or [float(v) for v in values])
+    ref = chooser._reference
+    for s in range(5, 10):
+        _walls(chooser, {s: ref * (1 + s / 100)})
+        assert engine.carried is None and agreed[-1] == [pytest.approx(ref * (1 + s / 100))]
+        assert chooser._carried_walls[s] == pytest.approx(ref * (1 + s / 100))  # the window reads it at once
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)  # the link falls to 10 Mbit/s (what the probe finds)
+    _walls(chooser, {10: 8.0 * ref})
+    h = chooser.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"]) == (10, "drift", "step")
+    assert candidate(chooser.chosen).compressor is not None  # a compressed method on the fallen link
+    _walls(chooser, {11: 0.5 * ref})
+    assert engine.carried == pytest.approx(0.5 * ref)  # carried in its closing report, not agreed alone
+
+
+def test_a_step_the_link_canary_stopped_re_decides_at_once_on_its_beta(monkeypatch):
+    """Under a dense mode on a group that takes the direct exchange, the engine sings the link canary
+    before each step (at the start of its closure; GCEngine.sing_canary, played here by the fake
+    engine), carrying nothing (NaN): each step's wall is agreed at its own end, as without the canary,
+    so a fall inside a step is seen there (the one-step test), not only at the next canary. A step
+    the canary stopped (StepStats.dense_stopped) makes auto re-decide at that step's end, whatever
+    ``min_interval`` says (30 here; the last decision at step 4), on β from the canary (its time on
+    the fastest rank less α, over the N-1 = 3 copies of its 64 KiB each rank sent; no probe):
+    10 Mbit/s makes lowrank the pick, no canary is sung before the compressed steps after it, and
+    the stopped step enters no window. A canary never gives a link faster than the model's.
+    Oracles: β written out by hand; the history; the walls agreed."""
+    import time
+
+    from lightning_gc.engine.dense_stop import LinkCanary
+    from lightning_gc.engine.stats import StepStats
+
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=30)
+    chooser._dense_walls_direct, chooser.canary = True, LinkCanary()
+    engine.network.pinned = False
+    sung: list[tuple[int, float]] = []  # (the step about to run, the wall it carries)
+    engine.sing_canary = lambda carry: sung.append((engine.step, carry))
+    alpha, ref = engine.network.model.alpha_s, chooser._reference
+    for s in range(5, 10):
+        engine.step = s
+        chooser.wrap_closure(lambda: None)()  # the canary before step s
+        engine.step = s + 1
+        engine.last_step = StepStats(step=s, dense=True)
+        chooser._t_prev_end = time.perf_counter() - ref * (1 + s / 100)
+        chooser.after_optimizer_step()
+        # step s's wall, agreed at its own end (the mean over ranks: one rank here)
+        assert chooser._recent_pending is None and chooser._carried_walls[s] == pytest.approx(ref * (1 + s / 100),
+                                                                                              rel=1e-3)
+    assert [a for a, _ in sung] == [5, 6, 7, 8, 9] and chooser.history[-1]["step"] == 4
+    assert all(c != c for _, c in sung)  # every canary carried NaN: nothing rides in it
+    window = list(chooser._window)
+    engine.step = 10
+    chooser.wrap_closure(lambda: None)()
+    engine.step = 11
+    engine.last_step = StepStats(step=10, dense=True, dense_stopped=True, dense_check_s=0.16,
+                                 dense_check_predicted_s=2e-4, dense_check_bytes=65536)
+    chooser.after_optimizer_step()
+    h = chooser.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"], h["network_source"]) == (10, "drift", "canary", "canary")
+    want = (0.16 - alpha) / (3 * 65536)  # 3 x 64 KiB at 10 Mbit/s (0.157 s), plus alpha
+    assert h["network"] == [alpha, pytest.approx(want)] and engine.network.model.beta_s_per_byte == pytest.approx(want)
+    assert chooser.chosen == "lowrank" and window and chooser._window == []  # reset by the decision; 10 not in it
+    engine.step = 11
+    chooser.wrap_closure(lambda: None)()  # a compressed method runs: no canary
+    assert len(sung) == 6
+    # a canary faster than the model's β (the fastest rank was early) never makes the link faster
+    fast, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=30)
+    fast.canary = LinkCanary()
+    engine.network.pinned = False
+    beta = engine.network.model.beta_s_per_byte
+    fast._decide(10, "drift", probe=True, check_link=False, canary_s=1e-5, detail="canary")
+    assert fast.history[-1]["network"][1] == beta
+
+
+def test_with_the_canary_on_a_fall_inside_a_dense_step_is_acted_on_at_that_steps_end(monkeypatch):
+    """The link falls during step 8 (its canary, sung before it, saw the fast link): step 8 runs 10x
+    its reference. Its wall, agreed at its own end, makes the one-step test re-decide there (test
+    ``step``), and no canary is sung before step 9, which runs the compressed pick: the stopped step
+    the canary would have added after the slow one never comes. Oracle: the history, the canaries."""
+    import time
+
+    from lightning_gc.engine.dense_stop import LinkCanary
+    from lightning_gc.engine.stats import StepStats
+
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=30)
+    # the fake engine's network stays pinned, so the re-decision reads the fallen link from it (no probe)
+    chooser._dense_walls_direct, chooser.canary = True, LinkCanary()
+    sung: list[int] = []
+    engine.sing_canary = lambda carry: sung.append(engine.step)
+    ref = chooser._reference
+    for s in range(5, 10):
+        engine.step = s
+        chooser.wrap_closure(lambda: None)()
+        if s == 8:
+            engine.network.model = NetworkModel(engine.network.model.alpha_s, 8 / 1e7)  # 10 Mbit/s, mid-step
+        engine.step = s + 1
+        engine.last_step = StepStats(step=s, dense=chooser.chosen == "fp16")
+        chooser._t_prev_end = time.perf_counter() - (10 * ref if s == 8 else ref)
+        chooser.after_optimizer_step()
+        if s == 8:
+            h = chooser.history[-1]
+            assert (h["step"], h["trigger"], h["drift_test"]) == (8, "drift", "step"), h
+            assert chooser.chosen == "lowrank"
+    assert sung == [5, 6, 7, 8]  # none before step 9: a compressed method runs
+
+
+@pytest.mark.parametrize("fell", [True, False])
+def test_a_gain_move_from_a_compressed_method_to_a_dense_mode_times_the_link_first(monkeypatch, fell):
+    """lowrank runs after the link fell (a drift decision on 10 Mbit/s); then the stored network says the
+    link is fast again, and a gain re-decision (no probe) would move to fp16. Before it does, one canary
+    message (LinkCanary's defaults: 64 KiB to each of the 3 others) times the link. If it fell (0.16 s
+    against the model's fraction of a millisecond), auto re-decides on β from that message (test
+    ``switch_check``; β by hand) and stays compressed; if not, fp16 is applied as the gain decision
+    chose. A move between compressed methods, or one that keeps the method, sends nothing."""
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.engine.dense_stop import CanaryResult, LinkCanary
+
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)  # 10 Mbit/s, pinned in the fake engine: no probe
+    chooser._decide(6, "drift", probe=True, detail="step")
+    assert chooser.chosen == "lowrank"
+    sung: list[int] = []
+    fast = NetworkModel(1e-4, 8 / 1e10)
+
+    def sing(canary, carry, network, group, world_size, device):
+        sung.append(canary.nbytes)
+        predicted = canary.predicted_s(network, world_size)
+        return CanaryResult(fell, 0.16 if fell else predicted, predicted, float("nan"), 2 if fell else 1)
+
+    monkeypatch.setattr(chooser_mod.dense_stop, "sing", sing)
+    engine.exchange_group, engine.device = None, None
+    chooser._switch_check = LinkCanary()
+    engine.network.pinned = False  # as on a real group: the check, and a fall's β, come from the canary
+    chooser.network = fast  # what the chooser last saw: the link back at 10 Gbit/s
+    n = len(chooser.history)
+    chooser._decide(40, "gain", probe=False)
+    assert sung == [65536]
+    if fell:
+        h = chooser.history[-1]
+        assert len(chooser.history) == n + 1
+        assert (h["step"], h["trigger"], h["drift_test"], h["network_source"]) == (40, "drift", "switch_check", "canary")
+        want = (0.16 - fast.alpha_s) / (3 * 65536)
+        assert h["network"][1] == pytest.approx(want) and chooser.chosen == "lowrank"
+        assert h["switch_check"]["fell"] is True and h["switch_check"]["bytes"] == 65536
+    else:
+        h = chooser.history[-1]
+        assert (h["step"], h["trigger"], h["chosen"], h["previous"]) == (40, "gain", "fp16", "lowrank")
+        assert h["switch_check"]["fell"] is False and chooser.chosen == "fp16"
+        # a decision that keeps a dense mode, or picks one from a dense mode, sends nothing
+        chooser._decide(41, "gain", probe=False)
+        assert sung == [65536] and chooser.history[-1]["switch_check"] is None
+
+
+def test_before_its_reference_a_calibrated_method_is_judged_by_its_prediction_every_step(monkeypatch):
+    """A moderate drift decision at step 6 keeps fp16 (measured on this link): no reference until its
+    second window. The link falls at once; steps from 8 on (7 is the switch's step, left out) run
+    10x fp16's prediction, which carried its own correction: at step 9, where step 8's wall is
+    read, auto re-decides (test ``step``: one step of a dense mode, 8x or more; the median of the
+    last 3 would have seen it at step 11). The method it moves to, never measured on the slow link,
+    runs 3x its raw prediction: that is what its first window calibrates, not a drift, and nothing
+    re-decides."""
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    chooser._decide(6, "drift", probe=True, detail="window")
+    assert chooser.chosen == "fp16" and chooser._reference is None
+    fp16_pred = chooser.predictions["fp16"].step_s
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)
+    _walls(chooser, {s: 10 * fp16_pred for s in range(7, 9)})
+    assert chooser.history[-1]["step"] == 6
+    _walls(chooser, {9: 10 * fp16_pred})
+    h = chooser.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"]) == (9, "drift", "step") and chooser.chosen == "lowrank"
+    lowrank_pred = chooser.predictions["lowrank"].step_s
+    _walls(chooser, {s: 3 * lowrank_pred for s in range(10, 30)})
+    assert chooser.history[-1]["step"] == 9
+
+    # one step at 8x fp16's (calibrated) prediction before the reference: the one-step test, at once
+    one, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    one._decide(6, "drift", probe=True, detail="window")
+    pred = one.predictions["fp16"].step_s
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)  # the link falls
+    _walls(one, {7: pred, 8: 8.0 * pred})
+    assert one.history[-1]["step"] == 6 and one._reference is None
+    _walls(one, {9: pred})  # step 8's wall, read here
+    assert (one.history[-1]["step"], one.history[-1]["drift_test"]) == (9, "step") and one.chosen == "lowrank"
+    # ... but not at 7.9x, nor for a method never measured in a window on this link
+    under, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    under._decide(6, "drift", probe=True, detail="window")
+    _walls(under, {7: pred, 8: 7.9 * pred, 9: pred})
+    assert under.history[-1]["step"] == 6
+
+    # two steps of three at 3x fp16's prediction, again and again (a busy host), before the reference: nothing
+    two, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4)
+    two._decide(6, "drift", probe=True, detail="window")
+    pred = two.predictions["fp16"].step_s
+    _walls(two, {s: (pred if s % 3 == 0 else 3 * pred) for s in range(7, 16)})
+    assert two.history[-1]["step"] == 6 and two._reference is None
+
+
+def _lowrank_with_an_exchange_reference(monkeypatch, exchange_s, **cfg):
+    """The link fell to 10 Mbit/s; a drift decision at step 6 moved fp16 to lowrank; its reference
+    window (steps 9-12, the calibration at 12 keeps it) ran its predicted step, each step with
+    ``exchange_s`` in the compressed exchange (agreed; or one value per step, a list)."""
+    chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4, explore=0, **cfg)
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)
+    chooser._decide(6, "drift", probe=True)
+    assert chooser.chosen == "lowrank"
+    _window(chooser, 8, 1.0)  # settling
+    step_s = chooser.predictions["lowrank"].step_s
+    per_step = exchange_s if isinstance(exchange_s, list) else [exchange_s] * 4
+    for s, x in zip(range(9, 13), per_step):
+        _step_end(chooser, s, step_s, x)
+    _window(chooser, 12, step_s)
+    assert [(h["step"], h["trigger"]) for h in chooser.history][-1] == (12, "calibration")
+    assert chooser.chosen == "lowrank" and chooser._reference == pytest.approx(step_s)
+    return chooser, engine, step_s
+
+
+def test_a_link_that_came_back_is_seen_in_a_compressed_methods_exchange(monkeypatch):
+    """lowrank's reference window (55.5 ms steps, 20 ms of them in its exchange) on the fallen link;
+    from step 15 the link is back at 10 Gbit/s: the step falls to 45 ms (under the 2x step test),
+    the exchange to 2 ms. The median of the last 3 exchanges (14-16) is 10x off at step 16, and 18
+    ms is over a tenth of the step: auto re-decides there (test ``exchange``) and the probe's fast
+    link puts it back on fp16. A checkpoint carries the exchange reference. An exchange that moves
+    by as large a factor but by less than a tenth of the step (4 ms → 1 ms), or for one step only,
+    or that gets slower (a shaper's burst allowance spent), re-decides nothing; nor does anything
+    with ``severe_steps=0``."""
+    chooser, engine, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02)
+    assert chooser._reference_exchange == pytest.approx(0.02)
+    state = copy.deepcopy(chooser.state_dict())
+    engine.network.model = NetworkModel(1e-4, 8 / 1e10)
+    for s, (w, x) in {13: (step_s, 0.02), 14: (step_s, 0.02), 15: (0.045, 0.002)}.items():
+        _step_end(chooser, s, w, x)
+    assert chooser.history[-1]["step"] == 12
+    _step_end(chooser, 16, 0.045, 0.002)
+    h = chooser.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"]) == (16, "drift", "exchange") and chooser.chosen == "fp16"
+    assert h["network"][1] == pytest.approx(8 / 1e10)
+
+    resumed, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4, explore=0)
+    resumed.load_state_dict(state)
+    assert resumed._reference_exchange == pytest.approx(0.02)
+    engine.network.model = NetworkModel(1e-4, 8 / 1e10)
+    for s, (w, x) in {13: (step_s, 0.02), 14: (step_s, 0.02), 15: (0.045, 0.002), 16: (0.045, 0.002)}.items():
+        _step_end(resumed, s, w, x)
+    assert (resumed.history[-1]["step"], resumed.history[-1]["drift_test"]) == (16, "exchange")  # as uninterrupted
+
+    slower, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02)
+    for s in range(13, 30):
+        _step_end(slower, s, step_s, 0.2)  # 10x slower: the step test's business, not this one's
+    assert slower.history[-1]["step"] == 12
+
+    small, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.004)
+    for s in range(13, 30):
+        _step_end(small, s, step_s, 0.001)  # 4x, but 3 ms of a 55 ms step
+    assert small.history[-1]["step"] == 12
+
+    once, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02)
+    for s in range(13, 30):
+        _step_end(once, s, step_s, 0.002 if s == 20 else 0.02)
+    assert once.history[-1]["step"] == 12
+
+    off, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02, severe_steps=0)
+    assert off._reference_exchange is None
+    for s in range(13, 30):
+        _step_end(off, s, 0.045, 0.002)
+    assert off.history[-1]["step"] == 12
+
+
+def test_the_exchange_reference_is_the_reference_windows_fastest_exchange(monkeypatch):
+    """A small exchange on a steady shaped link has two modes (measured: Top-k at 20 Mbit/s). The
+    reference window caught the slow one in 3 of its 4 steps (20 ms) and the fast one once (8 ms):
+    the reference is 8 ms, so later steps in the fast mode (2.5x under the window's median, by 12 ms,
+    more than a tenth of the step) re-decide nothing; a link that came back (0.5 ms) still does."""
+    steady, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, [0.02, 0.008, 0.02, 0.02])
+    assert steady._reference_exchange == pytest.approx(0.008)
+    for s in range(13, 40):
+        _step_end(steady, s, step_s, 0.008)
+    assert steady.history[-1]["step"] == 12
+    back, _, step_s = _lowrank_with_an_exchange_reference(monkeypatch, [0.02, 0.008, 0.02, 0.02])
+    for s in range(13, 16):
+        _step_end(back, s, step_s, 0.0005)
+    h = back.history[-1]  # step 13 is left out (the step after the calibration): 12, 14, 15 at step 15
+    assert (h["step"], h["trigger"], h["drift_test"]) == (15, "drift", "exchange")
+
+
+@pytest.mark.parametrize("check_s", [0.08, 0.5])
+def test_a_periodic_decision_that_kept_the_method_on_an_unchanged_link_keeps_its_references(monkeypatch, check_s):
+    """lowrank measured on the slow link (reference step and exchange); the periodic re-probe at step
+    20 checks the link. Unchanged (0.08 s, as at the probe): lowrank is kept with its references, no
+    settling window, and when the link comes back right after it (exchanges 10x faster from step 21)
+    the exchange test sees it at step 23 against the old reference. Moved (0.5 s, not bandwidth-bound
+    per the stub's slope 0): the full probe measured a new link, so the references start again."""
+    from lightning_gc.auto.chooser import AutoChooser
+
+    chooser, engine, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02)
+    engine.network.pinned = False
+    engine.adopt_network = lambda net: None
+    chooser.probe_bytes, chooser.probe_time_s = 100_000, 0.08
+    monkeypatch.setattr(AutoChooser, "_check_link", lambda self: (check_s, 0.0))
+    monkeypatch.setattr(AutoChooser, "_probe", lambda self, latency=None: self.network)
+    ref, ref_x = chooser._reference, chooser._reference_exchange
+    for s in range(13, 20):
+        _step_end(chooser, s, step_s, 0.02)
+    chooser._decide(20, "periodic", probe=True)
+    h = chooser.history[-1]
+    assert (h["trigger"], h["chosen"], h["previous"]) == ("periodic", "lowrank", "lowrank")
+    if check_s == 0.08:
+        assert h["kept_reference"] and h["measured_step_s"] == ref
+        assert (chooser._reference, chooser._reference_exchange, chooser._settling) == (ref, ref_x, False)
+        for s in range(21, 24):
+            _step_end(chooser, s, step_s, 0.002)
+        h = chooser.history[-1]
+        assert (h["step"], h["trigger"], h["drift_test"]) == (23, "drift", "exchange")
+    else:
+        assert not h["kept_reference"] and h["measured_step_s"] is None
+        assert (chooser._reference, chooser._reference_exchange, chooser._settling) == (None, None, True)
+
+
+@pytest.mark.parametrize("test", ["exchange", "steps"])
+def test_a_faster_exchange_checks_the_link_before_probing_and_a_severe_step_probes_at_once(monkeypatch, test):
+    """On an unpinned network: the exchange test's decision first times the check message, and a
+    check within probe_check of the last probe keeps the stored network without a probe (a shaper's
+    burst on an unchanged link); the step test's decision (a fall or rise of 2x or more) probes at once."""
+    from lightning_gc.auto.chooser import AutoChooser
+
+    chooser, engine, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02)
+    engine.network.pinned = False
+    engine.adopt_network = lambda net: None
+    chooser.probe_bytes, chooser.probe_time_s = 100_000, 0.08
+    calls = []
+    monkeypatch.setattr(AutoChooser, "_check_link", lambda self: calls.append("check") or (0.08, 8e-7))
+    monkeypatch.setattr(AutoChooser, "_probe", lambda self, latency=None: calls.append("probe") or self.network)
+    stored = chooser.network
+    walls = {"exchange": (step_s, 0.002), "steps": (5 * step_s, 0.02)}[test]
+    for s in range(13, 17):
+        _step_end(chooser, s, *walls)
+    h = chooser.history[-1]
+    # the exchange test reads this step's agreed time (step 13, right after the calibration at 12, is left
+    # out: the median over 12, 14, 15 is fast at 15); the step test reads each wall one step later (at 16,
+    # where two of the last 3 are 5x: the median at twice the factor)
+    assert (h["step"], h["trigger"], h["drift_test"]) == ({"exchange": 15, "steps": 16}[test], "drift", test)
+    if test == "exchange":
+        assert calls == ["check"] and h["network_source"] == "check" and h["link_check"]["unchanged"]
+        assert chooser.network == stored and chooser.chosen == "lowrank"
+    else:
+        assert calls == ["probe"] and h["link_check"] is None and h["network_source"] == "probe"
+
+
+def _dense_pair_chooser(monkeypatch, margin: float):
+    """ddp and fp16 (and Top-k) on a fast link, after a warm-up whose DDP step was slow (its first
+    steps), so the model puts DDP well above the 16-bit hook: the ``gpt`` case at 1 Gbit/s."""
+    import torch
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    wl = Workload(0.02, (0.03, 0.03), (400_000, 400_000))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("fp16", "bucket", 0.001),
+             MethodCost("topk", "allgather", 0.004, 64_000.0, 0.6, True)]
+    engine = _FakeEngine(NetworkModel(1e-4, 8 / 8e8))
+    cfg = AutoConfig(candidates=("ddp", "fp16", "topk"), window=2, explore=0, probe_every=0, family_margin=margin)
+    chooser = AutoChooser(engine, cfg, torch.nn.Linear(1, 1), [])
+    chooser.workload, chooser.costs = wl, costs
+    chooser._decide(0, "warmup", probe=False, dense_wall_s=0.2)  # the profiled DDP step: 200 ms
+    return chooser, engine
+
+
+# ---------------------------------------------------------------------- the link check of a re-decision
+class _ShapedProbe:
+    """Stands in for ``probe_network`` on a simulated tc-shaped link (α + bytes above the bucket · β),
+    recording every message a real probe would send: ``warmup + repeats`` runs of every size."""
+
+    def __init__(self, rate_bps: float) -> None:
+        self.alpha, self.beta, self.sent, self.noise = 2e-4, 8 / rate_bps, [], 2.3e-3
+        self.stalls: list[float] = []  # seconds added to the next calls' times (a descheduled rank)
+
+    def __call__(self, group, config, device=None):
+        from types import SimpleNamespace
+
+        self.sent.extend(list(config.sizes_bytes) * (config.warmup + config.repeats))
+        stall = self.stalls.pop(0) if self.stalls else 0.0
+        times = tuple(self.alpha + max(s - BURST, 0) * self.beta + stall for s in config.sizes_bytes)
+        # a busy host: scheduling delays add 2.3 ms to every size's median (a constant, so the slope
+        # keeps β), while the fastest repeat got through undelayed
+        return SimpleNamespace(sizes_bytes=tuple(config.sizes_bytes), min_times_s=times,
+                               median_times_s=tuple(t + self.noise for t in times))
+
+
+def _probing_chooser(monkeypatch, rate_bps: float, **cfg):
+    """An AutoChooser on the quickstart MLP's size (the probe's cap is half its gradient) whose probes
+    go to a simulated shaped link; one process, so the agreement is the identity."""
+    import torch
+
+    from lightning_gc.auto import chooser as chooser_mod
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
+    link = _ShapedProbe(rate_bps)
+    monkeypatch.setattr(chooser_mod, "probe_network", link)
+    engine = _FakeEngine(None)
+    engine.network.pinned = False
+    engine.adopt_network = lambda net: None
+    params = [("w", torch.zeros(84_000, requires_grad=True))]
+    ch = AutoChooser(engine, AutoConfig(**{"candidates": ("ddp", "topk"), **cfg}), torch.nn.Linear(1, 1), params)
+    ch.workload = Workload(0.001, (0.001,), (84_000,))
+    ch.costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 8_000.0, 0.5, True)]
+    return ch, link, engine, params
+
+
+@pytest.mark.parametrize("rate_bps, rounds", [(20e6, 1), (1e9, 2)])
+def test_a_small_model_starts_at_half_its_gradient_and_grows_to_1_mib_on_a_fast_link(monkeypatch, rate_bps, rounds):
+    """The quickstart MLP (84k parameters), through the chooser's own probe on a simulated shaped link:
+    the first round times 168 kB, half its fp32 gradient (not 256 KiB: on a slow link that round is
+    several of its dense steps), and 80 KiB. At 20 Mbit/s that message is bandwidth-bound (67 ms) and
+    the probe stops; at 1 Gbit/s it takes 1.6 ms, in the scheduling noise of a busy host, and the
+    probe grows it to 1 MiB (the model's size no longer caps the growth). Either way β is the link's."""
+    from lightning_gc.auto.chooser import (
+        PROBE_LATENCY,
+        PROBE_MAX_BYTES,
+        PROBE_TARGET_S,
+        next_probe_bytes,
+        probe_start_bytes,
+    )
+
+    ch, link, _, _ = _probing_chooser(monkeypatch, rate_bps)
+    ch._decide(1, "warmup", probe=True)
+    start = probe_start_bytes(4 * 84_000)
+    assert start == 2 * 84_000
+    per_size = PROBE_LATENCY.warmup + PROBE_LATENCY.repeats
+    bandwidth = link.sent[len(PROBE_LATENCY.sizes_bytes) * per_size:]  # after the latency round
+    want = [80 * 1024, start] * 4  # one warm-up and three timed runs of each size
+    if rounds == 2:  # grown by 20 ms over the first message's (median) time, 3.3 ms here: 1.01 MB
+        t_large = link.alpha + (start - BURST) * link.beta + link.noise
+        grown = round(start * PROBE_TARGET_S / t_large)
+        assert start * 4 < grown <= PROBE_MAX_BYTES
+        want += [grown // 4, grown] * 3  # no warm-up run: the first round warmed the connections
+    assert bandwidth == want and ch.probe_bytes == want[-1]
+    assert ch.network.beta_s_per_byte == pytest.approx(8 / rate_bps, rel=1e-9)
+    assert next_probe_bytes(1000, PROBE_TARGET_S / 4, 10**9) is None  # long enough
+    assert next_probe_bytes(1000, PROBE_TARGET_S / 2000, 10**9) == 1000 * 2000  # x target / time
+    assert next_probe_bytes(1000, PROBE_TARGET_S / 4.5, 10**9) == 4500
+    assert next_probe_bytes(1000, 1e-6, 5000) == 5000  # never past the cap
+
+
+@pytest.mark.parametrize("check", [1.5, 0.0])
+def test_a_re_decision_checks_the_link_with_one_message_and_probes_again_only_when_it_moved(monkeypatch, check):
+    import torch
+
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    ch, link, engine, params = _probing_chooser(monkeypatch, 20e6, probe_check=check)
+    cap = 2 * 84_000
+    ch._decide(1, "warmup", probe=True)
+    small = 80 * 1024  # a quarter of the cap would sit inside the shaper's bucket: floored above it
+    full_probe = [64, 256] * 8 + [small, cap] * 4  # latency (1 warm-up + 7), then one sized round
+    assert link.sent == full_probe and ch.probe_bytes == cap
+    assert ch.probe_time_s == pytest.approx(2e-4 + (cap - BURST) * 8 / 20e6 + link.noise)
+    # α from the fastest 64-byte shift, not the median that the host's noise inflated to 2.5 ms
+    assert ch.network.alpha_s == pytest.approx(2e-4 - 64 * 8 / 20e6)
+    assert ch.history[-1]["link_check"] is None  # a first decision always probes in full
+    beta_20 = ch.network.beta_s_per_byte
+    assert beta_20 == pytest.approx(8 / 20e6)
+
+    link.sent = []
+    ch._decide(101, "periodic", probe=True)  # the same link
+    if check:
+        assert link.sent == [small, cap]  # the check alone: a quarter of the probe's sized round
+        assert ch.history[-1]["link_check"] == {"check_s": ch.probe_time_s, "probe_s": ch.probe_time_s,
+                                                "bytes": cap, "unchanged": True, "retimed": False,
+                                                "reference": "measured"}
+    else:
+        assert link.sent == full_probe and ch.history[-1]["link_check"] is None
+    assert ch.network.beta_s_per_byte == pytest.approx(beta_20)
+
+    if check:  # one check message stalled (0.4 s, a descheduled rank): timed again, the faster kept
+        link.sent, link.stalls = [], [0.4]
+        ch._decide(151, "periodic", probe=True)
+        assert link.sent == [small, cap] * 2 and ch.history[-1]["link_check"]["retimed"]
+        assert ch.history[-1]["link_check"]["unchanged"] and ch.history[-1]["network_source"] == "check"
+        assert ch.network.beta_s_per_byte == pytest.approx(beta_20)
+
+    link.sent, link.beta = [], 8 / 10e6  # the link fell to 10 Mbit/s: the check moved ~2x, twice
+    ch._decide(201, "drift", probe=True)
+    # the check's message is bandwidth-bound (its 80 ms > 5 ms): its slope is the new β, no full probe
+    assert link.sent == ([small, cap] * 2 if check else full_probe)
+    assert ch.network.beta_s_per_byte == pytest.approx(8 / 10e6)
+    # α kept from the last full probe with the check (that probe's 64-byte term at 20 Mbit/s); probed without
+    assert ch.network.alpha_s == pytest.approx(2e-4 - 64 * 8 / (20e6 if check else 10e6))
+    if check:
+        moved = ch.history[-1]["link_check"]
+        assert not moved["unchanged"] and moved["retimed"] and moved["check_s"] / moved["probe_s"] > 1.5
+        assert moved["beta_s_per_byte"] == pytest.approx(8 / 10e6) and ch.history[-1]["network_source"] == "check_slope"
+        assert ch.probe_time_s == pytest.approx(2e-4 + (cap - BURST) * 8 / 10e6 + link.noise)  # the new reference
+
+    link.sent, link.beta = [], 8 / 10e6 * 1.4  # 40 % slower, inside the 1.5x check: the network is kept
+    ch._decide(301, "periodic", probe=True)
+    assert link.sent == ([small, cap] if check else full_probe)
+    assert ch.network.beta_s_per_byte == pytest.approx(8 / 10e6 if check else 8 / 10e6 * 1.4)
+
+    if check:  # back to 1 Gbit/s: the check moved, but its message (3.6 ms) is not bandwidth-bound: full probe
+        link.sent, link.beta = [], 8 / 1e9
+        ch._decide(401, "periodic", probe=True)
+        assert link.sent[:4] == [small, cap] * 2 and link.sent[4:20] == [64, 256] * 8
+        assert ch.history[-1]["network_source"] == "probe" and not ch.history[-1]["link_check"]["unchanged"]
+        assert ch.network.beta_s_per_byte == pytest.approx(8 / 1e9)
+
+    state = ch.state_dict()  # the reference travels with a checkpoint
+    other = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), probe_check=check), torch.nn.Linear(1, 1),
+                        params)
+    other.load_state_dict(state)
+    assert (other.probe_bytes, other.probe_time_s) == (ch.probe_bytes, ch.probe_time_s)
+
+
+@pytest.mark.parametrize("exposed_s, dense_probe_s", [(0.2, 0.1), (0.05, 0.1), (0.2, 0.0)])
+def test_a_dense_step_that_waited_on_the_network_measures_beta_instead_of_the_bandwidth_probe(
+        monkeypatch, exposed_s, dense_probe_s):
+    """A profiled DDP step that waited at least dense_probe_s for its buckets sets β: the value at which
+    the hand-written DDP step (tests/auto_oracle.py) equals the measured wall, with other_s = 0; only the
+    latency round is sent. Below the threshold, or with it off, the bandwidth probe runs as before."""
+    from auto_oracle import step_by_hand
+
+    ch, link, _, _ = _probing_chooser(monkeypatch, 26e6, dense_probe_s=dense_probe_s)  # the probe would read 26
+    wl = ch.workload = Workload(0.0004, (0.0001, 0.0001), (42_000, 42_000))
+    costs = ch.costs
+    true_beta = 8 / 20e6
+    alpha = link.alpha - 64 * true_beta  # the latency round's fastest 64-byte shift is α + 64·β
+    wall = step_by_hand(costs[0].as_dict(), dict(wl.as_dict(), other_s=0.0), alpha, true_beta, 4)
+    ch._decide(1, "warmup", probe=True, dense_wall_s=wall, dense_exposed_s=exposed_s)
+    h = ch.history[-1]
+    if exposed_s >= dense_probe_s > 0:
+        assert link.sent == [64, 256] * 8  # the latency round alone: no bandwidth probe, no reference message
+        assert ch.network.beta_s_per_byte == pytest.approx(true_beta, rel=1e-6)
+        assert ch.network.alpha_s == pytest.approx(alpha, rel=1e-6)
+        assert ch.workload.other_s == pytest.approx(0.0, abs=1e-9)  # the link explains the whole step
+        assert h["network_source"] == "dense_step"
+        # the link check's reference: the model's time for the probe's large message (half the gradient,
+        # bandwidth-bound at 20 Mbit/s), α + bytes·β by hand
+        assert ch.probe_bytes == 2 * 84_000
+        assert ch.probe_time_s == pytest.approx(alpha + 2 * 84_000 * true_beta, rel=1e-6)
+        assert ch.probe_time_modelled
+    else:
+        assert link.sent == [64, 256] * 8 + [80 * 1024, 2 * 84_000] * 4
+        assert h["network_source"] == "probe"
+        # the probe over-read the link (26 Mbit/s): the DDP step, slower than it predicts, is other's
+        assert ch.network.beta_s_per_byte == pytest.approx(8 / 26e6, rel=1e-6)
+
+
+@pytest.mark.parametrize("noise", ["model-like", "burst"])
+def test_a_modelled_reference_is_replaced_by_the_first_check_on_the_link(monkeypatch, noise):
+    """After a dense step measured β, the first periodic check is compared with the model's time for its
+    message. A check the model describes (the stub's scheduling delay equal to the shaper's burst, so the
+    check takes α + bytes·β): unchanged, one message, and its own time is the reference from then on. A
+    check that reads 0.66x the model (the stub's 64 KiB burst passes at line rate, below 1/1.5): moved,
+    timed again, and being bandwidth-bound it sets β from its slope, which is the link's: the same β,
+    no full probe, two messages. Either way the next check is judged against a measured time."""
+    import torch
+    from auto_oracle import step_by_hand
+
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    ch, link, engine, params = _probing_chooser(monkeypatch, 20e6, dense_probe_s=0.1)
+    wl = ch.workload = Workload(0.0004, (0.0001, 0.0001), (42_000, 42_000))
+    true_beta, cap, small = 8 / 20e6, 2 * 84_000, 80 * 1024
+    alpha = link.alpha - 64 * true_beta
+    wall = step_by_hand(ch.costs[0].as_dict(), dict(wl.as_dict(), other_s=0.0), alpha, true_beta, 4)
+    ch._decide(1, "warmup", probe=True, dense_wall_s=wall, dense_exposed_s=0.2)
+    assert ch.probe_time_modelled and ch.history[-1]["network_source"] == "dense_step"
+    modelled = alpha + cap * true_beta
+    state = ch.state_dict()  # the flag travels with a checkpoint
+    other = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk")), torch.nn.Linear(1, 1), params)
+    other.load_state_dict(state)
+    assert (other.probe_time_s, other.probe_time_modelled) == (pytest.approx(modelled), True)
+
+    if noise == "model-like":
+        link.noise = BURST * true_beta
+    check_s = link.alpha + (cap - BURST) * true_beta + link.noise  # the stub's median time of the check
+    link.sent = []
+    ch._decide(101, "periodic", probe=True)
+    lc = ch.history[-1]["link_check"]
+    assert lc["reference"] == "modelled" and lc["probe_s"] == pytest.approx(modelled)
+    if noise == "model-like":
+        assert check_s / modelled == pytest.approx(1.0, abs=0.01)
+        assert link.sent == [small, cap] and lc["unchanged"] and ch.history[-1]["network_source"] == "check"
+    else:
+        assert check_s / modelled < 1 / 1.5
+        assert link.sent == [small, cap] * 2 and not lc["unchanged"] and lc["retimed"]
+        assert ch.history[-1]["network_source"] == "check_slope"
+    assert ch.network.beta_s_per_byte == pytest.approx(true_beta, rel=1e-6)
+    assert (ch.probe_time_s, ch.probe_time_modelled) == (pytest.approx(check_s), False)
+
+    link.sent = []
+    ch._decide(201, "periodic", probe=True)  # the same link, against the measured reference: one message
+    lc = ch.history[-1]["link_check"]
+    assert link.sent == [small, cap] and lc["unchanged"] and lc["reference"] == "measured"
+    assert ch.history[-1]["network_source"] == "check"
+
+
+def test_a_severe_drift_probes_at_once_and_a_moderate_one_checks_the_link_first(monkeypatch):
+    ch, link, _, _ = _probing_chooser(monkeypatch, 20e6, window=2, patience=2, min_interval=1, probe_every=0)
+    ch._decide(1, "warmup", probe=True)
+    full_probe = [64, 256] * 8 + [80 * 1024, 2 * 84_000] * 4
+    step = ch.predictions[ch.chosen].step_s
+
+    def window(at, wall):
+        ch._window = [wall, wall]
+        ch._check_drift(at)
+
+    window(3, 1.0)  # settling
+    window(5, step)  # reference (and calibration)
+    link.sent = []
+    window(7, 1.5 * step)
+    window(9, 1.5 * step)  # +50 % for two windows: a moderate drift checks the link first; unchanged
+    assert ch.history[-1]["trigger"] == "drift" and link.sent == [80 * 1024, 2 * 84_000]
+    window(11, 1.0)
+    window(13, step)  # the new reference
+    link.sent = []
+    window(15, 3 * step)  # 3x in one window: severe, the full probe without a check
+    assert ch.history[-1]["trigger"] == "drift" and link.sent == full_probe
+    assert ch.history[-1]["link_check"] is None and ch.history[-1]["network_source"] == "probe"
+
+
+def test_the_periodic_look_at_an_unchanged_link_comes_twice_as_late_each_time_up_to_probe_every_max(monkeypatch):
+    """probe_every 10, probe_every_max 40, a window every 2 steps on a steady 20 Mbit/s link: the
+    periodic re-decisions come at steps 11, 31, 71, 111 (each check found the link unchanged and kept
+    the method, so the interval went 10 → 20 → 40 → 40). The link falls to 10 Mbit/s before the one at
+    151: that check finds it moved, the interval is back to 10, and the next periodic look is at 161.
+    The interval travels with a checkpoint. Oracle: the steps, by hand."""
+    import torch
+
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    ch, link, engine, params = _probing_chooser(monkeypatch, 20e6, window=2, patience=99, min_interval=1,
+                                                probe_every=10, probe_every_max=40, severe_drift=0, gain_every=0)
+    ch._decide(1, "warmup", probe=True)
+    step = ch.predictions[ch.chosen].step_s
+    periodic = []
+    for at in range(3, 170, 2):
+        if at == 141:
+            link.beta = 8 / 10e6  # the link falls; the steps (driven here) do not show it
+        n = len(ch.history)
+        _window(ch, at, step)
+        if len(ch.history) > n and ch.history[-1]["trigger"] == "periodic":
+            h = ch.history[-1]
+            periodic.append((at, h["network_source"], h["link_interval"]))
+        if at == 121:
+            other = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), probe_every=10, probe_every_max=40),
+                                torch.nn.Linear(1, 1), params)
+            other.load_state_dict(ch.state_dict())
+            assert other._link_interval == 40
+    assert periodic == [(11, "check", 20), (31, "check", 40), (71, "check", 40), (111, "check", 40),
+                        (151, "check_slope", 10), (161, "check", 20)]
+    # probe_every_max 0: every probe_every steps, as before the doubling
+    ch, link, _, _ = _probing_chooser(monkeypatch, 20e6, window=2, patience=99, min_interval=1, probe_every=10,
+                                      probe_every_max=0, severe_drift=0, gain_every=0)
+    ch._decide(1, "warmup", probe=True)
+    for at in range(3, 52, 2):
+        _window(ch, at, ch.predictions[ch.chosen].step_s)
+    assert [h["step"] for h in ch.history if h["trigger"] == "periodic"] == [11, 21, 31, 41, 51]
+
+
+def test_the_errors_re_measurement_interval_travels_with_a_checkpoint(monkeypatch):
+    """gain_every_max: the doubled interval is in the state; a state written before it had one resumes at
+    gain_every."""
+    import torch
+
+    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+
+    ch, _, engine, params = _probing_chooser(monkeypatch, 20e6, gain_every=5, gain_every_max=40)
+    ch._decide(1, "warmup", probe=True)
+    ch._gain_interval = 20
+    state = ch.state_dict()
+    other = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), gain_every=5), torch.nn.Linear(1, 1), params)
+    other.load_state_dict(state)
+    assert other._gain_interval == 20
+    state.pop("gain_interval")
+    other.load_state_dict(state)
+    assert other._gain_interval == 5
+
+
+def test_a_dense_mode_whose_link_fell_measures_the_new_beta_from_its_drifted_window(monkeypatch):
+    """DDP runs on a fast link; the link falls to 10 Mbit/s and DDP's window doubles (severe drift). That
+    window, a dense step that waited long on the network, gives the new β (the hand-written step at
+    10 Mbit/s, with the α the fast link's probe measured, is what it measured): nothing is sent, not
+    the full probe (0.9 s on the quickstart MLP at 10 Mbit/s), nor a latency round (α is kept), nor a
+    reference message for the link check (the model's time for it, α + bytes·β), and auto moves to
+    Top-k."""
+    from auto_oracle import step_by_hand
+
+    ch, link, _, _ = _probing_chooser(monkeypatch, 1e9, window=2, patience=2, min_interval=1, probe_every=0)
+    ch.workload = Workload(0.0004, (0.0001, 0.0001), (42_000, 42_000))
+    fast_wall = step_by_hand(ch.costs[0].as_dict(), dict(ch.workload.as_dict(), other_s=0.0), link.alpha, link.beta, 4)
+    ch._decide(1, "warmup", probe=True, dense_wall_s=fast_wall + 0.006, dense_exposed_s=0.005)  # 6 ms of framework
+    assert ch.chosen == "ddp" and ch.history[-1]["network_source"] == "probe"
+    other = ch.workload.other_s
+    assert other > 0.0
+
+    def window(at, wall):
+        ch._window = [wall, wall]
+        ch._check_drift(at)
+
+    step = ch.predictions["ddp"].step_s
+    window(3, 1.0)  # settling
+    window(5, step)  # reference
+    link.sent, link.beta = [], 8 / 10e6
+    alpha = ch.network.alpha_s  # the fast link's probe: its fastest 64-byte shift less 64·β there
+    assert alpha == pytest.approx(link.alpha - 64 * 8 / 1e9)
+    slow_wall = step_by_hand(ch.costs[0].as_dict(), dict(ch.workload.as_dict(), other_s=other), alpha, link.beta, 4)
+    window(7, slow_wall)  # many times the reference: severe
+    h = ch.history[-1]
+    assert h["trigger"] == "drift" and h["network_source"] == "dense_step"
+    assert link.sent == []  # no message: α kept, β from the window, the check's reference modelled
+    assert h["decide_parts_s"]["latency"] == 0.0
+    assert ch.network.beta_s_per_byte == pytest.approx(8 / 10e6, rel=1e-6)
+    assert ch.network.alpha_s == pytest.approx(alpha, rel=1e-6)
+    assert ch.probe_bytes == 2 * 84_000 and ch.probe_time_modelled  # 134 ms at 10 Mbit/s: bandwidth-bound
+    assert ch.probe_time_s == pytest.approx(alpha + 2 * 84_000 * 8 / 10e6, rel=1e-6)
+    assert ch.chosen == "topk" and ch.workload.other_s == other  # other_s is the warm-up's, kept
