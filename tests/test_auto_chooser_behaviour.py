@@ -8,7 +8,18 @@ from __future__ import annotations
 import copy
 
 import pytest
-from auto_drive import Clock, FakeEngine, redecide, resume, resume_after_warmup, resumed_with, sampling_at, walls, window
+from auto_drive import (
+    Clock,
+    FakeEngine,
+    redecide,
+    resume,
+    resume_after_warmup,
+    resumed_with,
+    sampling_at,
+    step_end,
+    walls,
+    window,
+)
 from auto_oracle import step_by_hand
 
 from lightning_gc.auto import policy
@@ -656,3 +667,86 @@ def test_the_state_is_a_snapshot(clock):
     n = len(state["history"])
     window(ch, 6, 10 * _state(ch, "reference"), clock)  # a severe drift: a decision
     assert len(ch.history) == n + 1 and len(state["history"]) == n
+
+
+# ---------------------------------------------------------------------- the errors' re-measurement
+def _errors_by_hand(g):
+    """Each candidate's relative error on the gradient ``g``, in float64, written from the definitions:
+    a 16-bit cast's rounding, Top-k's residual (every element but the k largest by magnitude)."""
+    import math
+
+    import torch
+
+    x = g.double()
+    total = float((x ** 2).sum())
+
+    def top(ratio):
+        k = max(1, math.ceil(ratio * x.numel()))
+        return float((x.abs().sort(descending=True).values[k:] ** 2).sum()) / total
+
+    def cast(dtype):
+        return float(((g.to(dtype).double() - x) ** 2).sum()) / total
+
+    return {"ddp": 0.0, "fp16": cast(torch.float16), "bf16": cast(torch.bfloat16), "topk": top(0.01),
+            "topk3": top(0.03)}
+
+
+def test_the_errors_re_measurement_skips_only_candidates_that_cannot_win(clock):
+    """The ``gain`` re-measurement (due ``gain_first`` steps after the last one: the chooser samples the
+    next step's gradients) measures the running method's error first, then only the candidates whose
+    predicted step is at most the least time per unit of progress measured so far: a candidate above
+    it loses whatever its error. Oracles, on random cases: the set measured is the by-hand bound's (the
+    steps by hand, the running method's error by hand on the sampled gradient); the pick after the
+    re-decision is the brute-force argmin with the errors by hand, and the same with every skipped
+    candidate's error set to 0 (its best case): skipping changed nothing."""
+    import random
+
+    import torch
+    from auto_oracle import argmin_by_hand
+
+    rng = random.Random(17)
+    w = 1.5
+    outcomes = {"skipped_some": 0, "measured_all": 0, "switched": 0}
+    for _ in range(80):
+        numels = tuple(rng.choice([5_000, 80_000, 400_000, 2_000_000]) for _ in range(rng.randint(1, 6)))
+        wl = Workload(rng.uniform(0.001, 0.05), tuple(rng.uniform(0, 0.02) for _ in numels), numels,
+                      rng.uniform(0, 0.01), rng.uniform(0, 0.01))
+        net = NetworkModel(rng.choice([0.0, 1e-5, 5e-4]), 8 / rng.choice([1e7, 1e8, 1e9, 1e10, 1e13, 1e13]))
+        n, numel = rng.choice([2, 4, 8]), wl.numel
+
+        def codec(top):
+            return rng.choice([0.0, rng.uniform(0, top)])
+        costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("fp16", "bucket", codec(0.01), delta2=1e-7),
+                 MethodCost("topk", "allgather", codec(0.03), 8 * numel * 0.01, rng.uniform(0.0, 0.95), True),
+                 MethodCost("topk3", "allgather", codec(0.03), 24 * numel * 0.01, rng.uniform(0.0, 0.9), True)]
+        cfg = AutoConfig(candidates=tuple(c.name for c in costs), probe_every=0, progress_weight=w, gain_drift=0.0,
+                         switch_margin=0.0)
+        param = torch.nn.Parameter(torch.zeros(1000))
+        engine = FakeEngine(net, n, params=[param])
+        ch, _ = resume_after_warmup(clock, cfg, wl, costs, net, n, engine=engine, last_gain_step=0)
+        running = ch.chosen
+        step_end(ch, 19, 0.01, clock)  # the re-measurement falls due: the next step is sampled
+        assert ch.state_dict()["sampling"]
+        g = torch.randn(1000, generator=torch.Generator().manual_seed(rng.randrange(10**6)))
+        g = g * torch.rand(1000, generator=torch.Generator().manual_seed(rng.randrange(10**6))) ** rng.choice([0, 2, 6])
+        (param * g).sum().backward()  # the sampled step's backward: this rank's gradient is g
+        step_end(ch, 20, 0.01, clock)
+        new = _errors_by_hand(g)
+        d = (wl.as_dict(), net.alpha_s, net.beta_s_per_byte, n)
+        steps = {c.name: step_by_hand(c.as_dict(), *d) for c in costs}
+        run = next(c for c in costs if c.name == running)
+        bound = steps[running] * (1 + w * (new[running] if run.error_feedback else new[running] / n))
+        want = {running} | {name for name, s in steps.items() if s <= bound}
+        check = ch.gain_checks[-1]
+        assert set(check["delta2"]) == want and set(check["skipped"]) == {c.name for c in costs} - want
+        for name, d2 in check["delta2"].items():
+            assert d2 == pytest.approx(new[name], rel=1e-5, abs=1e-12)
+        measured = [c.as_dict() | ({"delta2": new[c.name]} if c.name in want else {}) for c in costs]
+        best_case = [c | ({} if c["name"] in want else {"delta2": 0.0}) for c in measured]
+        pick = argmin_by_hand(measured, *d, w)
+        assert ch.chosen == pick == argmin_by_hand(best_case, *d, w)
+        # gain_drift 0: any move re-decides (none where only an exact method was measured)
+        assert (ch.history[-1]["trigger"] == "gain") == (check["moved"] > 0)
+        outcomes["skipped_some" if len(want) < len(costs) else "measured_all"] += 1
+        outcomes["switched"] += pick != running
+    assert outcomes["skipped_some"] >= 5 and outcomes["measured_all"] >= 2 and outcomes["switched"] >= 5, outcomes
