@@ -54,6 +54,8 @@ class FakeEngine:
     def __init__(self, network: NetworkModel | None, world_size: int = 4, pinned: bool = True,
                  params: Sequence[torch.Tensor] | None = None, carry: bool = False) -> None:
         self.carry = carry
+        #: the other ranks' walls over this rank's: a carried wall is the mean over the ranks (1: alike)
+        self.others_factor = 1.0
         if params is None:  # one small tensor: what a gradient sample hooks (the chooser never reads its values here)
             params = [torch.nn.Parameter(torch.zeros(4))]
         self.world_size, self.rank, self.step, self.device = world_size, 0, 0, torch.device("cpu")
@@ -133,6 +135,8 @@ def step_end(chooser: AutoChooser, step: int, wall: float, clock: Clock, exchang
     engine = chooser.engine
     dense = engine.step_is_dense()
     carried = engine.carried if engine.carry and (not dense or engine.dense_carry) else None
+    if carried is not None:  # the mean over the ranks: this rank's wall and the others' (others_factor)
+        carried *= (1 + (engine.world_size - 1) * engine.others_factor) / engine.world_size
     engine.last_step = SimpleNamespace(step=step, dense=dense, dense_stopped=False, carried_wall_mean_s=carried,
                                        exchange_comm_mean_s=None if dense else exchange_s,
                                        exchange_comm_mean_step=None)
@@ -240,13 +244,16 @@ def redecide(chooser: AutoChooser, trigger: Trigger, costs: Sequence[MethodCost]
                          lambda name: (_ for _ in ()).throw(AssertionError(f"timed {name}")))
 
 
-def resumed_with(chooser: AutoChooser, clock: Clock, step: int | None = None, **cfg) -> AutoChooser:
-    """A new chooser on the same engine, resumed from ``chooser``'s checkpoint with options ``cfg`` changed
-    (e.g. a window long enough that only the every-step tests act)."""
+def resumed_with(chooser: AutoChooser, clock: Clock, step: int | None = None, edit=None, **cfg) -> AutoChooser:
+    """A new chooser on the same engine, resumed from ``chooser``'s checkpoint (changed by ``edit(state)``)
+    with options ``cfg`` changed (e.g. a window long enough that only the every-step tests act)."""
     config = replace(chooser.config, **cfg)
     engine = chooser.engine
     other = AutoChooser(engine, config, torch.nn.Linear(1, 1), list(zip(engine.names, engine.params)))
-    resume(other, copy.deepcopy(chooser.state_dict()), clock, step)
+    state = copy.deepcopy(chooser.state_dict())
+    if edit is not None:
+        edit(state)
+    resume(other, state, clock, step)
     return other
 
 

@@ -750,3 +750,285 @@ def test_the_errors_re_measurement_skips_only_candidates_that_cannot_win(clock):
         outcomes["skipped_some" if len(want) < len(costs) else "measured_all"] += 1
         outcomes["switched"] += pick != running
     assert outcomes["skipped_some"] >= 5 and outcomes["measured_all"] >= 2 and outcomes["switched"] >= 5, outcomes
+
+
+# ---------------------------------------------------------------------- the every-step tests (severe_steps)
+LONG = 1000  # a window so long that only the every-step tests act
+
+
+def _every_step(clock, **cfg):
+    """fp16 measured on the fast link (its reference set at step 4), resumed at step 4 with the long
+    window; from here on the engine carries each step's wall to the next step (as GCEngine does)."""
+    ch, engine, _, _ = _fp16_measured_on_a_fast_link(clock, **cfg)
+    ref = _state(ch, "reference")
+    assert ref is not None and _state(ch, "last_decision_step") == 4 and ch.chosen == "fp16"
+    sev = resumed_with(ch, clock, window=LONG)
+    engine.carry = True
+    return sev, engine, ref
+
+
+@pytest.mark.parametrize("factor", [10.0, 0.2, 3.0, 0.3])
+def test_severe_drift_is_seen_within_severe_steps_of_the_change(clock, factor):
+    """fp16 runs at its reference (measured at step 4); from step 10 every step takes ``factor``
+    times as long. Each step's agreed wall is read at the next step's end, and the step right after a
+    decision (5) is left out. At 8x or more (slower only, under a dense mode) that one step is enough:
+    step 10's wall, read at step 11 (test ``step``). At 4x or more (or a quarter) the median of the
+    last 3 (steps 9-11) sees it at step 12; a smaller change needs every one of them off (steps
+    10-12, at step 13). A single slow step under 8x (or any single fast one) never sets it off, two
+    of three at 2.5x (or 0.4x) not either; ``min_interval`` holds the decision back;
+    ``severe_steps=0`` turns the test off."""
+    ch, engine, ref = _every_step(clock, min_interval=4)
+    if factor > 1:
+        engine.network.model = NetworkModel(1e-4, 8 / 1e7)  # the link falls to 10 Mbit/s
+    first = 11 if factor >= 8 else 12 if factor >= 4 or factor <= 0.25 else 13  # by hand, as above
+    test = "step" if factor >= 8 else "steps"
+    walls(ch, {s: ref for s in range(5, 10)} | {s: factor * ref for s in range(10, first)}, clock)
+    assert ch.history[-1]["step"] == 4
+    walls(ch, {first: factor * ref}, clock)
+    h = ch.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"]) == (first, "drift", test)
+    if factor > 1:  # re-decided on the slow link: a compressed method
+        assert ch.chosen == "lowrank" and h["network"][1] == pytest.approx(8 / 1e7)
+
+    one, engine, _ = _every_step(clock, min_interval=4)
+    walls(one, {s: ref for s in range(5, 10)} | {10: factor * ref} | {s: ref for s in range(11, 20)}, clock)
+    if factor >= 8:  # one step at 8x or more under a dense mode: seen at step 11, alone
+        assert (one.history[-1]["step"], one.history[-1]["drift_test"]) == (11, "step")
+    else:
+        assert one.history[-1]["step"] == 4  # one slow (or fast) step: no decision
+
+    two, engine, _ = _every_step(clock, min_interval=4)
+    f2 = 2.5 if factor > 1 else 0.4
+    walls(two, {s: ref for s in range(5, 10)} | {s: (ref if s % 3 == 0 else f2 * ref) for s in range(10, 30)}, clock)
+    assert two.history[-1]["step"] == 4  # two of three at 2.5x (0.4x), again and again: no decision
+
+    held, engine, _ = _every_step(clock, min_interval=30)
+    walls(held, {s: ref for s in range(5, 10)} | {s: factor * ref for s in range(10, first + 1)}, clock)
+    assert (held.history[-1]["step"], held.history[-1]["drift_test"]) == (first, test)
+    engine.carry = False  # the new method's settling and reference windows, on its own walls
+    w2 = resumed_with(held, clock, window=2)
+    window(w2, first + 2, 1.0, clock)  # settling
+    new_ref = w2.predictions[w2.chosen].step_s
+    window(w2, first + 4, new_ref, clock)  # the reference
+    n = len(w2.history)
+    engine.carry = True
+    back = resumed_with(w2, clock, step=first + 4, window=LONG)
+    walls(back, {s: new_ref / factor for s in range(first + 5, first + 32)}, clock)  # held until 30 steps after
+    assert len(back.history) == n + 1
+    assert (back.history[-1]["step"], back.history[-1]["drift_test"]) == (first + 30, "steps")
+
+    off, engine, _ = _every_step(clock, min_interval=4, severe_steps=0)
+    walls(off, {s: ref for s in range(5, 10)} | {s: factor * ref for s in range(10, 20)}, clock)
+    assert off.history[-1]["step"] == 4
+
+
+@pytest.mark.parametrize("case", ["marked", "compressed", "just_under", "exactly"])
+def test_the_one_step_test_acts_on_a_dense_mode_only_and_not_on_a_marked_step(clock, case):
+    """The one-step test (4 x severe_drift = 8x the reference by default): a dense mode's step of
+    exactly 8x re-decides at the next step's end. Not when the step was marked (``mark_wall``: an
+    epoch's first step, a checkpoint saved before it): the test of the last 3 sees the slow link a step
+    later. Not under a compressed method (a checkpoint in which lowrank runs), nor at 7.9x."""
+    ch, engine, ref = _every_step(clock, min_interval=4)
+    if case == "compressed":
+        ch = resumed_with(ch, clock, edit=lambda st: st.update(chosen="lowrank"))
+        assert engine.dense_mode is None
+    walls(ch, {s: ref for s in range(5, 10)}, clock)
+    if case == "marked":
+        engine.step = 10  # the step about to run: its wall holds the epoch's boundary (or a checkpoint)
+        ch.mark_wall()
+    factor = 7.9 if case == "just_under" else 8.0
+    # the marked case: the link did fall, steps 10 and 11 are both slow
+    walls(ch, {10: factor * ref, 11: factor * ref if case == "marked" else ref}, clock)
+    h = ch.history[-1]
+    if case == "exactly":
+        assert (h["step"], h["trigger"], h["drift_test"]) == (11, "drift", "step")
+    else:
+        assert h["step"] == 4
+    if case == "marked":  # step 11's wall, read at 12, is not marked: the two tests see the fall there
+        walls(ch, {12: 8.0 * ref}, clock)
+        assert (ch.history[-1]["step"], ch.history[-1]["drift_test"]) == (12, "steps")
+
+
+def _kept_with_a_new_reference_due(clock):
+    """A moderate drift re-decision at step 8 keeps fp16 (measured on this link): no reference until its
+    second window. Resumed there with the long window and carried walls."""
+    ch, engine, _, _ = _fp16_measured_on_a_fast_link(clock, min_interval=4, drift=0.3, patience=2)
+    ref = _state(ch, "reference")
+    window(ch, 6, 1.5 * ref, clock)
+    window(ch, 8, 1.5 * ref, clock)
+    h = ch.history[-1]
+    assert (h["step"], h["drift_test"], h["chosen"]) == (8, "window", "fp16") and _state(ch, "reference") is None
+    sev = resumed_with(ch, clock, window=LONG)
+    engine.carry = True
+    return sev, engine
+
+
+def test_before_its_reference_a_calibrated_method_is_judged_by_its_prediction_every_step(clock):
+    """fp16 kept at step 8 with a new reference due. The link falls at once; steps from 10 on (9 is the
+    switch's step, left out) run 10x fp16's prediction, which carried its own correction: at step 11,
+    where step 10's wall is read, auto re-decides (test ``step``). The method it moves to, never
+    measured on the slow link, runs 3x its raw prediction: that is what its first window calibrates,
+    not a drift, and nothing re-decides."""
+    ch, engine = _kept_with_a_new_reference_due(clock)
+    fp16_pred = ch.predictions["fp16"].step_s
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)
+    walls(ch, {s: 10 * fp16_pred for s in range(9, 11)}, clock)
+    assert ch.history[-1]["step"] == 8
+    walls(ch, {11: 10 * fp16_pred}, clock)
+    h = ch.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"]) == (11, "drift", "step") and ch.chosen == "lowrank"
+    lowrank_pred = ch.predictions["lowrank"].step_s
+    walls(ch, {s: 3 * lowrank_pred for s in range(12, 32)}, clock)
+    assert ch.history[-1]["step"] == 11
+
+    # one step at 8x fp16's (calibrated) prediction before the reference: the one-step test, at once
+    one, engine = _kept_with_a_new_reference_due(clock)
+    pred = one.predictions["fp16"].step_s
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)  # the link falls
+    walls(one, {9: pred, 10: 8.0 * pred}, clock)
+    assert one.history[-1]["step"] == 8 and _state(one, "reference") is None
+    walls(one, {11: pred}, clock)  # step 10's wall, read here
+    assert (one.history[-1]["step"], one.history[-1]["drift_test"]) == (11, "step") and one.chosen == "lowrank"
+    # ... but not at 7.9x
+    under, engine = _kept_with_a_new_reference_due(clock)
+    walls(under, {9: pred, 10: 7.9 * pred, 11: pred}, clock)
+    assert under.history[-1]["step"] == 8
+
+    # two steps of three at 3x fp16's prediction, again and again (a busy host), before the reference: nothing
+    two, engine = _kept_with_a_new_reference_due(clock)
+    walls(two, {s: (pred if s % 3 == 0 else 3 * pred) for s in range(9, 18)}, clock)
+    assert two.history[-1]["step"] == 8 and _state(two, "reference") is None
+
+
+def _lowrank_with_an_exchange_reference(clock, exchange_s, **cfg):
+    """The link fell to 10 Mbit/s; a severe window at step 6 moved fp16 to lowrank; resumed there with
+    4-step windows and carried walls, its reference window (steps 11-14, the calibration at 14 keeps it)
+    ran its predicted step, each step with ``exchange_s`` in the compressed exchange (agreed; or one value
+    per step, a list)."""
+    ch, engine, _, _ = _fp16_measured_on_a_fast_link(clock, min_interval=4, explore=0, **cfg)
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)
+    window(ch, 6, 10 * _state(ch, "reference"), clock)
+    assert ch.chosen == "lowrank" and ch.history[-1]["step"] == 6
+    x = resumed_with(ch, clock, window=4)
+    engine.carry = True
+    step_s = x.predictions["lowrank"].step_s
+    walls(x, {s: step_s for s in range(7, 11)}, clock)  # settling
+    per_step = exchange_s if isinstance(exchange_s, list) else [exchange_s] * 4
+    walls(x, {s: (step_s, e) for s, e in zip(range(11, 15), per_step)}, clock)
+    assert [(h["step"], h["trigger"]) for h in x.history][-1] == (14, "calibration")
+    assert x.chosen == "lowrank" and _state(x, "reference") == pytest.approx(step_s)
+    return x, engine, step_s
+
+
+def test_a_link_that_came_back_is_seen_in_a_compressed_methods_exchange(clock):
+    """lowrank's reference window on the fallen link (20 ms of each step in its exchange); from step 17
+    the link is back at 10 Gbit/s: the step falls to 45 ms (under the 2x step test), the exchange to
+    2 ms. The median of the last 3 exchanges (16-18) is 10x off at step 18, and 18 ms is over a tenth of
+    the step: auto re-decides there (test ``exchange``) and the fast link puts it back on fp16. A
+    checkpoint carries the exchange reference. An exchange that moves by as large a factor but by less
+    than a tenth of the step (4 ms → 1 ms), or for one step only, or that gets slower, re-decides
+    nothing; nor does anything with ``severe_steps=0``."""
+    ch, engine, step_s = _lowrank_with_an_exchange_reference(clock, 0.02)
+    assert _state(ch, "reference_exchange") == pytest.approx(0.02)
+    state = copy.deepcopy(ch.state_dict())
+    engine.network.model = NetworkModel(1e-4, 8 / 1e10)
+    walls(ch, {15: (step_s, 0.02), 16: (step_s, 0.02), 17: (0.045, 0.002)}, clock)
+    assert ch.history[-1]["step"] == 14
+    walls(ch, {18: (0.045, 0.002)}, clock)
+    h = ch.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"]) == (18, "drift", "exchange") and ch.chosen == "fp16"
+    assert h["network"][1] == pytest.approx(8 / 1e10)
+
+    resumed = resumed_with(ch, clock, step=14, edit=lambda st: (st.clear(), st.update(copy.deepcopy(state))))
+    assert _state(resumed, "reference_exchange") == pytest.approx(0.02) and resumed.chosen == "lowrank"
+    walls(resumed, {15: (step_s, 0.02), 16: (step_s, 0.02), 17: (0.045, 0.002), 18: (0.045, 0.002)}, clock)
+    assert (resumed.history[-1]["step"], resumed.history[-1]["drift_test"]) == (18, "exchange")  # as uninterrupted
+
+    slower, _, step_s = _lowrank_with_an_exchange_reference(clock, 0.02)
+    walls(slower, {s: (step_s, 0.2) for s in range(15, 32)}, clock)  # 10x slower: the step test's business
+    assert slower.history[-1]["step"] == 14
+
+    small, _, step_s = _lowrank_with_an_exchange_reference(clock, 0.004)
+    walls(small, {s: (step_s, 0.001) for s in range(15, 32)}, clock)  # 4x, but 3 ms of a 55 ms step
+    assert small.history[-1]["step"] == 14
+
+    once, _, step_s = _lowrank_with_an_exchange_reference(clock, 0.02)
+    walls(once, {s: (step_s, 0.002 if s == 22 else 0.02) for s in range(15, 32)}, clock)
+    assert once.history[-1]["step"] == 14
+
+    off, engine, _ = _every_step(clock, min_interval=4, severe_steps=0)
+    assert _state(off, "reference_exchange") is None
+
+
+def test_the_exchange_reference_is_the_reference_windows_fastest_exchange(clock):
+    """A small exchange on a steady shaped link has two modes. The reference window caught the slow one
+    in 3 of its 4 steps (20 ms) and the fast one once (8 ms): the reference is 8 ms, so later steps in
+    the fast mode re-decide nothing; a link that came back (0.5 ms) still does."""
+    steady, _, step_s = _lowrank_with_an_exchange_reference(clock, [0.02, 0.008, 0.02, 0.02])
+    assert _state(steady, "reference_exchange") == pytest.approx(0.008)
+    walls(steady, {s: (step_s, 0.008) for s in range(15, 42)}, clock)
+    assert steady.history[-1]["step"] == 14
+    back, _, step_s = _lowrank_with_an_exchange_reference(clock, [0.02, 0.008, 0.02, 0.02])
+    walls(back, {s: (step_s, 0.0005) for s in range(15, 18)}, clock)
+    h = back.history[-1]  # step 15 is left out (the step after the calibration): 14, 16, 17 at step 17
+    assert (h["step"], h["trigger"], h["drift_test"]) == (17, "drift", "exchange")
+
+
+def test_a_periodic_decision_that_kept_the_method_on_an_unchanged_link_keeps_its_references(clock):
+    """lowrank measured on the slow link (reference step and exchange); the periodic look at step 22 finds
+    the (pinned) link as it was and keeps lowrank with its references, no settling window, and when the
+    link comes back right after it (exchanges 10x faster from step 23) the exchange test sees it at step
+    25 against the old reference. (A look that measured a new link starts the references again:
+    ``policy.keeps_reference``, tests/test_auto_policy_behaviour.py.)"""
+    ch, engine, step_s = _lowrank_with_an_exchange_reference(clock, 0.02)
+    ref, ref_x = _state(ch, "reference"), _state(ch, "reference_exchange")
+    # the last look at the link was the drift decision at step 6: the next one 16 steps later, at step 22
+    per = resumed_with(ch, clock, step=14, probe_every=16, edit=lambda st: st.update(link_interval=16))
+    walls(per, {s: (step_s, 0.02) for s in range(15, 23)}, clock)
+    h = per.history[-1]
+    assert (h["step"], h["trigger"], h["chosen"], h["previous"]) == (22, "periodic", "lowrank", "lowrank")
+    assert h["kept_reference"] and h["measured_step_s"] == ref
+    st = per.state_dict()
+    assert (st["reference"], st["reference_exchange"], st["settling"]) == (ref, ref_x, False)
+    walls(per, {s: (step_s, 0.002) for s in range(23, 26)}, clock)
+    h = per.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"]) == (25, "drift", "exchange")
+
+
+def test_a_window_reads_its_median_from_the_carried_walls(clock):
+    """The windows' median comes from the walls carried in the steps' own messages (the mean over ranks,
+    read one step late), shifted one step back. The other ranks' steps here took 3.67x this rank's (the
+    mean: 3x), so the carried walls say the step tripled while this rank's own walls stayed at the
+    reference: the two sources give different decisions. A window in which one carried wall was lost
+    falls back to this rank's walls (agreed)."""
+    for lose in (None, 9):
+        ch, engine, _, _ = _fp16_measured_on_a_fast_link(clock, min_interval=1, severe_steps=0, patience=9)
+        ref = _state(ch, "reference")
+        engine.carry = True
+        walls(ch, {s: ref for s in range(5, 9)}, clock)  # two windows at the reference, the ranks alike
+        assert ch.history[-1]["step"] == 4
+        engine.others_factor = (3 * 4 - 1) / 3  # from step 8 on the mean over 4 ranks is 3x this rank's wall
+        for s in (9, 10):
+            engine.carry = s != lose  # the lost case: step 9 drops the wall it should carry (step 8's)
+            walls(ch, {s: ref}, clock)
+        h = ch.history[-1]
+        if lose is None:  # the carried steps 8-9: 3x the reference, a severe window
+            assert (h["step"], h["trigger"], h["drift_test"]) == (10, "drift", "severe_window")
+        else:  # step 8's wall was lost: this rank's walls, at the reference
+            assert h["step"] == 4 and _state(ch, "drifted") == 0
+
+
+def test_a_decision_steps_wall_is_carried_so_the_next_window_reads_it(clock):
+    """A periodic re-decision that keeps fp16 (step 6) keeps the window running, so the next window
+    (steps 7-8, read as 6-7) holds the decision step's wall, carried like any other: with the other
+    ranks at 3x (the mean over ranks), that window is a severe one at step 8."""
+    ch, engine, _, _ = _fp16_measured_on_a_fast_link(clock, min_interval=1, gain_every=0, probe_every=6)
+    ref = _state(ch, "reference")
+    engine.carry = True
+    walls(ch, {5: ref, 6: ref}, clock)
+    h = ch.history[-1]
+    assert (h["step"], h["trigger"], h["chosen"]) == (6, "periodic", "fp16") and _state(ch, "reference") == ref
+    engine.others_factor = (3 * 4 - 1) / 3  # from step 6 on, the others take 3.67x: the mean 3x
+    walls(ch, {7: ref, 8: ref}, clock)
+    h = ch.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"]) == (8, "drift", "severe_window")
