@@ -1032,3 +1032,43 @@ def test_a_decision_steps_wall_is_carried_so_the_next_window_reads_it(clock):
     walls(ch, {7: ref, 8: ref}, clock)
     h = ch.history[-1]
     assert (h["step"], h["trigger"], h["drift_test"]) == (8, "drift", "severe_window")
+
+
+# ---------------------------------------------------------------------- intervals
+def test_the_periodic_look_at_an_unchanged_link_comes_twice_as_late_each_time_up_to_probe_every_max(clock):
+    """probe_every 10, probe_every_max 40, a window every 2 steps on a steady (pinned) link: the periodic
+    re-decisions come at steps 10, 30, 70, 110, 150 (each found the link as it was and kept the method,
+    so the interval went 10 → 20 → 40 → 40). The interval travels with a checkpoint. With probe_every_max
+    0: every probe_every steps. (A look that finds the link moved starts from probe_every again:
+    ``policy.next_link_interval``.) Oracle: the steps, by hand."""
+    wl, costs, net = _fp16_inputs()
+    for cap, want in ((40, [10, 30, 70, 110, 150]), (0, [10, 20, 30, 40, 50])):
+        cfg = AutoConfig(candidates=("ddp", "fp16", "lowrank", "topk"), window=2, patience=99, min_interval=1,
+                         probe_every=10, probe_every_max=cap, severe_drift=0, gain_every=0, explore=0,
+                         family_margin=0.0)
+        ch, engine = resume_after_warmup(clock, cfg, wl, costs, net, dense_wall_s=0.04)
+        step = ch.predictions[ch.chosen].step_s
+        periodic = []
+        for at in range(2, 2 * want[-1] // 2 + 1, 2):
+            n = len(ch.history)
+            window(ch, at, step, clock)
+            if len(ch.history) > n and ch.history[-1]["trigger"] == "periodic":
+                periodic.append((at, ch.history[-1]["link_interval"]))
+            if at == 120 and cap:
+                other = resumed_with(ch, clock, step=120)
+                assert _state(other, "link_interval") == 40
+        assert [a for a, _ in periodic] == want
+        if cap:
+            assert [i for _, i in periodic] == [20, 40, 40, 40, 40]
+
+
+def test_the_errors_re_measurement_interval_travels_with_a_checkpoint(clock):
+    """gain_every_max: the doubled interval is in the state; a state written before it had one resumes at
+    gain_every."""
+    wl, costs, net = _fp16_inputs()
+    cfg = AutoConfig(candidates=("ddp", "fp16", "lowrank", "topk"), gain_every=5, gain_every_max=40)
+    ch, _ = resume_after_warmup(clock, cfg, wl, costs, net, dense_wall_s=0.04)
+    other = resumed_with(ch, clock, edit=lambda st: st.update(gain_interval=20))
+    assert _state(other, "gain_interval") == 20
+    older = resumed_with(ch, clock, edit=lambda st: st.pop("gain_interval"))
+    assert _state(older, "gain_interval") == 5

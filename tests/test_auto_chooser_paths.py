@@ -669,64 +669,6 @@ def test_a_severe_drift_probes_at_once_and_a_moderate_one_checks_the_link_first(
     assert ch.history[-1]["link_check"] is None and ch.history[-1]["network_source"] == "probe"
 
 
-def test_the_periodic_look_at_an_unchanged_link_comes_twice_as_late_each_time_up_to_probe_every_max(monkeypatch):
-    """probe_every 10, probe_every_max 40, a window every 2 steps on a steady 20 Mbit/s link: the
-    periodic re-decisions come at steps 11, 31, 71, 111 (each check found the link unchanged and kept
-    the method, so the interval went 10 → 20 → 40 → 40). The link falls to 10 Mbit/s before the one at
-    151: that check finds it moved, the interval is back to 10, and the next periodic look is at 161.
-    The interval travels with a checkpoint. Oracle: the steps, by hand."""
-    import torch
-
-    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
-
-    ch, link, engine, params = _probing_chooser(monkeypatch, 20e6, window=2, patience=99, min_interval=1,
-                                                probe_every=10, probe_every_max=40, severe_drift=0, gain_every=0)
-    ch._decide(1, "warmup", probe=True)
-    step = ch.predictions[ch.chosen].step_s
-    periodic = []
-    for at in range(3, 170, 2):
-        if at == 141:
-            link.beta = 8 / 10e6  # the link falls; the steps (driven here) do not show it
-        n = len(ch.history)
-        _window(ch, at, step)
-        if len(ch.history) > n and ch.history[-1]["trigger"] == "periodic":
-            h = ch.history[-1]
-            periodic.append((at, h["network_source"], h["link_interval"]))
-        if at == 121:
-            other = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), probe_every=10, probe_every_max=40),
-                                torch.nn.Linear(1, 1), params)
-            other.load_state_dict(ch.state_dict())
-            assert other._link_interval == 40
-    assert periodic == [(11, "check", 20), (31, "check", 40), (71, "check", 40), (111, "check", 40),
-                        (151, "check_slope", 10), (161, "check", 20)]
-    # probe_every_max 0: every probe_every steps, as before the doubling
-    ch, link, _, _ = _probing_chooser(monkeypatch, 20e6, window=2, patience=99, min_interval=1, probe_every=10,
-                                      probe_every_max=0, severe_drift=0, gain_every=0)
-    ch._decide(1, "warmup", probe=True)
-    for at in range(3, 52, 2):
-        _window(ch, at, ch.predictions[ch.chosen].step_s)
-    assert [h["step"] for h in ch.history if h["trigger"] == "periodic"] == [11, 21, 31, 41, 51]
-
-
-def test_the_errors_re_measurement_interval_travels_with_a_checkpoint(monkeypatch):
-    """gain_every_max: the doubled interval is in the state; a state written before it had one resumes at
-    gain_every."""
-    import torch
-
-    from lightning_gc.auto.chooser import AutoChooser, AutoConfig
-
-    ch, _, engine, params = _probing_chooser(monkeypatch, 20e6, gain_every=5, gain_every_max=40)
-    ch._decide(1, "warmup", probe=True)
-    ch._gain_interval = 20
-    state = ch.state_dict()
-    other = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), gain_every=5), torch.nn.Linear(1, 1), params)
-    other.load_state_dict(state)
-    assert other._gain_interval == 20
-    state.pop("gain_interval")
-    other.load_state_dict(state)
-    assert other._gain_interval == 5
-
-
 def test_a_dense_mode_whose_link_fell_measures_the_new_beta_from_its_drifted_window(monkeypatch):
     """DDP runs on a fast link; the link falls to 10 Mbit/s and DDP's window doubles (severe drift). That
     window, a dense step that waited long on the network, gives the new β (the hand-written step at
