@@ -1072,3 +1072,164 @@ def test_the_errors_re_measurement_interval_travels_with_a_checkpoint(clock):
     assert _state(other, "gain_interval") == 20
     older = resumed_with(ch, clock, edit=lambda st: st.pop("gain_interval"))
     assert _state(older, "gain_interval") == 5
+
+
+# ---------------------------------------------------------------------- a group that takes the direct exchange
+@pytest.fixture
+def one_rank_gloo():
+    """Starts (when called) an initialised gloo process group of one rank: a chooser built after it agrees
+    dense walls at once (the direct exchange) and sings the link canary, while every agreement is still
+    the identity. The setup before it runs without one (walls from this rank's own windows)."""
+    import torch.distributed as dist
+
+    yield lambda: dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _dense_step(ch, step, wall, clock, **stats):
+    """Step ``step`` through the strategy's calls: the closure (the canary before it, when due), then its
+    end after ``wall`` seconds with the engine's ``StepStats``."""
+    from lightning_gc.engine.stats import StepStats
+
+    engine = ch.engine
+    engine.step = step
+    ch.wrap_closure(lambda: None)()
+    engine.step = step + 1
+    engine.last_step = StepStats(step=step, dense=engine.step_is_dense(), **stats)
+    clock.now += wall
+    ch.after_optimizer_step()
+
+
+def test_a_dense_modes_wall_agreed_at_once_decides_at_the_slow_step_itself(clock, one_rank_gloo):
+    """On a group that takes the direct exchange (up to 8 ranks off NCCL) a dense mode's wall is agreed at
+    its own step's end instead of riding in the next step's first bucket: the one-step test acts at the
+    slow step itself (10; a carried wall is read at 11), and nothing is handed to ``carry_wall``. Once a
+    compressed method runs, its wall rides in the closing report again (``carry_wall``)."""
+    from lightning_gc.auto.candidates import candidate
+
+    ch0, engine, _, _ = _fp16_measured_on_a_fast_link(clock, min_interval=4)
+    one_rank_gloo()
+    ch = resumed_with(ch0, clock, window=LONG)
+    ref = _state(ch, "reference")
+    for s in range(5, 10):
+        _dense_step(ch, s, ref * (1 + s / 100), clock)
+        assert engine.carried is None
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)  # the link falls to 10 Mbit/s (pinned: what it finds)
+    _dense_step(ch, 10, 8.0 * ref, clock)
+    h = ch.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"]) == (10, "drift", "step")
+    assert candidate(ch.chosen).compressor is not None  # a compressed method on the fallen link
+    _dense_step(ch, 11, 0.5 * ref, clock)
+    assert engine.carried == pytest.approx(0.5 * ref)  # carried in its closing report, not agreed alone
+
+
+def test_a_step_the_link_canary_stopped_re_decides_at_once_on_its_beta(clock, one_rank_gloo):
+    """Under a dense mode on a group that takes the direct exchange, with the canary on, the engine sings
+    it before each step (the closure's start), carrying nothing (NaN). A step the canary stopped
+    (StepStats.dense_stopped) makes auto re-decide at that step's end, whatever ``min_interval`` says
+    (30; the last decision at step 4), on β from the canary (its time on the fastest rank less α, over
+    the N-1 = 3 copies of its 64 KiB each rank sent; no probe): 10 Mbit/s makes lowrank the pick, and no
+    canary is sung before the compressed steps after it. A canary never gives a link faster than the
+    model's. Oracle: β written out by hand."""
+    ch0, engine, _, _ = _fp16_measured_on_a_fast_link(clock, min_interval=30)
+    engine.network.pinned = False
+    one_rank_gloo()
+    ch = resumed_with(ch0, clock, window=LONG, canary_bytes=65536)
+    assert engine.canary is not None and engine.canary.nbytes == 65536
+    alpha, ref = engine.network.model.alpha_s, _state(ch, "reference")
+    for s in range(5, 10):
+        _dense_step(ch, s, ref * (1 + s / 100), clock)
+    assert [a for a, _ in engine.sung] == [5, 6, 7, 8, 9] and ch.history[-1]["step"] == 4
+    assert all(c != c for _, c in engine.sung)  # every canary carried NaN: nothing rides in it
+    _dense_step(ch, 10, 0.2, clock, dense_stopped=True, dense_check_s=0.16, dense_check_predicted_s=2e-4,
+                dense_check_bytes=65536)
+    h = ch.history[-1]
+    assert (h["step"], h["trigger"], h["drift_test"], h["network_source"]) == (10, "drift", "canary", "canary")
+    want = (0.16 - alpha) / (3 * 65536)  # 3 x 64 KiB at 10 Mbit/s (0.157 s), plus alpha
+    assert h["network"] == [alpha, pytest.approx(want)] and engine.network.model.beta_s_per_byte == pytest.approx(want)
+    assert ch.chosen == "lowrank"
+    _dense_step(ch, 11, 0.05, clock)  # a compressed method runs: no canary
+    assert len(engine.sung) == 6
+
+    # a canary faster than the model's β (the fastest rank was early) never makes the link faster
+    import torch.distributed as dist
+
+    dist.destroy_process_group()  # the setup without a group, as above
+    ch0, engine, _, _ = _fp16_measured_on_a_fast_link(clock, min_interval=30)
+    engine.network.pinned = False
+    beta = engine.network.model.beta_s_per_byte
+    one_rank_gloo()
+    fast = resumed_with(ch0, clock, window=LONG, canary_bytes=65536)
+    _dense_step(fast, 5, 0.01, clock, dense_stopped=True, dense_check_s=1e-5, dense_check_predicted_s=2e-4,
+                dense_check_bytes=65536)
+    assert fast.history[-1]["drift_test"] == "canary" and fast.history[-1]["network"][1] == beta
+
+
+def test_with_the_canary_on_a_fall_inside_a_dense_step_is_acted_on_at_that_steps_end(clock, one_rank_gloo):
+    """The link falls during step 8 (its canary, sung before it, saw the fast link): step 8 runs 30x its
+    reference. Its wall, agreed at its own end, makes the one-step test re-decide there (test ``step``;
+    the new β from that dense step, no probe), and no canary is sung before step 9, which runs a
+    compressed pick: the stopped step the canary would have added after the slow one never comes."""
+    from lightning_gc.auto.candidates import candidate
+
+    ch0, engine, _, _ = _fp16_measured_on_a_fast_link(clock, min_interval=30)
+    engine.network.pinned = False
+    one_rank_gloo()
+    ch = resumed_with(ch0, clock, window=LONG, canary_bytes=65536)
+    ref = _state(ch, "reference")
+    wl = ch.workload
+    assert 30 * ref - (wl.forward_s + wl.backward_total_s + wl.optimizer_s + wl.other_s) >= ch.config.dense_probe_s
+    for s in range(5, 10):
+        _dense_step(ch, s, 30 * ref if s == 8 else ref, clock)
+        if s == 8:
+            h = ch.history[-1]
+            assert (h["step"], h["trigger"], h["drift_test"], h["network_source"]) == (8, "drift", "step", "dense_step")
+            assert candidate(ch.chosen).compressor is not None
+    assert [a for a, _ in engine.sung] == [5, 6, 7, 8]  # none before step 9: a compressed method runs
+
+
+@pytest.mark.parametrize("fell", [True, False])
+def test_a_calibration_move_from_a_compressed_method_to_a_dense_mode_times_the_link_first(clock, one_rank_gloo,
+                                                                                          monkeypatch, fell):
+    """lowrank runs after the link fell (a severe window on 10 Mbit/s); then the chooser's network says
+    the link is fast again (a checkpoint whose last look found it so), and lowrank's first window, far
+    slower than modelled, makes the calibration move to fp16. Before it does, one canary message
+    (64 KiB to each of the 3 others; ``lightning_gc.engine.dense_stop.sing`` stands in for the network)
+    times the link. If it fell (0.16 s against the model's fraction of a millisecond), auto re-decides on
+    β from that message (test ``switch_check``; β by hand) and stays compressed; if not, fp16 is applied.
+    A decision that keeps a dense mode sends nothing."""
+    from lightning_gc.engine import dense_stop
+    from lightning_gc.engine.dense_stop import CanaryResult
+
+    sung: list[int] = []
+
+    def sing(canary, carry, network, group, world_size, device):
+        sung.append(canary.nbytes)
+        predicted = canary.predicted_s(network, world_size)
+        return CanaryResult(fell, 0.16 if fell else predicted, predicted, float("nan"), 2 if fell else 1)
+
+    monkeypatch.setattr(dense_stop, "sing", sing)
+    ch0, engine, _, _ = _fp16_measured_on_a_fast_link(clock, min_interval=4, explore=0)
+    engine.network.model = NetworkModel(1e-4, 8 / 1e7)
+    window(ch0, 6, 10 * _state(ch0, "reference"), clock)
+    assert ch0.chosen == "lowrank"
+    fast = NetworkModel(1e-4, 8 / 1e10)
+    engine.network.pinned, engine.network.model = False, fast
+    one_rank_gloo()
+    ch = resumed_with(ch0, clock, edit=lambda st: st.update(network=[fast.alpha_s, fast.beta_s_per_byte]))
+    window(ch, 8, 1.0, clock)  # settling
+    window(ch, 10, 20 * ch.predictions["lowrank"].step_s, clock)  # lowrank's first window: far slower
+    assert sung == [65536]
+    h = ch.history[-1]
+    if fell:
+        assert (h["step"], h["trigger"], h["drift_test"], h["network_source"]) == (10, "drift", "switch_check", "canary")
+        want = (0.16 - fast.alpha_s) / (3 * 65536)
+        assert h["network"][1] == pytest.approx(want) and ch.chosen == "lowrank"
+        assert h["switch_check"]["fell"] is True and h["switch_check"]["bytes"] == 65536
+    else:
+        assert (h["step"], h["trigger"], h["chosen"], h["previous"]) == (10, "calibration", "fp16", "lowrank")
+        assert h["switch_check"]["fell"] is False and ch.chosen == "fp16"
+        window(ch, 12, 1.0, clock)  # settling
+        window(ch, 14, ch.predictions["fp16"].step_s, clock)  # fp16 measured again here: nothing re-decided
+        assert sung == [65536]

@@ -23,6 +23,9 @@ from lightning_gc.auto.model import (
 from lightning_gc.comm.cost_model import NetworkModel
 
 
+BURST = 64 * 1024  # the bench shaper's token bucket (lightning_gc/bench/netns.py: tc_burst_bytes)
+
+
 def _workload(rng: random.Random, tensors: int) -> Workload:
     numels = tuple(rng.choice([300, 5_000, 80_000, 400_000, 2_000_000, 7_000_000]) for _ in range(tensors))
     return Workload(forward_s=rng.uniform(0.001, 0.05), backward_s=tuple(rng.uniform(0, 0.02) for _ in numels),
