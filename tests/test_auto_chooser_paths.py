@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import copy
-import itertools
-import math
-import random
-
 import pytest
-from auto_oracle import argmin_by_hand, buckets_by_hand, step_by_hand
+from auto_oracle import step_by_hand
 
 from lightning_gc.auto.model import (
     MethodCost,
     Workload,
-    calibrate_other,
-    choose,
-    choose_measured,
-    ddp_buckets,
-    efficiency,
-    predict,
 )
 from lightning_gc.comm.cost_model import NetworkModel
-
 
 # ---------------------------------------------------------------------- the re-decision trigger
 BURST = 64 * 1024  # the bench shaper's token bucket (lightning_gc/bench/netns.py: tc_burst_bytes)
@@ -78,7 +66,6 @@ def test_the_warm_up_dense_step_scales_every_probed_beta(monkeypatch):
     """The probe under-reads a slow link (small messages, the slowest rank's view); the profiled DDP
     step, shorter than the probed β predicts, sets a scale that every later probe gets too."""
     import torch
-    from auto_oracle import step_by_hand
 
     from lightning_gc.auto import chooser as chooser_mod
     from lightning_gc.auto.chooser import AutoChooser, AutoConfig
@@ -404,7 +391,6 @@ def test_a_dense_step_that_waited_on_the_network_measures_beta_instead_of_the_ba
     """A profiled DDP step that waited at least dense_probe_s for its buckets sets β: the value at which
     the hand-written DDP step (tests/auto_oracle.py) equals the measured wall, with other_s = 0; only the
     latency round is sent. Below the threshold, or with it off, the bandwidth probe runs as before."""
-    from auto_oracle import step_by_hand
 
     ch, link, _, _ = _probing_chooser(monkeypatch, 26e6, dense_probe_s=dense_probe_s)  # the probe would read 26
     wl = ch.workload = Workload(0.0004, (0.0001, 0.0001), (42_000, 42_000))
@@ -441,7 +427,6 @@ def test_a_modelled_reference_is_replaced_by_the_first_check_on_the_link(monkeyp
     timed again, and being bandwidth-bound it sets β from its slope, which is the link's: the same β,
     no full probe, two messages. Either way the next check is judged against a measured time."""
     import torch
-    from auto_oracle import step_by_hand
 
     from lightning_gc.auto.chooser import AutoChooser, AutoConfig
 
@@ -513,7 +498,6 @@ def test_a_dense_mode_whose_link_fell_measures_the_new_beta_from_its_drifted_win
     the full probe (0.9 s on the quickstart MLP at 10 Mbit/s), nor a latency round (α is kept), nor a
     reference message for the link check (the model's time for it, α + bytes·β), and auto moves to
     Top-k."""
-    from auto_oracle import step_by_hand
 
     ch, link, _, _ = _probing_chooser(monkeypatch, 1e9, window=2, patience=2, min_interval=1, probe_every=0)
     ch.workload = Workload(0.0004, (0.0001, 0.0001), (42_000, 42_000))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 import random
@@ -21,7 +20,6 @@ from lightning_gc.auto.model import (
     predict,
 )
 from lightning_gc.comm.cost_model import NetworkModel
-
 
 BURST = 64 * 1024  # the bench shaper's token bucket (lightning_gc/bench/netns.py: tc_burst_bytes)
 
