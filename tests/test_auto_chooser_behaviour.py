@@ -1233,3 +1233,40 @@ def test_a_calibration_move_from_a_compressed_method_to_a_dense_mode_times_the_l
         window(ch, 12, 1.0, clock)  # settling
         window(ch, 14, ch.predictions["fp16"].step_s, clock)  # fp16 measured again here: nothing re-decided
         assert sung == [65536]
+
+
+def test_a_dense_mode_whose_link_fell_measures_the_new_beta_from_its_drifted_window(clock):
+    """DDP runs on a fast (probed, not pinned) link; the link falls to 10 Mbit/s and DDP's window grows
+    many times (severe drift). That window, a dense step that waited long on the network, gives the new
+    β (the hand-written step at 10 Mbit/s, with the α of the last look at the link, is what it measured):
+    nothing is sent (no probe runs without a process group: one would fail here), not a latency round
+    (α is kept), nor a reference message for the link check (the model's time for it, α + bytes·β, on
+    the quickstart MLP's size: half its gradient), and auto moves to Top-k."""
+    import torch
+
+    fast = NetworkModel(2e-4, 8 / 1e9)
+    wl = Workload(0.0004, (0.0001, 0.0001), (42_000, 42_000))
+    costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 8_000.0, 0.5, True)]
+    cfg = AutoConfig(candidates=("ddp", "topk"), window=2, patience=2, min_interval=1, probe_every=0)
+    engine = FakeEngine(fast, params=[torch.nn.Parameter(torch.zeros(42_000)), torch.nn.Parameter(torch.zeros(42_000))],
+                        pinned=False)
+    fast_wall = step_by_hand(costs[0].as_dict(), dict(wl.as_dict(), other_s=0.0), fast.alpha_s, fast.beta_s_per_byte, 4)
+    ch, _ = resume_after_warmup(clock, cfg, wl, costs, fast, dense_wall_s=fast_wall + 0.006, engine=engine)
+    assert ch.chosen == "ddp"
+    other = ch.workload.other_s
+    assert other == pytest.approx(0.006)  # 6 ms of framework in the profiled step
+    step = ch.predictions["ddp"].step_s
+    window(ch, 3, 1.0, clock)  # settling
+    window(ch, 5, step, clock)  # reference
+    slow_beta = 8 / 10e6
+    slow_wall = step_by_hand(costs[0].as_dict(), dict(wl.as_dict(), other_s=other), fast.alpha_s, slow_beta, 4)
+    window(ch, 7, slow_wall, clock)  # many times the reference: severe
+    h = ch.history[-1]
+    assert h["trigger"] == "drift" and h["network_source"] == "dense_step"
+    assert h["decide_parts_s"]["latency"] == 0.0 and h["decide_parts_s"]["probe"] == 0.0
+    assert ch.network.beta_s_per_byte == pytest.approx(slow_beta, rel=1e-6)
+    assert ch.network.alpha_s == pytest.approx(fast.alpha_s, rel=1e-6)
+    assert engine.network.model.beta_s_per_byte == pytest.approx(slow_beta, rel=1e-6)  # adopted
+    assert ch.probe_bytes == 2 * 84_000 and ch.probe_time_modelled  # 134 ms at 10 Mbit/s: bandwidth-bound
+    assert ch.probe_time_s == pytest.approx(fast.alpha_s + 2 * 84_000 * slow_beta, rel=1e-6)
+    assert ch.chosen == "topk" and ch.workload.other_s == other  # other_s is the warm-up's, kept
