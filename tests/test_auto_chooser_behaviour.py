@@ -1270,3 +1270,32 @@ def test_a_dense_mode_whose_link_fell_measures_the_new_beta_from_its_drifted_win
     assert ch.probe_bytes == 2 * 84_000 and ch.probe_time_modelled  # 134 ms at 10 Mbit/s: bandwidth-bound
     assert ch.probe_time_s == pytest.approx(fast.alpha_s + 2 * 84_000 * slow_beta, rel=1e-6)
     assert ch.chosen == "topk" and ch.workload.other_s == other  # other_s is the warm-up's, kept
+
+
+def test_a_checkpoint_keeps_which_codecs_are_still_lower_bounds(clock):
+    """``time_codecs="on_demand"``: a warm-up that timed Top-k's codec (its bound led) and left lowrank's
+    a bound (0 s, untimed) checkpoints both as they are, so the next decision times lowrank's when its
+    bound leads. Oracle: the costs written before the checkpoint."""
+    import dataclasses
+
+    wl = Workload(0.001, (0.001,), (1_000_000,))
+    true = {"lowrank": 0.5, "topk": 0.002}
+    costs = [MethodCost("ddp", "bucket", 0.0),
+             MethodCost("lowrank", "lowrank", 0.0, 400_000.0, 0.9, True, codec_timed=False),
+             MethodCost("topk", "allgather", 0.0, 20_000.0, 0.5, True, codec_timed=False)]
+    now = list(costs)
+
+    def time_codec(name):
+        k = next(i for i, c in enumerate(now) if c.name == name)
+        now[k] = dataclasses.replace(now[k], codec_s=true[name], codec_timed=True)
+        return list(now)
+
+    cfg = AutoConfig(candidates=("ddp", "lowrank", "topk"), window=2, probe_every=0)
+    engine = FakeEngine(NetworkModel(1e-4, 8 / 2e7))
+    ch, _ = resume_after_warmup(clock, cfg, wl, costs, NetworkModel(1e-4, 8 / 2e7), engine=engine,
+                                time_codec=time_codec)
+    assert ch.chosen == "topk" and ch.history[-1]["timed_codecs"] == ["topk"]
+    got = [(c.name, c.codec_s, c.codec_timed) for c in ch.costs]
+    assert got == [("ddp", 0.0, True), ("lowrank", 0.0, False), ("topk", 0.002, True)]
+    other = resumed_with(ch, clock)
+    assert [(c.name, c.codec_s, c.codec_timed) for c in other.costs] == got
