@@ -72,10 +72,8 @@ def test_the_warm_up_dense_step_scales_every_probed_beta(monkeypatch):
     step, shorter than the probed β predicts, sets a scale that every later probe gets too."""
     import torch
 
-    from lightning_gc.auto import chooser as chooser_mod
     from lightning_gc.auto.chooser import AutoChooser, AutoConfig
 
-    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
     wl = Workload(0.01, (0.01, 0.01), (500_000, 500_000))
     costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("topk", "allgather", 0.0, 80_000.0, 0.5, True)]
     engine = _FakeEngine(None)
@@ -111,10 +109,8 @@ def _fp16_measured_on_a_fast_link(monkeypatch, **cfg):
     the costs and workload."""
     import torch
 
-    from lightning_gc.auto import chooser as chooser_mod
     from lightning_gc.auto.chooser import AutoChooser, AutoConfig
 
-    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
     wl = Workload(0.002, (0.002,), (1_000_000,))
     costs = [MethodCost("ddp", "bucket", 0.0), MethodCost("fp16", "bucket", 0.0005),
              MethodCost("lowrank", "lowrank", 0.002, 40_000.0, 0.3, True),
@@ -224,7 +220,6 @@ def _probing_chooser(monkeypatch, rate_bps: float, **cfg):
     from lightning_gc.auto import chooser as chooser_mod
     from lightning_gc.auto.chooser import AutoChooser, AutoConfig
 
-    monkeypatch.setattr(chooser_mod, "agree_values", lambda values, *a: [float(v) for v in values])
     link = _ShapedProbe(rate_bps)
     monkeypatch.setattr(chooser_mod, "probe_network", link)
     engine = _FakeEngine(None)
