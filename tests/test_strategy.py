@@ -179,7 +179,7 @@ def test_resume_with_other_world_size_resets_memory_with_warning():
     strategy = GCStrategy(compressor="topk", ratio=0.1)
     strategy._engine = GCEngine(build_compressor("topk", ratio=0.1), EngineConfig(), list(model.named_parameters()))
     strategy._session = StepSession(strategy._engine)
-    state = strategy._engine.state_dict()
+    state = strategy.engine.state_dict()
     state.update(step=7, memory={"weight": torch.ones(64 * 32)})
     with pytest.warns(UserWarning, match="written with world size 2, this run has 1.*reset to zero"):
         strategy._apply_state({"world_size": 2, "ranks": [state, state]})

@@ -218,13 +218,15 @@ class AdaptiveRatio(Callback):
             if self.gain_ref is None and self.decision_step is not None and engine.gain_ewma is not None \
                     and step >= self.decision_step + self.config.settle_steps:
                 self.gain_ref = float(engine.gain_ewma)  # replicated: from the closing report's sums
-            trigger = self.pending_trigger or self._trigger(engine, step)
+            trigger = self.pending_trigger or self.trigger(engine, step)
             if trigger is not None:
                 self.pending_trigger = None
                 self._explore(trainer, pl_module, engine, step, trigger)
         self._log_step(pl_module, engine)
 
-    def _trigger(self, engine: EngineControl, step: int) -> str | None:
+    def trigger(self, engine: EngineControl, step: int) -> str | None:
+        """Why the controller would explore at ``step`` (``"warmup"``, ``"gain"``, ``"network"``), or None:
+        a read of replicated state (the engine's agreed gain and link model), the same on every rank."""
         cfg = self.config
         if self.c is None:
             return "warmup" if step >= max(cfg.warmup_steps, engine.config.warmup_steps) else None
