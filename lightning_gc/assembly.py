@@ -27,8 +27,8 @@ from .engine import GCEngine, gc_comm_hook
 from .engine.omgs import OMGSController
 from .engine.session import StepParticipant, StepSession
 from .sync import OSPSync
-from .sync.lgp import check_training_setup
 from .sync.diloco import DiLoCoSync
+from .sync.lgp import check_training_setup
 
 SINGLE_PROCESS_WARNING = ("lightning_gc: world size is 1, so gradients are neither communicated nor compressed; "
                           "training proceeds as on a single device.")
