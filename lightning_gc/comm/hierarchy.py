@@ -338,8 +338,6 @@ class NodeTopology(Topology):
         """Each group's memory is this rank's shard: keyed ``"<name>[a:b]"`` by the slices of the
         group's tensors it covers (and ``"<first name>[pad]"`` for the padding), so a checkpoint says
         which part of which tensor a rank's memory is, and another layout finds nothing to load."""
-        from ..plans import Group, Plan
-
         groups = []
         for g in plan.groups:
             s = self.shard_size(g.numel)
@@ -356,8 +354,8 @@ class NodeTopology(Topology):
                 names.append(f"{g.names[0]}[pad]@{self.describe()}/{self.local}")
                 numels.append(s - sum(numels))
                 ids.append(g.param_ids[0])
-            groups.append(Group(g.gid, tuple(ids), tuple(names), tuple(numels), g.exact))
-        return Plan(plan.kind, tuple(groups))
+            groups.append(dataclasses.replace(g, param_ids=tuple(ids), names=tuple(names), numels=tuple(numels)))
+        return dataclasses.replace(plan, groups=tuple(groups))  # (plans sit above comm: no import of them)
 
     def close(self) -> None:
         for group in self._all:
