@@ -25,9 +25,11 @@ from dist_harness import gather_all, run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gc.comm.hierarchy import NodeLayout, TopologyConfig, refusal, resolve_ranks_per_node, shard_segments
+from lightning_gc.callbacks.monitor import step_metrics
 from lightning_gc.compressors import build_compressor, ratio_to_k
 from lightning_gc.config import GCConfig
 from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
+from lightning_gc.summary import summarize
 
 WS, K = 4, 2  # 2 nodes x 2 ranks
 STEPS = 4
@@ -240,6 +242,10 @@ def _compressed(rank: int, ws: int, name: str, ratio, ef: bool, resume_at: int |
         opt.step()
         out["same"] = out["same"] and _identical(model, ws)
         out["params"].append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    out["tag"] = step_metrics(engine, engine.last_step).get("gc/bytes_inter_node")
+    out["last_inter"] = engine.last_step.bytes_inter_node
+    out["total_inter"] = engine.totals()["bytes_inter_node"]
+    out["summary"] = summarize(engine, name, 0).format()
     if saved is not None:  # a fresh model, optimizer and engine from the checkpoint: the same steps again
         model2 = _model()
         model2.load_state_dict(saved[0])
@@ -269,6 +275,11 @@ def test_topk_by_nodes_matches_the_node_mean_reference_and_resumes_exactly():
         assert o["same"]
         assert o["inter"] == o["model_inter"], (o["inter"], o["model_inter"])
         assert o["resumed_exact"]
+        # reported separately: the tag, the totals (the dense warm-up step's inter-node allreduce too)
+        # and the summary line
+        assert o["tag"] == o["last_inter"] == o["model_inter"][-1]
+        assert o["total_inter"] > sum(o["inter"]) > 0
+        assert "  between nodes: " in o["summary"] and "topology=nodes" in o["summary"]
         assert all(f"/{r % K}" in name for name in o["saved_names"])  # memory saved per shard
 
 
