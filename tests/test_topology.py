@@ -16,6 +16,7 @@ rank-dependent data. The oracles do not reuse the hierarchy's code:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import re
 
@@ -132,9 +133,9 @@ def _identical(model, ws) -> bool:
     return all(torch.equal(flat, o) for o in gather_all(flat, ws))
 
 
-def _dense_vs_ddp(rank: int, ws: int) -> dict:
+def _dense_vs_ddp(rank: int, ws: int, intra_dtype: str = "fp32") -> dict:
     model, plain = _model(), _model()
-    ddp, engine = _engine(model, "dense", warmup=0)
+    ddp, engine = _engine(model, "dense", warmup=0, topology=dataclasses.replace(NODES_2x2, intra_dtype=intra_dtype))
     ref = DDP(plain, bucket_cap_mb=0.002)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_ref = torch.optim.SGD(plain.parameters(), lr=0.1)
@@ -163,6 +164,14 @@ def test_dense_fp32_by_nodes_equals_plain_ddp_mean():
         assert r["worst"] <= 1e-6, r["worst"]  # the same mean, another summation order
         assert r["same"]
         assert all(b > 0 for b in r["inter"])  # every step went by nodes
+
+
+def test_dense_with_a_bf16_reduce_scatter_is_ddp_within_bf16_rounding():
+    res = run_distributed(_dense_vs_ddp, WS, "bf16", timeout=120)
+    for r in res:
+        assert r["topology"] == "nodes(2x2,intra=bf16)"
+        assert 0 < r["worst"] <= 2 ** -7, r["worst"]  # rounded (not exact), within bf16's 8 bits
+        assert r["same"]
 
 
 def _node_shards(all_local: list[torch.Tensor], node: int, s: int) -> list[torch.Tensor]:

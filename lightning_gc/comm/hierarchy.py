@@ -316,19 +316,24 @@ class NodeTopology(Topology):
     def dense_bytes(self, nbytes: int) -> tuple[int, int]:
         shard = self.shard_size(nbytes)
         inter = ring_allreduce_bytes(shard, self.layout.nodes)
-        return 2 * allgather_bytes(shard, self.k) + inter, inter
+        scatter = shard // 2 if self.intra_dtype is not None else shard  # an fp32 bucket in bf16
+        return allgather_bytes(scatter, self.k) + allgather_bytes(shard, self.k) + inter, inter
 
     def allreduce_sum(self, wire: Tensor, group: Any) -> torch.futures.Future:
-        """Sum ``wire`` over all ranks by nodes, synchronously (three collectives on two groups);
-        returns a completed Future of ``[result]`` (``group``, the flat one, is not used)."""
+        """Sum ``wire`` over all ranks by nodes, synchronously (three collectives on two groups; the
+        reduce-scatter in ``intra_dtype`` where that is narrower); returns a completed Future of
+        ``[result]`` (``group``, the flat one, is not used)."""
         n, s = wire.numel(), self.shard_size(wire.numel())
-        padded = torch.zeros(s * self.k, dtype=wire.dtype, device=wire.device)
+        narrow = self.intra_dtype if self.intra_dtype is not None and wire.dtype == torch.float32 else wire.dtype
+        padded = torch.zeros(s * self.k, dtype=narrow, device=wire.device)
         padded[:n].copy_(wire.reshape(-1))
-        shard = torch.empty(s, dtype=wire.dtype, device=wire.device)
+        shard = torch.empty(s, dtype=narrow, device=wire.device)
         dist.reduce_scatter_single(shard, padded, group=self.intra)
+        shard = shard.to(wire.dtype)
         dist.all_reduce(shard, group=self.inter)
-        dist.all_gather_single(padded, shard, group=self.intra)
-        wire.reshape(-1).copy_(padded[:n])
+        gathered = torch.empty(s * self.k, dtype=wire.dtype, device=wire.device)
+        dist.all_gather_single(gathered, shard, group=self.intra)
+        wire.reshape(-1).copy_(gathered[:n])
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result([wire])
         return fut
