@@ -12,7 +12,11 @@ oracle) — then returns a Future for the bucket. In submission order, identical
    ``p = g + e`` (error feedback), ``mean, sent = exchange(p)``, ``e' = p − sent`` staged, ``mean``
    written back into the gradients' slots of their buckets;
    on dense steps (warm-up, lossless compressor) one job per bucket instead: DDP's own
-   ``allreduce(bucket / N)``, asynchronous, completing the bucket's Future from its callback;
+   ``allreduce(bucket / N)``, asynchronous, completing the bucket's Future from its callback.
+   Where each runs is the engine's *topology* (:mod:`lightning_gc.comm.hierarchy`): flat, on all
+   ranks; or by nodes, where ``p`` is this rank's shard of its node's mean (a reduce-scatter inside
+   the node before, an allgather inside the node after), error memory is per shard, and the
+   exchange runs between the nodes' same-shard ranks;
 3. **close**: the closing report (non-finite agreement, gain sums, exchange time) — an allreduce
    of its own, or, where the step's last job is an exchange that carries it (``lowrank``,
    ``EngineConfig.report_rides``), the sums that rode in that exchange's last message — then error
