@@ -298,3 +298,14 @@ def test_qsgd_by_nodes_is_within_the_quantisation_of_the_node_mean():
         assert o["qsgd_err"] <= 0, (r, o["qsgd_err"])
         assert o["same"]
         assert all(b > 0 for b in o["inter"])
+
+
+def test_adaptive_ratio_refuses_to_attach_by_nodes():
+    from types import SimpleNamespace
+
+    from lightning_gc import GCStrategy
+    from lightning_gc.adaptive import AdaptiveRatio
+
+    trainer = SimpleNamespace(strategy=GCStrategy(compressor="topk", topology="nodes"))
+    with pytest.raises(ValueError, match="AdaptiveRatio callback is not supported"):
+        AdaptiveRatio().setup(trainer, torch.nn.Linear(2, 2), "fit")
