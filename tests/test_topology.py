@@ -271,6 +271,11 @@ def _compressed(rank: int, ws: int, name: str, ratio, ef: bool, resume_at: int |
             resumed.append(torch.cat([p.detach().reshape(-1) for p in model2.parameters()]))
         out["resumed_exact"] = all(torch.equal(a, b) for a, b in zip(resumed, out["params"][resume_at:]))
         out["saved_names"] = sorted(saved[2]["memory"])
+        # the same checkpoint into a flat engine: no shard's memory is a tensor's, so all of it is missing
+        _, flat_engine = _engine(_model(), name, ratio, ef, topology=TopologyConfig())
+        out["flat_missing"] = sorted(flat_engine.load_state_dict(saved[2]))
+        out["flat_memory"] = sum(float(m.abs().sum()) for m in flat_engine.memory.values())
+        out["param_names"] = sorted(n for n, _ in model.named_parameters())
     del out["params"]
     return out
 
@@ -290,6 +295,7 @@ def test_topk_by_nodes_matches_the_node_mean_reference_and_resumes_exactly():
         assert o["total_inter"] > sum(o["inter"]) > 0
         assert "  between nodes: " in o["summary"] and "topology=nodes" in o["summary"]
         assert all(f"/{r % K}" in name for name in o["saved_names"])  # memory saved per shard
+        assert o["flat_missing"] == o["param_names"] and o["flat_memory"] == 0.0  # zero, and said
 
 
 def test_qsgd_by_nodes_is_within_the_quantisation_of_the_node_mean():
