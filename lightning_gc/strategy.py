@@ -202,6 +202,15 @@ class GCStrategy(DDPStrategy, SessionOwner):
         report_rides: send a compressed step's closing report inside the step's last message where
             it can ride (``lowrank``'s second allreduce) instead of in an allreduce of its own (default
             ``True``: one latency-bound collective per step fewer). See ``EngineConfig.report_rides``.
+        topology: ``"flat"`` (default): every exchange across all ranks. ``"nodes"``: a dense
+            reduce-scatter inside each node, the compressor only between nodes on each rank's shard,
+            then an allgather inside the node (docs/topology.md); ranks per node are the Trainer's
+            ``devices`` (``num_nodes`` nodes). Refused with OSP, DiLoCo, OMGS, ``auto`` and collectives
+            that cannot run on a sub-group (``lightning_gc.comm.hierarchy.refusal``).
+        topology_ranks_per_node: with ``topology="nodes"``: override the ranks per node (emulate nodes
+            on one machine, e.g. 2 on 4 processes).
+        topology_intra_dtype: with ``topology="nodes"``: ``"fp32"`` (default) or ``"bf16"`` for the
+            intra-node reduce-scatter of compressed groups.
         sync: ``"bsp"`` (default): every layer is synchronised before the optimizer step.
             ``"osp"``: two-stage synchronisation (docs/osp.md): the least important layers are
             updated with the local gradient and all-reduced while the next step computes, then
@@ -285,6 +294,9 @@ class GCStrategy(DDPStrategy, SessionOwner):
         omgs: OMGSConfig | dict | None = None,
         auto: AutoConfig | dict | None = None,
         sync: Literal["bsp", "osp", "diloco"] = "bsp",
+        topology: Literal["flat", "nodes"] = "flat",
+        topology_ranks_per_node: int | None = None,
+        topology_intra_dtype: Literal["fp32", "bf16"] = "fp32",
         osp_deferred_fraction: float | None = None,
         osp_round_steps: int = 50,
         osp_deferred_compressor: str = "dense",
@@ -466,7 +478,8 @@ class GCStrategy(DDPStrategy, SessionOwner):
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks only on CUDA; the engine must run on every device type.
         assert isinstance(self.model, DistributedDataParallel)
-        self._assembly = build_session(self._config, self.model, scaler=self._scaler, pending_state=self._pending_state)
+        self._assembly = build_session(self._config, self.model, scaler=self._scaler, pending_state=self._pending_state,
+                                       ranks_per_node=self.num_processes)
         self._engine, self._session, self._pending_state = self._assembly.engine, self._assembly.session, None
 
     @override

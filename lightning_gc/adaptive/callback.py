@@ -39,6 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from ..comm.cost_model import SPARSE_COLLECTIVE_TIE_ORDER, NetworkModel
 from ..comm.probe import ProbeConfig
 from ..compressors import build_config
+from ..comm.hierarchy import refusal
 from ..engine.owner import SessionOwner
 from ..engine.ports import EngineControl, LinkPort
 from ..exchanges.registry import collective_code
@@ -154,6 +155,10 @@ class AdaptiveRatio(Callback):
                 "steps (auto chooses the compressor and its ratio from measured costs, docs/auto.md). Drop the "
                 "callback, or pick a compressor with a ratio (e.g. compressor='artopk_auto') for AdaptiveRatio."
             )
+        topology = strategy.config.topology
+        if topology.kind != "flat":
+            raise ValueError(refusal(collective=strategy.config.engine.collective, sync=strategy.config.sync,
+                                     omgs=False, auto=False, adaptive=True))
         cfg = build_config(name)
         if not any(f.name == "ratio" for f in dataclasses.fields(cfg)):
             raise ValueError(
