@@ -68,7 +68,7 @@ class FakeEngine:
                                                             param_ids=list(range(len(params))), names=tuple(self.names))])
         self.config = SimpleNamespace(warmup_steps=1, seed=0, min_compress_numel=0)
         self.calls: list = []
-        self.canary, self.sung = None, []
+        self.sung: list = []
         self.dense_mode: str | None = None
         self.last_step = None
         self.carried: float | None = None
@@ -98,12 +98,10 @@ class FakeEngine:
     def enable_dense_carry(self) -> None:
         self.dense_carry = True
 
-    def enable_canary(self, canary) -> None:
-        self.canary = canary
-
-    def sing_canary(self, carry: float) -> None:
-        """The link canary before the step about to run (GCEngine sings it on its worker): recorded."""
-        self.sung.append((self.step, carry))
+    def run_before_step(self, job) -> None:
+        """A job before the step about to run (GCEngine runs it on its worker; auto's link canary): recorded,
+        with the value it carries."""
+        self.sung.append((self.step, job.carry))
 
     def raise_warmup_steps(self, steps: int) -> None:
         pass

@@ -1136,7 +1136,7 @@ def test_a_step_the_link_canary_stopped_re_decides_at_once_on_its_beta(clock, on
     engine.network.pinned = False
     one_rank_gloo()
     ch = resumed_with(ch0, clock, window=LONG, canary_bytes=65536)
-    assert engine.canary is not None and engine.canary.nbytes == 65536
+    assert ch.canary is not None and ch.canary.nbytes == 65536
     alpha, ref = engine.network.model.alpha_s, _state(ch, "reference")
     for s in range(5, 10):
         _dense_step(ch, s, ref * (1 + s / 100), clock)
@@ -1195,12 +1195,12 @@ def test_a_calibration_move_from_a_compressed_method_to_a_dense_mode_times_the_l
     """lowrank runs after the link fell (a severe window on 10 Mbit/s); then the chooser's network says
     the link is fast again (a checkpoint whose last look found it so), and lowrank's first window, far
     slower than modelled, makes the calibration move to fp16. Before it does, one canary message
-    (64 KiB to each of the 3 others; ``lightning_gc.engine.dense_stop.sing`` stands in for the network)
+    (64 KiB to each of the 3 others; ``lightning_gc.auto.canary.sing`` stands in for the network)
     times the link. If it fell (0.16 s against the model's fraction of a millisecond), auto re-decides on
     β from that message (test ``switch_check``; β by hand) and stays compressed; if not, fp16 is applied.
     A decision that keeps a dense mode sends nothing."""
-    from lightning_gc.engine import dense_stop
-    from lightning_gc.engine.dense_stop import CanaryResult
+    from lightning_gc.auto import decider
+    from lightning_gc.auto.canary import CanaryResult
 
     sung: list[int] = []
 
@@ -1209,7 +1209,7 @@ def test_a_calibration_move_from_a_compressed_method_to_a_dense_mode_times_the_l
         predicted = canary.predicted_s(network, world_size)
         return CanaryResult(fell, 0.16 if fell else predicted, predicted, float("nan"), 2 if fell else 1)
 
-    monkeypatch.setattr(dense_stop, "sing", sing)
+    monkeypatch.setattr(decider, "sing", sing)
     ch0, engine, _, _ = _fp16_measured_on_a_fast_link(clock, min_interval=4, explore=0)
     engine.network.model = NetworkModel(1e-4, 8 / 1e7)
     window(ch0, 6, 10 * _state(ch0, "reference"), clock)

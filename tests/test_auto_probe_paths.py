@@ -1,8 +1,8 @@
 """``auto``'s looks at the link (the bandwidth probe's size, the link check, β from a dense step) on a
-simulated shaped link. These still enter through the chooser's private decision (``_decide``) and patch
-its probe entry points (``probe_network``, ``_probe``, ``_check_link``): a warm-up decision that probes
-is reached publicly only through a profiled, measured warm-up on a real process group, and the chooser
-has no public seam for a link yet. Everything else auto does is tested through public names in
+simulated shaped link. They enter through the chooser's decider (``chooser.decider.decide``) and patch
+the link's entry points (``lightning_gc.comm.link.probe_network``, ``LinkIO.probe``, ``LinkIO.check``):
+a warm-up decision that probes is reached otherwise only through a profiled, measured warm-up on a real
+process group. Everything else auto does is tested through public names in
 tests/test_auto_chooser_behaviour.py and tests/test_auto_policy_behaviour.py."""
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ from __future__ import annotations
 import pytest
 from auto_oracle import step_by_hand
 
+from lightning_gc.auto.look import LinkIO
 from lightning_gc.auto.model import (
     MethodCost,
     Workload,
 )
 from lightning_gc.comm.cost_model import NetworkModel
+from lightning_gc.comm.link import SizedProbe
 
 # ---------------------------------------------------------------------- the re-decision trigger
 BURST = 64 * 1024  # the bench shaper's token bucket (lightning_gc/bench/netns.py: tc_burst_bytes)
@@ -80,17 +82,17 @@ def test_the_warm_up_dense_step_scales_every_probed_beta(monkeypatch):
     engine.network.pinned = False
     engine.adopt_network = lambda net: engine.calls.append(("adopt", net.beta_s_per_byte))
     probes = iter([NetworkModel(1e-4, 8 / 10e6), NetworkModel(1e-4, 8 / 5e6)])  # 10 Mbit/s, then 5
-    monkeypatch.setattr(AutoChooser, "_probe", lambda self, latency=None: next(probes))
+    monkeypatch.setattr(LinkIO, "probe", lambda self, latency=None: SizedProbe(next(probes), 0, 0.0))
     ch = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), probe_every=0), torch.nn.Linear(1, 1), [])
     ch.workload, ch.costs = wl, costs
     d = dict(wl.as_dict(), other_s=0.0)
     wall = step_by_hand(costs[0].as_dict(), d, 1e-4, 8 / 16e6, 4)  # the DDP step ran as at 16 Mbit/s
-    ch._decide(1, "warmup", probe=True, dense_wall_s=wall)
+    ch.decider.decide(1, "warmup", probe=True, dense_wall_s=wall)
     assert ch.beta_scale == pytest.approx(10 / 16, rel=1e-6)
     assert ch.network.beta_s_per_byte == pytest.approx(8 / 16e6, rel=1e-6)
     assert ch.workload.other_s == pytest.approx(0.0, abs=1e-9)  # the link explains the step
     assert ch.history[-1]["beta_scale"] == ch.beta_scale and engine.calls[0] == ("adopt", ch.network.beta_s_per_byte)
-    ch._decide(50, "periodic", probe=True)
+    ch.decider.decide(50, "periodic", probe=True)
     assert ch.network.beta_s_per_byte == pytest.approx(8 / 5e6 * 10 / 16, rel=1e-6)
     state = ch.state_dict()
     other = AutoChooser(engine, AutoConfig(candidates=("ddp", "topk"), probe_every=0), torch.nn.Linear(1, 1), [])
@@ -99,7 +101,7 @@ def test_the_warm_up_dense_step_scales_every_probed_beta(monkeypatch):
 
 
 def _window(chooser, step, wall):
-    chooser._window = [wall, wall]
+    chooser.walls.window = [wall, wall]
     chooser._check_drift(step)
 
 
@@ -121,11 +123,11 @@ def _fp16_measured_on_a_fast_link(monkeypatch, **cfg):
                         "probe_every": 0, "family_margin": 0.0, "progress_weight": 1.0, **cfg})
     chooser = AutoChooser(engine, cfg, torch.nn.Linear(1, 1), [])
     chooser.workload, chooser.costs = wl, costs
-    chooser._decide(0, "warmup", probe=False, dense_wall_s=0.04)
+    chooser.decider.decide(0, "warmup", probe=False, dense_wall_s=0.04)
     assert chooser.chosen == "fp16"
     _window(chooser, 2, 1.0)
     _window(chooser, 4, chooser.predictions["fp16"].step_s - 0.03)
-    assert chooser._corrections["fp16"] == pytest.approx(-0.03) and chooser.chosen == "fp16"
+    assert chooser.state.corrections["fp16"] == pytest.approx(-0.03) and chooser.chosen == "fp16"
     return chooser, engine, costs, wl
 
 
@@ -138,8 +140,9 @@ def _step_end(chooser, step, wall, exchange_s=None):
         dense, carried, engine.carried = engine.step_is_dense(), engine.carried, None
         lost = dense and not engine.dense_carry  # GCEngine: a dense step carries it only when enabled
         engine.last_step = SimpleNamespace(step=step, dense=dense, dense_stopped=False, carried_wall_mean_s=None if lost else carried,
-                                           exchange_comm_mean_s=exchange_s)
-    chooser._check_severe_steps(step, wall, exchange_s)
+                                           exchange_comm_mean_s=exchange_s,
+                                           exchange_comm_mean_step=None)
+    chooser._watch_step(step, wall)
 
 
 def _lowrank_with_an_exchange_reference(monkeypatch, exchange_s, **cfg):
@@ -148,7 +151,7 @@ def _lowrank_with_an_exchange_reference(monkeypatch, exchange_s, **cfg):
     ``exchange_s`` in the compressed exchange (agreed; or one value per step, a list)."""
     chooser, engine, _, _ = _fp16_measured_on_a_fast_link(monkeypatch, min_interval=4, explore=0, **cfg)
     engine.network.model = NetworkModel(1e-4, 8 / 1e7)
-    chooser._decide(6, "drift", probe=True)
+    chooser.decider.decide(6, "drift", probe=True)
     assert chooser.chosen == "lowrank"
     _window(chooser, 8, 1.0)  # settling
     step_s = chooser.predictions["lowrank"].step_s
@@ -157,7 +160,7 @@ def _lowrank_with_an_exchange_reference(monkeypatch, exchange_s, **cfg):
         _step_end(chooser, s, step_s, x)
     _window(chooser, 12, step_s)
     assert [(h["step"], h["trigger"]) for h in chooser.history][-1] == (12, "calibration")
-    assert chooser.chosen == "lowrank" and chooser._reference == pytest.approx(step_s)
+    assert chooser.chosen == "lowrank" and chooser.state.reference == pytest.approx(step_s)
     return chooser, engine, step_s
 
 
@@ -166,15 +169,15 @@ def test_a_faster_exchange_checks_the_link_before_probing_and_a_severe_step_prob
     """On an unpinned network: the exchange test's decision first times the check message, and a
     check within probe_check of the last probe keeps the stored network without a probe (a shaper's
     burst on an unchanged link); the step test's decision (a fall or rise of 2x or more) probes at once."""
-    from lightning_gc.auto.chooser import AutoChooser
 
     chooser, engine, step_s = _lowrank_with_an_exchange_reference(monkeypatch, 0.02)
     engine.network.pinned = False
     engine.adopt_network = lambda net: None
     chooser.probe_bytes, chooser.probe_time_s = 100_000, 0.08
     calls = []
-    monkeypatch.setattr(AutoChooser, "_check_link", lambda self: calls.append("check") or (0.08, 8e-7))
-    monkeypatch.setattr(AutoChooser, "_probe", lambda self, latency=None: calls.append("probe") or self.network)
+    monkeypatch.setattr(LinkIO, "check", lambda self, size: calls.append("check") or (0.08, 8e-7))
+    monkeypatch.setattr(LinkIO, "probe", lambda self, latency=None: calls.append("probe") or SizedProbe(
+        chooser.network, chooser.probe_bytes, chooser.probe_time_s))
     stored = chooser.network
     walls = {"exchange": (step_s, 0.002), "steps": (5 * step_s, 0.02)}[test]
     for s in range(13, 17):
@@ -217,11 +220,11 @@ def _probing_chooser(monkeypatch, rate_bps: float, **cfg):
     go to a simulated shaped link; one process, so the agreement is the identity."""
     import torch
 
-    from lightning_gc.auto import chooser as chooser_mod
     from lightning_gc.auto.chooser import AutoChooser, AutoConfig
+    from lightning_gc.comm import link as link_mod
 
     link = _ShapedProbe(rate_bps)
-    monkeypatch.setattr(chooser_mod, "probe_network", link)
+    monkeypatch.setattr(link_mod, "probe_network", link)
     engine = _FakeEngine(None)
     engine.network.pinned = False
     engine.adopt_network = lambda net: None
@@ -239,7 +242,7 @@ def test_a_small_model_starts_at_half_its_gradient_and_grows_to_1_mib_on_a_fast_
     several of its dense steps), and 80 KiB. At 20 Mbit/s that message is bandwidth-bound (67 ms) and
     the probe stops; at 1 Gbit/s it takes 1.6 ms, in the scheduling noise of a busy host, and the
     probe grows it to 1 MiB (the model's size no longer caps the growth). Either way β is the link's."""
-    from lightning_gc.auto.chooser import (
+    from lightning_gc.comm.link import (
         PROBE_LATENCY,
         PROBE_MAX_BYTES,
         PROBE_TARGET_S,
@@ -248,7 +251,7 @@ def test_a_small_model_starts_at_half_its_gradient_and_grows_to_1_mib_on_a_fast_
     )
 
     ch, link, _, _ = _probing_chooser(monkeypatch, rate_bps)
-    ch._decide(1, "warmup", probe=True)
+    ch.decider.decide(1, "warmup", probe=True)
     start = probe_start_bytes(4 * 84_000)
     assert start == 2 * 84_000
     per_size = PROBE_LATENCY.warmup + PROBE_LATENCY.repeats
@@ -275,7 +278,7 @@ def test_a_re_decision_checks_the_link_with_one_message_and_probes_again_only_wh
 
     ch, link, engine, params = _probing_chooser(monkeypatch, 20e6, probe_check=check)
     cap = 2 * 84_000
-    ch._decide(1, "warmup", probe=True)
+    ch.decider.decide(1, "warmup", probe=True)
     small = 80 * 1024  # a quarter of the cap would sit inside the shaper's bucket: floored above it
     full_probe = [64, 256] * 8 + [small, cap] * 4  # latency (1 warm-up + 7), then one sized round
     assert link.sent == full_probe and ch.probe_bytes == cap
@@ -287,7 +290,7 @@ def test_a_re_decision_checks_the_link_with_one_message_and_probes_again_only_wh
     assert beta_20 == pytest.approx(8 / 20e6)
 
     link.sent = []
-    ch._decide(101, "periodic", probe=True)  # the same link
+    ch.decider.decide(101, "periodic", probe=True)  # the same link
     if check:
         assert link.sent == [small, cap]  # the check alone: a quarter of the probe's sized round
         assert ch.history[-1]["link_check"] == {"check_s": ch.probe_time_s, "probe_s": ch.probe_time_s,
@@ -299,13 +302,13 @@ def test_a_re_decision_checks_the_link_with_one_message_and_probes_again_only_wh
 
     if check:  # one check message stalled (0.4 s, a descheduled rank): timed again, the faster kept
         link.sent, link.stalls = [], [0.4]
-        ch._decide(151, "periodic", probe=True)
+        ch.decider.decide(151, "periodic", probe=True)
         assert link.sent == [small, cap] * 2 and ch.history[-1]["link_check"]["retimed"]
         assert ch.history[-1]["link_check"]["unchanged"] and ch.history[-1]["network_source"] == "check"
         assert ch.network.beta_s_per_byte == pytest.approx(beta_20)
 
     link.sent, link.beta = [], 8 / 10e6  # the link fell to 10 Mbit/s: the check moved ~2x, twice
-    ch._decide(201, "drift", probe=True)
+    ch.decider.decide(201, "drift", probe=True)
     # the check's message is bandwidth-bound (its 80 ms > 5 ms): its slope is the new β, no full probe
     assert link.sent == ([small, cap] * 2 if check else full_probe)
     assert ch.network.beta_s_per_byte == pytest.approx(8 / 10e6)
@@ -318,13 +321,13 @@ def test_a_re_decision_checks_the_link_with_one_message_and_probes_again_only_wh
         assert ch.probe_time_s == pytest.approx(2e-4 + (cap - BURST) * 8 / 10e6 + link.noise)  # the new reference
 
     link.sent, link.beta = [], 8 / 10e6 * 1.4  # 40 % slower, inside the 1.5x check: the network is kept
-    ch._decide(301, "periodic", probe=True)
+    ch.decider.decide(301, "periodic", probe=True)
     assert link.sent == ([small, cap] if check else full_probe)
     assert ch.network.beta_s_per_byte == pytest.approx(8 / 10e6 if check else 8 / 10e6 * 1.4)
 
     if check:  # back to 1 Gbit/s: the check moved, but its message (3.6 ms) is not bandwidth-bound: full probe
         link.sent, link.beta = [], 8 / 1e9
-        ch._decide(401, "periodic", probe=True)
+        ch.decider.decide(401, "periodic", probe=True)
         assert link.sent[:4] == [small, cap] * 2 and link.sent[4:20] == [64, 256] * 8
         assert ch.history[-1]["network_source"] == "probe" and not ch.history[-1]["link_check"]["unchanged"]
         assert ch.network.beta_s_per_byte == pytest.approx(8 / 1e9)
@@ -349,7 +352,7 @@ def test_a_dense_step_that_waited_on_the_network_measures_beta_instead_of_the_ba
     true_beta = 8 / 20e6
     alpha = link.alpha - 64 * true_beta  # the latency round's fastest 64-byte shift is α + 64·β
     wall = step_by_hand(costs[0].as_dict(), dict(wl.as_dict(), other_s=0.0), alpha, true_beta, 4)
-    ch._decide(1, "warmup", probe=True, dense_wall_s=wall, dense_exposed_s=exposed_s)
+    ch.decider.decide(1, "warmup", probe=True, dense_wall_s=wall, dense_exposed_s=exposed_s)
     h = ch.history[-1]
     if exposed_s >= dense_probe_s > 0:
         assert link.sent == [64, 256] * 8  # the latency round alone: no bandwidth probe, no reference message
@@ -386,7 +389,7 @@ def test_a_modelled_reference_is_replaced_by_the_first_check_on_the_link(monkeyp
     true_beta, cap, small = 8 / 20e6, 2 * 84_000, 80 * 1024
     alpha = link.alpha - 64 * true_beta
     wall = step_by_hand(ch.costs[0].as_dict(), dict(wl.as_dict(), other_s=0.0), alpha, true_beta, 4)
-    ch._decide(1, "warmup", probe=True, dense_wall_s=wall, dense_exposed_s=0.2)
+    ch.decider.decide(1, "warmup", probe=True, dense_wall_s=wall, dense_exposed_s=0.2)
     assert ch.probe_time_modelled and ch.history[-1]["network_source"] == "dense_step"
     modelled = alpha + cap * true_beta
     state = ch.state_dict()  # the flag travels with a checkpoint
@@ -398,7 +401,7 @@ def test_a_modelled_reference_is_replaced_by_the_first_check_on_the_link(monkeyp
         link.noise = BURST * true_beta
     check_s = link.alpha + (cap - BURST) * true_beta + link.noise  # the stub's median time of the check
     link.sent = []
-    ch._decide(101, "periodic", probe=True)
+    ch.decider.decide(101, "periodic", probe=True)
     lc = ch.history[-1]["link_check"]
     assert lc["reference"] == "modelled" and lc["probe_s"] == pytest.approx(modelled)
     if noise == "model-like":
@@ -412,7 +415,7 @@ def test_a_modelled_reference_is_replaced_by_the_first_check_on_the_link(monkeyp
     assert (ch.probe_time_s, ch.probe_time_modelled) == (pytest.approx(check_s), False)
 
     link.sent = []
-    ch._decide(201, "periodic", probe=True)  # the same link, against the measured reference: one message
+    ch.decider.decide(201, "periodic", probe=True)  # the same link, against the measured reference: one message
     lc = ch.history[-1]["link_check"]
     assert link.sent == [small, cap] and lc["unchanged"] and lc["reference"] == "measured"
     assert ch.history[-1]["network_source"] == "check"
@@ -420,12 +423,12 @@ def test_a_modelled_reference_is_replaced_by_the_first_check_on_the_link(monkeyp
 
 def test_a_severe_drift_probes_at_once_and_a_moderate_one_checks_the_link_first(monkeypatch):
     ch, link, _, _ = _probing_chooser(monkeypatch, 20e6, window=2, patience=2, min_interval=1, probe_every=0)
-    ch._decide(1, "warmup", probe=True)
+    ch.decider.decide(1, "warmup", probe=True)
     full_probe = [64, 256] * 8 + [80 * 1024, 2 * 84_000] * 4
     step = ch.predictions[ch.chosen].step_s
 
     def window(at, wall):
-        ch._window = [wall, wall]
+        ch.walls.window = [wall, wall]
         ch._check_drift(at)
 
     window(3, 1.0)  # settling

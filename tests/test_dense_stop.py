@@ -21,7 +21,7 @@ import torch
 from dist_harness import gather_all, run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_gc.auto.canary import LinkCanary, canary_job
+from lightning_gc.auto.canary import CanaryJob, LinkCanary
 from lightning_gc.comm.cost_model import NetworkModel
 from lightning_gc.compressors import build_compressor
 from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
@@ -81,7 +81,7 @@ def _run(rank: int, ws: int) -> dict:
     out: dict = {"go_on": [], "stop": {}, "flush": [], "poison": {}, "carried": []}
 
     def step(s: int, poison: bool = False) -> list[torch.Tensor]:
-        engine.run_before_step(canary_job(canary[0], 0.1 * (rank + 1) + s, engine.network.model, engine.exchange_group,
+        engine.run_before_step(CanaryJob(canary[0], 0.1 * (rank + 1) + s, engine.network.model, engine.exchange_group,
                                           ws, engine.device))
         _grads(ddp, rank, s, poison)
         engine.before_optimizer_step()

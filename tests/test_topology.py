@@ -25,8 +25,14 @@ import torch
 from dist_harness import gather_all, run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_gc.comm.hierarchy import NodeLayout, TopologyConfig, refusal, resolve_ranks_per_node, shard_segments
 from lightning_gc.callbacks.monitor import step_metrics
+from lightning_gc.comm.hierarchy import (
+    NodeLayout,
+    TopologyConfig,
+    refusal,
+    resolve_ranks_per_node,
+    shard_segments,
+)
 from lightning_gc.compressors import build_compressor, ratio_to_k
 from lightning_gc.config import GCConfig
 from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook

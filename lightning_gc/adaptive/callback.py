@@ -37,9 +37,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ..comm.cost_model import SPARSE_COLLECTIVE_TIE_ORDER, NetworkModel
+from ..comm.hierarchy import refusal
 from ..comm.probe import ProbeConfig
 from ..compressors import build_config
-from ..comm.hierarchy import refusal
 from ..engine.owner import SessionOwner
 from ..engine.ports import EngineControl, LinkPort
 from ..exchanges.registry import collective_code

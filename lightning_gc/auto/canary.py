@@ -4,7 +4,7 @@ Why: when a dense mode (fp32 or a 16-bit cast on DDP's buckets) is auto's pick a
 next dense step sends the whole gradient at the fallen rate before any test that reads a step's wall
 can act. The canary times the link first, on the engine's ordered worker before the step (it overlaps
 the step's forward and backward, and the step's buckets wait behind it): the engine's generic port
-``GCEngine.run_before_step`` runs :func:`canary_job`, and a verdict "fell" stops the dense step
+``GCEngine.run_before_step`` runs :class:`CanaryJob`, and a verdict "fell" stops the dense step
 (lightning_gc/engine/dense_stop.py: its compressed groups' gradients become error memory, sent by the
 next step's method; nothing is lost). auto then re-decides at the step's end.
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,11 +117,18 @@ def sing(canary: LinkCanary, carry: float, network: Any, group: Any, world_size:
 
 
 
-def canary_job(canary: LinkCanary, carry: float, network: Any, group: Any, world_size: int,
-               device: torch.device) -> Callable[[], StopVerdict]:
-    """The engine job (``GCEngine.run_before_step``) that sings ``canary`` and stops a dense step on a fall."""
+@dataclass
+class CanaryJob:
+    """The engine job (``GCEngine.run_before_step``) that sings ``canary`` before a step and stops a dense
+    step on a fall; ``carry``: the value every rank adds to the canary's second message (NaN: none)."""
 
-    def job() -> StopVerdict:
-        res = sing(canary, carry, network, group, world_size, device)
-        return StopVerdict(res.fell, res.carried, res.fastest_s, res.predicted_s, canary.nbytes)
-    return job
+    canary: LinkCanary
+    carry: float
+    network: Any
+    group: Any
+    world_size: int
+    device: torch.device
+
+    def __call__(self) -> StopVerdict:
+        res = sing(self.canary, self.carry, self.network, self.group, self.world_size, self.device)
+        return StopVerdict(res.fell, res.carried, res.fastest_s, res.predicted_s, self.canary.nbytes)

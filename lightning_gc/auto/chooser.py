@@ -39,7 +39,7 @@ from ..engine.agreement import agree_values
 from ..engine.ports import MethodControl
 from ..engine.session import StepParticipant
 from . import drift, measure, policy
-from .canary import LinkCanary, canary_job
+from .canary import CanaryJob, LinkCanary
 from .candidates import AutoCandidate, candidate
 from .config import AutoConfig
 from .decider import Decider
@@ -128,7 +128,7 @@ class AutoChooser(StepParticipant):
         def timed() -> Any:
             if self._dense_walls_direct and self.canary is not None and self._dense_mode_runs():
                 engine = self.engine  # nothing carried: the step before's wall was agreed at its end
-                engine.run_before_step(canary_job(self.canary, math.nan, engine.network.model, engine.exchange_group,
+                engine.run_before_step(CanaryJob(self.canary, math.nan, engine.network.model, engine.exchange_group,
                                                   engine.world_size, engine.device))
             self.walls.begin()
             out = closure()

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .cost_model import NetworkModel
 from .direct import allreduce_chosen
@@ -169,7 +170,10 @@ class SizedProbe:
 
 def _agree_max(values: Sequence[float], group: Any, device: Any) -> list[float]:
     """Element-wise MAX over the ranks (one float64 all-reduce, on ``device`` when it is CUDA), as
-    ``lightning_gc.engine.agreement.agree_values(..., "max")`` does it."""
+    ``lightning_gc.engine.agreement.agree_values(..., "max")`` does it; the values themselves without a
+    process group or on one rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [float(v) for v in values]
     t = torch.tensor([float(v) for v in values], dtype=torch.float64)
     if device is not None and torch.device(device).type == "cuda":
         t = t.to(device)
