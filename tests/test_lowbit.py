@@ -127,7 +127,9 @@ def _quantise64(v: torch.Tensor, bits: int, bs: int, rank: int, hop: int, n: int
     ``v/s + u`` lies within :data:`AMBIGUOUS` of an integer (there float32 may round the other way)."""
     L = 2 ** (bits - 1) - 1
     ctx = GroupContext(step=step, rank=rank, world_size=n, segments=(d,), group_id=case, seed=SEED)
-    u = torch.rand(v.numel(), generator=ctx.private_generator(salt=hop)).double().view(-1, bs)
+    words = torch.empty((v.numel() + 3) // 4, dtype=torch.int64).random_(generator=ctx.private_generator(salt=hop))
+    r = words.view(torch.int16)[:v.numel()].double().remainder(32768)  # the low 15 bits of each int16 lane
+    u = ((r + 0.5) / 32768).view(-1, bs)  # the documented dither
     s = v.abs().amax(dim=1, keepdim=True) / L
     t = v / torch.where(s > 0, s, 1.0) + u
     q = torch.where(s > 0, torch.floor(t), torch.zeros_like(v)).clamp(-L, L)
@@ -221,7 +223,7 @@ def test_ring_equals_float64_replay_with_the_same_draws(n):
             off = (mean - ref).abs() > tol
             # every difference sits where a rounding was a float32/float64 tie, and ties are rare
             assert not bool((off & ~amb).any()), (case, step, float((mean - ref).abs()[~amb].max()))
-            assert int(amb.sum()) <= max(2, d // 500), (case, step, int(amb.sum()))
+            assert int(amb.sum()) <= max(4, d // 100), (case, step, int(amb.sum()))
             assert bool(((mean - exact).abs() <= bound * (1 + 1e-5) + 1e-7).all()), (case, step)
             assert float((mean - exact).abs().max()) > 0  # it is lossy: the bound is not vacuous
             for r in range(n):
