@@ -52,7 +52,7 @@ from torch import Tensor
 from .base import Compressed, Compressor, GroupContext
 from .packing import pack_uint8_codes
 
-__all__ = ["LowBitConfig", "LowBitCompressor", "decode_blocks", "dither_words", "encode_blocks", "levels_of",
+__all__ = ["LowBitConfig", "LowBitCompressor", "decode_blocks", "ring_error_factor", "dither_words", "encode_blocks", "levels_of",
            "message_bytes"]
 
 _BITS = (4, 8)
@@ -86,6 +86,15 @@ class LowBitConfig:
 def levels_of(bits: int) -> int:
     """L, the largest level magnitude: codes ``q + L`` span ``2L + 1 ≤ 2^bits`` values."""
     return (1 << (bits - 1)) - 1
+
+
+def ring_error_factor(world_size: int) -> float:
+    """Variance of the ring's mean error in units of one quantisation's, when the ranks' gradients
+    are equal (the worst case: the partial sum after h ranks is h·g, so hop h rounds with h times the
+    step): ``Σ_{h<N} h²/N² + 1 = (N−1)(2N−1)/(6N) + 1``. Independent gradients give ``(N−1)/(2N) + 1``.
+    It grows linearly with N: the price of requantising partial sums (docs/lowbit.md)."""
+    n = max(int(world_size), 1)
+    return (n - 1) * (2 * n - 1) / (6 * n) + 1.0
 
 
 def message_bytes(blocks: int, block_size: int, bits: int) -> int:
