@@ -89,10 +89,12 @@ def levels_of(bits: int) -> int:
 
 
 def ring_error_factor(world_size: int) -> float:
-    """Variance of the ring's mean error in units of one quantisation's, when the ranks' gradients
-    are equal (the worst case: the partial sum after h ranks is h·g, so hop h rounds with h times the
-    step): ``Σ_{h<N} h²/N² + 1 = (N−1)(2N−1)/(6N) + 1``. Independent gradients give ``(N−1)/(2N) + 1``.
-    It grows linearly with N: the price of requantising partial sums (docs/lowbit.md)."""
+    """Variance of the ring's mean error in units of one rounding of one rank's gradient, when the
+    ranks' gradients are equal (the worst case: the partial sum after h ranks is h·g, so hop h rounds
+    with h times the step): ``Σ_{h<N} h²/N² + 1 = (N−1)(2N−1)/(6N) + 1``. Independent gradients of
+    equal size give about ``(N−1)/(2N) + 1/N``. The worst case grows linearly with N: the price of
+    requantising partial sums (docs/lowbit.md); an allgather of the same codes averages N
+    independent roundings instead (variance ``1/N``)."""
     n = max(int(world_size), 1)
     return (n - 1) * (2 * n - 1) / (6 * n) + 1.0
 
