@@ -104,7 +104,7 @@ def time_codec(comp, xs: list[torch.Tensor], ctxs: list, repeats: int) -> dict:
         needs_sent = True  # the merged bits decoded into the mean (η·sign), which is also its sent
     elif fmt == "lowbit":  # the ring's codec work on one rank, without the sends
         timings.update(_lowbit_ring_timings(comp, xs, c0, repeats))
-        needs_sent = False  # its sent (p − own rounding errors) is the "ef_sent" pass below
+        needs_sent = False  # its sent is p − own rounding errors, one subtraction (not a decode)
     else:  # AR-Topk: the source's indices, every rank's values there summed, scattered into the mean
         idx = outs[0].payload[1]
         idx_long = idx.long()
@@ -115,8 +115,6 @@ def time_codec(comp, xs: list[torch.Tensor], ctxs: list, repeats: int) -> dict:
     timings["decompress"] = time_runs(lambda: comp.decompress(outs[0].payload, outs[0].meta, c0), repeats)
     med = {k: statistics.median(v) for k, v in timings.items()}
     total = med["compress"] + med["aggregate"] + med.get("gather_values", 0.0)
-    if fmt == "lowbit":  # the ring quantises on the way: its encodes are in "aggregate", not a compress
-        total = med["pad"] + med["aggregate"] + med["ef_sent"]
     if needs_sent:
         total += med["decompress"]
     res["needs_dense_sent"] = needs_sent
@@ -126,38 +124,33 @@ def time_codec(comp, xs: list[torch.Tensor], ctxs: list, repeats: int) -> dict:
 
 
 def _lowbit_ring_timings(comp, xs: list[torch.Tensor], c0, repeats: int) -> dict[str, list[float]]:
-    """One rank's codec passes of the ``lowbit`` ring (lightning_gc.exchanges.lowbit), sends left out.
+    """The dequantising half of one rank's ``lowbit`` ring (lightning_gc.exchanges.lowbit), sends left out.
 
-    ``hop_encode`` / ``hop_accumulate``: one reduce-scatter hop on a 1/N chunk (quantise what is sent;
-    dequantise what arrived and add it to the own fp32 values); ``aggregate``: the whole sequence of
-    one rank (N − 1 hops, the owner's final quantisation, and the decoding of the N gathered chunks);
-    ``pad``: the copy into fp32 blocks; ``ef_sent``: ``p − own rounding errors``.
+    ``compress`` (timed by the caller: padding and one encode of the whole group) stands for the
+    ring's encodes, which quantise the group once in N chunks. ``aggregate``: N − 1
+    dequantise-accumulates of a 1/N chunk and the decoding of the N gathered chunks.
+    ``hop_encode`` / ``hop_accumulate``: one reduce-scatter hop on a 1/N chunk (quantise what is
+    sent; dequantise what arrived and add it to the own fp32 values). Not counted: the one
+    subtraction ``p − own rounding errors`` that makes ``sent``.
     """
     N = len(xs)
     bs, bits = comp.block_size, comp.bits
     x = comp.padded(xs[0])
-    nb = x.shape[0]
-    chunk = -(-nb // N)
+    chunk = -(-x.shape[0] // N)
     part = x[:chunk]
     msg = torch.empty(message_bytes(chunk, bs, bits), dtype=torch.uint8, device=x.device)
     dq = torch.empty_like(part)
     acc = torch.empty_like(part)
     encode_blocks(part, bits, comp.generator(c0, 1), msg, dq)
 
-    def ring() -> None:
-        for hop in range(1, N):
-            encode_blocks(part, bits, comp.generator(c0, hop), msg, dq)
-            dq.neg_().add_(part)
+    def dequantise() -> None:
+        for _ in range(N - 1):
             decode_blocks(msg, chunk, bs, bits, acc, add=part)
-        encode_blocks(part, bits, comp.generator(c0, N), msg, dq)
         for _ in range(N):
             decode_blocks(msg, chunk, bs, bits, acc)
 
-    err = torch.zeros_like(xs[0])
     return {
         "hop_encode": time_runs(lambda: encode_blocks(part, bits, comp.generator(c0, 1), msg, dq), repeats),
         "hop_accumulate": time_runs(lambda: decode_blocks(msg, chunk, bs, bits, acc, add=part), repeats),
-        "aggregate": time_runs(ring, repeats),
-        "pad": time_runs(lambda: comp.padded(xs[0]), repeats),
-        "ef_sent": time_runs(lambda: xs[0] - err, repeats),
+        "aggregate": time_runs(dequantise, repeats),
     }
