@@ -269,3 +269,17 @@ def test_bytes_per_rank_are_flat_in_n():
                 model = 2 * (n - 1) / n * (BYTES_D * bits / 8 + 4 * nb)
                 assert abs(measured - model) <= 2 * (n - 1) * (4 + 128 * bits / 8), (n, r, measured, model)
                 assert measured < 2 * (BYTES_D * bits / 8 + 4 * nb)
+
+
+def test_cost_model_bytes_and_auto_efficiency_follow_the_stated_formulas():
+    """advise/auto's byte model and error charge, against the formulas of docs/lowbit.md."""
+    from lightning_gc.auto.model import MethodCost, efficiency
+    from lightning_gc.comm.cost_model import lowbit_ring_bytes
+
+    for n in (2, 3, 4, 8, 64):
+        exact = [_expected_bytes(BYTES_D, 4, 128, n, r) for r in range(n)]
+        assert all(abs(b - lowbit_ring_bytes(BYTES_D, n, 4, 128)) <= 2 * (n - 1) * (4 + 64) for b in exact)
+    cost = MethodCost("lowbit", "lowbit", 0.0, 1000.0, delta2=0.03)
+    for n in (1, 4, 64, 1024):
+        factor = sum(h * h for h in range(1, n)) / n ** 2 + 1  # Σ_{h<N} h²/N² + 1
+        assert efficiency(cost, n, 2.0) == pytest.approx(1 / (1 + 2.0 * 0.03 * factor))

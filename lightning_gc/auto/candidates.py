@@ -76,7 +76,7 @@ CANDIDATES: dict[str, AutoCandidate] = {
     # it was picked first and the run ended at 3.516 val_bpb against static rank 2's 3.193 (docs/auto.md)
     "lowrank1": AutoCandidate("lowrank1", "lowrank", None, {"rank": 1}),
     # the k-bit ring (bytes flat in N), on request: not measured by auto's runs yet; its δ² is one
-    # quantisation's scaled by lowbit.ring_error_factor (measure_method)
+    # rounding's, which the model's efficiency scales by lowbit.ring_error_factor(N)
     "lowbit": AutoCandidate("lowbit", "lowbit", None, {"bits": 4}),
     "lowbit8": AutoCandidate("lowbit8", "lowbit", None, {"bits": 8}),
     # rank 2 in bfloat16 messages: rank 1's fp32 bytes at rank 2's error (LowRankConfig.wire_dtype)
@@ -212,10 +212,6 @@ def measure_method(cand: AutoCandidate, flat: Tensor, ctx: GroupContext, world_s
     ratio = float(comp.ratio) if comp.has_ratio else 0.0
     if wire == "lowrank":  # the exact group rides in the P message, in its type
         exact_bytes = float(exact_bytes) * comp.wire_element_size / 4
-    if wire == "lowbit":  # N roundings of growing partial sums, not one (×N: efficiency divides by N)
-        from ..compressors.lowbit import ring_error_factor
-
-        delta2 *= max(int(world_size), 1) * ring_error_factor(world_size)
     return MethodCost(cand.name, wire, codec_s, float(payload), delta2, bool(comp.default_error_feedback and comp.lossy),
                       sparse_ratio=ratio, value_bytes=float(flat.element_size()), exact_bytes=float(exact_bytes),
                       codec_timed=bool(time_codec))

@@ -245,6 +245,10 @@ def comm_seconds(cost: MethodCost, network: NetworkModel, world_size: int, numel
 def efficiency(cost: MethodCost, world_size: int, progress_weight: float) -> float:
     """Progress of one step relative to an exact step: ``1 / (1 + w · delta2')`` with ``delta2' =
     delta2`` for error-feedback methods and ``delta2 / N`` for the others (see the module doc)."""
+    if cost.wire == "lowbit":  # N roundings of growing partial sums, the worst case (equal gradients)
+        from ..compressors.lowbit import ring_error_factor
+
+        return 1.0 / (1.0 + float(progress_weight) * cost.delta2 * ring_error_factor(world_size))
     d2 = cost.delta2 if cost.error_feedback else cost.delta2 / max(int(world_size), 1)
     return 1.0 / (1.0 + float(progress_weight) * d2)
 
