@@ -28,6 +28,7 @@ from .engine.omgs import OMGSController
 from .engine.session import StepParticipant, StepSession
 from .sync import OSPSync
 from .sync.diloco import DiLoCoSync
+from .sync.lgp import check_training_setup
 
 SINGLE_PROCESS_WARNING = ("lightning_gc: world size is 1, so gradients are neither communicated nor compressed; "
                           "training proceeds as on a single device.")
@@ -48,15 +49,18 @@ class Assembly:
 
 
 def build_session(config: GCConfig, ddp: DistributedDataParallel, *, scaler: Any = None,
-                  pending_state: dict | None = None, announce: bool = True) -> Assembly:
+                  pending_state: dict | None = None, announce: bool = True,
+                  ranks_per_node: int | None = None) -> Assembly:
     """Build the engine on ``ddp``'s parameters and process group, the participants the
     configuration asks for, and the step session; restore ``pending_state`` (a checkpoint's
     ``"lightning_gc"`` entry read before the model was wrapped) and register the session as DDP's
     communication hook. ``scaler``: the AMP GradScaler, if any (it skips non-finite steps itself).
-    ``announce``: say the startup header on rank zero (or warn at world size 1)."""
+    ``announce``: say the startup header on rank zero (or warn at world size 1). ``ranks_per_node``:
+    the launcher's processes per node (``topology="nodes"``; ``topology_ranks_per_node`` overrides it)."""
     named = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
     compressor = get_entry(config.compression.compressor).compressor_cls(config.compression.compressor_config())
-    engine = GCEngine(compressor, config.engine, named, process_group=ddp.process_group)
+    engine = GCEngine(compressor, config.engine, named, process_group=ddp.process_group,
+                      topology=config.topology, ranks_per_node=ranks_per_node)
     if casts_on_buckets(config, engine, compressor):
         engine.set_dense_mode(compressor.name)
     built = _participants(config, engine, ddp, named)
@@ -130,6 +134,8 @@ def startup_header(config: GCConfig, engine: Any, diloco: Any = None) -> str:
         head = (f"compressor={config.compression.compressor} collective={engine.exchange.name} plan={eng.plan} "
                 f"groups={len(engine.plan.groups)} warmup_steps={eng.warmup_steps} "
                 f"error_feedback={engine.error_feedback}")
+        if config.topology.kind != "flat":  # the nodes and ranks per node: GCEngine.topology.describe()
+            head += f" topology={config.topology.kind} intra_dtype={config.topology.intra_dtype}"
         if config.sync == "osp":
             head += f" sync=osp {_osp_options(config)}"
         if engine.dense_mode is not None:
@@ -165,6 +171,13 @@ def adopt_defaults(config: GCConfig, engine: GCEngine, optimizers: list[Any], ne
         rank_zero_warn(message)
 
 
+def check_setup(config: GCConfig, optimizers: list[Any], *, fp16_scaler: bool, automatic_optimization: bool) -> None:
+    """Refuse, once the optimizers and precision are known, what the configured synchronisation cannot run
+    with (each participant's own rule; today only OSP has one)."""
+    if config.sync == "osp":
+        check_training_setup(optimizers, fp16_scaler, automatic_optimization)
+
+
 def apply_state(session: StepSession, state: dict[str, Any]) -> None:
     """Restore a checkpoint's ``"lightning_gc"`` entry into the session, warning about error memory
     the checkpoint did not hold."""
@@ -176,4 +189,4 @@ def apply_state(session: StepSession, state: dict[str, Any]) -> None:
         )
 
 
-__all__ = ["Assembly", "adopt_defaults", "apply_state", "build_session", "casts_on_buckets", "startup_header"]
+__all__ = ["Assembly", "adopt_defaults", "apply_state", "build_session", "casts_on_buckets", "check_setup", "startup_header"]

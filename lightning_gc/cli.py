@@ -54,6 +54,7 @@ DOC_PAGES = {
     "compressors.md": "one entry per compressor: what it sends, bytes per element, tuning, measurements",
     "monitoring.md": "GCMonitor's TensorBoard tags, the compression gain, the end-of-fit summary",
     "multi-node.md": "several machines: torchrun, SLURM, network interfaces, what gc/bytes_* mean there",
+    "topology.md": "topology='nodes': dense inside a node, compressed only between nodes; byte model, launch",
     "fabric.md": "Lightning Fabric: GCFabricStrategy, checkpoints, logging the gc/* tags",
     "workloads.md": "the demo models and data of the recipes and the benchmark",
     "bench.md": "lightning-gc bench: emulated cluster, methods, reading the results",

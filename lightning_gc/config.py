@@ -12,6 +12,7 @@ osp_round_steps=50, ...)``, the same names under ``init_args`` in a LightningCLI
     ├── diloco:      DiLoCoConfig        inner_steps, outer_optimizer, outer_args, fragments, overlap_steps, mixing, error_decay
     ├── omgs:        OMGSConfig | None   profile_steps, ... (None: no OMGS)
     ├── auto:        AutoConfig | None   compressor="auto": candidates, progress_weight, ... (docs/auto.md)
+    ├── topology:    TopologyConfig      kind ("flat" | "nodes"), ranks_per_node, intra_dtype (docs/topology.md)
     ├── nonfinite:   "skip" | "propagate"
     └── monitor:     bool
 
@@ -33,6 +34,7 @@ from typing import Any, Literal
 
 from ._validation import check_bool
 from .auto.config import AutoConfig
+from .comm.hierarchy import TopologyConfig, refusal
 from .compressors import build_config, get_entry
 from .engine.config import EngineConfig
 from .engine.omgs import OMGS_PLANS, OMGSConfig
@@ -92,6 +94,8 @@ FLAT_FIELDS: dict[str, tuple[str, str | None]] = {
     **{f"osp_{n}": ("osp", n) for n in ("deferred_fraction", "round_steps", "deferred_compressor", "deferred_ratio")},
     **{f"diloco_{n}": ("diloco", n) for n in ("inner_steps", "outer_optimizer", "outer_args", "fragments",
                                               "overlap_steps", "mixing", "error_decay")},
+    "topology": ("topology", "kind"),
+    **{f"topology_{n}": ("topology", n) for n in ("ranks_per_node", "intra_dtype")},
     "sync": ("sync", None),
     "omgs": ("omgs", None),
     "auto": ("auto", None),
@@ -130,6 +134,7 @@ class GCConfig:
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     omgs: OMGSConfig | None = None
     auto: AutoConfig | None = None
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
     nonfinite: Literal["skip", "propagate"] = "skip"
     monitor: bool = True
 
@@ -172,6 +177,10 @@ class GCConfig:
                 "with plan='model'/'layer'/'threshold', or plan='omgs' with sync='bsp'."
             )
         collective, ef = self.compression.resolved()
+        if self.topology.kind == "nodes":
+            why = refusal(collective=collective, sync=self.sync, omgs=self.omgs is not None, auto=self.auto is not None)
+            if why is not None:
+                raise ValueError(why)
         if self.sync == "diloco" and self.diloco.error_decay != 1.0 and (self.compression.compressor == "dense" or not ef):
             raise ValueError(
                 f"diloco_error_decay={self.diloco.error_decay!r} with compressor={self.compression.compressor!r} and "
@@ -188,7 +197,8 @@ class GCConfig:
         refused naming the closest valid one. Omitted names take their section's default."""
         import difflib
 
-        sections: dict[str, dict[str, Any]] = {"compression": {}, "engine": {}, "osp": {}, "diloco": {}}
+        sections: dict[str, dict[str, Any]] = {"compression": {}, "engine": {}, "osp": {}, "diloco": {},
+                                               "topology": {}}
         top: dict[str, Any] = {}
         omgs_fields: dict[str, Any] = {}
         auto_fields: dict[str, Any] = {}
@@ -257,7 +267,9 @@ class GCConfig:
         engine = EngineConfig(**{**engine_fields, "collective": collective, "error_feedback": ef})
         osp = OSPConfig(**sections["osp"])
         diloco = DiLoCoConfig(**sections["diloco"])
-        return cls(compression=compression, engine=engine, osp=osp, diloco=diloco, omgs=omgs, auto=auto, **top)
+        topology = TopologyConfig(**sections["topology"])
+        return cls(compression=compression, engine=engine, osp=osp, diloco=diloco, omgs=omgs, auto=auto,
+                   topology=topology, **top)
 
     def to_flat(self) -> dict[str, Any]:
         """The flat names that rebuild this tree with :meth:`from_flat` (round trip)."""

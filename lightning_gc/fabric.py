@@ -235,7 +235,8 @@ class GCFabricStrategy(FabricDDPStrategy):
                 "in one nn.Module and call fabric.setup once."
             )
         scaler = getattr(self.precision, "scaler", None) if isinstance(self.precision, MixedPrecision) else None
-        self._assembly = build_session(self._config, ddp, scaler=scaler, pending_state=self._pending_state)
+        self._assembly = build_session(self._config, ddp, scaler=scaler, pending_state=self._pending_state,
+                                       ranks_per_node=self.num_processes)
         self._engine, self._session, self._pending_state = self._assembly.engine, self._assembly.session, None
         self._ddp = ddp
         return ddp

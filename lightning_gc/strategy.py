@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ._names import guard_registry, positional_string_message
-from .assembly import Assembly, adopt_defaults, apply_state, build_session
+from .assembly import Assembly, adopt_defaults, apply_state, build_session, check_setup
 from .auto import AutoChooser, AutoConfig
 from .compressors import available_compressors, get_entry
 from .config import FLAT_FIELDS, GCConfig
@@ -47,7 +47,7 @@ from .engine.omgs import OMGSConfig, OMGSController
 from .engine.owner import SessionOwner
 from .engine.session import StepSession
 from .summary import GCSummary, summarize
-from .sync import OSPSync, check_optimizer
+from .sync import OSPSync
 from .sync.diloco import DiLoCoSync
 
 log = logging.getLogger(__name__)
@@ -202,6 +202,15 @@ class GCStrategy(DDPStrategy, SessionOwner):
         report_rides: send a compressed step's closing report inside the step's last message where
             it can ride (``lowrank``'s second allreduce) instead of in an allreduce of its own (default
             ``True``: one latency-bound collective per step fewer). See ``EngineConfig.report_rides``.
+        topology: ``"flat"`` (default): every exchange across all ranks. ``"nodes"``: a dense
+            reduce-scatter inside each node, the compressor only between nodes on each rank's shard,
+            then an allgather inside the node (docs/topology.md); ranks per node are the Trainer's
+            ``devices`` (``num_nodes`` nodes). Refused with OSP, DiLoCo, OMGS, ``auto`` and collectives
+            that cannot run on a sub-group (``lightning_gc.comm.hierarchy.refusal``).
+        topology_ranks_per_node: with ``topology="nodes"``: override the ranks per node (emulate nodes
+            on one machine, e.g. 2 on 4 processes).
+        topology_intra_dtype: with ``topology="nodes"``: ``"fp32"`` (default) or ``"bf16"`` for the
+            intra-node reduce-scatter of compressed groups.
         sync: ``"bsp"`` (default): every layer is synchronised before the optimizer step.
             ``"osp"``: two-stage synchronisation (docs/osp.md): the least important layers are
             updated with the local gradient and all-reduced while the next step computes, then
@@ -285,6 +294,9 @@ class GCStrategy(DDPStrategy, SessionOwner):
         omgs: OMGSConfig | dict | None = None,
         auto: AutoConfig | dict | None = None,
         sync: Literal["bsp", "osp", "diloco"] = "bsp",
+        topology: Literal["flat", "nodes"] = "flat",
+        topology_ranks_per_node: int | None = None,
+        topology_intra_dtype: Literal["fp32", "bf16"] = "fp32",
         osp_deferred_fraction: float | None = None,
         osp_round_steps: int = 50,
         osp_deferred_compressor: str = "dense",
@@ -299,6 +311,9 @@ class GCStrategy(DDPStrategy, SessionOwner):
         config: GCConfig | None = None,
         **kwargs: Any,
     ) -> None:
+        # the flat keywords above are FLAT_FIELDS' names; their place in the typed tree is that table's alone
+        arguments = locals()
+        flat = {name: arguments[name] for name in FLAT_FIELDS}
         if isinstance(accelerator, str) and accelerator not in AcceleratorRegistry:
             # GCStrategy("qsgd") would otherwise become accelerator="qsgd" and fail at Trainer setup
             raise ValueError(positional_string_message(
@@ -317,20 +332,6 @@ class GCStrategy(DDPStrategy, SessionOwner):
             # 25 MB buckets a ResNet-18 step has two or three buckets, so per-layer groups could not
             # start before half of backward was over. Small buckets let pipelined plans overlap.
             kwargs["bucket_cap_mb"] = PIPELINED_BUCKET_CAP_MB
-        # the one mapping from these flat names to the typed configuration tree (lightning_gc/config.py)
-        flat = dict(
-            compressor=compressor, ratio=ratio, compressor_args=compressor_args, collective=collective, plan=plan,
-            plan_threshold=plan_threshold, min_compress_numel=min_compress_numel, warmup_steps=warmup_steps,
-            error_feedback=error_feedback, check_finite=check_finite, nonfinite=nonfinite, seed=seed,
-            monitor=monitor, network_alpha_s=network_alpha_s, network_beta_s_per_byte=network_beta_s_per_byte,
-            probe_every=probe_every, probe_drift=probe_drift, probe_patience=probe_patience, overlap=overlap,
-            check_every=check_every, report_rides=report_rides, omgs=omgs, auto=auto, sync=sync, osp_deferred_fraction=osp_deferred_fraction, osp_round_steps=osp_round_steps,
-            osp_deferred_compressor=osp_deferred_compressor, osp_deferred_ratio=osp_deferred_ratio,
-            diloco_inner_steps=diloco_inner_steps, diloco_outer_optimizer=diloco_outer_optimizer,
-            diloco_outer_args=diloco_outer_args, diloco_fragments=diloco_fragments,
-            diloco_overlap_steps=diloco_overlap_steps, diloco_mixing=diloco_mixing,
-            diloco_error_decay=diloco_error_decay,
-        )
         self._config = _config_from(config, flat)
         self._compressor_name = self._config.to_flat()["compressor"]
         self._failed = False
@@ -439,28 +440,11 @@ class GCStrategy(DDPStrategy, SessionOwner):
         check_trainer_setup(self._config, trainer.callbacks)
         put_first(trainer.callbacks)  # the session's evaluation view and end of training, before every callback
         super().setup(trainer)
-        if self._config.sync == "osp":
-            self._check_osp_setup()
+        check_setup(self._config, self.optimizers, fp16_scaler=self._scaler is not None,
+                    automatic_optimization=self.lightning_module.automatic_optimization)
         self._route_clipping()
         if self._engine is not None:  # the error-feedback default and the algorithm's advice, knowing the optimizers
             adopt_defaults(self._config, self._engine, self.optimizers)
-
-    def _check_osp_setup(self) -> None:
-        for optimizer in self.optimizers:
-            check_optimizer(optimizer)
-        if isinstance(self.precision_plugin, MixedPrecision) and getattr(self.precision_plugin, "scaler", None):
-            raise ValueError(
-                "GCStrategy(sync='osp') with fp16 mixed precision ('16-mixed'): torch's GradScaler decides on each "
-                "rank alone, from that rank's gradients, whether to skip a step and how to change the loss scale; "
-                "under OSP the deferred layers' gradients are local, so ranks could skip different steps and "
-                "scale differently, and the replicas would diverge. Use precision='bf16-mixed' (no scaler) or "
-                "'32-true', or sync='bsp'."
-            )
-        if not self.lightning_module.automatic_optimization:
-            raise ValueError(
-                "GCStrategy(sync='osp') needs automatic optimization (the loss steers the S(Gu) schedule and "
-                "the correction runs around optimizer.step()). Use sync='bsp' with manual optimization."
-            )
 
     def _route_clipping(self) -> None:
         """Send every clipping of the gradients (``gradient_clip_val`` and ``configure_gradient_clipping``
@@ -484,12 +468,18 @@ class GCStrategy(DDPStrategy, SessionOwner):
         clip_through_session.lightning_gc_session = True  # type: ignore[attr-defined]
         plugin.clip_gradients = clip_through_session  # type: ignore[method-assign]
 
+    @property
+    def _scaler(self) -> Any:
+        """The AMP GradScaler of fp16 mixed precision, if any."""
+        plugin = self.precision_plugin
+        return getattr(plugin, "scaler", None) if isinstance(plugin, MixedPrecision) else None
+
     @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks only on CUDA; the engine must run on every device type.
         assert isinstance(self.model, DistributedDataParallel)
-        scaler = getattr(self.precision_plugin, "scaler", None) if isinstance(self.precision_plugin, MixedPrecision) else None
-        self._assembly = build_session(self._config, self.model, scaler=scaler, pending_state=self._pending_state)
+        self._assembly = build_session(self._config, self.model, scaler=self._scaler, pending_state=self._pending_state,
+                                       ranks_per_node=self.num_processes)
         self._engine, self._session, self._pending_state = self._assembly.engine, self._assembly.session, None
 
     @override

@@ -36,6 +36,8 @@ class GCSummary:
         bytes_sent: modelled bytes this rank sent (payloads and the small stats allreduce).
         bytes_dense: bytes a dense fp32 ring allreduce of the same steps would have sent.
         bytes_ratio: ``bytes_sent / bytes_dense`` (1.0 when nothing was communicated).
+        bytes_inter_node: ``topology="nodes"``: of ``bytes_sent``, the modelled bytes this rank sent
+            between nodes (``None`` on a flat topology, which does not tell them apart).
         compress_time_s: seconds in compression, decompression and aggregation.
         comm_time_s: seconds inside collectives.
         nonfinite_steps: steps whose gradient was non-finite on some rank.
@@ -69,6 +71,7 @@ class GCSummary:
     outer_steps: int | None = None
     auto_decisions: list[dict[str, Any]] | None = None
     osp: dict[str, Any] | None = None
+    bytes_inter_node: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,6 +94,9 @@ class GCSummary:
              + (f"{self.sample_steps} sample, " if self.sample_steps else "")
              + f"{self.dense_steps} dense)"),
             f"  bytes: {traffic}",
+            *([f"  between nodes: {_fmt_bytes(self.bytes_inter_node)} of the bytes sent "
+               f"({self.bytes_inter_node / self.bytes_sent:.0%}; topology=nodes)"]
+              if self.bytes_inter_node is not None and self.bytes_sent > 0 else []),
             f"  time: compression {self.compress_time_s:.3f} s, communication {self.comm_time_s:.3f} s"
             + (" (the outer exchanges)" if self.outer_steps is not None else ""),
             *([_osp_line(self.osp, self.bytes_sent)] if self.osp is not None else []),
@@ -201,4 +207,5 @@ def summarize(engine: Any, compressor: str, skipped_steps: int, diloco: Any = No
         outer_steps=outer,
         auto_decisions=None if auto is None else auto_decisions(auto.history),
         osp=osp_facts,
+        bytes_inter_node=int(t.get("bytes_inter_node", 0)) or None,  # only topology="nodes" counts them
     )

@@ -75,7 +75,7 @@ def _strategy(link=SLOW_LINK, **auto):
     # one decision only: no window completes (calibration, drift) and no periodic re-probe; those decide
     # from measured step times, which differ between two runs (tests/test_auto_model.py covers them)
     # early_comm_ratio 0: the warm-up profiles step 1 whatever step 0's exposed communication was
-    return GCStrategy(compressor="auto", start_method="spawn", min_compress_numel=16,
+    return GCStrategy(compressor="auto", start_method="forkserver", min_compress_numel=16,
                       auto={"window": 1000, "probe_every": 0, "early_comm_ratio": 0.0, **auto}, **link)
 
 

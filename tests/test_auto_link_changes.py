@@ -95,7 +95,7 @@ def test_a_dense_step_the_link_canary_stopped_sends_its_exact_group_keeps_the_re
     a warm-up probe on a loaded host can read β = 0 and an α above the canary's time."""
     def fit(canary_bytes: int, sub: str):
         out = tmp_path / sub / "report"
-        strategy = GCStrategy(compressor="auto", start_method="spawn", min_compress_numel=16,
+        strategy = GCStrategy(compressor="auto", start_method="forkserver", min_compress_numel=16,
                               auto={"window": 1000, "probe_every": 0, "early_comm_ratio": 0.0, "explore": 0,
                                     "candidates": ["ddp", "fp16"], "canary_bytes": canary_bytes,
                                     "canary_margin_s": 60.0})

@@ -82,7 +82,7 @@ def _fit(tmp: Path, strategy, hidden: int | None, steps: int = 12) -> tuple[list
 
 
 def _auto(**kw) -> GCStrategy:
-    return GCStrategy(compressor="auto", start_method="spawn", min_compress_numel=1024,
+    return GCStrategy(compressor="auto", start_method="forkserver", min_compress_numel=1024,
                       network_alpha_s=2e-3, network_beta_s_per_byte=8 / 2e6,
                       auto={"window": 1000, "probe_every": 0, "early_comm_ratio": 0.0, **kw})
 

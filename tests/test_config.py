@@ -9,6 +9,7 @@ import pytest
 
 from lightning_gc import GCStrategy
 from lightning_gc.bench.methods import MethodSpec, build_strategy
+from lightning_gc.comm.hierarchy import TopologyConfig
 from lightning_gc.config import FLAT_FIELDS, CompressionConfig, GCConfig, is_flat_name
 from lightning_gc.engine.config import EngineConfig
 from lightning_gc.engine.omgs import OMGSConfig
@@ -18,7 +19,8 @@ from lightning_gc.sync.osp import OSPConfig
 
 def test_every_flat_name_is_a_strategy_argument_and_reaches_a_real_field():
     params = inspect.signature(GCStrategy.__init__).parameters
-    sections = {"compression": CompressionConfig, "engine": EngineConfig, "osp": OSPConfig, "diloco": DiLoCoConfig}
+    sections = {"compression": CompressionConfig, "engine": EngineConfig, "osp": OSPConfig, "diloco": DiLoCoConfig,
+                "topology": TopologyConfig}
     for name, (section, fld) in FLAT_FIELDS.items():
         assert name in params, name  # the strategy takes it by that name
         if fld is not None:

@@ -20,7 +20,7 @@ def test_h1_with_plain_outer_sgd_at_lr_1_equals_ddp(tmp_path):
     is θ − mean_r(θ − θ_local,r) = θ − η·mean_r(g_r), DDP's update in real arithmetic. 16 steps."""
     ddp = fit(tmp_path / "ddp", L.pytorch.strategies.DDPStrategy(start_method="spawn"), max_epochs=4)
     diloco = fit(tmp_path / "dl", GCStrategy(sync="diloco", compressor="dense", diloco_inner_steps=1,
-                                              diloco_outer_args={"lr": 1.0}, start_method="spawn"), max_epochs=4)
+                                              diloco_outer_args={"lr": 1.0}, start_method="forkserver"), max_epochs=4)
     for r in range(2):
         assert diloco[r]["hook_calls"] == 0  # DDP never handed a bucket to the hook: no gradient traffic
         assert diloco[r]["outer_steps"] == diloco[r]["global_step"] == ddp[r]["global_step"] == 16
@@ -33,7 +33,7 @@ def test_ranks_drift_inside_a_round_and_agree_after_it_evaluation_sees_theta_out
     """H = 3, 16 steps, validation every 4 steps (inside a round): the ranks evaluate identical
     parameters (θ_outer), training continues from θ_local, and the end of fit closes the last round
     (16 % 3 = 1 open step) so the ranks end identical. Bytes: Δ once per outer step."""
-    res = fit(tmp_path, GCStrategy(sync="diloco", compressor="dense", diloco_inner_steps=3, start_method="spawn"),
+    res = fit(tmp_path, GCStrategy(sync="diloco", compressor="dense", diloco_inner_steps=3, start_method="forkserver"),
                model=ValLoaderClassifier(momentum=0.9), val=True, val_check_interval=4, max_epochs=4)
     n = sum(v.numel() for v in res[0]["params"].values())
     for r in range(2):

@@ -20,7 +20,7 @@ def test_checkpoint_mid_round_resumes_exactly(tmp_path):
     rank's θ_local, inner optimizer state and error memory; the resumed run ends bit-identical."""
 
     def strategy():
-        return GCStrategy(sync="diloco", compressor="topk", ratio=0.2, diloco_inner_steps=3, start_method="spawn")
+        return GCStrategy(sync="diloco", compressor="topk", ratio=0.2, diloco_inner_steps=3, start_method="forkserver")
 
     ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
     full = fit(tmp_path / "a", strategy(), model=TinyClassifier(momentum=0.9), callbacks=[ckpt_cb],
@@ -48,7 +48,7 @@ def test_inner_steps_take_accumulation_clipping_and_bf16_mixed(tmp_path):
     """Gradient accumulation (Lightning's no_sync on the first micro-batch restores DiLoCo's flag),
     clipping at 0.5 and bf16-mixed apply to the local inner steps; no gradient reaches the hook,
     outer steps follow optimizer steps (not micro-batches) and the ranks end identical."""
-    res = fit(tmp_path, GCStrategy(sync="diloco", compressor="bf16", diloco_inner_steps=2, start_method="spawn"),
+    res = fit(tmp_path, GCStrategy(sync="diloco", compressor="bf16", diloco_inner_steps=2, start_method="forkserver"),
                model=TinyClassifier(momentum=0.9), accumulate_grad_batches=2, gradient_clip_val=0.5,
                precision="bf16-mixed", max_epochs=2)
     for r in range(2):

@@ -22,7 +22,7 @@ def test_streaming_checkpoint_with_an_exchange_in_flight_resumes_exactly(tmp_pat
 
     def strategy():
         return GCStrategy(sync="diloco", compressor="topk", ratio=0.2, diloco_inner_steps=4, diloco_fragments=2,
-                          diloco_overlap_steps=1, diloco_mixing=0.5, start_method="spawn")
+                          diloco_overlap_steps=1, diloco_mixing=0.5, start_method="forkserver")
 
     ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
     full = fit(tmp_path / "a", strategy(), model=TinyClassifier(momentum=0.9), callbacks=[ckpt_cb],
@@ -51,7 +51,7 @@ def test_monitor_logs_outer_steps_and_bytes_per_step_to_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     trainer = L.Trainer(strategy=GCStrategy(sync="diloco", compressor="dense", diloco_inner_steps=3,
-                                            start_method="spawn"),
+                                            start_method="forkserver"),
                         accelerator="cpu", devices=2, max_epochs=2, log_every_n_steps=1, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False,
                         logger=TensorBoardLogger(str(tmp_path), name="tb"))

@@ -52,7 +52,7 @@ class _ModuleSeesTrainEnd(TinyClassifier):
 
 def _fit(tmp, callbacks, ckpt_path=None, **trainer_kw) -> list[dict]:
     trainer = L.Trainer(strategy=GCStrategy(compressor="dense", sync="diloco", diloco_inner_steps=H,
-                                            start_method="spawn"),
+                                            start_method="forkserver"),
                         accelerator="cpu", devices=2, max_steps=MAX_STEPS, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(tmp), callbacks=callbacks,
                         **{"enable_checkpointing": False, **trainer_kw})

@@ -229,7 +229,7 @@ def test_two_ranks_stay_bit_identical_and_match_the_hand_written_loop(tmp_path, 
     model = _DtypeGPT(**GPT_ARGS)  # total_steps=None: the Trainer's max_steps
     data = StdlibTextData(seq_len=16, max_bytes=150_000, val_fraction=0.2, batch_size=4, seed=3)
     trainer = L.Trainer(
-        strategy=GCStrategy(compressor="dense", start_method="spawn"), accelerator="cpu", devices=2,
+        strategy=GCStrategy(compressor="dense", start_method="forkserver"), accelerator="cpu", devices=2,
         precision=precision, max_steps=STEPS, limit_val_batches=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
         callbacks=[_Record(str(out))],

@@ -210,10 +210,10 @@ def _decided(ctl: AdaptiveRatio, step: int, gain_ref: float | None = None,
 
 def test_warmup_trigger_waits_for_the_longer_warmup():
     ctl = _ctl(warmup_steps=5)
-    assert ctl._trigger(_Engine(warmup=1), 4) is None
-    assert ctl._trigger(_Engine(warmup=1), 5) == "warmup"
-    assert ctl._trigger(_Engine(warmup=8), 7) is None  # the engine's own warm-up is longer
-    assert ctl._trigger(_Engine(warmup=8), 8) == "warmup"
+    assert ctl.trigger(_Engine(warmup=1), 4) is None
+    assert ctl.trigger(_Engine(warmup=1), 5) == "warmup"
+    assert ctl.trigger(_Engine(warmup=8), 7) is None  # the engine's own warm-up is longer
+    assert ctl.trigger(_Engine(warmup=8), 8) == "warmup"
 
 
 # values exact in binary, so "at the threshold" is exactly at it: ref 0.5, threshold 0.25
@@ -229,7 +229,7 @@ def test_gain_trigger_both_directions_at_the_threshold(g, want):
     _decided(ctl, 100, gain_ref=0.5)
     engine = _Engine()
     engine.gain_ewma = g
-    assert ctl._trigger(engine, 110) == want
+    assert ctl.trigger(engine, 110) == want
 
 
 def test_gain_trigger_needs_a_reference():
@@ -237,7 +237,7 @@ def test_gain_trigger_needs_a_reference():
     _decided(ctl, 100, gain_ref=None)
     engine = _Engine()
     engine.gain_ewma = 0.01
-    assert ctl._trigger(engine, 200) is None
+    assert ctl.trigger(engine, 200) is None
 
 
 def _net_engine(alpha: float, beta: float) -> _Engine:
@@ -261,14 +261,14 @@ def test_network_trigger_both_directions_for_alpha_and_beta(scale_a, scale_b, wa
     _decided(ctl, 100, gain_ref=0.5, net_ref=ref)
     engine = _net_engine(ref[0] * scale_a, ref[1] * scale_b)
     engine.gain_ewma = 0.5
-    assert ctl._trigger(engine, 110) == want
+    assert ctl.trigger(engine, 110) == want
 
 
 def test_network_trigger_from_zero_reference():
     ctl = _ctl(network_threshold=0.5, min_interval=10)
     _decided(ctl, 100, net_ref=(0.0, BETA))
-    assert ctl._trigger(_net_engine(0.0, BETA), 110) is None
-    assert ctl._trigger(_net_engine(1e-9, BETA), 110) == "network"
+    assert ctl.trigger(_net_engine(0.0, BETA), 110) is None
+    assert ctl.trigger(_net_engine(1e-9, BETA), 110) == "network"
 
 
 @pytest.mark.parametrize("gain, scale, want", [(0.9, 1.0, "gain"), (0.5, 3.0, "network"), (0.9, 3.0, "gain")])
@@ -277,9 +277,9 @@ def test_minimum_spacing_holds_back_both_triggers_until_exactly_min_interval(gai
     _decided(ctl, 100, gain_ref=0.5)
     engine = _net_engine(ALPHA * scale, BETA)
     engine.gain_ewma = gain
-    assert [ctl._trigger(engine, s) for s in (101, 105, 109)] == [None] * 3
-    assert ctl._trigger(engine, 110) == want  # gain is checked first
-    assert ctl._trigger(engine, 111) == want
+    assert [ctl.trigger(engine, s) for s in (101, 105, 109)] == [None] * 3
+    assert ctl.trigger(engine, 110) == want  # gain is checked first
+    assert ctl.trigger(engine, 111) == want
 
 
 def test_gain_reference_is_taken_settle_steps_after_the_decision():
@@ -293,7 +293,7 @@ def test_gain_reference_is_taken_settle_steps_after_the_decision():
         engine.step, engine.gain_ewma = step, g
         ctl._on_step(_trainer(engine), module, engine, None)
         assert ctl.gain_ref == (None if step < 103 else 0.32), step
-    assert ctl._trigger(engine, 1100) == "gain"  # 0.9 vs 0.32
+    assert ctl.trigger(engine, 1100) == "gain"  # 0.9 vs 0.32
 
 
 # ---------------------------------------------------------------------------------------------- agreement

@@ -412,7 +412,7 @@ def test_lightning_training_logs_full_precision_flag_and_compensation_norm(tmp_p
     out = tmp_path / "report"
     out.mkdir()
     trainer = L.Trainer(
-        strategy=GCStrategy(compressor="marsit", compressor_args={"full_precision_every": 3}, start_method="spawn"),
+        strategy=GCStrategy(compressor="marsit", compressor_args={"full_precision_every": 3}, start_method="forkserver"),
         accelerator="cpu", devices=2, logger=logger, log_every_n_steps=1, max_epochs=1, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
         callbacks=[ReportCallback(str(out))],

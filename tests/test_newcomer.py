@@ -213,7 +213,7 @@ def test_diloco_bytes_in_tensorboard_average_to_the_true_bytes_per_step_and_summ
     gc/bytes_sent must still average to the bytes the engine counted over the run divided by the steps
     (a per-step value would show 4x that), and the summary's communication time is the sum of the
     outer exchanges' times each outer step reported."""
-    res = _fit(tmp_path, GCStrategy(sync="diloco", compressor="topk", diloco_inner_steps=H, start_method="spawn"),
+    res = _fit(tmp_path, GCStrategy(sync="diloco", compressor="topk", diloco_inner_steps=H, start_method="forkserver"),
                log_every=H)
     sent = _scalars(tmp_path, "gc/bytes_sent")
     assert len(sent) == STEPS // H
@@ -234,7 +234,7 @@ def test_osp_summary_names_the_deferred_share_and_its_bytes(tmp_path):
     fp32 ring allreduce of every step's deferred elements (2 ranks: 4 bytes per element), its mean
     fraction the mean of what each step reported, and the text says so."""
     res = _fit(tmp_path, GCStrategy(sync="osp", compressor="topk", osp_deferred_fraction=0.5, osp_round_steps=4,
-                                    start_method="spawn"), log_every=50)
+                                    start_method="forkserver"), log_every=50)
     for r in res:
         fractions, osp = r["osp_fractions"], r["summary"]["osp"]
         assert len(fractions) == STEPS and max(fractions) > 0

@@ -97,10 +97,10 @@ def _run(rank: int, ws: int, replan_drift: float, steps: int, profile_on: str = 
         ctl.after_step()
         kinds.append(engine.plan.kind)
         dense.append(engine.last_step.dense)
-    local = [statistics.median(col) for col in zip(*ctl._profile)]
+    local = [statistics.median(col) for col in zip(*ctl.profile)]
     cal = ctl.state.calibration
     out = {
-        "warmup_steps": cfg_e.warmup_steps, "profiled": len(ctl._profile),
+        "warmup_steps": cfg_e.warmup_steps, "profiled": len(ctl.profile),
         "local": local, "agreed": ctl.backward_s, "sig": engine.plan.signature(), "kinds": kinds,
         "dense": dense, "replans": ctl.state.replans, "predicted": ctl.state.predicted_s,
         "measured": list(ctl.state.measured_s), "predictions": dict(ctl.state.predictions),
@@ -159,20 +159,20 @@ def _rollback(rank: int, ws: int) -> dict:
     for i in range(4):
         step(i)
     snap = session.snapshot()
-    mid = {"profiled": len(ctl._profile), "hooks": len(ctl._param_handles), "kind": engine.plan.kind}
+    mid = {"profiled": len(ctl.profile), "hooks": ctl.hooks_installed, "kind": engine.plan.kind}
     for i in range(4, 9):  # exploration: the profile ends at step 6's boundary, the plan is installed
         step(i)
-    explored = {"kind": engine.plan.kind, "hooks": len(ctl._param_handles), "version": ctl.state.plan_version}
+    explored = {"kind": engine.plan.kind, "hooks": ctl.hooks_installed, "version": ctl.state.plan_version}
     session.restore(snap)
-    restored = {"kind": engine.plan.kind, "profiling": ctl._profiling, "hooks": len(ctl._param_handles),
-                "profiled": len(ctl._profile), "step": engine.step, "version": ctl.state.plan_version}
+    restored = {"kind": engine.plan.kind, "profiling": ctl.profiling, "hooks": ctl.hooks_installed,
+                "profiled": len(ctl.profile), "step": engine.step, "version": ctl.state.plan_version}
     kinds = []
     for i in range(4, 10):
         step(i)
         kinds.append(engine.plan.kind)
-    out = {"mid": mid, "explored": explored, "restored": restored, "kinds": kinds, "profiled": len(ctl._profile),
+    out = {"mid": mid, "explored": explored, "restored": restored, "kinds": kinds, "profiled": len(ctl.profile),
            "agreed": ctl.backward_s, "sig": engine.plan.signature(), "version": ctl.state.plan_version,
-           "hooks": len(ctl._param_handles)}
+           "hooks": ctl.hooks_installed}
     session.close()
     ctl.detach()
     return out

@@ -1077,3 +1077,20 @@ def test_resume_mid_round_with_carried_error_memory_is_bit_identical(runs):
         assert umaxes and all(u < 0.8 * total for u in umaxes)  # the bound, not the cap, was in force
         assert any(full["splits"][RESUME_AT:])  # and deferred after the checkpoint
     _assert_same(runs[0]["resume"]["full_state"][0], runs[1]["resume"]["full_state"][0], "ranks")
+
+
+def test_osp_setup_refuses_fp16_loss_scaling_and_manual_optimization_naming_the_fix():
+    """What OSP cannot keep identical across ranks is refused once the optimizers and precision are known:
+    a per-rank GradScaler (fp16 mixed precision) and manual optimization; SGD with neither passes."""
+    from lightning_gc.assembly import check_setup
+    from lightning_gc.config import GCConfig
+
+    config = GCConfig.from_flat(compressor="dense", sync="osp")
+    sgd = [torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)]
+    check_setup(config, sgd, fp16_scaler=False, automatic_optimization=True)
+    with pytest.raises(ValueError, match=r"'16-mixed'.*Use precision='bf16-mixed'"):
+        check_setup(config, sgd, fp16_scaler=True, automatic_optimization=True)
+    with pytest.raises(ValueError, match="needs automatic optimization.*sync='bsp'"):
+        check_setup(config, sgd, fp16_scaler=False, automatic_optimization=False)
+    # BSP has no such rule
+    check_setup(GCConfig.from_flat(compressor="dense"), sgd, fp16_scaler=True, automatic_optimization=False)

@@ -42,7 +42,7 @@ def _fit(tmp, ckpt_path=None, callbacks=(), strategy_kw=None, model_kw=None, mod
     out = tmp / "report"
     out.mkdir(parents=True, exist_ok=True)
     kw = strategy_kw or dict(compressor="dense", osp_deferred_fraction=0.6)
-    strategy = GCStrategy(sync="osp", start_method="spawn", **kw)
+    strategy = GCStrategy(sync="osp", start_method="forkserver", **kw)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(tmp),
                         callbacks=[_OSPReport(str(out)), *callbacks], **{"max_epochs": 3, **trainer_kw})

@@ -11,6 +11,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from dist_harness import run_distributed
 from lit_models import ReportCallback, TinyClassifier, make_loader
 
 from lightning_gc import GCStrategy
@@ -35,7 +36,7 @@ def _fit(tmp: Path, strategy: GCStrategy, model=None, ckpt_path=None, logger=Fal
 
 
 def test_hook_runs_on_cpu_and_counts_optimizer_steps_with_accumulation(tmp_path):
-    reports = _fit(tmp_path, GCStrategy(compressor="topk", ratio=0.1, start_method="spawn"), accumulate_grad_batches=2)
+    reports = _fit(tmp_path, GCStrategy(compressor="topk", ratio=0.1, start_method="forkserver"), accumulate_grad_batches=2)
     for rep in reports:
         assert rep["comm_hook"] == "gc_comm_hook"  # Lightning's DDPStrategy would not register it on CPU
         assert rep["hook_calls"] > 0
@@ -50,7 +51,7 @@ def test_resume_from_epoch_checkpoint_is_exact(tmp_path):
     both per-rank memory and private randomness must be restored)."""
 
     def strategy():
-        return GCStrategy(compressor="qsgd", error_feedback=True, start_method="spawn", warmup_steps=2)
+        return GCStrategy(compressor="qsgd", error_feedback=True, start_method="forkserver", warmup_steps=2)
 
     ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
     full = _fit(tmp_path / "a", strategy(), max_epochs=3, enable_checkpointing=True, callbacks=[ckpt_cb])
@@ -71,7 +72,7 @@ def test_resume_from_epoch_checkpoint_is_exact(tmp_path):
 def test_nonfinite_step_skipped_on_all_ranks_and_monitor_writes_tensorboard(tmp_path):
     logger = L.pytorch.loggers.TensorBoardLogger(str(tmp_path), name="tb")
     model = TinyClassifier(nan_at_step=5, nan_rank=1)
-    reports = _fit(tmp_path, GCStrategy(compressor="efsignsgd", start_method="spawn"), model=model, logger=logger,
+    reports = _fit(tmp_path, GCStrategy(compressor="efsignsgd", start_method="forkserver"), model=model, logger=logger,
                    log_every_n_steps=1, max_epochs=1)
     for rep in reports:
         assert rep["skipped"] == 1 and rep["totals"]["nonfinite_steps"] == 1
@@ -178,7 +179,7 @@ def test_resume_with_other_world_size_resets_memory_with_warning():
     strategy = GCStrategy(compressor="topk", ratio=0.1)
     strategy._engine = GCEngine(build_compressor("topk", ratio=0.1), EngineConfig(), list(model.named_parameters()))
     strategy._session = StepSession(strategy._engine)
-    state = strategy._engine.state_dict()
+    state = strategy.engine.state_dict()
     state.update(step=7, memory={"weight": torch.ones(64 * 32)})
     with pytest.warns(UserWarning, match="written with world size 2, this run has 1.*reset to zero"):
         strategy._apply_state({"world_size": 2, "ranks": [state, state]})
@@ -188,34 +189,29 @@ def test_resume_with_other_world_size_resets_memory_with_warning():
     assert torch.equal(strategy.engine.memory[0], torch.ones(64 * 32))
 
 
-CAST_SCRIPT = textwrap.dedent(
-    """
-    import sys, lightning as L, torch
-    sys.path.insert(0, {tests!r})
-    from lightning_gc import GCStrategy
+def _cast_ranks(rank: int, world_size: int, tmp: str) -> dict:
+    """The same 6 steps on 2 ranks with torch's fp16 hook, GCStrategy(compressor="fp16") and the same with
+    error feedback, in this process group (the ranks exist already: the strategies start none)."""
     from lightning_gc.bench.methods import TorchHookDDPStrategy
-    from lit_models import TinyClassifier, make_loader
-    which = sys.argv[1]
-    strategy = {{"torch": lambda: TorchHookDDPStrategy("fp16"),
-                 "gc": lambda: GCStrategy(compressor="fp16", warmup_steps=0),
-                 "gc_ef": lambda: GCStrategy(compressor="fp16", warmup_steps=0, error_feedback=True)}}[which]()
-    L.seed_everything(0)
-    model = TinyClassifier()
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=6, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model, make_loader())
-    if trainer.global_rank == 0:
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
+    strategies = {"torch": lambda: TorchHookDDPStrategy("fp16"),
+                  "gc": lambda: GCStrategy(compressor="fp16", warmup_steps=0),
+                  "gc_ef": lambda: GCStrategy(compressor="fp16", warmup_steps=0, error_feedback=True)}
+    out = {}
+    for which, strategy in strategies.items():
+        L.seed_everything(0, verbose=False)
+        model = TinyClassifier()
+        trainer = L.Trainer(strategy=strategy(), accelerator="cpu", devices=2, max_steps=6, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=tmp)
+        trainer.fit(model, make_loader())
         engine = getattr(trainer.strategy, "engine", None)
-        info = dict() if engine is None else dict(dense_mode=engine.dense_mode,
-                                                  compressed=engine.totals()["compressed_steps"],
-                                                  bytes=engine.totals()["bytes_sent"])
-        torch.save({{"params": [p.detach().clone() for p in model.parameters()], "info": info}}, f"{{which}}.pt")
-    # a gloo group left to the interpreter's exit can abort the process ("terminate called without an
-    # active exception"); GCStrategy destroys it at exit itself, the plain DDPStrategy does not
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    """
-)
+        info = {} if engine is None else dict(dense_mode=engine.dense_mode,
+                                              compressed=engine.totals()["compressed_steps"],
+                                              bytes=engine.totals()["bytes_sent"])
+        out[which] = {"params": [p.detach().clone() for p in model.parameters()], "info": info}
+    return out
 
 
 def test_a_plain_16_bit_cast_goes_on_ddps_buckets_as_torchs_hook(tmp_path):
@@ -224,15 +220,7 @@ def test_a_plain_16_bit_cast_goes_on_ddps_buckets_as_torchs_hook(tmp_path):
     step on mlp at 1 Gbit/s): after 6 steps on 2 ranks its parameters equal those of DDP with torch's
     hook bit for bit. With error feedback the compressor keeps the plan's groups (a rounding residual
     per group) and its steps are compressed ones."""
-    script = tmp_path / "cast.py"
-    script.write_text(CAST_SCRIPT.format(tests=str(REPO / "tests")))
-    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
-    out = {}
-    for which in ("torch", "gc", "gc_ef"):
-        proc = subprocess.run([sys.executable, str(script), which], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[which] = torch.load(tmp_path / f"{which}.pt")
+    out = run_distributed(_cast_ranks, 2, str(tmp_path), timeout=300)[0]
     assert all(torch.equal(a, b) for a, b in zip(out["torch"]["params"], out["gc"]["params"]))
     # by hand: TinyClassifier has 16·96 + 96 + 96·4 + 4 = 2020 parameters; a ring allreduce of 2-byte
     # elements at 2 ranks sends 2·(2 − 1)/2 · 2 · 2020 bytes per rank and step, and nothing else goes out
@@ -240,3 +228,28 @@ def test_a_plain_16_bit_cast_goes_on_ddps_buckets_as_torchs_hook(tmp_path):
     assert (out["gc_ef"]["info"]["dense_mode"], out["gc_ef"]["info"]["compressed"]) == (None, 6)
     # the residual is fed back, so the path differs from the hook's (it is not the buckets' path)
     assert not all(torch.equal(a, b) for a, b in zip(out["torch"]["params"], out["gc_ef"]["params"]))
+
+
+class _WhereAmI(L.Callback):
+    """Each rank writes what the launching test set in its environment and its working directory."""
+
+    def on_train_end(self, trainer, pl_module):
+        with open(f"rank{trainer.global_rank}.txt", "w") as fh:  # relative: in the worker's working directory
+            fh.write(os.environ.get("LIGHTNING_GC_TEST_MARK", "missing"))
+
+
+def test_forkserver_ranks_start_with_the_launchers_environment_and_their_own_module(tmp_path, monkeypatch):
+    """start_method="forkserver": the workers fork from a server started before this test, yet they see the
+    environment and working directory of the launching process at launch, and each trains its own copy of
+    the module (shared tensors would make both ranks step one set of parameters: with plain SGD the result
+    would differ from DDP's, the oracle here)."""
+    monkeypatch.setenv("LIGHTNING_GC_TEST_MARK", "set-by-the-test")
+    monkeypatch.chdir(tmp_path)
+    L.seed_everything(0, verbose=False)
+    reports = _fit(tmp_path, GCStrategy(compressor="dense", start_method="forkserver"), callbacks=[_WhereAmI()])
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["set-by-the-test"] * 2
+    L.seed_everything(0, verbose=False)
+    ddp = _fit(tmp_path / "ddp", L.pytorch.strategies.DDPStrategy(start_method="spawn"))
+    for r in range(2):
+        for k, v in ddp[r]["params"].items():
+            torch.testing.assert_close(reports[r]["params"][k], v, rtol=0, atol=1e-6)

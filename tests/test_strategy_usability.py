@@ -4,10 +4,6 @@ summary, and warm-up visible in TensorBoard."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -19,55 +15,40 @@ from lightning_gc import GCMonitor, GCStrategy
 from lightning_gc.compressors import build_compressor
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------- 3. unused parameters
-UNUSED_SCRIPT = textwrap.dedent(
-    """
-    import sys, torch, lightning as L
-    sys.path.insert(0, {tests!r})
-    import lightning_gc
-    from lit_models import TinyClassifier, make_loader
+class WithUnused(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Linear(40, 40)  # never called in forward: no gradient
 
-    class WithUnused(TinyClassifier):
-        def __init__(self):
-            super().__init__()
-            self.unused = torch.nn.Linear(40, 40)  # never called in forward: no gradient
 
-    trainer = L.Trainer(strategy=sys.argv[1], accelerator="cpu", devices=2, max_steps=4, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(WithUnused(), make_loader())
+def _unused_rank(rank: int, world_size: int, strategy: str, tmp: str) -> str:
+    """4 steps of a model with an unused layer through the alias ``strategy``, in this process group (the
+    ranks exist already): what the run ended with, the error's message or the engine's counts."""
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp)
+    try:
+        trainer.fit(WithUnused(), make_loader())
+    except RuntimeError as e:
+        return f"error: {e}"
     s = trainer.strategy
-    with open(f"result_rank{{trainer.global_rank}}.txt", "w") as fh:
-        t = s.engine.totals()
-        fh.write(f"{{type(s).__name__}} {{s.compressor_name}} {{s.engine.step}} {{t['compressed_steps']}}")
-    """
-)
-
-
-def _run_unused(tmp_path: Path, strategy: str) -> tuple[subprocess.CompletedProcess, list[str]]:
-    tmp_path.mkdir()
-    script = tmp_path / "train.py"
-    script.write_text(UNUSED_SCRIPT.format(tests=str(REPO / "tests")))
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(script), strategy], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=240)
-    return proc, sorted(p.read_text() for p in tmp_path.glob("result_rank*.txt"))
+    return f"{type(s).__name__} {s.compressor_name} {s.engine.step} {s.engine.totals()['compressed_steps']}"
 
 
 def test_unused_parameters_error_says_how_to_fix_it_with_gcstrategy(tmp_path):
-    proc, results = _run_unused(tmp_path / "a", "gc_topk")
-    assert proc.returncode != 0 and results == []
-    err = proc.stderr
-    assert "GCStrategy(compressor='topk', find_unused_parameters=True)" in err, err[-3000:]
-    assert "gc_topk_find_unused_parameters_true" in err
-    assert "find_unused_parameters: true" in err  # the recipe (YAML) form
-    # Lightning's own advice would replace GCStrategy by plain DDP without compression
-    assert "strategy='ddp_find_unused_parameters_true'`" not in err
-    assert "DDPStrategy(find_unused_parameters=True)`" not in err
+    errors = run_distributed(_unused_rank, 2, "gc_topk", str(tmp_path), timeout=240)
+    for err in errors:  # every rank stops with the advice
+        assert err.startswith("error: ") and "GCStrategy(compressor='topk', find_unused_parameters=True)" in err, err
+        assert "gc_topk_find_unused_parameters_true" in err
+        assert "find_unused_parameters: true" in err  # the recipe (YAML) form
+        # Lightning's own advice would replace GCStrategy by plain DDP without compression
+        assert "strategy='ddp_find_unused_parameters_true'`" not in err
+        assert "DDPStrategy(find_unused_parameters=True)`" not in err
     # ... and the advice works: the alias trains with compression
-    proc, results = _run_unused(tmp_path / "b", "gc_topk_find_unused_parameters_true")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = run_distributed(_unused_rank, 2, "gc_topk_find_unused_parameters_true", str(tmp_path), timeout=240)
     assert results == ["GCStrategy topk 4 3", "GCStrategy topk 4 3"]  # 4 steps, 1 dense warm-up
 
 
@@ -97,7 +78,7 @@ def fp16_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fp16run")
     logger = L.pytorch.loggers.TensorBoardLogger(str(tmp), name="tb")
     strategy = GCStrategy(compressor="fp16", min_compress_numel=0, check_finite=False, warmup_steps=WARMUP,
-                          error_feedback=True, start_method="spawn")
+                          error_feedback=True, start_method="spawn")  # spawn: the ranks print to this test's stdout
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=logger, max_epochs=EPOCHS,
                         log_every_n_steps=50, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[GCMonitor(), SummaryProbe(str(tmp))])

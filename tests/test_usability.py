@@ -169,7 +169,7 @@ def test_positional_string_that_is_no_accelerator_is_refused_with_the_keyword_fo
 
 def test_accelerator_names_are_still_accepted_positionally():
     s = GCStrategy("cpu", compressor="qsgd")  # DDPStrategy accepts a registered accelerator name
-    assert s._accelerator == "cpu" and s.compressor_name == "qsgd"
+    assert s.accelerator == "cpu" and s.compressor_name == "qsgd"
 
 
 def test_misspelt_alias_points_to_the_closest_alias_and_the_list():

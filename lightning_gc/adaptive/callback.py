@@ -39,6 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from ..comm.cost_model import SPARSE_COLLECTIVE_TIE_ORDER, NetworkModel
 from ..comm.probe import ProbeConfig
 from ..compressors import build_config
+from ..comm.hierarchy import refusal
 from ..engine.owner import SessionOwner
 from ..engine.ports import EngineControl, LinkPort
 from ..exchanges.registry import collective_code
@@ -154,6 +155,10 @@ class AdaptiveRatio(Callback):
                 "steps (auto chooses the compressor and its ratio from measured costs, docs/auto.md). Drop the "
                 "callback, or pick a compressor with a ratio (e.g. compressor='artopk_auto') for AdaptiveRatio."
             )
+        topology = strategy.config.topology
+        if topology.kind != "flat":
+            raise ValueError(refusal(collective=strategy.config.engine.collective, sync=strategy.config.sync,
+                                     omgs=False, auto=False, adaptive=True))
         cfg = build_config(name)
         if not any(f.name == "ratio" for f in dataclasses.fields(cfg)):
             raise ValueError(
@@ -218,13 +223,15 @@ class AdaptiveRatio(Callback):
             if self.gain_ref is None and self.decision_step is not None and engine.gain_ewma is not None \
                     and step >= self.decision_step + self.config.settle_steps:
                 self.gain_ref = float(engine.gain_ewma)  # replicated: from the closing report's sums
-            trigger = self.pending_trigger or self._trigger(engine, step)
+            trigger = self.pending_trigger or self.trigger(engine, step)
             if trigger is not None:
                 self.pending_trigger = None
                 self._explore(trainer, pl_module, engine, step, trigger)
         self._log_step(pl_module, engine)
 
-    def _trigger(self, engine: EngineControl, step: int) -> str | None:
+    def trigger(self, engine: EngineControl, step: int) -> str | None:
+        """Why the controller would explore at ``step`` (``"warmup"``, ``"gain"``, ``"network"``), or None:
+        a read of replicated state (the engine's agreed gain and link model), the same on every rank."""
         cfg = self.config
         if self.c is None:
             return "warmup" if step >= max(cfg.warmup_steps, engine.config.warmup_steps) else None

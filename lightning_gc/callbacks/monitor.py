@@ -13,6 +13,8 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
                        algorithms (mean over the steps since the previous written point, see below)
 ``gc/bytes_dense``     bytes the same rank would send with dense fp32 ring allreduce (the same mean)
 ``gc/bytes_ratio``     bytes_sent / bytes_dense over those steps
+``gc/bytes_inter_node`` ``topology="nodes"`` only: of ``gc/bytes_sent``, the bytes this rank sent between
+                       nodes (modelled for the inter-node collective; the same mean; docs/topology.md)
 ``gc/compress_ms``     time spent compressing, decompressing and aggregating (ms)
 ``gc/comm_ms``         wall time inside collectives (ms)
 ``gc/error_norm``      ‖e‖₂ of this rank's error memory after the step
@@ -127,18 +129,23 @@ class ByteWindow:
         self.reset()
 
     def reset(self) -> None:
-        self.sent, self.dense, self.steps = 0.0, 0.0, 0
+        self.sent, self.dense, self.inter, self.steps = 0.0, 0.0, 0.0, 0
 
-    def add(self, sent: float, dense: float) -> None:
+    def add(self, sent: float, dense: float, inter: float = 0.0) -> None:
         self.sent += sent
         self.dense += dense
+        self.inter += inter
         self.steps += 1
 
     def metrics(self) -> dict[str, float]:
-        """``gc/bytes_*`` as the mean per step over the window."""
+        """``gc/bytes_*`` as the mean per step over the window, with ``gc/bytes_inter_node`` where
+        some crossed between nodes (only ``topology="nodes"`` counts them)."""
         n = max(self.steps, 1)
-        return {"gc/bytes_sent": self.sent / n, "gc/bytes_dense": self.dense / n,
-                "gc/bytes_ratio": self.sent / self.dense if self.dense else 1.0}
+        out = {"gc/bytes_sent": self.sent / n, "gc/bytes_dense": self.dense / n,
+               "gc/bytes_ratio": self.sent / self.dense if self.dense else 1.0}
+        if self.inter > 0:
+            out["gc/bytes_inter_node"] = self.inter / n
+        return out
 
 
 def diloco_step_metrics(diloco: Any) -> dict[str, float]:
@@ -199,6 +206,8 @@ def step_metrics(engine: Any, s: Any, omgs: Any = None, osp: Any = None) -> dict
         "gc/error_norm": float(s.error_norm),
         "gc/nonfinite": float(s.nonfinite),
     }
+    if s.bytes_inter_node:  # topology="nodes" (docs/topology.md)
+        metrics["gc/bytes_inter_node"] = float(s.bytes_inter_node)
     if s.gain is not None:
         metrics["gc/gain"] = float(s.gain)
     if s.gain_ewma is not None:
@@ -309,7 +318,7 @@ class GCMonitor(Callback):
         self._last_mode = mode
         if mode_changed:  # a written point never mixes dense and compressed steps
             self._bytes.reset()
-        self._bytes.add(float(s.bytes_sent), float(s.bytes_dense))
+        self._bytes.add(float(s.bytes_sent), float(s.bytes_dense), float(s.bytes_inter_node))
         auto = getattr(trainer.strategy, "auto", None)
         if auto is not None:
             self._log_auto_decision(trainer, auto)

@@ -123,6 +123,8 @@ class ExchangeTimes:
     Attributes:
         compress_s, comm_s: seconds in codec work and inside collectives.
         bytes_sent: bytes this rank put on the wire; bytes_payload: the compressed payload's size.
+        bytes_inter_node: the part of ``bytes_sent`` that crossed between nodes, under
+            ``topology="nodes"`` (lightning_gc/comm/hierarchy.py); 0 on a flat topology.
         choices: collectives chosen per exchange by a model-driven exchange (AR-Topk auto), in order.
         predicted_comm_s: the alpha-beta model's prediction for those choices (summed), if any.
         full_precision: Marsit: True on a full-precision round, False on a one-bit round.
@@ -138,6 +140,7 @@ class ExchangeTimes:
     comm_s: float = 0.0
     bytes_sent: int = 0
     bytes_payload: int = 0
+    bytes_inter_node: int = 0  # of bytes_sent, what crossed between nodes (topology="nodes" counts it)
     choices: list[str] = field(default_factory=list)
     predicted_comm_s: float | None = None
     full_precision: bool | None = None

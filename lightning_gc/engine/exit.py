@@ -24,6 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _disable_module_memory_sharing
 
 _registered = [False]
 
@@ -50,8 +51,16 @@ def destroy_default_group_at_exit() -> bool:
 
 
 class ExitCleanMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's launcher for ``start_method="spawn"``/``"fork"``, whose worker processes leave
-    with ``os._exit(0)`` once their work is done and their results are on the return queue.
+    """Lightning's launcher for ``start_method="spawn"``/``"fork"``/``"forkserver"``, whose worker processes
+    leave with ``os._exit(0)`` once their work is done and their results are on the return queue.
+
+    A ``forkserver`` worker is forked from a server started earlier, so it would have the server's
+    environment and working directory, not the launching process's (``PL_GLOBAL_SEED``, ``MASTER_PORT``,
+    the user's variables), and the module it receives would share its tensors' memory with the other
+    ranks' copies (Lightning unshares only under ``spawn``): every rank would then step the same
+    parameters. Here it starts as a spawned worker would: the launching process's environment and working
+    directory (taken when the worker's arguments are pickled) and a module of its own. Why offer it at
+    all: a server that preloaded torch and lightning starts each worker without re-importing them.
 
     Why: a spawned worker that finishes its fit and then runs the interpreter's normal shutdown
     tears torch's gloo objects down there, and that aborted a worker once in CI (``terminate called
@@ -64,8 +73,18 @@ class ExitCleanMultiProcessingLauncher(_MultiProcessingLauncher):
     leaves the usual way, so the launcher reports its exception.
     """
 
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(*args, **kwargs)
+    def __getstate__(self) -> dict[str, Any]:
+        # pickled once per worker, in the launching process, after Lightning set MASTER_PORT there
+        return {**self.__dict__, "_launch_environ": dict(os.environ), "_launch_cwd": os.getcwd()}
+
+    def _wrapping_function(self, process_idx: int, trainer: Any, function: Any, args: Any, kwargs: Any,
+                           *rest: Any) -> None:
+        if self._start_method == "forkserver":
+            os.environ.clear()
+            os.environ.update(self.__dict__.get("_launch_environ", {}))
+            os.chdir(self.__dict__.get("_launch_cwd", os.getcwd()))
+            args, kwargs = _disable_module_memory_sharing((args, kwargs))
+        super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
         _destroy_default_group()
         sys.stdout.flush()
         sys.stderr.flush()

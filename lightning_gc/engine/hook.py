@@ -12,7 +12,11 @@ oracle) — then returns a Future for the bucket. In submission order, identical
    ``p = g + e`` (error feedback), ``mean, sent = exchange(p)``, ``e' = p − sent`` staged, ``mean``
    written back into the gradients' slots of their buckets;
    on dense steps (warm-up, lossless compressor) one job per bucket instead: DDP's own
-   ``allreduce(bucket / N)``, asynchronous, completing the bucket's Future from its callback;
+   ``allreduce(bucket / N)``, asynchronous, completing the bucket's Future from its callback.
+   Where each runs is the engine's *topology* (:mod:`lightning_gc.comm.hierarchy`): flat, on all
+   ranks; or by nodes, where ``p`` is this rank's shard of its node's mean (a reduce-scatter inside
+   the node before, an allgather inside the node after), error memory is per shard, and the
+   exchange runs between the nodes' same-shard ranks;
 3. **close**: the closing report (non-finite agreement, gain sums, exchange time) — an allreduce
    of its own, or, where the step's last job is an exchange that carries it (``lowrank``,
    ``EngineConfig.report_rides``), the sums that rode in that exchange's last message — then error
@@ -58,6 +62,7 @@ from ..comm.exchange import (
     sent_sq_norm,
     sq_norm,
 )
+from ..comm.hierarchy import Topology, TopologyConfig, build_topology
 from ..comm.worker import InlineRunner, OrderedWorker
 from ..compressors.base import Compressor, GroupContext
 from ..compressors.dense import DenseCompressor
@@ -151,6 +156,8 @@ class GCEngine:
         named_parameters: list[tuple[str, Tensor]],
         process_group: Any = None,
         verify_plan: bool = True,
+        topology: TopologyConfig | None = None,
+        ranks_per_node: int | None = None,
     ) -> None:
         self.compressor = compressor
         self.config = config
@@ -176,8 +183,12 @@ class GCEngine:
         if self.world_size > 1:
             ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
             self.exchange_group = dist.new_group(ranks=ranks, backend=dist.get_backend(process_group))
-        self.exchange: Exchange = make_exchange(compressor, config.collective, self.exchange_group)
-        self.exact_exchange = AllreduceExchange(DenseCompressor(), self.exchange_group)
+        #: where each group's exchange runs: all ranks (flat), or this rank's shard group between nodes
+        #: (lightning_gc/comm/hierarchy.py); ``ranks_per_node``: the launcher's processes per node
+        self.topology: Topology = build_topology(topology or TopologyConfig(), self.exchange_group,
+                                                 self.world_size, self.rank, ranks_per_node)
+        self.exchange: Exchange = make_exchange(compressor, config.collective, self.topology.group)
+        self.exact_exchange = AllreduceExchange(DenseCompressor(), self.topology.group)
         self.tracker = NetworkTracker(config, type(self.exchange).needs_network, self.world_size)
         self.exchange.network = self.tracker.state
         #: the method of every lossy group without a slot of its own (the strategy's configuration)
@@ -234,7 +245,7 @@ class GCEngine:
     def signature(self) -> str:
         """Everything that fixes the sequence and sizes of collectives (identical on all ranks)."""
         return (f"{self.plan.signature()}|{self.compressor.describe()}|{self.exchange.describe()}"
-                f"|ef={self.error_feedback}|{self.config}{self._slots_signature()}")
+                f"|ef={self.error_feedback}|{self.config}|{self.topology.describe()}{self._slots_signature()}")
 
     def _slots_signature(self) -> str:
         if not self._slots and not self._flush:
@@ -379,13 +390,14 @@ class GCEngine:
 
     def error_memory_by_name(self) -> dict[str, Tensor]:
         """Per-parameter copies (CPU) of the error-feedback memory of the current plan."""
-        return self._memory.by_name(self.plan)
+        return self._memory.by_name(self.topology.memory_layout(self.plan))
 
     def load_error_memory(self, by_name: dict[str, Tensor]) -> list[str]:
         """Replace the error memory by per-parameter tensors (as :meth:`error_memory_by_name` gives
         them), laid out for the current plan. Returns the names that were missing (zero)."""
         self.synchronize()
-        return self._memory.load_by_name(self.plan, by_name, [p.dtype for p in self.params], self.device)
+        return self._memory.load_by_name(self.topology.memory_layout(self.plan), by_name,
+                                         [p.dtype for p in self.params], self.device)
 
     def clear_error_memory(self) -> None:
         self.synchronize()
@@ -618,7 +630,7 @@ class GCEngine:
                 f"(ids {[g.gid for g in self.plan.groups if not g.exact]})."
             )
         self.synchronize()
-        slot = build_slot(spec, self.exchange_group, self.tracker.state,
+        slot = build_slot(spec, self.topology.group, self.tracker.state,
                           type(self.exchange).needs_network) if spec is not None else self.default_slot
         if self.world_size > 1:
             described = "default" if spec is None else repr(spec.as_dict())
@@ -650,7 +662,7 @@ class GCEngine:
             if e.get("flush"):
                 self._flush.add(names)
             elif e.get("spec") is not None:
-                slot = build_slot(MethodSpec(**e["spec"]), self.exchange_group, self.tracker.state,
+                slot = build_slot(MethodSpec(**e["spec"]), self.topology.group, self.tracker.state,
                                   type(self.exchange).needs_network)
                 # written before slots carried their exchange's state: a fresh one (as the run had then)
                 slot.exchange.load_state_dict(e.get("exchange") or {}, world_size=self.world_size)
@@ -659,6 +671,8 @@ class GCEngine:
     def close(self, timeout: float = 60.0) -> None:
         """Finish queued work, stop the worker and release the exchange process group."""
         stopped = self._runner.close(timeout)
+        if stopped:
+            self.topology.close()
         group, self.exchange_group = self.exchange_group, None
         if group is not None and stopped and dist.is_available() and dist.is_initialized():
             try:
@@ -915,11 +929,13 @@ class GCEngine:
             wire[:-1].copy_(data.reshape(-1))
             wire[-1] = carry
         nbytes = wire.numel() * wire.element_size()
+        sent, inter = self.topology.dense_bytes(nbytes)
         with work.lock:
-            work.times.bytes_sent += ring_allreduce_bytes(nbytes, self.world_size)
+            work.times.bytes_sent += sent
+            work.times.bytes_inter_node += inter
             work.times.bytes_payload += nbytes
         wire.div_(self.world_size)
-        reduced = dist.all_reduce(wire, group=self.exchange_group, async_op=True).get_future()
+        reduced = self.topology.allreduce_sum(wire, self.exchange_group)
 
         def done(f: torch.futures.Future) -> None:
             try:
@@ -1022,7 +1038,9 @@ class GCEngine:
                            group_id=gid, seed=self.config.seed, device=flat.device,
                            shapes=tuple(self._shapes[n] for n in group.names), names=group.names)
         if group.exact:
-            mean, _ = self.exact_exchange.run(flat, ctx, timer)
+            visit = self.topology.enter(flat, ctx, timer)
+            mean, _ = self.exact_exchange.run(visit.tensor, visit.ctx, timer)
+            mean = self.topology.leave(visit, mean, timer)
             if not all_finite(mean):  # identical on all ranks after the sum
                 work.report.nonfinite_ranks = 1.0
                 work.replicated_nonfinite = True
@@ -1046,6 +1064,9 @@ class GCEngine:
         slot = self.slot_of(gid)
         names = self.plan.groups[gid].names
         flush = names in self._flush
+        # by nodes: this rank's shard of its node's mean, and memory per shard (comm/hierarchy.py)
+        visit = self.topology.enter(flat, ctx, timer)
+        flat, ctx = visit.tensor, visit.ctx
         mem = self._memory.get(gid)
         # flat is a fresh tensor (torch.cat into a new output): add the memory in place
         # a flush always sends the memory; a compressor may discard it at this step (adds_memory)
@@ -1090,7 +1111,7 @@ class GCEngine:
             r2 = (max(p2 - sent2, 0.0) if isinstance(sent, SparseSent) and sent2 is not None
                   else sq_norm(residual))
             self._memory.stage(gid, residual, r2)
-        return mean, exact_mean
+        return self.topology.leave(visit, mean, timer), exact_mean
 
     def _report_rides(self, work: _StepWork, slot: MethodSlot) -> bool:
         """Whether the step's closing report rides in this (the step's last) exchange's last message
@@ -1193,6 +1214,7 @@ class GCEngine:
             s.alpha_s, s.beta_s_per_byte = model.alpha_s, model.beta_s_per_byte
         s.bytes_sent += work.times.bytes_sent
         s.bytes_payload += work.times.bytes_payload
+        s.bytes_inter_node += work.times.bytes_inter_node
         s.bytes_dense = self._dense_bytes_per_step if self.world_size > 1 else 0
         s.compress_time_s += work.times.compress_s
         s.comm_time_s += work.times.comm_s + work.control_comm_s

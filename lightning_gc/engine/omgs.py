@@ -252,6 +252,22 @@ class OMGSController(StepParticipant):
         self._install_param_hooks()
         self._forward_handle: Any = module.register_forward_hook(self._on_forward)
 
+    # ------------------------------------------------------------------ read-only views
+    @property
+    def profiling(self) -> bool:
+        """Whether the controller is taking its profile (its per-parameter hooks are installed)."""
+        return self._profiling
+
+    @property
+    def profile(self) -> list[list[float]]:
+        """The profiled steps so far (a copy): per step, each parameter's ready time in seconds."""
+        return [list(row) for row in self._profile]
+
+    @property
+    def hooks_installed(self) -> int:
+        """How many per-parameter gradient hooks are installed (0 once the profile is taken)."""
+        return len(self._param_handles)
+
     # ------------------------------------------------------------------ stamps (autograd thread)
     def _install_param_hooks(self) -> None:
         if not self._param_handles:

@@ -24,6 +24,7 @@ class StepStats:
     bytes_sent: int = 0
     bytes_payload: int = 0
     bytes_dense: int = 0
+    bytes_inter_node: int = 0  # of bytes_sent, modelled bytes between nodes (topology="nodes"; 0 when flat)
     compress_time_s: float = 0.0
     comm_time_s: float = 0.0
     error_norm: float = 0.0
@@ -82,6 +83,7 @@ class Totals:
     bytes_sent: int = 0
     bytes_payload: int = 0
     bytes_dense: int = 0
+    bytes_inter_node: int = 0
     compress_time_s: float = 0.0
     comm_time_s: float = 0.0
     probes: int = 0
@@ -101,6 +103,7 @@ class Totals:
         self.bytes_sent += s.bytes_sent
         self.bytes_payload += s.bytes_payload
         self.bytes_dense += s.bytes_dense
+        self.bytes_inter_node += s.bytes_inter_node
         self.compress_time_s += s.compress_time_s
         self.comm_time_s += s.comm_time_s
         self.probes += int(s.probe_s > 0)

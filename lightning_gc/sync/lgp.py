@@ -74,6 +74,27 @@ def check_optimizer(optimizer: object) -> None:
             )
 
 
+def check_training_setup(optimizers: list[object], fp16_scaler: bool, automatic_optimization: bool) -> None:
+    """Refuse, at setup, what OSP cannot keep identical across ranks: an optimizer LGP cannot replay
+    (:func:`check_optimizer`), fp16 loss scaling (each rank's scaler decides alone from gradients that are
+    partly local under OSP), and manual optimization (the loss steers the schedule)."""
+    for optimizer in optimizers:
+        check_optimizer(optimizer)
+    if fp16_scaler:
+        raise ValueError(
+            "GCStrategy(sync='osp') with fp16 mixed precision ('16-mixed'): torch's GradScaler decides on each "
+            "rank alone, from that rank's gradients, whether to skip a step and how to change the loss scale; "
+            "under OSP the deferred layers' gradients are local, so ranks could skip different steps and "
+            "scale differently, and the replicas would diverge. Use precision='bf16-mixed' (no scaler) or "
+            "'32-true', or sync='bsp'."
+        )
+    if not automatic_optimization:
+        raise ValueError(
+            "GCStrategy(sync='osp') needs automatic optimization (the loss steers the S(Gu) schedule and "
+            "the correction runs around optimizer.step()). Use sync='bsp' with manual optimization."
+        )
+
+
 def _copy(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, Tensor) else value
 
