@@ -60,6 +60,7 @@ DOC_PAGES = {
     "bench.md": "lightning-gc bench: emulated cluster, methods, reading the results",
     "cost_model.md": "the alpha-beta network model and the network probe",
     "omgs.md": "OMGS merge plans (plan='omgs')",
+    "lowbit.md": "compressor='lowbit': a 4/8-bit ring allreduce whose bytes per rank do not grow with N",
     "diloco.md": "DiLoCo (sync='diloco'): rare outer steps on a compressed pseudo-gradient, for the slowest links",
     "osp.md": "OSP two-stage synchronisation (sync='osp')",
     "adaptive.md": "AdaptiveRatio, the run-time compression-ratio controller",

@@ -222,6 +222,7 @@ ALTERNATIVES = {  # an alternative valid value for every option of every compres
     "rank": 3, "min_compression_rate": 1.5, "warm_start": False, "release_compensation": False,
     "dense_names": (["tok_emb.weight"],),  # one alternative: a list of patterns
     "wire_dtype": ("bfloat16", "float32"),
+    "bits": (8, 4), "block_size": 64,
 }
 
 

@@ -31,7 +31,8 @@ from ..engine.slots import MethodSpec
 from .model import MethodCost
 
 #: wire format of a compressor → how the model charges its bytes
-_WIRE = {"allreduce": "allreduce", "allgather": "allgather", "lowrank": "lowrank", "artopk_auto": "sparse"}
+_WIRE = {"allreduce": "allreduce", "allgather": "allgather", "lowrank": "lowrank", "artopk_auto": "sparse",
+         "lowbit": "lowbit"}
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,10 @@ CANDIDATES: dict[str, AutoCandidate] = {
     # rank 1 on request (torch's powerSGD_hook default, half of rank 2's bytes): its error can cost more
     # progress than the sample shows, so it is not a default
     "lowrank1": AutoCandidate("lowrank1", "lowrank", None, {"rank": 1}),
+    # the k-bit ring (bytes flat in N), on request: not measured by auto's runs yet; its δ² is one
+    # rounding's, which the model's efficiency scales by lowbit.ring_error_factor(N)
+    "lowbit": AutoCandidate("lowbit", "lowbit", None, {"bits": 4}),
+    "lowbit8": AutoCandidate("lowbit8", "lowbit", None, {"bits": 8}),
     # rank 2 in bfloat16 messages: rank 1's fp32 bytes at rank 2's error (LowRankConfig.wire_dtype)
     "lowrank_bf16": AutoCandidate("lowrank_bf16", "lowrank", None, {"rank": 2, "wire_dtype": "bfloat16"}),
 }

@@ -98,8 +98,8 @@ class MethodCost:
     Attributes:
         name: the candidate's name (``"ddp"``, ``"fp16"``, ``"topk"``, ...).
         wire: how its bytes travel: ``"bucket"`` (DDP's bucketed allreduce), ``"allreduce"``,
-            ``"allgather"``, ``"lowrank"`` (two allreduces) or ``"sparse"`` (AR-Topk: the cheapest
-            of allgather / ART-Ring / ART-Tree by the cost model).
+            ``"allgather"``, ``"lowrank"`` (two allreduces), ``"sparse"`` (AR-Topk: the cheapest
+            of allgather / ART-Ring / ART-Tree by the cost model) or ``"lowbit"`` (the k-bit P2P ring).
         codec_s: seconds per step of compression, aggregation and decompression on one rank.
         payload_bytes: bytes each rank contributes per step (bucket modes: 0, computed from
             ``numels``); for ``"sparse"``: ``4 * numel`` of the compressed group is ``M``.
@@ -131,9 +131,9 @@ class MethodCost:
     codec_timed: bool = True
 
     def __post_init__(self) -> None:
-        if self.wire not in ("bucket", "allreduce", "allgather", "lowrank", "sparse"):
+        if self.wire not in ("bucket", "allreduce", "allgather", "lowrank", "sparse", "lowbit"):
             raise ValueError(f"MethodCost.wire={self.wire!r} is not a wire format: use 'bucket', 'allreduce', "
-                             "'allgather', 'lowrank' or 'sparse'.")
+                             "'allgather', 'lowrank', 'sparse' or 'lowbit'.")
         if self.wire == "bucket" and self.name not in BUCKET_MODES:
             raise ValueError(f"bucket candidate {self.name!r} is not one of {sorted(BUCKET_MODES)}.")
         for f in ("codec_s", "payload_bytes", "delta2", "exact_bytes"):
@@ -196,6 +196,8 @@ def comm_seconds(cost: MethodCost, network: NetworkModel, world_size: int, numel
         return allreduce_seconds(network, B, n)
     if cost.wire == "allgather":
         return allgather_seconds(network, B, n)
+    if cost.wire == "lowbit":  # always the P2P ring (its hops requantise)
+        return cost_model.lowbit_ring_cost(a, b, B, n)
     if cost.wire == "lowrank":  # P, then Q: two allreduces sharing the payload
         return 2 * allreduce_seconds(network, B / 2, n)
     if cost.wire == "sparse":
@@ -207,6 +209,10 @@ def comm_seconds(cost: MethodCost, network: NetworkModel, world_size: int, numel
 def efficiency(cost: MethodCost, world_size: int, progress_weight: float) -> float:
     """Progress of one step relative to an exact step: ``1 / (1 + w · delta2')`` with ``delta2' =
     delta2`` for error-feedback methods and ``delta2 / N`` for the others (see the module doc)."""
+    if cost.wire == "lowbit":  # N roundings of growing partial sums, the worst case (equal gradients)
+        from ..compressors.lowbit import ring_error_factor
+
+        return 1.0 / (1.0 + float(progress_weight) * cost.delta2 * ring_error_factor(world_size))
     d2 = cost.delta2 if cost.error_feedback else cost.delta2 / max(int(world_size), 1)
     return 1.0 / (1.0 + float(progress_weight) * d2)
 

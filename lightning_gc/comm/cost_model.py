@@ -61,6 +61,8 @@ __all__ = [
     "tree_rounds",
     "parameter_server_cost",
     "ring_allreduce_cost",
+    "lowbit_ring_bytes",
+    "lowbit_ring_cost",
     "tree_allreduce_cost",
     "broadcast_cost",
     "allgather_cost",
@@ -183,6 +185,22 @@ def ring_allreduce_cost(alpha: float, beta: float, M: float, N: int) -> float:
     """
     a, b, m, n = _check_common(alpha, beta, M, N)
     return 2 * (n - 1) * a + 2 * (n - 1) / n * m * b
+
+
+def lowbit_ring_bytes(numel: int, N: int, bits: int, block_size: int) -> float:
+    """Bytes one rank sends in the ``lowbit`` ring (lightning_gc.exchanges.lowbit) of ``numel``
+    elements: ``2(N−1)/N · (numel·bits/8 + 4·⌈numel/block_size⌉)``, codes plus one fp32 scale per
+    block, flat in N (the exact count, chunks of whole blocks, is ``lowbit_bytes_sent``)."""
+    n = _check_n(N)
+    payload = numel * bits / 8 + 4 * -(-int(numel) // int(block_size))
+    return 2 * (n - 1) / n * payload
+
+
+def lowbit_ring_cost(alpha: float, beta: float, M: float, N: int) -> float:
+    """The ``lowbit`` ring on a quantised message of ``M`` bytes (codes + scales): the ring
+    allreduce's schedule, ``2(N−1)·alpha + 2(N−1)/N·M·beta``. It always runs on the P2P ring (its
+    hops requantise), never on the backend's own allreduce; its codec work is not in this time."""
+    return ring_allreduce_cost(alpha, beta, M, N)
 
 
 def direct_cost(alpha: float, beta: float, M: float, N: int) -> float:

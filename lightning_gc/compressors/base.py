@@ -20,7 +20,9 @@ Two wire formats exist, and each compressor declares which one it speaks:
 Other formats name an exchange family that needs more than one collective (``"artopk"``,
 ``"artopk_auto"``: broadcast of indices, then allreduce; ``"marsit"``: a P2P ring that merges sign
 bits hop by hop, :mod:`lightning_gc.exchanges.marsit`; ``"lowrank"``: PowerSGD's two
-allreduces with an orthogonalisation between them, :mod:`lightning_gc.exchanges.lowrank`);
+allreduces with an orthogonalisation between them, :mod:`lightning_gc.exchanges.lowrank`; ``"lowbit"``:
+a P2P ring that dequantises, sums in fp32 and requantises k-bit blocks at every hop,
+:mod:`lightning_gc.exchanges.lowbit`);
 only their own exchanges can carry them.
 
 Randomness: ``ctx.shared_generator()`` returns a generator whose state is a pure function of
@@ -42,7 +44,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-WireFormat = Literal["allreduce", "allgather", "artopk", "artopk_auto", "marsit", "gradiveq", "lowrank"]
+WireFormat = Literal["allreduce", "allgather", "artopk", "artopk_auto", "marsit", "gradiveq", "lowrank", "lowbit"]
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant for seed mixing
 

@@ -17,6 +17,7 @@ from .base import Compressor
 from .cast import BF16Compressor, CastConfig, FP16Compressor
 from .dense import DenseCompressor, DenseConfig
 from .gradiveq import GradiVeQCompressor, GradiVeQConfig
+from .lowbit import LowBitCompressor, LowBitConfig
 from .lowrank import LowRankCompressor, LowRankConfig
 from .lwtopk import LWTopKCompressor, LWTopKConfig
 from .marsit import MarsitCompressor, MarsitConfig
@@ -49,6 +50,8 @@ _ENTRIES = [
     CompressorEntry("mstopk", MSTopKConfig, MSTopKCompressor, "threshold-search Top-k (exactly k), allgather"),
     CompressorEntry("randomk", RandomKConfig, RandomKCompressor, "shared random k, values by allreduce"),
     CompressorEntry("qsgd", QSGDConfig, QSGDCompressor, "stochastic s-level quantisation, allgather"),
+    CompressorEntry("lowbit", LowBitConfig, LowBitCompressor,
+                    "k-bit (4/8) blocks with fp32 scales, summed in fp32 hop by hop along a P2P ring; bytes flat in N"),
     CompressorEntry("signsgd", SignConfig, SignSGDCompressor, "1-bit signs, majority vote"),
     CompressorEntry("efsignsgd", SignConfig, EFSignSGDCompressor, "1-bit scaled signs with error feedback"),
     CompressorEntry("marsit", MarsitConfig, MarsitCompressor,

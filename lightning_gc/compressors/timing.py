@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from .lowbit import decode_blocks, encode_blocks, message_bytes
 from .marsit.codec import merge_packed
 from .packing import pack_payload, unpack_payload
 from .sparse import scatter_sparse
@@ -101,6 +102,9 @@ def time_codec(comp, xs: list[torch.Tensor], ctxs: list, repeats: int) -> dict:
 
         timings["aggregate"] = time_runs(merges, repeats)
         needs_sent = True  # the merged bits decoded into the mean (η·sign), which is also its sent
+    elif fmt == "lowbit":  # the ring's codec work on one rank, without the sends
+        timings.update(_lowbit_ring_timings(comp, xs, c0, repeats))
+        needs_sent = False  # its sent is p − own rounding errors, one subtraction (not a decode)
     else:  # AR-Topk: the source's indices, every rank's values there summed, scattered into the mean
         idx = outs[0].payload[1]
         idx_long = idx.long()
@@ -117,3 +121,36 @@ def time_codec(comp, xs: list[torch.Tensor], ctxs: list, repeats: int) -> dict:
     res["timings"] = timings
     res["engine_codec_s"] = total
     return res
+
+
+def _lowbit_ring_timings(comp, xs: list[torch.Tensor], c0, repeats: int) -> dict[str, list[float]]:
+    """The dequantising half of one rank's ``lowbit`` ring (lightning_gc.exchanges.lowbit), sends left out.
+
+    ``compress`` (timed by the caller: padding and one encode of the whole group) stands for the
+    ring's encodes, which quantise the group once in N chunks. ``aggregate``: N − 1
+    dequantise-accumulates of a 1/N chunk and the decoding of the N gathered chunks.
+    ``hop_encode`` / ``hop_accumulate``: one reduce-scatter hop on a 1/N chunk (quantise what is
+    sent; dequantise what arrived and add it to the own fp32 values). Not counted: the one
+    subtraction ``p − own rounding errors`` that makes ``sent``.
+    """
+    N = len(xs)
+    bs, bits = comp.block_size, comp.bits
+    x = comp.padded(xs[0])
+    chunk = -(-x.shape[0] // N)
+    part = x[:chunk]
+    msg = torch.empty(message_bytes(chunk, bs, bits), dtype=torch.uint8, device=x.device)
+    dq = torch.empty_like(part)
+    acc = torch.empty_like(part)
+    encode_blocks(part, bits, comp.generator(c0, 1), msg, dq)
+
+    def dequantise() -> None:
+        for _ in range(N - 1):
+            decode_blocks(msg, chunk, bs, bits, acc, add=part)
+        for _ in range(N):
+            decode_blocks(msg, chunk, bs, bits, acc)
+
+    return {
+        "hop_encode": time_runs(lambda: encode_blocks(part, bits, comp.generator(c0, 1), msg, dq), repeats),
+        "hop_accumulate": time_runs(lambda: decode_blocks(msg, chunk, bs, bits, acc, add=part), repeats),
+        "aggregate": time_runs(dequantise, repeats),
+    }

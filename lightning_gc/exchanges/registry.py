@@ -21,6 +21,7 @@ from ..comm.network import NetworkState
 from ..compressors.base import Compressor
 from .artopk import ARTopkExchange, AutoSparseExchange
 from .gradiveq import GradiVeQExchange, GradiVeQRingExchange
+from .lowbit import LowBitExchange
 from .lowrank import LowRankExchange
 from .marsit import MarsitExchange
 from .ssdm_cascade import SSDMCascadeExchange
@@ -69,6 +70,7 @@ _FORMAT_WORDS = {
     "artopk_auto": "AR-Topk payloads on a collective chosen by the cost model",
     "marsit": "packed sign bits merged hop by hop along a ring",
     "gradiveq": "GradiVeQ PCA coefficients summed in the compressed domain (QSGD on sample steps)",
+    "lowbit": "k-bit blocks dequantised, summed in fp32 and requantised at every ring hop",
     "lowrank": "rank-r factors P and Q of each gradient matrix, in two allreduces with an orthogonalisation between",
 }
 # what collective="auto" means for each wire format
@@ -110,6 +112,9 @@ for _entry, _default in [
      ("gradiveq",)),
     (ExchangeEntry("gradiveq_allreduce", GradiVeQExchange, _plain(GradiVeQExchange),
                    "GradiVeQ, simple path: compress all, backend allreduce of the coefficients, decompress"), ()),
+    (ExchangeEntry("lowbit", LowBitExchange, _plain(LowBitExchange),
+                   "low-bit ring allreduce: k-bit reduce-scatter summed in fp32 at each hop, k-bit allgather (P2P ring)"),
+     ("lowbit",)),
     (ExchangeEntry("lowrank", LowRankExchange, _plain(LowRankExchange),
                    "PowerSGD family: allreduce of P = M·Q (with the small tensors), orthogonalise, allreduce of Q = Mᵀ·P̂"),
      ("lowrank",)),
