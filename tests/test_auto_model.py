@@ -297,7 +297,7 @@ def _shaped_link(alpha: float, beta: float, sent: list[int]):
 
 @pytest.mark.parametrize("rate_bps, want_size", [(20e6, 256 * 1024), (10e6, 256 * 1024), (1e9, 1024 * 1024)])
 def test_the_bandwidth_probe_is_sized_to_the_link_and_its_slope_is_the_links_beta(rate_bps, want_size):
-    from lightning_gc.auto.chooser import probe_bandwidth, probe_start_bytes
+    from lightning_gc.comm.link import probe_bandwidth, probe_start_bytes
 
     beta = 8 / rate_bps
     sent: list[int] = []
@@ -340,7 +340,7 @@ def test_probe_check_is_validated(bad):
 
 
 def test_link_unchanged_is_a_symmetric_factor_band():
-    from lightning_gc.auto.chooser import link_unchanged
+    from lightning_gc.comm.link import link_unchanged
 
     assert link_unchanged(0.1, 0.1, 1.5) and link_unchanged(0.15, 0.1, 1.5) and link_unchanged(0.1, 0.15, 1.5)
     assert not link_unchanged(0.151, 0.1, 1.5) and not link_unchanged(0.1, 0.151, 1.5)
@@ -363,7 +363,7 @@ def test_dense_probe_s_is_validated(bad):
 
 
 def test_the_check_size_without_a_probe_is_what_the_probe_would_settle_on():
-    from lightning_gc.auto.chooser import check_bytes
+    from lightning_gc.comm.link import check_bytes
 
     start = 256 * 1024  # a model of 512 KiB of fp32 gradient or more
     assert check_bytes(NetworkModel(1e-4, 8 / 20e6), start) == 256 * 1024  # 0.1 s at 20 Mbit/s: long enough
