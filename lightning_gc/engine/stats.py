@@ -42,7 +42,7 @@ class StepStats:
     carried_wall_mean_s: float | None = None  # the value every rank handed to GCEngine.carry_wall before
     # this step, averaged over the ranks by the step's closing report; None on dense steps and when not
     # every rank carried one
-    # a dense step that can stop (GCEngine.enable_dense_stop; engine/dense_stop.py): the fastest rank's time
+    # a dense step that can stop (GCEngine.run_before_step; engine/dense_stop.py): the fastest rank's time
     # for the first bucket's timed chunk and the model's time for it (agreed; None where not checked), and
     # whether the step stopped there (its compressed groups' gradients became error memory)
     dense_check_s: float | None = None
