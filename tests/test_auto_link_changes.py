@@ -35,9 +35,10 @@ def test_a_severe_drift_is_seen_within_severe_steps_on_every_rank_alike(tmp_path
     window at 17 (a calibration). From step 22 on, rank 1 sleeps 0.3 s per step (tens of times the
     step). The every-step test (``severe_steps`` 3, each step's agreed wall read one step later)
     re-decides at step 24, when the median of steps 21-23 holds two steps far beyond twice the
-    factor; the window test would first see it at step 25. Under a dense mode one step that far
-    (ONE_STEP_FACTOR · severe_drift = 20x here) is enough, and its wall is agreed at its own end (a
-    direct exchange, not carried; the network is pinned, so no dense step can stop and carry it in its
+    factor (at 25 if a loaded host read a carried wall a step late: still within ``severe_steps``;
+    the window test would first see it at step 25, as "severe_window", not "steps"). Under a dense
+    mode one step that far (ONE_STEP_FACTOR · severe_drift = 20x here) is enough, and its wall is
+    agreed at its own end (a direct exchange, not carried; the network is pinned, so no dense step can stop and carry it in its
     check): step 22 itself re-decides (test ``step``). Both ranks record the
     same decisions. Both ways a wall is agreed: in a compressed step's closing report
     (GCEngine.carry_wall), and under a dense mode at once."""
@@ -49,7 +50,10 @@ def test_a_severe_drift_is_seen_within_severe_steps_on_every_rank_alike(tmp_path
     assert [(h["step"], h["trigger"]) for h in hist[:2]] == [(1, "warmup"), (17, "calibration")]
     assert (hist[1]["chosen"] in ("ddp", "fp16")) == (path == "dense"), hist[1]["chosen"]
     drifts = [(h["step"], h["trigger"], h["drift_test"]) for h in hist[2:]]
-    assert drifts[0] == ((22, "drift", "step") if path == "dense" else (24, "drift", "steps")), drifts
+    if path == "dense":
+        assert drifts[0] == (22, "drift", "step"), drifts
+    else:  # at 24, or at 25 where a loaded host delivered step 23's carried wall one step late: within severe_steps
+        assert drifts[0] in ((24, "drift", "steps"), (25, "drift", "steps")), drifts
 
 
 class CanaryAt(L.Callback):

@@ -104,7 +104,8 @@ def test_refused_at_construction_with_reason_and_fix(flat, match):
 
 
 def test_what_runs_by_nodes():
-    for name in ("dense", "fp16", "bf16", "topk", "lwtopk", "mstopk", "randomk", "qsgd", "signsgd", "efsignsgd"):
+    for name in ("dense", "fp16", "bf16", "topk", "lwtopk", "mstopk", "randomk", "qsgd", "signsgd", "efsignsgd",
+                 "lowbit"):
         assert GCConfig.from_flat(compressor=name, topology="nodes").topology.kind == "nodes", name
     assert "AdaptiveRatio" in refusal(collective="allgather", sync="bsp", omgs=False, auto=False, adaptive=True)
 
@@ -230,6 +231,20 @@ def _compressed(rank: int, ws: int, name: str, ratio, ef: bool, resume_at: int |
                 ref_mem = {key: qs[key] - sent[key] for key in qs}
                 # an allgather among the nodes of k fp32 values + k int32 indices, each part padded to 8 bytes
                 out["model_inter"].append((nodes - 1) * 2 * 8 * math.ceil(kk * 4 / 8))
+            elif name == "lowbit":  # a 2-node ring of 4-bit blocks of 128: one rounding of a node's shard, one of the mean
+                true = torch.cat([sum(qs[(m, j)] for m in range(nodes)) / nodes for j in range(K)])[:n]
+                levels, bound = 7, torch.zeros(K * s)
+                for j in range(K):
+                    mean = torch.zeros(s)  # shard j of the exact mean, zero-padded as the engine pads it
+                    part = true[j * s:(j + 1) * s]
+                    mean[:part.numel()] = part
+                    for b0 in range(0, s, 128):
+                        s1 = max(float(qs[(m, j)][b0:b0 + 128].abs().max()) for m in range(nodes)) / levels
+                        s2 = (float(mean[b0:b0 + 128].abs().max()) + s1 / 2) / levels  # the mean's block, moved ≤ s1/2
+                        bound[j * s + b0:j * s + b0 + 128] = s1 / 2 + s2  # docs/lowbit.md: s_1/N + s_N at N = 2
+                err = (got - true).abs()
+                out["qsgd_err"] = max(out["qsgd_err"], float((err - bound[:n] * (1 + 1e-5) - 1e-7).max()))
+                assert float(err.max()) > 0, "lowbit: nothing was quantised"
             else:  # qsgd: each node's shard rounded to adjacent levels of norm/7 per bucket of 512
                 true = torch.cat([sum(qs[(m, j)] for m in range(nodes)) / nodes for j in range(K)])[:n]
                 bound = torch.zeros(K * s)
@@ -302,6 +317,16 @@ def test_topk_by_nodes_matches_the_node_mean_reference_and_resumes_exactly():
         assert "  between nodes: " in o["summary"] and "topology=nodes" in o["summary"]
         assert all(f"/{r % K}" in name for name in o["saved_names"])  # memory saved per shard
         assert o["flat_missing"] == o["param_names"] and o["flat_memory"] == 0.0  # zero, and said
+
+
+def test_lowbit_by_nodes_is_within_its_ring_bound_of_the_node_mean():
+    """The low-bit ring between the 2 nodes' same-shard ranks: within docs/lowbit.md's end-to-end bound of the
+    mean of the node means, with the scales bounded from all ranks' gradients in the test."""
+    res = run_distributed(_compressed, WS, "lowbit", None, False, timeout=150)
+    for r, o in enumerate(res):
+        assert o["qsgd_err"] <= 0, (r, o["qsgd_err"])
+        assert o["same"]
+        assert all(b > 0 for b in o["inter"])
 
 
 def test_qsgd_by_nodes_is_within_the_quantisation_of_the_node_mean():

@@ -56,7 +56,7 @@ from .cost_model import allgather_bytes, ring_allreduce_bytes
 
 #: the collectives whose exchange runs on any process group of the ranks that hold the same shard;
 #: the others are refused under ``topology="nodes"`` (reasons in :data:`_COLLECTIVE_REASONS`)
-NODE_COLLECTIVES = ("allreduce", "allgather")
+NODE_COLLECTIVES = ("allreduce", "allgather", "lowbit")
 _COLLECTIVE_REASONS = {
     "ring": "lightning_gc's point-to-point ring has not been verified on a sub-group of the ranks",
     "tree": "lightning_gc's point-to-point tree has not been verified on a sub-group of the ranks",
@@ -132,7 +132,7 @@ def refusal(*, collective: str, sync: str, omgs: bool, auto: bool, adaptive: boo
         why = _COLLECTIVE_REASONS.get(collective, "it is not known to run on a sub-group of the ranks")
         return (f"topology='nodes' with collective={collective!r} is not supported: {why}. Use a compressor whose "
                 f"collective is one of {list(NODE_COLLECTIVES)} (dense, fp16, bf16, topk, lwtopk, mstopk, randomk, "
-                "qsgd, signsgd, efsignsgd), or topology='flat'.")
+                "qsgd, signsgd, efsignsgd, lowbit), or topology='flat'.")
     return None
 
 
