@@ -350,7 +350,7 @@ def running_correction(trigger: Trigger, source: str, chosen: str | None, correc
                        predictions: Mapping[str, Prediction]) -> tuple[float, float] | None:
     """At a gain or periodic re-decision on the link the running method was measured on, its figure is the
     median of its windows since the reference (at least :data:`RUN_FIGURE_MIN_WINDOWS`), not the
-    reference window alone (one short window on a busy host is off by 10-20 % often enough to decide):
+    reference window alone (one short window on a busy host is often off by more than the margins):
     returns (that median, the correction it gives), or None when not used."""
     if (trigger not in (Trigger.GAIN, Trigger.PERIODIC) or source not in ("check", "kept", "pinned")
             or chosen is None or chosen not in corrections or len(run_medians) < RUN_FIGURE_MIN_WINDOWS

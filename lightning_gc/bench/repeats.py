@@ -1,15 +1,13 @@
 """``--repeat R``: the method list run R times in interleaved rounds, combined into one row per method.
 
-Why: on a shared machine (4 ranks on 2 cores here) the speed of the machine moves between methods of
-one run by more than the ratios the issues ask about. Measured on the quickstart MLP at 20 Mbit/s
-(4 ranks, 200 steps, one run): ``topk`` and ``topk:warmup_steps=2`` — the same method but for one
-dense warm-up step — took 30.2 ms and 32.3 ms median steps, 7 % apart; in a ``gpt`` run the
-compute-only replays of the methods ranged from 30.5 ms to 38.8 ms. One run per method cannot tell
-a 1.05× ratio from that noise. Running every method once per round (round 1: all methods, round 2:
-all methods again, ...) spreads slow phases of the machine over all methods, and a ratio taken
-*within* a round compares methods measured minutes apart rather than a whole run apart. The rounds
-alternate the order (as listed, reversed, ...: :func:`lightning_gc.bench.runner.round_order`), so
-the methods listed last do not always run on the later host.
+Why: on a shared machine the speed of the machine moves between methods of one run by more than the
+ratios worth telling apart (two runs of one method can differ by several percent), so one run per
+method cannot tell a small ratio from that noise. Running every method once per round (round 1: all
+methods, round 2: all methods again, ...) spreads slow phases of the machine over all methods, and a
+ratio taken *within* a round compares methods measured minutes apart rather than a whole run apart.
+The rounds alternate the order (as listed, reversed, ...:
+:func:`lightning_gc.bench.runner.round_order`), so the methods listed last do not always run on the
+later host.
 
 How rounds are combined (:func:`combine_rounds`), per method:
 

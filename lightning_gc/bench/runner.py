@@ -745,8 +745,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
 def round_order(n: int, rnd: int) -> list[int]:
     """The order in which round ``rnd`` (0-based) runs the ``n`` methods of the list: as listed in
     the first round, reversed in the second, and so on (ABBA). Why: the methods of a round run one
-    after another, minutes apart, and this host's speed drifts over a run (the static dense modes
-    moved by up to 17 % from one round to the next on `gpt` at 1 Gbit/s). In a fixed order the
+    after another, minutes apart, and this host's speed drifts over a run. In a fixed order the
     methods listed last, `auto` among them by default, would always run on the later host; with
     the order alternating, a drift that is steady over a pair of rounds falls on every method alike."""
     forward = list(range(n))

@@ -14,8 +14,8 @@ What it measures (written to ``<run_dir>/rank<G>.json``):
   with the gradient synchronisation, optimizer step, and whatever the strategy does between steps.
   The time *between* steps counts: work a method overlaps with the next steps (Streaming DiLoCo's
   fragment exchanges, OSP's deferred stage) competes with the main thread there, and timing only
-  ``on_train_batch_start`` → ``on_train_batch_end`` lost it (measured: 2.0 s of gaps against 8.3 s of
-  timed steps on 2 ranks with streaming). Validation and the progress file are outside; the
+  ``on_train_batch_start`` → ``on_train_batch_end`` lost a large share of a streaming run's time.
+  Validation and the progress file are outside; the
   ``--budget`` agreement (one small MAX allreduce per step) is inside the next step: it waits for the
   slowest rank and, on the link, behind what a method has in flight. The first step of the run starts at
   ``on_train_batch_start``. The runner skips the first ``warmup`` steps.
@@ -256,8 +256,7 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             self._note(step=self.step, dt=dt)
             # From here on the time belongs to the next step, --budget's agreement included: its
             # allreduce waits for the slowest rank and, on the link, behind whatever a method has in
-            # flight (Streaming DiLoCo's fragments); left out, it hid that traffic (measured: 119 s of
-            # training for a run whose steps took 171 s without --budget).
+            # flight (Streaming DiLoCo's fragments); left out, it hid that traffic.
             self.t_ready = time.perf_counter()
             if self.budget_s is not None and self.window_open:  # after at least one measured step
                 self._maybe_stop(trainer, over_budget=self.train_time >= self.budget_s, reached=False)

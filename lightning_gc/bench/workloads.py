@@ -4,8 +4,8 @@
 
 * a preset name of :func:`lightning_gc.examples.presets.get_preset` (``mlp``, ``cnn``, ``lm``,
   ``gpt``, ``quickstart``). ``gpt`` is the AdamW transformer: its warm-up + cosine schedule spans the
-  run (``--steps``), and its target (``val_bpb`` 2.5) was set from dense runs of ``--steps 600``, where
-  DDP crosses it at ~70 % of the run; a run of ``--steps`` no longer than its 50 warm-up steps
+  run (``--steps``), and its target (``val_bpb`` 2.5) was set so that DDP crosses it late in a
+  ``--steps 600`` run; a run of ``--steps`` no longer than its 50 warm-up steps
   trains inside the warm-up (warned). Its clipping (1.0) is the module's own, so the bench's
   Trainer needs none;
 * ``probe``: a single dense layer (``width`` x ``width`` weights, 512 -> 262,656 parameters, 1 MiB of

@@ -23,10 +23,10 @@ and at the end of every ``window`` measured steps (``window`` > 0):
                                  window) and ``Σ u*`` (the sum of the shadow's steps)
 
 A per-step cosine cannot show what arrives late: with error feedback, what a step leaves out is
-sent in later steps, so the window cosine of the gradient rises above the per-step one (measured
-on ``gpt``: Top-k 0.80 → 0.85, low rank 0.60 → 0.88); a compressor that drops the same kind of
-content every step falls instead (Top-k without error feedback 0.79 → 0.59, signSGD 0.43 → 0.17).
-Unbiased rounding need not rise: QSGD fell from 0.77 to 0.55 there (docs/compressors.md).
+sent in later steps, so the window cosine of the gradient rises above the per-step one (Top-k,
+low rank); a compressor that drops the same kind of content every step falls instead (Top-k
+without error feedback, signSGD). Unbiased rounding need not rise, as QSGD shows
+(docs/compressors.md).
 
 How it is measured:
 

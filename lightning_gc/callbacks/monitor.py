@@ -325,9 +325,7 @@ class GCMonitor(Callback):
         writes = trainer._logger_connector.should_update_logs
         if not (writes or mode_changed or self.prog_bar):
             # Lightning would drop these values (log_every_n_steps): computing and self.log-ing ~20 of
-            # them every step cost more than DDP's whole exchange on a small model (measured: GCStrategy
-            # "dense" 26.4 ms per step with the monitor, 21.7 ms without, DDP 20.8 ms; quickstart MLP,
-            # 4 ranks, 1 Gbit/s)
+            # them every step can cost more than DDP's whole exchange on a small model
             return
         metrics = step_metrics(engine, s, getattr(trainer.strategy, "omgs", None),
                                getattr(trainer.strategy, "osp", None))

@@ -7,20 +7,16 @@ what it receives. One message latency instead of the ring's ``2(N-1)`` (allreduc
 latency dominates: small messages on a few ranks, which is what the engine's control messages (the
 closing report, the opening check) and the small payloads of ``lowrank``, Top-k and QSGD are.
 
-Why not the backend's collective: gloo runs every ``all_reduce`` as a ring. Measured on this
-project's 2-core machine, 4 ranks on shaped namespaces (one process each, the median of 30 calls,
-the slowest rank; docs/cost_model.md, "Direct exchange"): a 256 B to 64 KiB ``all_reduce`` took
-6.5-9.5 ms at 1 Gbit/s, the direct exchange 0.7-1.0 ms; at 20 and 10 Mbit/s the direct exchange
-still won up to 4 KiB (0.8-1.0 ms against 6.8-9.9 ms) and lost from 16 KiB (10.9 against 6.7 ms at
-20 Mbit/s; 32 against 14 ms at 10 Mbit/s), where its three copies of the message outweigh the
-ring's latency.
+Why not the backend's collective: gloo runs every ``all_reduce`` as a ring. The direct exchange wins
+for small messages at any link rate, and loses for larger ones on a slow link, where its copies of
+the message outweigh the ring's latency (docs/cost_model.md, "Direct exchange").
 
 When (:func:`use_direct`, the same inputs on every rank, so every rank takes the same path):
 
 * at most :data:`DIRECT_MAX_RANKS` ranks (``N-1`` messages per rank; a larger group keeps the
   backend's collective), on a backend other than NCCL (NCCL has its own low-latency protocol);
-* and either ``(N-1)·M`` is at most :data:`DIRECT_SMALL_BYTES` (the measurement above: direct won at
-  every rate tried), or an agreed network model (``alpha``, ``beta``) predicts it cheaper than the
+* and either ``(N-1)·M`` is at most :data:`DIRECT_SMALL_BYTES` (below it direct wins at any rate:
+  docs/cost_model.md), or an agreed network model (``alpha``, ``beta``) predicts it cheaper than the
   ring (:func:`lightning_gc.comm.cost_model.direct_cost` against ``ring_allreduce_cost``).
 
 The sum is taken in rank order (rank 0's message first, this rank's own in its place) on every rank,

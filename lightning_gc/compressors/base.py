@@ -146,7 +146,7 @@ class Compressor(ABC):
     default_error_feedback: ClassVar[bool] = True
     #: the default instead with an Adam-family optimizer (:func:`adam_family`); None: the same.
     #: Error memory in gradient units meets Adam's per-coordinate normalisation badly for some
-    #: compressors (measured on the ``gpt`` preset: docs/compressors.md, "Error feedback under Adam").
+    #: compressors (docs/compressors.md, "Error feedback under Adam").
     adam_error_feedback: ClassVar[bool | None] = None
     #: what travels, in words (used in messages, e.g. when a collective is refused)
     wire_description: ClassVar[str] = "its compressed payload"

@@ -52,10 +52,10 @@ class RandomKCompressor(Compressor):
     def indices(self, ctx: GroupContext) -> Tensor:
         """k distinct positions, uniformly random among all k-subsets, the same on every rank.
 
-        ``torch.randperm(n)`` costs O(n) random draws (≈0.7 s for 11M elements on one CPU
-        thread). For k ≤ n/8 the positions are drawn with replacement from the shared generator
-        in batches and the first k *distinct* ones in draw order are kept — sequential sampling
-        without replacement, which yields every k-subset with equal probability — in O(k log k).
+        ``torch.randperm(n)`` costs O(n) random draws, slow on CPU for large n. For k ≤ n/8 the
+        positions are drawn with replacement from the shared generator in batches and the first k
+        *distinct* ones in draw order are kept — sequential sampling without replacement, which
+        yields every k-subset with equal probability — in O(k log k).
         """
         n = ctx.numel
         k = ratio_to_k(self.config.ratio, n)

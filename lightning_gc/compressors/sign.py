@@ -133,7 +133,7 @@ class SignSGDCompressor(_SignBase):
 class EFSignSGDCompressor(_SignBase):
     name = "efsignsgd"
     default_error_feedback = True
-    adam_error_feedback = False  # measured on gpt with AdamW: docs/compressors.md, "Error feedback under Adam"
+    adam_error_feedback = False  # see docs/compressors.md, "Error feedback under Adam"
 
     def aggregate_gathered(self, payloads: list[tuple[Tensor, ...]], meta: Any, ctx: GroupContext) -> Tensor:
         """Mean of the ranks' ``scale_r·sign_r`` through a 2^N-entry table per group of ≤ 8 ranks.

@@ -35,13 +35,13 @@ _SAMPLE = 65536  # elements sampled to estimate the top-k threshold
 def topk_indices(x: Tensor, k: int) -> Tensor:
     """Indices of the ``k`` largest magnitudes of ``x`` — the same selection as ``torch.topk``.
 
-    For large tensors a full ``torch.topk`` dominates compression time on CPUs (≈0.6 s for 11M
-    elements). Instead, a strided sample of ``|x|`` gives a threshold ``t`` a bit *below* the
-    estimated k-th largest magnitude; if at least ``k`` elements reach ``t`` then ``t`` is ≤ the
-    true k-th largest, so every true top-k element is among those candidates and an exact
-    ``torch.topk`` over the candidates (≈2k of them) returns the same selection. If the estimate
-    was too high (fewer than ``k`` candidates) it falls back to ``torch.topk`` over everything,
-    so the result is always exact (ties at the k-th magnitude may resolve to other indices).
+    For large tensors a full ``torch.topk`` dominates compression time on CPUs. Instead, a strided
+    sample of ``|x|`` gives a threshold ``t`` a bit *below* the estimated k-th largest magnitude; if
+    at least ``k`` elements reach ``t`` then ``t`` is ≤ the true k-th largest, so every true top-k
+    element is among those candidates and an exact ``torch.topk`` over the candidates (≈2k of them)
+    returns the same selection. If the estimate was too high (fewer than ``k`` candidates) it falls
+    back to ``torch.topk`` over everything, so the result is always exact (ties at the k-th
+    magnitude may resolve to other indices).
     """
     n = x.numel()
     xf = x.reshape(-1)

@@ -62,7 +62,7 @@ class SparseCompressor(Compressor):
 
 class TopKCompressor(SparseCompressor):
     name = "topk"
-    adam_error_feedback = False  # measured on gpt with AdamW: docs/compressors.md, "Error feedback under Adam"
+    adam_error_feedback = False  # see docs/compressors.md, "Error feedback under Adam"
 
     def __init__(self, config: TopKConfig | None = None) -> None:
         self.config = config or TopKConfig()

@@ -1,10 +1,10 @@
 """Reusable scratch buffers for the codecs.
 
-Why: on CPU, a fresh tensor above glibc's mmap threshold (32 MiB at most; an 11M-element fp32
-group is 44 MB) is mapped fresh by the kernel on every allocation and every page faults on first
-touch — measured ~40 ms for 44 MB against ~5 ms for one streaming pass over the same memory
-(``python -m lightning_gc.bench.codec``: allocating passes cost 4–5 × ``torch.add`` into an
-existing tensor). Codecs therefore keep their large *intermediates* in buffers reused across steps.
+Why: on CPU, a fresh tensor above glibc's mmap threshold (32 MiB at most; an 11M-element fp32 group
+is 44 MB) is mapped fresh by the kernel on every allocation and every page faults on first touch,
+several times the cost of one streaming pass over the same memory (compare with ``python -m
+lightning_gc.bench.codec``). Codecs therefore keep their large *intermediates* in buffers reused
+across steps.
 
 Rules that keep this safe:
 
@@ -73,10 +73,9 @@ def empty_output(numel: int, dtype: torch.dtype, device: torch.device | str = "c
     """``torch.empty`` for a large *result* tensor, asking Linux to back it with huge pages.
 
     A fresh group-sized result is mapped from the kernel and faults in 4 KiB pages on first write
-    (measured 40–145 ms for 44 MB on the loaded 2-core development machine, against ~10 ms for
-    one ``torch.add`` pass into an existing tensor); with ``MADV_HUGEPAGE`` on the still-untouched
-    mapping it faults in 2 MiB pages, 3–4× cheaper. Only the tensor's own page-aligned interior is
-    advised, nothing process-wide changes, and where the call is
+    (many times one ``torch.add`` pass into an existing tensor); with ``MADV_HUGEPAGE`` on the
+    still-untouched mapping it faults in 2 MiB pages, far fewer faults. Only the tensor's own
+    page-aligned interior is advised, nothing process-wide changes, and where the call is
     unavailable (not Linux, transparent huge pages off) it is a plain ``torch.empty``.
     """
     out = torch.empty(numel, dtype=dtype, device=device)
@@ -108,8 +107,8 @@ def keep_large_allocations_cached(threshold_bytes: int = 1 << 30) -> bool:
     Process-wide and irreversible, so nothing in lightning_gc calls it on its own; a training
     script (or a strategy option) may. Effect measured with the codec micro-benchmark
     (``--keep-allocations``): every pass that allocates a group-sized result — ``torch.cat``,
-    ``g + e``, a decompressed or aggregated gradient — drops from ~5× to ~1× the cost of one
-    ``torch.add`` into an existing tensor on 11M-element groups. The price: the process keeps its
+    ``g + e``, a decompressed or aggregated gradient — drops to about the cost of one
+    ``torch.add`` into an existing tensor on large groups. The price: the process keeps its
     peak heap size (like CUDA's caching allocator). The environment variables
     ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` do the same without code.
 

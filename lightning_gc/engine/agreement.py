@@ -39,14 +39,11 @@ message), the report travels there instead of in a collective of its own, in the
   needs the network tracker's prediction (the engine sends the report alone then).
 
 Why: the closing report is one more latency-bound collective per step on the exchange's process
-group. On ``mlp`` at 20 Mbit/s on 4 ranks it took 10.3 ms of static ``lowrank``'s 70.5 ms step
-(bfloat16 messages; torch PowerSGD's step was 60.4 ms in the same run; docs/concepts.md, "The
-closing report").
+group, a visible share of a step on a slow link (docs/concepts.md, "The closing report").
 
 Why not the opening check on every step: it is one more latency-bound collective between the first
-bucket and the first exchange. On 4 ranks at 20 Mbit/s it took 6–23 ms, and with the default schedule the median
-Top-k and ``lowrank`` steps on the ``mlp`` preset were 0.97× and 0.95× those with the check on every
-step (docs/concepts.md, "The opening check").
+bucket and the first exchange, so the default schedule makes compressed steps shorter than a check on
+every step (docs/concepts.md, "The opening check").
 """
 
 from __future__ import annotations

@@ -48,9 +48,8 @@ class EngineConfig:
             on every step divisible by ``check_every``. Every compressed step's *closing report*
             carries the same hash at no extra message, so a rank that sent something else is
             caught at that step's close, before the step is applied. Why not every step: the
-            check is one more latency-bound collective on the critical path; on 4 ranks at
-            20 Mbit/s it took 6–23 ms, and the default made the median Top-k and ``lowrank`` steps
-            3 % and 5 % shorter than ``check_every=1`` (docs/concepts.md, "The opening check").
+            check is one more latency-bound collective on the critical path, which costs most
+            on a slow link (docs/concepts.md, "The opening check").
             ``1`` checks every step: a rank that would send something of another size then fails
             with a message instead of inside the collective (gloo aborts the process on a size
             mismatch); use it while debugging a custom controller that changes compression settings.

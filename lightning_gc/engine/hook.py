@@ -765,8 +765,8 @@ class GCEngine:
         # Every step of this kind issues the same bucket allreduces in DDP's bucket order, and entering it
         # was agreed (set_dense_mode, or a lossless compressor fixed at construction): the per-step
         # opening check has nothing left to catch, and the buckets go out from the hook thread as
-        # DDP's own hook would. (Measured on the 84k-parameter quickstart MLP, 4 ranks, 1 Gbit/s: this
-        # alone did not close the gap to DDP; GCMonitor's per-step logging was most of it.)
+        # DDP's own hook would. (On a small model this alone does not close the gap to DDP; GCMonitor's
+        # per-step logging can be most of it.)
         work.steady = (dense and self.world_size > 1 and self.step >= self.config.warmup_steps
                        and (self.all_exact or self.dense_mode is not None) and self.plan_sends_every_param)
         # after a job (run_before_step) the step's jobs queue on the runner behind it, so the first bucket sent
@@ -1013,7 +1013,7 @@ class GCEngine:
         group = self.plan.groups[gid]
         timer = work.timer
         # into a huge-page backed tensor: a fresh group-sized tensor otherwise page-faults 4 KiB at a
-        # time, which costs ~5x the copy itself on CPU (lightning-gc bench --codec, 'flatten' rows)
+        # time, which costs several times the copy itself on CPU (lightning-gc bench --codec, 'flatten' rows)
         dtype = views[0].dtype
         for v in views[1:]:
             dtype = torch.promote_types(dtype, v.dtype)  # what torch.cat would produce

@@ -10,10 +10,8 @@ tensors exactly and, for a matrix, this rank's own projection ``P̂·(Mᵀ·P̂)
 The first allreduce also carries the plan's *exact group* (the tensors below
 ``min_compress_numel``) when the engine hands it over (:meth:`LowRankExchange.run_with_exact`):
 those tensors travel dense either way, so sending them in the ``P`` message saves the separate
-allreduce the exact group would cost. On 4 ranks of this project's 2-core machine a small
-allreduce costs several milliseconds of latency: ``mlp`` at 20 Mbit/s, one run of 2 rounds,
-``lowrank:rank=1`` took 1.14× torch PowerSGD's step with the separate allreduce and 1.04× with
-the exact tensors in the ``P`` message (docs/compressors.md, lowrank).
+allreduce the exact group would cost: a small allreduce is pure latency, a visible share of a
+small model's step (docs/compressors.md, lowrank).
 
 The second allreduce carries the step's closing report when the engine hands it over
 (:meth:`LowRankExchange.run_riding`, ``carries_report``): a few dozen elements appended to the ``Q``

@@ -17,7 +17,7 @@ paper's μ is the mean of the *summed* gradients; here ``μ̄ = μ/N`` is kept i
 ``z = Uᵀ(x − μ/N)`` is exactly Eq. 3.) That is ``outside_span="mu"``. The default,
 ``outside_span="zero"``, decompresses to ``U (Σz/N + Uᵀμ̄) = P·x̄``: outside span(U) the paper's
 form re-applies the sampled mean μ̄ — a gradient from the sample phase — at every compressed step,
-and on the ``cnn`` preset that cost 0.11 of final val_acc (docs/compressors.md).
+a stale gradient that costs accuracy (docs/compressors.md).
 
 Packing and the slice size K (the paper's §3 "Parameter selection"). A weight of shape
 ``(F, D, *kernel)`` (a convolution: F filters of depth D; P = prod(kernel) positions) is laid out
@@ -39,12 +39,10 @@ sampled slices around their own slice means is decomposed (float64) and d is the
 dimension whose eigenvalue share reaches ``1 − lam`` (λ = 0.01 by default). The covariance has
 rank ≤ n = L_t·``pca_slices``, usually far below K, so :func:`principal_axes` decomposes the n×n
 Gram matrix of the samples with ``torch.linalg.eigh`` and maps its eigenvectors back (O(n²K)
-instead of the K×K covariance's O(K³); measured: a fit with the K×K ``eigh`` stalled a 4-rank
-``cnn`` run for 11 s). Because the sampled spectrum is flat beyond the gradient's few strong
-directions, Eq. 6 keeps most of the sample rank: **d grows with L_t·``pca_slices``** (on the
-width-16 ``cnn``: d/K ≈ 0.23 at L_t = 10, 0.42 at L_t = 20, 32 slices), which is the knob that
-trades bytes for accuracy. The paper's first-slice sampling caps d at L_t − 1, which is where its
-K/d ≈ 8 comes from.
+instead of the K×K covariance's O(K³), which stalls training for seconds at large K). Because the
+sampled spectrum is flat beyond the gradient's few strong directions, Eq. 6 keeps most of the sample
+rank: **d grows with L_t·``pca_slices``**, which is the knob that trades bytes for accuracy. The
+paper's first-slice sampling caps d at L_t − 1, which is where its K/d ≈ 8 comes from.
 Samples per step and block: up to ``pca_slices`` evenly spaced slices of the block (the paper uses
 the first slice only, which caps the covariance rank at L_t − 1; several slices give a usable
 covariance from a short L_t). ``μ̄_m`` is the sample mean of slice m. U, μ̄ and d are computed from
@@ -368,8 +366,8 @@ def principal_axes(Y: Tensor, dim: int | None, lam: float) -> tuple[Tensor, Tens
     With fewer samples than K (the usual case: n = L_t·``pca_slices``), ``YᵀY`` has rank ≤ n and
     its eigenvectors with non-zero eigenvalues are ``Yᵀv/√s`` for the eigenpairs (s, v) of the
     n×n Gram matrix ``YYᵀ`` (same non-zero eigenvalues): an O(n²K + n³) fit instead of the O(K³)
-    eigen-decomposition of the K×K covariance, which stalled a 4-rank ``cnn`` run for 11 s per
-    fit. A ``dim`` above the sample rank needs a complete basis and takes the K×K path.
+    eigen-decomposition of the K×K covariance, which stalls training for seconds per fit at large
+    K. A ``dim`` above the sample rank needs a complete basis and takes the K×K path.
     """
     n, K = Y.shape
     if n >= K or (dim is not None and dim > n):

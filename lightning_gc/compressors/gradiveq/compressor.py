@@ -271,8 +271,8 @@ class GradiVeQCompressor(Compressor):
 
     def advice(self, optimizers, error_feedback: bool) -> list[str]:
         """GradiVeQ's compressed steps never send the part of the gradient outside span(U), so its
-        error memory grows until a sample step releases it at once (measured: the cnn example
-        fell to chance accuracy with error_feedback=True, and learned without it)."""
+        error memory grows until a sample step releases it at once, which can stop training
+        altogether (docs/compressors.md)."""
         if not error_feedback:
             return []
         return [

@@ -27,17 +27,16 @@ Decisions where the paper and torch's hook leave room (docs/compressors.md, lowr
   for the local ``Q = Mᵀ·P̂``. torch's hook keeps ``M − P̂·Q̄ᵀ`` instead (the local input minus
   the *global* approximation). Both leave the same mean error across ranks; the local form is
   orthogonal to ``P̂`` and never larger than ``M``, while the global form also carries each rank's
-  deviation from the mean, a running sum of gradient noise (the mechanism measured for Marsit in
+  deviation from the mean, a running sum of gradient noise (the mechanism described for Marsit in
   docs/compressors.md). The engine's conservation law then holds per rank: what was not sent is
   exactly what is remembered.
 * **Which tensors are compressed**: a tensor with two or more dimensions whose matrix ``n × m``
   satisfies ``r < min(n, m)`` and ``n·m ≥ min_compression_rate·(n + m)·r`` (torch's rule, default
   2), unless its parameter name matches one of ``dense_names``; every other tensor (biases, norms,
   small matrices, the named ones) is sent dense in fp32 with the first allreduce, exactly, without
-  error memory. ``dense_names`` exists for matrices whose gradient a rank-r subspace serves badly:
-  under AdamW on the ``gpt`` preset the tied byte embedding carried about half of the gradient's
-  energy and was the matrix rank 2 served worst (update cosine 0.41); sending it dense closed a
-  sixth of ``lowrank``'s loss gap to DDP at 3.5× the bytes (docs/compressors.md).
+  error memory. ``dense_names`` exists for matrices whose gradient a rank-r subspace serves badly,
+  such as a tied embedding that carries much of the gradient's energy: sending it dense narrows
+  the loss gap to DDP at the price of its full bytes (docs/compressors.md).
 * **Initial Q**: standard normal from a generator shared by all ranks (the strategy's seed and the
   parameter's position), as torch does; not orthogonalised (``P̂`` is).
 * **Warm start state** (``Q̄`` per compressed tensor) is keyed by the parameter's name and shape,
@@ -202,12 +201,10 @@ def project(m: Tensor, q: Tensor) -> Tensor:
     For r ≤ :data:`SHORT_WIDE_MAX_RANK`, computed as ``(qᵀ·mᵀ)ᵀ`` (``qᵀ`` copied, ``r × k``), the
     same product, returned as a transposed view (``n × r``). Why: the BLAS of torch's CPU wheel
     sends a product with 2 to 8 columns down a slow path (``sgemm_pst`` in a profile), the
-    short-wide form down its blocked kernel. Measured with one thread on this project's 2-core
-    machine, ``m @ q`` against this form: 768 × 768 at r = 2, 0.68 against 0.09 ms; 4096 × 1024 at
-    r = 2, 5.2 against 2.1 ms; at r = 1 both take the matrix-vector path (0.05 ms), at r = 16 and
-    32 the plain form was 5–15 % faster (hence the bound). A profile of ``lowrank`` on ``mlp``
-    (4 ranks, rank 2) had this path at 13 % of all CPU time (docs/compressors.md, lowrank). On a
-    GPU both forms are one cuBLAS call with transpose flags (not measured there)."""
+    short-wide form down its blocked kernel, several times faster; at r = 1 both take the
+    matrix-vector path, and at larger r the plain form is faster (hence the bound; re-time both
+    with the codec micro-benchmark before moving it). On a GPU both forms are one cuBLAS call
+    with transpose flags."""
     if q.shape[1] > SHORT_WIDE_MAX_RANK:
         return m @ q
     return (q.t().contiguous() @ m.t()).t()
@@ -217,8 +214,7 @@ def project_t(m: Tensor, p: Tensor) -> Tensor:
     """``mᵀ·p`` for a matrix ``m`` (``n × k``) and a thin ``p`` (``n × r``): ``Q = Mᵀ·P̂``.
 
     Computed as ``(pᵀ·m)ᵀ`` for r ≤ :data:`SHORT_WIDE_MAX_RANK`, for the reason :func:`project`
-    gives; a ``k × r`` transposed view. ``m.t() @ p`` against this form, one thread: 768 × 768 at
-    r = 2, 1.11 against 0.09 ms; 4096 × 1024 at r = 2, 56 against 0.8 ms."""
+    gives; a ``k × r`` transposed view."""
     if p.shape[1] > SHORT_WIDE_MAX_RANK:
         return m.t() @ p
     return (p.t().contiguous() @ m).t()

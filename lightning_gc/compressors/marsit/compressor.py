@@ -31,7 +31,7 @@ class MarsitCompressor(Compressor):
     wire_description = ("packed sign bits (1 bit per element) merged hop by hop along a ring, one fp32 scale, "
                         "and a full-precision round every K steps")
     default_error_feedback = True  # the engine's error memory is Marsit's global compensation
-    adam_error_feedback = False  # measured on gpt with AdamW: docs/compressors.md, "Error feedback under Adam"
+    adam_error_feedback = False  # see docs/compressors.md, "Error feedback under Adam"
 
     def __init__(self, config: MarsitConfig | None = None) -> None:
         self.config = config or MarsitConfig()
@@ -88,9 +88,8 @@ class MarsitCompressor(Compressor):
 
     def advice(self, optimizers, error_feedback: bool) -> list[str]:
         """Marsit's full-precision rounds release the accumulated compensation in one update; a
-        momentum buffer spreads and amplifies it up to 1/(1−μ)× (measured on the lm example with
-        momentum 0.9: K=20 diverged; K=100 ended 2.779 / 3.138 bpb over two seeds, and 2.725 / 2.735
-        with ``release_compensation=False``). Nothing is released without error feedback (the
+        momentum buffer spreads and amplifies it up to 1/(1−μ)×, enough to diverge at high momentum
+        and small K (docs/compressors.md). Nothing is released without error feedback (the
         default under Adam) or with ``release_compensation=False``, so no warning then."""
         k = self.config.full_precision_every
         if not k or not error_feedback or not self.config.release_compensation:
