@@ -40,6 +40,7 @@ RECIPES = {
     "omgs.yaml": "OMGS merge plan (plan='omgs')",
     "osp.yaml": "OSP two-stage synchronisation (sync='osp')",
     "diloco.yaml": "DiLoCo, rare outer steps (sync='diloco')",
+    "topology.yaml": "topology='nodes': QSGD only between nodes (2 emulated nodes on one machine)",
     "gpt.yaml": "the gpt workload, a small byte-level transformer",
 }
 
