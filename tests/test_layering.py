@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("lightning_gc.config",)),
     # the one assembly of engine, participants and session from a GCConfig, used by both front doors
     ("assembly", ("lightning_gc.assembly",)),
-    ("front doors", ("lightning_gc.strategy", "lightning_gc.fabric")),
+    ("front doors", ("lightning_gc.strategy", "lightning_gc.fabric", "lightning_gc.model_parallel")),
     ("package", ("lightning_gc",)),  # lightning_gc/__init__.py: the public names
     # demo models and data the bench and recipes train (they import only Lightning)
     ("examples", ("lightning_gc.examples",)),
