@@ -85,6 +85,9 @@ class GCModelParallelStrategy(ModelParallelStrategy):
                             "ModelParallelStrategy's checkpoint/backend arguments and lightning_gc's compression "
                             "options (docs/fsdp.md).")
         given = {"compressor": compressor, **options}
+        why = refusal(given, None)
+        if why:
+            raise ValueError(why)
         self.compression = CompressionConfig(compressor=compressor, ratio=ratio, compressor_args=compressor_args or {},
                                              collective=collective, error_feedback=error_feedback)
         resolved_collective, self.error_feedback = self.compression.resolved()

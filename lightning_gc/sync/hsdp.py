@@ -56,9 +56,10 @@ _OPTION_REASONS = {
 }
 
 
-def refusal(flat: dict[str, Any], collective: str) -> str | None:
+def refusal(flat: dict[str, Any], collective: str | None) -> str | None:
     """Why :class:`~lightning_gc.model_parallel.GCModelParallelStrategy` cannot run these options
-    (``flat``: the user's flat lightning_gc names; ``collective``: resolved), with the fix; or None.
+    (``flat``: the user's flat lightning_gc names; ``collective``: resolved, or None to check the
+    options alone), with the fix; or None.
     Pure: the one list of what FSDP2's replica exchange refuses."""
     if flat.get("compressor") == "auto":
         return ("compressor='auto' is not supported under GCModelParallelStrategy: "
@@ -69,7 +70,7 @@ def refusal(flat: dict[str, Any], collective: str) -> str | None:
             why = _OPTION_REASONS[key] if key else "it configures GCStrategy's DDP engine, which FSDP2 replaces"
             return (f"{name}={flat[name]!r} does not apply under GCModelParallelStrategy: {why}. Drop it; the "
                     f"options that apply are {list(REPLICA_OPTIONS)} (docs/fsdp.md).")
-    if collective not in REPLICA_COLLECTIVES:
+    if collective is not None and collective not in REPLICA_COLLECTIVES:
         why = _COLLECTIVE_REASONS.get(collective, "it is not known to run on a sub-group of the ranks")
         return (f"collective={collective!r} is not supported under GCModelParallelStrategy: {why}. Use a compressor "
                 f"whose collective is one of {list(REPLICA_COLLECTIVES)} (dense, fp16, bf16, topk, lwtopk, mstopk, "
