@@ -128,6 +128,12 @@ class GCModelParallelStrategy(ModelParallelStrategy):
                                              mesh_dim_names=("replicate", "data_parallel", "tensor_parallel"))
         self.lightning_module._device_mesh = self._device_mesh
 
+    def fully_shard_kwargs(self) -> dict[str, Any]:
+        """What ``configure_model`` passes to ``fully_shard``: the mesh of one node's ranks. Writing
+        ``fully_shard(block, **self.trainer.strategy.fully_shard_kwargs())`` lets a model shard under
+        this strategy and under others that define it (the bench's native-HSDP baselines)."""
+        return {"mesh": self.device_mesh["data_parallel"]}
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -218,3 +224,11 @@ class GCModelParallelStrategy(ModelParallelStrategy):
             if refusal({"compressor": name}, collective) is None and alias not in strategy_registry:
                 strategy_registry.register(alias, cls, description=f"lightning_gc FSDP2: {get_entry(name).summary}",
                                            compressor=name)
+
+
+def register_model_parallel_aliases() -> None:
+    """Register ``gc_fsdp_<compressor>`` in Lightning's strategy registry (``Trainer(strategy=
+    "gc_fsdp_topk")``; replicas: the Trainer's ``num_nodes``)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    GCModelParallelStrategy.register_strategies(StrategyRegistry)

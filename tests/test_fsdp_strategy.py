@@ -188,3 +188,46 @@ def test_construction_refuses_what_cannot_run():
     with pytest.raises(ValueError, match="replicate_size"):
         GCModelParallelStrategy(compressor="topk", replicate_size=0)
     GCModelParallelStrategy(compressor="qsgd", save_distributed_checkpoint=False)  # no memory to save
+
+
+def test_the_gc_fsdp_alias_builds_the_strategy():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_gc  # noqa: F401 - registers the aliases
+
+    strategy = StrategyRegistry.get("gc_fsdp_qsgd")
+    assert isinstance(strategy, GCModelParallelStrategy) and strategy.compression.compressor == "qsgd"
+    assert "gc_fsdp_marsit" not in StrategyRegistry, "a compressor refused between replicas gets no alias"
+
+
+class Unsharded(Regressor):
+    def configure_model(self) -> None:  # forgets fully_shard
+        return None
+
+
+class NativeMesh(Regressor):
+    def configure_model(self) -> None:  # shards on the 2-D mesh: FSDP2 would all-reduce across replicas itself
+        _shard(self.net, self.device_mesh["replicate", "data_parallel"], False)
+
+
+def _misuse(rank: int, world: int, tmp: str) -> list[str]:
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(WORLD))
+    out = []
+    for cls in (Unsharded, NativeMesh):
+        trainer = L.Trainer(strategy=GCModelParallelStrategy(replicate_size=R), accelerator="cpu", devices=WORLD,
+                            max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False, default_root_dir=tmp, use_distributed_sampler=False)
+        try:
+            trainer.fit(cls(), DataLoader(_data(1), batch_size=BATCH))
+            out.append("trained")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_a_model_sharded_wrongly_stops_every_rank_with_the_fix(tmp_path):
+    res = run_distributed(_misuse, WORLD, str(tmp_path), timeout=300)
+    assert all(r == res[0] for r in res), "every rank stops with the same message"
+    unsharded, native = res[0]
+    assert "no module sharded with FSDP2" in unsharded and "fully_shard(layer, mesh=" in unsharded
+    assert "replicate dimension (native HSDP)" in native and "device_mesh['data_parallel']" in native

@@ -126,6 +126,8 @@ _BASELINE_LINES = {
     "ddp": "Lightning's DDPStrategy: dense fp32 allreduce (the baseline of every ratio)",
     "powersgd": "torch's powerSGD_hook (options: rank, start_iter, min_compression_rate, error_feedback, warm_start)",
     "fp16": "torch's fp16_compress_hook",
+    "hsdp": "FSDP2's native HSDP in fp32 (2-D mesh: replicas = hosts); compare fsdp_<compressor> with it",
+    "hsdp_bf16": "FSDP2's native HSDP with MixedPrecisionPolicy(reduce_dtype=bfloat16)",
 }
 
 

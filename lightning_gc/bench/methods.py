@@ -107,7 +107,7 @@ __all__ = [
     "hook_marker",
 ]
 
-BASELINES = ("ddp", "powersgd", "fp16")
+BASELINES = ("ddp", "powersgd", "fp16", "hsdp", "hsdp_bf16")  # the last two: FSDP2's native HSDP (bench/fsdp.py)
 SINGLE_BUCKET_MB = 1_000_000  # larger than any model: DDP puts every gradient into one bucket
 _POWERSGD_KEYS = {"rank", "start_iter", "min_compression_rate", "error_feedback", "warm_start"}
 # GCStrategy's own options: the configuration's flat names (lightning_gc/config.py, the one mapping) and
@@ -254,6 +254,9 @@ def parse_methods(text: str, *, default_ratio: float | None) -> list[MethodSpec]
         name, *opt_parts = entry.split(":")
         name = name.strip().lower()
         gc = name not in BASELINES
+        if name.startswith("fsdp_"):  # GCModelParallelStrategy with that compressor (bench/fsdp.py)
+            specs.append(_fsdp_spec(entry, name, opt_parts, gc_names))
+            continue
         if name.startswith("gc_"):
             name, gc = name[3:], True
         options: dict[str, Any] = {}
@@ -348,8 +351,29 @@ class TorchHookDDPStrategy(DDPStrategy):
             raise MethodError(f"TorchHookDDPStrategy: unknown hook {self.hook_name!r}; use 'fp16' or 'powersgd'")
 
 
+def _fsdp_spec(entry: str, name: str, opt_parts: list[str], gc_names: list[str] | None) -> MethodSpec:
+    compressor = name[len("fsdp_"):]
+    if gc_names is None or compressor not in gc_names:
+        raise MethodError(f"method {entry!r}: {compressor!r} is not a lightning_gc compressor; write fsdp_<compressor>, "
+                          "e.g. 'fsdp_topk:ratio=0.01' (docs/fsdp.md)")
+    options = {}
+    for part in opt_parts:
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip():
+            raise MethodError(f"method {entry!r}: option {part!r} is not KEY=VALUE; write e.g. 'fsdp_topk:ratio=0.01'")
+        options[key.strip()] = parse_value(value)
+    return MethodSpec(name, options, gc=True)
+
+
 def build_strategy(spec: MethodSpec, **ddp_kwargs: Any):
     """A fresh Lightning strategy for ``spec``."""
+    if spec.name in ("hsdp", "hsdp_bf16") or spec.name.startswith("fsdp_"):
+        from lightning_gc.bench.fsdp import build_fsdp_strategy
+
+        try:
+            return build_fsdp_strategy(spec.name, dict(spec.options))
+        except (TypeError, ValueError) as exc:
+            raise MethodError(f"method {spec.label!r}: {exc}") from exc
     if not spec.gc and spec.name == "ddp":
         return DDPStrategy(**ddp_kwargs)
     if not spec.gc and spec.name in ("fp16", "powersgd"):
@@ -441,10 +465,14 @@ def powersgd_elements(model, rank: int = 1, min_compression_rate: float = 2.0) -
 
 
 def analytic_bytes_per_step(spec: MethodSpec, world_size: int, num_params: int,
-                            powersgd_elements_per_step: float | None = None) -> float:
+                            powersgd_elements_per_step: float | None = None, hosts: int = 1) -> float:
     """Modelled bytes one rank sends per step for a torch baseline (see the module docstring)."""
     if spec.gc:
         raise MethodError(f"no analytic byte model for {spec.label!r}; its engine counts the bytes")
+    if spec.name in ("hsdp", "hsdp_bf16"):
+        from lightning_gc.bench.fsdp import hsdp_bytes_per_step
+
+        return hsdp_bytes_per_step(spec.name, hosts, world_size, num_params)
     f = ring_factor(world_size)
     if spec.name == "ddp":
         return f * 4 * num_params

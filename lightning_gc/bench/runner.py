@@ -513,7 +513,7 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
         psgd_per_step = None
         if spec.name == "powersgd":
             psgd_per_step = psgd / measured if psgd else ranks[0].get("powersgd_model_elements")
-        bytes_per_step = analytic_bytes_per_step(spec, n, ranks[0]["num_params"], psgd_per_step)
+        bytes_per_step = analytic_bytes_per_step(spec, n, ranks[0]["num_params"], psgd_per_step, hosts=n // pph)
         source = "analytic"
     extra.setdefault("dense_bytes_per_step", dense_per_step)
 

@@ -48,6 +48,7 @@ What it measures (written to ``<run_dir>/rank<G>.json``):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -155,7 +156,8 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
 
         @staticmethod
         def _engine(trainer):
-            engine = getattr(trainer.strategy, "engine", None)
+            # GCStrategy's engine, or GCModelParallelStrategy's replica exchange (FSDP2)
+            engine = getattr(trainer.strategy, "engine", None) or getattr(trainer.strategy, "replica", None)
             if engine is None or not hasattr(engine, "totals"):
                 return None
             return {k: float(v) for k, v in engine.totals().items() if isinstance(v, (int, float))}
@@ -310,17 +312,20 @@ def _compute_phase(model, trainer, cache: list, n: int) -> list[float]:
     model.log_dict = lambda *a, **k: None
     model.train()
     times = []
-    for i in range(n + 1):  # first replay is a warm-up
-        batch = cache[i % len(cache)]
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        out = model.training_step(batch, i)
-        loss = out["loss"] if isinstance(out, dict) else out
-        loss.backward()
-        opt.step()
-        dt = time.perf_counter() - t0
-        if i > 0:
-            times.append(dt)
+    # FSDP2 (a model-parallel strategy): no reduce-scatter and no replica exchange in these steps
+    fsdp = hasattr(trainer.strategy, "fully_shard_kwargs")
+    with trainer.strategy.block_backward_sync() if fsdp else contextlib.nullcontext():
+        for i in range(n + 1):  # first replay is a warm-up
+            batch = cache[i % len(cache)]
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            out = model.training_step(batch, i)
+            loss = out["loss"] if isinstance(out, dict) else out
+            loss.backward()
+            opt.step()
+            dt = time.perf_counter() - t0
+            if i > 0:
+                times.append(dt)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     return times

@@ -238,6 +238,22 @@ class ByteLanguageModel(L.LightningModule):
 
     vocab_size = 256
 
+    def configure_model(self) -> None:
+        """Under a model-parallel strategy (FSDP2), shard each of ``self.blocks`` and then the rest of
+        the model on the strategy's data-parallel mesh; under DDP (no device mesh), nothing. A strategy
+        with a ``fully_shard_kwargs()`` method says what ``fully_shard`` takes (lightning_gc's
+        ``GCModelParallelStrategy``: the mesh of one node's ranks); otherwise the ``data_parallel`` mesh."""
+        mesh = self._device_mesh
+        if mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        own = getattr(self.trainer.strategy, "fully_shard_kwargs", None)
+        kwargs = own() if callable(own) else {"mesh": mesh["data_parallel"]}
+        for block in getattr(self, "blocks", ()):
+            fully_shard(block, **kwargs)
+        fully_shard(self, **kwargs)
+
     def _loss(self, batch) -> torch.Tensor:
         x, y = batch
         logits = self(x)

@@ -26,8 +26,9 @@ replicas of a shard draw alike where they must and different shards draw indepen
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from torch import Tensor
 
 from .._finite import all_finite
 from ..comm.exchange import ExchangeTimes, Timer, error_feedback_residual
-from ..comm.hierarchy import NODE_COLLECTIVES, _COLLECTIVE_REASONS
+from ..comm.hierarchy import _COLLECTIVE_REASONS, NODE_COLLECTIVES
 from ..compressors.base import GroupContext
 from ..engine.memory import ErrorMemory
 from ..engine.slots import MethodSlot
@@ -147,6 +148,7 @@ class ReplicaExchange:
         self._memory = ErrorMemory()
         self._stats = ReplicaStats()
         self._finite = True
+        self._totals = {"steps": 0, "bytes_sent": 0, "bytes_payload": 0, "comm_time_s": 0.0, "compress_time_s": 0.0}
 
     def hook(self, gid: int, layout: ShardLayout) -> Callable[[Tensor], None]:
         """The all-reduce hook of FSDP module ``gid`` (``set_all_reduce_hook``)."""
@@ -214,9 +216,20 @@ class ReplicaExchange:
             self._memory.commit()
         else:
             self._memory.discard()
-        self.last, self._stats, self._finite = self._stats, ReplicaStats(), True
+        s, t = self._stats, self._totals
+        t["steps"] += 1
+        t["bytes_sent"] += s.bytes_inter_node
+        t["bytes_payload"] += s.bytes_payload
+        t["comm_time_s"] += s.comm_s
+        t["compress_time_s"] += s.compress_s
+        self.last, self._stats, self._finite = s, ReplicaStats(), True
         self.step += 1
         return finite
+
+    def totals(self) -> dict[str, float]:
+        """Since the start: optimizer steps, bytes this rank sent between replicas (all of it crosses
+        between nodes), payload bytes, seconds in collectives and in the codec."""
+        return dict(self._totals)
 
     def memory(self, gid: int) -> Tensor | None:
         """Committed error memory of module ``gid`` (flat, its shard's layout), or None."""
