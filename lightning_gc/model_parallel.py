@@ -11,8 +11,9 @@ module's all-reduce hook then runs lightning_gc's compressor between the nodes
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
@@ -32,6 +34,98 @@ from .sync.hsdp import ReplicaExchange, attach, refusal
 
 #: the folder, inside a distributed checkpoint, that holds each rank's error memory
 MEMORY_DIR = "lightning_gc"
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    """The compression options of both FSDP2 front doors (Trainer and Fabric), validated once: what is
+    sent between replicas, and how the ranks are laid out. Refusals name the value, reason and fix."""
+
+    compression: CompressionConfig
+    collective: str  # resolved
+    error_feedback: bool  # resolved
+    seed: int = 0
+    min_compress_numel: int = 1024
+    replicate_size: int | Literal["auto"] = "auto"
+
+    @classmethod
+    def build(cls, who: str, compressor: str, ratio: float | None, compressor_args: dict[str, Any] | None,
+              collective: str, error_feedback: bool | None, seed: int, min_compress_numel: int,
+              replicate_size: int | Literal["auto"], save_distributed_checkpoint: bool,
+              options: dict[str, Any]) -> ReplicaOptions:
+        unknown = [n for n in options if not is_flat_name(n)]
+        if unknown:
+            raise TypeError(f"{who} got an unexpected argument {unknown[0]!r}: it takes Lightning's model-parallel "
+                            "checkpoint/backend arguments and lightning_gc's compression options (docs/fsdp.md).")
+        given = {"compressor": compressor, **options}
+        why = refusal(given, None)
+        if why:
+            raise ValueError(why)
+        compression = CompressionConfig(compressor=compressor, ratio=ratio, compressor_args=compressor_args or {},
+                                        collective=collective, error_feedback=error_feedback)
+        resolved, ef = compression.resolved()
+        why = refusal(given, resolved)
+        if why:
+            raise ValueError(why)
+        EngineConfig(seed=seed, min_compress_numel=min_compress_numel)  # validates both with GCStrategy's rules
+        if replicate_size != "auto":
+            check_int("replicate_size", replicate_size, 1, "Use the number of nodes, or 'auto' for num_nodes.")
+        if not save_distributed_checkpoint and ef:
+            raise ValueError(f"save_distributed_checkpoint=False with compressor={compressor!r} and error feedback: the "
+                             "error memory differs on every rank, so a checkpoint assembled on rank 0 cannot hold it. "
+                             "Keep save_distributed_checkpoint=True (the default), or pass error_feedback=False.")
+        return cls(compression, resolved, ef, seed, min_compress_numel, replicate_size)
+
+    def replicas(self, num_nodes: int) -> int:
+        """The number of replicas (``replicate_size`` resolved against the launcher's nodes)."""
+        return num_nodes if self.replicate_size == "auto" else int(self.replicate_size)
+
+    def mesh(self, device_type: str, world: int, num_nodes: int) -> Any:
+        """The ``("replicate", "data_parallel", "tensor_parallel")`` mesh (a collective call)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        replicas = self.replicas(num_nodes)
+        if world % replicas:
+            raise ValueError(f"replicate_size={replicas} does not divide the {world} ranks: every replica (node) holds "
+                             "the same number of shards. Use a divisor of the world size.")
+        return init_device_mesh(device_type, (replicas, world // replicas, 1),
+                                mesh_dim_names=("replicate", "data_parallel", "tensor_parallel"))
+
+    def attach(self, model: torch.nn.Module, mesh: Any) -> ReplicaExchange:
+        """Hook every FSDP module of ``model`` (sharded on ``mesh["data_parallel"]``) and check that
+        every replica of a shard sends the same groups: on a difference every rank stops with it."""
+        c = self.compression
+        spec = MethodSpec(c.compressor, c.ratio, dict(c.compressor_args), self.collective, self.error_feedback)
+        group = mesh["replicate"].get_group()
+        replica = ReplicaExchange(build_slot(spec, group, NetworkState(), False), group,
+                                  replica=mesh["replicate"].get_local_rank(), replicas=mesh["replicate"].size(),
+                                  shard=mesh["data_parallel"].get_local_rank(), seed=self.seed,
+                                  min_compress_numel=self.min_compress_numel)
+        attach(model, replica)
+        mine = replica.signature()["layouts"]
+        theirs: list[Any] = [None] * replica.replicas
+        dist.all_gather_object(theirs, mine, group=group)
+        if any(t != mine for t in theirs):
+            diff = next(t for t in theirs if t != mine)
+            raise RuntimeError(f"lightning_gc: the replicas sharded the model differently (here {mine}, elsewhere "
+                               f"{diff}); shard it identically on every node.")
+        return replica
+
+
+def save_memory(replica: ReplicaExchange, folder: Path, rank: int) -> None:
+    """This rank's error memory and exchange state, in ``folder/lightning_gc/`` (a distributed
+    checkpoint's folder)."""
+    (folder / MEMORY_DIR).mkdir(parents=True, exist_ok=True)
+    torch.save(replica.state_dict(), folder / MEMORY_DIR / f"rank{rank:05d}.pt")
+
+
+def load_memory(replica: ReplicaExchange, folder: Path, rank: int) -> None:
+    path = folder / MEMORY_DIR / f"rank{rank:05d}.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"lightning_gc: {path} is missing: this checkpoint holds no error memory for this rank "
+                                "(saved by another strategy, or on fewer ranks). Resume on the layout it was saved on, "
+                                "or start a new run from its weights.")
+    replica.load_state_dict(torch.load(path, weights_only=False))
 
 
 class GCModelParallelStrategy(ModelParallelStrategy):
@@ -79,53 +173,24 @@ class GCModelParallelStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **options: Any,
     ) -> None:
-        unknown = [n for n in options if not is_flat_name(n)]
-        if unknown:
-            raise TypeError(f"GCModelParallelStrategy got an unexpected argument {unknown[0]!r}: it takes "
-                            "ModelParallelStrategy's checkpoint/backend arguments and lightning_gc's compression "
-                            "options (docs/fsdp.md).")
-        given = {"compressor": compressor, **options}
-        why = refusal(given, None)
-        if why:
-            raise ValueError(why)
-        self.compression = CompressionConfig(compressor=compressor, ratio=ratio, compressor_args=compressor_args or {},
-                                             collective=collective, error_feedback=error_feedback)
-        resolved_collective, self.error_feedback = self.compression.resolved()
-        why = refusal(given, resolved_collective)
-        if why:
-            raise ValueError(why)
-        EngineConfig(seed=seed, min_compress_numel=min_compress_numel)  # validates both with GCStrategy's rules
-        if replicate_size != "auto":
-            check_int("replicate_size", replicate_size, 1, "Use the number of nodes, or 'auto' for num_nodes.")
-        if not save_distributed_checkpoint and self.error_feedback:
-            raise ValueError(f"save_distributed_checkpoint=False with compressor={compressor!r} and error feedback: the "
-                             "error memory differs on every rank, so a checkpoint assembled on rank 0 cannot hold it. "
-                             "Keep save_distributed_checkpoint=True (the default), or pass error_feedback=False.")
+        self.options = ReplicaOptions.build(type(self).__name__, compressor, ratio, compressor_args, collective,
+                                            error_feedback, seed, min_compress_numel, replicate_size,
+                                            save_distributed_checkpoint, options)
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self.seed, self.min_compress_numel, self.collective = seed, min_compress_numel, resolved_collective
-        self._replicate_size = replicate_size
         self.replica: ReplicaExchange | None = None
 
-    # ------------------------------------------------------------------ the mesh
-    def replicas(self) -> int:
-        """The number of replicas (resolved ``replicate_size``)."""
-        return self.num_nodes if self._replicate_size == "auto" else int(self._replicate_size)
+    @property
+    def compression(self) -> CompressionConfig:
+        return self.options.compression
 
+    # ------------------------------------------------------------------ the mesh
     @override
     def setup_environment(self) -> None:
-        world = self.num_nodes * self.num_processes
-        replicas = self.replicas()
-        if world % replicas:
-            raise ValueError(f"replicate_size={replicas} does not divide the {world} ranks: every replica (node) holds "
-                             "the same number of shards. Use a divisor of the world size.")
-        self._data_parallel_size = world  # Lightning's own 2-D mesh, replaced below
+        self._data_parallel_size = self.num_nodes * self.num_processes  # Lightning's own 2-D mesh, replaced below
         super().setup_environment()
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self._device_mesh = init_device_mesh(self.root_device.type, (replicas, world // replicas, 1),
-                                             mesh_dim_names=("replicate", "data_parallel", "tensor_parallel"))
+        self._device_mesh = self.options.mesh(self.root_device.type, self.world_size, self.num_nodes)
         self.lightning_module._device_mesh = self._device_mesh
 
     def fully_shard_kwargs(self) -> dict[str, Any]:
@@ -143,27 +208,7 @@ class GCModelParallelStrategy(ModelParallelStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        mesh = self.device_mesh
-        spec = MethodSpec(self.compression.compressor, self.compression.ratio, dict(self.compression.compressor_args),
-                          self.collective, self.error_feedback)
-        group = mesh["replicate"].get_group()
-        self.replica = ReplicaExchange(build_slot(spec, group, NetworkState(), False), group,
-                                       replica=mesh["replicate"].get_local_rank(), replicas=mesh["replicate"].size(),
-                                       shard=mesh["data_parallel"].get_local_rank(), seed=self.seed,
-                                       min_compress_numel=self.min_compress_numel)
-        attach(self.model, self.replica)
-        self._check_layouts_agree()
-
-    def _check_layouts_agree(self) -> None:
-        """Every replica of a shard must send the same groups in the same order: compare the layouts
-        across the replica group once, and stop every rank with the difference (never a hang)."""
-        mine = self.replica.signature()["layouts"]
-        theirs: list[Any] = [None] * self.replica.replicas
-        dist.all_gather_object(theirs, mine, group=self.replica.group)
-        if any(t != mine for t in theirs):
-            diff = next(t for t in theirs if t != mine)
-            raise RuntimeError(f"lightning_gc: the replicas sharded the model differently (here {mine}, elsewhere {diff}); "
-                               "configure_model must call fully_shard identically on every node.")
+        self.replica = self.options.attach(self.model, self.device_mesh)
 
     @contextmanager
     @override
@@ -193,21 +238,14 @@ class GCModelParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         super().save_checkpoint(checkpoint, filepath, storage_options)
         if self.replica is not None and self._save_distributed_checkpoint:
-            folder = Path(self.broadcast(filepath)) / MEMORY_DIR
-            folder.mkdir(parents=True, exist_ok=True)
-            torch.save(self.replica.state_dict(), folder / f"rank{self.global_rank:05d}.pt")
+            save_memory(self.replica, Path(self.broadcast(filepath)), self.global_rank)
             self.barrier()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         out = super().load_checkpoint(checkpoint_path, weights_only)
         if self.replica is not None:
-            path = Path(self.broadcast(checkpoint_path)) / MEMORY_DIR / f"rank{self.global_rank:05d}.pt"
-            if not path.is_file():
-                raise FileNotFoundError(f"lightning_gc: {path} is missing: this checkpoint holds no error memory for this "
-                                        "rank (saved by another strategy, or on fewer ranks). Resume on the layout it "
-                                        "was saved on, or start a new run from its weights.")
-            self.replica.load_state_dict(torch.load(path, weights_only=False))
+            load_memory(self.replica, Path(self.broadcast(checkpoint_path)), self.global_rank)
         return out
 
     @classmethod
@@ -232,3 +270,74 @@ def register_model_parallel_aliases() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     GCModelParallelStrategy.register_strategies(StrategyRegistry)
+
+
+class GCFabricModelParallelStrategy(FabricModelParallelStrategy):
+    """Lightning Fabric's :class:`~lightning.fabric.strategies.ModelParallelStrategy` with the replica
+    exchange of :class:`GCModelParallelStrategy`: ``parallelize_fn(module, device_mesh)`` shards on
+    ``device_mesh["data_parallel"]`` (one node's ranks), the nodes are the replicas. Gradient
+    accumulation is Fabric's ``no_backward_sync``; ``fabric.save``/``fabric.load`` keep each rank's
+    error memory in the checkpoint folder (distributed checkpoints).
+
+    Args:
+        parallelize_fn: as in Fabric's ``ModelParallelStrategy``.
+        compressor, ratio, compressor_args, collective, error_feedback, seed, min_compress_numel,
+        replicate_size, save_distributed_checkpoint, process_group_backend, timeout, **options: as in
+            :class:`GCModelParallelStrategy`.
+    """
+
+    def __init__(self, parallelize_fn: Callable[[Any, Any], Any], *, compressor: str = "topk",
+                 ratio: float | None = None, compressor_args: dict[str, Any] | None = None, collective: str = "auto",
+                 error_feedback: bool | None = None, seed: int = 0, min_compress_numel: int = 1024,
+                 replicate_size: int | Literal["auto"] = "auto", save_distributed_checkpoint: bool = True,
+                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+                 **options: Any) -> None:
+        self.options = ReplicaOptions.build(type(self).__name__, compressor, ratio, compressor_args, collective,
+                                            error_feedback, seed, min_compress_numel, replicate_size,
+                                            save_distributed_checkpoint, options)
+        super().__init__(parallelize_fn, data_parallel_size="auto", tensor_parallel_size=1,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self.replica: ReplicaExchange | None = None
+
+    @override
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes  # Lightning's own 2-D mesh, replaced below
+        super().setup_environment()
+        self._device_mesh = self.options.mesh(self.root_device.type, self.world_size, self.num_nodes)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.replica is not None:
+            raise RuntimeError("GCFabricModelParallelStrategy sets up one model; make one Fabric per model.")
+        module = super().setup_module(module)
+        self.replica = self.options.attach(module, self.device_mesh)
+        return module
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, **kwargs)
+        if self.replica is not None:
+            self.replica.after_step()
+        return out
+
+    @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
+                        filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
+        super().save_checkpoint(path, state, storage_options, filter)
+        if self.replica is not None and self._save_distributed_checkpoint:
+            save_memory(self.replica, Path(self.broadcast(path)), self.global_rank)
+            self.barrier()
+
+    @override
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        out = super().load_checkpoint(path, state, strict, weights_only)
+        if self.replica is not None:
+            load_memory(self.replica, Path(self.broadcast(path)), self.global_rank)
+        return out
