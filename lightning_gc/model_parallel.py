@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from ._validation import check_int
@@ -230,8 +231,25 @@ class GCModelParallelStrategy(ModelParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.replica is not None:
-            self.replica.after_step()
+            if not self.replica.after_step():
+                rank_zero_warn("lightning_gc: a replica exchange produced a non-finite mean; this step's error "
+                               "memory was discarded (the optimizer still stepped, as under native HSDP).")
+            self._log_step()
         return out
+
+    def _log_step(self) -> None:
+        """``gc/bytes_inter_node`` (bytes this rank sent between replicas), ``gc/comm_s`` and
+        ``gc/codec_s`` to the Trainer's loggers, every ``log_every_n_steps`` (rank 0's figures)."""
+        trainer = self.lightning_module.trainer
+        last = self.replica.last
+        if self.global_rank != 0 or not trainer.loggers or last is None:
+            return
+        if (trainer.global_step + 1) % max(1, trainer.log_every_n_steps):
+            return
+        metrics = {"gc/bytes_inter_node": float(last.bytes_inter_node), "gc/comm_s": last.comm_s,
+                   "gc/codec_s": last.compress_s}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -231,3 +231,33 @@ def test_a_model_sharded_wrongly_stops_every_rank_with_the_fix(tmp_path):
     unsharded, native = res[0]
     assert "no module sharded with FSDP2" in unsharded and "fully_shard(layer, mesh=" in unsharded
     assert "replicate dimension (native HSDP)" in native and "device_mesh['data_parallel']" in native
+
+
+def _logged(rank: int, world: int, tmp: str) -> list[dict]:
+    from lightning.pytorch.loggers import CSVLogger
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(WORLD))
+    logger = CSVLogger(tmp, name="fsdp")
+    trainer = L.Trainer(strategy=GCModelParallelStrategy(compressor="bf16", replicate_size=R, min_compress_numel=0),
+                        accelerator="cpu", devices=WORLD, max_steps=4, logger=logger, log_every_n_steps=2,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=tmp, use_distributed_sampler=False)
+    trainer.fit(Regressor(), DataLoader(_data(4), batch_size=BATCH))
+    if rank:
+        return []
+    import csv
+
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+        return [row for row in csv.DictReader(f) if row.get("gc/bytes_inter_node")]
+
+
+def test_bytes_between_nodes_are_logged_as_the_ring_model_says(tmp_path):
+    rows = run_distributed(_logged, WORLD, str(tmp_path), timeout=300)[0]
+    assert len(rows) == 2, "every log_every_n_steps"
+    # bf16 allreduce of this rank's shards across R replicas: 2 (R−1)/R · 2 bytes · elements of its shards
+    shard_rows = [-(-HID // S), -(-HID // S), -(-OUT // S)]  # padded rows of each Linear's shard
+    cols = [IN, HID, HID]
+    elements = sum(r * (c + 1) for r, c in zip(shard_rows, cols))  # weight rows and bias of each Linear
+    want = 2 * (R - 1) / R * 2 * elements
+    for row in rows:
+        assert float(row["gc/bytes_inter_node"]) == want
