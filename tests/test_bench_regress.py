@@ -80,6 +80,10 @@ def test_a_ratio_worse_than_baseline_beyond_the_tolerance_is_flagged():
     assert flags == {"a": "ok", "b": "worse", "c": "ok", "d": "no baseline", "e": "failed"}
     md = regress.markdown(regress.compare(rows, base, 0.10, quick=False), base, 0.10, quick=False)
     assert "**1 ratio(s) worse than the baseline**: b" in md
+    assert "overhead above" not in md  # every share is under the 5 % bound here
+    rows[0]["overhead_share"] = {"topk": 0.06, "ddp": None}
+    md = regress.markdown(regress.compare(rows, base, 0.10, quick=False), base, 0.10, quick=False)
+    assert "Engine overhead above 5% of the step: c/topk 6.0%." in md
 
 
 def test_a_failed_method_leaves_its_case_without_ratio():

@@ -32,6 +32,8 @@ __all__ = ["CASES", "Case", "Ratio", "RegressError", "run_suite", "compare", "ma
 
 #: the recorded baseline kept in the repository
 DEFAULT_BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "regress_baseline.json")
+#: issue 63's bound on the engine's own time (StepStats.overhead_s) as a share of the step, every method
+OVERHEAD_BOUND = 0.05
 #: a ratio worse than its baseline by more than this fraction is flagged (run-to-run spread of the
 #: issue's ratios on a quiet machine was up to ~6 %, e.g. Top-k/PowerSGD 1.14-1.21x)
 DEFAULT_TOLERANCE = 0.10
@@ -221,6 +223,10 @@ def markdown(compared: list[dict], baseline: dict, tolerance: float, *, quick: b
         shares = ", ".join(f"{role} {_f(s, '{:.1%}')}" for role, s in r["overhead_share"].items() if s is not None)
         lines.append(f"| {r['case']} | {r['what']} | {_f(r['value'])} | {_f(r['baseline'])} | "
                      f"{_f(r['vs_baseline'], '{:.2f}×')} | {_f(r['bound'], '≤ {:.2f}')} | {r['flag']} | {shares or '–'} |")
+    heavy = sorted({f"{r['case']}/{role} {share:.1%}" for r in compared for role, share in r["overhead_share"].items()
+                    if share is not None and share > OVERHEAD_BOUND})
+    if heavy:
+        lines += ["", f"Engine overhead above {OVERHEAD_BOUND:.0%} of the step: {', '.join(heavy)}."]
     worse = [r["ratio"] for r in compared if r["flag"] == "worse"]
     lines += ["", f"**{len(worse)} ratio(s) worse than the baseline**: {', '.join(worse)}" if worse
               else "No ratio is worse than its baseline beyond the tolerance." if not quick else ""]
