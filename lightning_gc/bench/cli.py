@@ -14,6 +14,7 @@ import argparse
 import sys
 
 from lightning_gc.bench.methods import MethodError
+from lightning_gc.bench.regress import RegressError
 from lightning_gc.bench.schedule import ScheduleError
 from lightning_gc.bench.workloads import WorkloadError, preset_arg
 
@@ -112,6 +113,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ifname", default=None, help="with --prepare: NIC whose tx counter gives wire bytes, e.g. eth0")
     c.add_argument("--master-addr", default="NODE0_ADDRESS", help="with --prepare: address of node 0")
     c.add_argument("--master-port", type=int, default=29500, help="with --prepare: rendezvous port on node 0")
+    g = p.add_argument_group("suites (docs/bench.md, 'The regression suite')")
+    g.add_argument("--suite", choices=("regress",), default=None,
+                   help="run a fixed suite of cases instead of --methods: 'regress' runs issue 63's ratios on the "
+                        "full-width cnn (4 ranks on 2 emulated hosts unless --preset/--ranks/--hosts are given) and "
+                        "prints each beside the recorded baseline; exit 1 when one is worse beyond --tolerance")
+    g.add_argument("--quick", action="store_true",
+                   help="with --suite: every method once, a tiny preset, unshaped, 2 ranks (checks the plumbing; "
+                        "nothing is compared)")
+    g.add_argument("--cases", default=None, metavar="NAME,...", help="with --suite: only these cases")
+    g.add_argument("--baseline", default=None, metavar="FILE",
+                   help="with --suite: the baseline to compare with (default: lightning_gc/bench/regress_baseline.json)")
+    g.add_argument("--tolerance", type=float, default=None, metavar="FRACTION",
+                   help="with --suite: flag a ratio above its baseline by more than this fraction (default 0.10)")
+    g.add_argument("--record", default=None, metavar="FILE",
+                   help="with --suite: also write this run's ratios as a baseline file (date and machine included)")
     p.add_argument("--codec", action="store_true",
                    help="run the codec micro-benchmark instead (single process, no network); the other options "
                         "are those of `python -m lightning_gc.bench.codec --help` (docs/bench.md)")
@@ -183,6 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_gc.bench import report
     from lightning_gc.bench.runner import BenchConfig, BenchError, collect, prepare, run_bench
 
+    if args.suite:
+        return _suite(args, argv)
+    stray = [f for f, v in (("--quick", args.quick), ("--cases", args.cases), ("--baseline", args.baseline),
+                            ("--tolerance", args.tolerance), ("--record", args.record)) if v]
+    if stray:
+        print(f"lightning-gc bench: error: {', '.join(stray)} only apply with --suite regress", file=sys.stderr)
+        return 2
+
     cfg = BenchConfig(
         preset=args.preset, preset_args=dict(args.preset_arg), ranks=args.ranks, hosts=args.hosts,
         bandwidth=args.bandwidth, schedule=args.schedule, change_in_step=args.change_in_step, methods=args.methods, ratio=args.ratio,
@@ -222,6 +246,68 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _suite(args, argv: list[str]) -> int:
+    """``--suite regress``: run the cases, print each ratio beside the baseline (lightning_gc/bench/regress.py)."""
+    import json
+
+    from lightning_gc.bench import regress
+    from lightning_gc.bench.runner import BenchConfig, run_bench
+
+    if args.quick and args.record:
+        print("lightning-gc bench: error: --record with --quick would record a tiny unshaped run as the baseline; "
+              "record from the full suite on a quiet machine", file=sys.stderr)
+        return 2
+    tolerance = regress.DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    if not tolerance >= 0:
+        print(f"lightning-gc bench: error: --tolerance {args.tolerance} must be >= 0, e.g. 0.1", file=sys.stderr)
+        return 2
+    given = {a.split("=")[0] for a in argv}
+    fixed = sorted(given & {"--methods", "--bandwidth", "--schedule", "--steps", "--warmup", "--budget", "--repeat",
+                            "--seeds", "--eval-every", "--prepare", "--collect", "--out", "--fidelity", "--target"})
+    if fixed:
+        print(f"lightning-gc bench: error: --suite fixes each case's methods, link and steps; drop {', '.join(fixed)} "
+              "(lightning_gc/bench/regress.py defines the cases; --cases selects some)", file=sys.stderr)
+        return 2
+    base = BenchConfig(
+        preset=args.preset if "--preset" in given else "cnn", preset_args=dict(args.preset_arg),
+        ranks=args.ranks, hosts=args.hosts if "--hosts" in given else (2 if args.ranks % 2 == 0 else None),
+        compute_steps=args.compute_steps, val_batches=args.val_batches if "--val-batches" in given else 2,
+        seed=args.seed, threads=args.threads, shaper=args.shaper, shape_ingress=not args.no_shape_ingress,
+        network=args.network, timeout_s=args.timeout, logs_dir=args.logs, ratio=args.ratio,
+    )
+
+    def run():
+        cases = regress.select(args.cases)
+        baseline = regress.load_baseline(args.baseline or regress.DEFAULT_BASELINE)
+        rows, docs = regress.run_suite(cases, base, quick=args.quick, run_bench=run_bench, log=_log)
+        return rows, docs, baseline
+
+    out, code = _guarded(run)
+    if code is not None:
+        return code
+    rows, docs, baseline = out
+    compared = regress.compare(rows, baseline, tolerance, quick=args.quick)
+    _log("")
+    _log(regress.markdown(compared, baseline, tolerance, quick=args.quick))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"suite": "regress", "quick": args.quick, "tolerance": tolerance, "baseline": baseline,
+                       "command": "lightning-gc bench " + " ".join(argv), "rows": compared, "documents": docs},
+                      fh, indent=1, default=str)
+        _log(f"wrote {args.json}")
+    if args.record:
+        with open(args.record, "w") as fh:
+            json.dump(regress.baseline_document(rows, "lightning-gc bench " + " ".join(argv)), fh, indent=1)
+            fh.write("\n")
+        _log(f"wrote {args.record}")
+    bad = [r["ratio"] for r in compared if r["flag"] in ("worse", "failed")]
+    if bad:
+        print(f"lightning-gc bench: suite regress: {len(bad)} ratio(s) worse or failed: {', '.join(bad)}",
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 def _guarded(run):
     """``(run(), None)``, or ``(None, exit code)`` after saying why: 2 for bad input, 130 for Ctrl-C
     (the runner has already removed its processes and namespaces)."""
@@ -229,7 +315,7 @@ def _guarded(run):
 
     try:
         return run(), None
-    except (BenchError, ScheduleError, MethodError, WorkloadError) as exc:
+    except (BenchError, ScheduleError, MethodError, WorkloadError, RegressError) as exc:
         print(f"lightning-gc bench: error: {exc}", file=sys.stderr, flush=True)
         return None, 2
     except KeyboardInterrupt:

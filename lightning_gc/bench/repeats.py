@@ -38,7 +38,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 #: per-round figures combined by their median over rounds (None = not measured in that round)
-MEDIAN_FIELDS = ("step_time_mean_s", "compute_time_s", "comm_exposed_s", "final_metric")
+MEDIAN_FIELDS = ("step_time_mean_s", "compute_time_s", "comm_exposed_s", "final_metric", "overhead_s",
+                 "overhead_share")
 #: ratios taken within each round, then their median over rounds
 STEP_RATIO_FIELDS = ("ratio_vs_ddp", "mean_ratio_vs_ddp", "ratio_vs_best_baseline")
 #: time-to-target ratios: a round that did not reach the target counts as infinitely slow

@@ -239,21 +239,22 @@ def markdown(doc: dict) -> str:
            "'Rounds' below)." if (c.get("rounds") or 1) > 1 else ""),
         "",
         f"| method | step (median) | IQR |{' step (mean) |' if varying else ''} compute | exposed comm | "
+        "overhead (ms/step, % of step) | "
         f"{'floor (mean)' if varying else 'floor'} | step / DDP | step / best baseline | engine bytes | wire bytes "
         f"| link use | {metric} | time to {metric} {'≥' if c.get('mode') == 'max' else '≤'} {_v(target)} | TTT / DDP "
         "| TTT / best baseline |",
-        "|---|---:|---:|" + ("---:|" if varying else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|" + ("---:|" if varying else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["results"]:
         if r["status"] != "ok":
-            lines.append(f"| `{r['label']}` | failed |" + " |" * (14 if varying else 13))
+            lines.append(f"| `{r['label']}` | failed |" + " |" * (15 if varying else 14))
             continue
         pick = auto_pick(r)
         lines.append(
             f"| `{r['label']}`{f' → {pick}' if pick else ''} | {_s(r['step_time_s'])} | {_s(r['step_time_iqr_s'])} |"
             + (f" {_s(r.get('step_time_mean_s'))} |" if varying else "")
             + f" {_s(r['compute_time_s'])} "
-            f"| {_s(r['comm_exposed_s'])} | {_s(r['floor_s'])} | {_r(r['ratio_vs_ddp'])} "
+            f"| {_s(r['comm_exposed_s'])} | {overhead_cell(r)} | {_s(r['floor_s'])} | {_r(r['ratio_vs_ddp'])} "
             f"| {_r(r.get('ratio_vs_best_baseline'))} | {_b(r['bytes_per_step'])} "
             f"| {_b(r['wire_bytes_per_step'])} | {_p(r.get('link_utilization'))} | {_v(r['final_metric'])} "
             f"| {_s(r['time_to_target_s']) if r['time_to_target_s'] is not None else 'not reached'} "
@@ -274,7 +275,10 @@ def markdown(doc: dict) -> str:
     lines += [
         "",
         "How to read it: *step* is the median wall time of a training step (slowest rank), *compute* the same "
-        "step without any communication, *exposed comm* their difference, *floor* max(compute, bytes on the "
+        "step without any communication, *exposed comm* their difference, *overhead* the lightning_gc engine's own "
+        "time per step outside the codec, gradient collectives and probes (bookkeeping, agreements, copies, "
+        "error-memory arithmetic, auto's decisions; summed over the engine's threads, so partly hidden behind "
+        "backward when it overlaps; – for torch's hooks), *floor* max(compute, bytes on the "
         "host's link / link rate) — no method can beat it on this link. *engine bytes* are what the method's "
         "byte model counts (lightning_gc engine, or the analytic ring model for ddp/fp16/powersgd), *wire bytes* "
         "what the host interface transmitted (headers included) divided by processes per host, *link use* the "
@@ -282,6 +286,15 @@ def markdown(doc: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def overhead_cell(r: dict) -> str:
+    """The overhead column: ms per step and its share of the step (docs/bench.md, 'Overhead')."""
+    o = r.get("overhead_s")
+    if o is None:
+        return "–"
+    share = r.get("overhead_share")
+    return f"{o * 1e3:.1f} ms" + (f" ({100 * share:.1f}%)" if share is not None else "")
 
 
 def _rounds_section(doc: dict) -> list[str]:

@@ -482,6 +482,9 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
                 extra["engine_compressed_steps"] = min(e["compressed_steps"] for e in eng)
             if all("comm_time_s" in e for e in eng):  # time inside the engine's collectives
                 extra["comm_time_s"] = statistics.fmean(e["comm_time_s"] for e in eng) / measured
+            if all("overhead_s" in e for e in eng):  # the engine's own time (docs/bench.md, "Overhead")
+                for key in ("overhead_s", "engine_own_s", "control_comm_s"):
+                    extra[key] = statistics.fmean(e.get(key, 0.0) for e in eng) / measured
             if all("exchange_comm_s" in e for e in eng):  # compressed exchanges only, ranks lined up
                 extra["exchange_comm_s"] = statistics.fmean(e["exchange_comm_s"] for e in eng) / measured
             if all(e.get("predicted_comm_s") for e in eng):  # model-chosen collectives (artopk_auto)
@@ -508,6 +511,10 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
             extra["adaptive"] = ranks[0]["adaptive"]
         if ranks[0].get("auto"):  # compressor="auto": what it picked, when and why (replicated: rank 0's)
             extra["auto"] = ranks[0]["auto"]
+            chooser = chooser_seconds(ranks[0]["auto"], warmup, steps)
+            if chooser is not None and "overhead_s" in extra:  # the chooser's work is overhead too
+                extra["chooser_s"] = chooser / measured
+                extra["overhead_s"] += chooser / measured
     else:
         psgd = ranks[0].get("powersgd_numel_window")
         psgd_per_step = None
@@ -569,6 +576,8 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
                 ttt = pt["train_time_s"]
                 break
 
+    if extra.get("overhead_s") is not None:
+        extra["overhead_share"] = extra["overhead_s"] / step_s if step_s else None
     hook = ranks[0].get("comm_hook")
     fid = [rk["fidelity"] for rk in ranks if rk.get("fidelity")]
     if fid:  # --fidelity: each figure's mean over the steps, then over the ranks (local-step methods differ)
@@ -620,6 +629,17 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
         result["error"] = (f"the torch comm hook {marker} did not run (DDP reports comm_hook={hook!r}); the "
                            f"measured numbers are plain DDP and must not be used")
     return result
+
+
+def chooser_seconds(auto: dict, warmup: int, steps: int) -> float | None:
+    """Seconds the ``auto`` chooser's decisions took in the measured steps (``warmup`` to ``steps``), less
+    their probes (wire time): each decision's ``decide_s`` is the slowest rank's. None without decisions
+    that record it."""
+    timed = [d for d in auto.get("decisions") or [] if d.get("decide_s") is not None]
+    if not timed:
+        return None
+    inside = [d for d in timed if warmup <= int(d["step"]) < steps]
+    return sum(float(d["decide_s"]) - float((d.get("decide_parts_s") or {}).get("probe", 0.0)) for d in inside)
 
 
 def failed_result(spec: MethodSpec, error: str) -> dict:

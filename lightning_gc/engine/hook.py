@@ -77,7 +77,7 @@ from .memory import ErrorMemory
 from .network import NetworkTracker
 from .readiness import Readiness, new_future
 from .slots import MethodSlot, MethodSpec, build_slot
-from .stats import StepStats, Totals
+from .stats import OwnClock, StepStats, Totals, step_overhead
 
 
 def _scatter(flat: Tensor, views: list[Tensor]) -> None:
@@ -103,6 +103,7 @@ class _StepWork:
     report: StepReport = field(default_factory=StepReport)
     descriptor: str = ""  # what this rank does this step (the opening check's and closing report's hash)
     control_comm_s: float = 0.0  # opening check + closing report
+    async_comm_s: float = 0.0  # of times.comm_s, dense buckets' issue-to-callback time (no engine code waited)
     exchange_comm_s: float = 0.0  # inside the compressed groups' exchanges (what the cost model predicts)
     error: BaseException | None = None
     closed: bool = False
@@ -229,6 +230,7 @@ class GCEngine:
         self._last_work: _StepWork | None = None
         self._failure: BaseException | None = None
         self._stats_lock = threading.Lock()
+        self._own = OwnClock()  # the engine's own wall time per step (StepStats.overhead_s)
         self._dense_bytes_per_step = ring_allreduce_bytes(
             sum(p.numel() * p.element_size() for p in self.params), self.world_size
         )
@@ -667,6 +669,10 @@ class GCEngine:
 
     # ------------------------------------------------------------------ the hook (autograd thread)
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        with self._own.region():
+            return self._on_bucket(bucket)
+
+    def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         self.hook_calls += 1
         if self._failure is not None:
             raise RuntimeError(
@@ -848,7 +854,8 @@ class GCEngine:
         if work.error is not None:
             return
         try:
-            job(*args)
+            with self._own.region():
+                job(*args)
         except BaseException as e:  # noqa: BLE001 - every Future of the step must learn about it
             self._fail(work, e)
 
@@ -938,14 +945,16 @@ class GCEngine:
             except BaseException as e:  # noqa: BLE001
                 self._fail(work, e)
                 return
+            waited = time.perf_counter() - t0
             with work.lock:
-                work.times.comm_s += time.perf_counter() - t0
+                work.times.comm_s += waited
+                work.async_comm_s += waited
                 work.stats.nonfinite = work.stats.nonfinite or bad
                 if carried is not None and math.isfinite(carried):
                     work.stats.carried_wall_mean_s = carried
             self._dense_bucket_done(work, fut, out)
 
-        reduced.add_done_callback(done)
+        reduced.add_done_callback(self._own.wrap(done))
 
     def _dense_bucket_done(self, work: _StepWork, fut: torch.futures.Future, out: Tensor) -> None:
         with work.lock:
@@ -1216,6 +1225,10 @@ class GCEngine:
                 self._memory.stage(gid, mem)
             self._memory.commit()
             self._dense_flush = True  # a dense mode sends it with its next step's buckets
+        s.control_comm_s = work.control_comm_s
+        s.engine_own_s = self._own.take()  # this step's own time, up to here
+        s.overhead_s = step_overhead(s.engine_own_s, work.times.comm_s, work.async_comm_s, work.times.compress_s,
+                                     s.probe_s)
         with self._stats_lock:
             self._last_stats = s
             self._last_nonfinite = s.nonfinite

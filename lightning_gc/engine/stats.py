@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 #: Exchanges whose own schedule sends some of the engine's compressed steps in another form report
@@ -56,6 +60,13 @@ class StepStats:
     # round, None when the step ran no Marsit exchange (exchanges report it in ExchangeTimes.full_precision)
     compressor_metrics: dict | None = None  # compressor-specific values of the step, logged as
     # gc/<key> (e.g. GradiVeQ's phase, d per tensor, compression loss; ExchangeTimes.metrics)
+    # the engine's own time (OwnClock; docs/bench.md, "Overhead"): wall time in its code on every thread it
+    # runs on (hook, runner, backend callbacks), summed over the threads; control_comm_s its agreements'
+    # collectives (opening check, closing report); overhead_s = engine_own_s minus what those regions spent
+    # blocked in gradient collectives, in the codec (compress_time_s) and in probes (agreements stay in)
+    engine_own_s: float = 0.0
+    control_comm_s: float = 0.0
+    overhead_s: float = 0.0
 
     @property
     def mode(self) -> str:
@@ -93,6 +104,9 @@ class Totals:
     chose_allgather: int = 0
     chose_art_ring: int = 0
     chose_art_tree: int = 0
+    engine_own_s: float = 0.0
+    control_comm_s: float = 0.0
+    overhead_s: float = 0.0
 
     def add(self, s: StepStats) -> None:
         self.steps += 1
@@ -108,6 +122,9 @@ class Totals:
         self.comm_time_s += s.comm_time_s
         self.probes += int(s.probe_s > 0)
         self.exchange_comm_s += s.exchange_comm_s
+        self.engine_own_s += s.engine_own_s
+        self.control_comm_s += s.control_comm_s
+        self.overhead_s += s.overhead_s
         if s.predicted_comm_s is not None:
             self.predicted_comm_s += s.predicted_comm_s
         for name in (s.collective or "").split("+"):
@@ -116,3 +133,67 @@ class Totals:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def step_overhead(own_s: float, comm_s: float, async_comm_s: float, compress_s: float, probe_s: float) -> float:
+    """The engine's overhead of a step: its own wall time ``own_s`` minus what that time spent blocked in
+    gradient collectives (``comm_s`` less ``async_comm_s``, the part measured from a collective's issue to
+    its completion callback while no engine code waited: DDP-style dense buckets), in the codec
+    (``compress_s``) and in network probes (``probe_s``). Agreements are not subtracted: they are the
+    engine's bookkeeping. On CUDA ``comm_s``/``compress_s`` are device time from events, ``own_s`` host
+    time: the difference is then an estimate (docs/bench.md, "Overhead")."""
+    return own_s - (comm_s - async_comm_s) - compress_s - probe_s
+
+
+class OwnClock:
+    """The engine's own wall time, from monotonic clocks around its entry points, without any device
+    synchronisation.
+
+    Each thread the engine runs on (DDP's autograd thread in the hook, the ordered worker, the backend's
+    completion callbacks) opens a :meth:`region` around an entry point; regions nested on one thread
+    (a synchronous runner's jobs inside the hook) count once. A region adds its wall time to a pot when it
+    ends; :meth:`take` empties the pot for the step being finished, with the calling thread's open region
+    counted up to now (the rest of that region, and other threads' regions still open, go to the next
+    step: per-step figures are exact in sum over steps, and to within one region's tail per step).
+    ``clock`` is injectable for tests.
+    """
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self._clock = clock or (lambda: time.perf_counter())  # looked up per call (tests replace it)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._pot = 0.0
+
+    @contextmanager
+    def region(self) -> Iterator[None]:
+        local = self._local
+        if getattr(local, "start", None) is not None:  # nested on this thread: the outer region counts it
+            yield
+            return
+        local.start = self._clock()
+        try:
+            yield
+        finally:
+            start, local.start = local.start, None
+            dt = self._clock() - start
+            with self._lock:
+                self._pot += dt
+
+    def wrap(self, fn: Callable) -> Callable:
+        """``fn`` run inside a region (a backend callback)."""
+        def run(*args, **kwargs):
+            with self.region():
+                return fn(*args, **kwargs)
+        return run
+
+    def take(self) -> float:
+        """Seconds accumulated since the last take, this thread's open region up to now included."""
+        local = self._local
+        now = self._clock()
+        start = getattr(local, "start", None)
+        with self._lock:
+            own, self._pot = self._pot, 0.0
+        if start is not None:
+            own += now - start
+            local.start = now
+        return own
