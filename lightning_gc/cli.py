@@ -56,6 +56,7 @@ DOC_PAGES = {
     "monitoring.md": "GCMonitor's TensorBoard tags, the compression gain, the end-of-fit summary",
     "multi-node.md": "several machines: torchrun, SLURM, network interfaces, what gc/bytes_* mean there",
     "topology.md": "topology='nodes': dense inside a node, compressed only between nodes; byte model, launch",
+    "fsdp.md": "FSDP2 models (HSDP): GCModelParallelStrategy / gc_fsdp_*, compressed exchange between nodes",
     "fabric.md": "Lightning Fabric: GCFabricStrategy, checkpoints, logging the gc/* tags",
     "workloads.md": "the demo models and data of the recipes and the benchmark",
     "bench.md": "lightning-gc bench: emulated cluster, methods, reading the results",
@@ -102,7 +103,8 @@ def help_text() -> str:
 lightning-gc {lightning_gc.__version__}: communication-efficient data-parallel training for PyTorch
 Lightning. lightning_gc.GCStrategy runs gradient compression with error feedback inside DDP;
 strategy aliases gc_<compressor> work in any Trainer after `import lightning_gc`, and
-lightning_gc.fabric.GCFabricStrategy does the same for Lightning Fabric.
+lightning_gc.fabric.GCFabricStrategy does the same for Lightning Fabric; FSDP2 models use
+lightning_gc.GCModelParallelStrategy (strategy="gc_fsdp_<compressor>", docs/fsdp.md).
 
   compressors   {compressors}
                 (Top-k family, RandomK, QSGD, signSGD / EF-signSGD, fp16/bf16, Marsit, GradiVeQ,
