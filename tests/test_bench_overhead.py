@@ -127,7 +127,7 @@ def _engine_steps(rank: int, ws: int, overlap: bool) -> dict:
     engine.group_observer = lambda gid, p, ctx: clock.advance(OBSERVER)  # the engine's own work
     ddp.register_comm_hook(engine, gc_comm_hook)
     steps = []
-    for step in range(3):
+    for _step in range(3):
         x = torch.randn(8, 16) + rank
         ddp(x).pow(2).sum().backward()
         steps.append(engine.last_step.as_dict())

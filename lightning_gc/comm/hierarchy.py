@@ -72,6 +72,11 @@ _COLLECTIVE_REASONS = {
 }
 
 
+#: the compressors whose natural collective each of those is (for the refusals' fix)
+_COMPRESSORS_OF = {"allreduce": "dense, fp16, bf16, randomk", "allgather": "topk, lwtopk, mstopk, qsgd, signsgd, efsignsgd",
+                   "lowbit": "lowbit", "lowrank": "lowrank"}
+
+
 @dataclass(frozen=True)
 class TopologyConfig:
     """How the ranks are arranged for communication.
@@ -128,12 +133,18 @@ def refusal(*, collective: str, sync: str, omgs: bool, auto: bool, adaptive: boo
         return ("topology='nodes' with the AdaptiveRatio callback is not supported: its cost model picks the "
                 "collective for one flat link of all ranks. Drop the callback (a fixed ratio), or use "
                 "topology='flat'.")
-    if collective not in NODE_COLLECTIVES:
-        why = _COLLECTIVE_REASONS.get(collective, "it is not known to run on a sub-group of the ranks")
-        return (f"topology='nodes' with collective={collective!r} is not supported: {why}. Use a compressor whose "
-                f"collective is one of {list(NODE_COLLECTIVES)} (dense, fp16, bf16, topk, lwtopk, mstopk, randomk, "
-                "qsgd, signsgd, efsignsgd, lowbit), or topology='flat'.")
-    return None
+    return subgroup_refusal(collective, NODE_COLLECTIVES, "topology='nodes'", ", or topology='flat'")
+
+
+def subgroup_refusal(collective: str, allowed: tuple[str, ...], where: str, alternative: str = "") -> str | None:
+    """Why ``collective`` cannot run on a sub-group of the ranks (one shard's ranks across nodes)
+    under ``where``, with the fix; None if it is one of ``allowed``."""
+    if collective in allowed:
+        return None
+    why = _COLLECTIVE_REASONS.get(collective, "it is not known to run on a sub-group of the ranks")
+    names = ", ".join(_COMPRESSORS_OF.get(c, c) for c in allowed)
+    return (f"{where} with collective={collective!r} is not supported: {why}. Use a compressor whose collective is "
+            f"one of {list(allowed)} ({names}){alternative}.")
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .._finite import all_finite
 from ..comm.exchange import ExchangeTimes, Timer, error_feedback_residual
-from ..comm.hierarchy import _COLLECTIVE_REASONS, NODE_COLLECTIVES
+from ..comm.hierarchy import NODE_COLLECTIVES, subgroup_refusal
 from ..compressors.base import GroupContext
 from ..engine.memory import ErrorMemory
 from ..engine.slots import MethodSlot
@@ -71,12 +71,9 @@ def refusal(flat: dict[str, Any], collective: str | None) -> str | None:
             why = _OPTION_REASONS[key] if key else "it configures GCStrategy's DDP engine, which FSDP2 replaces"
             return (f"{name}={flat[name]!r} does not apply under GCModelParallelStrategy: {why}. Drop it; the "
                     f"options that apply are {list(REPLICA_OPTIONS)} (docs/fsdp.md).")
-    if collective is not None and collective not in REPLICA_COLLECTIVES:
-        why = _COLLECTIVE_REASONS.get(collective, "it is not known to run on a sub-group of the ranks")
-        return (f"collective={collective!r} is not supported under GCModelParallelStrategy: {why}. Use a compressor "
-                f"whose collective is one of {list(REPLICA_COLLECTIVES)} (dense, fp16, bf16, topk, lwtopk, mstopk, "
-                "randomk, qsgd, signsgd, efsignsgd, lowbit, lowrank).")
-    return None
+    if collective is None:
+        return None
+    return subgroup_refusal(collective, REPLICA_COLLECTIVES, "GCModelParallelStrategy")
 
 
 @dataclass(frozen=True)
