@@ -1,7 +1,7 @@
 """``GCFabricModelParallelStrategy``: FSDP2 with the replica exchange from Lightning Fabric.
 
 Four gloo ranks, two replicas of two shard ranks, rank-dependent batches. Oracles: native HSDP by
-hand (tests/test_fsdp_strategy.py's ``_native``: FSDP2's own replica all-reduce, no Lightning) for
+hand (tests/fsdp_lit.py's ``native_hsdp``: FSDP2's own replica all-reduce, no Lightning) for
 the dense exchange, bit for bit; an uninterrupted run for ``fabric.save``/``fabric.load`` with Top-k
 (the error memory must come back, or the resumed run differs).
 """
@@ -12,14 +12,14 @@ import os
 
 import torch
 from dist_harness import run_distributed
+from fsdp_lit import BATCH, WORLD, R, full_params, make_data, make_net, native_hsdp, shard
 from lightning.fabric import Fabric
-from test_fsdp_strategy import BATCH, WORLD, R, _data, _full, _native, _net, _shard
 
 from lightning_gc.model_parallel import GCFabricModelParallelStrategy
 
 
 def _parallelize(net, mesh):
-    _shard(net, mesh["data_parallel"], False)
+    shard(net, mesh["data_parallel"], False)
     return net
 
 
@@ -33,11 +33,11 @@ def _fabric(compressor: str) -> Fabric:
 
 def _train(fabric: Fabric, rank: int, steps: int, start: int = 0, state_from: str | None = None,
            save_at: str | None = None) -> list[torch.Tensor]:
-    net = fabric.setup_module(_net())
+    net = fabric.setup_module(make_net())
     opt = fabric.setup_optimizers(torch.optim.AdamW(net.parameters(), lr=0.02))
     if state_from is not None:
         fabric.load(state_from, {"net": net, "opt": opt})
-    data = _data(steps)
+    data = make_data(steps)
     mine = [data[i] for i in range(rank, len(data), WORLD)]
     for step in range(start, steps):
         chunk = mine[step * BATCH:(step + 1) * BATCH]
@@ -47,13 +47,13 @@ def _train(fabric: Fabric, rank: int, steps: int, start: int = 0, state_from: st
         opt.zero_grad()
         if save_at is not None and step + 1 == steps // 2:
             fabric.save(save_at, {"net": net, "opt": opt})
-    return _full(net)
+    return full_params(net)
 
 
 def _cases(rank: int, world: int, tmp: str) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(WORLD))
     dense = _train(_fabric("dense"), rank, 3)
-    native = _native(rank, 3)
+    native = native_hsdp(rank, 3)
     path = os.path.join(tmp, "half")
     whole = _train(_fabric("topk"), rank, 6, save_at=path)
     resumed = _train(_fabric("topk"), rank, 6, start=3, state_from=path)

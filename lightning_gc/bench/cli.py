@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--master-port", type=int, default=29500, help="with --prepare: rendezvous port on node 0")
     g = p.add_argument_group("suites (docs/bench.md, 'The regression suite')")
     g.add_argument("--suite", choices=("regress",), default=None,
-                   help="run a fixed suite of cases instead of --methods: 'regress' runs issue 63's ratios on the "
+                   help="run a fixed suite of cases instead of --methods: 'regress' runs the engine's hot-path ratios on the "
                         "full-width cnn (4 ranks on 2 emulated hosts unless --preset/--ranks/--hosts are given) and "
                         "prints each beside the recorded baseline; exit 1 when one is worse beyond --tolerance")
     g.add_argument("--quick", action="store_true",

@@ -4,7 +4,7 @@ Each *case* is one bench run of a few methods on one link; each *ratio* of a cas
 within that run (ratios, not times, so that a machine's speed cancels out), printed beside a
 recorded baseline (``regress_baseline.json`` next to this module, or ``--baseline FILE``) and
 flagged when it is worse than the baseline by more than the tolerance. Every ratio here is
-"lower is better". The cases are those of issue 63 on the full-width ``cnn`` preset (ResNet-18,
+"lower is better". The cases are the engine's hot-path checks on the full-width ``cnn`` preset (ResNet-18,
 11.2 M parameters), 4 ranks on 2 emulated hosts, at reduced step counts; see docs/bench.md,
 "The regression suite", for the command, its duration and how to record a new baseline.
 
@@ -32,10 +32,10 @@ __all__ = ["CASES", "Case", "Ratio", "RegressError", "run_suite", "compare", "ma
 
 #: the recorded baseline kept in the repository
 DEFAULT_BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "regress_baseline.json")
-#: issue 63's bound on the engine's own time (StepStats.overhead_s) as a share of the step, every method
+#: the bound on the engine's own time (StepStats.overhead_s) as a share of the step, every method
 OVERHEAD_BOUND = 0.05
 #: a ratio worse than its baseline by more than this fraction is flagged (run-to-run spread of the
-#: issue's ratios on a quiet machine was up to ~6 %, e.g. Top-k/PowerSGD 1.14-1.21x)
+#: recorded ratios on a quiet machine was up to ~6 %, e.g. Top-k/PowerSGD 1.14-1.21x)
 DEFAULT_TOLERANCE = 0.10
 
 
@@ -63,7 +63,7 @@ class Ratio:
     name: str
     what: str
     fn: Callable[[dict[str, dict]], float | None]
-    bound: float | None = None  # issue 63's target for this figure (≤), if it states one
+    bound: float | None = None  # the target for this figure (≤), if it states one
 
 
 @dataclass(frozen=True)
