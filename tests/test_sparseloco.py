@@ -261,3 +261,18 @@ def test_defaults_replace_the_outer_momentum_and_round_trip():
     assert _flat_config(diloco_outer_args={"lr": 0.7, "momentum": 0.9}).diloco.resolved_args()["momentum"] == 0.9
     assert GCConfig.from_flat(**cfg.to_flat()) == cfg
     assert GCStrategy(sync="diloco", compressor="dense", diloco_compressor="sparseloco").compressor_name == "sparseloco"
+
+
+def test_bench_spells_sparseloco_options_one_by_one():
+    """``lightning-gc bench --methods``: diloco_sparseloco_KEY=VALUE fill diloco_compressor_args, and
+    diloco_outer_KEY=VALUE change SparseLoCo's outer default (lr 1), not the published one."""
+    from lightning_gc.bench.methods import build_strategy, parse_methods
+
+    text = ("dense:sync=diloco:diloco_inner_steps=10:diloco_compressor=sparseloco:diloco_sparseloco_bits=4:"
+            "diloco_sparseloco_density=0.02:diloco_error_decay=0.95:diloco_outer_momentum=0.5")
+    d = build_strategy(parse_methods(text, default_ratio=None)[0]).config.diloco
+    assert (d.compressor, dict(d.compressor_args), d.error_decay) == ("sparseloco", {"bits": 4, "density": 0.02}, 0.95)
+    assert d.resolved_args() == {"lr": 1.0, "momentum": 0.5}
+    bad = "dense:sync=diloco:diloco_compressor=sparseloco:diloco_sparseloco_bits=3"
+    with pytest.raises(ValueError, match=r"bits=3 is invalid"):
+        build_strategy(parse_methods(bad, default_ratio=None)[0])
