@@ -85,14 +85,36 @@ def _group_id():
     return diloco._DILOCO_GROUP_ID  # the fragment-0 exchange's GroupContext.group_id
 
 
+def _disagreeing_chunk(rank, world_size):
+    """Rank 2 is configured with another chunk: its payload has another size."""
+    params = [t.clone() for t in _theta0()]
+    cfg = DiLoCoConfig(inner_steps=1, compressor="sparseloco",
+                       compressor_args={"density": DENSITY, "chunk": CHUNK if rank < 2 else CHUNK // 2})
+    try:
+        sync = DiLoCoSync(_Traffic(params, world_size), cfg, None)
+    except RuntimeError as e:
+        return str(e)
+    sync.outer_step()
+    sync.close()
+    return None
+
+
 def _scenarios(rank, world_size):
-    return {name: _run(rank, world_size, *args) for name, args in SCENARIOS.items()}
+    return {**{name: _run(rank, world_size, *args) for name, args in SCENARIOS.items()},
+            "disagree": _disagreeing_chunk(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
 def three_ranks():
     out = run_distributed(_scenarios, 3, timeout=300)
-    return {name: [o[name] for o in out] for name in SCENARIOS}
+    return {name: [o[name] for o in out] for name in out[0]}
+
+
+def test_ranks_configured_differently_fail_together_without_a_hang(three_ranks):
+    """A rank-dependent chunk would give payloads of another size (gloo aborts the processes):
+    the setup compares the ranks' DiLoCo setups and every rank raises, naming the groups of ranks."""
+    for message in three_ranks["disagree"]:
+        assert message is not None and "[[0, 1], [2]]" in message and "delta=sparseloco(" in message, message
 
 
 def _draws(step, rank, world_size, group_id, count):

@@ -324,6 +324,8 @@ class DiLoCoSync(StepParticipant):
 
             self.exchange = make_exchange(compressor, collective, group=self.group)
             self.error_feedback = bool(error_feedback)
+        if self.group is not None:
+            self._check_ranks_agree()
         with torch.no_grad():
             self.theta_outer: list[Tensor] = [p.detach().to(torch.float32).clone() for p in self.params]
         self.outer_optimizer = config.build_outer_optimizer(self.theta_outer)
@@ -341,6 +343,20 @@ class DiLoCoSync(StepParticipant):
         self._optimizer: torch.optim.Optimizer | None = None
         self._pending_inner_state: dict | None = None
         self._finished_at: int | None = None  # the inner step of the last closing round (finish)
+
+    def describe(self) -> str:
+        """Everything that sets the outer exchanges' shape and order (compared across ranks at setup)."""
+        c = self.config
+        delta = f"{self.exchange.compressor.describe()}/{self.exchange.name}" if self.exchange is not None else "dense"
+        return (f"H={c.inner_steps} F={c.fragments} tau={c.overlap_steps} numels={self.numels} delta={delta} "
+                f"ef={self.error_feedback} buffers={[b.numel() for _, b in self.buffers]}")
+
+    def _check_ranks_agree(self) -> None:
+        """A rank-dependent H, fragment split or Δ codec would pair different collectives (a hang or a
+        gloo abort): compare once, at setup, and raise on every rank if they differ."""
+        from ..comm.collectives import check_descriptor
+
+        check_descriptor(f"DiLoCo {self.describe()}", 0, self.group, self.world_size, self._comm_device())
 
     @property
     def memory(self) -> Tensor | None:
