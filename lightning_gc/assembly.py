@@ -127,7 +127,7 @@ def startup_header(config: GCConfig, engine: Any, diloco: Any = None) -> str:
         head = (f"compressor=auto candidates={','.join(config.auto.candidates)} plan={eng.plan} "
                 f"warmup_steps={eng.warmup_steps} (dense steps profile the job, then auto chooses; docs/auto.md)")
     elif config.sync == "diloco":  # inner steps send nothing: the compressor is the pseudo-gradient's
-        head = (f"sync=diloco {_diloco_options(config)} delta={config.compression.compressor}"
+        head = (f"sync=diloco {_diloco_options(config)} delta={config.diloco.compressor or config.compression.compressor}"
                 + (f" collective={diloco.exchange.name} error_feedback={diloco.error_feedback}"
                    if diloco is not None and diloco.exchange is not None else " (dense fp32 allreduce)"))
     else:

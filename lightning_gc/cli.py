@@ -40,6 +40,7 @@ RECIPES = {
     "omgs.yaml": "OMGS merge plan (plan='omgs')",
     "osp.yaml": "OSP two-stage synchronisation (sync='osp')",
     "diloco.yaml": "DiLoCo, rare outer steps (sync='diloco')",
+    "diloco_sparseloco.yaml": "DiLoCo with SparseLoCo's 2-bit chunked Top-k pseudo-gradient (diloco_compressor='sparseloco')",
     "topology.yaml": "topology='nodes': QSGD only between nodes (2 emulated nodes on one machine)",
     "gpt.yaml": "the gpt workload, a small byte-level transformer",
 }

@@ -9,7 +9,8 @@ osp_round_steps=50, ...)``, the same names under ``init_args`` in a LightningCLI
     ├── engine:      EngineConfig        plan, plan_threshold, min_compress_numel, warmup_steps, ...
     ├── sync:        "bsp" | "osp" | "diloco"
     ├── osp:         OSPConfig           deferred_fraction, round_steps, deferred_compressor, deferred_ratio
-    ├── diloco:      DiLoCoConfig        inner_steps, outer_optimizer, outer_args, fragments, overlap_steps, mixing, error_decay
+    ├── diloco:      DiLoCoConfig        inner_steps, outer_optimizer, outer_args, fragments, overlap_steps, mixing, error_decay,
+    │                                    compressor, compressor_args (SparseLoCo's Δ)
     ├── omgs:        OMGSConfig | None   profile_steps, ... (None: no OMGS)
     ├── auto:        AutoConfig | None   compressor="auto": candidates, progress_weight, ... (docs/auto.md)
     ├── topology:    TopologyConfig      kind ("flat" | "nodes"), ranks_per_node, intra_dtype (docs/topology.md)
@@ -93,7 +94,8 @@ FLAT_FIELDS: dict[str, tuple[str, str | None]] = {
                                   "report_rides")},
     **{f"osp_{n}": ("osp", n) for n in ("deferred_fraction", "round_steps", "deferred_compressor", "deferred_ratio")},
     **{f"diloco_{n}": ("diloco", n) for n in ("inner_steps", "outer_optimizer", "outer_args", "fragments",
-                                              "overlap_steps", "mixing", "error_decay")},
+                                              "overlap_steps", "mixing", "error_decay", "compressor",
+                                              "compressor_args")},
     "topology": ("topology", "kind"),
     **{f"topology_{n}": ("topology", n) for n in ("ranks_per_node", "intra_dtype")},
     "sync": ("sync", None),
@@ -107,6 +109,27 @@ FLAT_PREFIXES: dict[str, str] = {"omgs_": "omgs", "auto_": "auto"}
 #: what ``compressor="auto"`` runs in the engine's default slot: a compressor whose collective keeps the
 #: network model, so every candidate's slot can be built (the chooser replaces it after the warm-up)
 AUTO_ENGINE_DEFAULT = {"compressor": "artopk_auto"}
+
+
+def _check_diloco_compressor(compression: CompressionConfig, name: str) -> None:
+    """``diloco_compressor`` sends Δ itself: the per-step compressor options would name a second
+    compressor of Δ. ``compressor`` may stay at its default (``"topk"``, unused) or be ``"dense"``;
+    its error feedback cannot be switched off (SparseLoCo's memory is part of the method)."""
+    given = {k: v for k, v in (("ratio", compression.ratio), ("collective", compression.collective),
+                               ("compressor_args", dict(compression.compressor_args or {})))
+             if v not in (None, "auto", {})}
+    if compression.compressor not in ("topk", "dense"):
+        given = {"compressor": compression.compressor, **given}
+    if given:
+        raise ValueError(
+            f"diloco_compressor={name!r} sends the pseudo-gradient itself, so "
+            f"{', '.join(f'{k}={v!r}' for k, v in given.items())} would name a second compressor of Δ. Give its "
+            "options as diloco_compressor_args={'density': ..., 'chunk': ..., 'bits': ...}, and drop these "
+            "(or drop diloco_compressor to send Δ with compressor=).")
+    if compression.error_feedback is False:
+        raise ValueError(
+            f"diloco_compressor={name!r} with error_feedback=False: SparseLoCo's per-rank error memory is part of "
+            "the method (what is not sent now is sent later). Drop error_feedback, or use another compressor.")
 
 
 def is_flat_name(name: str) -> bool:
@@ -181,7 +204,9 @@ class GCConfig:
             why = refusal(collective=collective, sync=self.sync, omgs=self.omgs is not None, auto=self.auto is not None)
             if why is not None:
                 raise ValueError(why)
-        if self.sync == "diloco" and self.diloco.error_decay != 1.0 and (self.compression.compressor == "dense" or not ef):
+        if self.sync == "diloco" and self.diloco.compressor is not None:
+            _check_diloco_compressor(self.compression, self.diloco.compressor)
+        elif self.sync == "diloco" and self.diloco.error_decay != 1.0 and (self.compression.compressor == "dense" or not ef):
             raise ValueError(
                 f"diloco_error_decay={self.diloco.error_decay!r} with compressor={self.compression.compressor!r} and "
                 f"error_feedback={ef}: the decay applies to the error memory of a compressed pseudo-gradient, and there is "

@@ -241,6 +241,10 @@ class GCStrategy(DDPStrategy, SessionOwner):
         diloco_error_decay: with ``sync="diloco"`` and a compressed Δ: SparseLoCo's β, the error
             memory is scaled by it before it is added to the next Δ (1.0: plain error feedback;
             SparseLoCo: 0.95 with outer SGD lr 1 and no momentum).
+        diloco_compressor, diloco_compressor_args: with ``sync="diloco"``: ``"sparseloco"`` sends Δ as
+            SparseLoCo does (chunked Top-k, 2/4-bit values, per-rank error feedback, allgathered; outer
+            SGD lr 1 without momentum unless ``diloco_outer_args`` is given) with these options
+            (``density``, ``chunk``, ``bits``, ``rounding``). See docs/diloco.md.
         config: the whole configuration as one tree (:class:`~lightning_gc.config.GCConfig`, e.g.
             ``GCConfig.from_flat(compressor="topk", ratio=0.01)``) instead of the flat keywords above,
             which are then refused if set: the configuration comes from one place.
@@ -308,6 +312,8 @@ class GCStrategy(DDPStrategy, SessionOwner):
         diloco_overlap_steps: int = 0,
         diloco_mixing: float = 0.0,
         diloco_error_decay: float = 1.0,
+        diloco_compressor: str | None = None,
+        diloco_compressor_args: dict[str, Any] | None = None,
         config: GCConfig | None = None,
         **kwargs: Any,
     ) -> None:
@@ -333,7 +339,7 @@ class GCStrategy(DDPStrategy, SessionOwner):
             # start before half of backward was over. Small buckets let pipelined plans overlap.
             kwargs["bucket_cap_mb"] = PIPELINED_BUCKET_CAP_MB
         self._config = _config_from(config, flat)
-        self._compressor_name = self._config.to_flat()["compressor"]
+        self._compressor_name = self._config.diloco.compressor or self._config.to_flat()["compressor"]
         self._failed = False
         self._assembly: Assembly | None = None
         self._engine: GCEngine | None = None

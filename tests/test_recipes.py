@@ -34,7 +34,7 @@ def test_recipe_instantiates_its_strategy(recipe, tmp_path, monkeypatch):
     strategy = cli.trainer.strategy
     assert isinstance(strategy, GCStrategy)
     block = yaml.safe_load(recipe.read_text())["trainer"]["strategy"]["init_args"]
-    assert strategy.compressor_name == block["compressor"]
+    assert strategy.compressor_name == block.get("diloco_compressor", block["compressor"])
     if "ratio" in block:
         assert strategy.config.compression.compressor_config().ratio == block["ratio"]
     assert cli.trainer.num_devices == 2

@@ -25,6 +25,9 @@ Method list syntax (``--methods``): comma-separated entries ``NAME[:KEY=VALUE[:K
 the exact fp32 average); ``diloco_outer_KEY=VALUE`` sets one argument of the outer optimizer over its
 defaults (for SGD the published lr 0.7, momentum 0.9, Nesterov), e.g.
 ``dense:sync=diloco:diloco_inner_steps=10:diloco_outer_momentum=0:diloco_outer_nesterov=false:diloco_outer_lr=1``.
+``diloco_compressor=sparseloco`` sends the pseudo-gradient as SparseLoCo does (outer SGD lr 1 without
+momentum unless ``diloco_outer_*`` is given), its options as ``diloco_sparseloco_KEY=VALUE``, e.g.
+``dense:sync=diloco:diloco_inner_steps=10:diloco_compressor=sparseloco:diloco_sparseloco_bits=4:diloco_error_decay=0.95``.
 
 ``adaptive=shadow`` or ``adaptive=rollback`` on any compressor that takes a ratio adds the
 adaptive-ratio controller (:class:`lightning_gc.AdaptiveRatio`, docs/adaptive.md) in that mode;
@@ -403,8 +406,12 @@ def build_strategy(spec: MethodSpec, **ddp_kwargs: Any):
     if outer:  # sync=diloco's outer optimizer arguments one by one, over the defaults
         from lightning_gc.sync.diloco import DiLoCoConfig
 
-        base = DiLoCoConfig(outer_optimizer=options.get("diloco_outer_optimizer", "SGD")).resolved_args()
+        base = DiLoCoConfig(outer_optimizer=options.get("diloco_outer_optimizer", "SGD"),
+                            compressor=options.get("diloco_compressor")).resolved_args()
         options["diloco_outer_args"] = {**base, **outer}
+    delta = {k[len("diloco_sparseloco_"):]: options.pop(k) for k in list(options) if k.startswith("diloco_sparseloco_")}
+    if delta:  # diloco_compressor=sparseloco's options one by one (SparseLoCoConfig: density, chunk, bits, rounding)
+        options["diloco_compressor_args"] = {**dict(options.get("diloco_compressor_args") or {}), **delta}
     aliases = _OPTION_ALIASES.get(spec.name, {})
     sections: dict[str, dict[str, Any]] = {}
     for k, v in options.items():

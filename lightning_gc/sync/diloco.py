@@ -60,6 +60,10 @@ from ..engine.session import StepParticipant
 _DILOCO_GROUP_ID = 1 << 21  # GroupContext.group_id of the outer exchange: random draws differ from any plan group
 #: the published outer optimizer (DiLoCo, Douillard et al. 2023, section 3)
 PUBLISHED_OUTER_ARGS: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+#: SparseLoCo's outer step: plain SGD at lr 1, the error memory in place of the outer momentum
+SPARSELOCO_OUTER_ARGS: dict[str, Any] = {"lr": 1.0}
+#: compressors of the pseudo-gradient that only DiLoCo runs (``diloco_compressor``)
+DELTA_COMPRESSORS: tuple[str, ...] = ("sparseloco",)
 
 
 def resolve_optimizer_class(name: str) -> type[torch.optim.Optimizer]:
@@ -102,7 +106,8 @@ class DiLoCoConfig:
         outer_optimizer: a ``torch.optim`` class name (``"SGD"``, ``"AdamW"``, ...) or a dotted path
             to an Optimizer subclass; it updates θ_outer with the averaged Δ as its gradient.
         outer_args: keyword arguments of the outer optimizer. ``None``: for ``"SGD"`` the published
-            ``lr=0.7, momentum=0.9, nesterov=True``; the optimizer's own defaults otherwise.
+            ``lr=0.7, momentum=0.9, nesterov=True`` (with ``compressor="sparseloco"``: ``lr=1``, no
+            momentum); the optimizer's own defaults otherwise.
         fragments: Streaming DiLoCo's F: the parameters are cut into F fragments of about equal
             element count (contiguous in model order) and fragment ``p`` is synchronised at inner
             steps ``⌊H/F·(p+1)⌋ + kH``, so the link carries 1/F of the model at a time. 1: plain DiLoCo.
@@ -118,6 +123,13 @@ class DiLoCoConfig:
             1.0 (default) keeps everything not sent until it is sent (plain error feedback);
             SparseLoCo uses 0.95 with outer SGD lr 1 and no outer momentum, where the decayed memory
             itself plays the part of the outer momentum. Needs a compressor with error feedback.
+        compressor: a compressor of the pseudo-gradient that only DiLoCo runs (``None``: the one named
+            by ``compressor=``). ``"sparseloco"``: SparseLoCo's chunked Top-k with 2/4-bit values
+            (:mod:`lightning_gc.compressors.sparseloco`), allgathered, with per-rank error feedback
+            always on; without ``outer_args`` the outer optimizer is then plain SGD at lr 1 (no
+            momentum: the error memory stands in for it, as in the paper).
+        compressor_args: its options (:class:`~lightning_gc.compressors.sparseloco.SparseLoCoConfig`:
+            ``density``, ``chunk``, ``bits``, ``rounding``).
     """
 
     inner_steps: int = 50
@@ -127,8 +139,11 @@ class DiLoCoConfig:
     overlap_steps: int = 0
     mixing: float = 0.0
     error_decay: float = 1.0
+    compressor: str | None = None
+    compressor_args: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        self._check_delta_compressor()
         h = self.inner_steps
         if isinstance(h, bool) or not isinstance(h, int) or h < 1:
             raise ValueError(f"diloco_inner_steps={h!r} must be an integer ≥ 1 (local optimizer steps between "
@@ -160,6 +175,39 @@ class DiLoCoConfig:
             raise ValueError(f"diloco_outer_optimizer={self.outer_optimizer!r} with diloco_outer_args="
                              f"{dict(self.resolved_args())!r} cannot be built: {e}") from e
 
+    def _check_delta_compressor(self) -> None:
+        if self.compressor_args is not None and not isinstance(self.compressor_args, Mapping):
+            raise ValueError(f"diloco_compressor_args={self.compressor_args!r} must be a dict of the pseudo-gradient "
+                             "compressor's options, e.g. {'density': 0.015625, 'chunk': 4096, 'bits': 2}.")
+        if self.compressor_args is not None and not self.compressor_args:
+            object.__setattr__(self, "compressor_args", None)  # {} and None mean the same: the defaults
+        if self.compressor is None:
+            if self.compressor_args is not None:
+                raise ValueError(f"diloco_compressor_args={dict(self.compressor_args)!r} needs diloco_compressor: pass "
+                                 f"diloco_compressor={DELTA_COMPRESSORS[0]!r} too, or drop it.")
+            return
+        if self.compressor not in DELTA_COMPRESSORS:
+            raise ValueError(f"diloco_compressor={self.compressor!r} is not a DiLoCo pseudo-gradient compressor; the "
+                             f"choices are {list(DELTA_COMPRESSORS)} (or None, to send Δ with compressor=). E.g. "
+                             "diloco_compressor='sparseloco'.")
+        self.delta_compressor()  # validates the options
+
+    def delta_compressor(self) -> Any:
+        """The compressor of ``compressor``/``compressor_args`` (``None`` without one)."""
+        if self.compressor is None:
+            return None
+        import dataclasses
+
+        from ..compressors.sparseloco import SparseLoCoCompressor, SparseLoCoConfig
+
+        args = dict(self.compressor_args or {})
+        valid = [f.name for f in dataclasses.fields(SparseLoCoConfig)]
+        unknown = sorted(set(args) - set(valid))
+        if unknown:
+            raise ValueError(f"diloco_compressor_args {unknown} are not options of diloco_compressor="
+                             f"{self.compressor!r}; its options are {valid}.")
+        return SparseLoCoCompressor(SparseLoCoConfig(**args))
+
     @property
     def streaming(self) -> bool:
         """Whether parameters may differ from θ_outer right after an outer step (F > 1, τ > 0 or α > 0)."""
@@ -173,7 +221,9 @@ class DiLoCoConfig:
         """The outer optimizer's keyword arguments with ``None`` resolved (see ``outer_args``)."""
         if self.outer_args is not None:
             return dict(self.outer_args)
-        return dict(PUBLISHED_OUTER_ARGS) if self.outer_optimizer in ("SGD", "torch.optim.SGD") else {}
+        if self.outer_optimizer not in ("SGD", "torch.optim.SGD"):
+            return {}
+        return dict(SPARSELOCO_OUTER_ARGS if self.compressor == "sparseloco" else PUBLISHED_OUTER_ARGS)
 
     def build_outer_optimizer(self, params: list[Tensor]) -> torch.optim.Optimizer:
         return resolve_optimizer_class(self.outer_optimizer)(params, **self.resolved_args())
@@ -267,11 +317,15 @@ class DiLoCoSync(StepParticipant):
             self.group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
         self.exchange = None
         self.error_feedback = False
+        if config.compressor is not None:  # SparseLoCo: its own codec, allgathered, per-rank error feedback
+            compressor, collective, error_feedback = config.delta_compressor(), "allgather", True
         if compressor is not None and self.world_size > 1:
             from ..exchanges.registry import make_exchange
 
             self.exchange = make_exchange(compressor, collective, group=self.group)
             self.error_feedback = bool(error_feedback)
+        if self.group is not None:
+            self._check_ranks_agree()
         with torch.no_grad():
             self.theta_outer: list[Tensor] = [p.detach().to(torch.float32).clone() for p in self.params]
         self.outer_optimizer = config.build_outer_optimizer(self.theta_outer)
@@ -289,6 +343,20 @@ class DiLoCoSync(StepParticipant):
         self._optimizer: torch.optim.Optimizer | None = None
         self._pending_inner_state: dict | None = None
         self._finished_at: int | None = None  # the inner step of the last closing round (finish)
+
+    def describe(self) -> str:
+        """Everything that sets the outer exchanges' shape and order (compared across ranks at setup)."""
+        c = self.config
+        delta = f"{self.exchange.compressor.describe()}/{self.exchange.name}" if self.exchange is not None else "dense"
+        return (f"H={c.inner_steps} F={c.fragments} tau={c.overlap_steps} numels={self.numels} delta={delta} "
+                f"ef={self.error_feedback} buffers={[b.numel() for _, b in self.buffers]}")
+
+    def _check_ranks_agree(self) -> None:
+        """A rank-dependent H, fragment split or Δ codec would pair different collectives (a hang or a
+        gloo abort): compare once, at setup, and raise on every rank if they differ."""
+        from ..comm.collectives import check_descriptor
+
+        check_descriptor(f"DiLoCo {self.describe()}", 0, self.group, self.world_size, self._comm_device())
 
     @property
     def memory(self) -> Tensor | None:
@@ -637,5 +705,5 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-__all__ = ["DiLoCoConfig", "DiLoCoStats", "DiLoCoSync", "PUBLISHED_OUTER_ARGS", "resolve_optimizer_class",
+__all__ = ["DELTA_COMPRESSORS", "DiLoCoConfig", "DiLoCoStats", "DiLoCoSync", "PUBLISHED_OUTER_ARGS", "SPARSELOCO_OUTER_ARGS", "resolve_optimizer_class",
            "split_fragments"]
