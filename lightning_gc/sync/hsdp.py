@@ -49,6 +49,8 @@ REPLICA_OPTIONS = ("compressor", "ratio", "compressor_args", "collective", "erro
                    "min_compress_numel")
 _OPTION_REASONS = {
     "sync": "FSDP2 shards the parameters, and lightning_gc's OSP and DiLoCo act on whole DDP parameters",
+    "osp": "FSDP2 shards the parameters, and lightning_gc's OSP acts on whole DDP parameters",
+    "diloco": "FSDP2 shards the parameters, and lightning_gc's DiLoCo acts on whole DDP parameters",
     "auto": "auto's cost model and trials drive GCStrategy's DDP engine, not a per-module FSDP2 hook",
     "topology": "the device mesh is the topology here: FSDP2 shards inside a node and lightning_gc sends "
                 "between nodes already",
