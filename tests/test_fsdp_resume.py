@@ -16,7 +16,7 @@ from fsdp_lit import WORLD, fit
 
 
 def _topk_cases(rank: int, world: int, tmp: str) -> dict:
-    steps = 20
+    steps = 30
     topk, losses = fit(rank, tmp, steps, {"compressor": "topk", "ratio": 0.1})
     dense, dense_losses = fit(rank, tmp, steps, {"compressor": "dense"})
     return {"topk": topk, "losses": losses, "dense_losses": dense_losses}

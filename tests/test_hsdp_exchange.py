@@ -55,7 +55,7 @@ def _sharded(mesh_dims: tuple[str, ...] | None, compressor: str, **kw):
     ``mesh_dims`` is None); returns (model, exchange or None, mesh)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from lightning_gc.comm.network import NetworkState
     from lightning_gc.engine.slots import MethodSpec, build_slot
@@ -64,9 +64,11 @@ def _sharded(mesh_dims: tuple[str, ...] | None, compressor: str, **kw):
     mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
     model = _model()
     target = mesh if mesh_dims is None else mesh["shard"]
+    reduce_dtype = kw.pop("reduce_dtype", None)
+    policy = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=reduce_dtype)} if reduce_dtype is not None else {}
     for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=target)
-    fully_shard(model, mesh=target)
+        fully_shard(layer, mesh=target, **policy)
+    fully_shard(model, mesh=target, **policy)
     if mesh_dims is None:
         return model, None, mesh
     group = mesh["replicate"].get_group()
@@ -103,7 +105,7 @@ def _run(rank: int, world: int, compressor: str, kw: dict) -> dict:
         out["memory"] = ex.memory(1)  # modules in model order: 0 = the first Linear, 1 = the last
         out["layout"] = ex.layouts[1]
         out["bytes"] = ex.last.bytes_inter_node
-    native, _, _ = _sharded(None, "dense")
+    native, _, _ = _sharded(None, "dense", **({"reduce_dtype": kw["reduce_dtype"]} if "reduce_dtype" in kw else {}))
     _loss(native, rank).backward()
     out["native"] = _local_grads(native)
     return out
@@ -122,6 +124,27 @@ def test_dense_equals_native_hsdp_bit_for_bit():
             assert torch.equal(a, b)
     _replicas_identical(res)
     assert all(r["bytes"] > 0 for r in res)
+
+
+def _bf16_reduce(rank: int, world: int) -> dict:
+    return {c: _run(rank, world, c, {"reduce_dtype": torch.bfloat16}) for c in ("dense", "qsgd")}
+
+
+def test_a_bf16_reduce_dtype_is_native_for_dense_and_bounded_for_qsgd():
+    """FSDP2's ``MixedPrecisionPolicy(reduce_dtype=bfloat16)``: the hook gets a bf16 shard. Dense:
+    native HSDP with the same policy, bit for bit. QSGD: exchanged in fp32, written back in bf16;
+    replicas identical and within QSGD's bound plus the bf16 roundings (reduce-scatter and write-back)."""
+    res = run_distributed(_bf16_reduce, R * S)
+    grads = _full_grads(R * S)
+    for rank, r in enumerate(res):
+        for a, b in zip(r["dense"]["grads"], r["dense"]["native"]):
+            assert torch.equal(a, b)
+        for i, got in enumerate(r["qsgd"]["grads"]):
+            ref = _rows(rank, sum(g[i] for g in grads) / (R * S))
+            norm = max(torch.cat([_rows(rep * S + rank % S, _node_mean(grads, rep * S + rank % S, j)).reshape(-1)
+                                  for j in ((0, 1) if i < 2 else (2, 3))]).norm() for rep in range(R))
+            assert (got.double() - ref).abs().max() <= norm / 7 * 2 + 2 ** -6 * ref.abs().max() + 1e-6
+    _replicas_identical([r["qsgd"] for r in res])
 
 
 def test_topk_with_error_feedback_is_the_mean_of_each_replicas_top_k():
