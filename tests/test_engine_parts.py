@@ -237,6 +237,13 @@ PRIVATE_READS_ALLOWED = {
     ("_names.py", "_lightning_gc_guarded"),
     # the bench callback is defined in the same module
     ("bench/worker.py", "_note"),
+    # Lightning's ModelParallelStrategy hands the mesh to the module this way; there is no public setter
+    ("model_parallel.py", "_device_mesh"),
+    # FSDP2 has no public view of a module's reduce-output layout (its parameters' padded shards, in
+    # order), which the replica exchange must know to lay its error memory and PowerSGD's shapes out
+    ("sync/hsdp.py", "_get_fsdp_state"),
+    ("sync/hsdp.py", "_fsdp_param_group"),
+    ("sync/hsdp.py", "_param_fqn"),
 }
 
 

@@ -187,7 +187,8 @@ def test_every_claimed_component_is_restored_after_each_exploration(runs, name):
             assert _differing(before, after) == [], (rank, trial, _differing(before, after))
 
 
-TIMES = ("compress_time_s", "comm_time_s", "exchange_comm_s", "exchange_comm_mean_s", "predicted_comm_s", "probe_s")
+TIMES = ("compress_time_s", "comm_time_s", "exchange_comm_s", "exchange_comm_mean_s", "predicted_comm_s", "probe_s",
+         "engine_own_s", "control_comm_s", "overhead_s")
 
 
 def _untimed(state: dict) -> dict:
