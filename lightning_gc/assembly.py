@@ -60,7 +60,8 @@ def build_session(config: GCConfig, ddp: DistributedDataParallel, *, scaler: Any
     named = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
     compressor = get_entry(config.compression.compressor).compressor_cls(config.compression.compressor_config())
     engine = GCEngine(compressor, config.engine, named, process_group=ddp.process_group,
-                      topology=config.topology, ranks_per_node=ranks_per_node)
+                      topology=config.topology, ranks_per_node=ranks_per_node,
+                      topology_refused=config.topology_refusal() if config.topology.kind == "auto" else None)
     if casts_on_buckets(config, engine, compressor):
         engine.set_dense_mode(compressor.name)
     built = _participants(config, engine, ddp, named)
@@ -134,14 +135,23 @@ def startup_header(config: GCConfig, engine: Any, diloco: Any = None) -> str:
         head = (f"compressor={config.compression.compressor} collective={engine.exchange.name} plan={eng.plan} "
                 f"groups={len(engine.plan.groups)} warmup_steps={eng.warmup_steps} "
                 f"error_feedback={engine.error_feedback}")
-        if config.topology.kind != "flat":  # the nodes and ranks per node: GCEngine.topology.describe()
-            head += f" topology={config.topology.kind} intra_dtype={config.topology.intra_dtype}"
+        if config.topology.kind != "flat":
+            head += " " + _topology_words(config, engine)
         if config.sync == "osp":
             head += f" sync=osp {_osp_options(config)}"
         if engine.dense_mode is not None:
             head += (f"; a plain {engine.dense_mode} cast: sent on DDP's buckets as torch's 16-bit hook "
                      f"(dense mode {engine.dense_mode}, docs/compressors.md)")
     return "lightning_gc: " + head
+
+
+def _topology_words(config: GCConfig, engine: Any) -> str:
+    """``topology=nodes intra_dtype=fp32``, or for ``auto`` what it chose and why."""
+    topo = config.topology
+    if topo.kind == "nodes":
+        return f"topology=nodes intra_dtype={topo.intra_dtype}"
+    chosen = engine.topology.describe()
+    return f"topology=auto chose {chosen} ({engine.topology.chosen})"
 
 
 def _osp_options(config: GCConfig) -> str:

@@ -97,7 +97,7 @@ FLAT_FIELDS: dict[str, tuple[str, str | None]] = {
                                               "overlap_steps", "mixing", "error_decay", "compressor",
                                               "compressor_args")},
     "topology": ("topology", "kind"),
-    **{f"topology_{n}": ("topology", n) for n in ("ranks_per_node", "intra_dtype")},
+    **{f"topology_{n}": ("topology", n) for n in ("ranks_per_node", "intra_dtype", "auto_ratio")},
     "sync": ("sync", None),
     "omgs": ("omgs", None),
     "auto": ("auto", None),
@@ -200,10 +200,8 @@ class GCConfig:
                 "with plan='model'/'layer'/'threshold', or plan='omgs' with sync='bsp'."
             )
         collective, ef = self.compression.resolved()
-        if self.topology.kind == "nodes":
-            why = refusal(collective=collective, sync=self.sync, omgs=self.omgs is not None, auto=self.auto is not None)
-            if why is not None:
-                raise ValueError(why)
+        if self.topology.kind == "nodes" and self.topology_refusal() is not None:
+            raise ValueError(self.topology_refusal())
         if self.sync == "diloco" and self.diloco.compressor is not None:
             _check_diloco_compressor(self.compression, self.diloco.compressor)
         elif self.sync == "diloco" and self.diloco.error_decay != 1.0 and (self.compression.compressor == "dense" or not ef):
@@ -215,6 +213,12 @@ class GCConfig:
         if (self.engine.collective, self.engine.error_feedback) != (collective, ef):
             object.__setattr__(self, "engine", dataclasses.replace(self.engine, collective=collective,
                                                                    error_feedback=ef))
+
+    def topology_refusal(self) -> str | None:
+        """Why ``topology="nodes"`` cannot run this configuration, with the fix (None: it can). Under
+        ``topology="auto"`` such a configuration is flat, without measuring."""
+        collective, _ = self.compression.resolved()
+        return refusal(collective=collective, sync=self.sync, omgs=self.omgs is not None, auto=self.auto is not None)
 
     @classmethod
     def from_flat(cls, **flat: Any) -> GCConfig:

@@ -206,11 +206,16 @@ class GCStrategy(DDPStrategy, SessionOwner):
             reduce-scatter inside each node, the compressor only between nodes on each rank's shard,
             then an allgather inside the node (docs/topology.md); ranks per node are the Trainer's
             ``devices`` (``num_nodes`` nodes). Refused with OSP, DiLoCo, OMGS, ``auto`` and collectives
-            that cannot run on a sub-group (``lightning_gc.comm.hierarchy.refusal``).
-        topology_ranks_per_node: with ``topology="nodes"``: override the ranks per node (emulate nodes
-            on one machine, e.g. 2 on 4 processes).
-        topology_intra_dtype: with ``topology="nodes"``: ``"fp32"`` (default) or ``"bf16"`` for the
-            intra-node reduce-scatter of compressed groups.
+            that cannot run on a sub-group (``lightning_gc.comm.hierarchy.refusal``). ``"auto"``: measure
+            both links when training starts and take ``"nodes"`` when the one between nodes is
+            ``topology_auto_ratio`` times slower per byte, else ``"flat"`` (always flat where ``"nodes"``
+            is refused).
+        topology_ranks_per_node: with ``topology="nodes"`` or ``"auto"``: override the ranks per node
+            (emulate nodes on one machine, e.g. 2 on 4 processes).
+        topology_intra_dtype: with ``topology="nodes"`` or ``"auto"``: ``"fp32"`` (default) or ``"bf16"``
+            for the intra-node reduce-scatter of compressed groups.
+        topology_auto_ratio: with ``topology="auto"``: how much slower per byte the link between nodes
+            must be for ``"nodes"`` (default 4; ``TopologyConfig.auto_ratio`` says how to tune it).
         sync: ``"bsp"`` (default): every layer is synchronised before the optimizer step.
             ``"osp"``: two-stage synchronisation (docs/osp.md): the least important layers are
             updated with the local gradient and all-reduced while the next step computes, then
@@ -298,9 +303,10 @@ class GCStrategy(DDPStrategy, SessionOwner):
         omgs: OMGSConfig | dict | None = None,
         auto: AutoConfig | dict | None = None,
         sync: Literal["bsp", "osp", "diloco"] = "bsp",
-        topology: Literal["flat", "nodes"] = "flat",
+        topology: Literal["flat", "nodes", "auto"] = "flat",
         topology_ranks_per_node: int | None = None,
         topology_intra_dtype: Literal["fp32", "bf16"] = "fp32",
+        topology_auto_ratio: float = 4.0,
         osp_deferred_fraction: float | None = None,
         osp_round_steps: int = 50,
         osp_deferred_compressor: str = "dense",

@@ -155,8 +155,7 @@ class AdaptiveRatio(Callback):
                 "steps (auto chooses the compressor and its ratio from measured costs, docs/auto.md). Drop the "
                 "callback, or pick a compressor with a ratio (e.g. compressor='artopk_auto') for AdaptiveRatio."
             )
-        topology = strategy.config.topology
-        if topology.kind != "flat":
+        if strategy.config.topology.kind == "nodes":
             raise ValueError(refusal(collective=strategy.config.engine.collective, sync=strategy.config.sync,
                                      omgs=False, auto=False, adaptive=True))
         cfg = build_config(name)
@@ -176,6 +175,9 @@ class AdaptiveRatio(Callback):
         engine = self._engine(trainer)
         if engine is None:
             return
+        if engine.topology.kind != "flat":  # topology="auto" measured the links and chose nodes
+            raise ValueError(refusal(collective=engine.exchange.name, sync="bsp", omgs=False, auto=False, adaptive=True)
+                             + f" (topology='auto' chose nodes: {engine.topology.chosen})")
         collective_choices(engine.exchange.name)  # refuses an exchange without a cost formula
         engine.raise_warmup_steps(self.config.warmup_steps)  # same Callback arguments on every rank
         if not engine.keeps_network_model:  # the engine's model, when it keeps one, is read instead

@@ -36,13 +36,21 @@ between, NVLink/PCIe/loopback inside), and most for allgather codecs (Top-k, QSG
 flat bytes grow with N. ``intra_dtype="bf16"`` halves the intra-node bytes at bf16's rounding of the
 node sum; the default keeps the node mean exact in fp32.
 
+``topology="auto"`` measures both links when the engine is built (:func:`measure_node_links`: the
+probe sized to the link, on the intra-node groups, then on the inter-node ones, agreed over all
+ranks) and takes ``nodes`` when a byte takes ``auto_ratio`` times as long or longer between nodes as
+inside one (:func:`choose_kind`), else ``flat``. Where ``nodes`` would be refused, or there is one
+node or one rank per node, it is ``flat`` without measuring (:func:`auto_fallback`).
+
 What works under it, and what is refused (:func:`refusal`, the one list): see docs/topology.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -50,9 +58,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._validation import check_int
+from .._validation import check_int, check_number
 from ..compressors.base import GroupContext
 from .cost_model import allgather_bytes, ring_allreduce_bytes
+from .link import agree_max, probe_sized
 
 #: the collectives whose exchange runs on any process group of the ranks that hold the same shard;
 #: the others are refused under ``topology="nodes"`` (reasons in :data:`_COLLECTIVE_REASONS`)
@@ -82,23 +91,36 @@ class TopologyConfig:
     """How the ranks are arranged for communication.
 
     Attributes:
-        kind: ``"flat"`` (every exchange across all ranks; the default) or ``"nodes"`` (dense inside
-            a node, the compressor only between nodes; docs/topology.md).
+        kind: ``"flat"`` (every exchange across all ranks; the default), ``"nodes"`` (dense inside
+            a node, the compressor only between nodes; docs/topology.md) or ``"auto"`` (``nodes``
+            when the link between nodes is measured ``auto_ratio`` times slower per byte than the
+            link inside a node, else ``flat``).
         ranks_per_node: ranks on one node; ``None`` takes the launcher's (Lightning's
             ``devices``/``num_processes``, else ``LOCAL_WORLD_SIZE``). Set it to emulate nodes on
             one machine (e.g. 2 on 4 processes: two "nodes" of two).
         intra_dtype: ``"fp32"`` (exact node sum; the default) or ``"bf16"`` (half the intra-node
             bytes; the node sum rounded to bf16).
+        auto_ratio: with ``kind="auto"``: take ``nodes`` when a byte takes at least this many times
+            as long between nodes as inside one (β between / β inside, measured when the engine is
+            built). By nodes, the slow hop carries a node's shard once instead of every rank's
+            message, at the price of two dense hops inside the node; those cost little only when
+            the inside link is several times faster. Lower it (towards 2) for allgather codecs
+            (Top-k, QSGD), whose flat bytes grow with the ranks; raise it where the inside hops are
+            costly (GPUs that share a PCIe switch).
     """
 
-    kind: Literal["flat", "nodes"] = "flat"
+    kind: Literal["flat", "nodes", "auto"] = "flat"
     ranks_per_node: int | None = None
     intra_dtype: Literal["fp32", "bf16"] = "fp32"
+    auto_ratio: float = 4.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("flat", "nodes"):
-            raise ValueError(f"topology={self.kind!r} is invalid: use 'flat' (all ranks as one group) or 'nodes' "
-                             "(dense inside a node, compressed between nodes; docs/topology.md).")
+        if self.kind not in ("flat", "nodes", "auto"):
+            raise ValueError(f"topology={self.kind!r} is invalid: use 'flat' (all ranks as one group), 'nodes' "
+                             "(dense inside a node, compressed between nodes; docs/topology.md) or 'auto' (nodes "
+                             "when the link between nodes is measured much slower than the one inside).")
+        check_number("topology_auto_ratio", self.auto_ratio, "a number > 1, e.g. 4 (nodes when the link between "
+                     "nodes is at least that many times slower per byte than the link inside a node).", above=1.0)
         if self.ranks_per_node is not None:
             check_int("topology_ranks_per_node", self.ranks_per_node, 1,
                       "Use the number of processes per node, or None for the launcher's.")
@@ -107,8 +129,11 @@ class TopologyConfig:
                              "or 'bf16' (half the intra-node bytes).")
         if self.kind == "flat" and (self.ranks_per_node is not None or self.intra_dtype != "fp32"):
             raise ValueError(f"topology_ranks_per_node={self.ranks_per_node!r}/topology_intra_dtype="
-                             f"{self.intra_dtype!r} only apply with topology='nodes'; pass topology='nodes' too, "
-                             "or drop them.")
+                             f"{self.intra_dtype!r} only apply with topology='nodes' or 'auto'; pass one of them "
+                             "too, or drop them.")
+        if self.kind != "auto" and self.auto_ratio != 4.0:
+            raise ValueError(f"topology_auto_ratio={self.auto_ratio!r} only applies with topology='auto'; pass "
+                             "topology='auto' too, or drop it.")
 
 
 def refusal(*, collective: str, sync: str, omgs: bool, auto: bool, adaptive: bool = False) -> str | None:
@@ -231,10 +256,12 @@ class Topology:
 
     kind = "flat"
 
-    def __init__(self, group: Any, world_size: int) -> None:
+    def __init__(self, group: Any, world_size: int, chosen: str | None = None) -> None:
         #: the process group the engine's exchanges run on
         self.group = group
         self.world_size = world_size
+        #: ``topology="auto"``: why this kind was chosen (None: the user chose it)
+        self.chosen = chosen
 
     def describe(self) -> str:
         return self.kind
@@ -381,16 +408,77 @@ class NodeTopology(Topology):
                 pass
 
 
+def choose_kind(beta_intra: float, beta_inter: float, ratio: float) -> tuple[str, str]:
+    """``topology="auto"``'s rule (pure): ``"nodes"`` when a byte takes ``ratio`` times as long or longer
+    between nodes as inside one (agreed β, seconds per byte), else ``"flat"``; with the reason in words.
+    A β of 0 is a link too fast for the probe to see: inside, any measured β between is slower."""
+    if beta_intra > 0:
+        slower = beta_inter / beta_intra
+    else:
+        slower = math.inf if beta_inter > 0 else 1.0
+    kind = "nodes" if slower >= ratio else "flat"
+    times = "many" if math.isinf(slower) else f"{slower:.1f}"
+    return kind, (f"a byte took {times} times as long between nodes as inside a node "
+                  f"({'at least' if kind == 'nodes' else 'under'} topology_auto_ratio={ratio:g})")
+
+
+def auto_fallback(world_size: int, ranks_per_node: int | None, refused: str | None) -> str | None:
+    """Why ``topology="auto"`` is ``flat`` without measuring (pure), or None when it measures: ``nodes``
+    would be refused for this configuration (``refused``: :func:`refusal`'s text), or there is no
+    hop between nodes to spare (unknown ranks per node, one node, one rank per node)."""
+    if refused is not None:
+        return "nodes is not supported here: " + refused.split(": ", 1)[-1].split(". ")[0]
+    if ranks_per_node is None:
+        return "the launcher gave no ranks per node (pass topology_ranks_per_node)"
+    if ranks_per_node >= world_size or ranks_per_node == 1:
+        return "one node" if ranks_per_node >= world_size else "one rank per node"
+    if world_size % ranks_per_node:
+        return f"{world_size} ranks are not whole nodes of {ranks_per_node}"
+    return None
+
+
+def link_beta(group: Any, device: Any, model_bytes: int) -> float:
+    """This rank's view of a group's link: β (seconds per byte) of the probe sized to the link
+    (:func:`~lightning_gc.comm.link.probe_sized`, agreed over ``group``). A collective over ``group``."""
+    return probe_sized(group, device, model_bytes).network.beta_s_per_byte
+
+
+def measure_node_links(topology: NodeTopology, group: Any, device: Any, model_bytes: int,
+                       probe: Callable[[Any, Any, int], float] = link_beta) -> tuple[float, float]:
+    """β inside a node and β between nodes: ``probe`` on this rank's intra-node group, then on its
+    inter-node group, then the MAX of each over ``group`` (all ranks), so every rank decides on the
+    same numbers. A collective: every rank calls it alike. Every node probes at once, as every node
+    sends at once in a step."""
+    intra = probe(topology.intra, device, model_bytes)
+    inter = probe(topology.inter, device, model_bytes)
+    beta_intra, beta_inter = agree_max([intra, inter], group, device)
+    return beta_intra, beta_inter
+
+
 def build_topology(config: TopologyConfig, group: Any, world_size: int, rank: int,
-                   ranks_per_node: int | None) -> Topology:
+                   ranks_per_node: int | None, *, device: Any = None, model_bytes: int = 0,
+                   refused: str | None = None,
+                   probe: Callable[[Any, Any, int], float] = link_beta) -> Topology:
     """The engine's topology: flat on ``group``, or by nodes (which makes its process groups: a
-    collective call, every rank builds it with the same arguments)."""
+    collective call, every rank builds it with the same arguments). With ``kind="auto"``, measured
+    here (:func:`measure_node_links` with ``probe``, a collective) unless :func:`auto_fallback` says ``flat``; the reason is kept in
+    ``chosen``. ``refused``: why ``nodes`` cannot run this configuration (:func:`refusal`), if so."""
     if config.kind == "flat" or world_size <= 1:
         return Topology(group, world_size)
     k = resolve_ranks_per_node(config.ranks_per_node, ranks_per_node)
+    if config.kind == "auto":
+        why = auto_fallback(world_size, k, refused)
+        if why is not None:
+            return Topology(group, world_size, chosen=why)
     if k is None:
         raise ValueError("topology='nodes' does not know how many ranks share a node: the launcher gave none "
                          "(Trainer(devices=...), LOCAL_WORLD_SIZE). Pass topology_ranks_per_node=<processes per "
                          "node>.")
-    layout = NodeLayout(world_size, k)
-    return NodeTopology(layout, rank, dist.get_backend(group), config.intra_dtype)
+    nodes = NodeTopology(NodeLayout(world_size, k), rank, dist.get_backend(group), config.intra_dtype)
+    if config.kind == "auto":
+        kind, why = choose_kind(*measure_node_links(nodes, group, device, model_bytes, probe), config.auto_ratio)
+        if kind == "flat":
+            nodes.close()
+            return Topology(group, world_size, chosen=why)
+        nodes.chosen = why
+    return nodes

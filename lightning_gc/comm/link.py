@@ -168,7 +168,7 @@ class SizedProbe:
     probe_time_s: float
 
 
-def _agree_max(values: Sequence[float], group: Any, device: Any) -> list[float]:
+def agree_max(values: Sequence[float], group: Any, device: Any) -> list[float]:
     """Element-wise MAX over the ranks (one float64 all-reduce, on ``device`` when it is CUDA), as
     ``lightning_gc.engine.agreement.agree_values(..., "max")`` does it; the values themselves without a
     process group or on one rank."""
@@ -207,12 +207,12 @@ def probe_sized(group: Any, device: Any, model_bytes: int, latency: ProbeResult 
         large = probe_network(group, cfg, device=device)
         rounds.append(size)
         (s0, s1), (t0, t1) = large.sizes_bytes, large.median_times_s
-        beta, t_large = _agree_max([max((t1 - t0) / (s1 - s0), 0.0), t1], group, device)
+        beta, t_large = agree_max([max((t1 - t0) / (s1 - s0), 0.0), t1], group, device)
         return beta, t_large
 
     beta, size, large_s = probe_bandwidth(measure, probe_start_bytes(model_bytes))
     alpha = max(small.min_times_s[0] - beta * small.sizes_bytes[0], 0.0)
-    a = _agree_max([alpha], group, device)[0]
+    a = agree_max([alpha], group, device)[0]
     return SizedProbe(NetworkModel(a, beta), size, large_s)
 
 
@@ -234,7 +234,7 @@ def check_link(group: Any, device: Any, size: int) -> tuple[float, float]:
     r = probe_network(group, ProbeConfig(sizes_bytes=(small, size), warmup=0, repeats=1), device=device)
     t0, t1 = r.median_times_s
     slope = max((t1 - t0) / (size - small), 0.0) if size > small else 0.0
-    t1, slope = _agree_max([t1, slope], group, device)
+    t1, slope = agree_max([t1, slope], group, device)
     return t1, slope
 
 

@@ -159,6 +159,7 @@ class GCEngine:
         verify_plan: bool = True,
         topology: TopologyConfig | None = None,
         ranks_per_node: int | None = None,
+        topology_refused: str | None = None,
     ) -> None:
         self.compressor = compressor
         self.config = config
@@ -185,9 +186,12 @@ class GCEngine:
             ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
             self.exchange_group = dist.new_group(ranks=ranks, backend=dist.get_backend(process_group))
         #: where each group's exchange runs: all ranks (flat), or this rank's shard group between nodes
-        #: (lightning_gc/comm/hierarchy.py); ``ranks_per_node``: the launcher's processes per node
+        #: (lightning_gc/comm/hierarchy.py); ``ranks_per_node``: the launcher's processes per node;
+        #: ``topology_refused``: why ``nodes`` cannot run this configuration (``topology="auto"`` is flat)
+        model_bytes = sum(p.numel() * p.element_size() for p in self.params)
         self.topology: Topology = build_topology(topology or TopologyConfig(), self.exchange_group,
-                                                 self.world_size, self.rank, ranks_per_node)
+                                                 self.world_size, self.rank, ranks_per_node, device=self.device,
+                                                 model_bytes=model_bytes, refused=topology_refused)
         self.exchange: Exchange = make_exchange(compressor, config.collective, self.topology.group)
         self.exact_exchange = AllreduceExchange(DenseCompressor(), self.topology.group)
         self.tracker = NetworkTracker(config, type(self.exchange).needs_network, self.world_size)
