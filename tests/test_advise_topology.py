@@ -214,3 +214,29 @@ def test_parse_count():
     assert adv.parse_count("200k") == 200_000 and adv.parse_count("12") == 12
     with pytest.raises(adv.AdviseError, match="e.g. --model-params 350M"):
         adv.parse_count("0")
+
+
+# ---------------------------------------------------------------- 6. against the wire (docs/measurements/topology.md)
+#: gpt, 2 hosts x 2 ranks at 20 Mbit/s: each host's transmit counter per step (headers included)
+MEASURED_CARD = {"ddp": (2.64e6, None), "fp16": (1.32e6, None), "topk": (171.3e3, 55.1e3), "qsgd": (916.3e3, 241.1e3)}
+
+
+def test_card_bytes_within_12_percent_of_the_measured_wire_at_2x2():
+    """The model's bytes on a host's card (payloads as advise measures them on gpt: Top-k 34,736 B,
+    QSGD 220,480 B flat, half of each per shard; 3,584 elements sent exactly) against the run's wire
+    counters. The wire is above the model by the headers and the engine's small messages, most for
+    Top-k by nodes, whose payload is the smallest."""
+    numel, exact = 437_760, 4 * 3_584
+    w = Workload(0.1, (0.1,), (numel,), 0.0, 0.0)
+    c = _cluster(20e6, 10e9, n=4, k=2)
+    flat = {"ddp": MethodCost("ddp", "bucket", 0.0), "fp16": MethodCost("fp16", "bucket", 0.0),
+            "topk": MethodCost("topk", "allgather", 0.0, 34_736.0, exact_bytes=exact),
+            "qsgd": MethodCost("qsgd", "allgather", 0.0, 220_480.0, exact_bytes=exact)}
+    shard = {"topk": MethodCost("topk", "allgather", 0.0, 17_368.0, exact_bytes=exact),
+             "qsgd": MethodCost("qsgd", "allgather", 0.0, 110_240.0, exact_bytes=exact)}
+    errors = []
+    for name, (wire_flat, wire_nodes) in MEASURED_CARD.items():
+        errors.append(an.card_bytes_flat(flat[name], w, c) / wire_flat - 1)
+        if wire_nodes is not None:
+            errors.append(an.card_bytes_nodes(shard[name], w, c) / wire_nodes - 1)
+    assert all(-0.12 < e <= 0.0 for e in errors), errors
