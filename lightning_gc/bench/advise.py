@@ -30,8 +30,15 @@ measurement functions as the live chooser (:mod:`lightning_gc.auto.chooser`) -- 
 ``optimizer_ms``, ``other_ms``, a factor on the measured compute (``compute_scale``) and one on every
 measured codec time (``codec_scale``; a GPU's codec is 10-100x faster than this CPU's).
 
+``compute_ms`` scales the measured forward, backward and optimizer to one total; ``model_params``
+(with ``compute_ms``) replaces the workload altogether: nothing is trained (:func:`synthetic_profile`).
+
+**Nodes.** ``ranks_per_node > 1``: every candidate is also predicted by nodes (``topology="nodes"``)
+beside flat, with the link inside a node and the node's card between nodes
+(:mod:`lightning_gc.bench.advise_nodes`; the byte and time model in :mod:`lightning_gc.comm.cost_model`).
+
 **Limits.** The network is the alpha-beta model of :mod:`lightning_gc.comm.cost_model` (no
-contention, no hierarchy of links, no stragglers); compute and codec are this machine's unless
+contention, two levels of links at most, no stragglers); compute and codec are this machine's unless
 overridden; the progress proxy is the measured relative error of one gradient (docs/auto.md).
 """
 
@@ -65,10 +72,10 @@ from ..auto.candidates import (
 )
 from ..auto.model import DEFAULT_PROGRESS_WEIGHT, MethodCost, Prediction, Workload, choose, table
 from ..comm.cost_model import NetworkModel
-from .advise_nodes import Cluster, TopologyAdvice, check_ranks_per_node, compare, node_refusal, shard_of
 from ..compressors import GroupContext, build_compressor
 from ..compressors.timing import time_codec
 from . import schedule
+from .advise_nodes import Cluster, TopologyAdvice, check_ranks_per_node, compare, node_refusal, shard_of
 from .workloads import WorkloadError, preset_arg, resolve_preset
 
 __all__ = ["Advice", "AdviseError", "Profile", "PROFILE_STEPS", "SPREAD_WARN", "TIMING_PAYLOADS", "MAX_WORLD_SIZE",
