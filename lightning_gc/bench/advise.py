@@ -30,14 +30,22 @@ measurement functions as the live chooser (:mod:`lightning_gc.auto.chooser`) -- 
 ``optimizer_ms``, ``other_ms``, a factor on the measured compute (``compute_scale``) and one on every
 measured codec time (``codec_scale``; a GPU's codec is 10-100x faster than this CPU's).
 
+``compute_ms`` scales the measured forward, backward and optimizer to one total; ``model_params``
+(with ``compute_ms``) replaces the workload altogether: nothing is trained (:func:`synthetic_profile`).
+
+**Nodes.** ``ranks_per_node > 1``: every candidate is also predicted by nodes (``topology="nodes"``)
+beside flat, with the link inside a node and the node's card between nodes
+(:mod:`lightning_gc.bench.advise_nodes`; the byte and time model in :mod:`lightning_gc.comm.cost_model`).
+
 **Limits.** The network is the alpha-beta model of :mod:`lightning_gc.comm.cost_model` (no
-contention, no hierarchy of links, no stragglers); compute and codec are this machine's unless
+contention, two levels of links at most, no stragglers); compute and codec are this machine's unless
 overridden; the progress proxy is the measured relative error of one gradient (docs/auto.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import logging
@@ -67,18 +75,30 @@ from ..comm.cost_model import NetworkModel
 from ..compressors import GroupContext, build_compressor
 from ..compressors.timing import time_codec
 from . import schedule
+from .advise_nodes import Cluster, TopologyAdvice, check_ranks_per_node, compare, node_refusal, shard_of
 from .workloads import WorkloadError, preset_arg, resolve_preset
 
 __all__ = ["Advice", "AdviseError", "Profile", "PROFILE_STEPS", "SPREAD_WARN", "TIMING_PAYLOADS", "MAX_WORLD_SIZE",
            "advise", "aggregation_slope", "build_module", "build_parser", "compute_spread", "main", "measure_costs",
-           "override_workload", "parse_bandwidth", "parse_candidates", "parse_latency", "profile_module", "run",
-           "spread_warning"]
+           "override_workload", "parse_bandwidth", "parse_candidates", "parse_count", "parse_latency", "profile_module",
+           "run", "scale_costs", "spread_warning", "synthetic_profile"]
 
 SCHEMA = "lightning_gc.advise/1"
 #: payloads aggregated when timing a codec (``min(N, TIMING_PAYLOADS)``); beyond, allgather codecs are extrapolated
 TIMING_PAYLOADS = 8
 MAX_WORLD_SIZE = 1024
 DEFAULT_LATENCY = "0.1ms"
+#: the link between two ranks of a node when --ranks-per-node > 1 and --intra-bandwidth is not given:
+#: a PCIe 4.0 x16 path (about 25 GB/s usable), the slowest link common inside GPU nodes. It is the
+#: cautious choice: by nodes, the dense intra-node stages then cost the most. NVLink nodes are 10-30x
+#: faster (e.g. --intra-bandwidth 2400gbit for 300 GB/s)
+DEFAULT_INTRA_BANDWIDTH = "200gbit"
+#: latency per message inside a node (a GPU-to-GPU copy's launch and synchronisation)
+DEFAULT_INTRA_LATENCY = "10us"
+#: the synthetic model of --model-params: square matrices of this side (a transformer's hidden size order)
+SYNTHETIC_SIDE = 1024
+#: elements of the synthetic gradient on which the codecs are measured, then scaled to --model-params
+SYNTHETIC_SAMPLE = SYNTHETIC_SIDE ** 2
 #: training steps timed by default: the medians need a few, and more show a host that is busy in some of them
 PROFILE_STEPS = 5
 #: the slowest timed step's compute over the fastest's above which advise warns that the host was busy
@@ -91,13 +111,13 @@ class AdviseError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------- parsing
-def parse_bandwidth(text: str) -> float:
+def parse_bandwidth(text: str, what: str = "--bandwidth") -> float:
     """``"100mbit"`` → 1e8 bits per second (the bench's rate syntax, :func:`lightning_gc.bench.schedule.parse_rate`).
 
     Unlike the bench, which shapes real links, any rate above the bench's shaping limit is accepted
-    (a model needs no ``tc``): ``"800gbit"``, ``"2tbit"``."""
+    (a model needs no ``tc``): ``"800gbit"``, ``"2tbit"``. ``what``: the option named in errors."""
     try:
-        return float(schedule.parse_rate(text, what="--bandwidth", shaped=False))
+        return float(schedule.parse_rate(text, what=what, shaped=False))
     except schedule.ScheduleError as exc:
         raise AdviseError(str(exc)) from None
 
@@ -106,22 +126,22 @@ _LATENCY_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e([+-]?[0-9]+))?
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 
-def parse_latency(text: str) -> float:
+def parse_latency(text: str, what: str = "--latency") -> float:
     """``"0.5ms"`` → 5e-4 seconds per message (units ``s``, ``ms``, ``us``/``µs``, ``ns``; ``0`` alone is 0)."""
     m = _LATENCY_RE.match(text) if isinstance(text, str) else None
     if not m:
-        raise AdviseError(f"--latency {text!r} is not a time: write a number and a unit ({', '.join(_TIME_UNITS)}), "
+        raise AdviseError(f"{what} {text!r} is not a time: write a number and a unit ({', '.join(_TIME_UNITS)}), "
                           "e.g. 0.5ms or 50us (the one-way latency per message)")
     number, exp, unit = m.groups()
     value = float(number) * (10 ** int(exp) if exp else 1)
     if unit == "" and value == 0:
         return 0.0
     if unit.lower() not in _TIME_UNITS:
-        raise AdviseError(f"--latency {text!r} has unit {unit!r}, which is not a time unit: use one of "
+        raise AdviseError(f"{what} {text!r} has unit {unit!r}, which is not a time unit: use one of "
                           f"{', '.join(_TIME_UNITS)}, e.g. 0.5ms")
     seconds = value * _TIME_UNITS[unit.lower()]
     if not math.isfinite(seconds) or seconds > 10.0:
-        raise AdviseError(f"--latency {text!r} = {seconds:g} s per message is not a network latency (at most 10 s); "
+        raise AdviseError(f"{what} {text!r} = {seconds:g} s per message is not a network latency (at most 10 s); "
                           "write e.g. 0.5ms for a LAN or 50ms for a WAN")
     return seconds
 
@@ -141,6 +161,20 @@ def parse_candidates(text: str | Sequence[str]) -> tuple[str, ...]:
     if dup:
         raise AdviseError(f"--candidates {text!r} lists {dup} twice; name each method once")
     return tuple(names)
+
+
+_COUNT_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kKmMgGbBtT]?)\s*$")
+_COUNT_UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "b": 10 ** 9, "t": 10 ** 12}
+
+
+def parse_count(text: Any, what: str = "--model-params") -> int:
+    """``"350M"`` → 350,000,000 (suffixes k, M, G or B, T; decimal); at least 1."""
+    m = _COUNT_RE.match(text) if isinstance(text, str) else None
+    value = float(m.group(1)) * _COUNT_UNITS[m.group(2).lower()] if m else 0.0
+    if not m or not math.isfinite(value) or round(value) < 1:
+        raise AdviseError(f"{what} {text!r} is not a number of parameters >= 1: write a count with an optional "
+                          "suffix k, M, B (or G), T, e.g. --model-params 350M or 1.3B")
+    return int(round(value))
 
 
 def _check_world_size(world_size: Any) -> int:
@@ -361,18 +395,66 @@ def profile_module(model: Any, datamodule: Any = None, *, skip_steps: int = 1, p
                    tuple(n for e in exact for n in e.names), step_s)
 
 
+def synthetic_profile(params: int, compute_ms: float, seed: int = 0) -> tuple[Profile, float]:
+    """A model of ``params`` parameters known only by its size and compute (``--model-params`` with
+    ``--compute-ms``), and the factor that scales what is measured on its sample to the whole model.
+
+    The model is square ``SYNTHETIC_SIDE``-sided matrices (the last one shorter), each ready in
+    backward after a time in proportion to its size; ``compute_ms`` is split 1:2 between forward and
+    backward (a dense layer's backward computes two products to its forward's one), optimizer 0. The
+    codecs are measured on a Gaussian gradient of its first ``SYNTHETIC_SAMPLE`` elements (whole
+    matrices), and every codec time and payload is then multiplied by ``params / sample`` (each
+    matrix is compressed alike, so both grow with the number of matrices). A Gaussian gradient has no
+    large coordinates: Top-k's and sign's error ``delta2`` on it is higher than on a trained model's
+    gradient; ``--progress-weight 0`` ranks by step time alone."""
+    side2 = SYNTHETIC_SIDE ** 2
+    full, rem = divmod(int(params), side2)
+    numels = (side2,) * full + ((rem,) if rem else ())
+    shapes = ((SYNTHETIC_SIDE, SYNTHETIC_SIDE),) * full + (((rem,),) if rem else ())
+    count = max(1, min(len(numels), SYNTHETIC_SAMPLE // side2))
+    sample = sum(numels[:count])
+    c = _check_nonneg("--compute-ms", compute_ms, "--compute-ms 120") / 1e3
+    workload = Workload(c / 3, tuple(2 * c / 3 * n / params for n in numels), numels, 0.0, 0.0)
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.randn(sample, generator=gen)
+    names = tuple(f"synthetic.{i}" for i in range(len(numels)))
+    ctx = GroupContext(step=2, rank=0, world_size=1, segments=numels[:count], group_id=0, seed=seed,
+                       device=flat.device, shapes=shapes[:count], names=names[:count])
+    return Profile(workload, flat, ctx, 0.0, names, 0), params / sample
+
+
+def scale_costs(costs: Sequence[MethodCost], factor: float) -> list[MethodCost]:
+    """Costs measured on a sample, for a model ``factor`` times its size: codec time and payload bytes
+    scaled (error ``delta2`` is a ratio, and stays)."""
+    if factor == 1:
+        return list(costs)
+    return [dataclasses.replace(c, codec_s=c.codec_s * factor, payload_bytes=c.payload_bytes * factor) for c in costs]
+
+
 def override_workload(workload: Workload, forward_ms: float | None = None, backward_ms: float | None = None,
                       optimizer_ms: float | None = None, other_ms: float | None = None,
-                      compute_scale: float = 1.0) -> Workload:
+                      compute_scale: float = 1.0, compute_ms: float | None = None) -> Workload:
     """The workload with the user's figures in place of the measured ones (milliseconds; ``None`` keeps).
 
     ``compute_scale`` first multiplies the measured forward, backward and optimizer times (a GPU's
     compute is faster than this CPU's; 4 ranks sharing 2 cores are slower than one process alone);
     a figure given explicitly replaces the scaled one. ``backward_ms`` scales the per-tensor profile
     to that total (its shape, the tensors' ready order and relative times, is kept; a profile of
-    all zeros is spread evenly)."""
+    all zeros is spread evenly). ``compute_ms`` scales forward, backward and optimizer together so that
+    they add up to it (the measured shares kept); it replaces ``compute_scale`` and cannot be given
+    with the separate figures."""
     k = _check_nonneg("--compute-scale", compute_scale, "--compute-scale 0.05 for a GPU ~20x faster than this CPU",
                       positive=True)
+    if compute_ms is not None:
+        if any(v is not None for v in (forward_ms, backward_ms, optimizer_ms)):
+            raise AdviseError(f"--compute-ms {compute_ms!r} with --forward-ms/--backward-ms/--optimizer-ms: give the "
+                              "step's compute once, either as a total (--compute-ms) or by its parts, not both")
+        total = _check_nonneg("--compute-ms", compute_ms, "--compute-ms 120") / 1e3
+        measured = workload.forward_s + workload.backward_total_s + workload.optimizer_s
+        if measured <= 0:
+            raise AdviseError("--compute-ms: the measured compute is 0 s, so it has no shares to scale; give "
+                              "--forward-ms and --backward-ms instead")
+        k = total / measured
     w = Workload(workload.forward_s * k, tuple(t * k for t in workload.backward_s), workload.numels,
                  workload.optimizer_s * k, workload.other_s)
     fwd = w.forward_s if forward_ms is None else _check_nonneg("--forward-ms", forward_ms, "--forward-ms 12") / 1e3
@@ -482,9 +564,10 @@ class Advice:
     world_size: int
     progress_weight: float
     inputs: dict = field(default_factory=dict)
+    topology: TopologyAdvice | None = None  # with --ranks-per-node > 1: every candidate flat and by nodes
 
     def as_dict(self) -> dict:
-        return {"schema": SCHEMA, "pick": self.pick,
+        return {"topology": None if self.topology is None else self.topology.as_dict(),"schema": SCHEMA, "pick": self.pick,
                 "predictions": {k: v.as_dict() for k, v in self.predictions.items()},
                 "world_size": self.world_size, "progress_weight": self.progress_weight,
                 "network": {"alpha_s": self.network.alpha_s, "beta_s_per_byte": self.network.beta_s_per_byte,
@@ -501,7 +584,8 @@ class Advice:
         given = i.get("given", {})
 
         def src(key: str) -> str:
-            return "given" if given.get(key) is not None else "measured"
+            total = given.get("compute_ms") is not None and key != "other_ms"
+            return "given" if given.get(key) is not None or total else "measured"
 
         lines = [
             f"lightning-gc advise: {i.get('preset', '?')}, {w.numel:,} gradient elements in {len(w.numels)} tensors "
@@ -528,61 +612,145 @@ class Advice:
         lines.append(line + ")")
         lines.append("ms/progress = step / efficiency, efficiency = 1/(1 + w*delta2) (docs/auto.md); a prediction "
                      "of the alpha-beta model, not a measurement on the cluster")
+        if self.topology is not None:
+            lines.extend(self._topology_lines())
         return "\n".join(lines)
 
+    def _topology_lines(self) -> list[str]:
+        c = self.topology.cluster
+        rate = schedule.format_rate
+        return [
+            "",
+            f"topology: {c.nodes} nodes x {c.ranks_per_node} ranks; between nodes {rate(round(c.inter.bandwidth_bits_per_s))} "
+            f"per node's card (shared by its {c.ranks_per_node} ranks), latency {1e3 * c.inter.alpha_s:g} ms; inside a node "
+            f"{rate(round(c.intra.bandwidth_bits_per_s))}, latency {1e3 * c.intra.alpha_s:g} ms",
+            "flat: the table above (a flat ring is bounded by its slowest link, here the card); by nodes: dense "
+            "reduce-scatter inside, the candidate on a 1/K shard between nodes, allgather inside (docs/topology.md). "
+            "card MB: bytes a node's card sends per step",
+            self.topology.text(),
+        ]
 
-def run(preset: str, world_size: int, bandwidth: str, latency: str = DEFAULT_LATENCY, *,
+
+def _check_inputs(n: int, k: int, intra_bandwidth: str | None, preset: str | None, model_params: Any,
+                  compute_ms: float | None, parts: dict[str, float | None]) -> None:
+    """The combinations of options ``run`` refuses (each option's value is checked where it is parsed)."""
+    if intra_bandwidth is not None and k == 1:
+        raise AdviseError(f"--intra-bandwidth {intra_bandwidth!r} with --ranks-per-node 1: with one rank per node "
+                          "there is no link inside a node; give --ranks-per-node (e.g. 8), or drop --intra-bandwidth")
+    if (preset is None) == (model_params is None):
+        raise AdviseError("give the workload once: --preset (a bench preset or module:factory, profiled here) or "
+                          "--model-params with --compute-ms (a model known by its size and step compute)")
+    if model_params is not None and compute_ms is None:
+        raise AdviseError(f"--model-params {model_params!r} needs --compute-ms (the step's forward + backward + "
+                          "optimizer on one rank, in milliseconds, e.g. --compute-ms 120): nothing is profiled")
+    if compute_ms is not None:
+        _check_nonneg("--compute-ms", compute_ms, "--compute-ms 120")
+    for flag, v in parts.items():
+        if v is not None:
+            _check_nonneg(flag, v, f"{flag} 12")
+
+
+def _topology(cluster: Cluster, names: Sequence[str], prof: Profile, workload: Workload, costs: Sequence[MethodCost],
+              scale: float, w: float, repeats: int, codec_scale: float) -> TopologyAdvice:
+    """Every candidate flat and by nodes (lightning_gc/bench/advise_nodes.py); the engine methods that
+    topology='nodes' runs are measured again on a shard, with ``nodes`` payloads."""
+    cands = [candidate(nm) for nm in names]
+    refusals = {c.name: r for c in cands if (r := node_refusal(c)) is not None}
+    engine = [c for c in cands if c.compressor is not None and c.name not in refusals]
+    node_costs = {c.name: c for c in costs if c.wire == "bucket"}
+    if engine:
+        shard, sctx = shard_of(prof.flat, prof.ctx, cluster.ranks_per_node, cluster.nodes)
+        measured = measure_costs(engine, shard, sctx, cluster.nodes, prof.exact_bytes, repeats, codec_scale)
+        node_costs.update({c.name: c for c in scale_costs(measured, scale)})
+    topo = compare(workload, costs, node_costs, refusals, cluster, w)
+    if cluster.world_size <= 8 and any(c.wire in ("allgather", "allreduce") for c in costs):
+        topo.notes.append("flat column: the direct exchange (at most 8 ranks) sends K x (N - K) messages on a "
+                          "node's card, which the table above (one link per rank) does not charge")
+    return topo
+
+
+def run(preset: str | None, world_size: int, bandwidth: str, latency: str = DEFAULT_LATENCY, *,
         preset_args: dict[str, Any] | None = None, candidates: str | Sequence[str] = DEFAULT_CANDIDATES,
         progress_weight: float = DEFAULT_PROGRESS_WEIGHT, forward_ms: float | None = None, backward_ms: float | None = None,
         optimizer_ms: float | None = None, other_ms: float | None = None, codec_scale: float = 1.0,
         compute_scale: float = 1.0, skip_steps: int = 1, profile_steps: int = PROFILE_STEPS, repeats: int = 3,
-        min_compress_numel: int = 1024, seed: int = 0) -> Advice:
+        min_compress_numel: int = 1024, seed: int = 0, ranks_per_node: int = 1, intra_bandwidth: str | None = None,
+        intra_latency: str = DEFAULT_INTRA_LATENCY, compute_ms: float | None = None,
+        model_params: int | str | None = None) -> Advice:
     """Build, profile and measure the workload, then advise (what the command does; inputs are
-    checked before anything is built, so a typo costs no training)."""
+    checked before anything is built, so a typo costs no training). ``model_params`` (with
+    ``compute_ms``) replaces ``preset``: nothing is trained (:func:`synthetic_profile`).
+    ``ranks_per_node > 1``: ``bandwidth``/``latency`` are a node's network card, ``intra_*`` the link
+    inside a node, and every candidate is also predicted by nodes (:attr:`Advice.topology`)."""
     n = _check_world_size(world_size)
+    k = check_ranks_per_node(ranks_per_node, n, AdviseError)
     bps = parse_bandwidth(bandwidth)
     alpha = parse_latency(latency)
+    intra_bps = parse_bandwidth(intra_bandwidth or DEFAULT_INTRA_BANDWIDTH, "--intra-bandwidth")
+    intra_alpha = parse_latency(intra_latency, "--intra-latency")
     names = parse_candidates(candidates)
     w = _check_nonneg("--progress-weight", progress_weight, "--progress-weight 2 (0: step time only)")
     _check_nonneg("--codec-scale", codec_scale, "--codec-scale 0.05", positive=True)
     _check_nonneg("--compute-scale", compute_scale, "--compute-scale 0.05", positive=True)
-    for flag, v, ex in (("--forward-ms", forward_ms, "12"), ("--backward-ms", backward_ms, "25"),
-                        ("--optimizer-ms", optimizer_ms, "3"), ("--other-ms", other_ms, "5")):
-        if v is not None:
-            _check_nonneg(flag, v, f"{flag} {ex}")
+    _check_inputs(n, k, intra_bandwidth, preset, model_params, compute_ms,
+                  {"--forward-ms": forward_ms, "--backward-ms": backward_ms, "--optimizer-ms": optimizer_ms,
+                   "--other-ms": other_ms})
+    params = parse_count(model_params) if isinstance(model_params, str) else model_params
+    if params is not None and (isinstance(params, bool) or not isinstance(params, int) or params < 1):
+        raise AdviseError(f"--model-params {model_params!r} must be a number of parameters >= 1, e.g. 350M")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise AdviseError(f"--repeats {repeats!r} must be an integer >= 1, e.g. 3")
-    network = NetworkModel.from_bandwidth(bps, alpha)
-    model, data, label = build_module(preset, preset_args, seed)
-    prof = profile_module(model, data, skip_steps=skip_steps, profile_steps=profile_steps,
-                          min_compress_numel=min_compress_numel, seed=seed)
-    workload = override_workload(prof.workload, forward_ms, backward_ms, optimizer_ms, other_ms, compute_scale)
-    costs = measure_costs(names, prof.flat, prof.ctx, n, prof.exact_bytes, repeats, codec_scale)
+    cluster = Cluster(n, k, NetworkModel.from_bandwidth(bps, alpha), NetworkModel.from_bandwidth(intra_bps, intra_alpha))
+    network = cluster.flat
+    if params is None:
+        model, data, label = build_module(preset, preset_args, seed)
+        prof = profile_module(model, data, skip_steps=skip_steps, profile_steps=profile_steps,
+                              min_compress_numel=min_compress_numel, seed=seed)
+        scale, summary, label = 1.0, prof.summary(), label
+        workload = override_workload(prof.workload, forward_ms, backward_ms, optimizer_ms, other_ms, compute_scale,
+                                     compute_ms)
+    else:
+        prof, scale = synthetic_profile(params, compute_ms, seed)
+        label = f"{params:,} parameters (--model-params)"
+        summary = {"tensors": len(prof.names), "numel": params, "compressed_numel": params,
+                   "compressed_tensors": len(prof.names), "exact_tensors": 0, "exact_bytes": 0.0, "timed_steps": 0,
+                   "no_grad": [], "sample_numel": int(prof.flat.numel()), "scale": scale}
+        workload = override_workload(prof.workload, forward_ms, backward_ms, optimizer_ms, other_ms)
+    costs = scale_costs(measure_costs(names, prof.flat, prof.ctx, n, prof.exact_bytes, repeats, codec_scale), scale)
     timed = min(n, TIMING_PAYLOADS)
     timing = (f"codec ({'measured on this CPU' if codec_scale == 1 else f'measured on this CPU x {codec_scale:g}'}): "
               f"aggregation timed with min(N, {TIMING_PAYLOADS}) = {timed} payloads")
     if n > timed and any(c.wire == "allgather" for c in costs):
         timing += f"; allgather methods' aggregation extrapolated linearly to N={n}"
+    if scale != 1:
+        timing += (f"; measured on a Gaussian sample of {prof.flat.numel():,} elements and scaled x {scale:.4g} to the "
+                   "model (error delta2 of a Gaussian gradient: pessimistic for Top-k and sign)")
     pick, preds = advise(workload, costs, network, n, w)
+    topo = _topology(cluster, names, prof, workload, costs, scale, w, repeats, codec_scale) if k > 1 else None
     args = dict(preset_args or {})
     inputs = {
         "preset": label if not args else f"{label} ({', '.join(f'{k}={v}' for k, v in args.items())})",
         "preset_name": label, "preset_args": {k: repr(v) if not isinstance(v, (int, float, str, bool)) else v
                                               for k, v in args.items()},
+        "model_params": params, "ranks_per_node": k,
+        "intra_bandwidth": intra_bandwidth or (DEFAULT_INTRA_BANDWIDTH if k > 1 else None),
+        "intra_bandwidth_bits_per_s": intra_bps if k > 1 else None, "intra_latency": intra_latency,
         "bandwidth": bandwidth, "bandwidth_bits_per_s": bps, "latency": latency, "latency_s": alpha, "candidates": list(names), "seed": seed,
         "given": {"forward_ms": forward_ms, "backward_ms": backward_ms, "optimizer_ms": optimizer_ms,
-                  "other_ms": other_ms},
-        "measured_workload": prof.workload.as_dict(), "profile": prof.summary(), "tensor_order": list(prof.names),
+                  "other_ms": other_ms, "compute_ms": compute_ms},
+        "measured_workload": prof.workload.as_dict() if params is None else None, "profile": summary,
+        "tensor_order": list(prof.names),
         "skip_steps": skip_steps, "profile_steps": profile_steps, "repeats": repeats,
         "min_compress_numel": min_compress_numel, "codec_scale": codec_scale, "compute_scale": compute_scale,
         "timing_payloads": timed,
         "codec_timing": timing,
-        "compute_source": f"{skip_steps} skipped + {prof.steps} timed steps on this CPU, medians"
-                          + (f", x {compute_scale:g}" if compute_scale != 1 else "") + ", unless given",
+        "compute_source": (f"{skip_steps} skipped + {prof.steps} timed steps on this CPU, medians"
+                           + (f", x {compute_scale:g}" if compute_scale != 1 else "") + ", unless given")
+                          if params is None else "given: --compute-ms split 1:2 between forward and backward",
         "torch_threads": torch.get_num_threads(),
         "warnings": [x for x in (prof.spread_warning(),) if x],
     }
-    return Advice(pick, preds, workload, costs, network, n, w, inputs)
+    return Advice(pick, preds, workload, costs, network, n, w, inputs, topo)
 
 
 # ---------------------------------------------------------------------------------------------- the command
@@ -609,24 +777,41 @@ def build_parser() -> argparse.ArgumentParser:
                     "measured on this machine's CPU unless given; see docs/auto.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     w = p.add_argument_group("workload")
-    w.add_argument("--preset", required=True,
+    w.add_argument("--preset", default=None,
                    help="mlp | cnn | lm | gpt | quickstart | probe | deep | package.module:factory (as for "
                         "`lightning-gc bench`: a callable returning an object with model, datamodule, metric, mode, "
-                        "target, batch_size; docs/bench.md)")
+                        "target, batch_size; docs/bench.md); profiled on this CPU. Or give --model-params")
+    w.add_argument("--model-params", default=None, metavar="COUNT",
+                   help="instead of --preset: a model known by its parameter count (350M, 1.3B), with --compute-ms; "
+                        "nothing is trained, the codecs are measured on a Gaussian sample and scaled to it")
     w.add_argument("--preset-arg", action="append", type=preset_arg, default=[], metavar="KEY=VALUE",
                    help="keyword for the preset or factory (repeatable), e.g. width=16")
     w.add_argument("--seed", type=int, default=0, help="seed of the preset's data and initial weights")
     c = p.add_argument_group("cluster")
     c.add_argument("--ranks", "--world-size", "-N", dest="ranks", type=_world_size_arg, required=True,
                    help=f"data-parallel ranks, 1..{MAX_WORLD_SIZE} (as in `lightning-gc bench --ranks`)")
-    c.add_argument("--bandwidth", required=True, help="link rate per rank and direction, bits/s: 100mbit, 10gbit")
-    c.add_argument("--latency", default=DEFAULT_LATENCY, help="latency per message (alpha): 50us, 0.5ms, 20ms")
+    c.add_argument("--bandwidth", required=True,
+                   help="link rate per rank and direction, bits/s: 100mbit, 10gbit; with --ranks-per-node > 1 the "
+                        "rate of a node's network card between nodes, which its ranks share")
+    c.add_argument("--latency", default=DEFAULT_LATENCY,
+                   help="latency per message (alpha): 50us, 0.5ms, 20ms (between nodes with --ranks-per-node > 1)")
+    c.add_argument("--ranks-per-node", type=_world_size_arg, default=1, metavar="K",
+                   help="ranks (GPUs) per node, dividing --ranks; above 1 every candidate is also predicted by nodes "
+                        "(topology='nodes': dense inside a node, compressed between nodes) beside flat")
+    c.add_argument("--intra-bandwidth", default=None,
+                   help=f"link inside a node, bits/s (with --ranks-per-node > 1); default {DEFAULT_INTRA_BANDWIDTH}: "
+                        "PCIe 4.0 x16 (~25 GB/s), the slowest common GPU-to-GPU path, so by nodes is not flattered; "
+                        "NVLink is 10-30x faster (e.g. 2400gbit)")
+    c.add_argument("--intra-latency", default=DEFAULT_INTRA_LATENCY, help="latency per message inside a node")
     m = p.add_argument_group("candidates and progress")
     m.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES),
                    help=f"comma-separated, in tie-break order; from {', '.join(CANDIDATES)}")
     m.add_argument("--progress-weight", type=_float_arg, default=DEFAULT_PROGRESS_WEIGHT,
                    help="w in efficiency = 1/(1 + w*delta2); 0 ranks by step time alone")
     g = p.add_argument_group("figures that replace the measurement (milliseconds)")
+    g.add_argument("--compute-ms", type=_float_arg, default=None,
+                   help="one rank's step compute (forward + backward + optimizer): with --preset the measured parts "
+                        "are scaled to it; with --model-params it is split 1:2 between forward and backward")
     g.add_argument("--forward-ms", type=_float_arg, default=None, help="forward time of one step")
     g.add_argument("--backward-ms", type=_float_arg, default=None,
                    help="backward time; the measured per-tensor profile is scaled to it")
@@ -661,7 +846,9 @@ def main(argv: list[str] | None = None) -> int:
                      candidates=args.candidates, progress_weight=args.progress_weight, forward_ms=args.forward_ms,
                      backward_ms=args.backward_ms, optimizer_ms=args.optimizer_ms, other_ms=args.other_ms,
                      codec_scale=args.codec_scale, compute_scale=args.compute_scale, skip_steps=args.skip_steps,
-                     profile_steps=args.profile_steps, repeats=args.repeats, min_compress_numel=args.min_compress_numel, seed=args.seed)
+                     profile_steps=args.profile_steps, repeats=args.repeats, min_compress_numel=args.min_compress_numel,
+                     seed=args.seed, ranks_per_node=args.ranks_per_node, intra_bandwidth=args.intra_bandwidth,
+                     intra_latency=args.intra_latency, compute_ms=args.compute_ms, model_params=args.model_params)
     except (AdviseError, ValueError) as exc:
         print(f"lightning-gc advise: {exc}", file=sys.stderr)
         return 2

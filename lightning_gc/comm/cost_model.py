@@ -78,6 +78,14 @@ __all__ = [
     "rule_5c_tree_over_allgather",
     "choose_sparse_collective",
     "choose_sparse_collective_by_rules",
+    "NodeBytes",
+    "exchange_bytes",
+    "flat_card_bytes",
+    "flat_direct_card_cost",
+    "intra_stage_cost",
+    "nodes_exchange_bytes",
+    "nodes_exchange_cost",
+    "shared_card_beta",
 ]
 
 SparseCollective = Literal["allgather", "art_ring", "art_tree"]
@@ -473,3 +481,140 @@ class NetworkModel:
 
     def choose_sparse_collective(self, M: float, N: int, c: float, value_bytes: float = 4) -> SparseCollective:
         return choose_sparse_collective(self.alpha_s, self.beta_s_per_byte, M, N, c, value_bytes)
+
+
+# --------------------------------------------------------------------------------------------
+# topology: hosts of k ranks (lightning_gc/comm/hierarchy.py, docs/topology.md "Byte model")
+# --------------------------------------------------------------------------------------------
+#: how an exchange's payload travels: a ring allreduce, an allgather, or lowbit's k-bit ring
+#: (an allreduce's schedule); ``direct`` (comm/direct.py) changes the allreduce's bytes and every latency
+ExchangeWire = Literal["allreduce", "allgather", "lowbit"]
+
+
+def _check_wire(wire: str) -> str:
+    if wire not in ("allreduce", "allgather", "lowbit"):
+        raise ValueError(f"wire={wire!r} is not an exchange a topology can run: use 'allreduce', 'allgather' or "
+                         "'lowbit' (the collectives topology='nodes' runs between nodes)")
+    return wire
+
+
+def _check_k(k: int, what: str = "k") -> int:
+    try:
+        v = operator.index(k)
+    except TypeError:
+        v = 0
+    if isinstance(k, bool) or v < 1:
+        raise ValueError(f"{what}={k!r} must be an integer >= 1 (ranks per node); pass e.g. 8 for 8 GPUs a node")
+    return v
+
+
+def exchange_bytes(wire: str, payload: float, n: int, direct: bool = False) -> float:
+    """Bytes one rank sends in an exchange of ``payload`` bytes per rank on ``n`` ranks: a ring
+    allreduce (``allreduce``, ``lowbit``) ``2(n−1)/n · payload``; an allgather, or the direct exchange
+    of either (every rank sends its message to the n − 1 others), ``(n−1) · payload``."""
+    _check_wire(wire)
+    n = _check_n(n)
+    p = _check_nonneg("payload", payload, "pass the bytes one rank contributes")
+    if wire == "allgather" or direct:
+        return (n - 1) * p
+    return 2 * (n - 1) / n * p
+
+
+def flat_card_bytes(wire: str, payload: float, N: int, k: int, direct: bool = False) -> float:
+    """Bytes a host's network card sends per exchange, flat on ``N`` ranks with ``k`` per host (ranks
+    numbered host by host, as launchers number them).
+
+    A ring (allreduce, ring allgather, lowbit) crosses each card once per direction: only the rank
+    whose ring neighbour is on the next host sends over the card, ``exchange_bytes(...)`` of it. The
+    direct exchange sends from each of the host's ``k`` ranks to the ``N − k`` ranks of the other
+    hosts: ``k · (N − k) · payload``. ``k == N`` (one host): 0."""
+    n, kk = _check_n(N), _check_k(k)
+    if n % kk:
+        raise ValueError(f"N={N!r} ranks with k={k!r} per host: N must be a multiple of k")
+    if kk == n:
+        return 0.0
+    if direct:
+        return float(kk * (n - kk) * _check_nonneg("payload", payload, "pass the bytes one rank contributes"))
+    return exchange_bytes(wire, payload, n)
+
+
+def flat_direct_card_cost(alpha: float, beta: float, payload: float, N: int, k: int) -> float:
+    """The direct exchange (comm/direct.py) flat on ``N`` ranks, ``k`` per host sharing the card
+    (``beta``: the card's seconds per byte): one latency, then the card's
+    ``k · (N − k) · payload`` bytes, :func:`flat_card_bytes`. At ``k == 1`` it is :func:`direct_cost`."""
+    a, b, p, n = _check_common(alpha, beta, payload, N)
+    if n == 1:
+        return 0.0
+    return a + flat_card_bytes("allgather", p, n, k, direct=True) * b
+
+
+def shared_card_beta(beta: float, k: int) -> float:
+    """Seconds per byte one rank sees between nodes when the ``k`` ranks of its node send at once
+    through the node's card (rate ``8 / beta``): each gets ``1/k`` of it, ``k · beta``. This is the
+    ``k`` that a model of one flat link misses for every exchange ``topology="nodes"`` runs between
+    nodes: all ``k`` shard groups cross the same card at the same time."""
+    return _check_k(k) * _check_nonneg("beta", beta, "pass seconds per byte, i.e. 8 / bandwidth_in_bits_per_second")
+
+
+def intra_stage_cost(alpha: float, beta: float, M: float, k: int) -> float:
+    """One intra-node stage of ``topology="nodes"``, a ring reduce-scatter (or allgather) of ``M``
+    bytes on the node's ``k`` ranks: ``(k−1)·alpha + (k−1)/k · M · beta``, half a ring allreduce."""
+    a, b, m, _ = _check_common(alpha, beta, M, 1)
+    kk = _check_k(k)
+    return (kk - 1) * a + (kk - 1) / kk * m * b
+
+
+@dataclass(frozen=True)
+class NodeBytes:
+    """Bytes of one exchange by nodes: ``intra`` and ``inter`` one rank sends inside its node and
+    between nodes, ``card`` what its node's network card sends between nodes (``k · inter``)."""
+
+    intra: float
+    inter: float
+    card: float
+
+
+def nodes_exchange_bytes(M: float, nodes: int, k: int, wire: str = "allreduce", payload: float | None = None,
+                         direct: bool = False, intra_M: float | None = None) -> NodeBytes:
+    """Bytes of one group of ``M`` bytes by nodes (docs/topology.md, "Byte model"):
+
+    * inside the node, the reduce-scatter of ``intra_M`` (default ``M``; half of it for a bf16
+      reduce-scatter of fp32) and the allgather of the shards' means (``M``): ``(k−1)/k`` each;
+    * between nodes, the exchange of this rank's shard: ``payload`` bytes (default ``M/k``, the dense
+      shard) on ``nodes`` ranks, :func:`exchange_bytes`;
+    * the card carries ``k`` times that (each local rank sends its own shard)."""
+    m = _check_nonneg("M", M, "pass the group's bytes (4 * numel for fp32)")
+    kk, nn = _check_k(k), _check_n(nodes)
+    p = m / kk if payload is None else _check_nonneg("payload", payload, "pass the shard's message bytes")
+    scatter = m if intra_M is None else _check_nonneg("intra_M", intra_M, "pass the reduce-scatter's bytes")
+    inter = exchange_bytes(wire, p, nn, direct)
+    return NodeBytes((kk - 1) / kk * (scatter + m), inter, kk * inter)
+
+
+def nodes_exchange_cost(alpha_intra: float, beta_intra: float, alpha_inter: float, beta_inter: float, M: float,
+                        nodes: int, k: int, wire: str = "allreduce", payload: float | None = None,
+                        direct: bool = False, intra_M: float | None = None) -> float:
+    """Seconds of one group's exchange by nodes (``topology="nodes"``, comm/hierarchy.py):
+
+    ``intra_stage_cost(intra_M) + inter + intra_stage_cost(M)`` where ``inter`` is the exchange of
+    this rank's shard (``payload`` bytes, default the dense shard ``M/k``) on ``nodes`` ranks at
+    :func:`shared_card_beta` (the ``k`` local ranks share the card): a ring allreduce
+    (:func:`ring_allreduce_cost`; ``lowbit``: :func:`lowbit_ring_cost`) or an allgather
+    (:func:`allgather_cost`), or with ``direct`` the direct exchange of either
+    (:func:`direct_cost`). ``beta_*`` are the links' seconds per byte (``8 / bits per second``):
+    the inter-node one is the card's whole rate, not a rank's share. The stages run one after the
+    other (each needs the one before)."""
+    _check_wire(wire)
+    m = _check_nonneg("M", M, "pass the group's bytes (4 * numel for fp32)")
+    kk, nn = _check_k(k), _check_n(nodes)
+    p = m / kk if payload is None else _check_nonneg("payload", payload, "pass the shard's message bytes")
+    scatter = m if intra_M is None else intra_M
+    b = shared_card_beta(beta_inter, kk)
+    if direct:
+        inter = direct_cost(alpha_inter, b, p, nn)
+    elif wire == "allgather":
+        inter = allgather_cost(alpha_inter, b, p, nn)
+    else:  # allreduce and lowbit's ring share the ring allreduce's schedule
+        inter = ring_allreduce_cost(alpha_inter, b, p, nn)
+    return (intra_stage_cost(alpha_intra, beta_intra, scatter, kk) + inter
+            + intra_stage_cost(alpha_intra, beta_intra, m, kk))
