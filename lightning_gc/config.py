@@ -201,7 +201,9 @@ class GCConfig:
             )
         collective, ef = self.compression.resolved()
         if self.topology.kind == "nodes":
-            why = refusal(collective=collective, sync=self.sync, omgs=self.omgs is not None, auto=self.auto is not None)
+            sent = "allgather" if self.sync == "diloco" and self.diloco.compressor is not None else collective  # SparseLoCo
+            why = refusal(collective=sent, sync=self.sync, omgs=self.omgs is not None, auto=self.auto is not None,
+                          intra_dtype=self.topology.intra_dtype)
             if why is not None:
                 raise ValueError(why)
         if self.sync == "diloco" and self.diloco.compressor is not None:

@@ -205,8 +205,10 @@ class GCStrategy(DDPStrategy, SessionOwner):
         topology: ``"flat"`` (default): every exchange across all ranks. ``"nodes"``: a dense
             reduce-scatter inside each node, the compressor only between nodes on each rank's shard,
             then an allgather inside the node (docs/topology.md); ranks per node are the Trainer's
-            ``devices`` (``num_nodes`` nodes). Refused with OSP, DiLoCo, OMGS, ``auto`` and collectives
-            that cannot run on a sub-group (``lightning_gc.comm.hierarchy.refusal``).
+            ``devices`` (``num_nodes`` nodes). With ``sync="diloco"`` nodes are DiLoCo's workers:
+            inner steps average gradients inside the node, outer steps send each rank's shard of Δ
+            between nodes (docs/diloco.md). Refused with OSP, OMGS, ``auto`` and collectives that
+            cannot run on a sub-group (``lightning_gc.comm.hierarchy.refusal``).
         topology_ranks_per_node: with ``topology="nodes"``: override the ranks per node (emulate nodes
             on one machine, e.g. 2 on 4 processes).
         topology_intra_dtype: with ``topology="nodes"``: ``"fp32"`` (default) or ``"bf16"`` for the
