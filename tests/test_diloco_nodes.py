@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import re
+import warnings
 
 import pytest
 import torch
@@ -238,3 +239,43 @@ def test_what_runs_with_nodes_as_workers():
                  dict(diloco_compressor="sparseloco"), dict(diloco_fragments=2, diloco_overlap_steps=1,
                                                             diloco_inner_steps=4)):
         assert GCConfig.from_flat(sync="diloco", topology="nodes", **flat).topology.kind == "nodes", flat
+
+
+# ---------------------------------------------------------------------- streaming, and a resume on another layout
+def _streaming(rank: int, ws: int) -> dict:
+    flat = dict(compressor="topk", ratio=0.2, error_feedback=True, diloco_fragments=2, diloco_overlap_steps=1)
+    model, ddp, asm, opt = _build(h=4, **flat)
+    in_node = True
+    for t in range(9):  # fragments sent at steps 2 and 4 (+4k), each applied one step later on the worker's result
+        _step(ddp, asm, opt, rank, t)
+        others = gather_all(_flat(model), ws)
+        in_node = in_node and torch.equal(others[rank], others[rank ^ 1])
+    open_round = asm.diloco.round_open
+    state = asm.session.state_dict()  # mid-round: θ_local differs from θ_outer
+    asm.session.finish()  # the closing round
+    others = gather_all(_flat(model), ws)
+    out = {"in_node": in_node, "open": open_round, "all_same": all(torch.equal(others[0], o) for o in others),
+           "inter": asm.engine.totals()["bytes_inter_node"]}
+    asm.session.close()
+
+    # the same checkpoint on a flat layout: each rank's θ_local belongs to the node layout and is not loaded
+    model2 = _model()
+    ddp2 = DDP(model2)
+    cfg = GCConfig.from_flat(sync="diloco", diloco_inner_steps=4, **flat)
+    with warnings.catch_warnings(record=True) as caught:  # (rank_zero_warn: rank 0's is checked)
+        warnings.simplefilter("always")
+        asm2 = build_session(cfg, ddp2, pending_state=state, announce=False)
+    out["warned"] = any(re.search(r"workers=nodes\(2x2\).*workers=ranks", str(w.message)) for w in caught)
+    outer = torch.cat([o.reshape(-1) for o in asm2.diloco.theta_outer])
+    out["flat_loads_outer"] = torch.equal(_flat(model2), outer) and not asm2.diloco.memories
+    asm2.session.close()
+    return out
+
+
+def test_streaming_by_nodes_keeps_nodes_identical_and_a_flat_resume_restarts_the_round():
+    res = run_distributed(_streaming, WS, timeout=150)
+    for r in res:
+        assert r["in_node"] and r["open"] and r["all_same"]
+        assert r["inter"] > 0
+        assert r["flat_loads_outer"]
+    assert res[0]["warned"]
