@@ -14,6 +14,10 @@ step*, identical on every rank:
 
 Inner optimizer state (AdamW moments, momentum buffers, step counts) stays local to each rank.
 
+With ``topology="nodes"`` the workers are nodes, not ranks (:mod:`lightning_gc.sync.diloco_nodes`):
+inner steps average the gradients inside the node, and the outer step sends each local rank's
+shard of Δ between nodes, then gathers the averaged shards inside the node.
+
 Decisions where the paper is silent (docs/diloco.md):
 
 * **Buffers** (BatchNorm running statistics) would drift apart with DDP's buffer broadcast off; at
