@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gc.assembly import build_session
 from lightning_gc.callbacks.monitor import diloco_step_metrics
+from lightning_gc.comm.hierarchy import refusal
 from lightning_gc.config import GCConfig
 from lightning_gc.summary import summarize
 
@@ -239,6 +240,8 @@ def test_what_runs_with_nodes_as_workers():
                  dict(diloco_compressor="sparseloco"), dict(diloco_fragments=2, diloco_overlap_steps=1,
                                                             diloco_inner_steps=4)):
         assert GCConfig.from_flat(sync="diloco", topology="nodes", **flat).topology.kind == "nodes", flat
+    # the pure list still refuses what DiLoCo does not change: AdaptiveRatio attaching to such a strategy
+    assert "AdaptiveRatio" in refusal(collective="allreduce", sync="diloco", omgs=False, auto=False, adaptive=True)
 
 
 # ---------------------------------------------------------------------- streaming, and a resume on another layout

@@ -124,8 +124,9 @@ def refusal(*, collective: str, sync: str, omgs: bool, auto: bool, adaptive: boo
     if sync == "osp":
         return ("topology='nodes' with sync='osp' is not supported: OSP's deferred stage sends its layers on a "
                 "flat group of its own. Use sync='bsp', or topology='flat'.")
-    if sync == "diloco":
-        return diloco_refusal(collective, intra_dtype)
+    why = diloco_refusal(collective, intra_dtype) if sync == "diloco" else None
+    if why is not None:
+        return why
     if omgs:
         return ("topology='nodes' with plan='omgs' is not supported: OMGS's cost model times flat collectives of "
                 "whole groups. Use plan='model', 'layer' or 'threshold', or topology='flat'.")
