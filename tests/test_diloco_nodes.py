@@ -35,9 +35,10 @@ H = 3
 INNER_LR, OUTER_LR, MOMENTUM = 0.02, 0.7, 0.9
 
 
-def _model() -> torch.nn.Module:
+def _model(bn: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(12, 9), torch.nn.Tanh(), torch.nn.Linear(9, 5))  # 167 elements: odd
+    norm = [torch.nn.BatchNorm1d(9)] if bn else []  # floating buffers: averaged at every outer step
+    return torch.nn.Sequential(torch.nn.Linear(12, 9), *norm, torch.nn.Tanh(), torch.nn.Linear(9, 5))  # 167: odd
 
 
 def _batch(rank: int, step: int):
@@ -54,8 +55,9 @@ def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def _build(h: int = H, pending: dict | None = None, weights: dict | None = None, compressor: str = "dense", **flat):
-    model = _model()
+def _build(h: int = H, pending: dict | None = None, weights: dict | None = None, compressor: str = "dense",
+           bn: bool = False, **flat):
+    model = _model(bn)
     if weights is not None:  # what Lightning restores before the strategy: the checkpoint's weights (θ_outer)
         model.load_state_dict(weights)
     ddp = DDP(model)
@@ -247,22 +249,27 @@ def test_what_runs_with_nodes_as_workers():
 # ---------------------------------------------------------------------- streaming, and a resume on another layout
 def _streaming(rank: int, ws: int) -> dict:
     flat = dict(compressor="topk", ratio=0.2, error_feedback=True, diloco_fragments=2, diloco_overlap_steps=1)
-    model, ddp, asm, opt = _build(h=4, **flat)
+    model, ddp, asm, opt = _build(h=4, bn=True, **flat)
     in_node = True
-    for t in range(9):  # fragments sent at steps 2 and 4 (+4k), each applied one step later on the worker's result
+    for t in range(10):  # fragments sent at 2 and 4 (+4k), applied one step later; fragment 1 sent at 10 is in flight
         _step(ddp, asm, opt, rank, t)
         others = gather_all(_flat(model), ws)
         in_node = in_node and torch.equal(others[rank], others[rank ^ 1])
     open_round = asm.diloco.round_open
     state = asm.session.state_dict()  # mid-round: θ_local differs from θ_outer
+    stats = torch.cat([model[1].running_mean, model[1].running_var])
+    want = sum(gather_all(stats, ws)) / ws  # the buffers' mean over all ranks
     asm.session.finish()  # the closing round
     others = gather_all(_flat(model), ws)
+    got = torch.cat([model[1].running_mean, model[1].running_var])
     out = {"in_node": in_node, "open": open_round, "all_same": all(torch.equal(others[0], o) for o in others),
-           "inter": asm.engine.totals()["bytes_inter_node"]}
+           "inter": asm.engine.totals()["bytes_inter_node"], "buffers": float((got - want).abs().max()),
+           "buffers_same": all(torch.equal(got, o) for o in gather_all(got, ws)),
+           "buffers_differed": not torch.equal(stats, want)}
     asm.session.close()
 
     # the same checkpoint on a flat layout: each rank's θ_local belongs to the node layout and is not loaded
-    model2 = _model()
+    model2 = _model(bn=True)
     ddp2 = DDP(model2)
     cfg = GCConfig.from_flat(sync="diloco", diloco_inner_steps=4, **flat)
     with warnings.catch_warnings(record=True) as caught:  # (rank_zero_warn: rank 0's is checked)
@@ -281,4 +288,5 @@ def test_streaming_by_nodes_keeps_nodes_identical_and_a_flat_resume_restarts_the
         assert r["in_node"] and r["open"] and r["all_same"]
         assert r["inter"] > 0
         assert r["flat_loads_outer"]
+        assert r["buffers_differed"] and r["buffers_same"] and r["buffers"] <= 1e-6
     assert res[0]["warned"]
