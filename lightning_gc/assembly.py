@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from .auto import AutoChooser
+from .comm.hierarchy import NodeTopology
 from .compressors import get_entry
 from .config import GCConfig
 from .engine import GCEngine, gc_comm_hook
@@ -92,15 +93,17 @@ def _participants(config: GCConfig, engine: GCEngine, ddp: DistributedDataParall
 
 
 def _build_diloco(config: GCConfig, engine: GCEngine, ddp: DistributedDataParallel) -> DiLoCoSync:
-    # DDP.no_sync() for good: no bucket is handed to the hook, inner steps send nothing. DDP's own
-    # no_sync() context (gradient accumulation) saves and restores this flag.
+    # DDP.no_sync() for good: no bucket is handed to the hook, inner steps send nothing (by nodes
+    # DiLoCo averages them inside the node itself, after backward). DDP's own no_sync() context
+    # (gradient accumulation) saves and restores this flag.
     ddp.require_backward_grad_sync = False
     compression = config.compression
     compressor = None
     if compression.compressor != "dense":
         compressor = get_entry(compression.compressor).compressor_cls(compression.compressor_config())
     return DiLoCoSync(engine, config.diloco, compressor, collective=compression.collective,
-                      error_feedback=config.engine.error_feedback, buffers=list(ddp.module.named_buffers()))
+                      error_feedback=config.engine.error_feedback, buffers=list(ddp.module.named_buffers()),
+                      nodes=engine.topology if isinstance(engine.topology, NodeTopology) else None)
 
 
 def casts_on_buckets(config: GCConfig, engine: Any, compressor: Any) -> bool:
@@ -131,6 +134,9 @@ def startup_header(config: GCConfig, engine: Any, diloco: Any = None) -> str:
         head = (f"sync=diloco {_diloco_options(config)} delta={config.diloco.compressor or config.compression.compressor}"
                 + (f" collective={diloco.exchange.name} error_feedback={diloco.error_feedback}"
                    if diloco is not None and diloco.exchange is not None else " (dense fp32 allreduce)"))
+        if diloco is not None and diloco.nodes is not None:  # nodes are the workers (docs/diloco.md)
+            head += (f" workers={diloco.layout} (inner steps: fp32 mean inside the node; outer step: each "
+                     "local rank's shard of Δ between nodes)")
     else:
         head = (f"compressor={config.compression.compressor} collective={engine.exchange.name} plan={eng.plan} "
                 f"groups={len(engine.plan.groups)} warmup_steps={eng.warmup_steps} "

@@ -42,6 +42,7 @@ RECIPES = {
     "diloco.yaml": "DiLoCo, rare outer steps (sync='diloco')",
     "diloco_sparseloco.yaml": "DiLoCo with SparseLoCo's 2-bit chunked Top-k pseudo-gradient (diloco_compressor='sparseloco')",
     "topology.yaml": "topology='nodes': QSGD only between nodes (2 emulated nodes on one machine)",
+    "diloco_nodes.yaml": "DiLoCo with nodes as its workers: DDP inside a node, outer steps between nodes (topology='nodes')",
     "gpt.yaml": "the gpt workload, a small byte-level transformer",
 }
 

@@ -218,7 +218,9 @@ class GCConfig:
         """Why ``topology="nodes"`` cannot run this configuration, with the fix (None: it can). Under
         ``topology="auto"`` such a configuration is flat, without measuring."""
         collective, _ = self.compression.resolved()
-        return refusal(collective=collective, sync=self.sync, omgs=self.omgs is not None, auto=self.auto is not None)
+        sent = "allgather" if self.sync == "diloco" and self.diloco.compressor is not None else collective  # SparseLoCo
+        return refusal(collective=sent, sync=self.sync, omgs=self.omgs is not None, auto=self.auto is not None,
+                       intra_dtype=self.topology.intra_dtype)
 
     @classmethod
     def from_flat(cls, **flat: Any) -> GCConfig:

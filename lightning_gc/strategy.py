@@ -205,8 +205,10 @@ class GCStrategy(DDPStrategy, SessionOwner):
         topology: ``"flat"`` (default): every exchange across all ranks. ``"nodes"``: a dense
             reduce-scatter inside each node, the compressor only between nodes on each rank's shard,
             then an allgather inside the node (docs/topology.md); ranks per node are the Trainer's
-            ``devices`` (``num_nodes`` nodes). Refused with OSP, DiLoCo, OMGS, ``auto`` and collectives
-            that cannot run on a sub-group (``lightning_gc.comm.hierarchy.refusal``). ``"auto"``: measure
+            ``devices`` (``num_nodes`` nodes). With ``sync="diloco"`` nodes are DiLoCo's workers:
+            inner steps average gradients inside the node, outer steps send each rank's shard of Δ
+            between nodes (docs/diloco.md). Refused with OSP, OMGS, ``auto`` and collectives that
+            cannot run on a sub-group (``lightning_gc.comm.hierarchy.refusal``). ``"auto"``: measure
             both links when training starts and take ``"nodes"`` when the one between nodes is
             ``topology_auto_ratio`` times slower per byte, else ``"flat"`` (always flat where ``"nodes"``
             is refused).

@@ -89,7 +89,9 @@ class GCSummary:
             f"lightning_gc summary (rank {self.rank} of {self.world_size}): compressor={self.compressor} "
             f"collective={self.collective}",
             (f"  optimizer steps: {self.steps} (DiLoCo: {self.outer_steps} outer steps on the pseudo-gradient; "
-             "inner steps send nothing)" if self.outer_steps is not None else
+             + ("inner steps send nothing)" if self.bytes_inter_node is None else
+                "nodes are the workers: inner steps average gradients inside the node)")
+             if self.outer_steps is not None else
              f"  optimizer steps: {self.steps} ({self.compressed_steps} compressed, "
              + (f"{self.sample_steps} sample, " if self.sample_steps else "")
              + f"{self.dense_steps} dense)"),

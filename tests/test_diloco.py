@@ -33,7 +33,7 @@ class _Traffic:
         self.config = SimpleNamespace(seed=0)
         self.bytes = []
 
-    def add_deferred_traffic(self, bytes_sent, bytes_payload):
+    def add_deferred_traffic(self, bytes_sent, bytes_payload, bytes_inter_node=0):
         self.bytes.append((bytes_sent, bytes_payload))
 
 

@@ -36,7 +36,7 @@ class _Engine:
         self.process_group = dist.group.WORLD
         self.config = SimpleNamespace(seed=0)
 
-    def add_deferred_traffic(self, bytes_sent, bytes_payload):
+    def add_deferred_traffic(self, bytes_sent, bytes_payload, bytes_inter_node=0):
         pass
 
 

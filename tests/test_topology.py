@@ -94,7 +94,7 @@ def test_config_flat_names_round_trip_and_default_is_flat():
     (dict(topology="nodes", compressor="artopk_auto"), "collective='auto_sparse' is not supported"),
     (dict(topology="nodes", compressor="topk", collective="allgather", plan="omgs"), "plan='omgs'"),
     (dict(topology="nodes", sync="osp"), "sync='osp'"),
-    (dict(topology="nodes", sync="diloco"), "sync='diloco'"),
+    (dict(topology="nodes", sync="diloco", compressor="lowrank"), "sync='diloco'.*collective='lowrank'"),
     (dict(topology="nodes", compressor="auto"), "compressor='auto'"),
 ])
 def test_refused_at_construction_with_reason_and_fix(flat, match):

@@ -45,8 +45,9 @@ Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
 ``gc/osp_umax_fraction`` sync="osp" schedule: the bound Umax as a fraction of the model (after round 1)
 ``gc/diloco_outer_step`` sync="diloco": 1 on an optimizer step that ended with an outer step, 0 on an
                        inner step; with it ``gc/bytes_sent`` (the outer exchanges' bytes spread over the
-                       steps since the previous written point), ``gc/bytes_dense`` (DDP's fp32 ring
-                       allreduce per step) and ``gc/bytes_ratio``
+                       steps since the previous written point; with ``topology="nodes"`` also the inner
+                       steps' node means), ``gc/bytes_dense`` (DDP's fp32 ring allreduce per step),
+                       ``gc/bytes_ratio`` and, by nodes, ``gc/bytes_inter_node`` (the outer shards)
 ``gc/diloco_delta_norm`` sync="diloco": ‖mean Δ‖₂ the last outer step applied (logged at outer steps;
                        Lightning repeats the value on the inner steps that follow)
 ``gc/diloco_comm_ms``  sync="diloco": wall time of the last outer exchange (Δ and buffers)
@@ -152,7 +153,8 @@ def diloco_step_metrics(diloco: Any) -> dict[str, float]:
     """The ``gc/*`` tags of the optimizer step DiLoCo just took (``sync="diloco"``)."""
     o = diloco.last_stats
     outer = o is not None and o.inner_step == diloco.inner_step
-    sent = float(o.bytes_sent) if outer else 0.0
+    # by nodes (topology="nodes"), every inner step also sends the node mean of the gradients
+    sent = (float(o.bytes_sent) if outer else 0.0) + float(diloco.inner_bytes)
     dense = float(diloco.dense_bytes_per_step)
     metrics = {
         "gc/diloco_outer_step": float(outer),
@@ -160,6 +162,8 @@ def diloco_step_metrics(diloco: Any) -> dict[str, float]:
         "gc/bytes_dense": dense,
         "gc/bytes_ratio": sent / dense if dense else 1.0,
     }
+    if diloco.nodes is not None:
+        metrics["gc/bytes_inter_node"] = float(o.bytes_inter_node) if outer else 0.0
     if outer:
         metrics["gc/diloco_delta_norm"] = float(o.delta_norm)
         metrics["gc/diloco_comm_ms"] = 1e3 * o.comm_s
@@ -293,7 +297,8 @@ class GCMonitor(Callback):
             return
         self._last_step = diloco.inner_step
         metrics = diloco_step_metrics(diloco)
-        self._bytes.add(metrics.pop("gc/bytes_sent"), metrics.pop("gc/bytes_dense"))
+        self._bytes.add(metrics.pop("gc/bytes_sent"), metrics.pop("gc/bytes_dense"),
+                        metrics.pop("gc/bytes_inter_node", 0.0))
         del metrics["gc/bytes_ratio"]
         if writes:  # the window's mean: with H = log_every_n_steps every written step is an outer step
             metrics.update(self._bytes.metrics())

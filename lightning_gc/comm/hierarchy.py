@@ -136,21 +136,22 @@ class TopologyConfig:
                              "topology='auto' too, or drop it.")
 
 
-def refusal(*, collective: str, sync: str, omgs: bool, auto: bool, adaptive: bool = False) -> str | None:
+def refusal(*, collective: str, sync: str, omgs: bool, auto: bool, adaptive: bool = False,
+            intra_dtype: str = "fp32") -> str | None:
     """Why ``topology="nodes"`` cannot run this configuration (with the fix), or None: the one list.
 
     Pure: plain values in. :class:`~lightning_gc.config.GCConfig` calls it at construction, the
-    adaptive-ratio callback when it attaches to an engine."""
+    adaptive-ratio callback when it attaches to an engine. With ``sync="diloco"``, ``collective`` is
+    the pseudo-gradient's (``"allgather"`` for ``diloco_compressor="sparseloco"``)."""
     if auto:
         return ("topology='nodes' with compressor='auto' is not supported: auto's cost model predicts one flat "
                 "link. Pick the compressor yourself (e.g. compressor='topk'), or use topology='flat'.")
     if sync == "osp":
         return ("topology='nodes' with sync='osp' is not supported: OSP's deferred stage sends its layers on a "
                 "flat group of its own. Use sync='bsp', or topology='flat'.")
-    if sync == "diloco":
-        return ("topology='nodes' with sync='diloco' is not supported yet: DiLoCo with nodes as its workers needs "
-                "synchronous DDP inside a node and outer steps between nodes, a different process-group layout. "
-                "Use sync='bsp' with topology='nodes', or sync='diloco' with topology='flat'.")
+    why = diloco_refusal(collective, intra_dtype) if sync == "diloco" else None
+    if why is not None:
+        return why
     if omgs:
         return ("topology='nodes' with plan='omgs' is not supported: OMGS's cost model times flat collectives of "
                 "whole groups. Use plan='model', 'layer' or 'threshold', or topology='flat'.")
@@ -159,6 +160,21 @@ def refusal(*, collective: str, sync: str, omgs: bool, auto: bool, adaptive: boo
                 "collective for one flat link of all ranks. Drop the callback (a fixed ratio), or use "
                 "topology='flat'.")
     return subgroup_refusal(collective, NODE_COLLECTIVES, "topology='nodes'", ", or topology='flat'")
+
+
+def diloco_refusal(collective: str, intra_dtype: str = "fp32") -> str | None:
+    """Why DiLoCo with nodes as its workers cannot run this configuration (with the fix), or None.
+
+    Inner steps average the gradients inside a node in fp32 and the outer step gathers the averaged
+    shards of Δ inside the node; between nodes each local rank sends its shard of Δ through the
+    pseudo-gradient's compressor, so its collective must run on a shard's group of ranks."""
+    if intra_dtype != "fp32":
+        return (f"topology='nodes' with sync='diloco' and topology_intra_dtype={intra_dtype!r} is not supported: the "
+                "inner steps' node mean is an fp32 allreduce (DDP's arithmetic inside the node) and the outer step "
+                "gathers the averaged Δ inside the node in fp32; no bf16 path is built for DiLoCo. Use "
+                "topology_intra_dtype='fp32' (the default).")
+    return subgroup_refusal(collective, NODE_COLLECTIVES, "topology='nodes' with sync='diloco' (the pseudo-gradient's "
+                            "exchange between nodes)", ", or topology='flat'")
 
 
 def subgroup_refusal(collective: str, allowed: tuple[str, ...], where: str, alternative: str = "") -> str | None:

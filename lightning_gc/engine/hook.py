@@ -538,15 +538,18 @@ class GCEngine:
     def after_optimizer_step(self) -> None:
         """Called by the strategy after the optimizer step (a hook point for two-stage schedules)."""
 
-    def add_deferred_traffic(self, bytes_sent: int, bytes_payload: int) -> None:
+    def add_deferred_traffic(self, bytes_sent: int, bytes_payload: int, bytes_inter_node: int = 0) -> None:
         """Count gradient bytes a two-stage schedule sent on its own process group (OSP's deferred
-        allreduce) in the last step's statistics and the totals, so byte counts cover the step."""
+        allreduce, DiLoCo's exchanges) in the last step's statistics and the totals, so byte counts
+        cover the step; ``bytes_inter_node``: of ``bytes_sent``, those sent between nodes."""
         with self._stats_lock:
             self._totals.bytes_sent += bytes_sent
             self._totals.bytes_payload += bytes_payload
+            self._totals.bytes_inter_node += bytes_inter_node
             if self._last_stats is not None:
                 self._last_stats.bytes_sent += bytes_sent
                 self._last_stats.bytes_payload += bytes_payload
+                self._last_stats.bytes_inter_node += bytes_inter_node
 
     def set_ratio(self, ratio: float) -> None:
         """Change the compression ratio from the next step on, identically on every rank.

@@ -14,6 +14,10 @@ step*, identical on every rank:
 
 Inner optimizer state (AdamW moments, momentum buffers, step counts) stays local to each rank.
 
+With ``topology="nodes"`` the workers are nodes, not ranks (:mod:`lightning_gc.sync.diloco_nodes`):
+inner steps average the gradients inside the node, and the outer step sends each local rank's
+shard of Δ between nodes, then gathers the averaged shards inside the node.
+
 Decisions where the paper is silent (docs/diloco.md):
 
 * **Buffers** (BatchNorm running statistics) would drift apart with DDP's buffer broadcast off; at
@@ -53,9 +57,11 @@ from torch import Tensor
 
 from .._finite import all_finite
 from ..comm.collectives import ring_allreduce_bytes
+from ..comm.hierarchy import NodeTopology
 from ..comm.worker import InlineRunner, OrderedWorker
 from ..engine.ports import EngineControl
 from ..engine.session import StepParticipant
+from .diloco_nodes import NodeWorkers
 
 _DILOCO_GROUP_ID = 1 << 21  # GroupContext.group_id of the outer exchange: random draws differ from any plan group
 #: the published outer optimizer (DiLoCo, Douillard et al. 2023, section 3)
@@ -258,6 +264,7 @@ class DiLoCoStats:
     sent_at: int = 0  # optimizer step at which its Δ was sent (inner_step − τ)
     bytes_sent: int = 0  # bytes this rank sent for Δ and the buffers
     bytes_payload: int = 0  # compressed payload size of this rank's Δ (dense: Δ's fp32 size)
+    bytes_inter_node: int = 0  # of bytes_sent, those sent between nodes (topology="nodes"; 0 when flat)
     comm_s: float = 0.0  # wall time of the exchange (agreement and Δ; buffers)
     wait_s: float = 0.0  # time the main thread waited for it when applying (exposed communication)
     delta_norm: float = 0.0  # ‖mean Δ‖₂ applied by the outer optimizer
@@ -272,12 +279,14 @@ class _Exchange:
     fragment: int
     sent_at: int
     due: int
-    delta: Tensor | None = None  # this rank's Δ (+ memory), consumed by the job
+    delta: Tensor | None = None  # this rank's Δ (+ memory; by nodes its shard), consumed by the job
+    numel: int = 0  # elements of the fragment's Δ (by nodes: what the gathered shards are cut back to)
     mean: Tensor | None = None  # the mean over ranks (identical on every rank)
     residual: Tensor | None = None  # with error feedback: what was not sent (this rank)
     bad: bool = False
     bytes_sent: int = 0
     bytes_payload: int = 0
+    bytes_inter_node: int = 0
     comm_s: float = 0.0
     error: BaseException | None = None
 
@@ -293,6 +302,9 @@ class DiLoCoSync(StepParticipant):
         collective: the compressor's collective (``"auto"``: its natural one).
         error_feedback: keep what the compressor did not send and add it to the next Δ.
         buffers: the module's buffers, in a fixed order (averaged at every outer step if floating).
+        nodes: the engine's node topology with ``topology="nodes"`` (``None``: flat). Nodes are
+            then the workers (:mod:`lightning_gc.sync.diloco_nodes`): inner steps average the
+            gradients inside the node, the outer step sends each local rank's shard of Δ between nodes.
     """
 
     name = "diloco"
@@ -300,7 +312,7 @@ class DiLoCoSync(StepParticipant):
 
     def __init__(self, engine: EngineControl, config: DiLoCoConfig, compressor: Any = None,
                  collective: str = "auto", error_feedback: bool = False,
-                 buffers: list[tuple[str, Tensor]] | None = None) -> None:
+                 buffers: list[tuple[str, Tensor]] | None = None, nodes: NodeTopology | None = None) -> None:
         self.engine = engine
         self.config = config
         self.params: list[Tensor] = list(engine.params)
@@ -315,6 +327,8 @@ class DiLoCoSync(StepParticipant):
             pg = engine.process_group
             ranks = dist.get_process_group_ranks(pg) if pg is not None else None
             self.group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
+        #: with nodes as the workers: the node mean of inner steps and the outer shard exchange
+        self.nodes = NodeWorkers(nodes, dist.get_backend(self.group)) if nodes is not None and self.group is not None else None
         self.exchange = None
         self.error_feedback = False
         if config.compressor is not None:  # SparseLoCo: its own codec, allgathered, per-rank error feedback
@@ -322,7 +336,8 @@ class DiLoCoSync(StepParticipant):
         if compressor is not None and self.world_size > 1:
             from ..exchanges.registry import make_exchange
 
-            self.exchange = make_exchange(compressor, collective, group=self.group)
+            self.exchange = make_exchange(compressor, collective,
+                                          group=self.nodes.inter if self.nodes is not None else self.group)
             self.error_feedback = bool(error_feedback)
         if self.group is not None:
             self._check_ranks_agree()
@@ -336,6 +351,8 @@ class DiLoCoSync(StepParticipant):
         self.last_send = [0] * len(self.fragments)  # inner step of each fragment's last send
         self.last_stats: DiLoCoStats | None = None
         self.comm_s_total = 0.0  # wall time of every outer exchange since this process started (summary)
+        self.inner_bytes = 0  # bytes this rank sent in the last inner step's node mean (by nodes)
+        self._layout_changed = False  # a resume on another node layout: this rank's own state is not loaded
         self._pending: dict[int, _Exchange] = {}
         self._runner: OrderedWorker | InlineRunner = (
             OrderedWorker(name="lightning_gc-diloco", device=self.device)
@@ -349,7 +366,12 @@ class DiLoCoSync(StepParticipant):
         c = self.config
         delta = f"{self.exchange.compressor.describe()}/{self.exchange.name}" if self.exchange is not None else "dense"
         return (f"H={c.inner_steps} F={c.fragments} tau={c.overlap_steps} numels={self.numels} delta={delta} "
-                f"ef={self.error_feedback} buffers={[b.numel() for _, b in self.buffers]}")
+                f"ef={self.error_feedback} buffers={[b.numel() for _, b in self.buffers]} workers={self.layout}")
+
+    @property
+    def layout(self) -> str:
+        """Who the workers are: ``"ranks"`` (flat), or ``"nodes(<nodes>x<ranks per node>)"``."""
+        return self.nodes.describe() if self.nodes is not None else "ranks"
 
     def _check_ranks_agree(self) -> None:
         """A rank-dependent H, fragment split or Δ codec would pair different collectives (a hang or a
@@ -364,6 +386,16 @@ class DiLoCoSync(StepParticipant):
         return self.memories.get(0) if len(self.fragments) == 1 else None
 
     # ------------------------------------------------------------------ the step
+    def before_optimizer_step(self, loss: Any) -> bool:
+        """By nodes: the inner step's gradients become the node's fp32 mean (after backward, before
+        clipping and the optimizer). Flat: nothing (inner steps send nothing)."""
+        if self.nodes is not None:
+            t0 = time.perf_counter()
+            self.inner_bytes, payload = self.nodes.mean_gradients(self.params)
+            self.comm_s_total += time.perf_counter() - t0
+            self.engine.add_deferred_traffic(self.inner_bytes, payload, 0)
+        return False
+
     def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._optimizer is None:
             self._optimizer = optimizer
@@ -427,10 +459,14 @@ class DiLoCoSync(StepParticipant):
         with torch.no_grad():
             delta = torch.cat([(self.theta_outer[i] - self.params[i].detach().to(torch.float32)).reshape(-1)
                                for i in idx])
+            numel = delta.numel()
+            if self.nodes is not None:  # identical on the node's ranks: each sends its own shard
+                delta = self.nodes.take(delta)
             if self.error_feedback and p in self.memories:
                 delta = delta + self.config.error_decay * self.memories[p]  # β = 1: plain error feedback
         job = _Exchange(fragment=p, sent_at=self.inner_step,
-                        due=self.inner_step + self.config.overlap_steps if due is None else due, delta=delta)
+                        due=self.inner_step + self.config.overlap_steps if due is None else due, delta=delta,
+                        numel=numel)
         ctx = None
         if self.exchange is not None:
             from ..compressors import GroupContext
@@ -440,6 +476,8 @@ class DiLoCoSync(StepParticipant):
                 segments=tuple(self.numels[i] for i in idx), group_id=_DILOCO_GROUP_ID + p,
                 seed=self.engine.config.seed, device=delta.device,
                 shapes=tuple(tuple(self.params[i].shape) for i in idx), names=tuple(self.names[i] for i in idx))
+            if self.nodes is not None:
+                ctx = self.nodes.context(ctx, numel)
         self.sends[p] += 1
         self.last_send[p] = self.inner_step
         self._pending[p] = job
@@ -466,6 +504,8 @@ class DiLoCoSync(StepParticipant):
         """The mean of the ranks' Δ (identical on every rank); records this rank's bytes."""
         if self.world_size == 1:
             return delta
+        if self.nodes is not None:
+            return self._average_by_nodes(delta, job, ctx)
         nbytes = delta.numel() * delta.element_size()
         if self.exchange is None:  # dense: DDP's numerics, mean = sum of (Δ / N)
             comm = delta.to(self._comm_device()).div_(self.world_size)
@@ -487,6 +527,38 @@ class DiLoCoSync(StepParticipant):
         job.bytes_sent += int(times.bytes_sent)
         job.bytes_payload += int(times.bytes_payload)
         return mean.to(torch.float32).reshape(-1)
+
+    def _average_by_nodes(self, shard: Tensor, job: _Exchange, ctx: Any) -> Tensor:
+        """This rank's shard of Δ averaged over the nodes (dense or compressed, on the shard's group),
+        then the node's shards gathered: the full mean Δ, identical on every rank."""
+        nodes = self.nodes
+        assert nodes is not None
+        shard = shard.to(self._comm_device())
+        if self.exchange is None:
+            mean, sent = nodes.dense_mean(shard)
+            payload = shard.numel() * shard.element_size()
+        else:
+            mean, sent, payload = self._compressed_shard(shard, job, ctx)
+        job.bytes_payload += payload
+        job.bytes_sent += sent
+        job.bytes_inter_node += sent
+        full, gathered = nodes.gather(mean.to(torch.float32).reshape(-1), job.numel)
+        job.bytes_sent += gathered
+        return full.to(shard.device)
+
+    def _compressed_shard(self, shard: Tensor, job: _Exchange, ctx: Any) -> tuple[Tensor, int, int]:
+        """The shard's mean over the nodes through the Δ compressor; (mean, bytes sent, payload bytes)."""
+        from ..comm.exchange import ExchangeTimes, Timer, error_feedback_residual
+
+        assert self.exchange is not None
+        times = ExchangeTimes(malformed=[])
+        mean, sent = self.exchange.run(shard, ctx, Timer(shard.device, times))
+        times.raise_if_malformed_anywhere(self.group, self._comm_device(), self.world_size,
+                                          "a compressed pseudo-gradient shard", self.exchange.compressor.name,
+                                          "the outer step is not taken on any rank.")
+        if self.error_feedback:  # per shard: each local rank keeps what its shard did not send
+            job.residual = error_feedback_residual(shard, sent, in_place=False)
+        return mean, int(times.bytes_sent), int(times.bytes_payload)
 
     def _apply(self, p: int, mixing: float | None = None) -> None:
         """Wait for fragment ``p``'s exchange, step the outer optimizer on it and merge it into the
@@ -528,9 +600,12 @@ class DiLoCoSync(StepParticipant):
                 stats.outer_step = self.outer_steps
                 stats.delta_norm = float(job.mean.norm())
                 stats.bytes_sent, stats.bytes_payload = job.bytes_sent, job.bytes_payload
+                stats.bytes_inter_node = job.bytes_inter_node
                 if p == len(self.fragments) - 1:  # once per H steps, while the worker is idle
                     t1 = time.perf_counter()
-                    stats.bytes_sent += self._average_buffers()
+                    sent, inter = self._average_buffers()
+                    stats.bytes_sent += sent
+                    stats.bytes_inter_node += inter
                     stats.comm_s += time.perf_counter() - t1
             for i in idx:
                 if alpha == 0.0:
@@ -539,21 +614,26 @@ class DiLoCoSync(StepParticipant):
                     self.params[i].copy_(alpha * self.params[i].to(torch.float32) + (1.0 - alpha) * self.theta_outer[i])
         if p in self.memories:
             stats.error_norm = float(self.memories[p].norm())
-        self.engine.add_deferred_traffic(stats.bytes_sent, stats.bytes_payload)
+        self.engine.add_deferred_traffic(stats.bytes_sent, stats.bytes_payload, stats.bytes_inter_node)
         self.comm_s_total += stats.comm_s
         self.last_stats = stats
 
-    def _average_buffers(self) -> int:
+    def _average_buffers(self) -> tuple[int, int]:
+        """Floating buffers ← their mean over all ranks; (bytes sent, of which between nodes)."""
         if not self.buffers or self.group is None:
-            return 0
+            return 0, 0
         flat = torch.cat([b.detach().to(torch.float32).reshape(-1) for _, b in self.buffers]).to(self._comm_device())
-        flat.div_(self.world_size)
-        dist.all_reduce(flat, group=self.group)
+        if self.nodes is not None:
+            sent, inter = self.nodes.allreduce_mean(flat)
+        else:
+            flat.div_(self.world_size)
+            dist.all_reduce(flat, group=self.group)
+            sent, inter = ring_allreduce_bytes(flat.numel() * flat.element_size(), self.world_size), 0
         offset = 0
         for _, b in self.buffers:
             b.copy_(flat[offset:offset + b.numel()].view_as(b))
             offset += b.numel()
-        return ring_allreduce_bytes(flat.numel() * flat.element_size(), self.world_size)
+        return sent, inter
 
     def load_outer(self) -> None:
         """Copy θ_outer into the model's parameters."""
@@ -592,6 +672,7 @@ class DiLoCoSync(StepParticipant):
         return {
             "inner_step": self.inner_step,
             "outer_steps": self.outer_steps,
+            "workers": self.layout,
             "sends": list(self.sends),
             "last_send": list(self.last_send),
             "theta_outer": {n: o.detach().cpu().clone() for n, o in zip(self.names, self.theta_outer)},
@@ -623,6 +704,13 @@ class DiLoCoSync(StepParticipant):
             mean = j["mean"].to(self.device) if j["mean"] is not None else None
             self._pending[int(p)] = _Exchange(fragment=int(p), sent_at=int(j["sent_at"]), due=int(j["due"]),
                                               mean=mean, bad=bool(j["bad"]), comm_s=float(j["comm_s"]))
+        saved = state.get("workers", "ranks")
+        self._layout_changed = saved != self.layout
+        if self._layout_changed:
+            rank_zero_warn(
+                f"lightning_gc DiLoCo: the checkpoint was written with workers={saved}, this run has "
+                f"workers={self.layout}; each rank's θ_local and error memory belong to the old layout and are not "
+                "loaded: every rank restarts the round from θ_outer (and rank 0's inner optimizer state).")
         # without this rank's own state (world-size change) the round restarts from θ_outer
         self.load_outer()
 
@@ -641,6 +729,8 @@ class DiLoCoSync(StepParticipant):
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if self._layout_changed:  # load_shared_state_dict came first and put θ_outer back
+            return
         with torch.no_grad():
             local = state.get("theta_local")
             if local is not None:
@@ -687,6 +777,8 @@ class DiLoCoSync(StepParticipant):
 
     def close(self, timeout: float = 60.0) -> None:
         self._runner.close(timeout)
+        if self.nodes is not None:
+            self.nodes.close()
         if self.group is not None:
             with contextlib.suppress(RuntimeError, ValueError):
                 dist.destroy_process_group(self.group)
