@@ -187,18 +187,35 @@ def node_cases() -> list[dict[str, Any]]:
     """The topology's own cases. By nodes on the matrix's 2 ranks (2 nodes of 1): each reason of
     ``hierarchy.refusal`` alone, from the one-group BSP Top-k case (every compressor, OSP, DiLoCo,
     OMGS, each controller), so that no reason hides behind another. On 4 ranks (2 nodes of 2, where
-    the node reduce-scatters and each rank sends its own shard between nodes): an all-pairs design of
-    what trains by nodes, plus fp16 (the allreduce collective) resumed, and a bf16 reduce-scatter
-    inside the node (``topology_intra_dtype="bf16"``) resumed."""
+    the node reduce-scatters and each rank sends its own shard between nodes): every pair of values of
+    what trains by nodes in 8 cases (:func:`pairs_of_twins`), one of them with a bf16 reduce-scatter
+    inside the node (``topology_intra_dtype="bf16"``), plus fp16 (the allreduce collective) resumed."""
     base = {**{n: v[0] for n, v in FACTORS.items()}, "topology": "nodes"}
     alone = [{**base, "compressor": c} for c in FACTORS["compressor"]]
     alone += [{**base, "sync": "osp"}, {**base, "sync": "diloco"}, {**base, "plan": "omgs"},
               {**base, "controller": "shadow"}, {**base, "controller": "rollback"}]
-    trains = {**FACTORS, "compressor": tuple(c for c in FACTORS["compressor"] if COLLECTIVE_OF.get(c) in NODE_COLLECTIVES),
-              "sync": ("bsp",), "plan": ("model", "layer"), "controller": ("none",), "topology": ("nodes",)}
-    four = all_pairs(trains) + [{**base, "compressor": "fp16", "resume": "resumed"},
-                                {**base, "plan": "layer", "resume": "resumed", "options": {"topology_intra_dtype": "bf16"}}]
+    trains = [c for c in FACTORS["compressor"] if COLLECTIVE_OF.get(c) in NODE_COLLECTIVES]
+    four = [{**base, **c} for c in pairs_of_twins(trains, ("plan", "accumulate", "precision", "optimizer", "resume"))]
+    four[1]["options"] = {"topology_intra_dtype": "bf16"}  # a resumed layer-plan case (its twin is fresh)
+    four.append({**base, "compressor": "fp16", "resume": "resumed"})
     return alone + [{**c, "world": 4} for c in four]
+
+
+def pairs_of_twins(compressors: list[str], two_valued: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Every pair of values of ``compressor`` (4 values) and 5 two-valued factors in 8 cases (the
+    fewest: 4 × 2), where the greedy :func:`all_pairs` needs 10. Each compressor runs twice, the second
+    time with every two-valued factor flipped, so each compressor meets each value; a factor's column
+    over the first runs is a distinct pattern, none the other's complement, so any two two-valued
+    factors are equal in some first run and differ in another, and the flipped twins give the other
+    two combinations."""
+    assert len(compressors) == 4 and len(two_valued) <= 5
+    patterns = ((0, 1, 1, 0), (0, 1, 0, 1), (0, 0, 1, 1), (0, 0, 0, 1), (0, 1, 1, 1))
+    out = []
+    for i, c in enumerate(compressors):
+        first = {f: FACTORS[f][patterns[j][i]] for j, f in enumerate(two_valued)}
+        out += [{"compressor": c, **first}, {"compressor": c, **{f: FACTORS[f][1 - FACTORS[f].index(v)]
+                                                                 for f, v in first.items()}}]
+    return out
 
 
 def world(case: dict[str, Any]) -> int:
