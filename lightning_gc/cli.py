@@ -43,6 +43,7 @@ RECIPES = {
     "diloco_sparseloco.yaml": "DiLoCo with SparseLoCo's 2-bit chunked Top-k pseudo-gradient (diloco_compressor='sparseloco')",
     "topology.yaml": "topology='nodes': QSGD only between nodes (2 emulated nodes on one machine)",
     "diloco_nodes.yaml": "DiLoCo with nodes as its workers: DDP inside a node, outer steps between nodes (topology='nodes')",
+    "fsdp.yaml": "FSDP2 (HSDP): GCModelParallelStrategy, QSGD between replicas, gpt (4 processes: 2 nodes of 2)",
     "gpt.yaml": "the gpt workload, a small byte-level transformer",
 }
 
@@ -183,9 +184,11 @@ def list_text() -> str:
 
 
 def _gc_strategy_class(class_path: Any) -> type | None:
-    """The :class:`~lightning_gc.GCStrategy` (sub)class ``class_path`` names, else ``None``."""
+    """The :class:`~lightning_gc.GCStrategy` or :class:`~lightning_gc.GCModelParallelStrategy`
+    (sub)class ``class_path`` names, else ``None``."""
     import importlib
 
+    from .model_parallel import GCModelParallelStrategy
     from .strategy import GCStrategy
 
     if not isinstance(class_path, str) or "." not in class_path:
@@ -195,7 +198,7 @@ def _gc_strategy_class(class_path: Any) -> type | None:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
         return None  # jsonargparse names the class it cannot import
-    return cls if isinstance(cls, type) and issubclass(cls, GCStrategy) else None
+    return cls if isinstance(cls, type) and issubclass(cls, (GCStrategy, GCModelParallelStrategy)) else None
 
 
 def _refusal(cls: type, kwargs: dict[str, Any]) -> str | None:
@@ -210,7 +213,8 @@ def _refusal(cls: type, kwargs: dict[str, Any]) -> str | None:
 
 def strategy_refusal(strategy: Any) -> str | None:
     """lightning_gc's own refusal of a parsed ``trainer.strategy`` (``class_path`` + ``init_args``),
-    or ``None`` when it is not a :class:`~lightning_gc.GCStrategy` or the strategy accepts it.
+    or ``None`` when it is not a :class:`~lightning_gc.GCStrategy` (or :class:`~lightning_gc.GCModelParallelStrategy`)
+    or the strategy accepts it.
 
     Why: jsonargparse builds the strategy while resolving the Trainer's ``str | Strategy`` union, and
     reports a refusal as "Expected a <class 'str'>" with the project's message some fifty lines

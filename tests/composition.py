@@ -2,7 +2,7 @@
 
 Factors (docs/concepts.md keeps the table of what works and what is refused, and why)::
 
-    compressor  topk, star_topk, qsgd, efsignsgd, marsit, gradiveq, lowrank, auto
+    compressor  topk, star_topk, qsgd, efsignsgd, marsit, gradiveq, lowrank, lowbit, auto
     sync        bsp, osp, diloco                (diloco: H = 3, the resume point inside a round)
     plan        model, layer, omgs
     controller  none, shadow, rollback      (AdaptiveRatio)
@@ -10,18 +10,26 @@ Factors (docs/concepts.md keeps the table of what works and what is refused, and
     precision   32-true, bf16-mixed
     optimizer   sgd, adamw_clip             (momentum SGD; AdamW with gradient_clip_val=0.5, by norm)
     resume      fresh, resumed              (checkpoint at step 4 of 8, resumed to 8)
+    topology    flat, nodes                 (nodes: 2 "nodes" of 1 rank; a few cases 2 of 2 on 4 ranks)
 
-The full product is 4536 runs; the cases are an all-pairs design (every pair of values of any two
+The full product is 7776 runs; the cases are an all-pairs design (every pair of values of any two
 factors appears in at least one case; :func:`all_pairs`, greedy and deterministic) plus the full
-product of the factors that carry state across steps (controller × sync × plan × resume), once with
-momentum SGD and once more with AdamW + clipping under the synchronisation models that replay or
-keep optimizer state (OSP, DiLoCo), plus ``auto``'s trainable cases (BSP, one-group plan: resumed,
-once plain and once with accumulation, bf16-mixed and AdamW + clipping).
+product of the factors that carry state across steps (controller × sync × plan × resume, flat),
+once with momentum SGD and once more with AdamW + clipping under the synchronisation models that
+replay or keep optimizer state (OSP, DiLoCo), plus ``auto``'s trainable cases (BSP, one-group plan:
+resumed, once plain and once with accumulation, bf16-mixed and AdamW + clipping), plus
+``lowbit``'s trainable flat cases (:func:`lowbit_cases`: each sync model with each plan it composes
+with, resumed), plus cases of options beyond the factors, plus the topology's own cases (:func:`node_cases`): each of ``hierarchy.refusal``'s reasons alone (every
+compressor, OSP, DiLoCo, OMGS, each controller, by nodes on 2 ranks), and an all-pairs design of
+what trains by nodes (the allreduce/allgather/lowbit compressors, BSP, plans model and layer,
+accumulation, precision, optimizer, resume) on 4 ranks as 2 nodes of 2, where the node has a
+reduce-scatter to do and every rank holds a shard of its own.
 
 A case either (a) is refused when the Trainer is built or ``fit`` starts, with a message that
 names the value, the reason and the fix (:func:`expected_refusal` is the table), or (b) trains
-8 optimizer steps on 2 gloo ranks with the ranks' parameters bit-identical and, when resumed,
-equal to the uninterrupted run bit for bit.
+8 optimizer steps on 2 gloo ranks (4 in the topology's cases of 2 nodes of 2) with the ranks'
+parameters bit-identical, bytes sent between nodes on every rank by nodes and none flat, and, when
+resumed, equal to the uninterrupted run bit for bit.
 
 ``python tests/composition.py [--all]`` runs the design outside pytest and prints the table;
 ``pytest -m matrix tests/test_composition.py`` runs it under pytest.
@@ -36,7 +44,7 @@ import sys
 from typing import Any
 
 FACTORS: dict[str, tuple] = {
-    "compressor": ("topk", "star_topk", "qsgd", "efsignsgd", "marsit", "gradiveq", "lowrank", "auto"),
+    "compressor": ("topk", "star_topk", "qsgd", "efsignsgd", "marsit", "gradiveq", "lowrank", "lowbit", "auto"),
     "sync": ("bsp", "osp", "diloco"),
     "plan": ("model", "layer", "omgs"),
     "controller": ("none", "shadow", "rollback"),
@@ -44,6 +52,7 @@ FACTORS: dict[str, tuple] = {
     "precision": ("32-true", "bf16-mixed"),
     "optimizer": ("sgd", "adamw_clip"),
     "resume": ("fresh", "resumed"),
+    "topology": ("flat", "nodes"),
 }
 STATEFUL = ("controller", "sync", "plan", "resume")
 STEPS, RESUME_AT = 8, 4
@@ -142,19 +151,107 @@ def design() -> list[dict[str, Any]]:
                 "optimizer": "adamw_clip", "options": {"compressor_args": {"wire_dtype": "bfloat16"}}},
                # lowrank with its closing report alone (report_rides=False; every other lowrank case rides)
                {**base, "compressor": "lowrank", "resume": "resumed", "options": {"report_rides": False}}]
-    for case in all_pairs(FACTORS) + stateful_product() + adamw + auto + options:
-        key = tuple(case[n] for n in FACTORS) + (repr(sorted(case.get("options", {}).items())),)
+    for case in all_pairs(FACTORS) + stateful_product() + adamw + auto + options + lowbit_cases() + node_cases():
+        key = tuple(case[n] for n in FACTORS) + (repr(sorted(case.get("options", {}).items())), world(case))
         if key not in seen:
             seen.add(key)
             out.append(case)
     return out
 
 
+def lowbit_cases() -> list[dict[str, Any]]:
+    """``lowbit``'s trainable cases, flat: all pairs never draws them (every flat ``lowbit`` case it
+    draws has a controller, and ``lowbit`` has no ratio to tune). Each synchronisation model with each
+    plan it composes with, resumed (the ring's rounding draws come from (seed, step, group), so the
+    resumed run must draw the same), the other factors turned so that each of their values meets
+    ``lowbit``; plus its opt-in error feedback (memory across the resume point) and 8-bit codes."""
+    base = {n: v[0] for n, v in FACTORS.items()}
+    combos = [(s, p) for s in FACTORS["sync"] for p in FACTORS["plan"] if s == "bsp" or p != "omgs"]
+    turns = itertools.cycle(itertools.product(FACTORS["accumulate"], FACTORS["precision"], FACTORS["optimizer"]))
+    cases = [{**base, "compressor": "lowbit", "sync": s, "plan": p, "resume": "resumed",
+              **dict(zip(("accumulate", "precision", "optimizer"), next(turns)))} for s, p in combos]
+    return cases + [{**base, "compressor": "lowbit", "plan": "layer", "resume": "resumed",
+                     "options": {"error_feedback": True, "compressor_args": {"bits": 8}}}]
+
+
+#: the collective each compressor of the matrix sends (GCStrategy resolves ``collective="auto"`` to it),
+#: and those ``topology="nodes"`` runs on a shard's group of ranks (one per node); written out here, not
+#: read from lightning_gc, so that the table is the oracle of ``lightning_gc.comm.hierarchy.refusal``
+COLLECTIVE_OF = {"topk": "allgather", "star_topk": "art_allreduce", "qsgd": "allgather", "efsignsgd": "allgather",
+                 "marsit": "marsit", "gradiveq": "gradiveq_ring", "lowrank": "lowrank", "lowbit": "lowbit",
+                 "fp16": "allreduce"}
+NODE_COLLECTIVES = ("allreduce", "allgather", "lowbit")
+
+
+def node_cases() -> list[dict[str, Any]]:
+    """The topology's own cases. By nodes on the matrix's 2 ranks (2 nodes of 1): each reason of
+    ``hierarchy.refusal`` alone, from the one-group BSP Top-k case (every compressor, OSP, DiLoCo,
+    OMGS, each controller), so that no reason hides behind another. On 4 ranks (2 nodes of 2, where
+    the node reduce-scatters and each rank sends its own shard between nodes): every pair of values of
+    what trains by nodes in 8 cases (:func:`pairs_of_twins`), one of them with a bf16 reduce-scatter
+    inside the node (``topology_intra_dtype="bf16"``), plus fp16 (the allreduce collective) resumed."""
+    base = {**{n: v[0] for n, v in FACTORS.items()}, "topology": "nodes"}
+    alone = [{**base, "compressor": c} for c in FACTORS["compressor"]]
+    alone += [{**base, "sync": "osp"}, {**base, "sync": "diloco"}, {**base, "plan": "omgs"},
+              {**base, "controller": "shadow"}, {**base, "controller": "rollback"}]
+    trains = [c for c in FACTORS["compressor"] if COLLECTIVE_OF.get(c) in NODE_COLLECTIVES]
+    four = [{**base, **c} for c in pairs_of_twins(trains, ("plan", "accumulate", "precision", "optimizer", "resume"))]
+    four[1]["options"] = {"topology_intra_dtype": "bf16"}  # a resumed layer-plan case (its twin is fresh)
+    four.append({**base, "compressor": "fp16", "resume": "resumed"})
+    return alone + [{**c, "world": 4} for c in four]
+
+
+def pairs_of_twins(compressors: list[str], two_valued: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Every pair of values of ``compressor`` (4 values) and 5 two-valued factors in 8 cases (the
+    fewest: 4 × 2), where the greedy :func:`all_pairs` needs 10. Each compressor runs twice, the second
+    time with every two-valued factor flipped, so each compressor meets each value; a factor's column
+    over the first runs is a distinct pattern, none the other's complement, so any two two-valued
+    factors are equal in some first run and differ in another, and the flipped twins give the other
+    two combinations."""
+    assert len(compressors) == 4 and len(two_valued) <= 5
+    patterns = ((0, 1, 1, 0), (0, 1, 0, 1), (0, 0, 1, 1), (0, 0, 0, 1), (0, 1, 1, 1))
+    out = []
+    for i, c in enumerate(compressors):
+        first = {f: FACTORS[f][patterns[j][i]] for j, f in enumerate(two_valued)}
+        out += [{"compressor": c, **first}, {"compressor": c, **{f: FACTORS[f][1 - FACTORS[f].index(v)]
+                                                                 for f, v in first.items()}}]
+    return out
+
+
+def world(case: dict[str, Any]) -> int:
+    """The case's number of ranks: 2, or 4 for the topology's 2 nodes of 2 (:func:`node_cases`)."""
+    return case.get("world", 2)
+
+
 def case_id(case: dict[str, Any]) -> str:
-    return "-".join([str(case[n]) for n in FACTORS] + [f"{k}={v}" for k, v in sorted(case.get("options", {}).items())])
+    return "-".join([str(case[n]) for n in FACTORS] + [f"{k}={v}" for k, v in sorted(case.get("options", {}).items())]
+                    + ([f"ranks={world(case)}"] if world(case) != 2 else []))
 
 
 RATIO_COMPRESSORS = ("topk", "star_topk")
+
+
+def node_refusal(case: dict[str, Any]) -> str | None:
+    """What ``topology="nodes"`` refuses (lightning_gc.comm.hierarchy.refusal), in its order: at
+    ``GCStrategy(...)`` auto, OSP, DiLoCo's pseudo-gradient collective, OMGS, then a collective that needs
+    all ranks; at fit start
+    (``AdaptiveRatio.setup``) the controller."""
+    c, sync, plan, ctrl = case["compressor"], case["sync"], case["plan"], case["controller"]
+    if c == "auto":
+        return r"topology='nodes' with compressor='auto' is not supported: .*one flat link.*Pick the compressor yourself"
+    if sync == "osp":
+        return r"topology='nodes' with sync='osp' is not supported: .*Use sync='bsp', or topology='flat'"
+    if sync == "diloco" and COLLECTIVE_OF[c] not in NODE_COLLECTIVES:  # nodes are DiLoCo's workers otherwise
+        return (rf"topology='nodes' with sync='diloco' \(the pseudo-gradient's exchange between nodes\) with "
+                rf"collective='{COLLECTIVE_OF[c]}' is not supported: .*or topology='flat'")
+    if plan == "omgs":
+        return r"topology='nodes' with plan='omgs' is not supported: .*Use plan='model', 'layer' or 'threshold'"
+    if COLLECTIVE_OF[c] not in NODE_COLLECTIVES:
+        return (rf"topology='nodes' with collective='{COLLECTIVE_OF[c]}' is not supported: .*Use a compressor whose "
+                r"collective is one of \['allreduce', 'allgather', 'lowbit'\]")
+    if ctrl != "none":
+        return r"topology='nodes' with the AdaptiveRatio callback is not supported: .*Drop the callback"
+    return None
 
 
 def expected_refusal(case: dict[str, Any]) -> str | None:
@@ -169,6 +266,8 @@ def expected_refusal(case: dict[str, Any]) -> str | None:
             return rf"compressor='auto' with sync='{sync}' is not supported"
         if plan != "model":
             return rf"compressor='auto' with plan='{plan}' is not supported.*Use plan='model'"
+        if case["topology"] == "nodes":
+            return node_refusal(case)
         if ctrl != "none":
             return r"AdaptiveRatio cannot run with compressor='auto'"
         return None
@@ -176,6 +275,8 @@ def expected_refusal(case: dict[str, Any]) -> str | None:
         return r"sync='osp' with plan='omgs'.*Use one of them"
     if sync == "diloco" and plan == "omgs":
         return r"sync='diloco' with plan='omgs'.*no merge plan to optimise"
+    if case["topology"] == "nodes":
+        return node_refusal(case)
     if ctrl != "none" and c not in RATIO_COMPRESSORS:
         return rf"AdaptiveRatio cannot tune compressor '{c}': it has no ratio"
     if sync == "diloco" and ctrl != "none":
@@ -212,7 +313,7 @@ def known_inexact(case: dict[str, Any]) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------- one case on 2 ranks
+# ---------------------------------------------------------------------- one case on 2 (or 4) ranks
 def _strategy(case: dict[str, Any]):
     from lightning_gc import GCStrategy
 
@@ -227,6 +328,8 @@ def _strategy(case: dict[str, Any]):
     if case.get("auto_options"):
         args["auto"] = dict(case["auto_options"])
     args.update(case.get("options", {}))
+    if case["topology"] == "nodes":  # 2 "nodes" of world/2 ranks (the launcher's devices would make one node)
+        args.update(topology="nodes", topology_ranks_per_node=world(case) // 2)
     if case["plan"] == "omgs":
         args["omgs"] = {"profile_skip_steps": 0, "profile_steps": 2, "calibration_sizes": 3,
                         "calibration_repeats": 1, "replan_window": 2}
@@ -282,17 +385,20 @@ def _fit(case: dict[str, Any], tmp: str, max_steps: int, ckpt_path: str | None, 
                                                              every_n_epochs=1, save_on_train_epoch_end=True))
     L.seed_everything(11, verbose=False)
     model = Model()
+    ranks = world(case)
     trainer = L.Trainer(
-        strategy=_strategy(case), accelerator=DEVICE, devices=1 if DEVICE == "cuda" else 2,
-        num_nodes=2 if DEVICE == "cuda" else 1, precision=case["precision"],
+        strategy=_strategy(case), accelerator=DEVICE, devices=1 if DEVICE == "cuda" else ranks,
+        num_nodes=ranks if DEVICE == "cuda" else 1, precision=case["precision"],
         gradient_clip_val=0.5 if case["optimizer"] == "adamw_clip" else None,
         accumulate_grad_batches=case["accumulate"], max_epochs=max_steps // RESUME_AT, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=save_at is not None, default_root_dir=tmp,
         callbacks=callbacks, num_sanity_val_steps=0)
-    n = 2 * 16 * case["accumulate"] * RESUME_AT  # 2 ranks × batch 16 × accumulation × steps per epoch
+    n = ranks * 16 * case["accumulate"] * RESUME_AT  # ranks × batch 16 × accumulation × steps per epoch
     trainer.fit(model, make_loader(n=n, batch_size=16), ckpt_path=ckpt_path)
+    engine = trainer.strategy.engine
     return {"params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
             "step": trainer.global_step, "skipped": trainer.strategy.skipped_steps,
+            "inter_node": engine.totals()["bytes_inter_node"] if engine is not None else None,
             "device": devices[0] if devices else None,
             "start_step": start_step[0] if start_step else None}
 
@@ -317,7 +423,7 @@ def check_case(case: dict[str, Any], tmp: str) -> str:
 
     refusal = expected_refusal(case)
     try:
-        a, b = run_distributed(_ranks, 2, case, tmp, timeout=600)
+        a, *others = run_distributed(_ranks, world(case), case, tmp, timeout=600)
     except Exception as e:  # noqa: BLE001 - compared with the table below
         if refusal is not None and re.search(refusal, str(e), re.S):
             return "refused"
@@ -325,16 +431,21 @@ def check_case(case: dict[str, Any], tmp: str) -> str:
                              f"got {str(e)[-3000:]}") from e
     assert refusal is None, f"{case_id(case)}: trained, but the table says it is refused ({refusal})"
     assert a["full"]["step"] == STEPS
-    assert a["full"]["device"] == b["full"]["device"] == DEVICE, (a["full"]["device"], b["full"]["device"], DEVICE)
+    devices = [r["full"]["device"] for r in (a, *others)]
+    assert set(devices) == {DEVICE}, (devices, DEVICE)
     if case["resume"] == "resumed":  # the resumed run trained the second half itself
-        assert a["resumed"]["start_step"] == b["resumed"]["start_step"] == RESUME_AT
+        assert {r["resumed"]["start_step"] for r in (a, *others)} == {RESUME_AT}
+    inter = [r["full"]["inter_node"] for r in (a, *others)]  # by nodes, every rank sent between nodes; flat, none
+    assert all(b > 0 for b in inter) if case["topology"] == "nodes" else set(inter) == {0}, (case_id(case), inter)
     inexact = known_inexact(case)
     for n, p in a["full"]["params"].items():
         assert torch.isfinite(p).all(), (case_id(case), n)
-        assert torch.equal(p, b["full"]["params"][n]), f"{case_id(case)}: ranks differ at {n}"
+        for r, b in enumerate(others, 1):
+            assert torch.equal(p, b["full"]["params"][n]), f"{case_id(case)}: ranks 0 and {r} differ at {n}"
+            if case["resume"] == "resumed":
+                assert torch.equal(a["resumed"]["params"][n], b["resumed"]["params"][n]), \
+                    f"{case_id(case)}: ranks 0 and {r} of the resumed run differ at {n}"
         if case["resume"] == "resumed":
-            assert torch.equal(a["resumed"]["params"][n], b["resumed"]["params"][n]), \
-                f"{case_id(case)}: ranks of the resumed run differ at {n}"
             assert inexact or torch.equal(p, a["resumed"]["params"][n]), f"{case_id(case)}: resumed run differs at {n}"
     if inexact:  # equal or not, by design (see known_inexact); the ranks agreed above
         return "trains (resume inexact: known)"
