@@ -185,14 +185,16 @@ NODE_COLLECTIVES = ("allreduce", "allgather", "lowbit")
 
 def node_cases() -> list[dict[str, Any]]:
     """The topology's own cases. By nodes on the matrix's 2 ranks (2 nodes of 1): each reason of
-    ``hierarchy.refusal`` alone, from the one-group BSP Top-k case (every compressor, OSP, DiLoCo,
-    OMGS, each controller), so that no reason hides behind another. On 4 ranks (2 nodes of 2, where
+    ``hierarchy.refusal`` alone, from the one-group BSP Top-k case (every compressor, OSP, DiLoCo with
+    Top-k (nodes as its workers) and with lowrank (refused), OMGS, each controller), so that no reason
+    hides behind another. On 4 ranks (2 nodes of 2, where
     the node reduce-scatters and each rank sends its own shard between nodes): every pair of values of
     what trains by nodes in 8 cases (:func:`pairs_of_twins`), one of them with a bf16 reduce-scatter
     inside the node (``topology_intra_dtype="bf16"``), plus fp16 (the allreduce collective) resumed."""
     base = {**{n: v[0] for n, v in FACTORS.items()}, "topology": "nodes"}
     alone = [{**base, "compressor": c} for c in FACTORS["compressor"]]
-    alone += [{**base, "sync": "osp"}, {**base, "sync": "diloco"}, {**base, "plan": "omgs"},
+    alone += [{**base, "sync": "osp"}, {**base, "sync": "diloco"}, {**base, "sync": "diloco", "compressor": "lowrank"},
+              {**base, "plan": "omgs"},
               {**base, "controller": "shadow"}, {**base, "controller": "rollback"}]
     trains = [c for c in FACTORS["compressor"] if COLLECTIVE_OF.get(c) in NODE_COLLECTIVES]
     four = [{**base, **c} for c in pairs_of_twins(trains, ("plan", "accumulate", "precision", "optimizer", "resume"))]

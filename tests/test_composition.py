@@ -4,7 +4,7 @@ the refusal table; docs/concepts.md for the table in prose).
 The suite runs a cheap subset that reaches every kind of verdict (trains fresh, trains resumed with
 state carried by OSP and the controller, trains by nodes on 4 ranks, refused for each reason);
 ``pytest -m matrix`` runs the whole design (all pairs + the full product of the stateful factors,
-twice, + the cases of auto, options, lowbit and the topology), 158 cases, 149 of them on 2 ranks
+twice, + the cases of auto, options, lowbit and the topology), 159 cases, 150 of them on 2 ranks
 and 9 on 4 (2 nodes of 2). The refusals ``topology="nodes"`` makes at construction are also checked
 here without processes, against the same table.
 """
