@@ -118,7 +118,7 @@ class FakeEngine:
     def set_group_observer(self, observer) -> None:
         pass
 
-    def add_deferred_traffic(self, bytes_sent: int, bytes_payload: int) -> None:
+    def add_deferred_traffic(self, bytes_sent: int, bytes_payload: int, bytes_inter_node: int = 0) -> None:
         pass
 
     def report_nonfinite(self) -> None:

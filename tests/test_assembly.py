@@ -179,7 +179,7 @@ def test_the_header_shows_diloco_and_its_options():
         "lightning_gc: sync=diloco inner_steps=8 fragments=2 overlap_steps=1 mixing=0.5 "
         "outer=SGD({'lr': 0.7, 'momentum': 0.9, 'nesterov': True}) delta=dense (dense fp32 allreduce)")
     topk = GCConfig.from_flat(compressor="topk", ratio=0.1, sync="diloco")
-    diloco = SimpleNamespace(exchange=SimpleNamespace(name="allgather"), error_feedback=True)
+    diloco = SimpleNamespace(exchange=SimpleNamespace(name="allgather"), error_feedback=True, nodes=None)
     assert startup_header(topk, _engine(), diloco).endswith("delta=topk collective=allgather error_feedback=True")
 
 
@@ -189,7 +189,7 @@ def _diloco(**cfg):
     params = [torch.zeros(3), torch.zeros(2)]
     engine = SimpleNamespace(params=params, names=["w", "b"], world_size=1, rank=0, device=torch.device("cpu"),
                              process_group=None, config=SimpleNamespace(seed=0),
-                             add_deferred_traffic=lambda sent, payload: None)
+                             add_deferred_traffic=lambda sent, payload, bytes_inter_node=0: None)
     return DiLoCoSync(engine, DiLoCoConfig(**cfg)), params
 
 
