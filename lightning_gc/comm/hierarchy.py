@@ -417,11 +417,16 @@ class NodeTopology(Topology):
         return dataclasses.replace(plan, groups=tuple(groups))  # (plans sit above comm: no import of them)
 
     def close(self) -> None:
-        for group in self._all:
-            try:
-                dist.destroy_process_group(group)
-            except (RuntimeError, ValueError):
-                pass
+        destroy_groups(self._all)
+
+
+def destroy_groups(groups: list[Any]) -> None:
+    """Destroy process groups this module made (every rank alike); one already gone is skipped."""
+    for group in groups:
+        try:
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError):
+            pass
 
 
 def choose_kind(beta_intra: float, beta_inter: float, ratio: float) -> tuple[str, str]:

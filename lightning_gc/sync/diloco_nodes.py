@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.cost_model import allgather_bytes, ring_allreduce_bytes
-from ..comm.hierarchy import NodeTopology, shard_segments
+from ..comm.hierarchy import NodeTopology, destroy_groups, shard_segments
 
 
 class NodeWorkers:
@@ -131,11 +131,7 @@ class NodeWorkers:
         return out[:numel], allgather_bytes(s * mean_shard.element_size(), self.k)
 
     def close(self) -> None:
-        for group in self._all:
-            try:
-                dist.destroy_process_group(group)
-            except (RuntimeError, ValueError):
-                pass
+        destroy_groups(self._all)
 
 
 __all__ = ["NodeWorkers"]
