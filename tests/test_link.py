@@ -229,7 +229,8 @@ def test_engine_tracker_without_a_model_choosing_exchange_does_not_probe():
 def _adaptive_engine(measure, keeps: bool = False):
     link = LinkObserver(world_size=2, publish=False, measure=measure)
     return types.SimpleNamespace(link=link, network=link.state, keeps_network_model=keeps,
-                                 process_group=None, device=torch.device("cpu"), synchronize=lambda: None)
+                                 process_group=None, device=torch.device("cpu"), synchronize=lambda: None,
+                                 topology=types.SimpleNamespace(kind="flat"))
 
 
 def test_adaptive_ratio_probes_at_its_old_steps():
