@@ -28,13 +28,18 @@ from typing_extensions import override
 
 from ._validation import check_int
 from .comm.network import NetworkState
-from .config import CompressionConfig, is_flat_name
+from ._names import closest
+from .config import FLAT_FIELDS, CompressionConfig, is_flat_name
 from .engine.config import EngineConfig
 from .engine.slots import MethodSpec, build_slot
 from .sync.hsdp import ReplicaExchange, attach, refusal
 
 #: the folder, inside a distributed checkpoint, that holds each rank's error memory
 MEMORY_DIR = "lightning_gc"
+
+
+#: the FSDP2 front doors' own arguments beside the flat compression names (for the did-you-mean)
+_OWN_ARGUMENTS = ("replicate_size", "save_distributed_checkpoint", "process_group_backend", "timeout")
 
 
 @dataclass(frozen=True)
@@ -56,8 +61,10 @@ class ReplicaOptions:
               options: dict[str, Any]) -> ReplicaOptions:
         unknown = [n for n in options if not is_flat_name(n)]
         if unknown:
-            raise TypeError(f"{who} got an unexpected argument {unknown[0]!r}: it takes Lightning's model-parallel "
-                            "checkpoint/backend arguments and lightning_gc's compression options (docs/fsdp.md).")
+            near = closest(unknown[0], [*FLAT_FIELDS, *_OWN_ARGUMENTS])
+            hint = f" Did you mean {near}=?" if near else ""
+            raise ValueError(f"{who} got an unexpected argument {unknown[0]!r}: it takes Lightning's model-parallel "
+                             f"checkpoint/backend arguments and lightning_gc's compression options (docs/fsdp.md).{hint}")
         given = {"compressor": compressor, **options}
         why = refusal(given, None)
         if why:

@@ -211,6 +211,26 @@ def test_cli_text_names_the_pick_and_the_figures_given(capsys):
     assert len(rows) == 2 and sum(r.startswith("*") for r in rows) == 1
 
 
+def test_diloco_rows_amortise_the_fp16_delta_over_h(capsys):
+    rc = cli_main(["advise", "--model-params", "10M", "--compute-ms", "100", "--ranks", "4", "--bandwidth", "20mbit",
+                   "--latency", "1ms", "--candidates", "ddp,fp16", "--repeats", "1", "--diloco", "10,50", "--json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    doc = json.loads(out.out)
+    w = doc["workload"]
+    compute = w["forward_s"] + sum(w["backward_s"]) + w["optimizer_s"] + w["other_s"]
+    n, alpha, beta, m = 4, 1e-3, 8 / 20e6, 2 * sum(w["numels"])  # fp16 Δ: 2 bytes an element, a ring allreduce
+    ring, flag = 2 * (n - 1) * alpha + 2 * (n - 1) / n * m * beta, 2 * (n - 1) * alpha
+    assert [d["inner_steps"] for d in doc["diloco"]] == [10, 50]
+    for d in doc["diloco"]:
+        assert d["step_s"] == pytest.approx(compute + (ring + flag) / d["inner_steps"], rel=1e-6)
+        assert d["bytes_per_step"] == pytest.approx(2 * (n - 1) / n * m / d["inner_steps"], rel=1e-6)
+    rc = cli_main(["advise", "--model-params", "10M", "--compute-ms", "100", "--ranks", "4", "--bandwidth", "20mbit",
+                   "--candidates", "ddp,fp16", "--repeats", "1", "--diloco", "10"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "DiLoCo (sync='diloco'" in text and "H=10" in text and "the pick's" in text
+
+
 # ---------------------------------------------------------------- 3. bad input
 @pytest.mark.parametrize("argv, needle", [
     (["--ranks", "0"], "--ranks 0"),
@@ -228,6 +248,7 @@ def test_cli_text_names_the_pick_and_the_figures_given(capsys):
     (["--codec-scale", "0"], "--codec-scale 0"),
     (["--backward-ms", "-3"], "--backward-ms -3"),
     (["--preset-arg", "nonsense_arg=3"], "nonsense_arg"),
+    (["--diloco", "0"], "--diloco"),
 ])
 def test_bad_input_is_refused_naming_the_value(capsys, argv, needle):
     base = {"--preset": "quickstart", "--ranks": "8", "--bandwidth": "1gbit"}

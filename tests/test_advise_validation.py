@@ -87,3 +87,41 @@ def test_other_from_calibrates_on_that_links_ddp_and_validates_the_others(monkey
         av.validate(doc, other_from="10mbit")
     with pytest.raises(ValueError, match="neither a bench run"):
         av.validate({"schema": "x"})
+
+
+def test_a_run_on_hosts_is_advised_by_nodes_and_each_method_meets_its_column(monkeypatch):
+    calls: list = []
+    run, advise = _fake_advise(calls)
+
+    def run_nodes(preset, world_size, bandwidth, *, preset_args=None, candidates=(), repeats=3, seed=0, **kw):
+        base = run(preset, world_size, bandwidth, preset_args=preset_args, candidates=candidates, repeats=repeats,
+                   seed=seed, **kw)
+        if kw.get("ranks_per_node", 1) == 1:
+            return base
+        # stand-in topology table: flat 100 ms + index, by nodes 50 ms + index; qsgd refused by nodes
+        rows = [SimpleNamespace(name=c, flat=SimpleNamespace(step_s=0.100 + i / 1e3),
+                                nodes=None if c == "qsgd" else SimpleNamespace(step_s=0.050 + i / 1e3))
+                for i, c in enumerate(candidates)]
+        return SimpleNamespace(**vars(base), topology=SimpleNamespace(rows=rows, best=("topk", "nodes")))
+
+    monkeypatch.setattr(advise_mod, "run", run_nodes)
+    monkeypatch.setattr(advise_mod, "advise", advise)
+    doc = _run("20mbit", {"fp16": 0.2, "topk": 0.1})
+    doc["config"]["hosts"] = 2
+    extra = [{"method": "topk", "label": "topk:topology=nodes", "options": {"topology": "nodes"}},
+             {"method": "qsgd", "label": "qsgd:topology=nodes", "options": {"topology": "nodes"}},
+             {"method": "topk", "label": "topk:ratio=0.1", "options": {"ratio": 0.1}},  # not a candidate: left out
+             {"method": "qsgd", "label": "qsgd:topology=auto", "options": {"topology": "auto"}}]  # nor this
+    doc["results"] += [{**e, "status": "ok", "step_time_s": 0.08, "compute_time_s": 0.008} for e in extra]
+    res = av.validate_run(doc, intra_bandwidth="5gbit")
+    told = calls[-1]["kw"]
+    assert told["ranks_per_node"] == 2 and told["intra_bandwidth"] == "5gbit"
+    assert told["compute_ms"] == pytest.approx(8.0) and told["codec_scale"] == pytest.approx(2.0)
+    by = {r["method"]: r for r in res["rows"]}
+    assert set(by) == {"fp16", "topk", "topk:topology=nodes"}  # qsgd refused by nodes: no prediction to meet
+    names = calls[0]["candidates"]
+    assert by["fp16"]["predicted_step_s"] == pytest.approx(0.100 + names.index("fp16") / 1e3)
+    assert by["topk"]["predicted_step_s"] == pytest.approx(0.100 + names.index("topk") / 1e3)
+    assert by["topk:topology=nodes"]["predicted_step_s"] == pytest.approx(0.050 + names.index("topk") / 1e3)
+    assert by["topk:topology=nodes"]["error"] == pytest.approx((0.050 + names.index("topk") / 1e3) / 0.08 - 1)
+    assert res["ranks_per_node"] == 2 and "by nodes: 2 ranks per emulated host" in av.report([res])

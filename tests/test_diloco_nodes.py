@@ -290,3 +290,17 @@ def test_streaming_by_nodes_keeps_nodes_identical_and_a_flat_resume_restarts_the
         assert r["flat_loads_outer"]
         assert r["buffers_differed"] and r["buffers_same"] and r["buffers"] <= 1e-6
     assert res[0]["warned"]
+
+
+def test_the_outer_shard_context_names_the_node_and_the_shard():
+    """The Δ compressor by nodes sees rank = node, world = nodes and shard = local rank (its random
+    streams then differ between the node's shards), and the shard's own segments."""
+    from lightning_gc.compressors import GroupContext
+    from lightning_gc.sync.diloco_nodes import NodeWorkers
+
+    workers = NodeWorkers.__new__(NodeWorkers)  # the layout alone: no process groups needed here
+    workers.k, workers.nodes, workers.node, workers.local = 2, 3, 2, 1
+    ctx = GroupContext(step=4, rank=5, world_size=6, segments=(3, 4), group_id=7, seed=1, names=("a", "b"))
+    got = workers.context(ctx, 7)
+    assert (got.rank, got.world_size, got.shard, got.group_id, got.step) == (2, 3, 1, 7, 4)
+    assert got.segments == (3, 1) and got.names == ()  # elements 4..7 of 7: b's last 3, then one of padding

@@ -71,8 +71,10 @@ def test_construction_refuses_what_cannot_run():
         GCModelParallelStrategy(compressor="topk", sync="diloco")
     with pytest.raises(ValueError, match="save_distributed_checkpoint=False"):
         GCModelParallelStrategy(compressor="topk", save_distributed_checkpoint=False)
-    with pytest.raises(TypeError, match="unexpected argument 'bucket_cap_mb'"):
+    with pytest.raises(ValueError, match="unexpected argument 'bucket_cap_mb'"):
         GCModelParallelStrategy(compressor="topk", bucket_cap_mb=4)
+    with pytest.raises(ValueError, match="Did you mean replicate_size=?"):
+        GCModelParallelStrategy(compressor="topk", replicat_size=2)
     with pytest.raises(ValueError, match="replicate_size"):
         GCModelParallelStrategy(compressor="topk", replicate_size=0)
     GCModelParallelStrategy(compressor="qsgd", save_distributed_checkpoint=False)  # no memory to save

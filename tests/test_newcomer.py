@@ -77,8 +77,8 @@ def test_help_names_every_recipe_of_the_directory():
 
 
 # ---------------------------------------------------------------- recipe errors: the project's message first
-def _bad_recipe(tmp_path: Path, **init_args) -> Path:
-    cfg = yaml.safe_load((REPO / "recipes" / "topk.yaml").read_text())
+def _bad_recipe(tmp_path: Path, recipe: str = "topk.yaml", **init_args) -> Path:
+    cfg = yaml.safe_load((REPO / "recipes" / recipe).read_text())
     cfg["trainer"]["strategy"]["init_args"].update(init_args)
     cfg["trainer"]["logger"] = False
     path = tmp_path / "bad.yaml"
@@ -115,6 +115,16 @@ def test_misspelt_option_name_in_a_recipe_is_refused_first_with_the_closest_name
     first = capsys.readouterr().err.splitlines()[0]
     assert first.startswith("lightning-gc: GCStrategy got an unknown keyword argument ratoi=0.01"), first
     assert "Did you mean ratio=?" in first
+
+
+def test_misspelt_option_name_in_the_fsdp2_recipe_is_refused_first_with_the_closest_name(tmp_path, capsys):
+    path = _bad_recipe(tmp_path, "fsdp.yaml", replicat_size=2)
+    with pytest.raises(SystemExit) as code:
+        lightning_cli_class()(args=["fit", "-c", str(path)])
+    assert code.value.code == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("lightning-gc: GCModelParallelStrategy got an unexpected argument 'replicat_size'"), first
+    assert "Did you mean replicate_size=?" in first
 
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.stem)

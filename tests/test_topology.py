@@ -33,7 +33,7 @@ from lightning_gc.comm.hierarchy import (
     resolve_ranks_per_node,
     shard_segments,
 )
-from lightning_gc.compressors import build_compressor, ratio_to_k
+from lightning_gc.compressors import GroupContext, build_compressor, ratio_to_k
 from lightning_gc.config import GCConfig
 from lightning_gc.engine import EngineConfig, GCEngine, gc_comm_hook
 from lightning_gc.summary import summarize
@@ -192,6 +192,9 @@ def _node_shards(all_local: list[torch.Tensor], node: int, s: int) -> list[torch
 def _compressed(rank: int, ws: int, name: str, ratio, ef: bool, resume_at: int | None = None) -> dict:
     model, replica = _model(), _model()
     ddp, engine = _engine(model, name, ratio, ef)
+    shards_seen: set[int] = set()
+    compress = engine.compressor.compress
+    engine.compressor.compress = lambda x, ctx: shards_seen.add(ctx.shard) or compress(x, ctx)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     nodes, node, local = ws // K, rank // K, rank % K
     ref_mem: dict[tuple[int, int], torch.Tensor] = {}
@@ -274,6 +277,7 @@ def _compressed(rank: int, ws: int, name: str, ratio, ef: bool, resume_at: int |
         opt.step()
         out["same"] = out["same"] and _identical(model, ws)
         out["params"].append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    out["shards_seen"] = sorted(shards_seen)
     out["tag"] = step_metrics(engine, engine.last_step).get("gc/bytes_inter_node")
     out["last_inter"] = engine.last_step.bytes_inter_node
     out["total_inter"] = engine.totals()["bytes_inter_node"]
@@ -340,6 +344,25 @@ def test_qsgd_by_nodes_is_within_the_quantisation_of_the_node_mean():
         assert o["qsgd_err"] <= 0, (r, o["qsgd_err"])
         assert o["same"]
         assert all(b > 0 for b in o["inter"])
+        assert o["shards_seen"] == [r % K], o["shards_seen"]  # its rounding draws are its shard's own
+
+
+def test_the_shards_of_a_node_draw_apart_and_a_shard_draws_alike_on_every_node():
+    """Random draws by nodes: the compressor sees rank = node and shard = local rank. Two shards of one node
+    must not reuse one stream (their rounding would be correlated); one shard's shared stream must be the
+    same on every node (random-k's shared indices); shard 0 keeps the flat streams."""
+    ctx = GroupContext(step=5, rank=0, world_size=2, segments=(64,), group_id=1, seed=3)
+
+    def draws(c, shared):
+        return torch.rand(8, generator=c.shared_generator() if shared else c.private_generator())
+
+    shard1 = dataclasses.replace(ctx, shard=1)
+    for shared in (True, False):
+        assert torch.equal(draws(ctx, shared), draws(dataclasses.replace(ctx, shard=0), shared))
+        assert not torch.equal(draws(ctx, shared), draws(shard1, shared))
+    other_node = dataclasses.replace(shard1, rank=1)
+    assert torch.equal(draws(shard1, True), draws(other_node, True))
+    assert not torch.equal(draws(shard1, False), draws(other_node, False))
 
 
 def test_adaptive_ratio_refuses_to_attach_by_nodes():

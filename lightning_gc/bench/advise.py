@@ -70,6 +70,7 @@ from ..auto.candidates import (
     measure_method,
     rank_payloads,
 )
+from ..auto.diloco_cost import DiLoCoCandidate, DiLoCoPrediction, predict_diloco
 from ..auto.model import DEFAULT_PROGRESS_WEIGHT, MethodCost, Prediction, Workload, choose, table
 from ..comm.cost_model import NetworkModel
 from ..compressors import GroupContext, build_compressor
@@ -565,6 +566,7 @@ class Advice:
     progress_weight: float
     inputs: dict = field(default_factory=dict)
     topology: TopologyAdvice | None = None  # with --ranks-per-node > 1: every candidate flat and by nodes
+    diloco: list[DiLoCoPrediction] = field(default_factory=list)  # with --diloco: one per H, fp16 Δ
 
     def as_dict(self) -> dict:
         return {"topology": None if self.topology is None else self.topology.as_dict(),"schema": SCHEMA, "pick": self.pick,
@@ -574,7 +576,9 @@ class Advice:
                             "bandwidth_bits_per_s": (None if math.isinf(self.network.bandwidth_bits_per_s)
                                                      else self.network.bandwidth_bits_per_s)},
                 "workload": self.workload.as_dict(), "costs": [c.as_dict() for c in self.costs],
-                "inputs": self.inputs}
+                "inputs": self.inputs,
+                "diloco": [dataclasses.asdict(p) | {"inner_steps": h} for h, p in zip(self.inputs.get("diloco", ()),
+                                                                                        self.diloco)]}
 
     def text(self) -> str:
         i, w = self.inputs, self.workload
@@ -614,7 +618,18 @@ class Advice:
                      "of the alpha-beta model, not a measurement on the cluster")
         if self.topology is not None:
             lines.extend(self._topology_lines())
+        if self.diloco:
+            lines.extend(self._diloco_lines())
         return "\n".join(lines)
+
+    def _diloco_lines(self) -> list[str]:
+        pick = self.predictions[self.pick].step_s
+        lines = ["", "DiLoCo (sync='diloco', fp16 Δ, flat; auto/diloco_cost.py): step time only. It takes more steps "
+                 "than per-step methods to a given loss as H grows, which this does not predict (docs/diloco.md)."]
+        for h, p in zip(self.inputs["diloco"], self.diloco):
+            lines.append(f"  H={h:<4} step {1e3 * p.step_s:9.2f} ms ({p.step_s / pick:.2f}x the pick's), exchange "
+                         f"{1e3 * p.exchange_s:.1f} ms every {h} steps, {p.bytes_per_step / 1e6:.3f} MB/step per rank")
+        return lines
 
     def _topology_lines(self) -> list[str]:
         c = self.topology.cluster
@@ -676,12 +691,13 @@ def run(preset: str | None, world_size: int, bandwidth: str, latency: str = DEFA
         compute_scale: float = 1.0, skip_steps: int = 1, profile_steps: int = PROFILE_STEPS, repeats: int = 3,
         min_compress_numel: int = 1024, seed: int = 0, ranks_per_node: int = 1, intra_bandwidth: str | None = None,
         intra_latency: str = DEFAULT_INTRA_LATENCY, compute_ms: float | None = None,
-        model_params: int | str | None = None) -> Advice:
+        model_params: int | str | None = None, diloco: Sequence[int] = ()) -> Advice:
     """Build, profile and measure the workload, then advise (what the command does; inputs are
     checked before anything is built, so a typo costs no training). ``model_params`` (with
     ``compute_ms``) replaces ``preset``: nothing is trained (:func:`synthetic_profile`).
     ``ranks_per_node > 1``: ``bandwidth``/``latency`` are a node's network card, ``intra_*`` the link
-    inside a node, and every candidate is also predicted by nodes (:attr:`Advice.topology`)."""
+    inside a node, and every candidate is also predicted by nodes (:attr:`Advice.topology`). ``diloco``: the
+    H of each DiLoCo configuration (fp16 Δ) whose step is predicted beside them (:attr:`Advice.diloco`)."""
     n = _check_world_size(world_size)
     k = check_ranks_per_node(ranks_per_node, n, AdviseError)
     bps = parse_bandwidth(bandwidth)
@@ -726,6 +742,8 @@ def run(preset: str | None, world_size: int, bandwidth: str, latency: str = DEFA
         timing += (f"; measured on a Gaussian sample of {prof.flat.numel():,} elements and scaled x {scale:.4g} to the "
                    "model (error delta2 of a Gaussian gradient: pessimistic for Top-k and sign)")
     pick, preds = advise(workload, costs, network, n, w)
+    diloco_preds = [predict_diloco(DiLoCoCandidate(h, delta_bytes_per_element=2.0, wire="allreduce"), workload,
+                                   network, n) for h in diloco]
     topo = _topology(cluster, names, prof, workload, costs, scale, w, repeats, codec_scale) if k > 1 else None
     args = dict(preset_args or {})
     inputs = {
@@ -749,8 +767,9 @@ def run(preset: str | None, world_size: int, bandwidth: str, latency: str = DEFA
                           if params is None else "given: --compute-ms split 1:2 between forward and backward",
         "torch_threads": torch.get_num_threads(),
         "warnings": [x for x in (prof.spread_warning(),) if x],
+        "diloco": list(diloco),
     }
-    return Advice(pick, preds, workload, costs, network, n, w, inputs, topo)
+    return Advice(pick, preds, workload, costs, network, n, w, inputs, topo, diloco_preds)
 
 
 # ---------------------------------------------------------------------------------------------- the command
@@ -760,6 +779,16 @@ def _world_size_arg(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give the number of ranks, e.g. 64") from None
     return v  # the range is checked by run(), with the same message as the API
+
+
+def _diloco_arg(text: str) -> tuple[int, ...]:
+    try:
+        hs = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        hs = ()
+    if not hs or min(hs) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of inner-step counts H >= 1; e.g. --diloco 10,50")
+    return hs
 
 
 def _float_arg(text: str) -> float:
@@ -806,6 +835,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("candidates and progress")
     m.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES),
                    help=f"comma-separated, in tie-break order; from {', '.join(CANDIDATES)}")
+    m.add_argument("--diloco", type=_diloco_arg, default=(), metavar="H,...",
+                   help="also predict DiLoCo's step (fp16 Δ) at each of these H, e.g. 10,50 (docs/diloco.md)")
     m.add_argument("--progress-weight", type=_float_arg, default=DEFAULT_PROGRESS_WEIGHT,
                    help="w in efficiency = 1/(1 + w*delta2); 0 ranks by step time alone")
     g = p.add_argument_group("figures that replace the measurement (milliseconds)")
@@ -848,7 +879,8 @@ def main(argv: list[str] | None = None) -> int:
                      codec_scale=args.codec_scale, compute_scale=args.compute_scale, skip_steps=args.skip_steps,
                      profile_steps=args.profile_steps, repeats=args.repeats, min_compress_numel=args.min_compress_numel,
                      seed=args.seed, ranks_per_node=args.ranks_per_node, intra_bandwidth=args.intra_bandwidth,
-                     intra_latency=args.intra_latency, compute_ms=args.compute_ms, model_params=args.model_params)
+                     intra_latency=args.intra_latency, compute_ms=args.compute_ms, model_params=args.model_params,
+                     diloco=args.diloco)
     except (AdviseError, ValueError) as exc:
         print(f"lightning-gc advise: {exc}", file=sys.stderr)
         return 2

@@ -342,7 +342,7 @@ class NodeTopology(Topology):
         lo = self.local * s
         shard_ctx = dataclasses.replace(ctx, rank=self.node, world_size=self.layout.nodes,
                                         segments=shard_segments(ctx.segments, lo, min(lo + s, n), s),
-                                        shapes=(), names=())
+                                        shapes=(), names=(), shard=self.local)
         return Visit(node_sum.div_(self.k), shard_ctx, n, flat.dtype, timer.times.bytes_sent)
 
     def leave(self, visit: Visit, mean: Tensor, timer: Any) -> Tensor:

@@ -74,6 +74,9 @@ class GroupContext:
         shapes: shape of each parameter tensor of the group, in order (empty when unknown;
             compressors that slice by layer structure, such as GradiVeQ, read them).
         names: parameter name of each tensor of the group, in order (empty when unknown).
+        shard: which shard of the group this rank compresses when the exchange runs by nodes (its
+            local rank; ``topology="nodes"``); 0 flat. It is mixed into the random streams, so the
+            node's shards draw independently while the same shard on every node draws alike.
     """
 
     step: int
@@ -85,6 +88,7 @@ class GroupContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     shapes: tuple[tuple[int, ...], ...] = ()
     names: tuple[str, ...] = ()
+    shard: int = 0
 
     @property
     def numel(self) -> int:
@@ -93,14 +97,18 @@ class GroupContext:
     def shared_generator(self, salt: int = 0) -> torch.Generator:
         """A generator in the same state on every rank for this (seed, step, group, salt)."""
         g = torch.Generator(device=self.device)
-        g.manual_seed(_mix_seed(self.seed, self.step, self.group_id, salt, 1))
+        g.manual_seed(_mix_seed(self.seed, self.step, self.group_id, salt, 1, *self._shard_part()))
         return g
 
     def private_generator(self, salt: int = 0) -> torch.Generator:
         """A generator private to this rank for this (seed, step, group, salt)."""
         g = torch.Generator(device=self.device)
-        g.manual_seed(_mix_seed(self.seed, self.step, self.group_id, salt, 2, self.rank + 1))
+        g.manual_seed(_mix_seed(self.seed, self.step, self.group_id, salt, 2, self.rank + 1, *self._shard_part()))
         return g
+
+    def _shard_part(self) -> tuple[int, ...]:
+        """Nothing flat (the flat streams stay what they always were), else a tag and the shard."""
+        return (3, self.shard) if self.shard else ()
 
 
 @dataclass

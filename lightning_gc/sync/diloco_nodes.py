@@ -113,7 +113,7 @@ class NodeWorkers:
         """The compressor's view of a shard: rank = node, world = nodes, the shard's segments."""
         s = self.shard_size(numel)
         lo = self.local * s
-        return dataclasses.replace(ctx, rank=self.node, world_size=self.nodes, shapes=(), names=(),
+        return dataclasses.replace(ctx, rank=self.node, world_size=self.nodes, shapes=(), names=(), shard=self.local,
                                    segments=shard_segments(ctx.segments, lo, min(lo + s, numel), s))
 
     def dense_mean(self, shard: Tensor) -> tuple[Tensor, int]:
