@@ -453,6 +453,19 @@ class DiLoCoSync(StepParticipant):
                 self._send(p, due=self.inner_step)
                 self._apply(p, mixing=0.0)
 
+    def leave(self) -> int:
+        """Hand the run back to per-step synchronisation: close the round (:meth:`finish`: every rank
+        holds θ_outer), then make the inner optimizer's state the ranks' mean
+        (:func:`~lightning_gc.sync.optimizer_state.average_optimizer_state`), so identical gradients
+        give identical updates again. The caller then turns DDP's gradient synchronisation back on.
+        Returns the bytes this rank sent for the optimizer state."""
+        self.finish()
+        if self._optimizer is None or self.group is None:
+            return 0
+        from .optimizer_state import average_optimizer_state
+
+        return average_optimizer_state(self._optimizer, self.group)
+
     def _send(self, p: int, due: int | None = None) -> None:
         """Compute this rank's Δ of fragment ``p`` and start its exchange (worker with τ > 0)."""
         idx = self.fragments[p]

@@ -1,0 +1,91 @@
+"""One optimizer state on every rank, from the ranks' drifted ones: what leaving DiLoCo for per-step
+synchronisation needs.
+
+During a DiLoCo round each rank's inner optimizer steps on its own gradients, so its state (AdamW's
+moments, SGD's momentum buffer) drifts apart from the other ranks'. Per-step data parallelism needs
+identical state on every rank, or identical gradients give different updates and the replicas split.
+
+**Which state.** Every floating-point state tensor becomes its mean over the ranks. Keeping one
+rank's state (rank 0's) would throw away the other replicas' estimates and lean on one data shard;
+the mean uses all of them. For Adam's second moment the mean of the ranks' ``v`` is at least the
+``v`` of the mean gradient (Jensen), so the first per-step updates after the switch are, if anything,
+smaller than a freshly averaged gradient's moments would give: the cautious side. Integer and
+boolean state and step counters (:data:`COUNTER_KEYS`) must already agree, because every rank took the same number of inner
+steps; a disagreement raises on every rank rather than averaging counts.
+
+The mean is an fp32 (or the state's own wider dtype) sum over the ranks by the backend's allreduce,
+divided by ``N``: every rank ends with the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..comm.cost_model import ring_allreduce_bytes
+
+
+#: state keys that count steps: checked equal, never averaged (torch's Adam family keeps ``step`` as a
+#: floating-point tensor)
+COUNTER_KEYS = ("step",)
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str, Tensor, bool]]:
+    """Every tensor of the optimizer's per-parameter state in parameter order: (name, tensor, whether
+    it is averaged: floating point and not a step counter)."""
+    out = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            for key, value in sorted(optimizer.state.get(p, {}).items()):
+                if isinstance(value, Tensor):
+                    averaged = torch.is_floating_point(value) and key not in COUNTER_KEYS
+                    out.append((f"group {gi} param {pi} {key!r}", value, averaged))
+    return out
+
+
+def _check_layout(tensors: list[tuple[str, Tensor, bool]], group: Any) -> None:
+    """Same number of state tensors with the same element counts on every rank (else a collective
+    below would pair different tensors): one small allreduce, a clear error on every rank."""
+    sig = torch.tensor([float(len(tensors)), float(sum(t.numel() for _, t, _ in tensors))], dtype=torch.float64)
+    lo, hi = sig.clone(), sig.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(lo, hi):
+        raise ValueError(f"the ranks' optimizer states differ in layout ({int(lo[0])}–{int(hi[0])} state tensors, "
+                         f"{int(lo[1])}–{int(hi[1])} elements): build the same optimizer on every rank, over the "
+                         "same parameters, before averaging its state.")
+
+
+def _check_equal(name: str, t: Tensor, group: Any) -> None:
+    as64 = t.detach().to(torch.float64).reshape(-1)
+    lo, hi = as64.clone(), as64.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(lo, hi):
+        raise ValueError(f"optimizer state {name} differs between ranks ({lo.tolist()[:4]} … {hi.tolist()[:4]}); it "
+                         "counts steps and cannot be averaged. Every rank must have taken the same optimizer steps.")
+
+
+def average_optimizer_state(optimizer: torch.optim.Optimizer, group: Any = None) -> int:
+    """Replace every floating-point state tensor of ``optimizer`` by its mean over the ranks of
+    ``group`` (see the module docstring); returns the bytes this rank sent. A collective: every rank
+    of the group calls it, with the same optimizer built over the same parameters."""
+    world_size = dist.get_world_size(group)
+    tensors = _state_tensors(optimizer)
+    _check_layout(tensors, group)
+    sent = 0
+    for name, t, averaged in tensors:
+        if not averaged:
+            _check_equal(name, t, group)
+            continue
+        wide = t.detach().to(torch.promote_types(t.dtype, torch.float32))
+        dist.all_reduce(wide, group=group)
+        t.detach().copy_(wide.div_(world_size))
+        sent += ring_allreduce_bytes(wide.numel() * wide.element_size(), world_size)
+    return sent
+
+
+__all__ = ["COUNTER_KEYS", "average_optimizer_state"]
