@@ -107,24 +107,20 @@ def test_ratio_zero_in_a_recipe_is_refused_with_value_reason_and_fix(tmp_path, c
     assert first.startswith("lightning-gc: ratio=0") and "(0, 1]" in first and "e.g. ratio=0.01" in first, first
 
 
-def test_misspelt_option_name_in_a_recipe_is_refused_first_with_the_closest_name(tmp_path, capsys):
-    path = _bad_recipe(tmp_path, ratoi=0.01)
+@pytest.mark.parametrize("recipe, option, refusal, hint", [
+    ("topk.yaml", {"ratoi": 0.01}, "GCStrategy got an unknown keyword argument ratoi=0.01", "Did you mean ratio=?"),
+    ("fsdp.yaml", {"replicat_size": 2}, "GCModelParallelStrategy got an unexpected argument 'replicat_size'",
+     "Did you mean replicate_size=?"),
+], ids=["ddp", "fsdp2"])
+def test_misspelt_option_name_in_a_recipe_is_refused_first_with_the_closest_name(tmp_path, capsys, recipe, option,
+                                                                                 refusal, hint):
+    path = _bad_recipe(tmp_path, recipe, **option)
     with pytest.raises(SystemExit) as code:
         lightning_cli_class()(args=["fit", "-c", str(path)])
     assert code.value.code == 2
     first = capsys.readouterr().err.splitlines()[0]
-    assert first.startswith("lightning-gc: GCStrategy got an unknown keyword argument ratoi=0.01"), first
-    assert "Did you mean ratio=?" in first
-
-
-def test_misspelt_option_name_in_the_fsdp2_recipe_is_refused_first_with_the_closest_name(tmp_path, capsys):
-    path = _bad_recipe(tmp_path, "fsdp.yaml", replicat_size=2)
-    with pytest.raises(SystemExit) as code:
-        lightning_cli_class()(args=["fit", "-c", str(path)])
-    assert code.value.code == 2
-    first = capsys.readouterr().err.splitlines()[0]
-    assert first.startswith("lightning-gc: GCModelParallelStrategy got an unexpected argument 'replicat_size'"), first
-    assert "Did you mean replicate_size=?" in first
+    assert first.startswith(f"lightning-gc: {refusal}"), first
+    assert hint in first
 
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
