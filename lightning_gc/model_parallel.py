@@ -26,9 +26,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from ._names import closest
 from ._validation import check_int
 from .comm.network import NetworkState
-from ._names import closest
 from .config import FLAT_FIELDS, CompressionConfig, is_flat_name
 from .engine.config import EngineConfig
 from .engine.slots import MethodSpec, build_slot

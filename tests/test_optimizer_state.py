@@ -71,7 +71,7 @@ def _drifted(rank: int, ws: int, kind: str) -> dict:
 
 
 def test_adamw_moments_become_their_mean_and_the_replicas_stay_identical():
-    for r, o in enumerate(run_distributed(_drifted, WS, "adamw")):
+    for o in run_distributed(_drifted, WS, "adamw"):
         assert o["exp_avg err"] < 1e-6 and o["exp_avg_sq err"] < 1e-6, o
         assert o["exp_avg same"] and o["exp_avg_sq same"]
         assert o["steps"] == [3.0] * 4  # the counter is checked, not averaged

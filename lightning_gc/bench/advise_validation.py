@@ -108,15 +108,22 @@ def validate_run(run: dict, repeats: int = 3, other_ms: float | None = None,
     workload = advise_mod.override_workload(w, other_ms=other_ms, compute_scale=scale)
     costs = [dataclasses.replace(c, codec_s=c.codec_s * scale) for c in base.costs]
     pick, predictions = advise_mod.advise(workload, costs, base.network, base.world_size, base.progress_weight)
-    rows = []
-    for r in ok:
-        p = predictions[MODELS[r["method"]]]
-        m = r["step_time_s"]
-        rows.append({"method": r["label"], "model": MODELS[r["method"]], "measured_step_s": m,
-                     "predicted_step_s": p.step_s, "error": (p.step_s - m) / m})
-    return {"bandwidth": cfg["bandwidth"], "ranks": cfg["ranks"], "preset": cfg["preset"], "preset_args": preset_args,
-            "compute_single_s": single, "compute_cluster_s": cluster, "scale": scale, "pick": pick, "rows": rows,
-            "other_ms": other_ms, "median_abs_error": statistics.median(abs(x["error"]) for x in rows)}
+    rows = [_row(r, MODELS[r["method"]], predictions[MODELS[r["method"]]].step_s) for r in ok]
+    return _result(cfg, single, cluster, pick, rows, other_ms)
+
+
+def _row(r: dict, model: str, predicted_s: float) -> dict[str, Any]:
+    m = r["step_time_s"]
+    return {"method": r["label"], "model": model, "measured_step_s": m, "predicted_step_s": predicted_s,
+            "error": (predicted_s - m) / m}
+
+
+def _result(cfg: dict, single: float, cluster: float, pick: str, rows: list[dict], other_ms: float | None,
+            **extra: Any) -> dict[str, Any]:
+    return {"bandwidth": cfg["bandwidth"], "ranks": cfg["ranks"], "preset": cfg["preset"],
+            "preset_args": dict(cfg.get("preset_args") or {}), "compute_single_s": single,
+            "compute_cluster_s": cluster, "scale": cluster / single, "pick": pick, "rows": rows,
+            "other_ms": other_ms, "median_abs_error": statistics.median(abs(x["error"]) for x in rows), **extra}
 
 
 def _validate_by_nodes(run: dict, ok: list[dict], names: list[str], k: int, cluster: float, single: float,
@@ -137,16 +144,10 @@ def _validate_by_nodes(run: dict, ok: list[dict], names: list[str], k: int, clus
         topology = (r.get("options") or {}).get("topology", "flat")
         row = by_name[MODELS[r["method"]]]
         p = row.nodes if topology == "nodes" else row.flat
-        if p is None:
-            continue  # refused by nodes in advise: nothing to compare
-        m = r["step_time_s"]
-        rows.append({"method": r["label"], "model": f"{MODELS[r['method']]} ({topology})", "measured_step_s": m,
-                     "predicted_step_s": p.step_s, "error": (p.step_s - m) / m})
-    return {"bandwidth": cfg["bandwidth"], "ranks": cfg["ranks"], "preset": cfg["preset"],
-            "preset_args": dict(cfg.get("preset_args") or {}), "compute_single_s": single, "compute_cluster_s": cluster,
-            "scale": cluster / single, "pick": "/".join(adv.topology.best), "rows": rows, "other_ms": other_ms,
-            "ranks_per_node": k, "intra_bandwidth": intra_bandwidth,
-            "median_abs_error": statistics.median(abs(x["error"]) for x in rows)}
+        if p is not None:  # None: refused by nodes in advise, nothing to compare
+            rows.append(_row(r, f"{MODELS[r['method']]} ({topology})", p.step_s))
+    return _result(cfg, single, cluster, "/".join(adv.topology.best), rows, other_ms, ranks_per_node=k,
+                   intra_bandwidth=intra_bandwidth)
 
 
 def validate(doc: dict, repeats: int = 3, other_from: str | None = None,

@@ -62,6 +62,7 @@ from ..comm.worker import InlineRunner, OrderedWorker
 from ..engine.ports import EngineControl
 from ..engine.session import StepParticipant
 from .diloco_nodes import NodeWorkers
+from .optimizer_state import average_optimizer_state
 
 _DILOCO_GROUP_ID = 1 << 21  # GroupContext.group_id of the outer exchange: random draws differ from any plan group
 #: the published outer optimizer (DiLoCo, Douillard et al. 2023, section 3)
@@ -462,8 +463,6 @@ class DiLoCoSync(StepParticipant):
         self.finish()
         if self._optimizer is None or self.group is None:
             return 0
-        from .optimizer_state import average_optimizer_state
-
         return average_optimizer_state(self._optimizer, self.group)
 
     def _send(self, p: int, due: int | None = None) -> None:

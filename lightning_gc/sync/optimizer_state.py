@@ -27,7 +27,6 @@ from torch import Tensor
 
 from ..comm.cost_model import ring_allreduce_bytes
 
-
 #: state keys that count steps: checked equal, never averaged (torch's Adam family keeps ``step`` as a
 #: floating-point tensor)
 COUNTER_KEYS = ("step",)
@@ -46,13 +45,19 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str, Tensor, 
     return out
 
 
-def _check_layout(tensors: list[tuple[str, Tensor, bool]], group: Any) -> None:
-    """Same number of state tensors with the same element counts on every rank (else a collective
-    below would pair different tensors): one small allreduce, a clear error on every rank."""
-    sig = torch.tensor([float(len(tensors)), float(sum(t.numel() for _, t, _ in tensors))], dtype=torch.float64)
-    lo, hi = sig.clone(), sig.clone()
+def _spread(values: Tensor, group: Any) -> tuple[Tensor, Tensor]:
+    """The element-wise minimum and maximum of ``values`` over the ranks (float64)."""
+    lo = values.detach().to(torch.float64).reshape(-1).clone()
+    hi = lo.clone()
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    return lo, hi
+
+
+def _check_layout(tensors: list[tuple[str, Tensor, bool]], group: Any) -> None:
+    """Same number of state tensors with the same element counts on every rank (else a collective
+    below would pair different tensors): a clear error on every rank."""
+    lo, hi = _spread(torch.tensor([float(len(tensors)), float(sum(t.numel() for _, t, _ in tensors))]), group)
     if not torch.equal(lo, hi):
         raise ValueError(f"the ranks' optimizer states differ in layout ({int(lo[0])}–{int(hi[0])} state tensors, "
                          f"{int(lo[1])}–{int(hi[1])} elements): build the same optimizer on every rank, over the "
@@ -60,10 +65,7 @@ def _check_layout(tensors: list[tuple[str, Tensor, bool]], group: Any) -> None:
 
 
 def _check_equal(name: str, t: Tensor, group: Any) -> None:
-    as64 = t.detach().to(torch.float64).reshape(-1)
-    lo, hi = as64.clone(), as64.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    lo, hi = _spread(t, group)
     if not torch.equal(lo, hi):
         raise ValueError(f"optimizer state {name} differs between ranks ({lo.tolist()[:4]} … {hi.tolist()[:4]}); it "
                          "counts steps and cannot be averaged. Every rank must have taken the same optimizer steps.")
