@@ -31,6 +31,7 @@ from lightning_gc.auto.config import AutoConfig
 from lightning_gc.auto.model import MethodCost, Workload, calibrate_other, compute_shift
 from lightning_gc.auto.policy import DecisionInputs, Trigger
 from lightning_gc.comm.cost_model import NetworkModel
+from lightning_gc.comm.link import LinkObserver
 from lightning_gc.comm.network import NetworkState
 
 
@@ -63,6 +64,9 @@ class FakeEngine:
         self.names = [f"p{i}" for i in range(len(params))]
         self.params = list(params)
         self.network = NetworkState(network, pinned=pinned)
+        # the real link observer (its schedule is the clock of auto's periodic look), over the fake's model
+        self.link = LinkObserver(world_size=world_size)
+        self.link.state = self.network
         numels = tuple(int(p.numel()) for p in params) or (1,)
         self.plan = SimpleNamespace(groups=[SimpleNamespace(gid=0, exact=False, numels=numels,
                                                             param_ids=list(range(len(params))), names=tuple(self.names))])
@@ -249,8 +253,8 @@ def resumed_with(chooser: AutoChooser, clock: Clock, step: int | None = None, ed
     with options ``cfg`` changed (e.g. a window long enough that only the every-step tests act)."""
     config = replace(chooser.config, **cfg)
     engine = chooser.engine
+    state = copy.deepcopy(chooser.state_dict())  # before the new chooser subscribes to the engine's link schedule
     other = AutoChooser(engine, config, torch.nn.Linear(1, 1), list(zip(engine.names, engine.params)))
-    state = copy.deepcopy(chooser.state_dict())
     if edit is not None:
         edit(state)
     resume(other, state, clock, step)

@@ -17,6 +17,7 @@ from lightning_gc.auto.policy import Trigger
 from lightning_gc.auto.state import AutoState
 from lightning_gc.auto.walls import StepWalls
 from lightning_gc.comm.cost_model import NetworkModel
+from lightning_gc.comm.link import LinkSchedule
 
 CFG = AutoConfig(candidates=("ddp", "fp16", "topk"), window=4, drift=0.3, patience=2, min_interval=10,
                  severe_drift=2.0, severe_steps=3, probe_every=0)
@@ -29,28 +30,47 @@ def _pred(name: str, step: float, tpp: float | None = None) -> Prediction:
 # ------------------------------------------------------------------ drift.window_action
 def test_a_window_drifts_for_patience_windows_or_once_severely():
     # 10 ms reference; 13.5 ms is 35 % off (> drift 0.3) but under 2x (severe_drift)
-    drifted, action, _ = drift.window_action(0.0135, 0.010, 0, 40, 20, 20, 100, False, CFG)
+    drifted, action, _ = drift.window_action(0.0135, 0.010, 0, 40, 20, False, False, CFG)
     assert (drifted, action) == (1, None)  # one window: patience is 2
-    drifted, action, why = drift.window_action(0.0135, 0.010, drifted, 44, 20, 20, 100, False, CFG)
+    drifted, action, why = drift.window_action(0.0135, 0.010, drifted, 44, 20, False, False, CFG)
     assert (drifted, action) == (2, "window") and "for 2 windows" in why
     # the same two windows within min_interval (10) of the last decision: wait
-    assert drift.window_action(0.0135, 0.010, 1, 28, 20, 20, 100, False, CFG)[1] is None
+    assert drift.window_action(0.0135, 0.010, 1, 28, 20, False, False, CFG)[1] is None
     # 12.9 ms is 29 % off: not a drift, the count restarts
-    assert drift.window_action(0.0129, 0.010, 1, 44, 20, 20, 100, False, CFG)[:2] == (0, None)
+    assert drift.window_action(0.0129, 0.010, 1, 44, 20, False, False, CFG)[:2] == (0, None)
     # 20 ms (2x) or 5 ms (0.5x): severe in one window, unless held; a severe one skips the check message
-    assert drift.window_action(0.020, 0.010, 0, 22, 20, 20, 100, False, CFG)[1] == "severe_window"
-    assert drift.window_action(0.005, 0.010, 0, 22, 20, 20, 100, False, CFG)[1] == "severe_window"
-    assert drift.window_action(0.020, 0.010, 0, 22, 20, 20, 100, True, CFG)[1] is None
-    assert drift.window_action(0.0199, 0.010, 0, 22, 20, 20, 100, False, CFG)[1] is None
+    assert drift.window_action(0.020, 0.010, 0, 22, 20, False, False, CFG)[1] == "severe_window"
+    assert drift.window_action(0.005, 0.010, 0, 22, 20, False, False, CFG)[1] == "severe_window"
+    assert drift.window_action(0.020, 0.010, 0, 22, 20, False, True, CFG)[1] is None
+    assert drift.window_action(0.0199, 0.010, 0, 22, 20, False, False, CFG)[1] is None
 
 
-def test_the_periodic_look_comes_first_and_counts_from_the_last_look_at_the_link():
+def test_the_periodic_look_comes_first():
     cfg = AutoConfig(candidates=("ddp", "topk"), window=4, probe_every=50)
-    # last decision at 90 (a calibration), last look at the link at 40: 50 steps since the look at 90
-    assert drift.window_action(0.020, 0.010, 0, 90, 90, 40, 50, False, cfg)[1] == "periodic"
-    assert drift.window_action(0.010, 0.010, 0, 89, 80, 40, 50, False, cfg)[1] is None
-    # no look recorded: counted from the last decision
-    assert drift.window_action(0.010, 0.010, 0, 130, 80, None, 50, False, cfg)[1] == "periodic"
+    # a severe window when the look is due: the look (it measures the link anyway)
+    assert drift.window_action(0.020, 0.010, 0, 90, 90, True, False, cfg)[1] == "periodic"
+    assert drift.window_action(0.010, 0.010, 0, 90, 80, True, False, cfg)[1] == "periodic"
+    assert drift.window_action(0.010, 0.010, 0, 89, 80, False, False, cfg)[1] is None
+
+
+def test_the_periodic_look_runs_on_the_link_schedule_that_every_probe_restarts():
+    """auto's look is a client of the engine's one link schedule: due ``link_interval`` steps after the
+    last look at the link, auto's own or any other client's probe (one probe serves all). Oracle: the
+    steps, by hand."""
+    schedule = LinkSchedule()
+    st = AutoState(probe_every=50, gain_every=0, explore=0, schedule=schedule)
+    st.looked_at_link(40, 50)
+    assert not st.periodic_due(89) and st.periodic_due(90)
+    schedule.probed(70)  # another client (e.g. OSP's first bound) probed the same link
+    assert not st.periodic_due(90) and not st.periodic_due(119) and st.periodic_due(120)
+    st.looked_at_link(120, 100)  # a calm look: twice as late
+    assert (st.last_link_step, st.link_interval) == (120, 100)
+    assert not st.periodic_due(219) and st.periodic_due(220)
+    # probe_every 0: no periodic look, whatever the schedule's other clients ask for
+    off = AutoState(probe_every=0, gain_every=0, explore=0, schedule=LinkSchedule())
+    off.schedule.subscribe("engine", 10)
+    off.looked_at_link(0, 0)
+    assert not off.periodic_due(1000)
 
 
 # ------------------------------------------------------------------ drift.severe_verdict

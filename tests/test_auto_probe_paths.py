@@ -16,7 +16,7 @@ from lightning_gc.auto.model import (
     Workload,
 )
 from lightning_gc.comm.cost_model import NetworkModel
-from lightning_gc.comm.link import SizedProbe
+from lightning_gc.comm.link import LinkObserver, SizedProbe
 
 # ---------------------------------------------------------------------- the re-decision trigger
 BURST = 64 * 1024  # the bench shaper's token bucket (lightning_gc/bench/netns.py: tc_burst_bytes)
@@ -32,6 +32,7 @@ class _FakeEngine:
 
         self.world_size, self.process_group, self.step, self.device = 4, None, 0, torch.device("cpu")
         self.network = SimpleNamespace(pinned=True, model=network)
+        self.link = LinkObserver(world_size=4)  # its schedule is the clock of auto's periodic look
         self.plan = SimpleNamespace(groups=[SimpleNamespace(gid=0, exact=False)])
         self.config = SimpleNamespace(warmup_steps=1, seed=0)
         self.calls: list = []

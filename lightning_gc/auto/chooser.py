@@ -91,7 +91,7 @@ class AutoChooser(StepParticipant):
         pinned = bool(engine.network.pinned and engine.network.model is not None)
         direct = self._dense_walls_direct and not pinned
         canary = config.canary() if direct and engine.plan_sends_every_param else None
-        self.state = AutoState(config.probe_every, config.gain_every, config.explore)
+        self.state = AutoState(config.probe_every, config.gain_every, config.explore, schedule=engine.link.schedule)
         self.walls = StepWalls()
         self.decider = Decider(engine, config, self.state, self.walls, self.candidates, self.params, canary,
                                (canary or LinkCanary()) if direct else None)
@@ -312,7 +312,7 @@ class AutoChooser(StepParticipant):
             self._reference_window(step, med, window_exchange, held)
             return
         st.drifted, action, why = drift.window_action(med, st.reference, st.drifted, step, st.last_decision_step,
-                                                      st.last_link_step, st.link_interval, held, cfg)
+                                                      st.periodic_due(step), held, cfg)
         st.run_medians.append(med)
         if action == "periodic":
             self.decider.decide(step, Trigger.PERIODIC, probe=True)

@@ -106,9 +106,10 @@ class AutoConfig:
 
     # ------------------------------------------------------------------ link
     probe_every: int = _opt("link", 100)
-    """Look at the link again (and decide) this many steps after the last decision that looked at it,
-    even without drift: a link that got faster may barely move a compressed method's step. Costs a
-    probe or, with ``probe_check``, one check message. 0: never."""
+    """Look at the link again (and decide) this many steps after the last look at it, even without
+    drift: a link that got faster may barely move a compressed method's step. Costs a probe or, with
+    ``probe_check``, one check message. The clock is the engine's one link schedule, so a probe made
+    for another client (OSP, ``AdaptiveRatio``) counts as a look. 0: never."""
     probe_every_max: int = _opt("link", 400)
     """The periodic look's interval doubles, up to this many steps, each time it keeps the method on
     a link its check found unchanged, and returns to ``probe_every`` after any other look. Lower it

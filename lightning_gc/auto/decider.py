@@ -240,9 +240,8 @@ class Decider:
             self.walls.forget()
         st.last_decision_step = step
         if looked:
-            st.last_link_step = step
-            st.link_interval = policy.next_link_interval(trigger, source, best, previous, st.link_interval,
-                                                         cfg.probe_every, cfg.probe_every_max)
+            st.looked_at_link(step, policy.next_link_interval(trigger, source, best, previous, st.link_interval,
+                                                              cfg.probe_every, cfg.probe_every_max))
         return kept
 
     def apply(self, name: str) -> None:

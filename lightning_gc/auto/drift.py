@@ -73,19 +73,18 @@ def link_moved(measured: Sequence[float], calibrated: float | None, severe_drift
 
 
 def window_action(med: float, reference: float, drifted: int, step: int, last_decision: int | None,
-                  last_link: int | None, link_interval: int, held: bool, cfg: AutoConfig) -> tuple[int, str | None, str]:
+                  periodic_due: bool, held: bool, cfg: AutoConfig) -> tuple[int, str | None, str]:
     """A window of median ``med`` after the reference window: (windows drifted in a row, the action,
-    why). The action is ``"periodic"`` (the look at the link is due), ``"window"`` (``drift`` for
-    ``patience`` windows, ``min_interval`` after the last decision), ``"severe_window"`` (``severe_drift``
-    in one window, unless ``held``) or None."""
+    why). The action is ``"periodic"`` (``periodic_due``: the link schedule says auto's look is due),
+    ``"window"`` (``drift`` for ``patience`` windows, ``min_interval`` after the last decision),
+    ``"severe_window"`` (``severe_drift`` in one window, unless ``held``) or None."""
     moved = abs(med - reference) / reference > cfg.drift if reference > 0 else False
     drifted = drifted + 1 if moved else 0
     sv = cfg.severe_drift
     severe = bool(sv) and factor_apart(med, reference, sv)
-    last = last_decision if last_decision is not None else -10**9
-    since_link = step - (last_link if last_link is not None else last)
-    if cfg.probe_every and since_link >= link_interval:
+    if periodic_due:
         return drifted, "periodic", ""
+    last = last_decision if last_decision is not None else -10**9
     moderate = drifted >= cfg.patience and step - last >= cfg.min_interval
     if not (moderate or (severe and not held)):
         return drifted, None, ""

@@ -3,6 +3,11 @@
 Every field is identical on every rank (it comes from agreed figures), so a resumed run decides as the
 one that saved it. :meth:`AutoState.state_dict` writes the keys auto has always written (version 2);
 :meth:`AutoState.load` reads them, with the defaults older checkpoints need.
+
+The periodic look's clock is not auto's own: it is the engine's link schedule
+(:class:`~lightning_gc.comm.link.LinkSchedule`, client ``"auto"``), where one probe by any client
+restarts every client's clock. Auto saves that clock under its own keys (``last_link_step``,
+``link_interval``), since the engine saves it only while it probes on its own schedule.
 """
 
 from __future__ import annotations
@@ -12,9 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..comm.cost_model import NetworkModel
+from ..comm.link import LinkSchedule
 from .model import MethodCost, Prediction, Workload
 
 VERSION = 2
+#: auto's name among the link schedule's clients
+LINK_CLIENT = "auto"
 
 
 def state_attr(name: str, doc: str | None = None) -> Any:
@@ -47,8 +55,8 @@ class AutoState:
     correction_beta: dict[str, float] = field(default_factory=dict)
     explore_left: int = 0
     last_decision_step: int | None = None
-    last_link_step: int | None = None  # the last decision that looked at the link
-    link_interval: int = 0  # the periodic look's interval now (probe_every_max)
+    #: the link's one schedule (the engine's); auto's periodic look is its client LINK_CLIENT
+    schedule: LinkSchedule = field(default_factory=LinkSchedule, repr=False)
     gain_interval: int = 0  # the errors' re-measurement interval now (gain_every_max)
     last_gain_step: int | None = None
     gain_checks: list[dict] = field(default_factory=list)  # every re-measurement of the errors
@@ -60,8 +68,28 @@ class AutoState:
 
     def __post_init__(self) -> None:
         self.explore_left = self.explore
-        self.link_interval = self.probe_every
+        self.schedule.subscribe(LINK_CLIENT, self.probe_every, at_start=False)
         self.gain_interval = self.gain_every
+
+    @property
+    def last_link_step(self) -> int | None:
+        """The last look at the link: auto's (a decision that looked) or any other client's probe."""
+        return self.schedule.last_probe_step
+
+    @property
+    def link_interval(self) -> int:
+        """The periodic look's interval now (doubled up to ``probe_every_max`` while the link holds)."""
+        return self.schedule.clients[LINK_CLIENT][0]
+
+    def looked_at_link(self, step: int, interval: int) -> None:
+        """A decision looked at the link at ``step``: the schedule's clock restarts, and the next periodic
+        look comes ``interval`` steps later (0: none)."""
+        self.schedule.probed(step)
+        self.schedule.subscribe(LINK_CLIENT, interval, at_start=False)
+
+    def periodic_due(self, step: int) -> bool:
+        """Whether the periodic look at the link is due at ``step`` (on the shared clock)."""
+        return bool(self.probe_every) and self.schedule.due(step)
 
     def forget_references(self) -> None:
         """A decision that did not keep the running method's references (policy.keeps_reference)."""
@@ -112,8 +140,9 @@ class AutoState:
         self.explore_left = int(state.get("explore_left", self.explore))
         self.last_decision_step = state.get("last_decision_step")
         # older checkpoints: the last decision stands for the last look at the link and the last measurement
-        self.last_link_step = state.get("last_link_step", self.last_decision_step)
-        self.link_interval = int(state.get("link_interval", self.probe_every))
+        last_link = state.get("last_link_step", self.last_decision_step)
+        self.schedule.load_state_dict({"last_probe_step": last_link, "consecutive_drift": 0})
+        self.schedule.subscribe(LINK_CLIENT, int(state.get("link_interval", self.probe_every)), at_start=False)
         self.gain_interval = int(state.get("gain_interval", self.gain_every))
         self.last_gain_step = state.get("last_gain_step", self.last_decision_step)
         self.gain_checks = list(state.get("gain_checks", []))

@@ -102,7 +102,12 @@ class PlanControl(Protocol):
 @runtime_checkable
 class MethodControl(EngineControl, Protocol):
     """What a method chooser (``compressor="auto"``) uses beyond :class:`EngineControl`: every member is
-    called between steps, with the same values on every rank (the chooser decides from agreed figures)."""
+    called between steps, with the same values on every rank (the chooser decides from agreed figures).
+    Its periodic look at the link runs on the link observer's one schedule (``link``, as in
+    :class:`LinkPort`)."""
+
+    @property
+    def link(self) -> LinkObserver: ...
 
     params: list[Tensor]
 
