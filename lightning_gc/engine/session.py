@@ -209,13 +209,6 @@ class StepSession:
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_steps = 0
 
-    def participant(self, name: str) -> StepParticipant | None:
-        """The participant called ``name`` (``None`` if absent)."""
-        for p in self.participants:
-            if p.name == name:
-                return p
-        return None
-
     # ------------------------------------------------------------------ the hook (autograd thread)
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         for p in self.participants:

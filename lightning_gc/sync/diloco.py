@@ -215,11 +215,6 @@ class DiLoCoConfig:
                              f"{self.compressor!r}; its options are {valid}.")
         return SparseLoCoCompressor(SparseLoCoConfig(**args))
 
-    @property
-    def streaming(self) -> bool:
-        """Whether parameters may differ from θ_outer right after an outer step (F > 1, τ > 0 or α > 0)."""
-        return self.fragments > 1 or self.overlap_steps > 0 or self.mixing > 0
-
     def send_offset(self, fragment: int) -> int:
         """The first inner step at which ``fragment`` is sent (then every H steps)."""
         return (self.inner_steps * (fragment + 1)) // self.fragments
