@@ -14,9 +14,7 @@ oracle) — then returns a Future for the bucket. In submission order, identical
    on dense steps (warm-up, lossless compressor) one job per bucket instead: DDP's own
    ``allreduce(bucket / N)``, asynchronous, completing the bucket's Future from its callback.
    Where each runs is the engine's *topology* (:mod:`lightning_gc.comm.hierarchy`): flat, on all
-   ranks; or by nodes, where ``p`` is this rank's shard of its node's mean (a reduce-scatter inside
-   the node before, an allgather inside the node after), error memory is per shard, and the
-   exchange runs between the nodes' same-shard ranks;
+   ranks; or by nodes, on this rank's shard of its node's mean (error memory per shard);
 3. **close**: the closing report (non-finite agreement, gain sums, exchange time) — an allreduce
    of its own, or, where the step's last job is an exchange that carries it (``lowrank``,
    ``EngineConfig.report_rides``), the sums that rode in that exchange's last message — then error
@@ -50,7 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._finite import all_finite
-from ..comm.collectives import ring_allreduce_bytes
+from ..comm.collectives import ring_allreduce_bytes, unflatten_into
 from ..comm.cost_model import NetworkModel
 from ..comm.exchange import (
     AllreduceExchange,
@@ -62,7 +60,7 @@ from ..comm.exchange import (
     sent_sq_norm,
     sq_norm,
 )
-from ..comm.hierarchy import Topology, TopologyConfig, build_topology
+from ..comm.hierarchy import Topology, TopologyConfig, build_topology, destroy_groups
 from ..comm.worker import InlineRunner, OrderedWorker
 from ..compressors.base import Compressor, GroupContext
 from ..compressors.dense import DenseCompressor
@@ -78,14 +76,6 @@ from .network import NetworkTracker
 from .readiness import Readiness, new_future
 from .slots import MethodSlot, MethodSpec, build_slot
 from .stats import OwnClock, StepStats, Totals, step_overhead
-
-
-def _scatter(flat: Tensor, views: list[Tensor]) -> None:
-    """Copy consecutive slices of ``flat`` into ``views``, in order (the inverse of flattening them)."""
-    offset = 0
-    for v in views:
-        v.copy_(flat[offset:offset + v.numel()].view_as(v))
-        offset += v.numel()
 
 
 @dataclass
@@ -642,10 +632,7 @@ class GCEngine:
             self.topology.close()
         group, self.exchange_group = self.exchange_group, None
         if group is not None and stopped and dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group(group)
-            except (RuntimeError, ValueError):  # already gone with the default group
-                pass
+            destroy_groups([group])  # skipped if already gone with the default group
 
     # ------------------------------------------------------------------ the hook (autograd thread)
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -912,7 +899,7 @@ class GCEngine:
                     out = data.copy_(out)
                 bad = not all_finite(out)
                 if views is not None:
-                    _scatter(out, views)
+                    unflatten_into(out, views)
                     out = buffer
             except BaseException as e:  # noqa: BLE001
                 self._fail(work, e)
@@ -1012,8 +999,8 @@ class GCEngine:
                 if not all_finite(exact_mean):  # identical on all ranks after the sum
                     work.report.nonfinite_ranks = 1.0
                     work.replicated_nonfinite = True
-                _scatter(exact_mean, exact_views)
-        _scatter(mean, views)
+                unflatten_into(exact_mean, exact_views)
+        unflatten_into(mean, views)
 
     def _exchange_lossy(self, work: _StepWork, gid: int, flat: Tensor, ctx: GroupContext, timer: Timer,
                         exact: Tensor | None = None, closes: bool = False) -> tuple[Tensor, Tensor | None]:

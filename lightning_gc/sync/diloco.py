@@ -56,8 +56,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from .._finite import all_finite
-from ..comm.collectives import ring_allreduce_bytes
-from ..comm.hierarchy import NodeTopology
+from ..comm.collectives import ring_allreduce_bytes, unflatten_into
+from ..comm.hierarchy import NodeTopology, destroy_groups
 from ..comm.worker import InlineRunner, OrderedWorker
 from ..engine.ports import EngineControl
 from ..engine.session import StepParticipant
@@ -636,10 +636,7 @@ class DiLoCoSync(StepParticipant):
             flat.div_(self.world_size)
             dist.all_reduce(flat, group=self.group)
             sent, inter = ring_allreduce_bytes(flat.numel() * flat.element_size(), self.world_size), 0
-        offset = 0
-        for _, b in self.buffers:
-            b.copy_(flat[offset:offset + b.numel()].view_as(b))
-            offset += b.numel()
+        unflatten_into(flat, [b for _, b in self.buffers])
         return sent, inter
 
     def load_outer(self) -> None:
@@ -787,8 +784,7 @@ class DiLoCoSync(StepParticipant):
         if self.nodes is not None:
             self.nodes.close()
         if self.group is not None:
-            with contextlib.suppress(RuntimeError, ValueError):
-                dist.destroy_process_group(self.group)
+            destroy_groups([self.group])
             self.group = None
 
 
