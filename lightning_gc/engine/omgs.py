@@ -16,7 +16,7 @@
      the measured difference to dense steps). With ``overlap=False`` the exchanges run inside
      backward and would be counted as backward, so that combination is refused here
      (:meth:`~lightning_gc.config.GCConfig.from_flat` switches it to ``"dense"``).
-   * ``"dense"`` (the behaviour up to 0.1.0): dense warm-up steps ``1 + skip .. 1 + skip +
+   * ``"dense"``: dense warm-up steps ``1 + skip .. 1 + skip +
      profile_steps - 1``; the strategy raises ``warmup_steps`` to ``dense_steps_needed``.
 
    Which steps count is decided from replicated values only (the step counter, whether the step was

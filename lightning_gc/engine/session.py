@@ -1,9 +1,5 @@
 """The step session: the one owner of how the engine and its participants compose per step.
 
-Before this module, the strategy called the engine, OSP and OMGS by hand in a fixed order, the
-adaptive controller's rollback ran its own copy of a training step that called only the engine,
-and only an ``if`` kept OSP and OMGS from both replacing the plan. Now:
-
 * a :class:`StepSession` holds the :class:`~lightning_gc.engine.GCEngine` and an ordered list of
   :class:`StepParticipant` s (OSP, OMGS, later synchronisation models);
 * every optimizer step — Lightning's and the controller's rollback steps alike — goes through
