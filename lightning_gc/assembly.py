@@ -205,4 +205,58 @@ def apply_state(session: StepSession, state: dict[str, Any]) -> None:
         )
 
 
-__all__ = ["Assembly", "adopt_defaults", "apply_state", "build_session", "casts_on_buckets", "check_setup", "startup_header"]
+class SessionAccess:
+    """What both front doors keep of the session they assemble, and how they build and restore it."""
+
+    _config: GCConfig
+    _compressor_name: str
+    _assembly: Assembly | None = None
+    _engine: GCEngine | None = None
+    _session: StepSession | None = None
+    _pending_state: dict | None = None
+    num_processes: int
+
+    @property
+    def engine(self) -> GCEngine | None:
+        """The communication engine (``None`` before the model is wrapped)."""
+        return self._engine
+
+    @property
+    def session(self) -> StepSession | None:
+        """The step session: the engine and its participants (``None`` before the model is wrapped)."""
+        return self._session
+
+    @property
+    def compressor_name(self) -> str:
+        return self._compressor_name
+
+    @property
+    def config(self) -> GCConfig:
+        """The validated configuration tree built from the keyword arguments (lightning_gc/config.py)."""
+        return self._config
+
+    @property
+    def diloco(self) -> DiLoCoSync | None:
+        """The DiLoCo synchroniser with ``sync="diloco"`` (``None`` before setup or otherwise)."""
+        return self._assembly.diloco if self._assembly is not None else None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped on every rank because the gradient was non-finite."""
+        return self._session.skipped_steps if self._session is not None else 0
+
+    def _assemble(self, ddp: DistributedDataParallel, scaler: Any) -> None:
+        """Build the session on ``ddp``, with the checkpoint state read before it existed."""
+        self._assembly = build_session(self._config, ddp, scaler=scaler, pending_state=self._pending_state,
+                                       ranks_per_node=self.num_processes)
+        self._engine, self._session, self._pending_state = self._assembly.engine, self._assembly.session, None
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
+        """A checkpoint's ``"lightning_gc"`` entry: into the session, or kept until it is built."""
+        if self._session is not None:
+            apply_state(self._session, state)
+        else:
+            self._pending_state = state
+
+
+__all__ = ["Assembly", "SessionAccess", "adopt_defaults", "apply_state", "build_session", "casts_on_buckets", "check_setup", "startup_header"]

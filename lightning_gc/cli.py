@@ -5,13 +5,9 @@ LightningCLI (jsonargparse): any LightningModule / LightningDataModule / Strateg
 named by ``class_path`` in the YAML, and the ``gc_*`` strategy aliases are registered because this
 module imports lightning_gc.
 
-``lightning-gc bench ...`` runs the benchmark (see docs/bench.md); ``lightning-gc advise ...``
-predicts the ``compressor="auto"`` candidates' steps offline (lightning_gc/bench/advise.py);
-``lightning-gc list`` prints
-the compressors, collectives, plans and strategy aliases, one line each, and points to
-docs/choosing.md; ``lightning-gc --help`` names every compressor, plan, synchronisation model, the
-controller and every page of docs/ (tests/test_docs.py keeps them equal); ``lightning-gc
---version`` says which versions are installed.
+The other commands (``bench``, ``advise``, ``list``, ``--version``) are listed by :func:`help_text`,
+which also names every compressor, plan, synchronisation model and page of docs/ (tests/test_docs.py
+keeps them equal).
 """
 
 from __future__ import annotations

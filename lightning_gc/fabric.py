@@ -1,47 +1,15 @@
 """Lightning Fabric support: :class:`GCFabricStrategy`, the same engine as :class:`~lightning_gc.GCStrategy`.
 
-Fabric's own ``DDPStrategy`` takes no communication hook, so this module gives Fabric users a
-strategy of their own::
-
-    from lightning.fabric import Fabric
-    from lightning_gc.fabric import GCFabricStrategy
-
-    fabric = Fabric(strategy=GCFabricStrategy(compressor="topk", ratio=0.01), accelerator="cpu", devices=2)
-    fabric.launch()
-    model, optimizer = fabric.setup(model, optimizer)        # wraps in DDP, builds the engine, installs the hook
-    ...
-    fabric.backward(loss); optimizer.step()                   # every step through the step session
-    fabric.log_dict(fabric.strategy.metrics(), step=step)     # the gc/* tags GCMonitor logs
-    fabric.save("ckpt.pt", {"model": model, "optimizer": optimizer})   # + every rank's engine state
-    fabric.strategy.finish()                                  # end of training: DiLoCo's closing round
-    print(fabric.strategy.summary().format())                 # the end-of-fit summary
-    fabric.strategy.close()                                   # stop the exchange worker
-
-What is the same as the Trainer path: the keyword arguments (validated by ``GCStrategy`` itself, so
-every refusal and default is shared), the engine (:class:`~lightning_gc.engine.GCEngine`) behind
-the same step session (:class:`~lightning_gc.engine.session.StepSession`: non-finite steps skipped
-on every rank, error memory untouched), both built by one function
-(:func:`~lightning_gc.assembly.build_session`), the checkpoint state (every rank's error memory, step
-counter and statistics under ``"lightning_gc"``, restored by ``fabric.load``), the ``gc/*`` tags
-(:func:`~lightning_gc.callbacks.monitor.step_metrics`) and the summary.
-
-``sync="diloco"`` runs: inner steps send nothing, the outer step happens inside ``optimizer.step()``
-every ``diloco_inner_steps`` steps. Fabric has no ``on_train_end``, so a round left open when the loop
-ends is closed by :meth:`GCFabricStrategy.finish` (or by :meth:`GCFabricStrategy.close`, which calls
-it): call it on every rank after the loop and before evaluating, exporting or saving the model; then
-every rank holds θ_outer. ``fabric.save`` writes θ_outer as the model's weights mid-round, like a
-Trainer checkpoint.
+Fabric's own ``DDPStrategy`` takes no communication hook, so Fabric users get a strategy of their
+own (docs/fabric.md has the loop, the table of what differs from the Trainer, and DiLoCo's
+``finish()``). The keyword arguments are validated by ``GCStrategy`` itself, and the session is
+built by the same :func:`~lightning_gc.assembly.build_session`, so refusals, defaults, the step
+session, the checkpoint state and the ``gc/*`` tags are shared with the Trainer path.
 
 What Fabric has no place for is refused at construction: ``sync="osp"`` (its S(Gu) schedule reads
 the loss from Lightning's training-step closure and it must be drained before evaluation and
-checkpoints, which the Trainer's callbacks do), OMGS (``plan="omgs"``/``"omgs_paper"`` or ``omgs=``)
-and ``compressor="auto"``: both time forward and backward inside the optimizer closure, while Fabric
-runs backward before ``optimizer.step()``. ``monitor`` has no effect: Fabric has no callbacks that
-log; log :meth:`GCFabricStrategy.metrics` yourself.
-
-``import lightning_gc`` also registers the ``gc_<compressor>`` and
-``gc_<compressor>_find_unused_parameters_true`` aliases in Fabric's strategy registry, so
-``Fabric(strategy="gc_topk")`` works too.
+checkpoints, which the Trainer's callbacks do), OMGS and ``compressor="auto"`` (both time forward
+and backward inside the optimizer closure, while Fabric runs backward before ``optimizer.step()``).
 """
 
 from __future__ import annotations
@@ -59,15 +27,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ._names import guard_registry, positional_string_message
-from .assembly import Assembly, adopt_defaults, apply_state, build_session
+from .assembly import SessionAccess, adopt_defaults
 from .callbacks.monitor import step_metrics
-from .compressors import available_compressors, get_entry
+from .compressors import available_compressors
 from .config import GCConfig
-from .engine import GCEngine
 from .engine.exit import destroy_default_group_at_exit
 from .engine.omgs import OMGS_PLANS
-from .engine.session import StepSession
-from .strategy import CHECKPOINT_KEY, UNUSED_PARAMETERS_SUFFIX, GCStrategy
+from .strategy import CHECKPOINT_KEY, GCStrategy, register_compressor_aliases, register_sync_aliases
 from .summary import GCSummary, summarize
 
 try:  # the default timeout of torch.distributed
@@ -104,16 +70,13 @@ def _refuse_unsupported(config: GCConfig) -> None:
         )
 
 
-class GCFabricStrategy(FabricDDPStrategy):
+class GCFabricStrategy(SessionAccess, FabricDDPStrategy):
     """Lightning Fabric's ``DDPStrategy`` with lightning_gc's engine as DDP's communication hook.
 
-    The positional arguments are Fabric ``DDPStrategy``'s, in its order (``accelerator,
-    parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend, timeout,
-    start_method``); every other keyword argument is :class:`~lightning_gc.GCStrategy`'s
-    (``compressor``, ``ratio``, ``compressor_args``, ``collective``, ``plan``, ``warmup_steps``,
-    ``error_feedback``, ``nonfinite``, ``seed``, ... — docs/getting-started.md) or DDP's
-    (``bucket_cap_mb``, ``find_unused_parameters``), validated by ``GCStrategy`` with the same
-    refusals. ``sync="osp"``, OMGS and ``compressor="auto"`` are refused (see the module docstring).
+    The positional arguments are Fabric ``DDPStrategy``'s, in its order; every other keyword argument
+    is :class:`~lightning_gc.GCStrategy`'s (docs/getting-started.md) or DDP's (``bucket_cap_mb``,
+    ``find_unused_parameters``), validated by ``GCStrategy`` with the same refusals. ``sync="osp"``,
+    OMGS and ``compressor="auto"`` are refused (see the module docstring).
     """
 
     def __init__(
@@ -138,10 +101,6 @@ class GCFabricStrategy(FabricDDPStrategy):
         _refuse_unsupported(spec.config)
         self._config = spec.config
         self._compressor_name = spec.compressor_name
-        self._assembly: Assembly | None = None
-        self._engine: GCEngine | None = None
-        self._session: StepSession | None = None
-        self._pending_state: dict | None = None
         self._ddp: DistributedDataParallel | None = None
         self._closed = False
         self._optimizers_seen: list = []
@@ -159,38 +118,9 @@ class GCFabricStrategy(FabricDDPStrategy):
 
     # ------------------------------------------------------------------ public
     @property
-    def engine(self) -> GCEngine | None:
-        """The communication engine (``None`` before ``fabric.setup``)."""
-        return self._engine
-
-    @property
     def ddp_model(self) -> DistributedDataParallel | None:
         """The DDP-wrapped module whose communication hook is the engine (``None`` before setup)."""
         return self._ddp
-
-    @property
-    def session(self) -> StepSession | None:
-        """The step session (``None`` before ``fabric.setup``)."""
-        return self._session
-
-    @property
-    def compressor_name(self) -> str:
-        return self._compressor_name
-
-    @property
-    def config(self) -> GCConfig:
-        """The validated configuration tree (the same as ``GCStrategy(**kwargs).config``)."""
-        return self._config
-
-    @property
-    def diloco(self) -> Any:
-        """The DiLoCo synchroniser with ``sync="diloco"`` (``None`` before ``fabric.setup`` or otherwise)."""
-        return self._assembly.diloco if self._assembly is not None else None
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped on every rank because the gradient was non-finite."""
-        return self._session.skipped_steps if self._session is not None else 0
 
     def metrics(self) -> dict[str, float]:
         """The ``gc/*`` tags of the last optimizer step (what GCMonitor logs with a Trainer; empty
@@ -235,9 +165,7 @@ class GCFabricStrategy(FabricDDPStrategy):
                 "in one nn.Module and call fabric.setup once."
             )
         scaler = getattr(self.precision, "scaler", None) if isinstance(self.precision, MixedPrecision) else None
-        self._assembly = build_session(self._config, ddp, scaler=scaler, pending_state=self._pending_state,
-                                       ranks_per_node=self.num_processes)
-        self._engine, self._session, self._pending_state = self._assembly.engine, self._assembly.session, None
+        self._assemble(ddp, scaler)
         self._ddp = ddp
         return ddp
 
@@ -282,10 +210,7 @@ class GCFabricStrategy(FabricDDPStrategy):
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         gc_state = remainder.pop(CHECKPOINT_KEY, None) if state else remainder.get(CHECKPOINT_KEY)
         if gc_state is not None:
-            if self._session is not None:
-                self._apply_state(gc_state)
-            else:
-                self._pending_state = gc_state
+            self._apply_state(gc_state)
         optimizers = [v for v in (state or {}).values() if isinstance(v, Optimizer)]
         if self._session is not None and optimizers:  # e.g. DiLoCo: the file holds rank 0's inner state
             self._session.on_optimizer_state_loaded(optimizers)
@@ -296,28 +221,12 @@ class GCFabricStrategy(FabricDDPStrategy):
         self.close()
         super().teardown()
 
-    def _apply_state(self, state: dict[str, Any]) -> None:
-        assert self._session is not None
-        apply_state(self._session, state)
-
     # ------------------------------------------------------------------ registry
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name in available_compressors():
-            alias = f"gc_{name}"
-            if alias not in strategy_registry:
-                strategy_registry.register(alias, cls, description=f"lightning_gc (Fabric): {get_entry(name).summary}",
-                                           compressor=name)
-            if alias + UNUSED_PARAMETERS_SUFFIX not in strategy_registry:
-                strategy_registry.register(
-                    alias + UNUSED_PARAMETERS_SUFFIX, cls, compressor=name, find_unused_parameters=True,
-                    description=f"lightning_gc (Fabric): {get_entry(name).summary}; find_unused_parameters=True")
-        # DiLoCo runs under Fabric too: gc_diloco (dense Δ, the published method) and gc_<compressor>_diloco
-        for alias, name in {"gc_diloco": "dense", **{f"gc_{n}_diloco": n for n in available_compressors()}}.items():
-            if alias not in strategy_registry:
-                strategy_registry.register(alias, cls, compressor=name, sync="diloco",
-                                           description=f"lightning_gc (Fabric): DiLoCo, Δ sent with {name}")
+        register_compressor_aliases(strategy_registry, cls, "lightning_gc (Fabric)")
+        register_sync_aliases(strategy_registry, cls, "diloco", "lightning_gc (Fabric): DiLoCo, Δ sent with {}")
 
 
 def register_fabric_aliases() -> None:

@@ -37,18 +37,16 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ._names import guard_registry, positional_string_message
-from .assembly import Assembly, adopt_defaults, apply_state, build_session, check_setup
+from .assembly import SessionAccess, adopt_defaults, check_setup
 from .auto import AutoChooser, AutoConfig
 from .compressors import available_compressors, get_entry
 from .config import FLAT_FIELDS, GCConfig
-from .engine import EngineConfig, GCEngine
+from .engine import EngineConfig
 from .engine.exit import ExitCleanMultiProcessingLauncher, destroy_default_group_at_exit
 from .engine.omgs import OMGSConfig, OMGSController
 from .engine.owner import SessionOwner
-from .engine.session import StepSession
 from .summary import GCSummary, summarize
 from .sync import OSPSync
-from .sync.diloco import DiLoCoSync
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +139,7 @@ def check_trainer_setup(config: GCConfig, callbacks: list[Any]) -> None:
         )
 
 
-class GCStrategy(DDPStrategy, SessionOwner):
+class GCStrategy(SessionAccess, DDPStrategy, SessionOwner):
     """Data-parallel training with compressed gradient communication.
 
     A drop-in for :class:`~lightning.pytorch.strategies.DDPStrategy`: the positional arguments are
@@ -349,10 +347,6 @@ class GCStrategy(DDPStrategy, SessionOwner):
         self._config = _config_from(config, flat)
         self._compressor_name = self._config.diloco.compressor or self._config.to_flat()["compressor"]
         self._failed = False
-        self._assembly: Assembly | None = None
-        self._engine: GCEngine | None = None
-        self._session: StepSession | None = None
-        self._pending_state: dict | None = None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -366,11 +360,6 @@ class GCStrategy(DDPStrategy, SessionOwner):
         )
 
     # ------------------------------------------------------------------ public
-    @property
-    def engine(self) -> GCEngine | None:
-        """The communication engine (``None`` before the model is wrapped)."""
-        return self._engine
-
     @property
     def auto(self) -> AutoChooser | None:
         """The run-time method chooser of ``compressor="auto"`` (``None`` otherwise or before setup)."""
@@ -387,33 +376,9 @@ class GCStrategy(DDPStrategy, SessionOwner):
         return self._assembly.osp if self._assembly is not None else None
 
     @property
-    def diloco(self) -> DiLoCoSync | None:
-        """The DiLoCo synchroniser with ``sync="diloco"`` (``None`` before setup or otherwise)."""
-        return self._assembly.diloco if self._assembly is not None else None
-
-    @property
     def ddp_kwargs(self) -> dict[str, Any]:
         """The keyword arguments passed on to ``DistributedDataParallel`` (validated; a copy)."""
         return dict(self._ddp_kwargs)
-
-    @property
-    def session(self) -> StepSession | None:
-        """The step session: the engine and its participants (``None`` before the model is wrapped)."""
-        return self._session
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped on every rank because the gradient was non-finite."""
-        return self._session.skipped_steps if self._session is not None else 0
-
-    @property
-    def compressor_name(self) -> str:
-        return self._compressor_name
-
-    @property
-    def config(self) -> GCConfig:
-        """The validated configuration tree built from the keyword arguments (lightning_gc/config.py)."""
-        return self._config
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -492,9 +457,7 @@ class GCStrategy(DDPStrategy, SessionOwner):
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks only on CUDA; the engine must run on every device type.
         assert isinstance(self.model, DistributedDataParallel)
-        self._assembly = build_session(self._config, self.model, scaler=self._scaler, pending_state=self._pending_state,
-                                       ranks_per_node=self.num_processes)
-        self._engine, self._session, self._pending_state = self._assembly.engine, self._assembly.session, None
+        self._assemble(self.model, self._scaler)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -590,42 +553,18 @@ class GCStrategy(DDPStrategy, SessionOwner):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is not None:
-            if self._session is not None:
-                self._apply_state(state)
-            else:
-                self._pending_state = state
+            self._apply_state(state)
         return checkpoint
 
     def _gather_state(self) -> dict[str, Any]:
         assert self._session is not None
         return {**self._session.state_dict(), "compressor": self._compressor_name}
 
-    def _apply_state(self, state: dict[str, Any]) -> None:
-        assert self._session is not None
-        apply_state(self._session, state)
-
     # ------------------------------------------------------------------ registry
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name in available_compressors():
-            alias = f"gc_{name}"
-            if alias not in strategy_registry:
-                strategy_registry.register(
-                    alias,
-                    cls,
-                    description=f"lightning_gc: {get_entry(name).summary}",
-                    compressor=name,
-                )
-            alias_unused = alias + UNUSED_PARAMETERS_SUFFIX
-            if alias_unused not in strategy_registry:
-                strategy_registry.register(
-                    alias_unused,
-                    cls,
-                    description=f"lightning_gc: {get_entry(name).summary}; find_unused_parameters=True",
-                    compressor=name,
-                    find_unused_parameters=True,
-                )
+        register_compressor_aliases(strategy_registry, cls, "lightning_gc")
         if "gc_auto" not in strategy_registry:
             strategy_registry.register(
                 "gc_auto", cls, compressor="auto",
@@ -636,16 +575,31 @@ class GCStrategy(DDPStrategy, SessionOwner):
                 "gc_omgs", cls, description="lightning_gc: Top-k with the OMGS merge plan (docs/omgs.md)",
                 compressor="topk", plan="omgs",
             )
-        # synchronisation models: gc_<sync> with a dense exchange and gc_<compressor>_<sync> (OSP: the
-        # routine stage's compressor; DiLoCo: the pseudo-gradient's, gc_diloco being the published method)
-        what = {"osp": "OSP two-stage synchronisation, routine layers with {}",
-                "diloco": "DiLoCo (local inner steps, outer step on Δ), Δ sent with {}"}
-        for sync, description in what.items():
-            aliases = {f"gc_{sync}": "dense", **{f"gc_{name}_{sync}": name for name in available_compressors()}}
-            for alias, name in aliases.items():
-                if alias not in strategy_registry:
-                    strategy_registry.register(alias, cls, description="lightning_gc: " + description.format(name),
-                                               compressor=name, sync=sync)
+        register_sync_aliases(strategy_registry, cls, "osp", "lightning_gc: OSP two-stage synchronisation, "
+                              "routine layers with {}")
+        register_sync_aliases(strategy_registry, cls, "diloco", "lightning_gc: DiLoCo (local inner steps, outer step "
+                              "on Δ), Δ sent with {}")
+
+
+def register_compressor_aliases(registry: Any, cls: type, label: str) -> None:
+    """``gc_<compressor>`` and ``gc_<compressor>_find_unused_parameters_true`` for every compressor, in
+    ``registry`` for ``cls`` (GCStrategy or GCFabricStrategy); ``label`` opens the descriptions."""
+    for name in available_compressors():
+        alias, summary = f"gc_{name}", get_entry(name).summary
+        if alias not in registry:
+            registry.register(alias, cls, description=f"{label}: {summary}", compressor=name)
+        if alias + UNUSED_PARAMETERS_SUFFIX not in registry:
+            registry.register(alias + UNUSED_PARAMETERS_SUFFIX, cls, compressor=name, find_unused_parameters=True,
+                              description=f"{label}: {summary}; find_unused_parameters=True")
+
+
+def register_sync_aliases(registry: Any, cls: type, sync: str, description: str) -> None:
+    """``gc_<sync>`` (a dense exchange) and ``gc_<compressor>_<sync>`` (``description`` formats the
+    compressor's name; OSP: the routine stage's compressor, DiLoCo: the pseudo-gradient's)."""
+    aliases = {f"gc_{sync}": "dense", **{f"gc_{name}_{sync}": name for name in available_compressors()}}
+    for alias, name in aliases.items():
+        if alias not in registry:
+            registry.register(alias, cls, description=description.format(name), compressor=name, sync=sync)
 
 
 def register_aliases() -> None:

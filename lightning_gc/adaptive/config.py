@@ -90,9 +90,8 @@ class AdaptiveConfig:
             objective's distance from its best value on the front, divided by the measured step
             time (agreed across ranks), so saving 5 ms of a 200 ms step counts as 0.025, however
             small the front's range is; 1/gain by the front's range. ``"front"`` (the usual MCDM
-            normalisation, and the controller's only behaviour before this option): every objective by the
-            front's range, so the smallest time saving on offer weighs as much as the largest
-            accuracy loss. ``pseudo_weights`` always uses the front's range.
+            normalisation): every objective by the front's range, so the smallest time saving on
+            offer weighs as much as the largest accuracy loss. ``pseudo_weights`` always uses it.
         pop_size, n_gen, seed: NSGA-II population, generations and seed (a fixed seed makes every
             rank find the same front from the same agreed inputs).
 

@@ -7,47 +7,22 @@ by the running RMS of what that coordinate received, so a sparse or biased ``ĝ`
 update's direction far more than ``‖ĝ − ḡ‖`` suggests. This callback measures both on the run
 itself, so that an accuracy gap can be traced to its cause instead of guessed at.
 
-Per measured optimizer step (this rank's view; on synchronous methods every rank sees the same):
-
-``gc/fidelity/grad_rel_error``   ``‖ĝ − ḡ‖² / ‖ḡ‖²`` (0 for exact DDP; 1 for a zero gradient)
-``gc/fidelity/grad_cos``         cosine between ``ĝ`` and ``ḡ``
-``gc/fidelity/grad_norm_ratio``  ``‖ĝ‖ / ‖ḡ‖``
-``gc/fidelity/update_cos``       cosine between the step's real update ``θ_after − θ_before`` and the
-                                 update of a *shadow optimizer* (``update=True``)
-``gc/fidelity/update_rel_error`` ``‖u − u*‖² / ‖u*‖²`` for the same pair
-
-and at the end of every ``window`` measured steps (``window`` > 0):
-
-``gc/fidelity/grad_window_cos``   cosine between ``Σ ĝ`` and ``Σ ḡ`` over the window
-``gc/fidelity/update_window_cos`` cosine between ``Σ u`` (the parameters' real displacement over the
-                                 window) and ``Σ u*`` (the sum of the shadow's steps)
-
-A per-step cosine cannot show what arrives late: with error feedback, what a step leaves out is
-sent in later steps, so the window cosine of the gradient rises above the per-step one (Top-k,
-low rank); a compressor that drops the same kind of content every step falls instead (Top-k
-without error feedback, signSGD). Unbiased rounding need not rise, as QSGD shows
-(docs/compressors.md).
+The ``gc/fidelity/*`` tags (:data:`FIDELITY_KEYS`), per measured step and per ``window`` of steps,
+are described in docs/monitoring.md ("Gradient fidelity"), with what the window cosines show.
 
 How it is measured:
 
 * ``g_r``, this rank's own gradient, is copied in each parameter's
-  ``register_post_accumulate_grad_hook`` during backward. That hook runs when autograd has
-  accumulated the local gradient, before DDP's reducer reads it (and before any communication
-  hook), so it sees the local gradient whatever the strategy does with it; with gradient
-  accumulation the last copy holds the accumulated local gradient.
-* ``ḡ`` is one extra fp32 allreduce (sum / world size) of those copies on the default process
-  group, issued in ``on_before_optimizer_step`` (after the method's own exchange, before clipping),
-  where ``ĝ`` is read from ``p.grad``. It costs one dense allreduce per measured step: a diagnostic,
-  not for timing runs.
-* The shadow optimizer is a second instance of the real optimizer's class over private copies of
-  the parameters, started from the real optimizer's state. At each step it is reset to the real
-  parameters ``θ_before``, given ``ḡ`` clipped to ``clip_norm`` (global L2 norm, like
-  ``clip_grad_norm_``), takes one step with the real parameter groups' current hyperparameters
-  (learning rate included), and its displacement is ``u*``. So ``u*`` is what an optimizer that had
-  always received the exact mean gradient *along this run's trajectory* would do now; its moments
-  are fed ``ḡ`` every step, which is why ``update=True`` measures every step. For SGD without
-  momentum ``update_cos`` equals ``grad_cos`` (after clipping); for Adam it shows what the
-  per-coordinate normalisation made of the compression error.
+  ``register_post_accumulate_grad_hook``: it runs before DDP's reducer and any communication hook,
+  so it sees the local gradient whatever the strategy does with it.
+* ``ḡ`` is one extra fp32 allreduce of those copies on the default process group, issued in
+  ``on_before_optimizer_step`` (after the method's own exchange, before clipping), where ``ĝ`` is
+  read from ``p.grad``: a diagnostic, not for timing runs.
+* The shadow optimizer (``update=True``) is a second instance of the real optimizer's class over
+  private copies of the parameters, started from its state. Each step it is reset to ``θ_before``,
+  given ``ḡ`` clipped to ``clip_norm`` and stepped with the real groups' hyperparameters; its
+  displacement ``u*`` is what an optimizer that always received ``ḡ`` would do along this run's
+  trajectory. Its moments must see every ``ḡ``, which is why ``update=True`` measures every step.
 
 What is compared is what the optimizer receives: with ``sync="osp"`` the deferred layers hold the
 local gradient at the step (they are corrected before the next one), and with ``sync="diloco"``

@@ -1,71 +1,9 @@
 """GCMonitor: per-optimizer-step communication metrics to the Trainer's logger (TensorBoard).
 
-Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"):
-
-====================  ========================================================================
-``gc/ratio``           the compression in force: the ``ratio`` option (fraction of elements kept) for
-                       compressors that have one (Top-k family, RandomK), otherwise the fraction of dense
-                       fp32 payload bytes this rank's payload took; 1.0 on dense steps
-``gc/dense_step``      1 on steps sent exactly (engine warm-up, GradiVeQ's own warm-up, Marsit's
-                       full-precision rounds), 0 otherwise
-``gc/sample_step``     GradiVeQ only: 1 on PCA sample steps (QSGD-quantised, neither dense nor compressed)
-``gc/bytes_sent``      bytes this rank transmitted per optimizer step, modelled for the collectives'
-                       algorithms (mean over the steps since the previous written point, see below)
-``gc/bytes_dense``     bytes the same rank would send with dense fp32 ring allreduce (the same mean)
-``gc/bytes_ratio``     bytes_sent / bytes_dense over those steps
-``gc/bytes_inter_node`` ``topology="nodes"`` only: of ``gc/bytes_sent``, the bytes this rank sent between
-                       nodes (modelled for the inter-node collective; the same mean; docs/topology.md)
-``gc/compress_ms``     time spent compressing, decompressing and aggregating (ms)
-``gc/comm_ms``         wall time inside collectives (ms)
-``gc/error_norm``      ‖e‖₂ of this rank's error memory after the step
-``gc/gain``            compression gain Σ_r‖g_c‖² / Σ_r‖g_e‖² of this step over all ranks (compressed steps)
-``gc/gain_ewma``       exponentially smoothed gain (all ranks)
-``gc/nonfinite``       1 if the step's gradient was non-finite on some rank (all ranks)
-``gc/collective``      model-chosen collective (artopk_auto): 0 allgather, 1 ART-Ring, 2 ART-Tree
-``gc/predicted_comm_ms`` alpha-beta prediction for the model-chosen collectives (ms)
-``gc/exchange_comm_ms``  measured time of those same collectives (ms)
-``gc/net_alpha_us``    network latency per message in force (µs; probed or pinned)
-``gc/net_bandwidth_mbit`` network bandwidth in force, 8/β (Mbit/s)
-``gc/probe_ms``        time spent probing the network during the step (ms)
-``gc/full_precision``  Marsit: 1 on a full-precision round (compensation reset), 0 on a one-bit round
-``gc/compensation_norm`` Marsit: ‖c‖₂ of this rank's global compensation after the step (= error memory)
-``gc/omgs_predicted_ms`` OMGS: the timeline model's backward-window time of the plan in force (ms, all ranks)
-``gc/omgs_measured_ms``  OMGS: measured time from the start of backward until it returned (ms, rank 0)
-``gc/omgs_plan``       OMGS (figure, TensorBoard only, needs matplotlib): the plan and its predicted
-                       timeline, written whenever a plan is installed (docs/omgs.md)
-``gc/<compressor>/...`` compressor-specific values (``StepStats.compressor_metrics``), e.g. GradiVeQ's
-                       ``gc/gradiveq/phase`` (0 warm-up, 1 sample, 2 compressed), ``gc/gradiveq/loss``
-                       (mean relative Eq. 7 loss over ranks), ``gc/gradiveq/d/<parameter>``
-``gc/osp_ics_fraction`` sync="osp": fraction of the model's elements deferred to ICS at this step
-``gc/osp_ics_layers``   sync="osp": number of deferred parameter tensors at this step
-``gc/osp_importance_threshold`` sync="osp": largest PGP importance Σ|g·p| deferred (−1: none)
-``gc/osp_correction_norm`` sync="osp": ‖p_corrected − p_local‖₂ of the LGP correction applied before this step
-``gc/osp_ics_wait_ms``  sync="osp": time the step waited for the previous step's ICS (exposed ICS time)
-``gc/osp_ics_comm_ms``  sync="osp": duration of the previous step's ICS allreduce
-``gc/osp_umax_fraction`` sync="osp" schedule: the bound Umax as a fraction of the model (after round 1)
-``gc/diloco_outer_step`` sync="diloco": 1 on an optimizer step that ended with an outer step, 0 on an
-                       inner step; with it ``gc/bytes_sent`` (the outer exchanges' bytes spread over the
-                       steps since the previous written point; with ``topology="nodes"`` also the inner
-                       steps' node means), ``gc/bytes_dense`` (DDP's fp32 ring allreduce per step),
-                       ``gc/bytes_ratio`` and, by nodes, ``gc/bytes_inter_node`` (the outer shards)
-``gc/diloco_delta_norm`` sync="diloco": ‖mean Δ‖₂ the last outer step applied (logged at outer steps;
-                       Lightning repeats the value on the inner steps that follow)
-``gc/diloco_comm_ms``  sync="diloco": wall time of the last outer exchange (Δ and buffers)
-``gc/diloco_wait_ms``  sync="diloco": time the main thread waited for the last outer exchange (exposed;
-                       with ``diloco_overlap_steps`` > 0 the exchange ran during the τ inner steps before)
-``gc/diloco_fragment`` sync="diloco": the fragment of the last outer step (0 without streaming)
-``gc/diloco_error_norm`` sync="diloco": ‖e‖₂ of this rank's Δ error memory after the last outer step
-``gc/diloco_discarded`` sync="diloco": 1 if the last round was discarded (non-finite Δ)
-``gc/auto_method``     compressor="auto": index of the method in force in ``auto_candidates`` (−1 while
-                       profiling); with a TensorBoard logger each decision is also written as text
-                       (``gc/auto_decision``: trigger, network, every candidate's predicted step,
-                       codec, communication, efficiency, the pick)
-``gc/auto_predicted_step_ms`` compressor="auto": the model's step for the method in force (ms, all ranks)
-``gc/auto_measured_step_ms``  compressor="auto": the median step of the first window after the decision
-                       (ms, MAX over ranks)
-``gc/auto_delta2/<m>`` compressor="auto": candidate ``m``'s latest measured relative error (the ranks'
-                       mean on local gradients; re-measured every ``auto_gain_every`` steps)
-====================  ========================================================================
+Tags (all under ``gc/``; values are rank 0's view unless marked "all ranks"): docs/monitoring.md
+describes the tags this module logs (tests/test_docs.py checks the literal ones), and beside them
+``gc/auto_delta2/<m>``: with compressor="auto", candidate ``m``'s latest measured relative error (the
+ranks' mean on local gradients; re-measured every ``auto_gain_every`` steps).
 
 ``gc/bytes_sent``, ``gc/bytes_dense`` and ``gc/bytes_ratio`` as GCMonitor writes them are the mean per
 optimizer step over the steps since the previous written point (:class:`ByteWindow`; a change of
@@ -175,7 +113,7 @@ def diloco_step_metrics(diloco: Any) -> dict[str, float]:
 
 
 def auto_metrics(auto: Any) -> dict[str, float]:
-    """``gc/auto_*`` of the method in force (see the module docstring)."""
+    """``gc/auto_*`` of the method in force (docs/monitoring.md)."""
     if auto.chosen is None:
         return {"gc/auto_method": -1.0}
     out = {"gc/auto_method": float(list(auto.config.candidates).index(auto.chosen))}

@@ -23,6 +23,14 @@ from .cost_model import allgather_bytes, ring_allreduce_bytes  # noqa: F401
 from .direct import allgather, allreduce_chosen
 
 
+def unflatten_into(flat: Tensor, tensors: list[Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` into ``tensors``, in order (the inverse of flattening them)."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def allreduce(tensors: list[Tensor], group=None, network=None) -> int:
     """Sum-allreduce each tensor in place; returns modelled bytes sent by this rank. A small message
     goes by the direct exchange, the others by the backend's ring (:func:`.direct.use_direct`;

@@ -20,11 +20,9 @@ for each step of a collective's schedule. All functions take
   2 for fp16/bf16 gradients. Values then take ``M * c * value_bytes / 4`` bytes while the int32
   indices take ``M * c``; with the default both are ``M * c`` and the formulas are the paper's.
 
-and return seconds. **Logarithms**: ``L = ceil(log2 N)`` (:func:`tree_rounds`), the number of
-rounds of a binomial tree or of recursive doubling, which is what runs
-(:func:`lightning_gc.comm.p2p_allreduce.tree_allreduce` and ``binomial_broadcast`` take exactly
-``ceil(log2 N)`` rounds per phase). For powers of two ``L = log2 N``, the paper's ``log(N)``;
-in between the paper's real-valued logarithm would under-count a round that does run.
+and return seconds. **Logarithms**: ``L = ceil(log2 N)`` (:func:`tree_rounds`), the rounds a
+binomial tree or recursive doubling runs (as ``tree_allreduce`` and ``binomial_broadcast`` do); the
+paper's real-valued ``log(N)`` would under-count a round that does run.
 
 At ``N == 1`` every cost is exactly 0 (``N - 1 == 0`` and ``L == 0``): nothing is sent.
 
@@ -111,17 +109,19 @@ def _check_nonneg(name: str, value: float, fix: str) -> float:
     return v
 
 
-def _check_n(N: int) -> int:
+def _check_count(name: str, value: int, meaning: str, fix: str) -> int:
     try:
-        n = operator.index(N)
+        v = operator.index(value)
     except TypeError:
-        n = 0
-    if isinstance(N, bool) or n < 1:
-        raise ValueError(
-            f"N={N!r} must be an integer >= 1 (the number of ranks); pass the process-group size, "
-            "e.g. torch.distributed.get_world_size(group)"
-        )
-    return n
+        v = 0
+    if isinstance(value, bool) or v < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1 ({meaning}); {fix}")
+    return v
+
+
+def _check_n(N: int) -> int:
+    return _check_count("N", N, "the number of ranks",
+                        "pass the process-group size, e.g. torch.distributed.get_world_size(group)")
 
 
 def _check_c(c: float) -> float:
@@ -356,11 +356,8 @@ def _rule(alpha: float, beta: float, M: float, N: int, c: float, coeff: Callable
 
 
 def rule_5a_ring_over_tree(alpha: float, beta: float, M: float, N: int, c: float) -> bool:
-    """Rule 5a: True iff ART-Ring is strictly cheaper than ART-Tree.
-
-    Closed form ``alpha/beta < (L - (N-1)/N)/(N-1-L) * M*c``, evaluated multiplied out
-    (``alpha < K*M*c*beta``). ``N`` = 2, 3: True iff ``M*c*beta > 0`` (see :func:`rule_5a_coefficient`).
-    """
+    """Rule 5a: True iff ART-Ring is strictly cheaper than ART-Tree,
+    ``alpha/beta < (L - (N-1)/N)/(N-1-L) * M*c`` (``N`` = 2, 3: see :func:`rule_5a_coefficient`)."""
     return _rule(alpha, beta, M, N, c, rule_5a_coefficient)
 
 
@@ -397,11 +394,9 @@ def choose_sparse_collective(
 ) -> SparseCollective:
     """Pick the cheapest of allgather / ART-Ring / ART-Tree by comparing the cost formulas.
 
-    Ties (equal predicted seconds, which happens in degenerate settings: ``N == 1``, ``M*c == 0``,
-    ``alpha == beta == 0``, or exactly on a rule boundary) are broken by
-    :data:`SPARSE_COLLECTIVE_TIE_ORDER` = allgather, then ART-Tree, then ART-Ring, which is what the
-    strict inequalities of rules 5a-5c imply. The inputs must be replicated across ranks (e.g. a
-    probed, agreed :class:`NetworkModel`), otherwise ranks pick different collectives and hang.
+    Ties (degenerate settings, or exactly on a rule boundary) are broken by
+    :data:`SPARSE_COLLECTIVE_TIE_ORDER`. The inputs must be replicated across ranks (e.g. a probed,
+    agreed :class:`NetworkModel`), otherwise ranks pick different collectives and hang.
     """
     costs = sparse_collective_costs(alpha, beta, M, N, c, value_bytes)
     best = SPARSE_COLLECTIVE_TIE_ORDER[0]
@@ -472,9 +467,6 @@ class NetworkModel:
     def allgather(self, M: float, N: int) -> float:
         return allgather_cost(self.alpha_s, self.beta_s_per_byte, M, N)
 
-    def parameter_server(self, M: float, N: int) -> float:
-        return parameter_server_cost(self.alpha_s, self.beta_s_per_byte, M, N)
-
     def sparse_costs(self, M: float, N: int, c: float, value_bytes: float = 4) -> dict[SparseCollective, float]:
         """Sparse costs with ``M = 4 * numel`` and ``value_bytes`` per kept value."""
         return sparse_collective_costs(self.alpha_s, self.beta_s_per_byte, M, N, c, value_bytes)
@@ -498,14 +490,8 @@ def _check_wire(wire: str) -> str:
     return wire
 
 
-def _check_k(k: int, what: str = "k") -> int:
-    try:
-        v = operator.index(k)
-    except TypeError:
-        v = 0
-    if isinstance(k, bool) or v < 1:
-        raise ValueError(f"{what}={k!r} must be an integer >= 1 (ranks per node); pass e.g. 8 for 8 GPUs a node")
-    return v
+def _check_k(k: int) -> int:
+    return _check_count("k", k, "ranks per node", "pass e.g. 8 for 8 GPUs a node")
 
 
 def exchange_bytes(wire: str, payload: float, n: int, direct: bool = False) -> float:
@@ -574,6 +560,16 @@ class NodeBytes:
     card: float
 
 
+def _nodes_sizes(M: float, nodes: int, k: int, payload: float | None,
+                 intra_M: float | None) -> tuple[float, int, int, float, float]:
+    """(M, nodes, k, the shard's payload, the reduce-scatter's bytes), validated, with their defaults."""
+    m = _check_nonneg("M", M, "pass the group's bytes (4 * numel for fp32)")
+    kk, nn = _check_k(k), _check_n(nodes)
+    p = m / kk if payload is None else _check_nonneg("payload", payload, "pass the shard's message bytes")
+    scatter = m if intra_M is None else _check_nonneg("intra_M", intra_M, "pass the reduce-scatter's bytes")
+    return m, nn, kk, p, scatter
+
+
 def nodes_exchange_bytes(M: float, nodes: int, k: int, wire: str = "allreduce", payload: float | None = None,
                          direct: bool = False, intra_M: float | None = None) -> NodeBytes:
     """Bytes of one group of ``M`` bytes by nodes (docs/topology.md, "Byte model"):
@@ -583,10 +579,7 @@ def nodes_exchange_bytes(M: float, nodes: int, k: int, wire: str = "allreduce", 
     * between nodes, the exchange of this rank's shard: ``payload`` bytes (default ``M/k``, the dense
       shard) on ``nodes`` ranks, :func:`exchange_bytes`;
     * the card carries ``k`` times that (each local rank sends its own shard)."""
-    m = _check_nonneg("M", M, "pass the group's bytes (4 * numel for fp32)")
-    kk, nn = _check_k(k), _check_n(nodes)
-    p = m / kk if payload is None else _check_nonneg("payload", payload, "pass the shard's message bytes")
-    scatter = m if intra_M is None else _check_nonneg("intra_M", intra_M, "pass the reduce-scatter's bytes")
+    m, nn, kk, p, scatter = _nodes_sizes(M, nodes, k, payload, intra_M)
     inter = exchange_bytes(wire, p, nn, direct)
     return NodeBytes((kk - 1) / kk * (scatter + m), inter, kk * inter)
 
@@ -605,10 +598,7 @@ def nodes_exchange_cost(alpha_intra: float, beta_intra: float, alpha_inter: floa
     the inter-node one is the card's whole rate, not a rank's share. The stages run one after the
     other (each needs the one before)."""
     _check_wire(wire)
-    m = _check_nonneg("M", M, "pass the group's bytes (4 * numel for fp32)")
-    kk, nn = _check_k(k), _check_n(nodes)
-    p = m / kk if payload is None else _check_nonneg("payload", payload, "pass the shard's message bytes")
-    scatter = m if intra_M is None else intra_M
+    m, nn, kk, p, scatter = _nodes_sizes(M, nodes, k, payload, intra_M)
     b = shared_card_beta(beta_inter, kk)
     if direct:
         inter = direct_cost(alpha_inter, b, p, nn)

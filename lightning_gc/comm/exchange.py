@@ -14,13 +14,9 @@ on ``self.group`` (the engine's dedicated exchange group), but it must issue the
 with the same sizes, on every rank: every size must follow from replicated values (the group
 size, the ratio, the step, an agreed network model).
 
-Capabilities are declared on the classes (never discovered with ``hasattr``):
-
-``formats``        the compressor wire formats this exchange can carry (see compressors/base.py)
-``needs_network``  it takes decisions from the alpha-beta network model; the engine hands it the
-                   shared :class:`~lightning_gc.comm.network.NetworkState` and keeps it probed
-``summable``       payloads are combined by element-wise summation
-``ring_combinable`` payloads are combined hop by hop along our P2P ring (pluggable combine)
+Capabilities are class attributes of :class:`Exchange`, each explained there (``formats``,
+``needs_network``, ``summable``, ``ring_combinable``, ``carries_exact``, ``carries_report``): declared,
+never discovered with ``hasattr``.
 
 The registry of names users pass as ``collective=`` lives above this module, with the compressed
 exchanges: :mod:`lightning_gc.exchanges.registry`.
@@ -239,7 +235,7 @@ class Exchange(ABC):
     name: str = ""
     #: compressor wire formats this exchange carries
     formats: ClassVar[frozenset[str]] = frozenset()
-    #: takes decisions from the network model (the engine probes it and shares the state)
+    #: takes decisions from the network model (the engine hands it the shared NetworkState, kept probed)
     needs_network: ClassVar[bool] = False
     #: payloads are combined by element-wise sums
     summable: ClassVar[bool] = False

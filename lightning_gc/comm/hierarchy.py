@@ -16,17 +16,9 @@ allreduce, BytePS's two levels, HSDP's replica dimension). For each group of ``n
 Ranks are numbered node by node (``rank = node · k + local_rank``), as torchrun, SLURM and
 Lightning (``Trainer(num_nodes=..., devices=k)``) number them.
 
-Bytes, per rank and group of ``M`` bytes in fp32 (``s·4 ≈ M/k``), ``N = nodes·k`` ranks:
-
-* inside the node: the reduce-scatter and the allgather each send ``(k−1)/k · M`` (ring model);
-* between nodes: what the inter-node exchange sends for a message of ``M/k`` on ``nodes`` ranks:
-  ``2(nodes−1)/nodes · M/k`` for an allreduce, ``(nodes−1) · payload(M/k)`` for an allgather;
-* per node, on its network card: ``k`` times that (every local rank sends its own shard).
-
-A flat allgather of the same codec sends ``(N−1) · payload(M)`` per rank, of which a node's card
-carries the ``(nodes−1)·k`` payloads that go to other nodes from each of its ``k`` ranks. By nodes it
-carries ``(nodes−1)`` payloads of ``M/k`` from each rank: ``k²`` times fewer, ``k`` of that from the
-node-level averaging (one payload per node, not per rank) and ``k`` from the shards. For allreduce-
+Bytes (docs/topology.md, "Byte model"; :func:`~lightning_gc.comm.cost_model.nodes_exchange_bytes`):
+for an allgather codec a node's card carries ``k²`` times fewer bytes than flat, ``k`` from the
+node-level averaging (one payload per node, not per rank) and ``k`` from the shards; for allreduce-
 based exchanges the saving is small (a flat ring already crosses each card once per direction).
 :class:`~lightning_gc.engine.stats.StepStats` counts the inter-node part separately
 (``bytes_inter_node``; ``gc/bytes_inter_node``; the summary's "between nodes" line).

@@ -13,10 +13,8 @@ the training uses:
    :func:`~lightning_gc.comm.p2p_allreduce.ring_allreduce` on ``B`` bytes, whose model is
    ``2(N-1)*alpha + 2(N-1)/N*B*beta``; the fit is inverted through that formula.
 2. **How.** For each message size ``warmup`` untimed runs, then ``repeats`` timed runs per size,
-   interleaved across sizes; the per-size median is kept. The median (not the mean) because a
-   descheduled rank produces rare, huge outliers (milliseconds on a busy host); interleaving so
-   that a burst of load hits every size alike. CUDA tensors are synchronised before the clock is
-   read.
+   interleaved across sizes so that a burst of load hits every size alike; the per-size median is
+   kept, since a descheduled rank produces rare, huge outliers.
 3. **Fit.** ``t = a + b * bytes`` by least squares. The default weighting is *relative*
    (minimises the squared relative error): timing noise grows with the time itself, and with
    uniform weights a jitter of a few percent on the largest size would swamp the latency seen by
@@ -37,8 +35,7 @@ How to tune: the sizes should span latency-dominated (``alpha >> beta * B``) to 
 (``beta * B >> alpha``) messages; on a 1-10 Gbit/s link with ~100 us latency, 64 B .. 4 MiB does.
 More ``repeats`` make the medians robust against more outliers, at linear cost; on a
 shared or oversubscribed host use 15 or more (the default). A probe costs roughly
-``(warmup + repeats) * sum(t(B))``; the defaults take about a tenth of a second on loopback.
-Re-probe with :class:`ProbePolicy` (the engine and its collaborators share one schedule built on
+``(warmup + repeats) * sum(t(B))``. Re-probe with :class:`ProbePolicy` (the engine and its collaborators share one schedule built on
 it: :class:`lightning_gc.comm.link.LinkObserver`), or skip probing altogether with :class:`PinnedNetwork`.
 
 Note that on loopback or veth pairs there is no wire: the measured ``alpha`` is the software

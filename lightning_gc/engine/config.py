@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .._validation import check_bool, check_int
-from ..plans import available_planners
+from ..plans import get_planner
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,7 @@ class EngineConfig:
             DDP's bucket rebuild after the first iteration; DGC-style schedules use a few hundred.
         error_feedback: keep what was not sent and add it to the next step's gradient.
         check_finite: agree across ranks, once per compressed step, whether any rank's gradient
-            is non-finite (it travels in the step's closing statistics allreduce). On a non-finite
-            step error
+            is non-finite (it travels in the step's closing report). On a non-finite step error
             memory is left untouched and every rank gets a non-finite gradient (or, with
             ``nonfinite="skip"`` in the strategy, the optimizer step is skipped on all ranks).
         seed: seed of all compressor randomness (shared and private streams derive from it).
@@ -41,18 +40,13 @@ class EngineConfig:
             communication overlaps the rest of backward (default). ``False`` runs the same work
             inside the hook, synchronously: bit-identical results, kept as the oracle and for
             debugging.
-        check_every: how often a compressed step opens with the *opening check* (an all-gather of
-            a hash of what every rank is about to send, before its first exchange): at the first
-            step after construction or a checkpoint load, after a change no other collective
-            compared (a probe's new network model, a plan installed with ``verify=False``), and
-            on every step divisible by ``check_every``. Every compressed step's *closing report*
-            carries the same hash at no extra message, so a rank that sent something else is
-            caught at that step's close, before the step is applied. Why not every step: the
-            check is one more latency-bound collective on the critical path, which costs most
-            on a slow link (docs/concepts.md, "The opening check").
-            ``1`` checks every step: a rank that would send something of another size then fails
-            with a message instead of inside the collective (gloo aborts the process on a size
-            mismatch); use it while debugging a custom controller that changes compression settings.
+        check_every: a compressed step opens with the *opening check* (an all-gather of a hash of
+            what every rank is about to send) at the first step, after a change no other collective
+            compared, and on every step divisible by ``check_every``; every closing report carries
+            the same hash, so a rank that sent something else is caught before the step is applied.
+            Not every step: the check is a latency-bound collective on the critical path
+            (docs/concepts.md, "The opening check"). ``1`` turns a size mismatch into a message
+            instead of a failure inside the collective: for debugging a custom controller.
         report_rides: send a compressed step's closing report inside the step's last message where
             that message can take it (``Exchange.carries_report``: ``lowrank``'s second allreduce)
             instead of in an allreduce of its own. The same checks and sums, one latency-bound
@@ -94,11 +88,7 @@ class EngineConfig:
         check_int("probe_patience", self.probe_patience, 1, "Use e.g. 5 consecutive drifted steps.")
         if not isinstance(self.probe_drift, (int, float)) or not self.probe_drift > 0:
             raise ValueError(f"probe_drift={self.probe_drift!r} must be a fraction > 0, e.g. 0.5 (50%).")
-        if self.plan not in available_planners():
-            raise ValueError(
-                f"plan={self.plan!r} is not a plan kind: use one of {available_planners()} "
-                "('model' = whole model in one group)."
-            )
+        get_planner(self.plan)  # refuses an unknown plan kind, naming the known ones
         check_bool("overlap", self.overlap, "True runs compressed exchanges on the engine's worker thread, "
                    "overlapped with backward; False runs them inside the hook.")
         check_bool("report_rides", self.report_rides, "True sends the closing report inside the step's last "

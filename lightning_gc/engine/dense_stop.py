@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..comm.collectives import unflatten_into
 from ..comm.direct import direct_allreduce
 
 
@@ -67,9 +68,6 @@ def defer_bucket(layout: list[tuple[Tensor, int | None, int]], deferred: dict[in
     msg = torch.cat([g.reshape(-1) for g in exact] + [torch.tensor([bad], dtype=dtype, device=device)])
     msg.div_(world_size)
     sent = direct_allreduce(msg, group)
-    off = 0
-    for g in exact:
-        g.copy_(msg[off:off + g.numel()].view_as(g))
-        off += g.numel()
+    unflatten_into(msg, exact)
     nonfinite = bool(msg[-1] != 0) or not bool(torch.isfinite(msg[:-1]).all())
     return nonfinite, sent

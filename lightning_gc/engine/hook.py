@@ -14,9 +14,7 @@ oracle) — then returns a Future for the bucket. In submission order, identical
    on dense steps (warm-up, lossless compressor) one job per bucket instead: DDP's own
    ``allreduce(bucket / N)``, asynchronous, completing the bucket's Future from its callback.
    Where each runs is the engine's *topology* (:mod:`lightning_gc.comm.hierarchy`): flat, on all
-   ranks; or by nodes, where ``p`` is this rank's shard of its node's mean (a reduce-scatter inside
-   the node before, an allgather inside the node after), error memory is per shard, and the
-   exchange runs between the nodes' same-shard ranks;
+   ranks; or by nodes, on this rank's shard of its node's mean (error memory per shard);
 3. **close**: the closing report (non-finite agreement, gain sums, exchange time) — an allreduce
    of its own, or, where the step's last job is an exchange that carries it (``lowrank``,
    ``EngineConfig.report_rides``), the sums that rode in that exchange's last message — then error
@@ -50,7 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._finite import all_finite
-from ..comm.collectives import ring_allreduce_bytes
+from ..comm.collectives import ring_allreduce_bytes, unflatten_into
 from ..comm.cost_model import NetworkModel
 from ..comm.exchange import (
     AllreduceExchange,
@@ -62,7 +60,7 @@ from ..comm.exchange import (
     sent_sq_norm,
     sq_norm,
 )
-from ..comm.hierarchy import Topology, TopologyConfig, build_topology
+from ..comm.hierarchy import Topology, TopologyConfig, build_topology, destroy_groups
 from ..comm.worker import InlineRunner, OrderedWorker
 from ..compressors.base import Compressor, GroupContext
 from ..compressors.dense import DenseCompressor
@@ -78,14 +76,6 @@ from .network import NetworkTracker
 from .readiness import Readiness, new_future
 from .slots import MethodSlot, MethodSpec, build_slot
 from .stats import OwnClock, StepStats, Totals, step_overhead
-
-
-def _scatter(flat: Tensor, views: list[Tensor]) -> None:
-    """Copy consecutive slices of ``flat`` into ``views``, in order (the inverse of flattening them)."""
-    offset = 0
-    for v in views:
-        v.copy_(flat[offset:offset + v.numel()].view_as(v))
-        offset += v.numel()
 
 
 @dataclass
@@ -111,9 +101,8 @@ class _StepWork:
     dense_dtype: torch.dtype | None = None  # dense mode "fp16"/"bf16": the buckets travel in 16 bits
     steady: bool = False  # a dense step of a dense-only run past warm-up: no opening check
     inline: bool = False  # the step's jobs run on the hook's thread (steady, and no job before it)
-    # GCEngine.run_before_step before this step (engine/dense_stop.py): its verdict (set on the runner, before
-    # this step's first job), whether this step can stop on it, whether a job has read it; from then on
-    # whether the step stopped, and the compressed groups' deferred gradients
+    # GCEngine.run_before_step (engine/dense_stop.py): its verdict, whether this step can stop on it and
+    # whether a job has read it; then whether the step stopped, and the compressed groups' deferred gradients
     pre_step: list | None = None  # [StopVerdict] or [the exception the job raised]
     can_stop: bool = False
     pre_step_read: bool = False
@@ -128,8 +117,7 @@ class _StepWork:
     rider_views: dict[int, list[Tensor]] = field(default_factory=dict)
     # the closing report as it rode in the step's last message (set by that exchange's job), else None
     ridden: RiddenReport | None = None
-    # a non-finite mean every rank computed alike (an exact group's sum): counted at the close whether or
-    # not the report had already left
+    # a non-finite mean every rank computed alike (an exact group's sum), even after the report left
     replicated_nonfinite: bool = False
     finished: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -139,15 +127,10 @@ class GCEngine:
     """State and lifecycle of the communication hook.
 
     Build it after DDP has wrapped the module (parameters must not move afterwards) and register it
-    with :func:`gc_comm_hook`. All ranks must build it with identical arguments; the constructor
-    verifies the full configuration (plan, compressor options, collective, engine options) is the
-    same everywhere and fails fast naming the ranks that differ. It creates a process group of its
-    own for the exchanges (a collective call: every rank constructs engines in the same order).
-
-    Lifecycle calls for the training loop (the strategy makes them): :meth:`before_optimizer_step`
-    (waits until the step's communication is final; returns whether it was non-finite),
-    :meth:`after_optimizer_step`, :meth:`set_ratio` and :meth:`replace_plan` (between steps, on
-    every rank), :meth:`close` (teardown).
+    with :func:`gc_comm_hook`. All ranks build it with identical arguments (the constructor compares
+    them and names the ranks that differ) and in the same order: it creates a process group of its own.
+    The strategy calls :meth:`before_optimizer_step`, :meth:`after_optimizer_step` and :meth:`close`;
+    :meth:`set_ratio` and :meth:`replace_plan` run between steps, on every rank.
     """
 
     def __init__(
@@ -207,7 +190,7 @@ class GCEngine:
         self._carried_wall: float | None = None  # GCEngine.carry_wall: for the next step's closing report
         self._dense_carry = False  # enable_dense_carry: dense steps carry it in their first bucket
         self._pre_step: list | None = None  # run_before_step's verdict box, for the next step
-        self._layout: tuple[Plan, dict[int, tuple[int | None, int]]] | None = None  # (plan, pid -> (gid, offset))
+        self._layout: tuple[Plan, dict[int, tuple[int, int]]] | None = None  # (plan, pid -> (gid, offset))
         self._pid_of = {id(p): i for i, p in enumerate(self.params)}
         self.all_exact = all(g.exact for g in self.plan.groups)
         self._planned = frozenset(self.plan.group_of())  # param ids the plan sends (OSP may defer others)
@@ -226,9 +209,8 @@ class GCEngine:
         self._last_exchange: tuple[int, float] | None = None
         self._totals = Totals()
         self.hook_calls = 0
-        #: optional ``fn(gid, p, ctx)`` called on the runner thread with each lossy group's error-fed
-        #: gradient ``p = g + e`` just before its exchange (read-only: must not modify ``p``); the
-        #: adaptive-ratio controller's shadow mode scores candidate ratios with it. Set between steps.
+        #: optional read-only ``fn(gid, p, ctx)``, called on the runner with each lossy group's ``p = g + e``
+        #: before its exchange (the adaptive controller's shadow mode). Set between steps.
         self.group_observer: Callable[[int, Tensor, GroupContext], None] | None = None
         self._work: _StepWork | None = None  # the open step (hook thread)
         self._last_work: _StepWork | None = None
@@ -308,10 +290,9 @@ class GCEngine:
 
     def reporting_state(self) -> tuple[StepStats | None, bool, int]:
         """What the engine reports but does not checkpoint (last step's statistics, its non-finite
-        flag, the hook-call count): a rollback (adaptive ratio controller) saves it with
-        :meth:`state_dict` and puts it back with :meth:`restore_reporting_state`. The statistics are
-        a copy both ways: a two-stage schedule may still add its deferred traffic to the live object
-        (:meth:`add_deferred_traffic`), and a saved state must survive several restores unchanged."""
+        flag, the hook-call count), for a rollback to save beside :meth:`state_dict`. The statistics
+        are a copy both ways: :meth:`add_deferred_traffic` may still change the live object, and a
+        saved state must survive several restores unchanged."""
         self.synchronize()
         return copy.deepcopy(self._last_stats), self._last_nonfinite, self.hook_calls
 
@@ -327,31 +308,24 @@ class GCEngine:
             self.config = dataclasses.replace(self.config, warmup_steps=int(steps))
 
     def carry_wall(self, wall_s: float) -> None:
-        """Have ``wall_s`` (this rank's figure; the ``auto`` chooser hands in the wall time of the step
-        that just ended) averaged over the ranks by the *next* step's closing report, at no message of
-        its own: the mean is that step's :attr:`StepStats.carried_wall_mean_s`, identical on every rank.
-        A dense next step has no closing report: it drops the value (``carried_wall_mean_s`` None)
-        unless :meth:`enable_dense_carry` was called, in which case the value rides in that step's first
-        gradient bucket. Call it between steps, on every rank alike: a rank that did not carry one
-        makes the mean None on every rank. Why: a separate 8-byte all-reduce per step would be one more
-        latency-bound collective on the process group, ahead of the next step's exchanges."""
+        """Average ``wall_s`` (this rank's wall time of the step that just ended) over the ranks in the
+        *next* step's closing report, into its :attr:`StepStats.carried_wall_mean_s`: a separate 8-byte
+        all-reduce would be one more latency-bound collective ahead of the step's exchanges. A dense
+        next step has no report and drops it, unless :meth:`enable_dense_carry` was called. Between
+        steps, on every rank alike: a rank that carried none makes the mean None everywhere."""
         self._carried_wall = float(wall_s)
 
     def enable_dense_carry(self) -> None:
-        """From now on every dense step sends one element more in its first gradient bucket's
-        allreduce: the value handed to :meth:`carry_wall` (NaN where a rank has none, so the mean is None
-        on every rank), divided by N with the bucket, in the bucket's dtype (16-bit modes: about 3
-        significant digits). Call it on every rank alike, before training (the buckets' sizes must
-        match across ranks). Costs one copy of DDP's small first bucket on the fp32 path."""
+        """From now on every dense step sends the value of :meth:`carry_wall` as one more element of its
+        first bucket's allreduce (NaN where a rank has none; in the bucket's dtype, so about 3 digits in
+        16-bit modes). On every rank alike, before training: the buckets' sizes must match."""
         self._dense_carry = True
 
     def run_before_step(self, job: Callable[[], StopVerdict]) -> None:
-        """Run ``job`` before the next step on the engine's ordered worker (it overlaps the step's forward
-        and backward; the step's gradient buckets wait behind it). Its :class:`StopVerdict` stops that
-        step if it is a dense mode's (``StepStats.dense_stopped``; engine/dense_stop.py) and may carry a
-        value averaged over the ranks (``carried_wall_mean_s``). A collective: between steps, on every
-        rank alike. Only on a group that takes the direct exchange (2-8 ranks, off NCCL) and with a plan
-        that sends every parameter every step (a stopped step's exact group goes by a direct allreduce)."""
+        """Run ``job`` on the ordered worker before the next step's buckets (it overlaps forward and
+        backward). Its :class:`StopVerdict` stops a dense mode's step (engine/dense_stop.py) and may
+        carry ``carried_wall_mean_s``. A collective, between steps, on every rank alike; it needs the
+        direct exchange (a stopped step's exact group goes by it) and a plan sending every parameter."""
         from ..comm.direct import DIRECT_MAX_RANKS, backend_allows
         if not (1 < self.world_size <= DIRECT_MAX_RANKS and backend_allows(self.exchange_group)):
             raise ValueError(f"run_before_step needs a process group of 2 to {DIRECT_MAX_RANKS} ranks on a backend "
@@ -371,10 +345,8 @@ class GCEngine:
         self._runner.submit(run)
 
     def shorten_warmup_steps(self, steps: int) -> None:
-        """Make the dense warm-up ``steps`` optimizer steps if it is longer (never lengthens it; at
-        least 0). Between steps, with the same value on every rank, and only to end the warm-up no
-        earlier than the next step (``steps >= self.step``): the ``auto`` chooser ends the warm-up it
-        raised when its first dense step already told it enough (docs/auto.md)."""
+        """Make the dense warm-up ``steps`` optimizer steps if it is longer (never lengthens it). Between
+        steps, with the same value on every rank, and with ``steps >= self.step`` (docs/auto.md)."""
         steps = max(int(steps), 0)
         if steps < self.config.warmup_steps:
             self.config = dataclasses.replace(self.config, warmup_steps=steps)
@@ -438,20 +410,18 @@ class GCEngine:
         self.dense_mode, self._dense_flush = mode, bool(flush_pending)
 
     def adopt_network(self, model: NetworkModel) -> None:
-        """Use ``model`` (agreed across ranks by the caller) as the network model from now on, and stop
-        probing on the engine's own schedule: the caller owns re-probing (``compressor="auto"`` probes
-        with messages sized to the link; the engine's own start probe's large messages take seconds on
-        a slow link). Between steps, on every rank."""
+        """Use ``model`` (agreed across ranks by the caller) as the network model, and leave re-probing
+        to the caller (the engine's own probe's large messages take seconds on a slow link). Between
+        steps, on every rank."""
         self.synchronize()
         self.tracker.state.model = model
         self.tracker.policy = None
         self._check_next = True
 
     def set_error_feedback(self, on: bool) -> None:
-        """Turn the default slot's error feedback on or off (the strategy's setup, once the optimizers
-        are known: :meth:`Compressor.error_feedback_default`; a resumed run re-applies it after its
-        state was restored). Call it on every rank with the same value; it enters :meth:`signature`.
-        Refused while error memory exists and ``on`` is False: that would drop what was not sent."""
+        """Turn the default slot's error feedback on or off, on every rank alike (it enters
+        :meth:`signature`). Refused while error memory exists and ``on`` is False: that would drop
+        what was not sent."""
         if not on and self._memory.groups:
             raise RuntimeError(f"set_error_feedback(False) at step {self.step} with error memory held: turning error "
                                "feedback off would drop what was not sent; pass error_feedback= to GCStrategy instead.")
@@ -478,11 +448,9 @@ class GCEngine:
 
     def set_dense_mode(self, mode: str | None) -> None:
         """From the next step on, send every step dense on DDP's buckets (``"fp32"``: as DDP without a
-        hook; ``"fp16"``/``"bf16"``: as torch's ``fp16_compress_hook``/``bf16_compress_hook``), or
-        go back to the plan's compressed groups (``None``). Between steps, on every rank with the same
-        value (compared across ranks). Error memory is not lost: entering a dense mode adds it once
-        to the next finite dense step's gradient (each rank its own, before the average), then clears
-        it; leaving before that keeps it for the groups' methods (the slot rule)."""
+        hook; ``"fp16"``/``"bf16"``: as torch's 16-bit hooks), or go back to the plan's compressed
+        groups (``None``). Between steps, on every rank alike (compared). Error memory is added once
+        to the next finite dense step's gradient, then cleared; leaving before that keeps it."""
         if mode not in (None, "fp32", "fp16", "bf16"):
             raise ValueError(f"dense mode {mode!r} is invalid: use None (compressed steps), 'fp32', 'fp16' or 'bf16'.")
         self.synchronize()
@@ -493,23 +461,27 @@ class GCEngine:
 
     def _flush_views(self, bucket: dist.GradBucket) -> list[tuple[Tensor, Tensor]]:
         """(gradient view in the bucket, its error memory) for the bucket's parameters with memory."""
-        where: dict[int, tuple[int, int]] = {}
-        for g in self.plan.groups:
-            off = 0
-            for pid, n in zip(g.param_ids, g.numels):
-                where[pid] = (g.gid, off)
-                off += n
+        where = self._group_offsets()
         mems = self._memory.groups
         out = []
         for p, grad in zip(bucket.parameters(), bucket.gradients()):
-            pid = self._pid_of.get(id(p))
-            if pid is None or pid not in where:
-                continue
-            gid, off = where[pid]
+            gid, off = where.get(self._pid_of.get(id(p)), (None, 0))
             mem = mems.get(gid)
             if mem is not None:
                 out.append((grad, mem[off:off + grad.numel()]))
         return out
+
+    def _group_offsets(self) -> dict[int, tuple[int, int]]:
+        """Parameter id -> (its plan group's id, its offset in the group), cached per plan."""
+        if self._layout is None or self._layout[0] is not self.plan:
+            where: dict[int, tuple[int, int]] = {}
+            for g in self.plan.groups:
+                off = 0
+                for pid, n in zip(g.param_ids, g.numels):
+                    where[pid] = (g.gid, off)
+                    off += n
+            self._layout = (self.plan, where)
+        return self._layout[1]
 
     def error_norm(self) -> float:
         """‖e‖₂ over all groups' error memory (kept up to date per group, no extra pass)."""
@@ -530,9 +502,8 @@ class GCEngine:
     def report_nonfinite(self) -> None:
         """A participant found a non-finite local gradient this rank keeps out of the plan (OSP's
         deferred layers). Call it on the hook thread before the step's last bucket reaches the
-        engine: the step's closing agreement then counts this rank as non-finite, so the step's
-        error memory is discarded on every rank, as when the plan's own gradients are non-finite
-        (the step is skipped, its gradients must leave no trace)."""
+        engine: the closing agreement then counts this rank as non-finite, so every rank discards
+        the step's error memory."""
         self._outside_nonfinite = True
 
     def after_optimizer_step(self) -> None:
@@ -552,12 +523,9 @@ class GCEngine:
                 self._last_stats.bytes_inter_node += bytes_inter_node
 
     def set_ratio(self, ratio: float) -> None:
-        """Change the compression ratio from the next step on, identically on every rank.
-
-        Call it between steps on every rank with the same value (e.g. from a Callback). The value is
-        validated by the compressor's config, then compared across ranks: a rank-dependent value
-        raises on every rank, naming the values, instead of deadlocking the next exchange.
-        """
+        """Change the compression ratio from the next step on. Between steps, on every rank with the
+        same value: it is compared across ranks, and a rank-dependent value raises on every rank
+        instead of deadlocking the next exchange."""
         if not self.compressor.has_ratio:
             raise ValueError(
                 f"compressor {self.compressor.name!r} has no ratio option, so set_ratio({ratio!r}) cannot "
@@ -583,11 +551,9 @@ class GCEngine:
     def replace_plan(self, plan: Plan, verify: bool = True) -> list[str]:
         """Switch to another plan between steps; error memory is remapped by parameter name.
 
-        The new plan's signature is compared across ranks first (``verify=False`` skips that
-        collective for callers that change the plan every step from replicated values; the per-step
-        opening check still compares the plan signature). A plan may leave parameters out: their
-        gradients are neither sent nor changed (two-stage synchronisation defers them). Returns the
-        names whose memory could not be carried over (they start at zero).
+        ``verify=False`` skips comparing the plan across ranks (for callers that change it every step
+        from replicated values; the next opening check compares it). Parameters a plan leaves out are
+        neither sent nor changed (OSP defers them). Returns the names whose memory starts at zero.
         """
         self.synchronize()
         if verify and self.world_size > 1:
@@ -611,11 +577,9 @@ class GCEngine:
         return self._slots.get(self.plan.groups[gid].names, self.default_slot)
 
     def set_group_method(self, gid: int, spec: MethodSpec | None) -> None:
-        """Send group ``gid`` of the current plan with ``spec`` from the next step on (``None``: back
-        to the default method). Between steps, on every rank with the same spec: the spec is
-        compared across ranks and a difference raises on every rank. Error memory follows the rule
-        of :mod:`lightning_gc.engine.slots` (kept if the new method uses error feedback, else
-        flushed into the group's next send)."""
+        """Send group ``gid`` of the current plan with ``spec`` from the next step on (``None``: the
+        default method). Between steps, on every rank alike (compared). Error memory follows
+        :mod:`lightning_gc.engine.slots`: kept with error feedback, else flushed in the next send."""
         group = self.plan.groups[gid]
         if group.exact:
             raise ValueError(
@@ -640,8 +604,7 @@ class GCEngine:
 
     def slot_specs(self) -> list[dict]:
         """The groups' own methods (checkpoint state): names, spec, the slot's exchange state (e.g. the
-        low-rank warm start ``Q̄``: without it a resumed run restarts it and differs), and whether
-        memory awaits a flush."""
+        low-rank warm start ``Q̄``), and whether memory awaits a flush."""
         return [{"names": list(k), "spec": v.spec.as_dict() if v.spec else None, "exchange": v.exchange.state_dict()}
                 for k, v in self._slots.items()] + [{"names": list(k), "flush": True} for k in self._flush]
 
@@ -669,10 +632,7 @@ class GCEngine:
             self.topology.close()
         group, self.exchange_group = self.exchange_group, None
         if group is not None and stopped and dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group(group)
-            except (RuntimeError, ValueError):  # already gone with the default group
-                pass
+            destroy_groups([group])  # skipped if already gone with the default group
 
     # ------------------------------------------------------------------ the hook (autograd thread)
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -775,15 +735,12 @@ class GCEngine:
         if dense and self.dense_mode is not None and self.step >= self.config.warmup_steps:
             work.dense_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.dense_mode)
             work.carried_flush = self._dense_flush
-        # Every step of this kind issues the same bucket allreduces in DDP's bucket order, and entering it
-        # was agreed (set_dense_mode, or a lossless compressor fixed at construction): the per-step
-        # opening check has nothing left to catch, and the buckets go out from the hook thread as
-        # DDP's own hook would. (On a small model this alone does not close the gap to DDP; GCMonitor's
-        # per-step logging can be most of it.)
+        # Every step of this kind issues the same bucket allreduces in DDP's order, and entering it was
+        # agreed (set_dense_mode, or a lossless compressor): no opening check, and the buckets go out
+        # from the hook thread as DDP's own hook would.
         work.steady = (dense and self.world_size > 1 and self.step >= self.config.warmup_steps
                        and (self.all_exact or self.dense_mode is not None) and self.plan_sends_every_param)
-        # after a job (run_before_step) the step's jobs queue on the runner behind it, so the first bucket sent
-        # knows its verdict; a dense mode's step stops on it
+        # after run_before_step the step's jobs queue on the runner behind its job, to read its verdict
         work.pre_step, self._pre_step = self._pre_step, None
         work.can_stop = (work.pre_step is not None and work.steady and self.dense_mode is not None
                          and not self.all_exact)
@@ -804,12 +761,10 @@ class GCEngine:
         """(host gid, exact gid) when the plan's exact group can travel inside the last compressed
         group's exchange this step, else None.
 
-        The exact group (the tensors below ``min_compress_numel``) otherwise costs an allreduce of
-        its own every compressed step; an exchange that already sends dense tensors exactly in its
-        first collective (``carries_exact``: ``lowrank``) takes them along. The host is the last
-        compressed group in gid order (the earliest layers: the last to be complete in backward,
-        as the exact group usually is). Read from replicated state only (plan, slots), so every rank
-        decides alike; the slots are in the step's descriptor, which the ranks compare."""
+        Otherwise the exact group costs an allreduce of its own every compressed step. The host is
+        the last compressed group in gid order (the earliest layers, complete last in backward, as
+        the exact group usually is) if its exchange ``carries_exact`` (``lowrank``). Replicated
+        state only (plan, slots), so every rank decides alike."""
         if len(self._planned) != len(self.params):  # a plan that defers layers this step (OSP)
             return None
         exact = [g.gid for g in self.plan.groups if g.exact]
@@ -897,16 +852,13 @@ class GCEngine:
                           views: list[Tensor] | None = None,
                           flush: list[tuple[Tensor, Tensor]] | None = None, carry: float | None = None,
                           layout: list[tuple[Tensor, int | None, int]] | None = None) -> None:
-        """DDP's own hook: async allreduce of bucket / N (same numerics as DDP without a hook); in a
-        16-bit dense mode, torch's ``fp16_compress_hook`` numerics (cast, divide, allreduce, copy back).
+        """DDP's own hook: async allreduce of bucket / N; in a 16-bit dense mode, torch's
+        ``fp16_compress_hook`` numerics (cast, divide, allreduce, copy back).
 
-        ``views``: when the plan leaves some of the bucket's parameters out (OSP defers them), only
-        these gradient views are averaged, through a copy; the others keep the local gradient.
-        ``flush``: (gradient view, error memory) pairs added before the average (see set_dense_mode).
-        ``carry``: one more element sent after the bucket's (:meth:`enable_dense_carry`); its mean over
-        the ranks becomes the step's ``carried_wall_mean_s`` (None if some rank sent NaN).
-        ``layout``: (gradient view, compressed group id or None for the exact group, offset in the
-        group) of the bucket's parameters, on a step that can stop (:meth:`run_before_step`)."""
+        ``views``: the gradient views the plan sends, where it defers others (OSP); they are averaged
+        through a copy. ``flush``: (gradient view, error memory) pairs added first (set_dense_mode).
+        ``carry``: one more element sent (:meth:`enable_dense_carry`). ``layout``: the
+        :meth:`_bucket_layout` of a step that can stop (:meth:`run_before_step`)."""
         if ready_event is not None:
             torch.cuda.current_stream().wait_event(ready_event)
         t0 = time.perf_counter()
@@ -947,7 +899,7 @@ class GCEngine:
                     out = data.copy_(out)
                 bad = not all_finite(out)
                 if views is not None:
-                    _scatter(out, views)
+                    unflatten_into(out, views)
                     out = buffer
             except BaseException as e:  # noqa: BLE001
                 self._fail(work, e)
@@ -1004,19 +956,11 @@ class GCEngine:
     def _bucket_layout(self, bucket: dist.GradBucket) -> list[tuple[Tensor, int | None, int]]:
         """(gradient view, compressed group id or None for an exact group's parameter, offset in the
         group) of the bucket's parameters, in the bucket's order."""
-        if self._layout is None or self._layout[0] is not self.plan:
-            where: dict[int, tuple[int | None, int]] = {}
-            for g in self.plan.groups:
-                off = 0
-                for pid, n in zip(g.param_ids, g.numels):
-                    where[pid] = (None if g.exact else g.gid, off)
-                    off += n
-            self._layout = (self.plan, where)
-        where = self._layout[1]
+        where = self._group_offsets()
         out = []
         for p, grad in zip(bucket.parameters(), bucket.gradients()):
             gid, off = where.get(self._pid_of[id(p)], (None, 0))
-            out.append((grad, gid, off))
+            out.append((grad, None if gid is None or self.plan.groups[gid].exact else gid, off))
         return out
 
     def _job_group(self, work: _StepWork, gid: int, views: list[Tensor], ready_event,
@@ -1055,8 +999,8 @@ class GCEngine:
                 if not all_finite(exact_mean):  # identical on all ranks after the sum
                     work.report.nonfinite_ranks = 1.0
                     work.replicated_nonfinite = True
-                _scatter(exact_mean, exact_views)
-        _scatter(mean, views)
+                unflatten_into(exact_mean, exact_views)
+        unflatten_into(mean, views)
 
     def _exchange_lossy(self, work: _StepWork, gid: int, flat: Tensor, ctx: GroupContext, timer: Timer,
                         exact: Tensor | None = None, closes: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -1116,12 +1060,10 @@ class GCEngine:
 
     def _report_rides(self, work: _StepWork, slot: MethodSlot) -> bool:
         """Whether the step's closing report rides in this (the step's last) exchange's last message
-        (``EngineConfig.report_rides``; lightning_gc/engine/agreement.py, ``RiddenReport``). Only
-        where the exchange can carry it (``carries_report``) in a dtype that counts this many ranks
-        exactly, where no exchange of the step chose a collective from the network model (the
-        tracker compares that step's own exchange time with the prediction), and where the plan
-        sends every parameter this step (OSP's deferred layers report a non-finite gradient from
-        outside the engine). Replicated inputs only: every rank decides alike."""
+        (``EngineConfig.report_rides``, ``RiddenReport``). Only where the exchange ``carries_report``
+        in a dtype that counts this many ranks exactly, where no exchange chose its collective from
+        the network model (the tracker needs that step's own time), and where the plan sends every
+        parameter (OSP's deferred layers report from outside). Replicated inputs only."""
         if not (self.config.report_rides and type(slot.exchange).carries_report and self.world_size > 1):
             return False
         limit = RIDER_MAX_RANKS.get(slot.exchange.report_dtype())
@@ -1240,10 +1182,7 @@ class GCEngine:
             self._last_stats = s
             self._last_nonfinite = s.nonfinite
             self._totals.add(s)
-        if not work.dense:
-            for fut, buffer in work.futures:
-                fut.set_result(buffer)
-        elif self.world_size == 1:
+        if not work.dense or self.world_size == 1:  # dense buckets complete in their own callbacks
             for fut, buffer in work.futures:
                 fut.set_result(buffer)
         work.finished.set()
@@ -1263,8 +1202,7 @@ class GCEngine:
         """Restore from :meth:`state_dict`. Returns names whose memory was missing (reset to 0).
 
         ``check_next``: open the next step with the opening check (a resumed rank proves it resumed
-        from the same checkpoint as the others). A rollback to an in-memory snapshot of this same run
-        passes the value it had then, so that the run continues exactly as one that never explored."""
+        from the same checkpoint); a rollback within the run passes the value it had then."""
         self.synchronize()
         missing = checkpoint.load_engine_state(self, state, restore_memory)
         self._check_next = bool(check_next)
@@ -1273,9 +1211,8 @@ class GCEngine:
 
 
 def gc_comm_hook(engine: GCEngine, bucket: dist.GradBucket) -> torch.futures.Future:
-    """DDP communication hook: ``ddp_model.register_comm_hook(engine, gc_comm_hook)``; the state
-    may also be a :class:`~lightning_gc.engine.session.StepSession` (what the strategy registers),
-    which hands the bucket to its participants before the engine."""
+    """DDP communication hook: ``ddp_model.register_comm_hook(engine, gc_comm_hook)``; the state may
+    also be a :class:`~lightning_gc.engine.session.StepSession` (what the strategy registers)."""
     return engine.on_bucket(bucket)
 
 

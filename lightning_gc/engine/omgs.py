@@ -16,7 +16,7 @@
      the measured difference to dense steps). With ``overlap=False`` the exchanges run inside
      backward and would be counted as backward, so that combination is refused here
      (:meth:`~lightning_gc.config.GCConfig.from_flat` switches it to ``"dense"``).
-   * ``"dense"`` (the behaviour up to 0.1.0): dense warm-up steps ``1 + skip .. 1 + skip +
+   * ``"dense"``: dense warm-up steps ``1 + skip .. 1 + skip +
      profile_steps - 1``; the strategy raises ``warmup_steps`` to ``dense_steps_needed``.
 
    Which steps count is decided from replicated values only (the step counter, whether the step was
@@ -62,7 +62,7 @@ from .._validation import check_int
 from ..comm.exchange import ExchangeTimes, Timer, error_feedback_residual
 from ..compressors.base import GroupContext
 from ..plans import ParamFacts, Plan, PlanRequest, get_planner
-from ..plans.omgs import GroupTimes, OMGSCost, is_provisional, partition_from_plan, predict_plan
+from ..plans.omgs import GroupTimes, OMGSCost, partition_from_plan, predict_plan
 from ..plans.omgs_fit import LineFit, SparsifyFit, fit_comm, fit_line, fit_sparsify
 from .agreement import StepReport, agree_values
 from .ports import EngineView, PlanControl
@@ -240,7 +240,6 @@ class OMGSController(StepParticipant):
         self._profile: list[list[float]] = []  # per profiled step: ready seconds per param
         self._steps_seen = 0  # step boundaries this instance saw while profiling (replicated)
         self._skipped = 0  # eligible steps skipped so far (profile_skip_steps; replicated)
-        self._t_closure = 0.0
         self._t_backward = 0.0
         self._t_end = 0.0
         self._profiling = True
@@ -302,7 +301,7 @@ class OMGSController(StepParticipant):
         """The optimizer closure, timed: forward end → backward returned (after DDP's Futures)."""
         def timed() -> Any:
             self._in_closure = True
-            self._t_closure = self._t_backward = time.perf_counter()
+            self._t_backward = time.perf_counter()
             try:
                 out = closure()
             finally:
@@ -595,6 +594,3 @@ class OMGSController(StepParticipant):
             log.info("lightning_gc OMGS calibration: D=%d payload=%d B t_s=%.3g s (fit %.3g) t_c=%.3g s (fit %.3g)",
                      d, b, s_, cal.sparsify(d), c_, cal.comm(b))
         return cal
-
-    def provisional(self) -> bool:
-        return is_provisional(self.engine.plan)

@@ -1,9 +1,5 @@
 """The step session: the one owner of how the engine and its participants compose per step.
 
-Before this module, the strategy called the engine, OSP and OMGS by hand in a fixed order, the
-adaptive controller's rollback ran its own copy of a training step that called only the engine,
-and only an ``if`` kept OSP and OMGS from both replacing the plan. Now:
-
 * a :class:`StepSession` holds the :class:`~lightning_gc.engine.GCEngine` and an ordered list of
   :class:`StepParticipant` s (OSP, OMGS, later synchronisation models);
 * every optimizer step — Lightning's and the controller's rollback steps alike — goes through
@@ -208,13 +204,6 @@ class StepSession:
             self.plan_owner.bind_plan(engine)
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_steps = 0
-
-    def participant(self, name: str) -> StepParticipant | None:
-        """The participant called ``name`` (``None`` if absent)."""
-        for p in self.participants:
-            if p.name == name:
-                return p
-        return None
 
     # ------------------------------------------------------------------ the hook (autograd thread)
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:

@@ -46,9 +46,8 @@ class StepStats:
     carried_wall_mean_s: float | None = None  # the value every rank handed to GCEngine.carry_wall before
     # this step, averaged over the ranks by the step's closing report; None on dense steps and when not
     # every rank carried one
-    # a dense step that can stop (GCEngine.run_before_step; engine/dense_stop.py): the fastest rank's time
-    # for the first bucket's timed chunk and the model's time for it (agreed; None where not checked), and
-    # whether the step stopped there (its compressed groups' gradients became error memory)
+    # a dense step that can stop (engine/dense_stop.py): the check's agreed and predicted times (None where
+    # not checked), and whether the step stopped (its compressed groups' gradients became error memory)
     dense_check_s: float | None = None
     dense_check_predicted_s: float | None = None
     dense_check_bytes: int = 0
@@ -60,10 +59,8 @@ class StepStats:
     # round, None when the step ran no Marsit exchange (exchanges report it in ExchangeTimes.full_precision)
     compressor_metrics: dict | None = None  # compressor-specific values of the step, logged as
     # gc/<key> (e.g. GradiVeQ's phase, d per tensor, compression loss; ExchangeTimes.metrics)
-    # the engine's own time (OwnClock; docs/bench.md, "Overhead"): wall time in its code on every thread it
-    # runs on (hook, runner, backend callbacks), summed over the threads; control_comm_s its agreements'
-    # collectives (opening check, closing report); overhead_s = engine_own_s minus what those regions spent
-    # blocked in gradient collectives, in the codec (compress_time_s) and in probes (agreements stay in)
+    # the engine's own wall time on all its threads (OwnClock), the time in its agreements (opening check,
+    # closing report), and the overhead: own time less gradient collectives, codec and probes (step_overhead)
     engine_own_s: float = 0.0
     control_comm_s: float = 0.0
     overhead_s: float = 0.0

@@ -38,7 +38,6 @@ class ARTopkExchange(Exchange):
         # VAR's smoothed per-rank energies, one vector per plan group (keyed by ctx.group_id):
         # replicated on every rank (built from all-gathered values) and saved in checkpoints
         self._energy: dict[int, Tensor] = {}
-        self.last_source = -1
 
     def state_dict(self) -> dict:
         """VAR's smoothed energies per plan group (CPU float64), for checkpoints."""
@@ -80,7 +79,6 @@ class ARTopkExchange(Exchange):
             src = self._var_source(local.payload[0], ctx, timer)
         else:
             src = select_source("star", ctx)
-        self.last_source = src
         idx = local.payload[1] if ctx.rank == src else torch.empty(k, dtype=torch.int32, device=p.device)
         idx = idx.contiguous()
         if self.reduce == "allreduce":  # fully native: the backend's broadcast (flat on gloo)
@@ -125,7 +123,6 @@ class AutoSparseExchange(Exchange):
         self._ring = ARTopkExchange(compressor, group, "ring")
         self._tree = ARTopkExchange(compressor, group, "tree")
         self.last_choice: str | None = None
-        self.last_predicted_s: float | None = None
 
     def choose(self, ctx: GroupContext, element_size: int = 4) -> tuple[str, float | None]:
         """The collective and its predicted seconds for a group of ``ctx.numel`` elements whose
@@ -144,7 +141,7 @@ class AutoSparseExchange(Exchange):
 
     def run(self, p: Tensor, ctx: GroupContext, timer: Timer) -> tuple[Tensor, Tensor | SparseSent]:
         choice, predicted = self.choose(ctx, p.element_size())
-        self.last_choice, self.last_predicted_s = choice, predicted
+        self.last_choice = choice
         timer.times.add_choice(choice, predicted)
         ex = {"allgather": self._ag, "art_ring": self._ring, "art_tree": self._tree}[choice]
         return ex.run(p, ctx, timer)

@@ -138,7 +138,7 @@ def planner_summaries() -> dict[str, str]:
 
 
 def get_planner(name: str) -> Callable[[PlanRequest], Plan]:
-    if name not in _PLANNERS:
+    if not isinstance(name, str) or name not in _PLANNERS:
         raise ValueError(
             f"plan={name!r} is not a plan kind: use one of {available_planners()} ('model' = whole model in one group)."
         )

@@ -41,10 +41,6 @@ class LineFit:
     def max_abs_residual(self) -> float:
         return max((abs(r) for r in self.residuals), default=0.0)
 
-    @property
-    def median_abs_residual(self) -> float:
-        return float(np.median(np.abs(self.residuals))) if self.residuals else 0.0
-
     def __call__(self, x: float) -> float:
         return self.intercept + self.slope * x
 

@@ -56,8 +56,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from .._finite import all_finite
-from ..comm.collectives import ring_allreduce_bytes
-from ..comm.hierarchy import NodeTopology
+from ..comm.collectives import ring_allreduce_bytes, unflatten_into
+from ..comm.hierarchy import NodeTopology, destroy_groups
 from ..comm.worker import InlineRunner, OrderedWorker
 from ..engine.ports import EngineControl
 from ..engine.session import StepParticipant
@@ -214,11 +214,6 @@ class DiLoCoConfig:
             raise ValueError(f"diloco_compressor_args {unknown} are not options of diloco_compressor="
                              f"{self.compressor!r}; its options are {valid}.")
         return SparseLoCoCompressor(SparseLoCoConfig(**args))
-
-    @property
-    def streaming(self) -> bool:
-        """Whether parameters may differ from θ_outer right after an outer step (F > 1, τ > 0 or α > 0)."""
-        return self.fragments > 1 or self.overlap_steps > 0 or self.mixing > 0
 
     def send_offset(self, fragment: int) -> int:
         """The first inner step at which ``fragment`` is sent (then every H steps)."""
@@ -641,10 +636,7 @@ class DiLoCoSync(StepParticipant):
             flat.div_(self.world_size)
             dist.all_reduce(flat, group=self.group)
             sent, inter = ring_allreduce_bytes(flat.numel() * flat.element_size(), self.world_size), 0
-        offset = 0
-        for _, b in self.buffers:
-            b.copy_(flat[offset:offset + b.numel()].view_as(b))
-            offset += b.numel()
+        unflatten_into(flat, [b for _, b in self.buffers])
         return sent, inter
 
     def load_outer(self) -> None:
@@ -792,8 +784,7 @@ class DiLoCoSync(StepParticipant):
         if self.nodes is not None:
             self.nodes.close()
         if self.group is not None:
-            with contextlib.suppress(RuntimeError, ValueError):
-                dist.destroy_process_group(self.group)
+            destroy_groups([self.group])
             self.group = None
 
 

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from .._finite import all_finite
 from ..comm.collectives import ring_allreduce_bytes
+from ..comm.hierarchy import destroy_groups
 from ..comm.probe import ProbeConfig
 from ..comm.worker import InlineRunner, OrderedWorker
 from ..engine.ports import EngineControl, LinkPort, PlanControl
@@ -171,12 +172,8 @@ class OSPSync(StepParticipant):
 
     A participant of the :class:`~lightning_gc.engine.session.StepSession` that owns the merge
     plan (it leaves the deferred layers out of the engine's plan every step). Build it right after
-    the engine, on every rank, in the same order (it creates a process group). Lifecycle, called by
-    the session every optimizer step: :meth:`on_bucket` (before the engine sees each bucket),
-    :meth:`before_optimizer_step` (after backward; returns whether ICS data was non-finite on some
-    rank), then either :meth:`prepare_step` (the step will be taken) or :meth:`skip_step`, then
-    ``optimizer.step()``, then :meth:`after_optimizer_step`. Without a session (unit tests),
-    register :func:`osp_comm_hook` with it instead of the engine's hook and call the same methods.
+    the engine, on every rank, in the same order (it creates a process group). Without a session
+    (unit tests), register :func:`osp_comm_hook` with it and call the session's methods in its order.
     """
 
     name = "osp"
@@ -413,10 +410,7 @@ class OSPSync(StepParticipant):
         stopped = self._runner.close(timeout)
         group, self.group = self.group, None
         if group is not None and stopped and dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group(group)
-            except (RuntimeError, ValueError):
-                pass
+            destroy_groups([group])
 
     # ------------------------------------------------------------------ internals
     def _comm_device(self) -> torch.device:
