@@ -139,8 +139,9 @@ class OSPStats:
 class _Pending:
     step: int
     pids: list[int]
-    snapshot: LGPSnapshot
-    flat: Tensor
+    snapshot: LGPSnapshot | None
+    parts: list[Tensor]  # the deferred layers' captured gradients; the worker flattens them into ``flat``
+    flat: Tensor | None = None
     comm_s: float = 0.0
     error: BaseException | None = None
     event: Any = None
@@ -192,11 +193,14 @@ class OSPSync(StepParticipant):
         self.world_size: int = engine.world_size
         self.device = engine.device
         self._pid_of_ptr = {p.data_ptr(): i for i, p in enumerate(self.params)}
-        self.group = None
+        # two groups, one issuing thread each: the worker sends the deferred stage on ``group`` while
+        # the main thread agrees (non-finite data, round statistics, the clipping norm) on ``control``
+        self.group = self.control = None
         if self.world_size > 1:
             pg = engine.process_group
             ranks = dist.get_process_group_ranks(pg) if pg is not None else None
             self.group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
+            self.control = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
         self._ics_exchange = None  # compressed deferred stage (None: dense allreduce)
         self._ics_error_feedback = False
         if self.world_size > 1 and config.deferred_compressor != "dense":
@@ -276,15 +280,21 @@ class OSPSync(StepParticipant):
             return False
         fields = [1.0 if local_bad else 0.0] + (self._round_sums() if round_end else [])
         t = torch.tensor(fields, dtype=torch.float64, device=self._comm_device())
-        dist.all_reduce(t, group=self.group)  # the worker is idle: _apply_pending drained it
+        dist.all_reduce(t, group=self.control)
         values = t.cpu().tolist()
         if round_end:
             self._end_round(values[1:])
         return values[0] > 0
 
     def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer step will be taken: record the importance of the routine layers (their
-        gradient is the aggregated one) and snapshot the deferred layers' optimizer state."""
+        """The optimizer step will be taken: start this step's ICS exchange, record the importance of
+        the routine layers (their gradient is the aggregated one) and snapshot the deferred layers'
+        optimizer state.
+
+        The exchange needs only the captured gradients, so it starts here rather than after the
+        optimizer step: the link carries the deferred stage while this rank snapshots, clips and
+        steps, instead of idling through them (on a link-bound step that is the whole of OSP's
+        gain)."""
         with torch.no_grad():
             for pid, p in enumerate(self.params):
                 if pid not in self.deferred and p.grad is not None:
@@ -296,7 +306,22 @@ class OSPSync(StepParticipant):
                     f"lightning_gc OSP: deferred parameters {[self.names[i] for i in missing][:5]} never "
                     "reached the comm hook this step; with unused parameters pass find_unused_parameters=True."
                 )
+            self._start_ics()
             self._snapshot = LGPSnapshot(optimizer, [self.params[pid] for pid in sorted(self.deferred)])
+            assert self._pending is not None
+            self._pending.snapshot = self._snapshot
+
+    def _start_ics(self) -> None:
+        """Submit this step's deferred stage to the worker (it flattens and sends the captured
+        gradients on ``group``)."""
+        pids = sorted(self.deferred)
+        pending = _Pending(self.step, pids, None, [self._captured[pid] for pid in pids])
+        if pending.parts[0].is_cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            pending.event = ev
+        self._pending = pending
+        self._runner.submit(lambda: self._job_ics(pending))
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, max_value: float, algorithm: str,
                        plain: Callable[[], Any]) -> None:
@@ -340,7 +365,7 @@ class OSPSync(StepParticipant):
                 else:
                     routine_sq += sq
         t = torch.tensor([math.sqrt(local_sq)], dtype=torch.float64, device=self._comm_device())
-        dist.all_reduce(t, group=self.group)  # the worker is idle: before_optimizer_step drained it
+        dist.all_reduce(t, group=self.control)  # this step's deferred stage may be in flight on ``group``
         deferred_norm = float(t.cpu()[0]) / self.world_size
         factor = min(1.0, max_value / (math.sqrt(routine_sq + deferred_norm ** 2) + 1e-6))
         if factor < 1.0:
@@ -364,19 +389,11 @@ class OSPSync(StepParticipant):
         self._snapshot = None
 
     def after_optimizer_step(self) -> None:
-        """Start this step's ICS allreduce, then choose the next step's split."""
+        """Count this step's dense ICS bytes, then choose the next step's split."""
         if self._snapshot is not None:
-            pids = sorted(self.deferred)
-            flat = torch.cat([self._captured[pid].reshape(-1) for pid in pids])
-            pending = _Pending(self.step, pids, self._snapshot, flat)
-            if flat.is_cuda:
-                ev = torch.cuda.Event()
-                ev.record()
-                pending.event = ev
-            self._pending = pending
-            self._runner.submit(lambda: self._job_ics(pending))
             if self._ics_exchange is None:  # compressed: counted when it completes (_apply_pending)
-                nbytes = flat.numel() * flat.element_size()
+                parts = [self._captured[pid] for pid in self.deferred]
+                nbytes = sum(t.numel() for t in parts) * parts[0].element_size()
                 self.engine.add_deferred_traffic(ring_allreduce_bytes(nbytes, self.world_size), nbytes)
                 self.deferred_bytes_sent += ring_allreduce_bytes(nbytes, self.world_size)
         self._captured.clear()
@@ -408,9 +425,10 @@ class OSPSync(StepParticipant):
     def close(self, timeout: float = 60.0) -> None:
         self.drain(timeout=timeout)
         stopped = self._runner.close(timeout)
-        group, self.group = self.group, None
-        if group is not None and stopped and dist.is_available() and dist.is_initialized():
-            destroy_groups([group])
+        groups = [g for g in (self.group, self.control) if g is not None]
+        self.group = self.control = None
+        if groups and stopped and dist.is_available() and dist.is_initialized():
+            destroy_groups(groups)
 
     # ------------------------------------------------------------------ internals
     def _comm_device(self) -> torch.device:
@@ -420,6 +438,7 @@ class OSPSync(StepParticipant):
         try:
             if pending.event is not None:
                 torch.cuda.current_stream().wait_event(pending.event)
+            pending.flat, pending.parts = torch.cat([t.reshape(-1) for t in pending.parts]), []
             t0 = time.perf_counter()
             if self._ics_exchange is not None:
                 self._compressed_ics(pending)
@@ -517,7 +536,7 @@ class OSPSync(StepParticipant):
         client probed), one probe on OSP's group, whose result every client of the observer reads."""
         link = cast(LinkPort, self.engine).link
         if link.model is None and self.world_size > 1:
-            link.refresh(self.engine.step, self.group, self._comm_device(), OSP_PROBE)
+            link.refresh(self.engine.step, self.control, self._comm_device(), OSP_PROBE)
         return link.model
 
     @property
