@@ -29,6 +29,7 @@ and the others still run; the exit status is then 1.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import platform
@@ -36,7 +37,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -118,18 +119,11 @@ class CodecBenchConfig:
                 raise ValueError(f"unknown compressors {unknown}; valid: {', '.join(available_compressors())}")
 
 
-@dataclass
-class Timing:
-    seconds: float
-    elements_per_s: float
-    vs_add: float  # this time / the reference add's time at the same size
-    runs: list[float] = field(default_factory=list)
-
-
 def _timing(runs: list[float], n: int, ref_s: float) -> dict:
+    """The median of ``runs``, as elements per second and as a multiple of the reference add's time."""
     s = statistics.median(runs)
-    return asdict(Timing(seconds=s, elements_per_s=n / s if s > 0 else float("inf"),
-                         vs_add=s / ref_s if ref_s > 0 else float("nan"), runs=runs))
+    return {"seconds": s, "elements_per_s": n / s if s > 0 else float("inf"),
+            "vs_add": s / ref_s if ref_s > 0 else float("nan"), "runs": runs}
 
 
 def _reference_add(a: torch.Tensor, b: torch.Tensor, repeats: int) -> list[float]:
@@ -156,11 +150,9 @@ def _engine_passes(n: int, cfg: CodecBenchConfig, ref_s: float, g: torch.Tensor)
     from lightning_gc.compressors.workspace import empty_output
 
     segs = _segments(n, cfg.segments)
+    offsets = list(itertools.accumulate(segs, initial=0))[:-1]
     bucket = g.clone()
-    views, off = [], 0
-    for s in segs:
-        views.append(bucket[off:off + s])
-        off += s
+    views = [bucket[o:o + s] for o, s in zip(offsets, segs)]
     e = (torch.randn(n, generator=torch.Generator().manual_seed(cfg.seed + 99)) * 0.1).to(g.device)
     mean = g * 0.5
     sent = g * 0.25
@@ -173,16 +165,10 @@ def _engine_passes(n: int, cfg: CodecBenchConfig, ref_s: float, g: torch.Tensor)
         "ef_add": time_runs(lambda: g + e, cfg.repeats),
         "ef_residual": time_runs(lambda: p - sent, cfg.repeats),
         "norm2": time_runs(lambda: float(p.float().pow(2).sum()), cfg.repeats),
-        "writeback": time_runs(lambda: [v.copy_(mean[o:o + s]) for v, o, s in _offsets(views, segs)], cfg.repeats),
+        "writeback": time_runs(lambda: [v.copy_(mean[o:o + s]) for v, o, s in zip(views, offsets, segs)],
+                               cfg.repeats),
     }
     return {k: _timing(v, n, ref_s) for k, v in out.items()}
-
-
-def _offsets(views, segs):
-    off = 0
-    for v, s in zip(views, segs):
-        yield v, off, s
-        off += s
 
 
 def _near_square(numel: int) -> tuple[int, int]:
