@@ -63,11 +63,8 @@ itself, and they are refused with the fix, as is anything else
 The same method may appear several times with different options; each entry is labelled by its
 full spec (``topk:ratio=0.001``), with the default ratio made explicit.
 
-Lightning's ``DDPStrategy`` only registers DDP comm hooks on CUDA, so the torch baselines use
-:class:`TorchHookDDPStrategy`, which registers the hook on any device (CPU/gloo included); the
-worker verifies that the hook really ran (``DistributedDataParallel._get_ddp_logging_data()``).
-``powersgd`` runs with a single DDP bucket (see :class:`TorchHookDDPStrategy`): on gloo the hook's
-per-bucket collectives are otherwise issued in different orders on different ranks.
+The torch baselines run on :class:`TorchHookDDPStrategy` (Lightning registers comm hooks on CUDA
+only); the worker checks that the hook really ran (``DistributedDataParallel._get_ddp_logging_data()``).
 
 Bytes per rank per step for the torch baselines (no engine counts them) follow the ring-allreduce
 model used for dense DDP, ``2 (N - 1) / N`` times the message size for ``N`` ranks:
@@ -146,10 +143,6 @@ class MethodSpec:
     @property
     def label(self) -> str:
         return self.method + "".join(f":{k}={_fmt(v)}" for k, v in self.options.items())
-
-    @property
-    def is_baseline(self) -> bool:
-        return not self.gc
 
     def to_json(self) -> dict:
         return {"method": self.method, "label": self.label, "compressor": self.name if self.gc else None,
@@ -262,15 +255,7 @@ def parse_methods(text: str, *, default_ratio: float | None) -> list[MethodSpec]
             continue
         if name.startswith("gc_"):
             name, gc = name[3:], True
-        options: dict[str, Any] = {}
-        for part in opt_parts:
-            key, eq, value = part.partition("=")
-            key = key.strip()
-            if not eq or not key:
-                raise MethodError(
-                    f"method {entry!r}: option {part!r} is not KEY=VALUE; write e.g. 'topk:ratio=0.001'"
-                )
-            options[key] = parse_value(value)
+        options = _parse_options(entry, opt_parts, "topk:ratio=0.001")
         if gc and name == AUTO:
             _check_auto(entry, options)
         elif gc:
@@ -354,18 +339,23 @@ class TorchHookDDPStrategy(DDPStrategy):
             raise MethodError(f"TorchHookDDPStrategy: unknown hook {self.hook_name!r}; use 'fp16' or 'powersgd'")
 
 
+def _parse_options(entry: str, parts: list[str], example: str) -> dict[str, Any]:
+    """The ``KEY=VALUE`` parts of a method entry as a dict (values through :func:`parse_value`)."""
+    options: dict[str, Any] = {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip():
+            raise MethodError(f"method {entry!r}: option {part!r} is not KEY=VALUE; write e.g. '{example}'")
+        options[key.strip()] = parse_value(value)
+    return options
+
+
 def _fsdp_spec(entry: str, name: str, opt_parts: list[str], gc_names: list[str] | None) -> MethodSpec:
     compressor = name[len("fsdp_"):]
     if gc_names is None or compressor not in gc_names:
         raise MethodError(f"method {entry!r}: {compressor!r} is not a lightning_gc compressor; write fsdp_<compressor>, "
                           "e.g. 'fsdp_topk:ratio=0.01' (docs/fsdp.md)")
-    options = {}
-    for part in opt_parts:
-        key, eq, value = part.partition("=")
-        if not eq or not key.strip():
-            raise MethodError(f"method {entry!r}: option {part!r} is not KEY=VALUE; write e.g. 'fsdp_topk:ratio=0.01'")
-        options[key.strip()] = parse_value(value)
-    return MethodSpec(name, options, gc=True)
+    return MethodSpec(name, _parse_options(entry, opt_parts, "fsdp_topk:ratio=0.01"), gc=True)
 
 
 def build_strategy(spec: MethodSpec, **ddp_kwargs: Any):
