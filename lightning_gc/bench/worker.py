@@ -9,16 +9,12 @@ same module is started by ``torchrun`` (``RANK``/``GROUP_RANK`` are accepted for
 
 What it measures (written to ``<run_dir>/rank<G>.json``):
 
-* ``step_times``: wall time of every training step on this rank: from the end of the previous step
-  (or of the validation before it) to ``on_train_batch_end`` — fetching the batch, forward, backward
-  with the gradient synchronisation, optimizer step, and whatever the strategy does between steps.
-  The time *between* steps counts: work a method overlaps with the next steps (Streaming DiLoCo's
-  fragment exchanges, OSP's deferred stage) competes with the main thread there, and timing only
-  ``on_train_batch_start`` → ``on_train_batch_end`` lost a large share of a streaming run's time.
-  Validation and the progress file are outside; the
-  ``--budget`` agreement (one small MAX allreduce per step) is inside the next step: it waits for the
-  slowest rank and, on the link, behind what a method has in flight. The first step of the run starts at
-  ``on_train_batch_start``. The runner skips the first ``warmup`` steps.
+* ``step_times``: wall time of every training step on this rank, from the end of the previous step
+  (or of the validation before it; for the first step, ``on_train_batch_start``) to
+  ``on_train_batch_end``. The time *between* steps counts: work a method overlaps with later steps
+  (Streaming DiLoCo's fragments, OSP's deferred stage) competes with the main thread there.
+  Validation and the progress file are outside; ``--budget``'s agreement is inside the next step.
+  The runner skips the first ``warmup`` steps.
 * ``compute_times``: after training, every rank replays a few of the batches it trained on through
   ``training_step`` + ``backward`` + ``optimizer.step`` on the *unwrapped* LightningModule (no DDP
   reducer, no comm hook, so no communication at all), all ranks at once after a barrier so the CPU
@@ -32,18 +28,10 @@ What it measures (written to ``<run_dir>/rank<G>.json``):
   that point, validation excluded.
 * ``auto`` (``GCStrategy(compressor="auto")`` only, else ``None``): what the run-time chooser picked
   and why, from ``strategy.auto.history`` at the end of training (replicated, so every rank writes
-  the same): ``chosen`` (the method in force at the end), ``candidates``, and one entry per
-  decision in ``decisions`` — ``step``, ``trigger`` (``warmup``, ``calibration``, ``drift``,
-  ``periodic``, ``gain``), ``chosen``,
-  ``previous``, ``predicted_step_s`` (the model's step for the pick), ``measured_step_s`` (the
-  chooser's reference after the decision: the median of a ``window`` of steps once the switch has
-  settled, slowest rank; ``None`` if the run ended before that window), ``predictions``
-  (candidate → predicted step), ``time_per_progress_s`` (candidate → what the choice minimised),
-  ``network`` (the probed ``alpha_s``, ``beta_s_per_byte``), ``dense_wall_s``, ``decide_s`` (and
-  ``decide_parts_s``: its latency round, probe, link check and codec timing),
-  ``delta2`` (candidate → the error the decision used), ``beta_scale`` (the probe's calibration),
-  ``compute_s`` (forward + backward + optimizer of the workload it used); and ``gain_checks``
-  (every re-measurement of the errors: ``step``, ``delta2``, ``moved``, ``redecided``).
+  the same): the method in force at the end, one entry per decision and every re-measurement of
+  the errors (:func:`_auto_state`). A decision's ``measured_step_s`` is the chooser's reference
+  after it: the median of a ``window`` of steps once the switch has settled, slowest rank (``None``
+  if the run ended before that window).
 """
 
 from __future__ import annotations
@@ -63,13 +51,11 @@ __all__ = ["main"]
 
 def _set_parent_death_signal() -> None:
     """Die with the runner even if it is SIGKILLed (Linux only; best effort)."""
-    try:
-        import ctypes
-        import signal
+    import ctypes
+    import signal
 
+    with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001
-        pass
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -157,10 +143,8 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
         @staticmethod
         def _engine(trainer):
             # GCStrategy's engine, or GCModelParallelStrategy's replica exchange (FSDP2)
-            engine = getattr(trainer.strategy, "engine", None) or getattr(trainer.strategy, "replica", None)
-            if engine is None or not hasattr(engine, "totals"):
-                return None
-            return {k: float(v) for k, v in engine.totals().items() if isinstance(v, (int, float))}
+            strategy = trainer.strategy
+            return _totals(getattr(strategy, "engine", None) or getattr(strategy, "replica", None))
 
         @staticmethod
         def _psgd(trainer):
@@ -515,12 +499,9 @@ def _auto_state(strategy) -> dict | None:
 
 
 def _link_check(check: dict | None) -> dict | None:
-    """A re-decision's link check (``AutoChooser``, ``probe_check``): the check message's time, the last
-    full probe's time for that size, whether the link counted as unchanged (no full probe),
-    whether a first message that looked moved was timed again (the faster kept), what the reference
-    was (``"measured"``: a probe's or an earlier check's message; ``"modelled"``: the model's time
-    for it after a dense step measured β; ``None`` in runs of earlier versions) and, when a moved
-    check measured β itself, that β (``None`` otherwise)."""
+    """A re-decision's link check (``AutoChooser``, ``probe_check``). ``reference``: ``"measured"`` (a
+    probe's or an earlier check's message) or ``"modelled"`` (the model's time after a dense step
+    measured β); ``beta_s_per_byte``: the β a moved check measured itself, else ``None``."""
     if not check:
         return None
     return {"check_s": _num(check.get("check_s")), "probe_s": _num(check.get("probe_s")),
@@ -558,12 +539,17 @@ def _network_model(engine) -> dict | None:
             "pinned": bool(engine.network.pinned), "probes": int(engine.network.probes)}
 
 
-def _engine_totals(engine) -> dict | None:
+def _totals(engine) -> dict | None:
+    """The engine's numeric running totals, or ``None`` without an engine."""
     if engine is None or not hasattr(engine, "totals"):
         return None
+    return {k: float(v) for k, v in engine.totals().items() if isinstance(v, (int, float))}
+
+
+def _engine_totals(engine) -> dict | None:
     try:
-        return {k: float(v) for k, v in engine.totals().items() if isinstance(v, (int, float))}
-    except Exception:  # noqa: BLE001
+        return _totals(engine)
+    except Exception:  # noqa: BLE001 - the end-of-run record is informational
         return None
 
 
