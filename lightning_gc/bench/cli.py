@@ -149,16 +149,12 @@ _BASELINE_LINES = {
 
 def list_methods_text() -> str:
     """One line per method name: the torch baselines, every lightning_gc compressor as gc_NAME, then auto."""
-    from lightning_gc.bench.methods import BASELINES, _gc_compressors
+    from lightning_gc.bench.methods import BASELINES
+    from lightning_gc.compressors import available_compressors, get_entry
 
     lines = ["torch baselines (DDP with a torch communication hook):"]
     lines += [f"  {name:<16}{_BASELINE_LINES.get(name, '')}".rstrip() for name in BASELINES]
-    names, why = _gc_compressors()
-    if names is None:
-        lines.append(f"lightning_gc compressors: unavailable ({why})")
-        return "\n".join(lines)
-    from lightning_gc.compressors import get_entry
-
+    names = available_compressors()
     clash = [n for n in names if n in BASELINES]
     lines.append("lightning_gc compressors (GCStrategy(compressor=NAME); the gc_ prefix may be dropped"
                  + (f" except for {', '.join('gc_' + n for n in clash)}, whose bare name is the torch baseline"
