@@ -519,9 +519,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     ax.set_title(f"Step time — {title_tail}", fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
     ax.set_xlim(right=max(r["step_time_p75_s"] for r in ok) * 1.3)
-    fig.tight_layout()
     paths.append(_save(fig, out_dir, "step_time.png"))
-    plt.close(fig)
 
     # 2. bytes: engine vs wire
     fig, ax = plt.subplots(figsize=(8, 0.6 * len(ok) + 1.8))
@@ -545,9 +543,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     ax.set_xlabel("bytes sent per rank per step (log)")
     ax.set_title(f"Bytes — {title_tail}", fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
     paths.append(_save(fig, out_dir, "bytes.png"))
-    plt.close(fig)
 
     # 3. per-step trace
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -565,9 +561,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     ax.set_ylabel("step time (s, slowest rank)")
     ax.set_title(f"Step times over the run — {title_tail}", fontsize=9)
     ax.legend(fontsize=8, ncol=2 if len(ok) > 8 else 1)
-    fig.tight_layout()
     paths.append(_save(fig, out_dir, "step_trace.png"))
-    plt.close(fig)
 
     # 4. metric vs training time
     curves = [r for r in ok if r.get("metric_curve")]
@@ -584,15 +578,18 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
         ax.set_ylabel(c.get("metric") or "metric")
         ax.set_title(f"Task metric — {title_tail}", fontsize=9)
         ax.legend(fontsize=8, ncol=2 if len(curves) > 8 else 1)
-        fig.tight_layout()
         paths.append(_save(fig, out_dir, "metric.png"))
-        plt.close(fig)
     return paths
 
 
 def _save(fig, out_dir: str, name: str) -> str:
+    """Lay out ``fig``, write it to ``out_dir/name`` and close it; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
     path = os.path.join(out_dir, name)
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return path
 
 
@@ -706,8 +703,5 @@ def write_sweep_plot(sweep: dict, out_dir: str) -> list[str]:
         ax.set_title(title, fontsize=9)
     axes[0].legend(fontsize=8, ncol=2 if len(labels) > 8 else 1)  # every method that ran has a step
     fig.suptitle(f"{c['preset']}, {c['ranks']} ranks: one run per link", fontsize=10)
-    fig.tight_layout()
     os.makedirs(out_dir, exist_ok=True)
-    path = _save(fig, out_dir, "sweep.png")
-    plt.close(fig)
-    return [path]
+    return [_save(fig, out_dir, "sweep.png")]
