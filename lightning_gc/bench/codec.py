@@ -65,22 +65,13 @@ def parse_size(text: str) -> int:
 
 @dataclass(frozen=True)
 class CodecBenchConfig:
-    """What to time.
+    """What to time (the fields are the options of ``python -m lightning_gc.bench.codec``).
 
-    Attributes:
-        sizes: group sizes in elements (fp32). 1M / 11M (ResNet-18) by default; add 100M for a
-            large-model group (needs ~4 GB of memory and a few minutes on one thread).
-        world_size: ranks whose payloads are aggregated (N).
-        ratio: kept fraction for compressors that take one.
-        repeats: timed runs per measurement (the median is reported), after one warm-up.
-        segments: parameter tensors the group is split into for flatten / write-back (ResNet-18
-            has 62).
-        compressors: names to time; ``None`` = every registered compressor.
-        threads: torch intra-op threads during the run.
-        seed: seed of the synthetic gradients.
-        keep_allocations: call :func:`lightning_gc.compressors.workspace.keep_large_allocations_cached`
-            first (process-wide) to see what page faults on fresh large tensors cost.
-        device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``): where the groups live and the passes run.
+    ``sizes``: 1M / 11M (ResNet-18) elements by default; 100M, a large-model group, needs ~4 GB of
+    memory and a few minutes on one thread. ``segments``: parameter tensors per group (ResNet-18 has
+    62). ``compressors``: ``None`` = every registered compressor. ``keep_allocations``: call
+    :func:`lightning_gc.compressors.workspace.keep_large_allocations_cached` first (process-wide) to
+    see what page faults on fresh large tensors cost.
     """
 
     sizes: tuple[int, ...] = (1_000_000, 11_000_000)
