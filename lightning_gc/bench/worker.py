@@ -98,12 +98,10 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             self.change_error: BaseException | None = None  # a change that failed: raised at the next step
             self.ifname = cfg.get("ifname") if local_rank == 0 else None
             self.window_open = False
-            self.tx_start = self.tx_end = None
-            self.tx_t0 = self.tx_t1 = None
+            self.start: dict = {}  # the counters when the measured window opened (_counters)
+            self.end: dict = {}  # ... and when it closed
             self.tx_val = 0
             self.tx_val_start = None
-            self.engine_start = self.engine_end = None
-            self.psgd_start = self.psgd_end = None
             self.comm_hook = None
             self.osp_fractions: list[float] = []  # OSP: deferred share of each measured step
             self.progress = os.path.join(cfg["run_dir"], "progress.jsonl") if global_rank == 0 else None
@@ -119,12 +117,13 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
         def _tx(self):
             return read_tx_bytes(self.ifname) if self.ifname else None
 
+        def _counters(self, trainer) -> dict:
+            return {"tx": self._tx(), "t": time.monotonic(), "engine": self._engine(trainer),
+                    "psgd": self._psgd(trainer)}
+
         def _close_window(self, trainer) -> None:
             self.window_open = False
-            self.tx_end = self._tx()
-            self.tx_t1 = time.monotonic()
-            self.engine_end = self._engine(trainer)
-            self.psgd_end = self._psgd(trainer)
+            self.end = self._counters(trainer)
 
         def _maybe_stop(self, trainer, *, over_budget: bool, reached: bool) -> None:
             """--budget: stop every rank at the same step once the target is reached or the training
@@ -212,10 +211,7 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
                 raise RuntimeError(f"injected failure on rank {global_rank} at step {s} (fail_rank test hook)")
             if s == cfg["warmup"]:
                 self.window_open = True
-                self.tx_start = self._tx()
-                self.tx_t0 = time.monotonic()
-                self.engine_start = self._engine(trainer)
-                self.psgd_start = self._psgd(trainer)
+                self.start = self._counters(trainer)
             now = time.perf_counter()
             self.t0 = now if self.t_ready is None else self.t_ready  # the time between steps is training time
 
@@ -396,9 +392,7 @@ def run(cfg: dict) -> dict:
         return {k: b[k] - a.get(k, 0.0) for k in b} if isinstance(b, dict) else b - a
 
     cb.finish_rate_changes(float(cfg.get("sync_timeout", 120)))
-    tx = None
-    if cb.tx_start is not None and cb.tx_end is not None:
-        tx = cb.tx_end - cb.tx_start - cb.tx_val
+    window = {k: delta(cb.start.get(k), cb.end.get(k)) for k in ("tx", "t", "engine", "psgd")}
     engine = getattr(strategy, "engine", None)
     return {
         "global_rank": global_rank,
@@ -408,15 +402,15 @@ def run(cfg: dict) -> dict:
         "step_times": cb.step_times,
         "rate_changes": cb.rate_changes,
         "compute_times": compute_times,
-        "tx_window": tx,
+        "tx_window": None if window["tx"] is None else window["tx"] - cb.tx_val,
         "tx_val_excluded": cb.tx_val,
-        "tx_window_s": None if cb.tx_t0 is None or cb.tx_t1 is None else cb.tx_t1 - cb.tx_t0,
-        "engine_window": delta(cb.engine_start, cb.engine_end),
+        "tx_window_s": window["t"],
+        "engine_window": window["engine"],
         "engine_totals": _engine_totals(engine),
         "network_model": _network_model(engine),
         "omgs": _omgs_state(strategy),
         "osp_deferred_fractions": cb.osp_fractions,
-        "powersgd_numel_window": delta(cb.psgd_start, cb.psgd_end),
+        "powersgd_numel_window": window["psgd"],
         "evals": cb.evals,
         "stopped": cb.stopped,
         "comm_hook": cb.comm_hook,
