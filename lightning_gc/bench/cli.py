@@ -356,20 +356,9 @@ def _sweep(cfg, args, argv: list[str]) -> int:
     if code is not None:
         return code
     sweep = report.sweep_document(docs, links)
-    table = report.sweep_markdown(sweep)
     _log("")
-    _log(table)
-    written = []
-    if args.json:
-        written.append(report.write_json(sweep, args.json))
-    if args.out:
-        written.append(report.write_json(sweep, os.path.join(args.out, "sweep.json")))
-        md = os.path.join(args.out, "sweep.md")
-        with open(md, "w") as fh:
-            fh.write(table)
-        written.append(md)
-        written += report.write_sweep_plot(sweep, args.out)
-    for path in written:
+    _log(report.sweep_markdown(sweep))
+    for path in report.write_outputs(sweep, json_path=args.json, out_dir=args.out):
         _log(f"wrote {path}")
     failed = sorted({f"{r['label']} @ {link}" for link, doc in zip(links, docs) for r in doc["results"]
                      if r["status"] != "ok"})

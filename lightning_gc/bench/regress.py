@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lightning_gc.bench.report import fmt_cell
+
 if TYPE_CHECKING:  # the runner is imported by the CLI only when a suite runs (keeps --help fast)
     from lightning_gc.bench.runner import BenchConfig
 
@@ -202,10 +204,6 @@ def compare(rows: list[dict], baseline: dict, tolerance: float, *, quick: bool) 
     return out
 
 
-def _f(x: float | None, fmt: str = "{:.3f}") -> str:
-    return "–" if x is None else fmt.format(x)
-
-
 def markdown(compared: list[dict], baseline: dict, tolerance: float, *, quick: bool) -> str:
     head = ("**--quick**: a tiny preset, unshaped, on 2 ranks; the ratios check the suite's plumbing and are not "
             "compared with the baseline." if quick else
@@ -218,9 +216,9 @@ def markdown(compared: list[dict], baseline: dict, tolerance: float, *, quick: b
         "|---|---|---:|---:|---:|---:|---|---|",
     ]
     for r in compared:
-        shares = ", ".join(f"{role} {_f(s, '{:.1%}')}" for role, s in r["overhead_share"].items() if s is not None)
-        lines.append(f"| {r['case']} | {r['what']} | {_f(r['value'])} | {_f(r['baseline'])} | "
-                     f"{_f(r['vs_baseline'], '{:.2f}×')} | {_f(r['bound'], '≤ {:.2f}')} | {r['flag']} | {shares or '–'} |")
+        shares = ", ".join(f"{role} {fmt_cell(s, '{:.1%}')}" for role, s in r["overhead_share"].items() if s is not None)
+        lines.append(f"| {r['case']} | {r['what']} | {fmt_cell(r['value'])} | {fmt_cell(r['baseline'])} | "
+                     f"{fmt_cell(r['vs_baseline'], '{:.2f}×')} | {fmt_cell(r['bound'], '≤ {:.2f}')} | {r['flag']} | {shares or '–'} |")
     heavy = sorted({f"{r['case']}/{role} {share:.1%}" for r in compared for role, share in r["overhead_share"].items()
                     if share is not None and share > OVERHEAD_BOUND})
     if heavy:

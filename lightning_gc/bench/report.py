@@ -178,6 +178,11 @@ def _p(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.0f}%"
 
 
+def fmt_cell(x: float | None, fmt: str = "{:.3f}") -> str:
+    """A table cell: ``x`` formatted by ``fmt``, or ``–`` when it is missing."""
+    return "–" if x is None else fmt.format(x)
+
+
 def _network_line(doc: dict) -> str:
     c, net = doc["config"], doc.get("network", {})
     if net.get("mode") == "cluster":
@@ -318,13 +323,18 @@ def _rounds_section(doc: dict) -> list[str]:
             if rd["status"] != "ok":
                 cells.append("failed")
                 continue
-            ttt = "not reached" if rd["time_to_target_s"] is None else (
-                f"{_s(rd['time_to_target_s'])} ({_r(rd.get('time_to_target_ratio_vs_best_baseline'))})")
+            step, ttt = _vs_best_cells(rd)
             mark = "*" if r.get("median_round") == rd["round"] else ""
-            cells.append(f"{mark}{_s(rd['step_time_s'])} ({_r(rd.get('ratio_vs_best_baseline'))}); TTT {ttt}"
-                         + (f"; picked {rd['auto_pick']}" if rd.get("auto_pick") else ""))
+            cells.append(f"{mark}{step}; TTT {ttt}" + (f"; picked {rd['auto_pick']}" if rd.get("auto_pick") else ""))
         lines.append(f"| `{r['label']}` | " + " | ".join(cells) + " |")
     return lines
+
+
+def _vs_best_cells(r: dict) -> tuple[str, str]:
+    """The step and the time to target of a result or a round, each with its ratio to the best baseline."""
+    ttt = "not reached" if r["time_to_target_s"] is None else (
+        f"{_s(r['time_to_target_s'])} ({_r(r.get('time_to_target_ratio_vs_best_baseline'))})")
+    return f"{_s(r['step_time_s'])} ({_r(r.get('ratio_vs_best_baseline'))})", ttt
 
 
 def _link(network: dict | None) -> str:
@@ -442,14 +452,9 @@ MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "p", "h", "8", "H",
 
 
 def method_styles(labels: list[str]) -> dict[str, tuple[str, str]]:
-    """A distinct colour (hex) and marker per method label, in order.
-
-    Colours: matplotlib's ``tab10`` up to 10 methods, then ``tab20``'s light shades for the next
-    10 (method 10 + j is the light shade of method j's colour, with a different marker), then
-    evenly spaced hues; so no two methods share a colour however many there are (Matplotlib's
-    default cycle repeats after ten).
-    Markers: :data:`MARKERS`, distinct up to 15 methods, then repeating with a different colour.
-    """
+    """A distinct colour (hex) and marker per method label, in order: ``tab10``, then ``tab20``'s
+    light shades (method 10 + j: method j's colour, lighter), then evenly spaced hues, so no two
+    methods share a colour (Matplotlib's default cycle repeats after ten); :data:`MARKERS` in turn."""
     from matplotlib import colormaps
     from matplotlib.colors import hsv_to_rgb, to_hex
 
@@ -594,18 +599,21 @@ def _save(fig, out_dir: str, name: str) -> str:
 
 
 def write_outputs(doc: dict, *, json_path: str | None = None, out_dir: str | None = None) -> list[str]:
-    """Write the requested outputs; returns every path written."""
+    """Write the requested outputs of a bench or a sweep document (``DIR/bench.*`` or ``DIR/sweep.*``);
+    returns every path written."""
+    sweep = doc.get("schema") == SWEEP_SCHEMA
     written = []
     if json_path:
         written.append(write_json(doc, json_path))
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        written.append(write_json(doc, os.path.join(out_dir, "bench.json")))
-        md = os.path.join(out_dir, "bench.md")
+        stem = "sweep" if sweep else "bench"
+        written.append(write_json(doc, os.path.join(out_dir, f"{stem}.json")))
+        md = os.path.join(out_dir, f"{stem}.md")
         with open(md, "w") as fh:
-            fh.write(markdown(doc))
+            fh.write(sweep_markdown(doc) if sweep else markdown(doc))
         written.append(md)
-        written += write_plots(doc, out_dir)
+        written += write_sweep_plot(doc, out_dir) if sweep else write_plots(doc, out_dir)
     return written
 
 
@@ -660,11 +668,9 @@ def sweep_markdown(sweep: dict) -> str:
             if r is None or r["status"] != "ok":
                 cells += ["failed" if r is not None else "–", ""]
                 continue
-            step = f"{_s(r['step_time_s'])} ({_r(r.get('ratio_vs_best_baseline'))})"
+            step, ttt = _vs_best_cells(r)
             if auto_pick(r) is not None:
                 step += f" (picked {auto_pick(r)})"
-            ttt = ("not reached" if r["time_to_target_s"] is None else
-                   f"{_s(r['time_to_target_s'])} ({_r(r.get('time_to_target_ratio_vs_best_baseline'))})")
             cells += [step, ttt]
         lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

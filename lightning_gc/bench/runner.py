@@ -333,11 +333,12 @@ def run_method(
     finally:
         _kill(procs)
         netns.unregister_cleanup(handle)
-    results = []
-    for g in range(ranks):
-        with open(os.path.join(run_dir, f"rank{g}.json")) as fh:
-            results.append(json.load(fh))
-    return results
+    return [_read_json(os.path.join(run_dir, f"rank{g}.json")) for g in range(ranks)]
+
+
+def _read_json(path: str) -> Any:
+    with open(path) as fh:
+        return json.load(fh)
 
 
 def _monitor(spec, cfg, r, cluster, run_dir, procs, logs, log) -> None:
@@ -896,8 +897,7 @@ def collect(plan_dir: str, log: Callable[[str], None] = print) -> dict:
     """Aggregate the rank files of a run set up by :func:`prepare` into the JSON document."""
     path = os.path.join(plan_dir, PLAN_FILE)
     try:
-        with open(path) as fh:
-            plan = json.load(fh)
+        plan = _read_json(path)
     except (OSError, ValueError) as exc:
         raise BenchError(f"--collect {plan_dir!r}: cannot read {PLAN_FILE} ({exc}); point it at a directory written "
                          f"by 'lightning-gc bench --prepare'") from exc
@@ -914,10 +914,7 @@ def collect(plan_dir: str, log: Callable[[str], None] = print) -> dict:
                                                f"finish on every rank, or the files were not gathered there"))
             log(f"[{spec.label}] incomplete: missing {missing}")
             continue
-        ranks = []
-        for f in files:
-            with open(f) as fh:
-                ranks.append(json.load(fh))
+        ranks = [_read_json(f) for f in files]
         target = cfg.target if cfg.target is not None else ranks[0]["target"]
         results.append(aggregate(spec, ranks, r, count_wire=ifname is not None, target=target))
         log(f"[{spec.label}] collected {len(files)} rank files")
