@@ -8,12 +8,10 @@ on flat fp32 groups of each requested size:
 * the engine's own passes: **flatten** (``torch.cat`` of the per-parameter views of a bucket),
   **error feedback** (``p = g + e`` and the dense residual ``e = p − sent``), the **‖p‖²**
   statistic, and **write-back** (copy of the mean into the per-parameter views);
-* for every compressor: **compress** (one rank's group), **aggregate** of ``world_size`` payloads
-  into the mean (``aggregate_gathered`` for allgather formats, ``aggregate_summed`` of the
-  element-wise sum for allreduce formats, the scatter of the reduced values at the source's
-  indices for AR-Topk), **decompress** (one payload back to dense: what the exchange computes as
-  this rank's ``sent`` unless the format sends an exact subset), and the **pack / unpack** of the
-  payload into / out of the byte buffer that allgather moves.
+* for every compressor (:func:`lightning_gc.compressors.timing.time_codec`): **compress** (one rank's
+  group), **aggregate** of ``world_size`` payloads into the mean, **decompress** (one payload back
+  to dense: this rank's ``sent`` unless the format sends an exact subset), and the **pack /
+  unpack** of the payload into / out of the byte buffer that allgather moves.
 
 Every time is the median of ``repeats`` runs after one warm-up and is reported in seconds and in
 elements per second, next to the reference, so a figure reads as "this pass costs as much as
