@@ -38,6 +38,7 @@ import json
 import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from lightning_gc.bench.report import fmt_cell
 
@@ -231,13 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     text = markdown(rows, summary, docs)
     if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
+        Path(args.out).write_text(text)
     else:
         sys.stdout.write(text)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"summary": summary, "rows": [r.__dict__ for r in rows]}, fh, indent=1)
+        Path(args.json).write_text(json.dumps({"summary": summary, "rows": [r.__dict__ for r in rows]}, indent=1))
     return 0
 
 

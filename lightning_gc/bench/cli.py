@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
 def _suite(args, argv: list[str]) -> int:
     """``--suite regress``: run the cases, print each ratio beside the baseline (lightning_gc/bench/regress.py)."""
     import json
+    from pathlib import Path
 
     from lightning_gc.bench import regress
     from lightning_gc.bench.runner import BenchConfig, run_bench
@@ -285,16 +286,14 @@ def _suite(args, argv: list[str]) -> int:
     compared = regress.compare(rows, baseline, tolerance, quick=args.quick)
     _log("")
     _log(regress.markdown(compared, baseline, tolerance, quick=args.quick))
+    command = "lightning-gc bench " + " ".join(argv)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"suite": "regress", "quick": args.quick, "tolerance": tolerance, "baseline": baseline,
-                       "command": "lightning-gc bench " + " ".join(argv), "rows": compared, "documents": docs},
-                      fh, indent=1, default=str)
+        suite = {"suite": "regress", "quick": args.quick, "tolerance": tolerance, "baseline": baseline,
+                 "command": command, "rows": compared, "documents": docs}
+        Path(args.json).write_text(json.dumps(suite, indent=1, default=str))
         _log(f"wrote {args.json}")
     if args.record:
-        with open(args.record, "w") as fh:
-            json.dump(regress.baseline_document(rows, "lightning-gc bench " + " ".join(argv)), fh, indent=1)
-            fh.write("\n")
+        Path(args.record).write_text(json.dumps(regress.baseline_document(rows, command), indent=1) + "\n")
         _log(f"wrote {args.record}")
     bad = [r["ratio"] for r in compared if r["flag"] in ("worse", "failed")]
     if bad:

@@ -36,6 +36,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -376,12 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(md)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        Path(args.json).write_text(json.dumps(doc, indent=1))
         print(f"wrote {args.json}")
     if args.md:
-        with open(args.md, "w") as f:
-            f.write(md)
+        Path(args.md).write_text(md)
         print(f"wrote {args.md}")
     failed = failed_compressors(doc)
     if failed:

@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from lightning_gc._validation import check_int
@@ -261,31 +262,23 @@ def _base_env(threads: int) -> dict:
     return env
 
 
+#: what a worker reads as given (BenchConfig fields) and as resolved (:func:`resolve`)
+_WORKER_CONFIG = ("preset", "preset_args", "seed", "target", "compute_steps", "val_batches", "change_in_step",
+                  "fail_rank", "fail_step")
+_WORKER_RESOLVED = ("steps", "budget_s", "warmup", "eval_every", "hosts", "procs_per_host", "threads")
+
+
 def worker_config(spec: MethodSpec, cfg: BenchConfig, r: dict, run_dir: str, *, ifname: str | None,
                   with_schedule: bool) -> dict:
     """The JSON config one method's workers read (see :mod:`lightning_gc.bench.worker`)."""
     return {
         "method": {"name": spec.name, "options": spec.options, "gc": spec.gc},
-        "preset": cfg.preset,
-        "preset_args": cfg.preset_args,
-        "seed": cfg.seed,
-        "steps": r["steps"],
-        "budget_s": r["budget_s"],
-        "target": cfg.target,
-        "warmup": r["warmup"],
-        "compute_steps": cfg.compute_steps,
-        "eval_every": r["eval_every"],
-        "val_batches": cfg.val_batches,
-        "hosts": r["hosts"],
-        "procs_per_host": r["procs_per_host"],
-        "threads": r["threads"],
+        **{k: getattr(cfg, k) for k in _WORKER_CONFIG},
+        **{k: r[k] for k in _WORKER_RESOLVED},
+        "fidelity": bool(cfg.fidelity),
         "ifname": ifname,
         "boundaries": [list(b) for b in r["boundaries"][1:]] if with_schedule else [],
         "run_dir": run_dir,
-        "fail_rank": cfg.fail_rank,
-        "fail_step": cfg.fail_step,
-        "fidelity": bool(cfg.fidelity),
-        "change_in_step": cfg.change_in_step,
     }
 
 
@@ -307,8 +300,7 @@ def run_method(
         master, port, ifname = "127.0.0.1", _free_port(), None
     wcfg = worker_config(spec, cfg, r, run_dir, ifname=ifname, with_schedule=cluster is not None)
     cfg_path = os.path.join(run_dir, "worker.json")
-    with open(cfg_path, "w") as fh:
-        json.dump(wcfg, fh, indent=1)
+    Path(cfg_path).write_text(json.dumps(wcfg, indent=1))
     if cluster is not None and r["schedule"] is not None:
         cluster.set_rate(r["schedule"].initial_rate_bps)
 
@@ -634,17 +626,17 @@ def chooser_seconds(auto: dict, warmup: int, steps: int) -> float | None:
     return sum(float(d["decide_s"]) - float((d.get("decide_parts_s") or {}).get("probe", 0.0)) for d in inside)
 
 
-def failed_result(spec: MethodSpec, error: str) -> dict:
-    keys = ["measured_steps", "step_time_s", "step_time_iqr_s", "step_time_p25_s", "step_time_p75_s",
+#: the figures of a result, every one null in a failed result
+_FIGURES = ("measured_steps", "step_time_s", "step_time_iqr_s", "step_time_p25_s", "step_time_p75_s",
             "step_time_mean_s", "compute_time_s", "comm_exposed_s", "bytes_per_step", "bytes_source",
-            "wire_bytes_per_step", "wire_bytes_per_host_per_step", "wire_counters", "achieved_bandwidth_bps", "link_utilization",
-            "floor_s", "floor_basis", "metric", "mode", "final_metric", "target", "time_to_target_s", "ratio_vs_ddp",
-            "time_to_target_ratio_vs_ddp", "comm_hook"]
-    out = {"method": spec.method, "label": spec.label, "options": dict(spec.options), "status": "error",
-           "error": error}
-    out.update(dict.fromkeys(keys))
-    out.update(step_times_s=[], metric_curve=[])
-    return out
+            "wire_bytes_per_step", "wire_bytes_per_host_per_step", "wire_counters", "achieved_bandwidth_bps",
+            "link_utilization", "floor_s", "floor_basis", "metric", "mode", "final_metric", "target",
+            "time_to_target_s", "ratio_vs_ddp", "time_to_target_ratio_vs_ddp", "comm_hook")
+
+
+def failed_result(spec: MethodSpec, error: str) -> dict:
+    return {"method": spec.method, "label": spec.label, "options": dict(spec.options), "status": "error",
+            "error": error, **dict.fromkeys(_FIGURES), "step_times_s": [], "metric_curve": []}
 
 
 def add_ratios(results: list[dict]) -> None:
@@ -875,16 +867,16 @@ def prepare(cfg: BenchConfig, plan_dir: str, *, ifname: str | None = None, maste
         run_dir = os.path.join(plan_dir, f"{i:02d}-{spec.label.replace(':', '_').replace('=', '-')}")
         os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, "worker.json")
-        with open(path, "w") as fh:
-            json.dump(worker_config(spec, cfg, r, run_dir, ifname=ifname, with_schedule=False), fh, indent=1)
+        Path(path).write_text(json.dumps(worker_config(spec, cfg, r, run_dir, ifname=ifname, with_schedule=False),
+                                         indent=1))
         run_dirs.append(os.path.basename(run_dir))
         commands.append(
             f"torchrun --nnodes {r['hosts']} --nproc-per-node {r['procs_per_host']} --node-rank $NODE_RANK "
             f"--master-addr {master_addr} --master-port {master_port} -m lightning_gc.bench.worker {path}"
         )
-    with open(os.path.join(plan_dir, PLAN_FILE), "w") as fh:
-        json.dump({"schema": SCHEMA, "config": {k: v for k, v in asdict(cfg).items() if k != "logs_dir"},
-                   "ifname": ifname, "run_dirs": run_dirs}, fh, indent=1)
+    plan = {"schema": SCHEMA, "config": {k: v for k, v in asdict(cfg).items() if k != "logs_dir"}, "ifname": ifname,
+            "run_dirs": run_dirs}
+    Path(plan_dir, PLAN_FILE).write_text(json.dumps(plan, indent=1))
     log(f"wrote {len(commands)} method config(s) under {plan_dir}; on every node (NODE_RANK = 0..{r['hosts'] - 1}, "
         f"node 0 reachable at {master_addr}) run, one after another:")
     for c in commands:
