@@ -263,13 +263,10 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             self.t_ready = time.perf_counter()
 
         def on_train_end(self, trainer, pl_module) -> None:
-            model = trainer.strategy.model
-            getter = getattr(model, "_get_ddp_logging_data", None)
+            getter = getattr(trainer.strategy.model, "_get_ddp_logging_data", None)
             if getter is not None:
-                try:
+                with contextlib.suppress(Exception):  # comm_hook stays None
                     self.comm_hook = getter().get("comm_hook")
-                except Exception:  # noqa: BLE001
-                    self.comm_hook = None
 
     return BenchCallback()
 
@@ -406,7 +403,6 @@ def run(cfg: dict) -> dict:
         "tx_val_excluded": cb.tx_val,
         "tx_window_s": window["t"],
         "engine_window": window["engine"],
-        "engine_totals": _engine_totals(engine),
         "network_model": _network_model(engine),
         "omgs": _omgs_state(strategy),
         "osp_deferred_fractions": cb.osp_fractions,
@@ -538,13 +534,6 @@ def _totals(engine) -> dict | None:
     if engine is None or not hasattr(engine, "totals"):
         return None
     return {k: float(v) for k, v in engine.totals().items() if isinstance(v, (int, float))}
-
-
-def _engine_totals(engine) -> dict | None:
-    try:
-        return _totals(engine)
-    except Exception:  # noqa: BLE001 - the end-of-run record is informational
-        return None
 
 
 PEER_LOST_EXIT = 3
