@@ -174,9 +174,7 @@ def report(results: list[dict]) -> str:
                          "inside a host; flat methods against advise's flat column, topology=nodes against its nodes column")
         lines.append(f"compute: {1e3 * res['compute_single_s']:.2f} ms alone, {1e3 * res['compute_cluster_s']:.2f} ms "
                      f"per rank in the run (scale {res['scale']:.2f}){other}; advise's pick: {res['pick']}")
-        lines.append("")
-        lines.append("| method | modelled as | measured step | predicted | error |")
-        lines.append("|---|---|---:|---:|---:|")
+        lines += ["", "| method | modelled as | measured step | predicted | error |", "|---|---|---:|---:|---:|"]
         for r in res["rows"]:
             lines.append(f"| {r['method']} | {r['model']} | {1e3 * r['measured_step_s']:.1f} ms | "
                          f"{1e3 * r['predicted_step_s']:.1f} ms | {100 * r['error']:+.0f} % |")

@@ -54,8 +54,7 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 
 def _least(*xs: float | None) -> float | None:
-    got = [x for x in xs if x is not None]
-    return min(got) if len(got) == len(xs) else None
+    return None if None in xs else min(xs)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ section after the table lists every decision.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Any
@@ -104,10 +105,7 @@ def auto_sequence(result: dict) -> list[str]:
     """The methods an ``auto`` result ran after its decisions, in order (a re-decision that kept the
     method adds nothing); empty without decisions."""
     auto = result.get("auto") or {}
-    seq: list[str] = []
-    for d in auto.get("decisions") or []:
-        if not seq or seq[-1] != d["chosen"]:
-            seq.append(d["chosen"])
+    seq = [chosen for chosen, _ in itertools.groupby(d["chosen"] for d in auto.get("decisions") or [])]
     if not seq and auto.get("chosen"):
         seq = [auto["chosen"]]
     return seq
@@ -492,10 +490,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     c = doc["config"]
     net = {"netns": "emulated", "cluster": "real cluster"}.get((doc.get("network") or {}).get("mode"),
                                                                "loopback (not emulated)")
-    if c.get("schedule"):
-        rate = " → ".join(p["rate"] for p in c["schedule"])
-    else:
-        rate = "unshaped"
+    rate = " → ".join(p["rate"] for p in c.get("schedule") or []) or "unshaped"
     title_tail = f"{c['preset']}, {c['ranks']} ranks / {c['hosts']} hosts, {rate}, {net}"
     paths = []
     labels = [r["label"] for r in ok]
@@ -518,11 +513,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     for i, r in enumerate(ok):
         if r["ratio_vs_ddp"] is not None:
             ax.text(r["step_time_p75_s"], i, f"  {r['ratio_vs_ddp']:.2f}× DDP", va="center", fontsize=8)
-    ax.set_yticks(y, shown)
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds per training step (median)")
-    ax.set_title(f"Step time — {title_tail}", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    _method_rows(ax, shown, "seconds per training step (median)", f"Step time — {title_tail}")
     ax.set_xlim(right=max(r["step_time_p75_s"] for r in ok) * 1.3)
     paths.append(_save(fig, out_dir, "step_time.png"))
 
@@ -543,11 +534,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     if dense:
         ax.axvline(dense, color="gray", ls="--", lw=1, label="dense ring allreduce")
     ax.set_xscale("log")
-    ax.set_yticks(y, shown)
-    ax.invert_yaxis()
-    ax.set_xlabel("bytes sent per rank per step (log)")
-    ax.set_title(f"Bytes — {title_tail}", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    _method_rows(ax, shown, "bytes sent per rank per step (log)", f"Bytes — {title_tail}")
     paths.append(_save(fig, out_dir, "bytes.png"))
 
     # 3. per-step trace
@@ -585,6 +572,15 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
         ax.legend(fontsize=8, ncol=2 if len(curves) > 8 else 1)
         paths.append(_save(fig, out_dir, "metric.png"))
     return paths
+
+
+def _method_rows(ax, shown: list[str], xlabel: str, title: str) -> None:
+    """A horizontal bar chart's labels: one row per method, top to bottom in the list's order."""
+    ax.set_yticks(range(len(shown)), shown)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
 
 
 def _save(fig, out_dir: str, name: str) -> str:
