@@ -130,9 +130,7 @@ class MethodSpec:
 
 
 def _fmt(v: Any) -> str:
-    if isinstance(v, bool):
-        return str(v).lower()
-    return str(v)
+    return str(v).lower() if isinstance(v, bool) else str(v)  # true/false, as written in a method entry
 
 
 def available_methods() -> list[str]:

@@ -19,10 +19,8 @@ full-duplex NIC and fan-in to one host cannot exceed it either. Rates change in 
 (``tc qdisc change`` / ``tc class change``) while training runs. There is no latency emulation
 (``netem`` is not available), only rate limiting.
 
-Counters: :meth:`EmulatedCluster.tx_bytes` reads the host interface's transmit counter (bytes that
-left the host on the wire, Ethernet/IP/TCP headers included). Inside a process started with
-``ip netns exec`` the same number is ``/sys/class/net/gc0/statistics/tx_bytes``, which is what the
-workers read at the edges of the measured steps.
+Counters: the host interface's transmit counter (headers included), read by
+:meth:`EmulatedCluster.tx_bytes` from outside and by :func:`read_tx_bytes` in the workers.
 
 Cleanup: every cluster registers itself in a process-wide registry; the registry runs on normal exit
 (``atexit``), on ``SIGTERM``/``SIGHUP`` (converted to ``SystemExit`` so ``finally`` blocks run too)
