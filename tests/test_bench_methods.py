@@ -28,7 +28,7 @@ def test_baselines_parse_with_options_and_labels():
     specs = parse_methods("ddp, powersgd:rank=4:start_iter=3, fp16", default_ratio=0.01)
     assert [s.label for s in specs] == ["ddp", "powersgd:rank=4:start_iter=3", "fp16"]
     assert specs[1].options == {"rank": 4, "start_iter": 3}
-    assert all(s.is_baseline for s in specs)
+    assert not any(s.gc for s in specs)
     assert specs[0].to_json() == {"method": "ddp", "label": "ddp", "compressor": None, "options": {}}
 
 

@@ -38,6 +38,9 @@ import json
 import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_gc.bench.report import fmt_cell
 
 __all__ = ["ADAMW_TABLE_METHODS", "AccuracyError", "MethodRow", "accuracy_rows", "metric_at", "markdown", "main"]
 
@@ -173,10 +176,6 @@ def accuracy_rows(docs: list[dict], *, budget_s: float | None = None, tolerance:
     return rows, summary
 
 
-def _f(v: float | None, fmt: str = "{:.3f}") -> str:
-    return "–" if v is None else fmt.format(v)
-
-
 def markdown(rows: list[MethodRow], summary: dict, docs: list[dict]) -> str:
     cfg = docs[0]["config"]
     m = summary["metric"]
@@ -198,10 +197,10 @@ def markdown(rows: list[MethodRow], summary: dict, docs: list[dict]) -> str:
             lines.append(f"| `{r.label}` | failed: {'; '.join(r.errors)[:200]} | – | – | – | – | – | – | – |")
             continue
         lines.append(
-            f"| `{r.label}` | {' / '.join(_f(v) for v in r.finals)} | {_f(r.final_mean)} | {_f(r.delta_vs_ddp, '{:+.3f}')} "
-            f"| {'yes' if r.within_tolerance else 'NO'} | {_f(r.at_budget_mean)} | "
-            f"{_f(r.bytes_per_step, '{:,.0f}')} | {_f(r.wire_bytes_per_step, '{:,.0f}')} | "
-            f"{_f(r.bytes_ratio_vs_ddp, '{:.4f}')} |"
+            f"| `{r.label}` | {' / '.join(fmt_cell(v) for v in r.finals)} | {fmt_cell(r.final_mean)} | {fmt_cell(r.delta_vs_ddp, '{:+.3f}')} "
+            f"| {'yes' if r.within_tolerance else 'NO'} | {fmt_cell(r.at_budget_mean)} | "
+            f"{fmt_cell(r.bytes_per_step, '{:,.0f}')} | {fmt_cell(r.wire_bytes_per_step, '{:,.0f}')} | "
+            f"{fmt_cell(r.bytes_ratio_vs_ddp, '{:.4f}')} |"
         )
     lines += ["", "Commands:"] + [f"    {d['config'].get('command', '?')}" for d in docs]
     return "\n".join(lines) + "\n"
@@ -233,13 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     text = markdown(rows, summary, docs)
     if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
+        Path(args.out).write_text(text)
     else:
         sys.stdout.write(text)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"summary": summary, "rows": [r.__dict__ for r in rows]}, fh, indent=1)
+        Path(args.json).write_text(json.dumps({"summary": summary, "rows": [r.__dict__ for r in rows]}, indent=1))
     return 0
 
 

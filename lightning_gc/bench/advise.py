@@ -7,23 +7,17 @@ measurement functions as the live chooser (:mod:`lightning_gc.auto.chooser`) -- 
 
 **What is measured on this machine** (one process, no process group, the model on the CPU):
 
-* the compute (:func:`profile_module`): a few training steps of the workload in a plain single-device
-  Lightning ``Trainer`` (``skip_steps`` not timed, then ``profile_steps`` timed), timed as the chooser
-  times its dense warm-up -- forward (start of the step to the end of the module's ``forward``), the
-  moment each gradient tensor is ready in backward (post-accumulate-grad hooks), the optimizer (end of
-  backward to the end of the step, clipping included) -- medians over the timed steps, turned into a
-  :class:`~lightning_gc.auto.model.Workload` (``other_s = 0`` unless given). When the slowest timed
-  step's compute is more than :data:`SPREAD_WARN` times the fastest's, the host was busy during the
-  profile and advise says so (:func:`spread_warning`): the medians of a few such steps can be far off;
+* the compute (:func:`profile_module`): ``skip_steps`` untimed then ``profile_steps`` timed training
+  steps in a plain single-device Lightning ``Trainer``, timed as the chooser times its dense warm-up
+  (forward, the moment each gradient is ready in backward, the optimizer), medians over the timed
+  steps. A spread above :data:`SPREAD_WARN` between them means a busy host: advise warns
+  (:func:`spread_warning`);
 * the codec costs (:func:`measure_costs`): :func:`lightning_gc.auto.candidates.measure_method` on the
-  last step's gradient, flattened like the engine's ``"model"`` plan (every tensor with at least
-  ``min_compress_numel`` elements in one group, the smaller ones sent exactly beside it). The
-  aggregation is timed with ``min(N, TIMING_PAYLOADS)`` payloads (8: aggregating 1024 payloads on a
-  CPU takes minutes); for the allgather methods, whose aggregation grows with ``N``, the aggregation
-  is also timed with 1, 2, 4, ... payloads and the per-payload slope through them (Theil-Sen)
-  extrapolates the codec time to ``N``. Each measurement is taken twice and the faster kept (a
-  shared machine only ever adds time). The error ``delta2`` is measured on the gradient and divided by the real ``N`` by the model
-  (methods without error feedback).
+  last step's gradient, grouped like the engine's ``"model"`` plan. The aggregation is timed with
+  ``min(N, TIMING_PAYLOADS)`` payloads (aggregating 1024 payloads on a CPU takes minutes); an
+  allgather method's codec time is extrapolated to ``N`` by its per-payload slope. The error
+  ``delta2`` is measured on the gradient; the model divides it by the real ``N`` (methods without
+  error feedback).
 
 **What the user gives instead** (:func:`override_workload`, ``codec_scale``): ``forward_ms``,
 ``backward_ms`` (the measured per-tensor profile is scaled to this total, so its shape is kept),
@@ -62,6 +56,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._validation import check_int
 from ..auto.candidates import (
     CANDIDATES,
     DEFAULT_CANDIDATES,
@@ -196,11 +191,8 @@ def _check_nonneg(flag: str, value: Any, example: str, positive: bool = False) -
 # ---------------------------------------------------------------------------------------------- the workload
 def build_module(preset: str, preset_args: dict[str, Any] | None = None, seed: int = 0) -> tuple[Any, Any, str]:
     """``(LightningModule, LightningDataModule, description)`` of a workload, loaded exactly as
-    ``lightning-gc bench --preset`` loads it (:func:`lightning_gc.bench.workloads.resolve_preset`):
-    a bench preset (``mlp``, ``cnn``, ``lm``, ``gpt``, ``quickstart``, ``probe``, ``deep``) with
-    ``preset_args``, or ``package.module:factory``, a callable ``factory(seed=..., **preset_args)``
-    returning an object with ``model``, ``datamodule``, ``metric``, ``mode``, ``target`` and
-    ``batch_size`` (docs/bench.md). Advise trains ``model`` on ``datamodule`` and reads nothing else."""
+    ``lightning-gc bench --preset`` loads it (:func:`lightning_gc.bench.workloads.resolve_preset`).
+    Advise trains ``model`` on ``datamodule`` and reads nothing else of the preset."""
     args = dict(preset_args or {})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -229,9 +221,6 @@ class Profile:
     def spread(self) -> float:
         """The slowest timed step's compute over the fastest's (1.0 with fewer than two steps)."""
         return compute_spread(self.step_s)
-
-    def spread_warning(self, factor: float = SPREAD_WARN) -> str | None:
-        return spread_warning(self.step_s, factor)
 
     def summary(self) -> dict:
         return {"tensors": len(self.names), "numel": self.workload.numel, "compressed_numel": int(self.flat.numel()),
@@ -325,8 +314,7 @@ def profile_module(model: Any, datamodule: Any = None, *, skip_steps: int = 1, p
 
     for name, v, lo in (("skip_steps", skip_steps, 0), ("profile_steps", profile_steps, 1),
                         ("min_compress_numel", min_compress_numel, 0)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise AdviseError(f"{name}={v!r} must be an integer >= {lo}")
+        check_int(name, v, lo, f"e.g. {name}={lo + 1}", error=AdviseError, phrasing="must")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise AdviseError("the model has no trainable parameters: there is no gradient to communicate")
@@ -496,22 +484,17 @@ def measure_costs(candidates: Sequence[str | AutoCandidate], flat: Tensor, ctx: 
                   max_payloads: int = TIMING_PAYLOADS, rounds: int = 2) -> list[MethodCost]:
     """One :class:`~lightning_gc.auto.model.MethodCost` per candidate on this machine.
 
-    Each is :func:`~lightning_gc.auto.candidates.measure_method` (the chooser's measurement: median
-    of ``repeats`` runs) with ``min(world_size, max_payloads)`` payloads, taken ``rounds`` times over
-    all candidates; the least codec time is kept (the first round also warms the allocator, and a
-    shared machine only ever adds time). For an allgather method (its aggregation decodes every
-    rank's payload) at ``world_size > max_payloads``, the codec time is extrapolated linearly to
-    ``world_size``: its aggregation is timed with 1, 2, 4, ... up to ``p = min(world_size,
-    max_payloads)`` payloads and the slope through them (:func:`aggregation_slope`) is charged for
-    the remaining ``world_size - p`` ranks. Every codec time (the bucket modes' casts included) is then
-    multiplied by ``codec_scale``. Payload bytes and ``delta2`` do not depend on the payload count
-    (the model divides ``delta2`` by the real ``world_size`` for methods without error feedback)."""
+    Each is :func:`~lightning_gc.auto.candidates.measure_method` (median of ``repeats`` runs) with
+    ``p = min(world_size, max_payloads)`` payloads, taken ``rounds`` times over all candidates; the
+    least codec time is kept (the first round warms the allocator, and a shared machine only ever
+    adds time). An allgather method's aggregation decodes every rank's payload: beyond ``p`` ranks
+    it is charged the slope (:func:`aggregation_slope`) of its aggregation timed with 1, 2, 4, ...
+    ``p`` payloads. Every codec time is then multiplied by ``codec_scale``."""
     n = _check_world_size(world_size)
     scale = _check_nonneg("--codec-scale", codec_scale, "--codec-scale 0.05 for a GPU ~20x faster than this CPU",
                           positive=True)
     for name, v in (("max_payloads", max_payloads), ("rounds", rounds), ("repeats", repeats)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise AdviseError(f"{name}={v!r} must be an integer >= 1")
+        check_int(name, v, 1, f"e.g. {name}=2", error=AdviseError, phrasing="must")
     timed = min(n, max_payloads)
     counts = sorted({timed, *(2 ** k for k in range(timed.bit_length()) if 2 ** k < timed)})  # 1, 2, 4, 8
     cands = [c if isinstance(c, AutoCandidate) else candidate(c) for c in candidates]
@@ -722,7 +705,7 @@ def run(preset: str | None, world_size: int, bandwidth: str, latency: str = DEFA
         model, data, label = build_module(preset, preset_args, seed)
         prof = profile_module(model, data, skip_steps=skip_steps, profile_steps=profile_steps,
                               min_compress_numel=min_compress_numel, seed=seed)
-        scale, summary, label = 1.0, prof.summary(), label
+        scale, summary = 1.0, prof.summary()
         workload = override_workload(prof.workload, forward_ms, backward_ms, optimizer_ms, other_ms, compute_scale,
                                      compute_ms)
     else:
@@ -766,7 +749,7 @@ def run(preset: str | None, world_size: int, bandwidth: str, latency: str = DEFA
                            + (f", x {compute_scale:g}" if compute_scale != 1 else "") + ", unless given")
                           if params is None else "given: --compute-ms split 1:2 between forward and backward",
         "torch_threads": torch.get_num_threads(),
-        "warnings": [x for x in (prof.spread_warning(),) if x],
+        "warnings": [x for x in (spread_warning(prof.step_s),) if x],
         "diloco": list(diloco),
     }
     return Advice(pick, preds, workload, costs, network, n, w, inputs, topo, diloco_preds)

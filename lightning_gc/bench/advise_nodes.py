@@ -144,7 +144,8 @@ def shard_of(flat: Tensor, ctx: GroupContext, k: int, nodes: int) -> tuple[Tenso
 
 
 # ---------------------------------------------------------------------------------------------- predictions
-def _direct_flat(cost: MethodCost, n: int, network: NetworkModel) -> bool:
+def _direct(cost: MethodCost, n: int, network: NetworkModel) -> bool:
+    """Whether the engine sends ``cost``'s payload to ``n`` peers over ``network`` by the direct exchange."""
     if cost.wire == "allgather":
         return 1 < n <= DIRECT_MAX_RANKS
     return cost.wire == "allreduce" and use_direct(cost.payload_bytes, n, network)
@@ -163,7 +164,7 @@ def predict_flat(cost: MethodCost, workload: Workload, cluster: Cluster, w: floa
     rank's ``N − 1`` (module docstring)."""
     n, k, net = cluster.world_size, cluster.ranks_per_node, cluster.flat
     p = predict(cost, workload, net, n, w)
-    if k == 1 or cost.wire == "bucket" or not _direct_flat(cost, n, net):
+    if k == 1 or cost.wire == "bucket" or not _direct(cost, n, net):
         return p
     a, b = net.alpha_s, net.beta_s_per_byte
     card = cost_model.flat_direct_card_cost(a, cluster.inter.beta_s_per_byte, cost.payload_bytes, n, k)
@@ -178,12 +179,6 @@ def _nodes_allreduce(cluster: Cluster, nbytes: float, direct_ok: bool = True) ->
     direct = direct_ok and use_direct(nbytes / k, c.nodes, c.shard_link)
     return cost_model.nodes_exchange_cost(c.intra.alpha_s, c.intra.beta_s_per_byte, c.inter.alpha_s,
                                           c.inter.beta_s_per_byte, nbytes, c.nodes, k, "allreduce", direct=direct)
-
-
-def _group_direct(cost: MethodCost, cluster: Cluster) -> bool:
-    if cost.wire == "allgather":
-        return 1 < cluster.nodes <= DIRECT_MAX_RANKS
-    return cost.wire == "allreduce" and use_direct(cost.payload_bytes, cluster.nodes, cluster.shard_link)
 
 
 def _bucket_end(cost: MethodCost, workload: Workload, cluster: Cluster) -> tuple[float, float]:
@@ -213,7 +208,7 @@ def predict_nodes(cost: MethodCost, workload: Workload, cluster: Cluster, w: flo
         group = 4.0 * max(wl.numel - int(cost.exact_bytes // 4), 1)
         tc = cost_model.nodes_exchange_cost(c.intra.alpha_s, c.intra.beta_s_per_byte, c.inter.alpha_s,
                                             c.inter.beta_s_per_byte, group, c.nodes, c.ranks_per_node, cost.wire,
-                                            cost.payload_bytes, _group_direct(cost, c))
+                                            cost.payload_bytes, _direct(cost, c.nodes, c.shard_link))
         comm = tc + allreduce_seconds(c.flat, ENGINE_CONTROL_BYTES, c.world_size)
         if cost.exact_bytes > 0:
             comm += _nodes_allreduce(c, cost.exact_bytes)
@@ -243,7 +238,7 @@ def card_bytes_flat(cost: MethodCost, workload: Workload, cluster: Cluster) -> f
     if cost.wire == "lowrank":
         halves = (cost.payload_bytes / 2 + cost.exact_bytes, cost.payload_bytes / 2)
         return sum(cost_model.flat_card_bytes("allreduce", h, n, k, use_direct(h, n, net)) for h in halves)
-    out = cost_model.flat_card_bytes(cost.wire, cost.payload_bytes, n, k, _direct_flat(cost, n, net))
+    out = cost_model.flat_card_bytes(cost.wire, cost.payload_bytes, n, k, _direct(cost, n, net))
     if cost.exact_bytes > 0:
         direct = use_direct(cost.exact_bytes, n, cluster.flat)
         out += cost_model.flat_card_bytes("allreduce", cost.exact_bytes, n, k, direct)
@@ -258,7 +253,7 @@ def card_bytes_nodes(cost: MethodCost, workload: Workload, cluster: Cluster) -> 
         return cost_model.nodes_exchange_bytes(BUCKET_MODES[cost.name] * workload.numel, c.nodes, k).card
     group = 4.0 * max(workload.numel - int(cost.exact_bytes // 4), 1)
     out = cost_model.nodes_exchange_bytes(group, c.nodes, k, cost.wire, cost.payload_bytes,
-                                          _group_direct(cost, c)).card
+                                          _direct(cost, c.nodes, c.shard_link)).card
     if cost.exact_bytes > 0:
         direct = use_direct(cost.exact_bytes / k, c.nodes, c.shard_link)
         out += cost_model.nodes_exchange_bytes(cost.exact_bytes, c.nodes, k, "allreduce", direct=direct).card

@@ -3,18 +3,8 @@
 Given a bench JSON (one run, or a ``--bandwidth a,b,...`` sweep), for every link of it this runs
 :func:`lightning_gc.bench.advise.run` for the same preset, preset arguments, world size and link rate,
 and sets each measured method's median step beside the prediction of the advise candidate that models
-it:
-
-========================  ====================================================================
-bench method              advise candidate
-========================  ====================================================================
-``ddp``, ``fp16``         ``ddp``, ``fp16`` (DDP's bucket path, torch's fp16 hook numerics)
-``topk`` (1 %)            ``topk`` (allgather, error feedback)
-``qsgd``, ``efsign``      ``qsgd``, ``efsign``
-``lowrank``               ``lowrank`` (our PowerSGD family, rank 2)
-``powersgd`` (torch)      ``lowrank`` -- advise has no model of torch's hook itself; the row says
-                          how far our PowerSGD-family prediction is from the hook users run
-========================  ====================================================================
+it (:data:`MODELS`: the candidate of the same name, with the candidate's own options; torch's
+``powersgd`` hook beside ``lowrank``, our PowerSGD family, since advise has no model of the hook itself).
 
 **What advise is given.** The validation plays a user who knows two figures of their cluster and
 nothing of its network: the per-rank compute of a step and how fast their codec runs relative to
@@ -184,9 +174,7 @@ def report(results: list[dict]) -> str:
                          "inside a host; flat methods against advise's flat column, topology=nodes against its nodes column")
         lines.append(f"compute: {1e3 * res['compute_single_s']:.2f} ms alone, {1e3 * res['compute_cluster_s']:.2f} ms "
                      f"per rank in the run (scale {res['scale']:.2f}){other}; advise's pick: {res['pick']}")
-        lines.append("")
-        lines.append("| method | modelled as | measured step | predicted | error |")
-        lines.append("|---|---|---:|---:|---:|")
+        lines += ["", "| method | modelled as | measured step | predicted | error |", "|---|---|---:|---:|---:|"]
         for r in res["rows"]:
             lines.append(f"| {r['method']} | {r['model']} | {1e3 * r['measured_step_s']:.1f} ms | "
                          f"{1e3 * r['predicted_step_s']:.1f} ms | {100 * r['error']:+.0f} % |")

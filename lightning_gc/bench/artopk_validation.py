@@ -169,14 +169,11 @@ def markdown(rows: list[dict], summary: dict) -> str:
             f"{cell(r, 'art_tree')} | {r.get('auto_choice')} | "
             f"{r.get('auto_step_s', float('nan')):.3f}s | {r.get('fastest')} | {r.get('auto_vs_fastest', float('nan')):.2f}× |"
         )
-    lines.append("")
-    lines.append(f"Summary: {json.dumps(summary)}")
+    lines += ["", f"Summary: {json.dumps(summary)}"]
     stars = [(r["preset"], r["bandwidth"], r.get("star_art_ring_vs_ddp"), r.get("star_art_tree_vs_ddp"))
              for r in rows if "ddp_step_s" in r]
     if stars:
-        lines.append("")
-        lines.append("| preset | bw | STAR ring / DDP | STAR tree / DDP |")
-        lines.append("|---|---|---|---|")
+        lines += ["", "| preset | bw | STAR ring / DDP | STAR tree / DDP |", "|---|---|---|---|"]
         for p, b, ring, tree in stars:
             lines.append(f"| {p} | {b} | {ring:.2f}× | {tree:.2f}× |" if ring and tree else f"| {p} | {b} | {ring} | {tree} |")
     return "\n".join(lines) + "\n"

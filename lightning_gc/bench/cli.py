@@ -149,16 +149,12 @@ _BASELINE_LINES = {
 
 def list_methods_text() -> str:
     """One line per method name: the torch baselines, every lightning_gc compressor as gc_NAME, then auto."""
-    from lightning_gc.bench.methods import BASELINES, _gc_compressors
+    from lightning_gc.bench.methods import BASELINES
+    from lightning_gc.compressors import available_compressors, get_entry
 
     lines = ["torch baselines (DDP with a torch communication hook):"]
     lines += [f"  {name:<16}{_BASELINE_LINES.get(name, '')}".rstrip() for name in BASELINES]
-    names, why = _gc_compressors()
-    if names is None:
-        lines.append(f"lightning_gc compressors: unavailable ({why})")
-        return "\n".join(lines)
-    from lightning_gc.compressors import get_entry
-
+    names = available_compressors()
     clash = [n for n in names if n in BASELINES]
     lines.append("lightning_gc compressors (GCStrategy(compressor=NAME); the gc_ prefix may be dropped"
                  + (f" except for {', '.join('gc_' + n for n in clash)}, whose bare name is the torch baseline"
@@ -249,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
 def _suite(args, argv: list[str]) -> int:
     """``--suite regress``: run the cases, print each ratio beside the baseline (lightning_gc/bench/regress.py)."""
     import json
+    from pathlib import Path
 
     from lightning_gc.bench import regress
     from lightning_gc.bench.runner import BenchConfig, run_bench
@@ -289,16 +286,14 @@ def _suite(args, argv: list[str]) -> int:
     compared = regress.compare(rows, baseline, tolerance, quick=args.quick)
     _log("")
     _log(regress.markdown(compared, baseline, tolerance, quick=args.quick))
+    command = "lightning-gc bench " + " ".join(argv)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"suite": "regress", "quick": args.quick, "tolerance": tolerance, "baseline": baseline,
-                       "command": "lightning-gc bench " + " ".join(argv), "rows": compared, "documents": docs},
-                      fh, indent=1, default=str)
+        suite = {"suite": "regress", "quick": args.quick, "tolerance": tolerance, "baseline": baseline,
+                 "command": command, "rows": compared, "documents": docs}
+        Path(args.json).write_text(json.dumps(suite, indent=1, default=str))
         _log(f"wrote {args.json}")
     if args.record:
-        with open(args.record, "w") as fh:
-            json.dump(regress.baseline_document(rows, "lightning-gc bench " + " ".join(argv)), fh, indent=1)
-            fh.write("\n")
+        Path(args.record).write_text(json.dumps(regress.baseline_document(rows, command), indent=1) + "\n")
         _log(f"wrote {args.record}")
     bad = [r["ratio"] for r in compared if r["flag"] in ("worse", "failed")]
     if bad:
@@ -360,20 +355,9 @@ def _sweep(cfg, args, argv: list[str]) -> int:
     if code is not None:
         return code
     sweep = report.sweep_document(docs, links)
-    table = report.sweep_markdown(sweep)
     _log("")
-    _log(table)
-    written = []
-    if args.json:
-        written.append(report.write_json(sweep, args.json))
-    if args.out:
-        written.append(report.write_json(sweep, os.path.join(args.out, "sweep.json")))
-        md = os.path.join(args.out, "sweep.md")
-        with open(md, "w") as fh:
-            fh.write(table)
-        written.append(md)
-        written += report.write_sweep_plot(sweep, args.out)
-    for path in written:
+    _log(report.sweep_markdown(sweep))
+    for path in report.write_outputs(sweep, json_path=args.json, out_dir=args.out):
         _log(f"wrote {path}")
     failed = sorted({f"{r['label']} @ {link}" for link, doc in zip(links, docs) for r in doc["results"]
                      if r["status"] != "ok"})

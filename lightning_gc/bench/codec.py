@@ -8,12 +8,10 @@ on flat fp32 groups of each requested size:
 * the engine's own passes: **flatten** (``torch.cat`` of the per-parameter views of a bucket),
   **error feedback** (``p = g + e`` and the dense residual ``e = p − sent``), the **‖p‖²**
   statistic, and **write-back** (copy of the mean into the per-parameter views);
-* for every compressor: **compress** (one rank's group), **aggregate** of ``world_size`` payloads
-  into the mean (``aggregate_gathered`` for allgather formats, ``aggregate_summed`` of the
-  element-wise sum for allreduce formats, the scatter of the reduced values at the source's
-  indices for AR-Topk), **decompress** (one payload back to dense: what the exchange computes as
-  this rank's ``sent`` unless the format sends an exact subset), and the **pack / unpack** of the
-  payload into / out of the byte buffer that allgather moves.
+* for every compressor (:func:`lightning_gc.compressors.timing.time_codec`): **compress** (one rank's
+  group), **aggregate** of ``world_size`` payloads into the mean, **decompress** (one payload back
+  to dense: this rank's ``sent`` unless the format sends an exact subset), and the **pack /
+  unpack** of the payload into / out of the byte buffer that allgather moves.
 
 Every time is the median of ``repeats`` runs after one warm-up and is reported in seconds and in
 elements per second, next to the reference, so a figure reads as "this pass costs as much as
@@ -29,6 +27,7 @@ and the others still run; the exit status is then 1.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import platform
@@ -36,7 +35,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -64,22 +64,13 @@ def parse_size(text: str) -> int:
 
 @dataclass(frozen=True)
 class CodecBenchConfig:
-    """What to time.
+    """What to time (the fields are the options of ``python -m lightning_gc.bench.codec``).
 
-    Attributes:
-        sizes: group sizes in elements (fp32). 1M / 11M (ResNet-18) by default; add 100M for a
-            large-model group (needs ~4 GB of memory and a few minutes on one thread).
-        world_size: ranks whose payloads are aggregated (N).
-        ratio: kept fraction for compressors that take one.
-        repeats: timed runs per measurement (the median is reported), after one warm-up.
-        segments: parameter tensors the group is split into for flatten / write-back (ResNet-18
-            has 62).
-        compressors: names to time; ``None`` = every registered compressor.
-        threads: torch intra-op threads during the run.
-        seed: seed of the synthetic gradients.
-        keep_allocations: call :func:`lightning_gc.compressors.workspace.keep_large_allocations_cached`
-            first (process-wide) to see what page faults on fresh large tensors cost.
-        device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``): where the groups live and the passes run.
+    ``sizes``: 1M / 11M (ResNet-18) elements by default; 100M, a large-model group, needs ~4 GB of
+    memory and a few minutes on one thread. ``segments``: parameter tensors per group (ResNet-18 has
+    62). ``compressors``: ``None`` = every registered compressor. ``keep_allocations``: call
+    :func:`lightning_gc.compressors.workspace.keep_large_allocations_cached` first (process-wide) to
+    see what page faults on fresh large tensors cost.
     """
 
     sizes: tuple[int, ...] = (1_000_000, 11_000_000)
@@ -118,18 +109,11 @@ class CodecBenchConfig:
                 raise ValueError(f"unknown compressors {unknown}; valid: {', '.join(available_compressors())}")
 
 
-@dataclass
-class Timing:
-    seconds: float
-    elements_per_s: float
-    vs_add: float  # this time / the reference add's time at the same size
-    runs: list[float] = field(default_factory=list)
-
-
 def _timing(runs: list[float], n: int, ref_s: float) -> dict:
+    """The median of ``runs``, as elements per second and as a multiple of the reference add's time."""
     s = statistics.median(runs)
-    return asdict(Timing(seconds=s, elements_per_s=n / s if s > 0 else float("inf"),
-                         vs_add=s / ref_s if ref_s > 0 else float("nan"), runs=runs))
+    return {"seconds": s, "elements_per_s": n / s if s > 0 else float("inf"),
+            "vs_add": s / ref_s if ref_s > 0 else float("nan"), "runs": runs}
 
 
 def _reference_add(a: torch.Tensor, b: torch.Tensor, repeats: int) -> list[float]:
@@ -156,11 +140,9 @@ def _engine_passes(n: int, cfg: CodecBenchConfig, ref_s: float, g: torch.Tensor)
     from lightning_gc.compressors.workspace import empty_output
 
     segs = _segments(n, cfg.segments)
+    offsets = list(itertools.accumulate(segs, initial=0))[:-1]
     bucket = g.clone()
-    views, off = [], 0
-    for s in segs:
-        views.append(bucket[off:off + s])
-        off += s
+    views = [bucket[o:o + s] for o, s in zip(offsets, segs)]
     e = (torch.randn(n, generator=torch.Generator().manual_seed(cfg.seed + 99)) * 0.1).to(g.device)
     mean = g * 0.5
     sent = g * 0.25
@@ -173,16 +155,10 @@ def _engine_passes(n: int, cfg: CodecBenchConfig, ref_s: float, g: torch.Tensor)
         "ef_add": time_runs(lambda: g + e, cfg.repeats),
         "ef_residual": time_runs(lambda: p - sent, cfg.repeats),
         "norm2": time_runs(lambda: float(p.float().pow(2).sum()), cfg.repeats),
-        "writeback": time_runs(lambda: [v.copy_(mean[o:o + s]) for v, o, s in _offsets(views, segs)], cfg.repeats),
+        "writeback": time_runs(lambda: [v.copy_(mean[o:o + s]) for v, o, s in zip(views, offsets, segs)],
+                               cfg.repeats),
     }
     return {k: _timing(v, n, ref_s) for k, v in out.items()}
-
-
-def _offsets(views, segs):
-    off = 0
-    for v, s in zip(views, segs):
-        yield v, off, s
-        off += s
 
 
 def _near_square(numel: int) -> tuple[int, int]:
@@ -401,12 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(md)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        Path(args.json).write_text(json.dumps(doc, indent=1))
         print(f"wrote {args.json}")
     if args.md:
-        with open(args.md, "w") as f:
-            f.write(md)
+        Path(args.md).write_text(md)
         print(f"wrote {args.md}")
     failed = failed_compressors(doc)
     if failed:

@@ -48,10 +48,6 @@ class NativeHSDPStrategy(GCModelParallelStrategy):
         ModelParallelStrategy.setup(self, trainer)  # Lightning's own: no replica hooks
 
 
-def is_fsdp_method(name: str) -> bool:
-    return name in HSDP_BASELINES or name.startswith(FSDP_PREFIX)
-
-
 def build_fsdp_strategy(name: str, options: dict[str, Any]):
     """The strategy of an FSDP2 bench method (options already parsed)."""
     if name in HSDP_BASELINES:

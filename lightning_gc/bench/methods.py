@@ -45,29 +45,19 @@ method's ``ratio`` is then only the ratio in force until the first decision.
 compressor options, e.g. ``gradiveq:warmup=10:Lt=10:Lc=80``; ``collective=gradiveq_allreduce``
 runs the simple compress–allreduce–decompress path instead of the ring of Algorithm 1.
 
-``auto`` -> ``GCStrategy(compressor="auto", auto={...})``: after a profiled dense warm-up the run
-picks one method among its candidates and may re-decide on drift (:mod:`lightning_gc.auto`). Its
-options are the :class:`~lightning_gc.auto.chooser.AutoConfig` fields, bare or as ``auto_<field>``
-(``candidates``, ``progress_weight``, ``skip_steps``, ``profile_steps``, ``repeats``, ``window``,
-``drift``, ``patience``, ``severe_drift``, ``min_interval``, ...); ``candidates`` joins names with ``+`` (``,`` separates
-methods, ``:`` options), e.g. ``auto,auto:progress_weight=0.5,auto:candidates=ddp+fp16+topk``.
-The GCStrategy engine keys (``warmup_steps``, ``network_alpha_s``, ``probe_*``, ``seed``,
-``bucket_cap_mb``, ...) go to ``GCStrategy`` as for any compressor. ``auto`` takes no ``ratio``
-(``--ratio`` does not apply), ``collective``, ``error_feedback`` or compressor options: it picks those
-itself, and they are refused with the fix, as is anything else
-``GCStrategy(compressor="auto")`` would refuse (checked when the list is parsed, before any run).
-``all`` expands to every *fixed* method (the torch baselines and every compressor), without
-``auto``; name it explicitly (its dense profile needs ``--warmup`` >= ``skip_steps + profile_steps``,
-4 by default: the runner refuses fewer, see :func:`auto_config`).
+``auto`` -> ``GCStrategy(compressor="auto", auto={...})`` (:mod:`lightning_gc.auto`). Its options
+are the :class:`~lightning_gc.auto.chooser.AutoConfig` fields, bare or as ``auto_<field>``;
+``candidates`` joins names with ``+``, e.g. ``auto:progress_weight=0.5:candidates=ddp+fp16+topk``.
+GCStrategy's engine keys go to ``GCStrategy`` as for any compressor. What auto picks itself
+(``ratio``, ``collective``, ``error_feedback``, compressor options) is refused, as is anything else
+``GCStrategy(compressor="auto")`` would refuse, when the list is parsed. ``all`` expands to every
+*fixed* method, without ``auto``: name it explicitly, with ``--warmup`` at least its dense profile
+(:func:`auto_config`).
 
-The same method may appear several times with different options; each entry is labelled by its
-full spec (``topk:ratio=0.001``), with the default ratio made explicit.
+Each entry is labelled by its full spec (``topk:ratio=0.001``), with the default ratio made explicit.
 
-Lightning's ``DDPStrategy`` only registers DDP comm hooks on CUDA, so the torch baselines use
-:class:`TorchHookDDPStrategy`, which registers the hook on any device (CPU/gloo included); the
-worker verifies that the hook really ran (``DistributedDataParallel._get_ddp_logging_data()``).
-``powersgd`` runs with a single DDP bucket (see :class:`TorchHookDDPStrategy`): on gloo the hook's
-per-bucket collectives are otherwise issued in different orders on different ranks.
+The torch baselines run on :class:`TorchHookDDPStrategy` (Lightning registers comm hooks on CUDA
+only); the worker checks that the hook really ran (``DistributedDataParallel._get_ddp_logging_data()``).
 
 Bytes per rank per step for the torch baselines (no engine counts them) follow the ring-allreduce
 model used for dense DDP, ``2 (N - 1) / N`` times the message size for ``N`` ranks:
@@ -89,26 +79,13 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy
 
 from ..auto.chooser import AutoConfig
+from ..compressors import available_compressors, takes_ratio
 from ..config import FLAT_FIELDS, FLAT_PREFIXES
 from .workloads import parse_value
 
-__all__ = [
-    "MethodError",
-    "MethodSpec",
-    "BASELINES",
-    "AUTO",
-    "parse_methods",
-    "auto_config",
-    "available_methods",
-    "build_strategy",
-    "build_callbacks",
-    "TorchHookDDPStrategy",
-    "ring_factor",
-    "dense_grad_elements",
-    "analytic_bytes_per_step",
-    "powersgd_elements",
-    "hook_marker",
-]
+__all__ = ["MethodError", "MethodSpec", "BASELINES", "AUTO", "parse_methods", "auto_config",
+           "available_methods", "build_strategy", "build_callbacks", "TorchHookDDPStrategy", "ring_factor",
+           "dense_grad_elements", "analytic_bytes_per_step", "powersgd_elements", "hook_marker"]
 
 BASELINES = ("ddp", "powersgd", "fp16", "hsdp", "hsdp_bf16")  # the last two: FSDP2's native HSDP (bench/fsdp.py)
 SINGLE_BUCKET_MB = 1_000_000  # larger than any model: DDP puts every gradient into one bucket
@@ -147,42 +124,18 @@ class MethodSpec:
     def label(self) -> str:
         return self.method + "".join(f":{k}={_fmt(v)}" for k, v in self.options.items())
 
-    @property
-    def is_baseline(self) -> bool:
-        return not self.gc
-
     def to_json(self) -> dict:
         return {"method": self.method, "label": self.label, "compressor": self.name if self.gc else None,
                 "options": dict(self.options)}
 
 
 def _fmt(v: Any) -> str:
-    if isinstance(v, bool):
-        return str(v).lower()
-    return str(v)
-
-
-def _gc_compressors() -> tuple[list[str] | None, str]:
-    """Names of lightning_gc compressors, or ``(None, why)`` when the package part is not importable."""
-    try:
-        from lightning_gc.compressors import available_compressors
-    except Exception as exc:  # noqa: BLE001 - any import problem means "not available"
-        return None, f"lightning_gc.compressors.available_compressors is not importable ({type(exc).__name__}: {exc})"
-    return list(available_compressors()), ""
-
-
-def _takes_ratio(name: str) -> bool:
-    try:
-        from lightning_gc.compressors import takes_ratio
-    except Exception:  # noqa: BLE001
-        return True
-    return bool(takes_ratio(name))
+    return str(v).lower() if isinstance(v, bool) else str(v)  # true/false, as written in a method entry
 
 
 def available_methods() -> list[str]:
     """Every method name: the torch baselines, every compressor, then ``auto``."""
-    names, _ = _gc_compressors()
-    return list(BASELINES) + [f"gc_{n}" if n in BASELINES else n for n in (names or [])] + [AUTO]
+    return list(BASELINES) + [f"gc_{n}" if n in BASELINES else n for n in available_compressors()] + [AUTO]
 
 
 def _auto_candidates(entry: str, value: Any) -> tuple[str, ...]:
@@ -249,7 +202,7 @@ def parse_methods(text: str, *, default_ratio: float | None) -> list[MethodSpec]
     if not isinstance(text, str) or not text.strip():
         raise MethodError(f"--methods {text!r} is empty: give a comma-separated list such as 'ddp,topk'")
     entries = [e.strip() for e in text.split(",") if e.strip()]
-    gc_names, why = _gc_compressors()
+    gc_names = available_compressors()
     if entries == ["all"]:  # every fixed method; auto is named on its own (see the module docstring)
         entries = [m for m in available_methods() if m != AUTO]
     specs: list[MethodSpec] = []
@@ -262,29 +215,16 @@ def parse_methods(text: str, *, default_ratio: float | None) -> list[MethodSpec]
             continue
         if name.startswith("gc_"):
             name, gc = name[3:], True
-        options: dict[str, Any] = {}
-        for part in opt_parts:
-            key, eq, value = part.partition("=")
-            key = key.strip()
-            if not eq or not key:
-                raise MethodError(
-                    f"method {entry!r}: option {part!r} is not KEY=VALUE; write e.g. 'topk:ratio=0.001'"
-                )
-            options[key] = parse_value(value)
+        options = _parse_options(entry, opt_parts, "topk:ratio=0.001")
         if gc and name == AUTO:
             _check_auto(entry, options)
         elif gc:
-            if gc_names is None:
-                raise MethodError(
-                    f"method {name!r} needs lightning_gc's compressors, but {why}; use the torch baselines "
-                    f"({', '.join(BASELINES)}) or install the full package"
-                )
             if name not in gc_names:
                 raise MethodError(
                     f"unknown method {name!r}: choose from {', '.join(available_methods())} "
                     f"(see 'lightning-gc bench --list-methods')"
                 )
-            if "ratio" not in options and default_ratio is not None and _takes_ratio(name):
+            if "ratio" not in options and default_ratio is not None and takes_ratio(name):
                 options = {"ratio": default_ratio, **options}
             if "ratio" in options and options["ratio"] is not None:
                 r = options["ratio"]
@@ -354,18 +294,23 @@ class TorchHookDDPStrategy(DDPStrategy):
             raise MethodError(f"TorchHookDDPStrategy: unknown hook {self.hook_name!r}; use 'fp16' or 'powersgd'")
 
 
-def _fsdp_spec(entry: str, name: str, opt_parts: list[str], gc_names: list[str] | None) -> MethodSpec:
-    compressor = name[len("fsdp_"):]
-    if gc_names is None or compressor not in gc_names:
-        raise MethodError(f"method {entry!r}: {compressor!r} is not a lightning_gc compressor; write fsdp_<compressor>, "
-                          "e.g. 'fsdp_topk:ratio=0.01' (docs/fsdp.md)")
-    options = {}
-    for part in opt_parts:
+def _parse_options(entry: str, parts: list[str], example: str) -> dict[str, Any]:
+    """The ``KEY=VALUE`` parts of a method entry as a dict (values through :func:`parse_value`)."""
+    options: dict[str, Any] = {}
+    for part in parts:
         key, eq, value = part.partition("=")
         if not eq or not key.strip():
-            raise MethodError(f"method {entry!r}: option {part!r} is not KEY=VALUE; write e.g. 'fsdp_topk:ratio=0.01'")
+            raise MethodError(f"method {entry!r}: option {part!r} is not KEY=VALUE; write e.g. '{example}'")
         options[key.strip()] = parse_value(value)
-    return MethodSpec(name, options, gc=True)
+    return options
+
+
+def _fsdp_spec(entry: str, name: str, opt_parts: list[str], gc_names: list[str]) -> MethodSpec:
+    compressor = name[len("fsdp_"):]
+    if compressor not in gc_names:
+        raise MethodError(f"method {entry!r}: {compressor!r} is not a lightning_gc compressor; write fsdp_<compressor>, "
+                          "e.g. 'fsdp_topk:ratio=0.01' (docs/fsdp.md)")
+    return MethodSpec(name, _parse_options(entry, opt_parts, "fsdp_topk:ratio=0.01"), gc=True)
 
 
 def build_strategy(spec: MethodSpec, **ddp_kwargs: Any):
@@ -381,13 +326,8 @@ def build_strategy(spec: MethodSpec, **ddp_kwargs: Any):
         return DDPStrategy(**ddp_kwargs)
     if not spec.gc and spec.name in ("fp16", "powersgd"):
         return TorchHookDDPStrategy(spec.name, spec.options, **ddp_kwargs)
-    try:
-        from lightning_gc.strategy import GCStrategy
-    except Exception as exc:  # noqa: BLE001
-        raise MethodError(
-            f"method {spec.name!r} needs lightning_gc.strategy.GCStrategy, which is not importable "
-            f"({type(exc).__name__}: {exc}); use the torch baselines or fix the installation"
-        ) from exc
+    from lightning_gc.strategy import GCStrategy
+
     if spec.name == AUTO:
         return GCStrategy(compressor=AUTO, **_auto_kwargs(spec.label, spec.options), **ddp_kwargs)
     kwargs: dict[str, Any] = {}
@@ -436,7 +376,7 @@ def build_callbacks(spec: MethodSpec) -> list:
         if extra:
             raise MethodError(f"method {spec.label!r}: {sorted(extra)} need adaptive=shadow or adaptive=rollback")
         return []
-    if not spec.gc or not _takes_ratio(spec.name):
+    if not spec.gc or not takes_ratio(spec.name):
         raise MethodError(
             f"method {spec.label!r}: adaptive={mode!r} needs a lightning_gc compressor that takes a ratio "
             "(topk, lwtopk, mstopk, randomk, star_topk, var_topk, artopk_auto)"

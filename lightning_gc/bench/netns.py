@@ -19,10 +19,8 @@ full-duplex NIC and fan-in to one host cannot exceed it either. Rates change in 
 (``tc qdisc change`` / ``tc class change``) while training runs. There is no latency emulation
 (``netem`` is not available), only rate limiting.
 
-Counters: :meth:`EmulatedCluster.tx_bytes` reads the host interface's transmit counter (bytes that
-left the host on the wire, Ethernet/IP/TCP headers included). Inside a process started with
-``ip netns exec`` the same number is ``/sys/class/net/gc0/statistics/tx_bytes``, which is what the
-workers read at the edges of the measured steps.
+Counters: the host interface's transmit counter (headers included), read by
+:meth:`EmulatedCluster.tx_bytes` from outside and by :func:`read_tx_bytes` in the workers.
 
 Cleanup: every cluster registers itself in a process-wide registry; the registry runs on normal exit
 (``atexit``), on ``SIGTERM``/``SIGHUP`` (converted to ``SystemExit`` so ``finally`` blocks run too)
@@ -34,6 +32,7 @@ be removed with :func:`sweep_stale` (``lightning-gc bench --cleanup-stale``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -45,19 +44,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = [
-    "NetnsError",
-    "IFNAME",
-    "EmulatedCluster",
-    "namespaces_available",
-    "register_cleanup",
-    "unregister_cleanup",
-    "run_cleanups",
-    "install_signal_handlers",
-    "list_own_namespaces",
-    "sweep_stale",
-    "tc_burst_bytes",
-]
+__all__ = ["NetnsError", "IFNAME", "EmulatedCluster", "namespaces_available", "register_cleanup",
+           "unregister_cleanup", "run_cleanups", "install_signal_handlers", "list_own_namespaces",
+           "sweep_stale", "tc_burst_bytes"]
 
 IFNAME = "gc0"  # the host-side interface name inside every host namespace
 NS_PREFIX = "lgcb"
@@ -120,17 +109,13 @@ def install_signal_handlers() -> Callable[[], None]:
         raise SystemExit(128 + signum)
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        try:
+        with contextlib.suppress(ValueError, OSError):
             previous[sig] = signal.signal(sig, handler)
-        except (ValueError, OSError):
-            pass
 
     def restore() -> None:
         for sig, old in previous.items():
-            try:
+            with contextlib.suppress(ValueError, OSError):
                 signal.signal(sig, old)
-            except (ValueError, OSError):
-                pass
 
     return restore
 
@@ -176,8 +161,8 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # it exists, owned by another user
+        pass
     return True
 
 
@@ -208,10 +193,8 @@ def sweep_stale(log: Callable[[str], None] = print) -> list[str]:
 def _kill_pids_in_ns(name: str) -> None:
     proc = _run(["ip", "netns", "pids", name], check=False)
     for tok in proc.stdout.split():
-        try:
+        with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
             os.kill(int(tok), signal.SIGKILL)
-        except (ValueError, ProcessLookupError, PermissionError):
-            pass
 
 
 def namespaces_available() -> tuple[bool, str]:
@@ -227,18 +210,19 @@ def namespaces_available() -> tuple[bool, str]:
     proc = _run(["ip", "netns", "add", probe], check=False)
     if proc.returncode != 0:
         return False, f"'ip netns add' failed: {(proc.stderr or proc.stdout).strip()}"
+    steps = (
+        ("create a bridge in a namespace", ["ip", "-n", probe, "link", "add", "br0", "type", "bridge"]),
+        ("create a veth pair in a namespace",
+         ["ip", "link", "add", "v0", "netns", probe, "type", "veth", "peer", "name", "v1", "netns", probe]),
+        ("attach a tc tbf qdisc",
+         ["tc", "-n", probe, "qdisc", "add", "dev", "v0", "root", "tbf", "rate", "1mbit", "burst", "64kb", "latency",
+          "50ms"]),
+    )
     try:
-        r = _run(["ip", "-n", probe, "link", "add", "br0", "type", "bridge"], check=False)
-        if r.returncode != 0:
-            return False, f"cannot create a bridge in a namespace: {(r.stderr or r.stdout).strip()}"
-        r = _run(["ip", "link", "add", "v0", "netns", probe, "type", "veth", "peer", "name", "v1", "netns", probe],
-                 check=False)
-        if r.returncode != 0:
-            return False, f"cannot create a veth pair in a namespace: {(r.stderr or r.stdout).strip()}"
-        r = _run(["tc", "-n", probe, "qdisc", "add", "dev", "v0", "root", "tbf", "rate", "1mbit", "burst", "64kb",
-                  "latency", "50ms"], check=False)
-        if r.returncode != 0:
-            return False, f"cannot attach a tc tbf qdisc: {(r.stderr or r.stdout).strip()}"
+        for what, cmd in steps:
+            r = _run(cmd, check=False)
+            if r.returncode != 0:
+                return False, f"cannot {what}: {(r.stderr or r.stdout).strip()}"
     finally:
         _run(["ip", "netns", "delete", probe], check=False)
     return True, "root, iproute2 and network namespaces available"
@@ -362,11 +346,8 @@ class EmulatedCluster:
             quantum = str(min(200_000, max(1514, int(rate_bps / 8 / 10))))
             if verb == "replace":
                 _run(tc + ["qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1"])
-                _run(tc + ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate, "ceil",
-                           rate, "burst", burst, "cburst", burst, "quantum", quantum])
-            else:
-                _run(tc + ["class", "change", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate,
-                           "ceil", rate, "burst", burst, "cburst", burst, "quantum", quantum])
+            _run(tc + ["class", "add" if verb == "replace" else "change", "dev", dev, "parent", "1:", "classid", "1:1",
+                       "htb", "rate", rate, "ceil", rate, "burst", burst, "cburst", burst, "quantum", quantum])
 
     # counters --------------------------------------------------------------
     def tx_bytes(self, h: int) -> int:
@@ -379,17 +360,12 @@ class EmulatedCluster:
 
 def read_tx_bytes(ifname: str) -> int | None:
     """Transmit counter of ``ifname`` in the *current* network namespace, or ``None`` if unavailable."""
-    try:
-        with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as fh:
-            return int(fh.read().strip())
-    except (OSError, ValueError):
-        pass
-    try:  # /proc/net/dev always reflects the caller's namespace, even without a private /sys mount
-        with open("/proc/net/dev") as fh:
-            for line in fh:
-                name, sep, rest = line.partition(":")
-                if sep and name.strip() == ifname:
-                    return int(rest.split()[8])
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError), open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as fh:
+        return int(fh.read().strip())
+    # /proc/net/dev always reflects the caller's namespace, even without a private /sys mount
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/net/dev") as fh:
+        for line in fh:
+            name, sep, rest = line.partition(":")
+            if sep and name.strip() == ifname:
+                return int(rest.split()[8])
     return None

@@ -1,13 +1,9 @@
 """``--repeat R``: the method list run R times in interleaved rounds, combined into one row per method.
 
-Why: on a shared machine the speed of the machine moves between methods of one run by more than the
-ratios worth telling apart (two runs of one method can differ by several percent), so one run per
-method cannot tell a small ratio from that noise. Running every method once per round (round 1: all
-methods, round 2: all methods again, ...) spreads slow phases of the machine over all methods, and a
-ratio taken *within* a round compares methods measured minutes apart rather than a whole run apart.
-The rounds alternate the order (as listed, reversed, ...:
-:func:`lightning_gc.bench.runner.round_order`), so the methods listed last do not always run on the
-later host.
+Why: on a shared machine its speed moves between the methods of one run by more than the ratios
+worth telling apart. Rounds spread slow phases over all methods, and a ratio taken *within* a round
+compares methods measured minutes apart rather than a whole run apart. The rounds alternate the
+order (:func:`lightning_gc.bench.runner.round_order`).
 
 How rounds are combined (:func:`combine_rounds`), per method:
 

@@ -7,17 +7,14 @@
 time over the run, with the warm-up and schedule phases marked) and ``DIR/metric.png`` (task metric
 against training time, with the target).
 
-``auto`` (``GCStrategy(compressor="auto")``) results carry the chooser's decisions (optional key
-``auto``, checked by :func:`validate_document`). Everywhere the method is named, its pick is shown
-(:func:`auto_pick`: ``topk``, or the sequence ``ddp→topk`` if it re-decided): the table's label
-reads ``auto → topk``, a section after the table lists every decision (trigger, the link as probed,
-the predicted step of the pick against the measured one, every candidate's prediction), the sweep
-table's step cell ends in ``(picked topk)`` and the sweep plot writes the pick next to each of
-auto's points.
+``auto`` results carry the chooser's decisions (optional key ``auto``). Wherever the method is
+named, its pick is shown (:func:`auto_pick`: ``topk``, or ``ddp→topk`` if it re-decided), and a
+section after the table lists every decision.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Any
@@ -50,7 +47,8 @@ def validate_document(doc: Any) -> None:
         if res["status"] not in ("ok", "error"):
             raise ValueError(f"{where}: status {res['status']!r} is not 'ok' or 'error'")
         nullable_num = ["time_to_target_s", "ratio_vs_ddp", "time_to_target_ratio_vs_ddp", "final_metric",
-                        "wire_bytes_per_step", "bytes_per_step", "compute_time_s", "floor_s", "comm_exposed_s"]
+                        "wire_bytes_per_step", "bytes_per_step", "compute_time_s", "floor_s", "comm_exposed_s",
+                        "ratio_vs_best_baseline", "time_to_target_ratio_vs_best_baseline"]  # the last two optional
         if res["status"] == "ok":
             for k in ("step_time_s", "step_time_iqr_s"):
                 if not isinstance(res[k], num) or res[k] < 0:
@@ -59,11 +57,8 @@ def validate_document(doc: Any) -> None:
             nullable_num += ["step_time_s", "step_time_iqr_s"]
             if not isinstance(res["error"], str):
                 raise ValueError(f"{where}: a failed result needs an 'error' string")
-        for k in ("ratio_vs_best_baseline", "time_to_target_ratio_vs_best_baseline"):  # optional
-            if res.get(k) is not None and (not isinstance(res[k], num) or isinstance(res[k], bool)):
-                raise ValueError(f"{where}: {k} must be a number or null, got {res[k]!r}")
         for k in nullable_num:
-            if res[k] is not None and (not isinstance(res[k], num) or isinstance(res[k], bool)):
+            if res.get(k) is not None and not _is_num(res[k]):
                 raise ValueError(f"{where}: {k} must be a number or null, got {res[k]!r}")
         if res.get("auto") is not None:
             _validate_auto(where, res["auto"])
@@ -110,10 +105,7 @@ def auto_sequence(result: dict) -> list[str]:
     """The methods an ``auto`` result ran after its decisions, in order (a re-decision that kept the
     method adds nothing); empty without decisions."""
     auto = result.get("auto") or {}
-    seq: list[str] = []
-    for d in auto.get("decisions") or []:
-        if not seq or seq[-1] != d["chosen"]:
-            seq.append(d["chosen"])
+    seq = [chosen for chosen, _ in itertools.groupby(d["chosen"] for d in auto.get("decisions") or [])]
     if not seq and auto.get("chosen"):
         seq = [auto["chosen"]]
     return seq
@@ -182,6 +174,11 @@ def _v(x: float | None) -> str:
 
 def _p(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def fmt_cell(x: float | None, fmt: str = "{:.3f}") -> str:
+    """A table cell: ``x`` formatted by ``fmt``, or ``–`` when it is missing."""
+    return "–" if x is None else fmt.format(x)
 
 
 def _network_line(doc: dict) -> str:
@@ -324,13 +321,18 @@ def _rounds_section(doc: dict) -> list[str]:
             if rd["status"] != "ok":
                 cells.append("failed")
                 continue
-            ttt = "not reached" if rd["time_to_target_s"] is None else (
-                f"{_s(rd['time_to_target_s'])} ({_r(rd.get('time_to_target_ratio_vs_best_baseline'))})")
+            step, ttt = _vs_best_cells(rd)
             mark = "*" if r.get("median_round") == rd["round"] else ""
-            cells.append(f"{mark}{_s(rd['step_time_s'])} ({_r(rd.get('ratio_vs_best_baseline'))}); TTT {ttt}"
-                         + (f"; picked {rd['auto_pick']}" if rd.get("auto_pick") else ""))
+            cells.append(f"{mark}{step}; TTT {ttt}" + (f"; picked {rd['auto_pick']}" if rd.get("auto_pick") else ""))
         lines.append(f"| `{r['label']}` | " + " | ".join(cells) + " |")
     return lines
+
+
+def _vs_best_cells(r: dict) -> tuple[str, str]:
+    """The step and the time to target of a result or a round, each with its ratio to the best baseline."""
+    ttt = "not reached" if r["time_to_target_s"] is None else (
+        f"{_s(r['time_to_target_s'])} ({_r(r.get('time_to_target_ratio_vs_best_baseline'))})")
+    return f"{_s(r['step_time_s'])} ({_r(r.get('ratio_vs_best_baseline'))})", ttt
 
 
 def _link(network: dict | None) -> str:
@@ -448,14 +450,9 @@ MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "p", "h", "8", "H",
 
 
 def method_styles(labels: list[str]) -> dict[str, tuple[str, str]]:
-    """A distinct colour (hex) and marker per method label, in order.
-
-    Colours: matplotlib's ``tab10`` up to 10 methods, then ``tab20``'s light shades for the next
-    10 (method 10 + j is the light shade of method j's colour, with a different marker), then
-    evenly spaced hues; so no two methods share a colour however many there are (Matplotlib's
-    default cycle repeats after ten).
-    Markers: :data:`MARKERS`, distinct up to 15 methods, then repeating with a different colour.
-    """
+    """A distinct colour (hex) and marker per method label, in order: ``tab10``, then ``tab20``'s
+    light shades (method 10 + j: method j's colour, lighter), then evenly spaced hues, so no two
+    methods share a colour (Matplotlib's default cycle repeats after ten); :data:`MARKERS` in turn."""
     from matplotlib import colormaps
     from matplotlib.colors import hsv_to_rgb, to_hex
 
@@ -470,14 +467,22 @@ def method_styles(labels: list[str]) -> dict[str, tuple[str, str]]:
     return {label: (colours[i], MARKERS[i % len(MARKERS)]) for i, label in enumerate(labels)}
 
 
-def write_plots(doc: dict, out_dir: str) -> list[str]:
-    """PNG plots into ``out_dir``; returns the paths (empty when matplotlib is missing)."""
+def _pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend, or ``None`` when matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def write_plots(doc: dict, out_dir: str) -> list[str]:
+    """PNG plots into ``out_dir``; returns the paths (empty when matplotlib is missing)."""
+    plt = _pyplot()
+    if plt is None:
         return []
     ok = [r for r in doc["results"] if r["status"] == "ok"]
     if not ok:
@@ -485,10 +490,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     c = doc["config"]
     net = {"netns": "emulated", "cluster": "real cluster"}.get((doc.get("network") or {}).get("mode"),
                                                                "loopback (not emulated)")
-    if c.get("schedule"):
-        rate = " → ".join(p["rate"] for p in c["schedule"])
-    else:
-        rate = "unshaped"
+    rate = " → ".join(p["rate"] for p in c.get("schedule") or []) or "unshaped"
     title_tail = f"{c['preset']}, {c['ranks']} ranks / {c['hosts']} hosts, {rate}, {net}"
     paths = []
     labels = [r["label"] for r in ok]
@@ -511,15 +513,9 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     for i, r in enumerate(ok):
         if r["ratio_vs_ddp"] is not None:
             ax.text(r["step_time_p75_s"], i, f"  {r['ratio_vs_ddp']:.2f}× DDP", va="center", fontsize=8)
-    ax.set_yticks(y, shown)
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds per training step (median)")
-    ax.set_title(f"Step time — {title_tail}", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    _method_rows(ax, shown, "seconds per training step (median)", f"Step time — {title_tail}")
     ax.set_xlim(right=max(r["step_time_p75_s"] for r in ok) * 1.3)
-    fig.tight_layout()
     paths.append(_save(fig, out_dir, "step_time.png"))
-    plt.close(fig)
 
     # 2. bytes: engine vs wire
     fig, ax = plt.subplots(figsize=(8, 0.6 * len(ok) + 1.8))
@@ -538,14 +534,8 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     if dense:
         ax.axvline(dense, color="gray", ls="--", lw=1, label="dense ring allreduce")
     ax.set_xscale("log")
-    ax.set_yticks(y, shown)
-    ax.invert_yaxis()
-    ax.set_xlabel("bytes sent per rank per step (log)")
-    ax.set_title(f"Bytes — {title_tail}", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
+    _method_rows(ax, shown, "bytes sent per rank per step (log)", f"Bytes — {title_tail}")
     paths.append(_save(fig, out_dir, "bytes.png"))
-    plt.close(fig)
 
     # 3. per-step trace
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -563,9 +553,7 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
     ax.set_ylabel("step time (s, slowest rank)")
     ax.set_title(f"Step times over the run — {title_tail}", fontsize=9)
     ax.legend(fontsize=8, ncol=2 if len(ok) > 8 else 1)
-    fig.tight_layout()
     paths.append(_save(fig, out_dir, "step_trace.png"))
-    plt.close(fig)
 
     # 4. metric vs training time
     curves = [r for r in ok if r.get("metric_curve")]
@@ -582,31 +570,46 @@ def write_plots(doc: dict, out_dir: str) -> list[str]:
         ax.set_ylabel(c.get("metric") or "metric")
         ax.set_title(f"Task metric — {title_tail}", fontsize=9)
         ax.legend(fontsize=8, ncol=2 if len(curves) > 8 else 1)
-        fig.tight_layout()
         paths.append(_save(fig, out_dir, "metric.png"))
-        plt.close(fig)
     return paths
 
 
+def _method_rows(ax, shown: list[str], xlabel: str, title: str) -> None:
+    """A horizontal bar chart's labels: one row per method, top to bottom in the list's order."""
+    ax.set_yticks(range(len(shown)), shown)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+
+
 def _save(fig, out_dir: str, name: str) -> str:
+    """Lay out ``fig``, write it to ``out_dir/name`` and close it; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
     path = os.path.join(out_dir, name)
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return path
 
 
 def write_outputs(doc: dict, *, json_path: str | None = None, out_dir: str | None = None) -> list[str]:
-    """Write the requested outputs; returns every path written."""
+    """Write the requested outputs of a bench or a sweep document (``DIR/bench.*`` or ``DIR/sweep.*``);
+    returns every path written."""
+    sweep = doc.get("schema") == SWEEP_SCHEMA
     written = []
     if json_path:
         written.append(write_json(doc, json_path))
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        written.append(write_json(doc, os.path.join(out_dir, "bench.json")))
-        md = os.path.join(out_dir, "bench.md")
+        stem = "sweep" if sweep else "bench"
+        written.append(write_json(doc, os.path.join(out_dir, f"{stem}.json")))
+        md = os.path.join(out_dir, f"{stem}.md")
         with open(md, "w") as fh:
-            fh.write(markdown(doc))
+            fh.write(sweep_markdown(doc) if sweep else markdown(doc))
         written.append(md)
-        written += write_plots(doc, out_dir)
+        written += write_sweep_plot(doc, out_dir) if sweep else write_plots(doc, out_dir)
     return written
 
 
@@ -661,11 +664,9 @@ def sweep_markdown(sweep: dict) -> str:
             if r is None or r["status"] != "ok":
                 cells += ["failed" if r is not None else "–", ""]
                 continue
-            step = f"{_s(r['step_time_s'])} ({_r(r.get('ratio_vs_best_baseline'))})"
+            step, ttt = _vs_best_cells(r)
             if auto_pick(r) is not None:
                 step += f" (picked {auto_pick(r)})"
-            ttt = ("not reached" if r["time_to_target_s"] is None else
-                   f"{_s(r['time_to_target_s'])} ({_r(r.get('time_to_target_ratio_vs_best_baseline'))})")
             cells += [step, ttt]
         lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -674,12 +675,8 @@ def sweep_markdown(sweep: dict) -> str:
 def write_sweep_plot(sweep: dict, out_dir: str) -> list[str]:
     """``sweep.png``: step time and time to target against the link, one line per method; each of
     ``auto``'s points is labelled with the method it picked on that link."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return []
     links, runs = sweep["links"], sweep["runs"]
     labels = _sweep_labels(sweep)
@@ -708,8 +705,5 @@ def write_sweep_plot(sweep: dict, out_dir: str) -> list[str]:
         ax.set_title(title, fontsize=9)
     axes[0].legend(fontsize=8, ncol=2 if len(labels) > 8 else 1)  # every method that ran has a step
     fig.suptitle(f"{c['preset']}, {c['ranks']} ranks: one run per link", fontsize=10)
-    fig.tight_layout()
     os.makedirs(out_dir, exist_ok=True)
-    path = _save(fig, out_dir, "sweep.png")
-    plt.close(fig)
-    return [path]
+    return [_save(fig, out_dir, "sweep.png")]

@@ -14,6 +14,7 @@ the definition of every field.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from lightning_gc._validation import check_int
@@ -240,19 +242,15 @@ def _tail(path: str, n: int = 40) -> str:
 def _kill(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
     deadline = time.monotonic() + 5
     for p in procs:
         try:
             p.wait(timeout=max(0.05, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             p.wait()
 
 
@@ -264,31 +262,23 @@ def _base_env(threads: int) -> dict:
     return env
 
 
+#: what a worker reads as given (BenchConfig fields) and as resolved (:func:`resolve`)
+_WORKER_CONFIG = ("preset", "preset_args", "seed", "target", "compute_steps", "val_batches", "change_in_step",
+                  "fail_rank", "fail_step")
+_WORKER_RESOLVED = ("steps", "budget_s", "warmup", "eval_every", "hosts", "procs_per_host", "threads")
+
+
 def worker_config(spec: MethodSpec, cfg: BenchConfig, r: dict, run_dir: str, *, ifname: str | None,
                   with_schedule: bool) -> dict:
     """The JSON config one method's workers read (see :mod:`lightning_gc.bench.worker`)."""
     return {
         "method": {"name": spec.name, "options": spec.options, "gc": spec.gc},
-        "preset": cfg.preset,
-        "preset_args": cfg.preset_args,
-        "seed": cfg.seed,
-        "steps": r["steps"],
-        "budget_s": r["budget_s"],
-        "target": cfg.target,
-        "warmup": r["warmup"],
-        "compute_steps": cfg.compute_steps,
-        "eval_every": r["eval_every"],
-        "val_batches": cfg.val_batches,
-        "hosts": r["hosts"],
-        "procs_per_host": r["procs_per_host"],
-        "threads": r["threads"],
+        **{k: getattr(cfg, k) for k in _WORKER_CONFIG},
+        **{k: r[k] for k in _WORKER_RESOLVED},
+        "fidelity": bool(cfg.fidelity),
         "ifname": ifname,
         "boundaries": [list(b) for b in r["boundaries"][1:]] if with_schedule else [],
         "run_dir": run_dir,
-        "fail_rank": cfg.fail_rank,
-        "fail_step": cfg.fail_step,
-        "fidelity": bool(cfg.fidelity),
-        "change_in_step": cfg.change_in_step,
     }
 
 
@@ -310,8 +300,7 @@ def run_method(
         master, port, ifname = "127.0.0.1", _free_port(), None
     wcfg = worker_config(spec, cfg, r, run_dir, ifname=ifname, with_schedule=cluster is not None)
     cfg_path = os.path.join(run_dir, "worker.json")
-    with open(cfg_path, "w") as fh:
-        json.dump(wcfg, fh, indent=1)
+    Path(cfg_path).write_text(json.dumps(wcfg, indent=1))
     if cluster is not None and r["schedule"] is not None:
         cluster.set_rate(r["schedule"].initial_rate_bps)
 
@@ -336,11 +325,12 @@ def run_method(
     finally:
         _kill(procs)
         netns.unregister_cleanup(handle)
-    results = []
-    for g in range(ranks):
-        with open(os.path.join(run_dir, f"rank{g}.json")) as fh:
-            results.append(json.load(fh))
-    return results
+    return [_read_json(os.path.join(run_dir, f"rank{g}.json")) for g in range(ranks)]
+
+
+def _read_json(path: str) -> Any:
+    with open(path) as fh:
+        return json.load(fh)
 
 
 def _monitor(spec, cfg, r, cluster, run_dir, procs, logs, log) -> None:
@@ -441,14 +431,33 @@ def _root_cause(procs, grace_s: float = 3.0) -> tuple[int, int]:
 # --------------------------------------------------------------------------- aggregation
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    ys = sorted(xs)
-    if len(ys) == 1:
-        return ys[0]
-    pos = q * (len(ys) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ys) - 1)
-    return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
+#: engine window totals -> result keys, per measured step (mean over the ranks; only when every rank has it)
+_ENGINE_PER_STEP = (("bytes_payload", "payload_bytes_per_step"), ("bytes_dense", "dense_bytes_per_step"),
+                    ("compress_time_s", "compress_time_s"),
+                    ("comm_time_s", "comm_time_s"),  # time inside the engine's collectives
+                    ("overhead_s", "overhead_s"),  # the engine's own time (docs/bench.md, "Overhead")
+                    ("exchange_comm_s", "exchange_comm_s"))  # compressed exchanges only, ranks lined up
+
+
+def _engine_extra(eng: list[dict], measured: int) -> dict[str, Any]:
+    """The per-step figures of the engine's counts over the measured window (``eng``: one per rank)."""
+    extra: dict[str, Any] = {}
+    for key, out in _ENGINE_PER_STEP:
+        if all(key in e for e in eng):
+            extra[out] = statistics.fmean(e[key] for e in eng) / measured
+    if "overhead_s" in extra:
+        for key in ("engine_own_s", "control_comm_s"):
+            extra[key] = statistics.fmean(e.get(key, 0.0) for e in eng) / measured
+    if all("steps" in e for e in eng):
+        extra["engine_steps"] = statistics.fmean(e["steps"] for e in eng)
+    if all("compressed_steps" in e for e in eng):
+        extra["engine_compressed_steps"] = min(e["compressed_steps"] for e in eng)
+    if all(e.get("predicted_comm_s") for e in eng):  # model-chosen collectives (artopk_auto)
+        extra["predicted_comm_s"] = statistics.fmean(e["predicted_comm_s"] for e in eng) / measured
+        extra["collective_choices"] = {
+            name: int(eng[0].get(f"chose_{name}", 0)) for name in ("allgather", "art_ring", "art_tree")
+        }
+    return extra
 
 
 def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool, target: float | None) -> dict:
@@ -461,6 +470,7 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
     compute_s = max(compute) if compute else None
     step_s = statistics.median(window)
     mean_s = statistics.fmean(window)
+    p25, _, p75 = statistics.quantiles(window, n=4, method="inclusive") if measured > 1 else [window[0]] * 3
 
     # bytes counted by the engine / modelled
     eng = [rk["engine_window"] for rk in ranks if rk.get("engine_window")]
@@ -471,27 +481,7 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
         if eng and all("bytes_sent" in e for e in eng):
             bytes_per_step = statistics.fmean(e["bytes_sent"] for e in eng) / measured
             source = "engine"
-            for key, out in (("bytes_payload", "payload_bytes_per_step"), ("bytes_dense", "dense_bytes_per_step")):
-                if all(key in e for e in eng):
-                    extra[out] = statistics.fmean(e[key] for e in eng) / measured
-            if all("compress_time_s" in e for e in eng):
-                extra["compress_time_s"] = statistics.fmean(e["compress_time_s"] for e in eng) / measured
-            if all("steps" in e for e in eng):
-                extra["engine_steps"] = statistics.fmean(e["steps"] for e in eng)
-            if all("compressed_steps" in e for e in eng):
-                extra["engine_compressed_steps"] = min(e["compressed_steps"] for e in eng)
-            if all("comm_time_s" in e for e in eng):  # time inside the engine's collectives
-                extra["comm_time_s"] = statistics.fmean(e["comm_time_s"] for e in eng) / measured
-            if all("overhead_s" in e for e in eng):  # the engine's own time (docs/bench.md, "Overhead")
-                for key in ("overhead_s", "engine_own_s", "control_comm_s"):
-                    extra[key] = statistics.fmean(e.get(key, 0.0) for e in eng) / measured
-            if all("exchange_comm_s" in e for e in eng):  # compressed exchanges only, ranks lined up
-                extra["exchange_comm_s"] = statistics.fmean(e["exchange_comm_s"] for e in eng) / measured
-            if all(e.get("predicted_comm_s") for e in eng):  # model-chosen collectives (artopk_auto)
-                extra["predicted_comm_s"] = statistics.fmean(e["predicted_comm_s"] for e in eng) / measured
-                extra["collective_choices"] = {
-                    name: int(eng[0].get(f"chose_{name}", 0)) for name in ("allgather", "art_ring", "art_tree")
-                }
+            extra = _engine_extra(eng, measured)
         else:
             bytes_per_step, source = None, "unavailable"
         if ranks[0].get("network_model"):
@@ -525,10 +515,10 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
     extra.setdefault("dense_bytes_per_step", dense_per_step)
 
     # bytes counted by the interfaces
-    host_tx = [rk["tx_window"] for rk in ranks if rk["local_rank"] == 0 and rk.get("tx_window") is not None]
+    counted = [rk for rk in ranks if rk["local_rank"] == 0 and rk.get("tx_window") is not None]  # one per host
+    host_tx = [rk["tx_window"] for rk in counted]
     counters = [{"host": rk["node_rank"], "tx_bytes": rk["tx_window"], "seconds": rk.get("tx_window_s"),
-                 "validation_tx_bytes_excluded": rk.get("tx_val_excluded")}
-                for rk in ranks if rk["local_rank"] == 0 and rk.get("tx_window") is not None]
+                 "validation_tx_bytes_excluded": rk.get("tx_val_excluded")} for rk in counted]
     if count_wire and len(host_tx) == r["hosts"]:
         wire_host = statistics.fmean(host_tx) / measured
         wire_rank = wire_host / pph
@@ -568,13 +558,7 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
         })
     final_metric = curve[-1]["value"] if curve else None
     mode = ranks[0]["mode"]
-    ttt = None
-    if target is not None:
-        for pt in curve:
-            v = pt["value"]
-            if meets_target(v, target, mode):
-                ttt = pt["train_time_s"]
-                break
+    ttt = next((pt["train_time_s"] for pt in curve if meets_target(pt["value"], target, mode)), None)
 
     if extra.get("overhead_s") is not None:
         extra["overhead_share"] = extra["overhead_s"] / step_s if step_s else None
@@ -593,9 +577,9 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
         "error": None,
         "measured_steps": measured,
         "step_time_s": step_s,
-        "step_time_iqr_s": _quantile(window, 0.75) - _quantile(window, 0.25),
-        "step_time_p25_s": _quantile(window, 0.25),
-        "step_time_p75_s": _quantile(window, 0.75),
+        "step_time_iqr_s": p75 - p25,
+        "step_time_p25_s": p25,
+        "step_time_p75_s": p75,
         "step_time_mean_s": mean_s,
         "compute_time_s": compute_s,
         "comm_exposed_s": None if compute_s is None else max(0.0, step_s - compute_s),
@@ -642,17 +626,17 @@ def chooser_seconds(auto: dict, warmup: int, steps: int) -> float | None:
     return sum(float(d["decide_s"]) - float((d.get("decide_parts_s") or {}).get("probe", 0.0)) for d in inside)
 
 
-def failed_result(spec: MethodSpec, error: str) -> dict:
-    keys = ["measured_steps", "step_time_s", "step_time_iqr_s", "step_time_p25_s", "step_time_p75_s",
+#: the figures of a result, every one null in a failed result
+_FIGURES = ("measured_steps", "step_time_s", "step_time_iqr_s", "step_time_p25_s", "step_time_p75_s",
             "step_time_mean_s", "compute_time_s", "comm_exposed_s", "bytes_per_step", "bytes_source",
-            "wire_bytes_per_step", "wire_bytes_per_host_per_step", "wire_counters", "achieved_bandwidth_bps", "link_utilization",
-            "floor_s", "floor_basis", "metric", "mode", "final_metric", "target", "time_to_target_s", "ratio_vs_ddp",
-            "time_to_target_ratio_vs_ddp", "comm_hook"]
-    out = {"method": spec.method, "label": spec.label, "options": dict(spec.options), "status": "error",
-           "error": error}
-    out.update(dict.fromkeys(keys))
-    out.update(step_times_s=[], metric_curve=[])
-    return out
+            "wire_bytes_per_step", "wire_bytes_per_host_per_step", "wire_counters", "achieved_bandwidth_bps",
+            "link_utilization", "floor_s", "floor_basis", "metric", "mode", "final_metric", "target",
+            "time_to_target_s", "ratio_vs_ddp", "time_to_target_ratio_vs_ddp", "comm_hook")
+
+
+def failed_result(spec: MethodSpec, error: str) -> dict:
+    return {"method": spec.method, "label": spec.label, "options": dict(spec.options), "status": "error",
+            "error": error, **dict.fromkeys(_FIGURES), "step_times_s": [], "metric_curve": []}
 
 
 def add_ratios(results: list[dict]) -> None:
@@ -750,24 +734,25 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
         if tmp_root:
             shutil.rmtree(tmp_root, ignore_errors=True)
         restore_signals()
-    network = {
-        "mode": "netns" if emulated else "loopback",
-        "reason": reason,
-        "shaped": bool(emulated and r["schedule"]),
-        "shaper": cfg.shaper if emulated and r["schedule"] else None,
-        "shape_ingress": bool(emulated and r["schedule"] and cfg.shape_ingress),
-        "latency_emulation": False,
-        "wire_counter": "tx_bytes of the host interface (Ethernet+IP+TCP headers included)" if emulated else None,
-    }
+    shaped = bool(emulated and r["schedule"])
+    network = _network("netns" if emulated else "loopback", reason, shaper=cfg.shaper if shaped else None,
+                       shape_ingress=shaped and cfg.shape_ingress,
+                       wire_counter="tx_bytes of the host interface (Ethernet+IP+TCP headers included)" if emulated
+                       else None)
     return build_document(cfg, r, rounds, network, started)
 
 
+def _network(mode: str, reason: str, *, shaper: str | None = None, shape_ingress: bool = False,
+             wire_counter: str | None = None) -> dict:
+    """The document's ``network`` entry; links are shaped exactly when a shaper is named."""
+    return {"mode": mode, "reason": reason, "shaped": shaper is not None, "shaper": shaper,
+            "shape_ingress": bool(shape_ingress), "latency_emulation": False, "wire_counter": wire_counter}
+
+
 def round_order(n: int, rnd: int) -> list[int]:
-    """The order in which round ``rnd`` (0-based) runs the ``n`` methods of the list: as listed in
-    the first round, reversed in the second, and so on (ABBA). Why: the methods of a round run one
-    after another, minutes apart, and this host's speed drifts over a run. In a fixed order the
-    methods listed last, `auto` among them by default, would always run on the later host; with
-    the order alternating, a drift that is steady over a pair of rounds falls on every method alike."""
+    """The order in which round ``rnd`` (0-based) runs the ``n`` methods: as listed, then reversed,
+    alternately (ABBA), so that a drift of the host's speed, steady over a pair of rounds, falls on
+    every method alike instead of always on the methods listed last."""
     forward = list(range(n))
     return forward if rnd % 2 == 0 else forward[::-1]
 
@@ -787,9 +772,9 @@ def _run_one(spec: MethodSpec, i: int, rnd: int, cfg: BenchConfig, r: dict, clus
     t0 = time.monotonic()
     name = f"{i:02d}-{spec.label.replace(':', '_').replace('=', '-')}" + (f"-round{rnd + 1}" if many else "")
     try:
-        # a distinct port per run: a port of the previous round may still be in TIME_WAIT
         # the round's training seed (--seeds; else --seed in every round)
         seeded = cfg if r["seeds"][rnd] == cfg.seed else replace(cfg, seed=r["seeds"][rnd])
+        # a distinct port per run (index): a port of the previous round may still be in TIME_WAIT
         rank_results = run_method(spec, i + rnd * len(specs), seeded, r, cluster, os.path.join(base, name), log)
     except RankFailure as exc:
         log(f"  [{spec.label}] FAILED: {exc}")
@@ -882,16 +867,16 @@ def prepare(cfg: BenchConfig, plan_dir: str, *, ifname: str | None = None, maste
         run_dir = os.path.join(plan_dir, f"{i:02d}-{spec.label.replace(':', '_').replace('=', '-')}")
         os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, "worker.json")
-        with open(path, "w") as fh:
-            json.dump(worker_config(spec, cfg, r, run_dir, ifname=ifname, with_schedule=False), fh, indent=1)
+        Path(path).write_text(json.dumps(worker_config(spec, cfg, r, run_dir, ifname=ifname, with_schedule=False),
+                                         indent=1))
         run_dirs.append(os.path.basename(run_dir))
         commands.append(
             f"torchrun --nnodes {r['hosts']} --nproc-per-node {r['procs_per_host']} --node-rank $NODE_RANK "
             f"--master-addr {master_addr} --master-port {master_port} -m lightning_gc.bench.worker {path}"
         )
-    with open(os.path.join(plan_dir, PLAN_FILE), "w") as fh:
-        json.dump({"schema": SCHEMA, "config": {k: v for k, v in asdict(cfg).items() if k != "logs_dir"},
-                   "ifname": ifname, "run_dirs": run_dirs}, fh, indent=1)
+    plan = {"schema": SCHEMA, "config": {k: v for k, v in asdict(cfg).items() if k != "logs_dir"}, "ifname": ifname,
+            "run_dirs": run_dirs}
+    Path(plan_dir, PLAN_FILE).write_text(json.dumps(plan, indent=1))
     log(f"wrote {len(commands)} method config(s) under {plan_dir}; on every node (NODE_RANK = 0..{r['hosts'] - 1}, "
         f"node 0 reachable at {master_addr}) run, one after another:")
     for c in commands:
@@ -904,8 +889,7 @@ def collect(plan_dir: str, log: Callable[[str], None] = print) -> dict:
     """Aggregate the rank files of a run set up by :func:`prepare` into the JSON document."""
     path = os.path.join(plan_dir, PLAN_FILE)
     try:
-        with open(path) as fh:
-            plan = json.load(fh)
+        plan = _read_json(path)
     except (OSError, ValueError) as exc:
         raise BenchError(f"--collect {plan_dir!r}: cannot read {PLAN_FILE} ({exc}); point it at a directory written "
                          f"by 'lightning-gc bench --prepare'") from exc
@@ -922,23 +906,13 @@ def collect(plan_dir: str, log: Callable[[str], None] = print) -> dict:
                                                f"finish on every rank, or the files were not gathered there"))
             log(f"[{spec.label}] incomplete: missing {missing}")
             continue
-        ranks = []
-        for f in files:
-            with open(f) as fh:
-                ranks.append(json.load(fh))
+        ranks = [_read_json(f) for f in files]
         target = cfg.target if cfg.target is not None else ranks[0]["target"]
         results.append(aggregate(spec, ranks, r, count_wire=ifname is not None, target=target))
         log(f"[{spec.label}] collected {len(files)} rank files")
-    network = {
-        "mode": "cluster",
-        "reason": "ranks launched externally (torchrun) on real hosts",
-        "shaped": False,
-        "shaper": None,
-        "shape_ingress": False,
-        "latency_emulation": False,
-        "wire_counter": (f"tx_bytes of {ifname} on each node: ALL traffic of that NIC, not only training"
-                         if ifname else None),
-    }
+    network = _network("cluster", "ranks launched externally (torchrun) on real hosts",
+                       wire_counter=f"tx_bytes of {ifname} on each node: ALL traffic of that NIC, not only training"
+                       if ifname else None)
     return build_document(cfg, r, [results], network, os.path.getmtime(path))
 
 

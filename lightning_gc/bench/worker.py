@@ -9,16 +9,12 @@ same module is started by ``torchrun`` (``RANK``/``GROUP_RANK`` are accepted for
 
 What it measures (written to ``<run_dir>/rank<G>.json``):
 
-* ``step_times``: wall time of every training step on this rank: from the end of the previous step
-  (or of the validation before it) to ``on_train_batch_end`` — fetching the batch, forward, backward
-  with the gradient synchronisation, optimizer step, and whatever the strategy does between steps.
-  The time *between* steps counts: work a method overlaps with the next steps (Streaming DiLoCo's
-  fragment exchanges, OSP's deferred stage) competes with the main thread there, and timing only
-  ``on_train_batch_start`` → ``on_train_batch_end`` lost a large share of a streaming run's time.
-  Validation and the progress file are outside; the
-  ``--budget`` agreement (one small MAX allreduce per step) is inside the next step: it waits for the
-  slowest rank and, on the link, behind what a method has in flight. The first step of the run starts at
-  ``on_train_batch_start``. The runner skips the first ``warmup`` steps.
+* ``step_times``: wall time of every training step on this rank, from the end of the previous step
+  (or of the validation before it; for the first step, ``on_train_batch_start``) to
+  ``on_train_batch_end``. The time *between* steps counts: work a method overlaps with later steps
+  (Streaming DiLoCo's fragments, OSP's deferred stage) competes with the main thread there.
+  Validation and the progress file are outside; ``--budget``'s agreement is inside the next step.
+  The runner skips the first ``warmup`` steps.
 * ``compute_times``: after training, every rank replays a few of the batches it trained on through
   ``training_step`` + ``backward`` + ``optimizer.step`` on the *unwrapped* LightningModule (no DDP
   reducer, no comm hook, so no communication at all), all ranks at once after a barrier so the CPU
@@ -32,18 +28,10 @@ What it measures (written to ``<run_dir>/rank<G>.json``):
   that point, validation excluded.
 * ``auto`` (``GCStrategy(compressor="auto")`` only, else ``None``): what the run-time chooser picked
   and why, from ``strategy.auto.history`` at the end of training (replicated, so every rank writes
-  the same): ``chosen`` (the method in force at the end), ``candidates``, and one entry per
-  decision in ``decisions`` — ``step``, ``trigger`` (``warmup``, ``calibration``, ``drift``,
-  ``periodic``, ``gain``), ``chosen``,
-  ``previous``, ``predicted_step_s`` (the model's step for the pick), ``measured_step_s`` (the
-  chooser's reference after the decision: the median of a ``window`` of steps once the switch has
-  settled, slowest rank; ``None`` if the run ended before that window), ``predictions``
-  (candidate → predicted step), ``time_per_progress_s`` (candidate → what the choice minimised),
-  ``network`` (the probed ``alpha_s``, ``beta_s_per_byte``), ``dense_wall_s``, ``decide_s`` (and
-  ``decide_parts_s``: its latency round, probe, link check and codec timing),
-  ``delta2`` (candidate → the error the decision used), ``beta_scale`` (the probe's calibration),
-  ``compute_s`` (forward + backward + optimizer of the workload it used); and ``gain_checks``
-  (every re-measurement of the errors: ``step``, ``delta2``, ``moved``, ``redecided``).
+  the same): the method in force at the end, one entry per decision and every re-measurement of
+  the errors (:func:`_auto_state`). A decision's ``measured_step_s`` is the chooser's reference
+  after it: the median of a ``window`` of steps once the switch has settled, slowest rank (``None``
+  if the run ended before that window).
 """
 
 from __future__ import annotations
@@ -63,13 +51,11 @@ __all__ = ["main"]
 
 def _set_parent_death_signal() -> None:
     """Die with the runner even if it is SIGKILLed (Linux only; best effort)."""
-    try:
-        import ctypes
-        import signal
+    import ctypes
+    import signal
 
+    with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001
-        pass
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -112,12 +98,10 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             self.change_error: BaseException | None = None  # a change that failed: raised at the next step
             self.ifname = cfg.get("ifname") if local_rank == 0 else None
             self.window_open = False
-            self.tx_start = self.tx_end = None
-            self.tx_t0 = self.tx_t1 = None
+            self.start: dict = {}  # the counters when the measured window opened (_counters)
+            self.end: dict = {}  # ... and when it closed
             self.tx_val = 0
             self.tx_val_start = None
-            self.engine_start = self.engine_end = None
-            self.psgd_start = self.psgd_end = None
             self.comm_hook = None
             self.osp_fractions: list[float] = []  # OSP: deferred share of each measured step
             self.progress = os.path.join(cfg["run_dir"], "progress.jsonl") if global_rank == 0 else None
@@ -133,12 +117,13 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
         def _tx(self):
             return read_tx_bytes(self.ifname) if self.ifname else None
 
+        def _counters(self, trainer) -> dict:
+            return {"tx": self._tx(), "t": time.monotonic(), "engine": self._engine(trainer),
+                    "psgd": self._psgd(trainer)}
+
         def _close_window(self, trainer) -> None:
             self.window_open = False
-            self.tx_end = self._tx()
-            self.tx_t1 = time.monotonic()
-            self.engine_end = self._engine(trainer)
-            self.psgd_end = self._psgd(trainer)
+            self.end = self._counters(trainer)
 
         def _maybe_stop(self, trainer, *, over_budget: bool, reached: bool) -> None:
             """--budget: stop every rank at the same step once the target is reached or the training
@@ -157,10 +142,8 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
         @staticmethod
         def _engine(trainer):
             # GCStrategy's engine, or GCModelParallelStrategy's replica exchange (FSDP2)
-            engine = getattr(trainer.strategy, "engine", None) or getattr(trainer.strategy, "replica", None)
-            if engine is None or not hasattr(engine, "totals"):
-                return None
-            return {k: float(v) for k, v in engine.totals().items() if isinstance(v, (int, float))}
+            strategy = trainer.strategy
+            return _totals(getattr(strategy, "engine", None) or getattr(strategy, "replica", None))
 
         @staticmethod
         def _psgd(trainer):
@@ -228,10 +211,7 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
                 raise RuntimeError(f"injected failure on rank {global_rank} at step {s} (fail_rank test hook)")
             if s == cfg["warmup"]:
                 self.window_open = True
-                self.tx_start = self._tx()
-                self.tx_t0 = time.monotonic()
-                self.engine_start = self._engine(trainer)
-                self.psgd_start = self._psgd(trainer)
+                self.start = self._counters(trainer)
             now = time.perf_counter()
             self.t0 = now if self.t_ready is None else self.t_ready  # the time between steps is training time
 
@@ -283,13 +263,10 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             self.t_ready = time.perf_counter()
 
         def on_train_end(self, trainer, pl_module) -> None:
-            model = trainer.strategy.model
-            getter = getattr(model, "_get_ddp_logging_data", None)
+            getter = getattr(trainer.strategy.model, "_get_ddp_logging_data", None)
             if getter is not None:
-                try:
+                with contextlib.suppress(Exception):  # comm_hook stays None
                     self.comm_hook = getter().get("comm_hook")
-                except Exception:  # noqa: BLE001
-                    self.comm_hook = None
 
     return BenchCallback()
 
@@ -412,9 +389,7 @@ def run(cfg: dict) -> dict:
         return {k: b[k] - a.get(k, 0.0) for k in b} if isinstance(b, dict) else b - a
 
     cb.finish_rate_changes(float(cfg.get("sync_timeout", 120)))
-    tx = None
-    if cb.tx_start is not None and cb.tx_end is not None:
-        tx = cb.tx_end - cb.tx_start - cb.tx_val
+    window = {k: delta(cb.start.get(k), cb.end.get(k)) for k in ("tx", "t", "engine", "psgd")}
     engine = getattr(strategy, "engine", None)
     return {
         "global_rank": global_rank,
@@ -424,15 +399,14 @@ def run(cfg: dict) -> dict:
         "step_times": cb.step_times,
         "rate_changes": cb.rate_changes,
         "compute_times": compute_times,
-        "tx_window": tx,
+        "tx_window": None if window["tx"] is None else window["tx"] - cb.tx_val,
         "tx_val_excluded": cb.tx_val,
-        "tx_window_s": None if cb.tx_t0 is None or cb.tx_t1 is None else cb.tx_t1 - cb.tx_t0,
-        "engine_window": delta(cb.engine_start, cb.engine_end),
-        "engine_totals": _engine_totals(engine),
+        "tx_window_s": window["t"],
+        "engine_window": window["engine"],
         "network_model": _network_model(engine),
         "omgs": _omgs_state(strategy),
         "osp_deferred_fractions": cb.osp_fractions,
-        "powersgd_numel_window": delta(cb.psgd_start, cb.psgd_end),
+        "powersgd_numel_window": window["psgd"],
         "evals": cb.evals,
         "stopped": cb.stopped,
         "comm_hook": cb.comm_hook,
@@ -515,12 +489,9 @@ def _auto_state(strategy) -> dict | None:
 
 
 def _link_check(check: dict | None) -> dict | None:
-    """A re-decision's link check (``AutoChooser``, ``probe_check``): the check message's time, the last
-    full probe's time for that size, whether the link counted as unchanged (no full probe),
-    whether a first message that looked moved was timed again (the faster kept), what the reference
-    was (``"measured"``: a probe's or an earlier check's message; ``"modelled"``: the model's time
-    for it after a dense step measured β; ``None`` in runs of earlier versions) and, when a moved
-    check measured β itself, that β (``None`` otherwise)."""
+    """A re-decision's link check (``AutoChooser``, ``probe_check``). ``reference``: ``"measured"`` (a
+    probe's or an earlier check's message) or ``"modelled"`` (the model's time after a dense step
+    measured β); ``beta_s_per_byte``: the β a moved check measured itself, else ``None``."""
     if not check:
         return None
     return {"check_s": _num(check.get("check_s")), "probe_s": _num(check.get("probe_s")),
@@ -558,13 +529,11 @@ def _network_model(engine) -> dict | None:
             "pinned": bool(engine.network.pinned), "probes": int(engine.network.probes)}
 
 
-def _engine_totals(engine) -> dict | None:
+def _totals(engine) -> dict | None:
+    """The engine's numeric running totals, or ``None`` without an engine."""
     if engine is None or not hasattr(engine, "totals"):
         return None
-    try:
-        return {k: float(v) for k, v in engine.totals().items() if isinstance(v, (int, float))}
-    except Exception:  # noqa: BLE001
-        return None
+    return {k: float(v) for k, v in engine.totals().items() if isinstance(v, (int, float))}
 
 
 PEER_LOST_EXIT = 3
