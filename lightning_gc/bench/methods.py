@@ -83,9 +83,23 @@ from ..compressors import available_compressors, takes_ratio
 from ..config import FLAT_FIELDS, FLAT_PREFIXES
 from .workloads import parse_value
 
-__all__ = ["MethodError", "MethodSpec", "BASELINES", "AUTO", "parse_methods", "auto_config",
-           "available_methods", "build_strategy", "build_callbacks", "TorchHookDDPStrategy", "ring_factor",
-           "dense_grad_elements", "analytic_bytes_per_step", "powersgd_elements", "hook_marker"]
+__all__ = [
+    "MethodError",
+    "MethodSpec",
+    "BASELINES",
+    "AUTO",
+    "parse_methods",
+    "auto_config",
+    "available_methods",
+    "build_strategy",
+    "build_callbacks",
+    "TorchHookDDPStrategy",
+    "ring_factor",
+    "dense_grad_elements",
+    "analytic_bytes_per_step",
+    "powersgd_elements",
+    "hook_marker",
+]
 
 BASELINES = ("ddp", "powersgd", "fp16", "hsdp", "hsdp_bf16")  # the last two: FSDP2's native HSDP (bench/fsdp.py)
 SINGLE_BUCKET_MB = 1_000_000  # larger than any model: DDP puts every gradient into one bucket

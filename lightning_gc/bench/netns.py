@@ -44,9 +44,19 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["NetnsError", "IFNAME", "EmulatedCluster", "namespaces_available", "register_cleanup",
-           "unregister_cleanup", "run_cleanups", "install_signal_handlers", "list_own_namespaces",
-           "sweep_stale", "tc_burst_bytes"]
+__all__ = [
+    "NetnsError",
+    "IFNAME",
+    "EmulatedCluster",
+    "namespaces_available",
+    "register_cleanup",
+    "unregister_cleanup",
+    "run_cleanups",
+    "install_signal_handlers",
+    "list_own_namespaces",
+    "sweep_stale",
+    "tc_burst_bytes",
+]
 
 IFNAME = "gc0"  # the host-side interface name inside every host namespace
 NS_PREFIX = "lgcb"

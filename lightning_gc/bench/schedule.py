@@ -28,7 +28,14 @@ import os
 import re
 from dataclasses import dataclass
 
-__all__ = ["ScheduleError", "Phase", "Schedule", "parse_rate", "format_rate", "parse_schedule"]
+__all__ = [
+    "ScheduleError",
+    "Phase",
+    "Schedule",
+    "parse_rate",
+    "format_rate",
+    "parse_schedule",
+]
 
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _RATE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e([+-]?[0-9]+))?\s*([a-zA-Z]+)(/s)?\s*$")
