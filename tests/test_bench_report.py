@@ -94,9 +94,13 @@ def test_aggregate_engine_counts_loopback_and_ratios():
     assert gc["time_to_target_s"] == pytest.approx(1.0)
     assert "osp_deferred_fraction_mean" not in gc  # BSP: no OSP keys
 
-    osp_ranks = [dict(rk, osp_deferred_fractions=[0.0, 0.5, 0.7]) for rk in ranks]
+    # the deferred exchange: per step the slowest rank's (duration, wait), then the median over the steps
+    ics = [[(4.0, 1.0), (5.0, 0.5), (6.0, 2.0)], [(4.5, 0.2), (4.0, 1.5), (9.0, 0.1)]]
+    osp_ranks = [dict(rk, osp_deferred_fractions=[0.0, 0.5, 0.7], osp_ics=v) for rk, v in zip(ranks, ics)]
     osp = aggregate(MethodSpec("dense", {"sync": "osp"}, gc=True), osp_ranks, r, count_wire=False, target=0.8)
     assert osp["osp_deferred_fraction_mean"] == pytest.approx(0.4) and osp["osp_deferred_fraction_max"] == 0.7
+    assert osp["osp_ics_comm_s"] == pytest.approx(5.0)  # steps: 4.5, 5.0, 9.0
+    assert osp["osp_ics_wait_s"] == pytest.approx(1.5)  # steps: 1.0, 1.5, 2.0
 
     dense_ranks = [_rank(g, 1, [1.0, 1.0, 1.0, 1.0, 1.0], [0.1], evals=EVALS_SLOW) for g in range(2)]
     ddp = aggregate(MethodSpec("ddp"), dense_ranks, r, count_wire=False, target=0.8)

@@ -460,6 +460,18 @@ def _engine_extra(eng: list[dict], measured: int) -> dict[str, Any]:
     return extra
 
 
+def _osp_ics(ranks: list[dict]) -> dict:
+    """OSP's deferred exchange over the measured steps: its duration on the worker and the step's wait
+    for it, each the slowest rank's per step, then the median over steps (empty without records)."""
+    per_rank = [rk.get("osp_ics") or [] for rk in ranks]
+    steps = min(len(v) for v in per_rank)
+    if not steps:
+        return {}
+    slowest = [(max(v[i][0] for v in per_rank), max(v[i][1] for v in per_rank)) for i in range(steps)]
+    return {"osp_ics_comm_s": statistics.median(c for c, _ in slowest),
+            "osp_ics_wait_s": statistics.median(w for _, w in slowest)}
+
+
 def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool, target: float | None) -> dict:
     """One result dict from the per-rank dicts of a method (fields documented in docs/bench.md)."""
     steps, warmup, pph, n = r["steps"], r["warmup"], r["procs_per_host"], r["ranks"]
@@ -497,6 +509,7 @@ def aggregate(spec: MethodSpec, ranks: list[dict], r: dict, *, count_wire: bool,
         if fractions:  # OSP: share of the model's elements deferred, over the measured steps
             extra["osp_deferred_fraction_mean"] = statistics.fmean(fractions)
             extra["osp_deferred_fraction_max"] = max(fractions)
+            extra.update(_osp_ics(ranks))
         if ranks[0].get("adaptive"):  # the controller's decisions: step, trigger, c, collective, overhead
             extra["adaptive"] = ranks[0]["adaptive"]
         if ranks[0].get("auto"):  # compressor="auto": what it picked, when and why (replicated: rank 0's)
@@ -792,6 +805,8 @@ def _run_one(spec: MethodSpec, i: int, rnd: int, cfg: BenchConfig, r: dict, clus
             f"{res['metric']} {_fmt_v(res['final_metric'])}"
             + (f", OSP deferred {res['osp_deferred_fraction_mean']:.0%} of the model on average"
                if res.get("osp_deferred_fraction_mean") is not None else "")
+            + (f", its exchange {_fmt_s(res['osp_ics_comm_s'])} a step, waited for {_fmt_s(res['osp_ics_wait_s'])}"
+               if res.get("osp_ics_comm_s") is not None else "")
             + (f", auto picked {auto_pick(res)}" if res.get("auto") else ""))
     return res
 

@@ -104,6 +104,9 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             self.tx_val_start = None
             self.comm_hook = None
             self.osp_fractions: list[float] = []  # OSP: deferred share of each measured step
+            #: OSP: (the deferred exchange's duration, the step's wait for it) at each measured step that
+            #: awaited one, seconds; a drained step records its own exchange
+            self.osp_ics: list[tuple[float, float]] = []
             self.progress = os.path.join(cfg["run_dir"], "progress.jsonl") if global_rank == 0 else None
             self.budget_s = cfg.get("budget_s")
             self.stopped: str | None = None  # "target" / "budget" when --budget ended the run early
@@ -216,11 +219,14 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             self.t0 = now if self.t_ready is None else self.t_ready  # the time between steps is training time
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if (self.step + 1) % int(cfg["eval_every"]) == 0 or self.step + 1 == cfg["steps"]:
+            nxt = self.step + 1
+            if nxt % int(cfg["eval_every"]) == 0 or nxt == cfg["steps"] or nxt == cfg["warmup"]:
                 # A validation follows (or training ends): wait here, inside the timed step, for
                 # communication still in flight (OSP's deferred stage, Streaming DiLoCo's fragment
                 # exchanges). Otherwise it would progress during validation, whose time is not
-                # training time, and a method that overlaps would look faster than it is.
+                # training time, and a method that overlaps would look faster than it is. Before the
+                # measured window opens, the same wait keeps a warm-up step's traffic out of its
+                # byte counts (the window then holds exactly its own steps' exchanges).
                 drain = getattr(trainer.strategy, "drain", None)
                 if callable(drain):
                     drain()
@@ -229,6 +235,8 @@ def _make_callback(cfg: dict, global_rank: int, local_rank: int):
             osp = getattr(trainer.strategy, "osp", None)
             if self.window_open and osp is not None and osp.last_stats is not None:
                 self.osp_fractions.append(float(osp.last_stats.deferred_fraction))
+                if osp.last_stats.ics_comm_s > 0:  # an exchange was awaited at this step (none after a drain)
+                    self.osp_ics.append((float(osp.last_stats.ics_comm_s), float(osp.last_stats.ics_wait_s)))
             self.train_time += dt
             if self.window_open and len(self.cache) < max(1, int(cfg["compute_steps"])):
                 self.cache.append(batch)
@@ -406,6 +414,7 @@ def run(cfg: dict) -> dict:
         "network_model": _network_model(engine),
         "omgs": _omgs_state(strategy),
         "osp_deferred_fractions": cb.osp_fractions,
+        "osp_ics": cb.osp_ics,
         "powersgd_numel_window": window["psgd"],
         "evals": cb.evals,
         "stopped": cb.stopped,
