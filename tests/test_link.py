@@ -275,7 +275,7 @@ def test_adaptive_ratio_reads_the_engines_model_and_shares_probes_with_osp():
     engine = _adaptive_engine(measure)
     engine.link.subscribe(LINK_CLIENT, 5)
     engine.step = 10
-    osp = types.SimpleNamespace(engine=engine, world_size=2, group=None, _comm_device=lambda: "cpu")
+    osp = types.SimpleNamespace(engine=engine, world_size=2, group=None, control=None, _comm_device=lambda: "cpu")
     measure.step = 10
     first = OSPSync._network_model(osp)  # OSP finds no model: one probe, for every client
     assert OSPSync._network_model(osp) is first and measure.calls == [10]  # OSP probes once
