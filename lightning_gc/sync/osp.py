@@ -293,8 +293,8 @@ class OSPSync(StepParticipant):
 
         The exchange needs only the captured gradients, so it starts here rather than after the
         optimizer step: the link carries the deferred stage while this rank snapshots, clips and
-        steps, instead of idling through them (on a link-bound step that is the whole of OSP's
-        gain)."""
+        steps, instead of idling through them. The link still idles while the rank waits for the
+        previous exchange, replays its correction and agrees on the step."""
         with torch.no_grad():
             for pid, p in enumerate(self.params):
                 if pid not in self.deferred and p.grad is not None:
