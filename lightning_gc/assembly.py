@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from .auto import AutoChooser
+from .auto.diloco_candidates import diloco_choice
 from .comm.hierarchy import NodeTopology
 from .compressors import get_entry
 from .config import GCConfig
@@ -28,7 +29,7 @@ from .engine import GCEngine, gc_comm_hook
 from .engine.omgs import OMGSController
 from .engine.session import StepParticipant, StepSession
 from .sync import OSPSync
-from .sync.diloco import DiLoCoSync
+from .sync.diloco import DiLoCoConfig, DiLoCoSync
 from .sync.lgp import check_training_setup
 
 SINGLE_PROCESS_WARNING = ("lightning_gc: world size is 1, so gradients are neither communicated nor compressed; "
@@ -82,14 +83,35 @@ def build_session(config: GCConfig, ddp: DistributedDataParallel, *, scaler: Any
 
 def _participants(config: GCConfig, engine: GCEngine, ddp: DistributedDataParallel,
                   named: list[tuple[str, Any]]) -> dict[str, Any]:
-    """The participants, in calling order (OMGS, auto, OSP, DiLoCo); ``None`` where absent."""
+    """The participants, in calling order (OMGS, DiLoCo, auto, OSP); ``None`` where absent. DiLoCo comes
+    before auto: auto switches families after DiLoCo's post-step work (auto/sync_switch.py)."""
     many = engine.world_size > 1
     omgs = (OMGSController(engine, config.omgs, ddp, named, config.engine.plan)
             if config.omgs is not None and many else None)
-    auto = AutoChooser(engine, config.auto, ddp, named) if config.auto is not None and many else None
-    osp = OSPSync(engine, config.osp) if config.sync == "osp" else None
     diloco = _build_diloco(config, engine, ddp) if config.sync == "diloco" else None
-    return {"omgs": omgs, "auto": auto, "osp": osp, "diloco": diloco}
+    if config.auto is not None and config.auto.diloco and many:  # dormant until auto enters it
+        diloco = DiLoCoSync(engine, DiLoCoConfig(), buffers=list(ddp.module.named_buffers()),
+                            switch=AutoFamilies(ddp))
+    auto = AutoChooser(engine, config.auto, ddp, named, sync=diloco) if config.auto is not None and many else None
+    osp = OSPSync(engine, config.osp) if config.sync == "osp" else None
+    return {"omgs": omgs, "diloco": diloco, "auto": auto, "osp": osp}
+
+
+class AutoFamilies:
+    """The :class:`~lightning_gc.engine.ports.FamilySwitch` of ``compressor="auto"`` with ``auto_diloco``:
+    DiLoCo's configurations by their auto names, and DDP's gradient synchronisation flag."""
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self.ddp = ddp
+
+    def resolve(self, choice: str) -> tuple[DiLoCoConfig, Any, str, bool]:
+        c = diloco_choice(choice)
+        return c.config(), c.compressor(), "auto", False
+
+    def set_gradient_sync(self, on: bool) -> None:
+        # DDP.no_sync()'s flag: off, backward hands no bucket to the hook; no_sync() itself (gradient
+        # accumulation) saves and restores it
+        self.ddp.require_backward_grad_sync = bool(on)
 
 
 def _build_diloco(config: GCConfig, engine: GCEngine, ddp: DistributedDataParallel) -> DiLoCoSync:
@@ -128,7 +150,8 @@ def startup_header(config: GCConfig, engine: Any, diloco: Any = None) -> str:
     synchronisation model with its main options."""
     eng = config.engine
     if config.auto is not None:  # the engine's slot is a placeholder until auto's first decision
-        head = (f"compressor=auto candidates={','.join(config.auto.candidates)} plan={eng.plan} "
+        families = f" diloco={','.join(config.auto.diloco)}" if config.auto.diloco else ""
+        head = (f"compressor=auto candidates={','.join(config.auto.candidates)}{families} plan={eng.plan} "
                 f"warmup_steps={eng.warmup_steps} (dense steps profile the job, then auto chooses; docs/auto.md)")
     elif config.sync == "diloco":  # inner steps send nothing: the compressor is the pseudo-gradient's
         head = (f"sync=diloco {_diloco_options(config)} delta={config.diloco.compressor or config.compression.compressor}"

@@ -17,6 +17,8 @@ rank, at the same step boundaries:
    model's), and the choice is made again among measured methods, exploring at most ``explore``
    unmeasured ones the model still favours, and trying a close dense sibling for one window
    (:func:`lightning_gc.auto.policy.calibration_next`).
+5. **Switch families** (``auto_diloco``, :mod:`lightning_gc.auto.sync_switch`): where DiLoCo could
+   run much faster per step, a trial on the training loss decides between it and the per-step method.
 
 Everything a decision used is in :attr:`AutoChooser.history` (replicated, checkpointed, logged).
 """
@@ -36,7 +38,7 @@ from torch import Tensor
 
 from ..comm.direct import DIRECT_MAX_RANKS, backend_allows
 from ..engine.agreement import agree_values
-from ..engine.ports import MethodControl
+from ..engine.ports import MethodControl, SyncFamilyControl
 from ..engine.session import StepParticipant
 from . import drift, measure, policy
 from .canary import CanaryJob, LinkCanary
@@ -46,6 +48,7 @@ from .decider import Decider
 from .model import choose_measured
 from .policy import Trigger
 from .state import AutoState, state_attr
+from .sync_switch import FamilySwitcher
 from .walls import StepWalls
 
 
@@ -68,7 +71,7 @@ class AutoChooser(StepParticipant):
     beta_scale = state_attr("beta_scale", "Every probe's β is multiplied by this (the warm-up's calibration).")
 
     def __init__(self, engine: MethodControl, config: AutoConfig, module: torch.nn.Module,
-                 named_parameters: list[tuple[str, Tensor]]) -> None:
+                 named_parameters: list[tuple[str, Tensor]], sync: SyncFamilyControl | None = None) -> None:
         self.engine, self.config = engine, config
         self.candidates: list[AutoCandidate] = [candidate(c) for c in config.candidates]
         self.params = [p for _, p in named_parameters]
@@ -99,6 +102,9 @@ class AutoChooser(StepParticipant):
         self.tap = measure.GradientTap(self.params, self.walls)
         if engine.world_size > 1 and not self.nothing_to_compress:
             self.tap.start(module)
+        #: per-step ⇄ DiLoCo (auto_diloco); ``sync``: the dormant DiLoCo participant the assembly built
+        self.families = (FamilySwitcher(engine, config, self.state, sync, self._after_leaving)
+                         if config.diloco and sync is not None and not self.nothing_to_compress else None)
 
     @property
     def measured(self) -> list[float]:
@@ -126,7 +132,8 @@ class AutoChooser(StepParticipant):
 
     def wrap_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         def timed() -> Any:
-            if self._dense_walls_direct and self.canary is not None and self._dense_mode_runs():
+            if self._dense_walls_direct and self.canary is not None and self._dense_mode_runs() \
+                    and not (self.families is not None and self.families.in_diloco):
                 engine = self.engine  # nothing carried: the step before's wall was agreed at its end
                 engine.run_before_step(CanaryJob(self.canary, math.nan, engine.network.model, engine.exchange_group,
                                                   engine.world_size, engine.device))
@@ -149,6 +156,11 @@ class AutoChooser(StepParticipant):
         checkpoint saved before it): the one-step test leaves it out. Every rank alike."""
         self.walls.marked.add(int(self.engine.step))
 
+    def before_optimizer_step(self, loss: Any) -> bool:
+        if self.families is not None:
+            self.families.note_loss(loss)
+        return False
+
     def on_validation_start(self) -> None:
         self.pause_walls()
 
@@ -168,6 +180,8 @@ class AutoChooser(StepParticipant):
         t_end, wall = w.end_step()
         if engine.world_size == 1:
             return
+        if self.families is not None and self.families.in_diloco:
+            engine.count_local_step()  # DiLoCo's inner step: the hook did not run
         step = engine.step - 1  # the step that just finished
         if self.nothing_to_compress:
             if self.chosen is None:
@@ -175,6 +189,10 @@ class AutoChooser(StepParticipant):
             return
         if self.chosen is None:
             self._profile_step(step, t_end, wall)
+            return
+        if self.families is not None and self.families.after_step(
+                step, t_end - w.t_start if wall is None else wall, self.in_trial or self.in_family_trial):
+            self._hold_per_step()  # DiLoCo ran this step, or the family changed at its end
             return
         stats = engine.last_step
         if stats is not None and stats.step == step and stats.dense_stopped:
@@ -196,6 +214,17 @@ class AutoChooser(StepParticipant):
         if drift.gain_due(step, self.state.gain_interval, self.config, bool(self.gain_checks),
                           self.state.last_gain_step, self.in_trial):
             self.tap.arm()
+
+    def _hold_per_step(self) -> None:
+        """The per-step watch does not see DiLoCo's steps: no wall carried or sampled, windows anew."""
+        self.walls.pending = None
+        self.walls.forget()
+        self.tap.disarm()
+        self.walls.restart()
+
+    def _after_leaving(self, step: int) -> None:
+        """DiLoCo's outer exchange showed the link moved: decide per-step again on a fresh probe."""
+        self.decider.decide(step, Trigger.DRIFT, probe=True, check_link=False, detail="diloco_exchange")
 
     def _profile_step(self, step: int, t_end: float, wall: float | None) -> None:
         cfg, w, engine = self.config, self.walls, self.engine

@@ -12,7 +12,8 @@ belongs to is declared on its field (``metadata["section"]``), and :data:`SECTIO
 * ``explore``: how far the raw model is trusted, and the margins that keep measured methods from
   taking turns;
 * ``gain``: when the candidates' errors are measured again;
-* ``canary``: the link canary before each dense step (off by default).
+* ``canary``: the link canary before each dense step (off by default);
+* ``sync``: the DiLoCo configurations auto may switch to, and the trial that decides it (off by default).
 
 Each field's docstring says why it exists and how to tune it (docs/auto.md has the measurements).
 """
@@ -25,6 +26,7 @@ from typing import Any
 from .._validation import check_int, check_number
 from .canary import LinkCanary
 from .candidates import DEFAULT_CANDIDATES, candidate
+from .diloco_candidates import diloco_choice
 from .model import DEFAULT_PROGRESS_WEIGHT
 
 #: values of ``AutoConfig.time_codecs``
@@ -186,6 +188,27 @@ class AutoConfig:
     canary_margin_s: float = _opt("canary", 0.02)
     """... and at least this many seconds more (scheduling noise on a busy host)."""
 
+    # ------------------------------------------------------------------ sync
+    diloco: tuple[str, ...] = _opt("sync", ())
+    """DiLoCo configurations auto may switch the run to (``lightning_gc.auto.DILOCO_CANDIDATES``:
+    ``diloco10``, ``diloco50``, ``sparseloco10``, ``sparseloco50``); empty (the default): per-step
+    methods only. Where the gate opens, a trial on the training loss decides (docs/auto.md)."""
+    diloco_gate: float = _opt("sync", 2.0)
+    """A trial runs only where the running per-step method's measured step is at least this many times
+    DiLoCo's predicted step. Lower it to try DiLoCo on faster links (each losing trial costs about one
+    window of slower progress); raise it to try only where the link dominates the step. 0: try at
+    once after the first decision, whatever the link (to compare the families on your job)."""
+    diloco_rounds: int = _opt("sync", 3)
+    """DiLoCo rounds (of H steps) in each of the trial's three windows. More rounds separate smaller
+    differences in progress and cost more when DiLoCo loses."""
+    diloco_threshold: float = _opt("sync", 2.0)
+    """Standard errors by which DiLoCo's progress rate must lead the incumbent's to win the trial
+    (progress.compare). Raise it to switch families less often on a noisy loss."""
+    diloco_hide: float = _opt("sync", 0.1)
+    """The challenger is the smallest H whose predicted step is within this fraction of compute alone."""
+    diloco_retry_every: int = _opt("sync", 0)
+    """Steps after a lost trial before another (0: only once the link's β moved by ``severe_drift``)."""
+
     def __post_init__(self) -> None:
         self._check_choice()
         self._check_profile()
@@ -194,6 +217,7 @@ class AutoConfig:
         self._check_explore()
         self._check_gain()
         self._check_canary()
+        self._check_sync()
 
     def _check_choice(self) -> None:
         cands = tuple(self.candidates)
@@ -276,6 +300,23 @@ class AutoConfig:
         except ValueError as e:
             raise ValueError(f"auto_{e}") from None
 
+    def _check_sync(self) -> None:
+        names = tuple(self.diloco)
+        object.__setattr__(self, "diloco", names)
+        for n in names:
+            diloco_choice(n)
+        if len(set(names)) != len(names):
+            raise ValueError(f"auto_diloco={names!r} lists a configuration twice.")
+        if self.diloco_gate != 0:
+            check_number("auto_diloco_gate", self.diloco_gate,
+                         "0 (try at once) or a finite factor >= 1 (e.g. 2.0: try DiLoCo where the per-step method's "
+                         "step is at least twice DiLoCo's predicted step).", at_least=1)
+        _int("diloco_rounds", self.diloco_rounds, 1, "Use at least 1 round per window, e.g. 3.")
+        check_number("auto_diloco_threshold", self.diloco_threshold,
+                     "a positive number of standard errors, e.g. 2.0.", above=0)
+        check_number("auto_diloco_hide", self.diloco_hide, "a finite fraction >= 0 of compute, e.g. 0.1.", at_least=0)
+        _int("diloco_retry_every", self.diloco_retry_every, 0, "Use 0 to retry only on a new link, or e.g. 1000.")
+
     def canary(self) -> LinkCanary | None:
         """The :class:`~lightning_gc.auto.canary.LinkCanary` of these options (None: off)."""
         if not self.canary_bytes:
@@ -307,7 +348,7 @@ class AutoConfig:
 
     def as_dict(self) -> dict:
         """The flat fields (``candidates`` as a list), as :meth:`coerce` reads them back."""
-        return {**asdict(self), "candidates": list(self.candidates)}
+        return {**asdict(self), "candidates": list(self.candidates), "diloco": list(self.diloco)}
 
     def sections(self) -> dict[str, dict[str, Any]]:
         """The options grouped by section (``{"watch": {"window": 5, ...}, ...}``)."""

@@ -65,6 +65,10 @@ class AutoState:
     probe_bytes: int = 0  # the last bandwidth probe's large message (0: none, or a pinned network)
     probe_time_s: float = 0.0  # that message's agreed time: the link check's reference
     probe_time_modelled: bool = False  # whether probe_time_s is the model's, not a measured one
+    #: the synchronisation family (auto_diloco, auto/sync_switch.py): the trial in progress, the last one,
+    #: the DiLoCo configuration running (None: per-step), its first outer exchange's time, every event
+    sync: dict = field(default_factory=lambda: {"trial": None, "last_trial": None, "running": None,
+                                                "reference_exchange_s": None, "events": []})
 
     def __post_init__(self) -> None:
         self.explore_left = self.explore
@@ -113,7 +117,7 @@ class AutoState:
             "last_gain_step": self.last_gain_step, "gain_checks": copy.deepcopy(self.gain_checks),
             "beta_scale": self.beta_scale, "sampling": sampling, "warmup_steps": warmup_steps,
             "probe_bytes": self.probe_bytes, "probe_time_s": self.probe_time_s,
-            "probe_time_modelled": self.probe_time_modelled,
+            "probe_time_modelled": self.probe_time_modelled, "sync": copy.deepcopy(self.sync),
         }
 
     def load(self, state: dict) -> None:
@@ -150,5 +154,7 @@ class AutoState:
         # before the link check: no reference, so the next re-decision probes in full
         self.probe_bytes, self.probe_time_s = int(state.get("probe_bytes", 0)), float(state.get("probe_time_s", 0.0))
         self.probe_time_modelled = bool(state.get("probe_time_modelled", False))
+        if state.get("sync") is not None:  # older checkpoints: per-step only
+            self.sync = copy.deepcopy(state["sync"])
         if self.chosen is not None and self.history:
             self.predictions = {k: Prediction(**v) for k, v in self.history[-1]["predictions"].items()}

@@ -344,6 +344,14 @@ class GCEngine:
                 box.append(e)
         self._runner.submit(run)
 
+    def count_local_step(self) -> None:
+        """An optimizer step that sent no gradient (DDP's synchronisation off: DiLoCo's inner step under
+        ``compressor="auto"``): the step counter moves on, so everything keyed on it stays the
+        optimizer's, and no step's non-finite verdict outlives it. Between steps, on every rank alike."""
+        self.synchronize()
+        self.step += 1
+        self._last_nonfinite = False
+
     def shorten_warmup_steps(self, steps: int) -> None:
         """Make the dense warm-up ``steps`` optimizer steps if it is longer (never lengthens it). Between
         steps, with the same value on every rank, and with ``steps >= self.step`` (docs/auto.md)."""

@@ -126,6 +126,35 @@ class MethodControl(EngineControl, Protocol):
 
     def run_before_step(self, job: Callable[[], StopVerdict]) -> None: ...
 
+    def count_local_step(self) -> None: ...
+
+
+# ---------------------------------------------------------------- switching synchronisation families
+class FamilySwitch(Protocol):
+    """What a synchronisation model that a chooser enters and leaves (DiLoCo under ``compressor="auto"``)
+    is given by the assembly: its configurations by name, and DDP's gradient synchronisation."""
+
+    def resolve(self, choice: str) -> tuple[Any, Any, str, bool]:
+        """``choice`` → (its config, its Δ compressor or None, the collective, error feedback)."""
+        ...
+
+    def set_gradient_sync(self, on: bool) -> None:
+        """Turn DDP's per-step gradient synchronisation on or off (``require_backward_grad_sync``)."""
+        ...
+
+
+@runtime_checkable
+class SyncFamilyControl(Protocol):
+    """The two verbs a chooser switches families with, and what it reads back (DiLoCoSync)."""
+
+    active: bool
+    choice: str | None
+    last_stats: Any  # the last outer step's DiLoCoStats (None before one)
+
+    def enter(self, choice: str) -> None: ...
+
+    def leave(self) -> int: ...
+
 
 # ---------------------------------------------------------------- the link observer
 @runtime_checkable

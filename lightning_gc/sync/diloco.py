@@ -59,7 +59,7 @@ from .._finite import all_finite
 from ..comm.collectives import ring_allreduce_bytes, unflatten_into
 from ..comm.hierarchy import NodeTopology, destroy_groups
 from ..comm.worker import InlineRunner, OrderedWorker
-from ..engine.ports import EngineControl
+from ..engine.ports import EngineControl, FamilySwitch
 from ..engine.session import StepParticipant
 from .diloco_nodes import NodeWorkers
 from .optimizer_state import average_optimizer_state
@@ -308,16 +308,15 @@ class DiLoCoSync(StepParticipant):
 
     def __init__(self, engine: EngineControl, config: DiLoCoConfig, compressor: Any = None,
                  collective: str = "auto", error_feedback: bool = False,
-                 buffers: list[tuple[str, Tensor]] | None = None, nodes: NodeTopology | None = None) -> None:
+                 buffers: list[tuple[str, Tensor]] | None = None, nodes: NodeTopology | None = None,
+                 switch: FamilySwitch | None = None) -> None:
         self.engine = engine
-        self.config = config
         self.params: list[Tensor] = list(engine.params)
         self.names: list[str] = list(engine.names)
         self.numels = [p.numel() for p in self.params]
         self.world_size: int = engine.world_size
         self.device = engine.device
         self.buffers = [(n, b) for n, b in (buffers or []) if b.is_floating_point()]
-        self.fragments = split_fragments(self.numels, config.fragments)
         self.group = None
         if self.world_size > 1:
             pg = engine.process_group
@@ -325,6 +324,26 @@ class DiLoCoSync(StepParticipant):
             self.group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
         #: with nodes as the workers: the node mean of inner steps and the outer shard exchange
         self.nodes = NodeWorkers(nodes, dist.get_backend(self.group)) if nodes is not None and self.group is not None else None
+        #: a run that switches families (``compressor="auto"``): DiLoCo starts dormant and runs between
+        #: :meth:`enter` and :meth:`leave`; None: DiLoCo runs from the first step (``sync="diloco"``)
+        self.switch = switch
+        self.active = switch is None
+        self.choice: str | None = None  # the configuration entered (by its name in ``switch``)
+        self.last_stats: DiLoCoStats | None = None
+        self.comm_s_total = 0.0  # wall time of every outer exchange since this process started (summary)
+        self.inner_bytes = 0  # bytes this rank sent in the last inner step's node mean (by nodes)
+        self._layout_changed = False  # a resume on another node layout: this rank's own state is not loaded
+        self._runner: OrderedWorker | InlineRunner = InlineRunner()
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._pending_inner_state: dict | None = None
+        self._configure(config, compressor, collective, error_feedback, check=self.active)
+
+    def _configure(self, config: DiLoCoConfig, compressor: Any, collective: str, error_feedback: bool,
+                   check: bool = True) -> None:
+        """Everything that follows from the configuration, and a round that starts at θ = θ_outer."""
+        self._runner.close()
+        self.config = config
+        self.fragments = split_fragments(self.numels, config.fragments)
         self.exchange = None
         self.error_feedback = False
         if config.compressor is not None:  # SparseLoCo: its own codec, allgathered, per-rank error feedback
@@ -335,7 +354,7 @@ class DiLoCoSync(StepParticipant):
             self.exchange = make_exchange(compressor, collective,
                                           group=self.nodes.inter if self.nodes is not None else self.group)
             self.error_feedback = bool(error_feedback)
-        if self.group is not None:
+        if self.group is not None and check:
             self._check_ranks_agree()
         with torch.no_grad():
             self.theta_outer: list[Tensor] = [p.detach().to(torch.float32).clone() for p in self.params]
@@ -345,17 +364,26 @@ class DiLoCoSync(StepParticipant):
         self.outer_steps = 0  # outer steps applied (per fragment with streaming), discarded ones not counted
         self.sends = [0] * len(self.fragments)  # exchanges started per fragment
         self.last_send = [0] * len(self.fragments)  # inner step of each fragment's last send
-        self.last_stats: DiLoCoStats | None = None
-        self.comm_s_total = 0.0  # wall time of every outer exchange since this process started (summary)
-        self.inner_bytes = 0  # bytes this rank sent in the last inner step's node mean (by nodes)
-        self._layout_changed = False  # a resume on another node layout: this rank's own state is not loaded
         self._pending: dict[int, _Exchange] = {}
-        self._runner: OrderedWorker | InlineRunner = (
-            OrderedWorker(name="lightning_gc-diloco", device=self.device)
-            if config.overlap_steps > 0 and self.world_size > 1 else InlineRunner())
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._pending_inner_state: dict | None = None
+        self._runner = (OrderedWorker(name="lightning_gc-diloco", device=self.device)
+                        if config.overlap_steps > 0 and self.world_size > 1 else InlineRunner())
         self._finished_at: int | None = None  # the inner step of the last closing round (finish)
+
+    def enter(self, choice: str) -> None:
+        """Start DiLoCo now, as configuration ``choice`` of :attr:`switch`: θ_outer is the current θ, a
+        fresh outer optimizer, and DDP's gradient synchronisation off. Between steps, on every rank alike."""
+        if self.switch is None:
+            raise RuntimeError("DiLoCoSync.enter() is for a run that switches families (compressor='auto').")
+        if self.active:
+            raise RuntimeError(f"DiLoCo is running already (as {self.choice!r}); leave() it first.")
+        self._configure(*self.switch.resolve(choice))
+        self.choice, self.active = choice, True
+        self.switch.set_gradient_sync(False)
+
+    def _go_dormant(self) -> None:
+        assert self.switch is not None
+        self.active, self.choice = False, None
+        self.switch.set_gradient_sync(True)
 
     def describe(self) -> str:
         """Everything that sets the outer exchanges' shape and order (compared across ranks at setup)."""
@@ -385,7 +413,7 @@ class DiLoCoSync(StepParticipant):
     def before_optimizer_step(self, loss: Any) -> bool:
         """By nodes: the inner step's gradients become the node's fp32 mean (after backward, before
         clipping and the optimizer). Flat: nothing (inner steps send nothing)."""
-        if self.nodes is not None:
+        if self.nodes is not None and self.active:
             t0 = time.perf_counter()
             self.inner_bytes, payload = self.nodes.mean_gradients(self.params)
             self.comm_s_total += time.perf_counter() - t0
@@ -401,6 +429,8 @@ class DiLoCoSync(StepParticipant):
                 "Return one optimizer from configure_optimizers, or use sync='bsp'.")
 
     def after_optimizer_step(self) -> None:
+        if not self.active:
+            return
         self.inner_step += 1
         t, cfg = self.inner_step, self.config
         for p in sorted(self._pending):  # exchanges sent τ steps ago
@@ -432,14 +462,14 @@ class DiLoCoSync(StepParticipant):
     @property
     def round_open(self) -> bool:
         """Whether some parameters may differ from θ_outer (inner steps since the last outer step)."""
-        return any(self._differs(p) for p in range(len(self.fragments)))
+        return self.active and any(self._differs(p) for p in range(len(self.fragments)))
 
     def finish(self) -> None:
         """End of fit (every rank at the same step): apply what is in flight, then close every
         fragment that may differ from θ_outer with an outer step (mixing 0), so the ranks end
         identical and the model contains every inner step. Idempotent: a second call at the same
         inner step changes nothing (with mixing > 0 every fragment counts as differing)."""
-        if self._finished_at == self.inner_step:
+        if self._finished_at == self.inner_step or not self.active:
             return
         self._finished_at = self.inner_step
         for p in sorted(self._pending):
@@ -455,10 +485,15 @@ class DiLoCoSync(StepParticipant):
         (:func:`~lightning_gc.sync.optimizer_state.average_optimizer_state`), so identical gradients
         give identical updates again. The caller then turns DDP's gradient synchronisation back on.
         Returns the bytes this rank sent for the optimizer state."""
-        self.finish()
-        if self._optimizer is None or self.group is None:
+        if not self.active:
             return 0
-        return average_optimizer_state(self._optimizer, self.group)
+        self.finish()
+        sent = 0
+        if self._optimizer is not None and self.group is not None:
+            sent = average_optimizer_state(self._optimizer, self.group)
+        if self.switch is not None:
+            self._go_dormant()
+        return sent
 
     def _send(self, p: int, due: int | None = None) -> None:
         """Compute this rank's Δ of fragment ``p`` and start its exchange (worker with τ > 0)."""
@@ -673,7 +708,10 @@ class DiLoCoSync(StepParticipant):
     def shared_state_dict(self) -> dict:
         """The replicated part (identical on every rank; saved once)."""
         self.drain()
+        if not self.active:
+            return {"active": False}
         return {
+            "active": True, "choice": self.choice,
             "inner_step": self.inner_step,
             "outer_steps": self.outer_steps,
             "workers": self.layout,
@@ -688,6 +726,8 @@ class DiLoCoSync(StepParticipant):
         }
 
     def load_shared_state_dict(self, state: dict) -> None:
+        if not self._load_activity(state):
+            return
         with torch.no_grad():
             saved = state["theta_outer"]
             missing = [n for n in self.names if n not in saved]
@@ -722,6 +762,8 @@ class DiLoCoSync(StepParticipant):
         """This rank's part: θ_local (if it differs from θ_outer), inner optimizer state, error memory
         and what its exchanges in flight did not send."""
         self.drain()
+        if not self.active:
+            return {"active": False}
         return {
             "theta_local": ({n: p.detach().cpu().clone() for n, p in zip(self.names, self.params)}
                             if self.round_open else None),
@@ -733,7 +775,7 @@ class DiLoCoSync(StepParticipant):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if self._layout_changed:  # load_shared_state_dict came first and put θ_outer back
+        if self._layout_changed or not self.active:  # load_shared_state_dict came first and put θ_outer back
             return
         with torch.no_grad():
             local = state.get("theta_local")
@@ -747,6 +789,21 @@ class DiLoCoSync(StepParticipant):
                 job.residual = j["residual"].to(self.device) if j["residual"] is not None else None
                 job.bytes_sent, job.bytes_payload = int(j["bytes_sent"]), int(j["bytes_payload"])
         self._pending_inner_state = state.get("inner_optimizer")
+
+    def _load_activity(self, state: dict) -> bool:
+        """A switching run resumes in the family it saved in (:meth:`enter` without a new θ_outer: the
+        checkpoint's is loaded next). Returns whether DiLoCo was running."""
+        running = bool(state.get("active", True))
+        if self.switch is None:
+            if not running:
+                raise ValueError("lightning_gc DiLoCo: this checkpoint was written by compressor='auto' while it "
+                                 "ran per-step; resume it with compressor='auto' and auto_diloco, not sync='diloco'.")
+            return True
+        if self.active:
+            self.leave()
+        if running:
+            self.enter(str(state["choice"]))
+        return running
 
     def restore_inner_optimizer(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Load this rank's inner optimizer state after Lightning restored rank 0's into every rank."""
@@ -776,6 +833,8 @@ class DiLoCoSync(StepParticipant):
         self.restore_inner_optimizer(optimizers)
 
     def snapshot(self) -> Any:
+        if not self.active:
+            return None
         raise ValueError("GCStrategy(sync='diloco') cannot be explored by AdaptiveRatio(mode='rollback'): inner steps "
                          "send nothing, so there is no per-step ratio to adapt. Drop the AdaptiveRatio callback.")
 

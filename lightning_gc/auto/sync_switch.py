@@ -1,0 +1,222 @@
+"""auto's side of switching synchronisation families: per-step methods ⇄ DiLoCo (``auto_diloco``).
+
+The rules are :mod:`lightning_gc.auto.sync_trial`'s (pure); this module runs them on the live job, at
+the step boundary after DiLoCo's own post-step work (the DiLoCo participant runs before auto):
+
+1. **Gate.** While a per-step method runs with a measured reference window, each step asks whether
+   DiLoCo could run at least ``diloco_gate`` times as many steps per second (predicted from the
+   agreed workload and network); if so, a trial starts, unless a lost trial on this link stands.
+2. **Trial (ABA).** Each step of the trial agrees the ranks' mean training loss and step time (one
+   small all-reduce). After the incumbent's first window, DiLoCo is entered (:meth:`enter`: θ_outer
+   is the current θ, DDP's gradient synchronisation off); after its window, left (:meth:`leave`: the
+   round is closed, every rank holds θ_outer, the inner optimizer state becomes the ranks' mean, DDP
+   on again); after the incumbent's second window, the verdict. DiLoCo's window is whole rounds, so
+   leaving never cuts one. A per-step re-decision during the incumbent's windows ends the trial.
+3. **Running DiLoCo.** The first outer exchange's agreed time is the reference; an exchange
+   ``severe_drift`` times slower or faster means the link moved: auto leaves DiLoCo and decides
+   again, per-step, on a fresh probe (the gate may bring DiLoCo back once measured again).
+
+While DiLoCo runs, the engine's hook is not called; auto counts the steps for it
+(``count_local_step``), so every schedule keyed on the step stays the optimizer's. Everything
+decided is in ``AutoState.sync`` (replicated, checkpointed), every event in its ``events``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+
+from ..engine.agreement import agree_values
+from ..engine.ports import MethodControl, SyncFamilyControl
+from . import sync_trial
+from .config import AutoConfig
+from .diloco_candidates import diloco_choice
+from .diloco_cost import predict_diloco
+from .progress import bracketed, trial_cost
+from .state import AutoState
+
+#: re-decide per-step after leaving DiLoCo on a moved link: (step) -> None
+Redecide = Callable[[int], None]
+
+
+def _as_float(loss: Any) -> float | None:
+    """The closure's loss as a float (None: the closure returned none, e.g. Fabric without one)."""
+    if isinstance(loss, Tensor) and loss.numel() == 1:
+        return float(loss.detach())
+    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+        return float(loss)
+    return None
+
+
+class FamilySwitcher:
+    """Gate, trial and watch of the module docstring, on every rank alike."""
+
+    def __init__(self, engine: MethodControl, config: AutoConfig, state: AutoState, sync: SyncFamilyControl,
+                 redecide: Redecide) -> None:
+        self.engine, self.config, self.state, self.sync = engine, config, state, sync
+        self.choices = [diloco_choice(n) for n in config.diloco]
+        self.numel = sum(p.numel() for p in engine.params)
+        self._redecide = redecide
+        self._loss: float | None = None
+        self._seen_stats: Any = None  # the last outer step's stats already watched
+
+    @property
+    def s(self) -> dict:
+        return self.state.sync
+
+    @property
+    def in_diloco(self) -> bool:
+        """Whether the step now running is a DiLoCo inner step."""
+        return bool(self.sync.active)
+
+    def note_loss(self, loss: Any) -> None:
+        """The step's training loss (before the optimizer step), kept while a trial measures it."""
+        self._loss = _as_float(loss) if self.s["trial"] is not None else None
+
+    # ------------------------------------------------------------------ the step boundary
+    def after_step(self, step: int, duration_s: float, busy: bool) -> bool:
+        """Run the module docstring's rules for the step that just ended. ``busy``: a per-step trial
+        is on (no family trial starts then). Returns whether auto's per-step watch holds this step
+        (it was DiLoCo's, or the family changed at its end)."""
+        was_diloco = self.in_diloco
+        loss, self._loss = self._loss, None
+        if self.s["trial"] is not None:
+            self._trial_step(step, duration_s, loss)
+        elif was_diloco:
+            self._watch_exchange(step)
+        elif not busy:
+            self._maybe_start(step)
+        return was_diloco or self.in_diloco
+
+    def _event(self, step: int, event: str, **detail: Any) -> None:
+        self.s["events"].append({"step": step, "event": event, **detail})
+
+    # ------------------------------------------------------------------ gate
+    def predictions(self) -> dict[str, Any]:
+        """Every DiLoCo candidate's predicted step on the agreed workload and network."""
+        st = self.state
+        assert st.workload is not None and st.network is not None
+        return {c.name: predict_diloco(c.cost(self.numel), st.workload, st.network, self.engine.world_size)
+                for c in self.choices}
+
+    def _maybe_start(self, step: int) -> None:
+        st, cfg = self.state, self.config
+        if st.network is None or st.workload is None or st.chosen is None or (cfg.diloco_gate and st.reference is None):
+            return
+        if not sync_trial.may_retry(step, self.s["last_trial"], st.network.beta_s_per_byte, cfg.diloco_retry_every,
+                                    cfg.severe_drift):
+            return
+        preds = self.predictions()
+        compute = next(iter(preds.values())).compute_s
+        name = sync_trial.pick_challenger({n: p.step_s for n, p in preds.items()},
+                                          {c.name: c.inner_steps for c in self.choices}, compute, cfg.diloco_hide)
+        if cfg.diloco_gate and not sync_trial.gate_opens(st.reference, preds[name].step_s, cfg.diloco_gate):
+            return
+        window = sync_trial.window_steps(diloco_choice(name).inner_steps, cfg.diloco_rounds)
+        trial = sync_trial.Trial(challenger=name, start_step=step + 1, window=window, incumbent=st.chosen,
+                                 beta_s_per_byte=st.network.beta_s_per_byte)
+        self.s["trial"] = trial.as_dict()
+        self._event(step, "trial", challenger=name, incumbent=st.chosen, incumbent_step_s=st.reference,
+                    predicted_step_s={n: p.step_s for n, p in preds.items()}, window=window)
+        ran = "" if st.reference is None else f"{1e3 * st.reference:.0f} ms a step"
+        rank_zero_info(f"lightning_gc auto (step {step}): {st.chosen!r} runs {ran or 'unmeasured'}, {name!r} is "
+                       f"predicted at {1e3 * preds[name].step_s:.0f} ms: trying it on the training loss "
+                       f"({window} steps of each, {st.chosen!r} before and after)")
+
+    # ------------------------------------------------------------------ trial
+    def _agree(self, duration_s: float, loss: float | None) -> tuple[bool, bool, float, float]:
+        """(every rank had a loss, every loss finite, mean duration, mean loss): one all-reduce."""
+        has = loss is not None
+        finite = has and math.isfinite(loss)  # type: ignore[arg-type]
+        n = self.engine.world_size
+        out = agree_values([float(has), float(finite), duration_s, loss if finite else 0.0], "sum",
+                           self.engine.process_group, self.engine.device)
+        return out[0] == n, out[1] == n, out[2] / n, out[3] / n
+
+    def _trial_step(self, step: int, duration_s: float, loss: float | None) -> None:
+        tr = sync_trial.Trial.from_dict(self.s["trial"])
+        st = self.state
+        if tr.phase != 1 and (st.chosen != tr.incumbent or (st.last_decision_step or -1) >= tr.start_step):
+            self._end(step, tr, "aborted", why=f"auto re-decided the per-step method (now {st.chosen!r})")
+            return
+        every, finite, dt, mean_loss = self._agree(duration_s, loss)
+        if not every:
+            raise ValueError("lightning_gc auto: auto_diloco judges DiLoCo by the training loss, and some rank's "
+                             f"step {step} returned none. Return the loss from training_step (Trainer), or pass "
+                             "optimizer.step a closure that returns it (Fabric); or drop auto_diloco.")
+        if not finite:
+            if tr.phase == 1:
+                self._end(step, tr, "incumbent", why="the loss went non-finite under DiLoCo")
+            else:
+                self._end(step, tr, "aborted", why="the loss went non-finite under the per-step method")
+            return
+        if not tr.add(dt, mean_loss):
+            self.s["trial"] = tr.as_dict()
+            return
+        tr.close_window()
+        if tr.phase == 1:
+            self._enter(step, tr.challenger, "trial")
+        elif tr.phase == 2:
+            self._leave(step, "trial")
+        else:
+            self._judge(step, tr)
+            return
+        self.s["trial"] = tr.as_dict()
+
+    def _judge(self, step: int, tr: sync_trial.Trial) -> None:
+        before, diloco, after = sync_trial.rates(tr)
+        v = sync_trial.verdict(before, diloco, after, self.config.diloco_threshold)
+        cost = trial_cost(tr.rates[1]["seconds"], bracketed(before, after), diloco)
+        winner = v.winner or "incumbent"
+        self._end(step, tr, winner, z=v.z, lead_per_s=v.lead_per_s, cost_s=cost)
+        if winner == "challenger":
+            self._enter(step, tr.challenger, "won")
+
+    def _end(self, step: int, tr: sync_trial.Trial, winner: str, **detail: Any) -> None:
+        if self.in_diloco:
+            self._leave(step, "trial_" + winner)
+        record = {"end_step": step, "challenger": tr.challenger, "incumbent": tr.incumbent, "winner": winner,
+                  "beta_s_per_byte": tr.beta_s_per_byte, "rates": tr.rates, **detail}
+        self.s["trial"], self.s["last_trial"] = None, record
+        self._event(step, "verdict", **{k: v for k, v in record.items() if k != "end_step"})
+        z = detail.get("z")
+        rank_zero_info(f"lightning_gc auto (step {step}): the trial of {tr.challenger!r} against {tr.incumbent!r} "
+                       f"ended: {winner}" + (f" (z = {z:.2f})" if z is not None else f" ({detail.get('why')})"))
+
+    # ------------------------------------------------------------------ the two verbs
+    def _enter(self, step: int, name: str, why: str) -> None:
+        self.sync.enter(name)
+        self.s["running"], self.s["reference_exchange_s"] = name, None
+        self._seen_stats = None
+        self._event(step, "enter", choice=name, why=why)
+
+    def _leave(self, step: int, why: str) -> None:
+        name = self.sync.choice
+        sent = self.sync.leave()
+        self.s["running"], self.s["reference_exchange_s"] = None, None
+        self.state.settling = True  # the first per-step window after it holds the switch
+        self._event(step, "leave", choice=name, why=why, state_bytes=sent)
+
+    # ------------------------------------------------------------------ running DiLoCo
+    def _watch_exchange(self, step: int) -> None:
+        stats = self.sync.last_stats
+        if stats is None or stats is self._seen_stats:
+            return
+        self._seen_stats = stats
+        took = agree_values([stats.comm_s], "max", self.engine.process_group, self.engine.device)[0]
+        ref = self.s["reference_exchange_s"]
+        if ref is None:
+            self.s["reference_exchange_s"] = took
+            return
+        if sync_trial.link_moved(took, ref, self.config.severe_drift):
+            rank_zero_info(f"lightning_gc auto (step {step}): DiLoCo's outer exchange took {took:.2f} s against "
+                           f"{ref:.2f} s at first: the link moved, back to per-step and re-deciding")
+            self._leave(step, "link_moved")
+            self._redecide(step)
+
+
+__all__ = ["FamilySwitcher"]
