@@ -48,6 +48,9 @@ class GCSummary:
         auto_decisions: ``compressor="auto"``: every decision (step, trigger, chosen method, its
             predicted step and the step measured in the first window after it, and the best *other*
             method with its predicted step; ``None`` otherwise): :func:`auto_decisions`.
+        diloco_steps: ``compressor="auto"`` with ``auto_diloco``: ``{"inner": steps DiLoCo ran (part of
+            ``steps``, sending nothing; ``bytes_dense`` counts DDP's bytes for them too), "outer": its
+            outer steps}``; ``None`` otherwise.
         osp: ``sync="osp"``: ``steps``, ``deferred_fraction`` (mean over those steps of the fraction of
             the model's elements whose synchronisation was deferred to overlap the next step) and
             ``deferred_bytes`` (bytes this rank sent for them, part of ``bytes_sent``); ``None`` otherwise.
@@ -69,6 +72,7 @@ class GCSummary:
     nonfinite_steps: int
     skipped_steps: int
     outer_steps: int | None = None
+    diloco_steps: dict | None = None
     auto_decisions: list[dict[str, Any]] | None = None
     osp: dict[str, Any] | None = None
     bytes_inter_node: int | None = None
@@ -94,7 +98,9 @@ class GCSummary:
              if self.outer_steps is not None else
              f"  optimizer steps: {self.steps} ({self.compressed_steps} compressed, "
              + (f"{self.sample_steps} sample, " if self.sample_steps else "")
-             + f"{self.dense_steps} dense)"),
+             + f"{self.dense_steps} dense"
+             + (f", {self.diloco_steps['inner']} DiLoCo inner steps with {self.diloco_steps['outer']} outer steps"
+                if self.diloco_steps else "") + ")"),
             f"  bytes: {traffic}",
             *([f"  between nodes: {_fmt_bytes(self.bytes_inter_node)} of the bytes sent "
                f"({self.bytes_inter_node / self.bytes_sent:.0%}; topology=nodes)"]
@@ -178,8 +184,13 @@ def summarize(engine: Any, compressor: str, skipped_steps: int, diloco: Any = No
     sent, dense = int(t["bytes_sent"]), int(t["bytes_dense"])
     comm_s = float(t["comm_time_s"])
     collective = str(engine.exchange.name)
-    outer = None
-    if diloco is not None:
+    outer, local = None, None
+    if diloco is not None and diloco.switch is not None:  # auto's: some steps per-step, some DiLoCo's
+        local = {"inner": int(diloco.steps_run), "outer": int(diloco.outer_steps_run)}
+        steps += local["inner"]
+        dense += local["inner"] * int(diloco.dense_bytes_per_step)
+        comm_s += float(diloco.comm_s_total)
+    elif diloco is not None:
         steps, compressed, sample = int(diloco.inner_step), 0, 0
         dense = steps * int(diloco.dense_bytes_per_step)
         collective = diloco.exchange.name if diloco.exchange is not None else "allreduce (dense Δ)"
@@ -198,7 +209,7 @@ def summarize(engine: Any, compressor: str, skipped_steps: int, diloco: Any = No
         steps=steps,
         compressed_steps=compressed,
         sample_steps=sample,
-        dense_steps=steps - compressed - sample,
+        dense_steps=steps - compressed - sample - (local["inner"] if local else 0),
         bytes_sent=sent,
         bytes_dense=dense,
         bytes_ratio=sent / dense if dense > 0 else 1.0,
@@ -207,6 +218,7 @@ def summarize(engine: Any, compressor: str, skipped_steps: int, diloco: Any = No
         nonfinite_steps=int(t["nonfinite_steps"]),
         skipped_steps=int(skipped_steps),
         outer_steps=outer,
+        diloco_steps=local,
         auto_decisions=None if auto is None else auto_decisions(auto.history),
         osp=osp_facts,
         bytes_inter_node=int(t.get("bytes_inter_node", 0)) or None,  # only topology="nodes" counts them

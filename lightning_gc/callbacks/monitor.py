@@ -205,7 +205,7 @@ class GCMonitor(Callback):
         check_bool("summary", summary, "True prints the end-of-fit summary on rank zero.")
         self.prog_bar = prog_bar
         self.summary = summary
-        self._last_step = -1
+        self._last_step: object = -1  # an engine step, or ("diloco", inner step)
         self._last_mode: str | None = None
         #: optimizer steps (engine numbering) written outside the log_every_n_steps schedule
         self.forced_steps: list[int] = []
@@ -231,9 +231,10 @@ class GCMonitor(Callback):
                 self.omgs_figures.append(state.plan_version)
 
     def _log_diloco(self, diloco: Any, pl_module: Any, writes: bool) -> None:
-        if diloco.inner_step == self._last_step:  # accumulation micro-batch: no new optimizer step
+        key = ("diloco", diloco.inner_step)  # never equal to a per-step step under auto's switches
+        if key == self._last_step:  # accumulation micro-batch: no new optimizer step
             return
-        self._last_step = diloco.inner_step
+        self._last_step = key
         metrics = diloco_step_metrics(diloco)
         self._bytes.add(metrics.pop("gc/bytes_sent"), metrics.pop("gc/bytes_dense"),
                         metrics.pop("gc/bytes_inter_node", 0.0))
@@ -246,7 +247,7 @@ class GCMonitor(Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         diloco = getattr(trainer.strategy, "diloco", None)
-        if diloco is not None:
+        if diloco is not None and diloco.active:  # under auto_diloco: only while DiLoCo runs
             self._log_diloco(diloco, pl_module, trainer._logger_connector.should_update_logs)
             return
         engine = getattr(trainer.strategy, "engine", None)

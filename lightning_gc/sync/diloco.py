@@ -331,6 +331,7 @@ class DiLoCoSync(StepParticipant):
         self.choice: str | None = None  # the configuration entered (by its name in ``switch``)
         self.last_stats: DiLoCoStats | None = None
         self.comm_s_total = 0.0  # wall time of every outer exchange since this process started (summary)
+        self.steps_run = self.outer_steps_run = 0  # inner and outer steps since this process started (summary)
         self.inner_bytes = 0  # bytes this rank sent in the last inner step's node mean (by nodes)
         self._layout_changed = False  # a resume on another node layout: this rank's own state is not loaded
         self._runner: OrderedWorker | InlineRunner = InlineRunner()
@@ -432,6 +433,7 @@ class DiLoCoSync(StepParticipant):
         if not self.active:
             return
         self.inner_step += 1
+        self.steps_run += 1
         t, cfg = self.inner_step, self.config
         for p in sorted(self._pending):  # exchanges sent τ steps ago
             if self._pending[p].due == t:
@@ -639,6 +641,7 @@ class DiLoCoSync(StepParticipant):
                 if self.error_feedback and job.residual is not None:
                     self.memories[p] = job.residual
                 self.outer_steps += 1
+                self.outer_steps_run += 1
                 stats.outer_step = self.outer_steps
                 stats.delta_norm = float(job.mean.norm())
                 stats.bytes_sent, stats.bytes_payload = job.bytes_sent, job.bytes_payload
