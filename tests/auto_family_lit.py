@@ -15,20 +15,28 @@ from lightning_gc import GCStrategy
 SLOW_LINK = dict(network_alpha_s=2e-3, network_beta_s_per_byte=8 / 2e6)  # pinned: the first decision is fixed
 
 
+def _moments(opt) -> list[torch.Tensor]:
+    return [s[k].detach().reshape(-1).clone() for s in opt.state.values() for k in sorted(s) if torch.is_tensor(s[k])]
+
+
 class FamilyReport(L.Callback):
-    """Per optimizer step: whether DiLoCo ran it, and the rank's parameters and optimizer moments."""
+    """Per optimizer step: whether DiLoCo ran it, the rank's parameters, and its optimizer moments after
+    the step and right after ``optimizer.step()`` (before any switch's averaging)."""
 
     def __init__(self, out_dir: str) -> None:
         self.out_dir = out_dir
         self.steps: list[dict] = []
+        self._pre: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer, pl_module):
+        # right after optimizer.step(), before the session's post-step work (DiLoCo's, auto's switches)
+        trainer.optimizers[0].register_step_post_hook(lambda opt, *_: setattr(self, "_pre", _moments(opt)))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        opt = trainer.optimizers[0]
-        moments = [s[k].detach().clone() for s in opt.state.values() for k in sorted(s) if torch.is_tensor(s[k])]
         d = trainer.strategy.diloco
         self.steps.append({"diloco": bool(d is not None and d.active),
                            "params": torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).clone(),
-                           "moments": [m.reshape(-1) for m in moments]})
+                           "moments": _moments(trainer.optimizers[0]), "pre_moments": self._pre})
 
     def on_fit_end(self, trainer, pl_module):
         s = trainer.strategy

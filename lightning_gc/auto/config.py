@@ -190,9 +190,10 @@ class AutoConfig:
 
     # ------------------------------------------------------------------ sync
     diloco: tuple[str, ...] = _opt("sync", ())
-    """DiLoCo configurations auto may switch the run to (``lightning_gc.auto.DILOCO_CANDIDATES``:
-    ``diloco10``, ``diloco50``, ``sparseloco10``, ``sparseloco50``); empty (the default): per-step
-    methods only. Where the gate opens, a trial on the training loss decides (docs/auto.md)."""
+    """DiLoCo configurations auto may switch the run to, each a form of Δ and H
+    (:mod:`lightning_gc.auto.diloco_candidates`): ``diloco<H>`` (fp16 Δ) or ``sparseloco<H>``, e.g.
+    ``("diloco10", "diloco50")``; empty (the default): per-step methods only. Where the gate opens, a
+    trial on the training loss decides (docs/auto-diloco.md)."""
     diloco_gate: float = _opt("sync", 2.0)
     """A trial runs only where the running per-step method's measured step is at least this many times
     DiLoCo's predicted step. Lower it to try DiLoCo on faster links (each losing trial costs about one

@@ -2,13 +2,14 @@
 
 A DiLoCo candidate is a whole synchronisation family, not a codec: every rank trains alone for H
 optimizer steps, then the ranks average the pseudo-gradient Δ = θ_outer − θ_local (docs/diloco.md).
-Each name fixes H, how Δ travels, and the outer optimizer that suits that Δ:
+A name is a form of Δ followed by H; the form fixes how Δ travels and the outer optimizer that suits it:
 
-* ``diloco10``, ``diloco50``: Δ cast to fp16 and summed (the engine's allreduce), the published
-  outer optimizer (SGD, lr 0.7, Nesterov momentum 0.9). Half DDP's fp32 bytes, once every H steps.
-* ``sparseloco10``, ``sparseloco50``: SparseLoCo's Δ (chunked Top-k 1/64, 2-bit values, per-rank
-  error feedback with decay 0.95, allgathered; outer SGD lr 1 without momentum, as in the paper).
-  About 1/40 of fp32's bytes, once every H steps.
+* ``diloco<H>`` (``diloco10``, ``diloco50``, ...): Δ cast to fp16 and summed (the engine's
+  allreduce), the published outer optimizer (SGD, lr 0.7, Nesterov momentum 0.9). Half DDP's fp32
+  bytes, once every H steps.
+* ``sparseloco<H>``: SparseLoCo's Δ (chunked Top-k 1/64, 2-bit values, per-rank error feedback with
+  decay 0.95, allgathered; outer SGD lr 1 without momentum, as in the paper). About 1/40 of fp32's
+  bytes, once every H steps.
 
 Smaller H keeps the replicas closer (more progress per step), larger H hides a slower link. The
 choice among them is :func:`lightning_gc.auto.sync_trial.pick_challenger`'s; whether DiLoCo pays at
@@ -17,6 +18,7 @@ all is measured by a trial on the training loss (:mod:`lightning_gc.auto.sync_tr
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,21 +58,21 @@ class DiLoCoChoice:
         return DiLoCoCandidate(self.inner_steps, delta_bytes_per_element=2.0, wire="allreduce")
 
 
-DILOCO_CANDIDATES: dict[str, DiLoCoChoice] = {c.name: c for c in (
-    DiLoCoChoice("diloco10", 10, "fp16"),
-    DiLoCoChoice("diloco50", 50, "fp16"),
-    DiLoCoChoice("sparseloco10", 10, "sparseloco"),
-    DiLoCoChoice("sparseloco50", 50, "sparseloco"),
-)}
+#: the forms of Δ, as a name's prefix
+DELTA_FORMS: dict[str, str] = {"diloco": "fp16", "sparseloco": "sparseloco"}
+#: the names the docs use as examples: the small set of H the papers' small models run well with
+DILOCO_CANDIDATES: tuple[str, ...] = ("diloco10", "diloco50", "sparseloco10", "sparseloco50")
+_NAME = re.compile(r"^(diloco|sparseloco)([1-9][0-9]*)$")
 
 
 def diloco_choice(name: str) -> DiLoCoChoice:
-    """The DiLoCo candidate called ``name``; unknown names are refused with the valid ones."""
-    try:
-        return DILOCO_CANDIDATES[name]
-    except KeyError:
-        raise ValueError(f"auto_diloco: {name!r} is not a DiLoCo candidate; valid: "
-                         f"{', '.join(DILOCO_CANDIDATES)} (e.g. auto_diloco=['diloco10', 'diloco50']).") from None
+    """The DiLoCo candidate called ``name`` (``<form><H>``); other names are refused with the forms."""
+    m = _NAME.match(name) if isinstance(name, str) else None
+    if m is None:
+        raise ValueError(f"auto_diloco: {name!r} is not a DiLoCo candidate; a name is a form of the pseudo-gradient "
+                         f"({', '.join(DELTA_FORMS)}) followed by H, the inner steps per round, e.g. "
+                         f"auto_diloco=['diloco10', 'diloco50'] or ['sparseloco50'].")
+    return DiLoCoChoice(name, int(m.group(2)), DELTA_FORMS[m.group(1)])
 
 
-__all__ = ["DILOCO_CANDIDATES", "DiLoCoChoice", "diloco_choice"]
+__all__ = ["DELTA_FORMS", "DILOCO_CANDIDATES", "DiLoCoChoice", "diloco_choice"]

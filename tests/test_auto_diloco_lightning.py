@@ -1,0 +1,70 @@
+"""``compressor="auto"`` switching a real Lightning run between per-step DDP and DiLoCo and back (2
+spawned CPU/gloo ranks, rank-dependent data): the ranks are bit-identical whenever a per-step method
+runs, the inner optimizer state too, and a resume from a checkpoint written while DiLoCo runs ends
+bit-identical to the uninterrupted run.
+
+The switches are made deterministic, not timed: a pinned link and ``ddp`` as the only per-step
+candidate fix the first decision, ``diloco_gate=0`` starts the trial right after it, and
+``diloco_threshold=1e9`` makes the verdict the incumbent's, so every run enters DiLoCo after the
+incumbent's window and leaves it after its own (tests/test_sync_switch.py drives the verdicts).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from auto_family_lit import fit, strategy
+
+pytestmark = pytest.mark.slow
+
+# warm-up steps 0-1 (decision at 1); the trial starts at 2: the incumbent's window 3-12, DiLoCo's 13-22
+# (entered at the end of 12, its round closed and left at the end of 22), the incumbent again 23-32
+TRIAL, ENTER, LEAVE, VERDICT = 2, 12, 22, 32
+
+
+def _steps(report: dict) -> list[tuple[str, int, str | None]]:
+    return [(e["event"], e["step"], e.get("choice", e.get("winner"))) for e in report["sync"]["events"]]
+
+
+def test_switching_to_diloco_and_back_keeps_the_ranks_identical_outside_it(tmp_path):
+    res = fit(tmp_path, strategy(diloco_threshold=1e9))
+    assert _steps(res[0]) == [("trial", TRIAL, None), ("enter", ENTER, "diloco10"), ("leave", LEAVE, "diloco10"),
+                              ("verdict", VERDICT, "incumbent")]
+    assert res[0]["sync"] == res[1]["sync"]  # every decision the same on both ranks
+    runs = [s["diloco"] for s in res[0]["steps"]]
+    # a step that switches ends in the family it switched to
+    assert runs == [False] * ENTER + [True] * (LEAVE - ENTER) + [False] * (len(runs) - LEAVE)
+    for r in res:  # DiLoCo's steps reach no hook; the engine counts them all the same
+        assert r["global_step"] == r["engine_step"] == len(runs) == 48
+        assert r["hook_calls"] == len(runs) - (LEAVE - ENTER)
+    a, b = res[0]["steps"], res[1]["steps"]
+    for step in range(len(runs)):
+        inside = ENTER < step < LEAVE  # DiLoCo's inner steps before the round closes
+        same = torch.equal(a[step]["params"], b[step]["params"])
+        assert same != inside, f"step {step}: ranks {'identical' if same else 'differ'}"
+        same = all(torch.equal(x, y) for x, y in zip(a[step]["moments"], b[step]["moments"]))
+        assert same != inside, f"step {step}: momentum {'identical' if same else 'differs'}"
+    # leaving: every rank's momentum is the mean of the ranks' right after the last inner step (float64)
+    pre = [a[LEAVE]["pre_moments"], b[LEAVE]["pre_moments"]]
+    assert not all(torch.equal(x, y) for x, y in zip(*pre))
+    for k, got in enumerate(a[LEAVE]["moments"]):
+        mean = (pre[0][k].double() + pre[1][k].double()) / 2
+        torch.testing.assert_close(got.double(), mean, rtol=1e-6, atol=1e-7)
+
+
+def test_resume_from_a_checkpoint_written_while_diloco_runs_is_exact(tmp_path):
+    """16 steps an epoch: the checkpoint after epoch 0 (step 16) falls inside DiLoCo's window (12-21),
+    with the trial's first window's figures, θ_outer, each rank's θ_local and momentum in it."""
+    ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
+    full = fit(tmp_path / "a", strategy(diloco_threshold=1e9), callbacks=[ckpt_cb], enable_checkpointing=True)
+    ckpt_file = sorted((tmp_path / "ckpt").glob("epoch=0*.ckpt"))[0]
+    state = torch.load(ckpt_file, weights_only=False)["lightning_gc"]
+    assert state["diloco/shared"]["active"] and state["diloco/shared"]["choice"] == "diloco10"
+    resumed = fit(tmp_path / "b", strategy(diloco_threshold=1e9), ckpt_path=str(ckpt_file))
+    for r in range(2):
+        assert _steps(resumed[r]) == _steps(full[r])  # the figures are timed: the events and their steps
+        for k, v in full[r]["params"].items():
+            assert torch.equal(v, resumed[r]["params"][k]), f"rank {r} {k} differs after resume"
+        for k, v in full[r]["optimizer"]["state"].items():
+            assert torch.equal(v["momentum_buffer"], resumed[r]["optimizer"]["state"][k]["momentum_buffer"])
