@@ -34,7 +34,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
-from .progress import Rate, Verdict, bracketed, compare, window_rate
+from .progress import MIN_POINTS, Rate, Verdict, bracketed, compare, window_rate
 
 #: the trial's three windows, in order
 PHASES = ("incumbent_before", "diloco", "incumbent_after")
@@ -60,8 +60,10 @@ def pick_challenger(step_s: Mapping[str, float], inner_steps: Mapping[str, int],
 
 
 def window_steps(inner_steps: int, rounds: int) -> int:
-    """Steps in each of the trial's windows: ``rounds`` whole DiLoCo rounds."""
-    return int(inner_steps) * int(rounds)
+    """Steps in each of the trial's windows: ``rounds`` whole DiLoCo rounds, and at least the
+    :data:`~lightning_gc.auto.progress.MIN_POINTS` a window's rate needs."""
+    h = int(inner_steps)
+    return h * max(int(rounds), -(-MIN_POINTS // h))
 
 
 def cumulative(durations_s: Sequence[float]) -> list[float]:
