@@ -11,7 +11,8 @@ the step boundary after DiLoCo's own post-step work (the DiLoCo participant runs
    is the current θ, DDP's gradient synchronisation off); after its window, left (:meth:`leave`: the
    round is closed, every rank holds θ_outer, the inner optimizer state becomes the ranks' mean, DDP
    on again); after the incumbent's second window, the verdict. DiLoCo's window is whole rounds, so
-   leaving never cuts one. A per-step re-decision during the incumbent's windows ends the trial.
+   leaving never cuts one. A per-step re-decision during the incumbent's windows that changes the
+   method or the network model ends the trial (its windows would not be one method on one link).
 3. **Running DiLoCo.** The first outer exchange's agreed time is the reference; an exchange
    ``severe_drift`` times slower or faster means the link moved: auto leaves DiLoCo and decides
    again, per-step, on a fresh probe (the gate may bring DiLoCo back once measured again).
@@ -140,8 +141,9 @@ class FamilySwitcher:
     def _trial_step(self, step: int, duration_s: float, loss: float | None) -> None:
         tr = sync_trial.Trial.from_dict(self.s["trial"])
         st = self.state
-        if tr.phase != 1 and (st.chosen != tr.incumbent or (st.last_decision_step or -1) >= tr.start_step):
-            self._end(step, tr, "aborted", why=f"auto re-decided the per-step method (now {st.chosen!r})")
+        beta = st.network.beta_s_per_byte if st.network is not None else None
+        if tr.phase != 1 and (st.chosen != tr.incumbent or beta != tr.beta_s_per_byte):
+            self._end(step, tr, "aborted", why=f"auto re-decided: {st.chosen!r} on β {beta!r} s/B")
             return
         every, finite, dt, mean_loss = self._agree(duration_s, loss)
         if not every:

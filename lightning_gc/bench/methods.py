@@ -47,7 +47,8 @@ runs the simple compress–allreduce–decompress path instead of the ring of Al
 
 ``auto`` -> ``GCStrategy(compressor="auto", auto={...})`` (:mod:`lightning_gc.auto`). Its options
 are the :class:`~lightning_gc.auto.chooser.AutoConfig` fields, bare or as ``auto_<field>``;
-``candidates`` joins names with ``+``, e.g. ``auto:progress_weight=0.5:candidates=ddp+fp16+topk``.
+``candidates`` joins names with ``+``, e.g. ``auto:progress_weight=0.5:candidates=ddp+fp16+topk``; so
+does ``diloco``, e.g. ``auto:diloco=diloco10+diloco50``.
 GCStrategy's engine keys go to ``GCStrategy`` as for any compressor. What auto picks itself
 (``ratio``, ``collective``, ``error_feedback``, compressor options) is refused, as is anything else
 ``GCStrategy(compressor="auto")`` would refuse, when the list is parsed. ``all`` expands to every
@@ -170,7 +171,7 @@ def _auto_kwargs(entry: str, options: dict) -> dict[str, Any]:
         if name in _AUTO_FIELDS:
             if name in auto:
                 raise MethodError(f"method {entry!r}: {name} is given twice (as {name} and auto_{name}); give it once")
-            auto[name] = _auto_candidates(entry, value) if name == "candidates" else value
+            auto[name] = _auto_candidates(entry, value) if name in ("candidates", "diloco") else value
         elif key in _AUTO_PICKS:
             raise MethodError(
                 f"method {entry!r}: auto chooses the compressor, its ratio and collective itself, so {key}={value!r} "

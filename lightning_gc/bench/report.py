@@ -103,9 +103,16 @@ def _validate_auto(where: str, auto: Any) -> None:
 
 def auto_sequence(result: dict) -> list[str]:
     """The methods an ``auto`` result ran after its decisions, in order (a re-decision that kept the
-    method adds nothing); empty without decisions."""
+    method adds nothing), DiLoCo where a trial was won (``auto_diloco``; a trial's own windows are not
+    listed); empty without decisions."""
     auto = result.get("auto") or {}
-    seq = [chosen for chosen, _ in itertools.groupby(d["chosen"] for d in auto.get("decisions") or [])]
+    ran = [(int(d["step"]), 0, d["chosen"]) for d in auto.get("decisions") or []]
+    for e in auto.get("sync_events") or []:
+        if e.get("event") == "enter" and e.get("why") == "won":
+            ran.append((int(e["step"]), 1, str(e["choice"])))
+        elif e.get("event") == "leave" and e.get("why") == "link_moved":  # the per-step method it left for
+            ran.append((int(e["step"]), 1, "per-step"))
+    seq = [chosen for chosen, _ in itertools.groupby(name for _, _, name in sorted(ran))]
     if not seq and auto.get("chosen"):
         seq = [auto["chosen"]]
     return seq

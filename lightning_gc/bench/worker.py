@@ -37,6 +37,7 @@ What it measures (written to ``<run_dir>/rank<G>.json``):
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import statistics
@@ -493,8 +494,9 @@ def _auto_state(strategy) -> dict | None:
               "next_interval": c.get("next_interval"),
               # the candidates whose errors were not measured again: they could not win (None: earlier versions)
               "skipped": c.get("skipped")} for c in getattr(chooser, "gain_checks", [])]
+    # auto_diloco: every trial, verdict, entry into DiLoCo and leaving it (auto/sync_switch.py)
     return {"chosen": chooser.chosen, "candidates": list(chooser.config.candidates), "decisions": decisions,
-            "gain_checks": gains}
+            "gain_checks": gains, "sync_events": copy.deepcopy(chooser.state.sync["events"])}
 
 
 def _link_check(check: dict | None) -> dict | None:
