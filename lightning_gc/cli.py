@@ -50,6 +50,7 @@ DOC_PAGES = {
     "getting-started.md": "install, quickstart, GCStrategy in a script or a LightningCLI config, every argument",
     "choosing.md": "which method for which network, model, optimizer and world size (measured)",
     "auto.md": "compressor='auto': the method chosen at run time; lightning-gc advise",
+    "auto-diloco.md": "auto={'diloco': [...]}: per-step methods or DiLoCo, decided by a trial on the loss",
     "concepts.md": "the engine, merge plans, error feedback, checkpointed state, what combines with what",
     "compressors.md": "one entry per compressor: what it sends, bytes per element, tuning, measurements",
     "monitoring.md": "GCMonitor's TensorBoard tags, the compression gain, the end-of-fit summary",

@@ -194,7 +194,7 @@ def test_preset_table_is_describe_presets():
 # guide's commands are part of what a reader reads).
 README_WORDS = 1000
 GUIDE_WORDS = 2500
-GUIDES = ("getting-started", "choosing", "auto", "compressors", "monitoring", "fabric",
+GUIDES = ("getting-started", "choosing", "auto", "auto-diloco", "compressors", "monitoring", "fabric",
           "diloco", "osp", "omgs", "adaptive", "multi-node", "bench", "gpu")
 
 
