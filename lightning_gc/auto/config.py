@@ -192,7 +192,8 @@ class AutoConfig:
     diloco: tuple[str, ...] = _opt("sync", ())
     """DiLoCo configurations auto may switch the run to, each a form of Δ and H
     (:mod:`lightning_gc.auto.diloco_candidates`): ``diloco<H>`` (fp16 Δ) or ``sparseloco<H>``, e.g.
-    ``("diloco10", "diloco50")``; empty (the default): per-step methods only. Where the gate opens, a
+    ``("diloco10", "diloco50")`` (a string joins names with ``+``); empty (the default): per-step
+    methods only. Where the gate opens, a
     trial on the training loss decides (docs/auto-diloco.md)."""
     diloco_gate: float = _opt("sync", 2.0)
     """A trial runs only where the running per-step method's measured step is at least this many times
@@ -302,7 +303,8 @@ class AutoConfig:
             raise ValueError(f"auto_{e}") from None
 
     def _check_sync(self) -> None:
-        names = tuple(self.diloco)
+        d = self.diloco
+        names = tuple(n.strip() for n in d.split("+") if n.strip()) if isinstance(d, str) else tuple(d)
         object.__setattr__(self, "diloco", names)
         for n in names:
             diloco_choice(n)

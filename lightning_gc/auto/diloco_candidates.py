@@ -8,8 +8,8 @@ A name is a form of Δ followed by H; the form fixes how Δ travels and the oute
   allreduce), the published outer optimizer (SGD, lr 0.7, Nesterov momentum 0.9). Half DDP's fp32
   bytes, once every H steps.
 * ``sparseloco<H>``: SparseLoCo's Δ (chunked Top-k 1/64, 2-bit values, per-rank error feedback with
-  decay 0.95, allgathered; outer SGD lr 1 without momentum, as in the paper). About 1/40 of fp32's
-  bytes, once every H steps.
+  decay 0.95, allgathered; outer SGD lr 1 without momentum, as in the paper). A payload of about
+  1/110 of the fp32 model per rank (each rank receives N − 1 of them), once every H steps.
 
 Smaller H keeps the replicas closer (more progress per step), larger H hides a slower link. The
 choice among them is :func:`lightning_gc.auto.sync_trial.pick_challenger`'s; whether DiLoCo pays at

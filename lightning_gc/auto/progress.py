@@ -1,7 +1,7 @@
 """Progress per second from the training loss: one scale for per-step methods and DiLoCo.
 
 Pure: plain numbers in, a verdict out, so every rank decides the same from the same agreed numbers
-(the mean training loss over the ranks, the slowest rank's step time) and the rule is tested without
+(the mean over the ranks of the training loss and of the step time) and the rule is tested without
 processes.
 
 **Noise model.** The training loss of step ``t`` is ``ℓ_t = L(τ_t) + ε_t``: ``L`` the expected loss as a

@@ -23,8 +23,9 @@ that hides the link.
 time, so a loss curve whose slope changes linearly cancels out (progress.py's noise model). DiLoCo
 wins when its rate leads by ``threshold`` standard errors; otherwise the incumbent stays.
 
-**Leaving DiLoCo** (:func:`link_moved`): while DiLoCo runs, each outer exchange's agreed time is
-compared with the time predicted for it on the link it was chosen on; ``severe`` times slower or
+**Leaving DiLoCo** (:func:`link_moved`): while DiLoCo runs, each outer exchange's agreed time (the
+slowest rank's) is compared with the first one's after entering, a measurement on the link it was
+chosen on (not the model's prediction, whose error would read as a move); ``severe`` times slower or
 faster means the link moved, and auto goes back to per-step and decides again on a fresh probe.
 """
 
