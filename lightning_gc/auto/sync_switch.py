@@ -162,12 +162,26 @@ class FamilySwitcher:
         tr.close_window()
         if tr.phase == 1:
             self._enter(step, tr.challenger, "trial")
+        elif tr.phase == 2 and self._won_early(step, tr):
+            return
         elif tr.phase == 2:
             self._leave(step, "trial")
         else:
             self._judge(step, tr)
             return
         self.s["trial"] = tr.as_dict()
+
+    def _won_early(self, step: int, tr: sync_trial.Trial) -> bool:
+        """DiLoCo led the incumbent's first window despite coming later (sync_trial.wins_early): it stays."""
+        before, diloco = (sync_trial.Rate(r["per_s"], r["stderr"], r["points"]) for r in tr.rates[:2])
+        if not sync_trial.wins_early(before, diloco, self.config.diloco_threshold):
+            return False
+        v = sync_trial.compare(before, diloco, self.config.diloco_threshold)
+        self._end(step, tr, "challenger", z=v.z, lead_per_s=v.lead_per_s, early=True,
+                  cost_s=trial_cost(tr.rates[1]["seconds"], before, diloco))
+        self.s["running"] = tr.challenger  # DiLoCo runs on: no second switch
+        self._event(step, "stay", choice=tr.challenger, why="won_early")
+        return True
 
     def _judge(self, step: int, tr: sync_trial.Trial) -> None:
         before, diloco, after = sync_trial.rates(tr)
@@ -179,7 +193,7 @@ class FamilySwitcher:
             self._enter(step, tr.challenger, "won")
 
     def _end(self, step: int, tr: sync_trial.Trial, winner: str, **detail: Any) -> None:
-        if self.in_diloco:
+        if self.in_diloco and not detail.get("early"):
             self._leave(step, "trial_" + winner)
         record = {"end_step": step, "challenger": tr.challenger, "incumbent": tr.incumbent, "winner": winner,
                   "beta_s_per_byte": tr.beta_s_per_byte, "rates": tr.rates, **detail}

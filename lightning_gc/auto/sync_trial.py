@@ -23,6 +23,12 @@ that hides the link.
 time, so a loss curve whose slope changes linearly cancels out (progress.py's noise model). DiLoCo
 wins when its rate leads by ``threshold`` standard errors; otherwise the incumbent stays.
 
+**Winning early** (:func:`wins_early`): where DiLoCo's window already leads the incumbent's first
+window by ``threshold`` standard errors, it wins without the second incumbent window. A loss curve
+flattens as training goes on, so a window measured later looks slower: B after A is biased against
+B, and a lead it shows despite that is a lead the bracket would show too. A trial DiLoCo wins
+early costs no second switch and one window less.
+
 **Leaving DiLoCo** (:func:`link_moved`): while DiLoCo runs, each outer exchange's agreed time (the
 slowest rank's) is compared with the first one's after entering, a measurement on the link it was
 chosen on (not the model's prediction, whose error would read as a move); ``severe`` times slower or
@@ -85,6 +91,12 @@ def rate_of(durations_s: Sequence[float], losses: Sequence[float]) -> Rate:
 def verdict(before: Rate, diloco: Rate, after: Rate, threshold: float) -> Verdict:
     """DiLoCo (``"challenger"``) against the incumbent bracketing it (``"incumbent"``); None: not separable."""
     return compare(bracketed(before, after), diloco, threshold)
+
+
+def wins_early(before: Rate, diloco: Rate, threshold: float) -> bool:
+    """Whether DiLoCo's window leads the incumbent's first by ``threshold`` standard errors (see the
+    module docstring: the later window is the one the flattening curve disfavours)."""
+    return compare(before, diloco, threshold).winner == "challenger"
 
 
 def link_moved(measured_s: float, predicted_s: float, severe: float) -> bool:
@@ -155,4 +167,4 @@ def rates(trial: Trial) -> tuple[Rate, Rate, Rate]:
 
 
 __all__ = ["PHASES", "Trial", "cumulative", "gate_opens", "link_moved", "may_retry", "pick_challenger", "rate_of",
-           "rates", "verdict", "window_steps"]
+           "rates", "verdict", "window_steps", "wins_early"]
