@@ -109,10 +109,11 @@ def link_moved(measured_s: float, predicted_s: float, severe: float) -> bool:
 
 def may_retry(step: int, last: Mapping | None, beta_s_per_byte: float, retry_every: int, severe: float) -> bool:
     """Whether a trial may run again after ``last`` (the previous trial's record, None: never tried;
-    after a trial DiLoCo won, always: it left on a moved link, and may pay again on another):
-    after ``retry_every`` steps (0: never on time alone), or at once where the link's β moved by
-    ``severe`` times either way since it ran (a new link is a new question)."""
-    if last is None or last.get("winner") == "challenger":  # a won trial: DiLoCo may come back
+    after a trial DiLoCo won, always: it left on a moved link, and may pay again on another; after an
+    aborted one, always: it judged nothing, so no lost trial stands). After a lost trial: after
+    ``retry_every`` steps (0: never on time alone), or at once where the link's β moved by ``severe``
+    times either way since it ran (a new link is a new question)."""
+    if last is None or last.get("winner") in ("challenger", "aborted"):
         return True
     if retry_every and step - int(last["end_step"]) >= retry_every:
         return True

@@ -1,0 +1,307 @@
+"""auto's family switch (lightning_gc/auto/sync_switch.py) driven in-process, step by step.
+
+No process group: ``agree_values`` returns each rank's own figures, so the engine double is one rank
+(the gate's tests, which agree nothing, use four). The DiLoCo side is a double that records when it
+was entered and left. The training loss is synthetic, piecewise linear in training time with a known
+rate per family (plus seeded noise), so which family is faster is known before the trial runs.
+
+Oracles: the gate's DiLoCo step worked out by hand from the α-β costs of its Δ exchange; the steps at
+which the trial must enter and leave DiLoCo (``rounds·H`` steps per window) counted by hand; the
+losing trial's cost from the two known rates; a checkpoint taken mid-trial must give the same verdict,
+figure for figure, as the run that was not interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_gc.auto.config import AutoConfig
+from lightning_gc.auto.model import Workload
+from lightning_gc.auto.state import AutoState
+from lightning_gc.auto.sync_switch import FamilySwitcher
+from lightning_gc.comm.cost_model import NetworkModel
+
+H, ROUNDS = 10, 2
+W = H * ROUNDS  # steps per trial window
+COMPUTE_S = 0.06  # forward 0.02 + backward 0.03 + optimizer 0.01
+NUMEL = 1_000_000
+SLOW = NetworkModel(1e-3, 8 / 20e6)  # 20 Mbit/s
+FAST = NetworkModel(1e-3, 8 / 1e9)  # 1 Gbit/s
+A_STEP_S, B_STEP_S = 0.3, 0.1  # the per-step method's step and DiLoCo's
+A_DROP = 0.01  # loss removed per per-step step: 1/30 per second
+
+
+class FakeSync:
+    """The dormant DiLoCo participant: records every enter and leave with the step it came at."""
+
+    def __init__(self) -> None:
+        self.active, self.choice, self.last_stats = False, None, None
+        self.calls: list[tuple[str, int, str]] = []
+        self.now = -1  # the step being closed (set by the driver)
+
+    def enter(self, choice: str) -> None:
+        assert not self.active, "entered twice"
+        self.active, self.choice = True, choice
+        self.calls.append(("enter", self.now, choice))
+
+    def leave(self) -> int:
+        assert self.active, "left while dormant"
+        self.calls.append(("leave", self.now, self.choice))
+        self.active, self.choice = False, None
+        return 4321
+
+
+def _engine(world_size: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(world_size=world_size, process_group=None, device=torch.device("cpu"),
+                           params=[torch.zeros(NUMEL)])
+
+
+def _state(network: NetworkModel = SLOW, reference: float | None = A_STEP_S) -> AutoState:
+    st = AutoState(probe_every=100, gain_every=50, explore=2)
+    st.workload = Workload(forward_s=0.02, backward_s=(0.03,), numels=(NUMEL,), optimizer_s=0.01)
+    st.network, st.chosen, st.reference, st.last_decision_step = network, "ddp", reference, 0
+    return st
+
+
+def _config(**kw) -> AutoConfig:
+    return AutoConfig(**{"candidates": ("ddp",), "diloco": ("diloco10",), "diloco_rounds": ROUNDS,
+                         "diloco_gate": 2.0, **kw})
+
+
+class Run:
+    """Drives one switcher: each step notes the loss at its start, then closes it. The loss falls by
+    ``A_DROP`` per per-step step and ``b_drop`` per DiLoCo step, plus N(0, noise) drawn per step."""
+
+    def __init__(self, config: AutoConfig, state: AutoState, b_drop: float, noise: float = 0.001,
+                 world_size: int = 1, sync: FakeSync | None = None) -> None:
+        self.sync = sync or FakeSync()
+        self.redecided: list[int] = []
+        self.sw = FamilySwitcher(_engine(world_size), config, state, self.sync, self.redecided.append)
+        self.state, self.b_drop, self.noise = state, b_drop, noise
+        self.level, self.step = 5.0, 0
+        self.held: dict[int, bool] = {}
+
+    def one(self, loss=None, stats=None, busy: bool = False) -> bool:
+        diloco = self.sync.active
+        if loss is None:
+            loss = torch.tensor(self.level + random.Random(self.step).gauss(0.0, self.noise), dtype=torch.float64)
+        self.sw.note_loss(loss)
+        self.level -= self.b_drop if diloco else A_DROP
+        if stats is not None:
+            self.sync.last_stats = stats
+        self.sync.now = self.step
+        held = self.sw.after_step(self.step, B_STEP_S if diloco else A_STEP_S, busy)
+        self.held[self.step] = held
+        self.step += 1
+        return held
+
+    def until(self, step: int) -> None:
+        """Run up to and including ``step``."""
+        while self.step <= step:
+            self.one()
+
+    def events(self, kind: str) -> list[dict]:
+        return [e for e in self.state.sync["events"] if e["event"] == kind]
+
+
+# ---------------------------------------------------------------- the gate, by hand
+def _hand_diloco_step(net: NetworkModel, n: int, h: int) -> float:
+    """compute + (flag + Δ exchange) / H: Δ in fp16 (2 bytes an element), summed by the engine's
+    allreduce, which takes the cheaper of the ring and the direct exchange at this size; the flag is
+    one float32 on the ring."""
+    a, b, payload = net.alpha_s, net.beta_s_per_byte, 2.0 * NUMEL
+    ring = 2 * (n - 1) * a + 2 * (n - 1) / n * payload * b
+    direct = a + (n - 1) * payload * b
+    flag = 2 * (n - 1) * a + 2 * (n - 1) / n * 4 * b
+    return COMPUTE_S + (flag + min(ring, direct)) / h
+
+
+@pytest.mark.parametrize("net, challenger", [(SLOW, "diloco50"), (FAST, "diloco10")])
+@pytest.mark.parametrize("above", [True, False])
+def test_gate_opens_at_twice_the_hand_predicted_diloco_step(net, challenger, above):
+    """Four ranks. On 20 Mbit/s neither H hides the exchange within 10 % of compute (the fastest,
+    H = 50, is the challenger); on 1 Gbit/s H = 10 does. The trial starts exactly where the measured
+    per-step reference reaches ``diloco_gate`` times the challenger's step."""
+    steps = {"diloco10": _hand_diloco_step(net, 4, 10), "diloco50": _hand_diloco_step(net, 4, 50)}
+    hidden = [k for k, s in steps.items() if s <= 1.1 * COMPUTE_S]
+    assert (hidden[:1] or [min(steps, key=steps.get)])[0] == challenger  # the hand case is what it says
+    ref = 2.0 * steps[challenger] * (1 + 1e-9 if above else 1 - 1e-9)
+    run = Run(_config(diloco=("diloco10", "diloco50")), _state(net, ref), b_drop=0.0, world_size=4)
+    assert run.one() is False
+    trials = run.events("trial")
+    assert run.sync.calls == []
+    if not above:
+        assert trials == [] and run.state.sync["trial"] is None
+        return
+    (ev,) = trials
+    assert ev["challenger"] == challenger and ev["step"] == 0
+    assert ev["window"] == int(challenger[-2:]) * ROUNDS
+    for k, s in steps.items():
+        assert ev["predicted_step_s"][k] == pytest.approx(s, rel=1e-12)
+    assert run.state.sync["trial"]["start_step"] == 1 and run.state.sync["trial"]["phase"] == 0
+
+
+def test_gate_shut_on_a_fast_link_runs_no_trial():
+    """One rank: DiLoCo's step is compute alone (0.06 s); a per-step reference of 0.07 s is under
+    twice that, so nothing is tried however long the run."""
+    run = Run(_config(), _state(FAST, 0.07), b_drop=0.02)
+    run.until(100)
+    assert run.state.sync["events"] == [] and run.sync.calls == [] and run.state.sync["last_trial"] is None
+    assert not any(run.held.values())
+
+
+def test_no_trial_without_a_reference_or_while_busy():
+    run = Run(_config(), _state(SLOW, None), b_drop=0.02)
+    run.until(5)
+    assert run.events("trial") == []
+    run.state.reference = A_STEP_S
+    run.one(busy=True)  # a per-step trial is on
+    assert run.events("trial") == []
+    run.one()
+    assert [e["step"] for e in run.events("trial")] == [7]
+
+
+# ---------------------------------------------------------------- full trials
+def test_diloco_faster_wins_the_trial_and_runs_on():
+    """DiLoCo removes 0.008 a step at 0.1 s (0.08/s) against the incumbent's 1/30 per second. Trial
+    from step 0: window 1 is steps 1..20 (enter at 20), DiLoCo 21..40 (leave at 40), window 2 41..60
+    (verdict, enter again at 60)."""
+    run = Run(_config(), _state(), b_drop=0.008)
+    run.until(70)
+    assert run.sync.calls == [("enter", W, "diloco10"), ("leave", 2 * W, "diloco10"), ("enter", 3 * W, "diloco10")]
+    ev = [(e["step"], e["event"], e.get("why")) for e in run.state.sync["events"]]
+    assert ev == [(0, "trial", None), (W, "enter", "trial"), (2 * W, "leave", "trial"), (3 * W, "verdict", None),
+                  (3 * W, "enter", "won")]
+    last = run.state.sync["last_trial"]
+    assert last["winner"] == "challenger" and last["end_step"] == 3 * W and last["z"] >= 2.0
+    assert [r["phase"] for r in last["rates"]] == ["incumbent_before", "diloco", "incumbent_after"]
+    for r, want in zip(last["rates"], (A_DROP / A_STEP_S, 0.008 / B_STEP_S, A_DROP / A_STEP_S)):
+        assert r["per_s"] == pytest.approx(want, rel=0.05) and r["points"] == W
+    assert last["cost_s"] == 0.0  # DiLoCo was the faster: its window cost nothing
+    assert run.state.sync["trial"] is None and run.state.sync["running"] == "diloco10" and run.sync.active
+    held = {s for s, h in run.held.items() if h}
+    assert held == {W} | set(range(W + 1, 2 * W + 1)) | set(range(3 * W, 71))
+
+
+def test_diloco_slower_loses_and_stays_dormant_until_the_link_moves():
+    """DiLoCo removes 0.001 a step at 0.1 s (0.01/s): the incumbent wins; the trial cost the DiLoCo
+    window's seconds times the share of the incumbent's progress it missed, 2 s · (1 − 0.3)."""
+    cfg = _config()
+    run = Run(cfg, _state(), b_drop=0.001)
+    run.until(3 * W)
+    assert run.sync.calls == [("enter", W, "diloco10"), ("leave", 2 * W, "diloco10")]
+    last = run.state.sync["last_trial"]
+    assert last["winner"] == "incumbent" and last["end_step"] == 3 * W and last["z"] <= -2.0
+    assert last["cost_s"] == pytest.approx(W * B_STEP_S * (1 - 0.01 / (A_DROP / A_STEP_S)), rel=0.05)
+    assert not run.sync.active and run.state.sync["running"] is None and run.state.sync["trial"] is None
+    assert {s for s, h in run.held.items() if h} == set(range(W, 2 * W + 1))
+    run.until(3 * W + 200)  # same link: the lost trial stands
+    assert len(run.events("trial")) == 1 and len(run.sync.calls) == 2
+    run.state.network = NetworkModel(SLOW.alpha_s, SLOW.beta_s_per_byte * 1.9)  # not moved by severe_drift
+    run.until(3 * W + 210)
+    assert len(run.events("trial")) == 1
+    run.state.network = NetworkModel(SLOW.alpha_s, SLOW.beta_s_per_byte * cfg.severe_drift)
+    run.one()
+    assert [e["step"] for e in run.events("trial")] == [0, 3 * W + 211]
+
+
+@pytest.mark.parametrize("redecide", ["chosen", "last_decision_step"])
+def test_per_step_redecision_in_window_one_aborts_the_trial(redecide):
+    run = Run(_config(), _state(), b_drop=0.008)
+    run.until(9)
+    if redecide == "chosen":
+        run.state.chosen = "fp16"
+    else:
+        run.state.last_decision_step = 10
+    run.one()
+    last = run.state.sync["last_trial"]
+    assert last["winner"] == "aborted" and last["end_step"] == 10 and run.state.sync["trial"] is None
+    run.until(W + 1)  # past where window 1 would have ended
+    assert run.sync.calls == [] and run.events("enter") == []
+    # nothing was judged: the gate, still open on this link, tries again against the method now running
+    (again,) = run.events("trial")[1:]
+    assert again["step"] == 11 and again["incumbent"] == run.state.chosen
+
+
+def test_per_step_redecision_in_window_two_aborts_without_a_verdict():
+    run = Run(_config(), _state(), b_drop=0.008)
+    run.until(2 * W + 4)  # DiLoCo left at 2W; the incumbent's second window is on
+    run.state.last_decision_step = 2 * W + 5
+    run.one()
+    last = run.state.sync["last_trial"]
+    assert last["winner"] == "aborted" and last["end_step"] == 2 * W + 5 and "z" not in last
+    run.until(3 * W + 1)
+    assert run.sync.calls == [("enter", W, "diloco10"), ("leave", 2 * W, "diloco10")]
+    assert [e["winner"] for e in run.events("verdict")] == ["aborted"] and not run.sync.active
+    assert [e["step"] for e in run.events("trial")] == [0, 2 * W + 6]  # judged nothing: tried again
+
+
+def test_nonfinite_loss_under_diloco_leaves_and_the_incumbent_stays():
+    run = Run(_config(), _state(), b_drop=0.008)
+    run.until(W + 4)
+    assert run.sync.active
+    assert run.one(loss=torch.tensor(float("nan"))) is True  # a DiLoCo step
+    assert run.sync.calls == [("enter", W, "diloco10"), ("leave", W + 5, "diloco10")]
+    last = run.state.sync["last_trial"]
+    assert last["winner"] == "incumbent" and "non-finite" in last["why"] and not run.sync.active
+
+
+def test_a_missing_loss_during_a_trial_names_the_fix():
+    run = Run(_config(), _state(), b_drop=0.008)
+    run.until(4)
+    run.sw.note_loss(None)
+    with pytest.raises(ValueError, match="Return the loss from training_step"):
+        run.sw.after_step(5, A_STEP_S, False)
+
+
+# ---------------------------------------------------------------- watching the link under DiLoCo
+def test_an_outer_exchange_severe_drift_faster_leaves_and_redecides():
+    cfg = _config()
+    run = Run(cfg, _state(), b_drop=0.008)
+    run.until(3 * W)
+    assert run.sync.active and run.state.sync["reference_exchange_s"] is None
+    run.until(3 * W + 5)
+    run.one(stats=SimpleNamespace(comm_s=1.0))  # the first outer exchange: the reference
+    assert run.state.sync["reference_exchange_s"] == 1.0
+    stats = SimpleNamespace(comm_s=1.0 / (0.95 * cfg.severe_drift))  # faster, not by severe_drift
+    run.one(stats=stats)
+    stats.comm_s = 0.01  # the same outer step seen again is not read again
+    run.until(3 * W + 12)
+    assert run.sync.active and run.redecided == []
+    step = run.step
+    assert run.one(stats=SimpleNamespace(comm_s=1.0 / cfg.severe_drift)) is True
+    assert run.redecided == [step] and not run.sync.active
+    assert run.sync.calls[-1] == ("leave", step, "diloco10")
+    (ev,) = [e for e in run.events("leave") if e["why"] == "link_moved"]
+    assert ev["step"] == step and ev["state_bytes"] == 4321
+    assert run.state.sync["running"] is None and run.state.settling
+
+
+# ---------------------------------------------------------------- resume mid-trial
+def test_a_checkpoint_mid_trial_gives_the_same_verdict():
+    cfg = _config()
+    run = Run(cfg, _state(), b_drop=0.004)
+    mid = W + W // 2  # inside DiLoCo's window
+    run.until(mid)
+    saved = json.loads(json.dumps(run.state.state_dict(False, 0)))
+    level, cut_events = run.level, len(run.state.sync["events"])
+    run.until(3 * W + 3)
+    whole = run.state.sync
+
+    st = AutoState(probe_every=100, gain_every=50, explore=2)
+    st.load(saved)
+    sync = FakeSync()
+    sync.active, sync.choice = True, "diloco10"  # DiLoCo's own checkpoint restores it running
+    resumed = Run(cfg, st, b_drop=0.004, sync=sync)
+    resumed.level, resumed.step = level, mid + 1
+    resumed.until(3 * W + 3)
+    assert st.sync["last_trial"] == whole["last_trial"]
+    assert st.sync["events"] == whole["events"] and len(whole["events"]) > cut_events
+    assert sync.calls == [c for c in run.sync.calls if c[1] > mid]
+    assert whole["last_trial"]["winner"] == "challenger" and math.isfinite(whole["last_trial"]["z"])

@@ -1,0 +1,291 @@
+"""The pure rules of auto's family trial (lightning_gc/auto/sync_trial.py), against oracles written here.
+
+Oracles: a brute-force gate and challenger rule (enumerate the candidates, smallest H among the hidden
+ones, else the fastest, ties to the first listed); Python's ``statistics.linear_regression`` for a
+window's slope, with the standard error computed by hand from its residuals; the ABA z-score written out
+by hand; a noise-free quadratic loss curve, on which a least-squares slope over equally spaced points is
+the curve's derivative at the points' mean time, so the bracket's rate is known in closed form.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import statistics
+
+import pytest
+
+from lightning_gc.auto import sync_trial
+from lightning_gc.auto.progress import Rate
+from lightning_gc.auto.sync_trial import PHASES, Trial
+
+
+# ---------------------------------------------------------------- gate and challenger
+def _gate_oracle(incumbent: float, challenger: float, gate: float) -> bool:
+    if incumbent <= 0 or challenger <= 0 or math.isnan(incumbent) or math.isnan(challenger):
+        return False
+    return incumbent >= gate * challenger
+
+
+def test_gate_opens_matches_the_rule_on_a_grid_and_at_its_edge():
+    values = [-1.0, 0.0, 0.05, 0.1, 0.2, 0.25, 0.5, 1.0, float("nan")]
+    for inc, cha, gate in itertools.product(values, values, [1.0, 2.0, 4.0]):
+        assert sync_trial.gate_opens(inc, cha, gate) == _gate_oracle(inc, cha, gate), (inc, cha, gate)
+    assert sync_trial.gate_opens(0.5, 0.25, 2.0)  # exactly the gate's factor: open
+    assert not sync_trial.gate_opens(0.5, 0.25 + 1e-12, 2.0)
+    assert sync_trial.gate_opens(1.0, 1.0, 0.0)  # gate 0: open wherever both steps are known
+
+
+def _challenger_oracle(steps: list[tuple[str, float]], h: dict[str, int], compute: float, hide: float) -> str:
+    best = None
+    for name, s in steps:  # smallest H among the hidden ones, first listed on a tie
+        if s <= (1 + hide) * compute and (best is None or h[name] < h[best]):
+            best = name
+    if best is not None:
+        return best
+    for name, s in steps:  # else the fastest, first listed on a tie
+        if best is None or s < dict(steps)[best]:
+            best = name
+    return best
+
+
+def test_pick_challenger_hand_cases():
+    h = {"diloco10": 10, "diloco50": 50, "sparseloco10": 10, "sparseloco50": 50}
+    # both hidden: the smaller H, though diloco50 is faster
+    assert sync_trial.pick_challenger({"diloco10": 1.05, "diloco50": 1.01}, h, 1.0, 0.1) == "diloco10"
+    # only the larger H hides the link
+    assert sync_trial.pick_challenger({"diloco10": 1.5, "diloco50": 1.08}, h, 1.0, 0.1) == "diloco50"
+    # none hidden: the fastest
+    assert sync_trial.pick_challenger({"diloco10": 3.0, "diloco50": 1.5}, h, 1.0, 0.1) == "diloco50"
+    # equal H, both hidden: the first listed, whichever order
+    assert sync_trial.pick_challenger({"sparseloco10": 1.0, "diloco10": 1.0}, h, 1.0, 0.1) == "sparseloco10"
+    assert sync_trial.pick_challenger({"diloco10": 1.0, "sparseloco10": 1.0}, h, 1.0, 0.1) == "diloco10"
+    # exactly (1 + hide) * compute counts as hidden
+    assert sync_trial.pick_challenger({"diloco10": 1.5, "diloco50": 1.25}, h, 1.0, 0.25) == "diloco50"
+    assert sync_trial.pick_challenger({"diloco50": 1.25, "diloco10": 1.25}, h, 1.0, 0.25) == "diloco10"
+
+
+def test_pick_challenger_matches_brute_force_on_random_sets():
+    rng = random.Random(7)
+    names = ["diloco10", "diloco50", "sparseloco10", "sparseloco50"]
+    h = {n: int(n[-2:]) for n in names}
+    for _ in range(400):
+        chosen = rng.sample(names, rng.randint(1, 4))
+        steps = [(n, rng.choice([1.0, 1.05, 1.1, 1.2, 1.5, 2.0])) for n in chosen]
+        compute, hide = rng.choice([0.9, 1.0]), rng.choice([0.0, 0.1, 0.2])
+        got = sync_trial.pick_challenger(dict(steps), h, compute, hide)
+        assert got == _challenger_oracle(steps, h, compute, hide), (steps, compute, hide)
+
+
+def test_pick_challenger_refuses_an_empty_set():
+    with pytest.raises(ValueError, match="at least one DiLoCo candidate"):
+        sync_trial.pick_challenger({}, {}, 1.0, 0.1)
+
+
+def test_window_steps_and_cumulative():
+    assert sync_trial.window_steps(10, 3) == 30 and sync_trial.window_steps(50, 1) == 50
+    assert sync_trial.cumulative([0.5, 0.25, 1.0]) == [0.5, 0.75, 1.75]
+    assert sync_trial.cumulative([]) == []
+
+
+# ---------------------------------------------------------------- rates and the verdict
+def _hand_rate(durations: list[float], losses: list[float]) -> tuple[float, float]:
+    """(minus the slope, its standard error): statistics' slope, the error from the residuals by hand."""
+    times = list(itertools.accumulate(durations))
+    fit = statistics.linear_regression(times, losses)
+    resid = [v - (fit.intercept + fit.slope * t) for t, v in zip(times, losses)]
+    mean_t = statistics.fmean(times)
+    sxx = sum((t - mean_t) ** 2 for t in times)
+    return -fit.slope, math.sqrt(sum(r * r for r in resid) / (len(times) - 2) / sxx)
+
+
+def _noisy_window(rng: random.Random, n: int, step_s: float, rate: float, noise: float, start: float = 5.0):
+    durations = [step_s * rng.uniform(0.8, 1.2) for _ in range(n)]
+    times = itertools.accumulate(durations)
+    return durations, [start - rate * t + rng.gauss(0.0, noise) for t in times]
+
+
+def test_rate_of_matches_linear_regression_and_hand_stderr():
+    rng = random.Random(3)
+    for n in (3, 5, 20, 60):
+        durations, losses = _noisy_window(rng, n, 0.3, 0.05, 0.01)
+        r = sync_trial.rate_of(durations, losses)
+        slope, se = _hand_rate(durations, losses)
+        assert r.points == n
+        assert r.per_s == pytest.approx(slope, rel=1e-9, abs=1e-12)
+        assert r.stderr == pytest.approx(se, rel=1e-9)
+
+
+def test_rate_of_refuses_fewer_than_three_points():
+    with pytest.raises(ValueError, match="at least 3"):
+        sync_trial.rate_of([0.1, 0.1], [1.0, 0.9])
+
+
+def _hand_z(a1: tuple[float, float], b: tuple[float, float], a2: tuple[float, float]) -> float:
+    return (b[0] - (a1[0] + a2[0]) / 2) / math.sqrt(b[1] ** 2 + (a1[1] ** 2 + a2[1] ** 2) / 4)
+
+
+def test_verdict_matches_the_hand_z_on_noisy_windows():
+    rng = random.Random(11)
+    seen = set()
+    for i in range(60):
+        lead = (-0.02, 0.0, 0.002, 0.005, 0.02)[i % 5]
+        a1 = _noisy_window(rng, 20, 0.3, 0.05, 0.01)
+        b = _noisy_window(rng, 20, 0.1, 0.05 + lead, 0.01)
+        a2 = _noisy_window(rng, 20, 0.3, 0.05, 0.01)
+        hand = [_hand_rate(*w) for w in (a1, b, a2)]
+        z = _hand_z(*hand)
+        v = sync_trial.verdict(*(sync_trial.rate_of(*w) for w in (a1, b, a2)), threshold=2.0)
+        assert v.z == pytest.approx(z, rel=1e-7)
+        assert v.lead_per_s == pytest.approx(hand[1][0] - (hand[0][0] + hand[2][0]) / 2, rel=1e-7, abs=1e-12)
+        want = "challenger" if z >= 2.0 else "incumbent" if z <= -2.0 else None
+        assert v.winner == want
+        seen.add(v.winner)
+    assert seen == {"challenger", "incumbent", None}  # every outcome exercised
+
+
+def test_verdict_threshold_is_inclusive_both_ways():
+    flat = Rate(1.0, 0.0, 20)
+    # z = (2 − 1) / 0.5 = 2 exactly: the challenger wins at the threshold
+    assert sync_trial.verdict(flat, Rate(2.0, 0.5, 20), flat, 2.0).winner == "challenger"
+    assert sync_trial.verdict(flat, Rate(2.0, 0.5, 20), flat, 2.0 + 1e-9).winner is None
+    assert sync_trial.verdict(flat, Rate(0.0, 0.5, 20), flat, 2.0).winner == "incumbent"
+    # the bracket halves the A windows' variance: se = sqrt(0.25 + (0.36 + 0.64)/4) = sqrt(0.5)
+    v = sync_trial.verdict(Rate(1.0, 0.6, 20), Rate(2.0, 0.5, 20), Rate(2.0, 0.8, 20), 1.0)
+    assert v.z == pytest.approx(0.5 / math.sqrt(0.5), rel=1e-12)
+    assert v.winner is None
+
+
+# a noise-free quadratic loss curve: L(τ) = C − A·τ + Q·τ², so −L'(τ) = A − 2Q·τ
+C, A, Q = 6.0, 0.04, 0.0002
+
+
+def _quadratic_window(start_s: float, step_s: float, n: int) -> tuple[list[float], list[float], float]:
+    durations = [step_s] * n
+    times = [start_s + step_s * (i + 1) for i in range(n)]
+    return durations, [C - A * t + Q * t * t for t in times], start_s + step_s * n
+
+
+@pytest.mark.parametrize("a_step, b_step", [(0.5, 0.5), (0.6, 0.2)])
+def test_aba_bracket_cancels_quadratic_drift(a_step, b_step):
+    """Equally spaced points: Σ(t − t̄)³ = 0, so the least-squares slope of a quadratic is L'(t̄) exactly.
+    A's windows end at step times T0 + k·d (mean T0 + d(W+1)/2) and T2 + k·d, B's at T1 + k·e: the
+    bracket's rate is −L' at (t̄1 + t̄3)/2 = t̄2 + (d − e)/2, B's own mean time when the steps are equal."""
+    w = 20
+    a1_d, a1_l, t1 = _quadratic_window(0.0, a_step, w)
+    b_d, b_l, t2 = _quadratic_window(t1, b_step, w)
+    a2_d, a2_l, _ = _quadratic_window(t2, a_step, w)
+    a1, b, a2 = (sync_trial.rate_of(a1_d, a1_l), sync_trial.rate_of(b_d, b_l), sync_trial.rate_of(a2_d, a2_l))
+    t_b = t1 + b_step * (w + 1) / 2  # B's mean point time
+    assert b.per_s == pytest.approx(A - 2 * Q * t_b, rel=1e-9)
+    bracket_at = t_b + (a_step - b_step) / 2
+    v = sync_trial.verdict(a1, b, a2, 2.0)
+    assert (a1.per_s + a2.per_s) / 2 == pytest.approx(A - 2 * Q * bracket_at, rel=1e-9)
+    assert v.lead_per_s == pytest.approx((A - 2 * Q * t_b) - (A - 2 * Q * bracket_at), abs=1e-12)
+    # without the bracket, A before B alone is off by the drift across one window and a half
+    assert a1.per_s - b.per_s == pytest.approx(2 * Q * (t_b - (a_step * (w + 1) / 2)), rel=1e-9)
+
+
+def test_verdict_calls_the_same_method_a_tie_under_drift():
+    """A and B are one method (one curve, equal steps) with a little noise: the bracketed verdict finds
+    no difference, where comparing B with A's earlier window alone would call B slower."""
+    rng = random.Random(5)
+    w, step_s, noise = 30, 0.5, 0.002
+    windows, start = [], 0.0
+    for _ in PHASES:
+        d, losses, start = _quadratic_window(start, step_s, w)
+        windows.append((d, [v + rng.gauss(0.0, noise) for v in losses]))
+    rates = [sync_trial.rate_of(*x) for x in windows]
+    hand = [_hand_rate(*x) for x in windows]
+    v = sync_trial.verdict(*rates, threshold=2.0)
+    assert v.z == pytest.approx(_hand_z(*hand), rel=1e-7)
+    assert abs(v.z) < 2.0 and v.winner is None
+    naive = (hand[1][0] - hand[0][0]) / math.hypot(hand[0][1], hand[1][1])
+    assert naive <= -2.0  # the drift alone would have judged B the slower
+
+
+# ---------------------------------------------------------------- leaving DiLoCo, retrying a trial
+def test_link_moved_edges():
+    assert sync_trial.link_moved(2.0, 1.0, 2.0) and sync_trial.link_moved(0.5, 1.0, 2.0)
+    assert not sync_trial.link_moved(1.99, 1.0, 2.0) and not sync_trial.link_moved(0.51, 1.0, 2.0)
+    assert sync_trial.link_moved(30.0, 1.0, 2.0) and sync_trial.link_moved(0.01, 1.0, 2.0)
+    assert not sync_trial.link_moved(100.0, 1.0, 0.0)  # severe 0: never
+    assert not sync_trial.link_moved(1.0, 0.0, 2.0)  # no prediction to compare with
+    assert not sync_trial.link_moved(float("nan"), 1.0, 2.0)
+    assert not sync_trial.link_moved(float("inf"), 1.0, 2.0)
+
+
+def _lost(end_step: int = 100, beta: float = 4e-7, winner: str = "incumbent") -> dict:
+    return {"end_step": end_step, "winner": winner, "beta_s_per_byte": beta}
+
+
+def test_may_retry():
+    beta = 4e-7
+    assert sync_trial.may_retry(0, None, beta, 0, 2.0)  # never tried
+    assert sync_trial.may_retry(101, _lost(winner="challenger"), beta, 0, 2.0)  # DiLoCo won: may come back
+    assert not sync_trial.may_retry(10_000, _lost(), beta, 0, 2.0)  # same link, no retry interval
+    # an aborted trial (a per-step re-decision, or a non-finite per-step loss) judged nothing: no lost
+    # trial stands, so the gate may try again on the same link
+    assert sync_trial.may_retry(101, _lost(winner="aborted"), beta, 0, 2.0)
+    assert not sync_trial.may_retry(149, _lost(), beta, 50, 2.0)
+    assert sync_trial.may_retry(150, _lost(), beta, 50, 2.0)
+    assert sync_trial.may_retry(101, _lost(), 2 * beta, 0, 2.0)  # a link half as fast
+    assert sync_trial.may_retry(101, _lost(), beta / 2, 0, 2.0)  # twice as fast
+    assert not sync_trial.may_retry(101, _lost(), 1.9 * beta, 0, 2.0)
+    assert not sync_trial.may_retry(101, _lost(), beta / 1.9, 0, 2.0)
+    assert not sync_trial.may_retry(101, _lost(), 10 * beta, 0, 0.0)  # severe 0: β never counts as moved
+    assert not sync_trial.may_retry(101, _lost(beta=0.0), beta, 0, 2.0)  # no β recorded
+
+
+# ---------------------------------------------------------------- the Trial record
+def _trial(window: int = 4) -> Trial:
+    return Trial(challenger="diloco10", start_step=7, window=window, incumbent="ddp", beta_s_per_byte=4e-7)
+
+
+def test_trial_windows_close_in_phase_order():
+    tr, rng = _trial(), random.Random(1)
+    feeds = []
+    for k, name in enumerate(PHASES):
+        assert tr.phase == k and tr.phase_name == name
+        for i in range(tr.window):
+            d, loss = 0.1 * (k + 1) + 0.001 * i, 5.0 - 0.1 * (i + 4 * k) + rng.gauss(0, 0.01)
+            feeds.append((d, loss))
+            assert tr.add(d, loss) == (i == tr.window - 1)
+        window = feeds[-tr.window:]
+        assert tr.durations == [d for d, _ in window] and tr.losses == [v for _, v in window]
+        r = tr.close_window()
+        assert tr.durations == [] and tr.losses == [] and len(tr.rates) == k + 1
+        slope, se = _hand_rate([d for d, _ in window], [v for _, v in window])
+        assert r.per_s == pytest.approx(slope, rel=1e-9) and r.stderr == pytest.approx(se, rel=1e-9)
+        assert tr.rates[-1]["phase"] == name
+        assert tr.rates[-1]["seconds"] == pytest.approx(sum(d for d, _ in window))
+        assert (tr.rates[-1]["per_s"], tr.rates[-1]["stderr"], tr.rates[-1]["points"]) == (r.per_s, r.stderr, 4)
+    assert [x["phase"] for x in tr.rates] == ["incumbent_before", "diloco", "incumbent_after"]
+    got = sync_trial.rates(tr)
+    assert [g.per_s for g in got] == [x["per_s"] for x in tr.rates]
+
+
+def test_rates_refuses_an_unfinished_trial():
+    tr = _trial(window=3)
+    for k in range(2):
+        for i in range(3):
+            tr.add(0.1, 1.0 - 0.1 * i - k + 0.001 * (i % 2))
+        tr.close_window()
+        with pytest.raises(ValueError, match=f"{k + 1} finished windows of 3"):
+            sync_trial.rates(tr)
+
+
+def test_trial_round_trips_through_a_plain_dict():
+    tr = _trial(window=3)
+    for i in range(3):
+        tr.add(0.2, 2.0 - 0.05 * i + 0.001 * (i == 1))
+    tr.close_window()
+    tr.add(0.05, 1.7)
+    d = json.loads(json.dumps(tr.as_dict()))  # what a checkpoint can hold
+    back = Trial.from_dict(d)
+    assert back == tr
+    assert back.phase_name == "diloco" and back.durations == [0.05] and back.rates == tr.rates
+    back.add(0.05, 1.6)
+    assert tr.durations == [0.05]  # the copy does not share lists with the original
