@@ -168,25 +168,52 @@ def test_no_trial_without_a_reference_or_while_busy():
 
 
 # ---------------------------------------------------------------- full trials
-def test_diloco_faster_wins_the_trial_and_runs_on():
-    """DiLoCo removes 0.008 a step at 0.1 s (0.08/s) against the incumbent's 1/30 per second. Trial
-    from step 0: window 1 is steps 1..20 (enter at 20), DiLoCo 21..40 (leave at 40), window 2 41..60
-    (verdict, enter again at 60)."""
+def test_diloco_faster_wins_early_and_runs_on():
+    """DiLoCo removes 0.008 a step at 0.1 s (0.08/s) against the incumbent's 0.01 at 0.3 s (1/30 per
+    s): its window already leads the incumbent's first by far more than the threshold, so it wins at
+    the end of its own window and stays (no leave, no second incumbent window). Windows counted from
+    step 0: window 1 is steps 1..20 (enter at 20), DiLoCo 21..40 (verdict at 40)."""
     run = Run(_config(), _state(), b_drop=0.008)
     run.until(70)
-    assert run.sync.calls == [("enter", W, "diloco10"), ("leave", 2 * W, "diloco10"), ("enter", 3 * W, "diloco10")]
+    assert run.sync.calls == [("enter", W, "diloco10")]
     ev = [(e["step"], e["event"], e.get("why")) for e in run.state.sync["events"]]
-    assert ev == [(0, "trial", None), (W, "enter", "trial"), (2 * W, "leave", "trial"), (3 * W, "verdict", None),
-                  (3 * W, "enter", "won")]
+    assert ev == [(0, "trial", None), (W, "enter", "trial"), (2 * W, "verdict", None), (2 * W, "stay", "won_early")]
     last = run.state.sync["last_trial"]
-    assert last["winner"] == "challenger" and last["end_step"] == 3 * W and last["z"] >= 2.0
-    assert [r["phase"] for r in last["rates"]] == ["incumbent_before", "diloco", "incumbent_after"]
-    for r, want in zip(last["rates"], (A_DROP / A_STEP_S, 0.008 / B_STEP_S, A_DROP / A_STEP_S)):
+    assert last["winner"] == "challenger" and last["early"] and last["end_step"] == 2 * W and last["z"] >= 2.0
+    assert [r["phase"] for r in last["rates"]] == ["incumbent_before", "diloco"]
+    for r, want in zip(last["rates"], (A_DROP / A_STEP_S, 0.008 / B_STEP_S)):
         assert r["per_s"] == pytest.approx(want, rel=0.05) and r["points"] == W
     assert last["cost_s"] == 0.0  # DiLoCo was the faster: its window cost nothing
     assert run.state.sync["trial"] is None and run.state.sync["running"] == "diloco10" and run.sync.active
-    held = {s for s, h in run.held.items() if h}
-    assert held == {W} | set(range(W + 1, 2 * W + 1)) | set(range(3 * W, 71))
+    assert {s for s, h in run.held.items() if h} == {W} | set(range(W + 1, 71))
+
+
+def test_diloco_behind_the_first_window_wins_by_the_bracket():
+    """A curve that flattens: the incumbent removes 0.02 a step in its first window (0.067/s at 0.3 s a
+    step) and 0.0005 in its second (0.0017/s); DiLoCo 0.005 a step at 0.1 s (0.05/s) between them.
+    Behind the first window alone, so it is left and the incumbent runs again; ahead of the bracket's
+    mean (0.034/s), so it wins at the end: left at 40, entered again at 60."""
+    cfg = _config()
+    run = Run(cfg, _state(), b_drop=0.005)
+    drops = {1: 0.02, 2: 0.0005}  # the incumbent's loss per step in window 1 and in window 2
+
+    def a_drop(step: int) -> float:
+        return drops[1] if step <= W else drops[2]
+    while run.step <= 3 * W:
+        diloco = run.sync.active
+        run.sw.note_loss(torch.tensor(run.level + random.Random(run.step).gauss(0.0, 0.0002), dtype=torch.float64))
+        run.level -= run.b_drop if diloco else a_drop(run.step)
+        run.sync.now = run.step
+        run.held[run.step] = run.sw.after_step(run.step, B_STEP_S if diloco else A_STEP_S, False)
+        run.step += 1
+    assert run.sync.calls == [("enter", W, "diloco10"), ("leave", 2 * W, "diloco10"), ("enter", 3 * W, "diloco10")]
+    last = run.state.sync["last_trial"]
+    assert last["winner"] == "challenger" and not last.get("early") and last["end_step"] == 3 * W
+    # the oracle: rates by hand, the bracket's mean of the incumbent's two windows
+    a = (drops[1] / A_STEP_S + drops[2] / A_STEP_S) / 2
+    assert last["rates"][1]["per_s"] > a and last["rates"][1]["per_s"] < drops[1] / A_STEP_S
+    ev = [(e["step"], e["event"], e.get("why")) for e in run.state.sync["events"]]
+    assert ev[-2:] == [(3 * W, "verdict", None), (3 * W, "enter", "won")]
 
 
 def test_diloco_slower_loses_and_stays_dormant_until_the_link_moves():
@@ -211,14 +238,14 @@ def test_diloco_slower_loses_and_stays_dormant_until_the_link_moves():
     assert [e["step"] for e in run.events("trial")] == [0, 3 * W + 211]
 
 
-@pytest.mark.parametrize("redecide", ["chosen", "last_decision_step"])
+@pytest.mark.parametrize("redecide", ["chosen", "network"])
 def test_per_step_redecision_in_window_one_aborts_the_trial(redecide):
     run = Run(_config(), _state(), b_drop=0.008)
     run.until(9)
     if redecide == "chosen":
         run.state.chosen = "fp16"
-    else:
-        run.state.last_decision_step = 10
+    else:  # the same method on a new network model: the windows would not be on one link
+        run.state.network = NetworkModel(SLOW.alpha_s, SLOW.beta_s_per_byte * 1.01)
     run.one()
     last = run.state.sync["last_trial"]
     assert last["winner"] == "aborted" and last["end_step"] == 10 and run.state.sync["trial"] is None
@@ -229,10 +256,18 @@ def test_per_step_redecision_in_window_one_aborts_the_trial(redecide):
     assert again["step"] == 11 and again["incumbent"] == run.state.chosen
 
 
-def test_per_step_redecision_in_window_two_aborts_without_a_verdict():
+def test_a_redecision_that_keeps_method_and_network_does_not_abort():
     run = Run(_config(), _state(), b_drop=0.008)
+    run.until(9)
+    run.state.last_decision_step = 10  # e.g. a calibration that kept the method on the same network
+    run.until(W)
+    assert run.sync.calls == [("enter", W, "diloco10")]
+
+
+def test_per_step_redecision_in_window_two_aborts_without_a_verdict():
+    run = Run(_config(), _state(), b_drop=0.0012)  # behind the first window: not won early
     run.until(2 * W + 4)  # DiLoCo left at 2W; the incumbent's second window is on
-    run.state.last_decision_step = 2 * W + 5
+    run.state.chosen = "fp16"
     run.one()
     last = run.state.sync["last_trial"]
     assert last["winner"] == "aborted" and last["end_step"] == 2 * W + 5 and "z" not in last
