@@ -196,10 +196,11 @@ class AutoConfig:
     methods only. Where the gate opens, a
     trial on the training loss decides (docs/auto-diloco.md)."""
     diloco_gate: float = _opt("sync", 2.0)
-    """A trial runs only where the running per-step method's measured step is at least this many times
-    DiLoCo's predicted step. Lower it to try DiLoCo on faster links (each losing trial costs about one
-    window of slower progress); raise it to try only where the link dominates the step. 0: try at
-    once after the first decision, whatever the link (to compare the families on your job)."""
+    """A trial runs only where an exact per-step method's predicted step (the fastest of ``ddp``,
+    ``fp16``, ``bf16`` among the candidates) is at least this many times DiLoCo's predicted step.
+    Lower it to try DiLoCo on faster links (each losing trial costs about one window of slower
+    progress); raise it to try only where the link dominates a dense step. 0: try at once after the
+    first decision, whatever the link (to compare the families on your job)."""
     diloco_rounds: int = _opt("sync", 3)
     """DiLoCo rounds (of H steps) in each of the trial's three windows. More rounds separate smaller
     differences in progress and cost more when DiLoCo loses."""
@@ -312,8 +313,8 @@ class AutoConfig:
             raise ValueError(f"auto_diloco={names!r} lists a configuration twice.")
         if self.diloco_gate != 0:
             check_number("auto_diloco_gate", self.diloco_gate,
-                         "0 (try at once) or a finite factor >= 1 (e.g. 2.0: try DiLoCo where the per-step method's "
-                         "step is at least twice DiLoCo's predicted step).", at_least=1)
+                         "0 (try at once) or a finite factor >= 1 (e.g. 2.0: try DiLoCo where a dense per-step "
+                         "step is predicted at least twice DiLoCo's).", at_least=1)
         _int("diloco_rounds", self.diloco_rounds, 1, "Use at least 1 round per window, e.g. 3.")
         check_number("auto_diloco_threshold", self.diloco_threshold,
                      "a positive number of standard errors, e.g. 2.0.", above=0)

@@ -4,8 +4,9 @@ The rules are :mod:`lightning_gc.auto.sync_trial`'s (pure); this module runs the
 the step boundary after DiLoCo's own post-step work (the DiLoCo participant runs before auto):
 
 1. **Gate.** While a per-step method runs with a measured reference window, each step asks whether
-   DiLoCo could run at least ``diloco_gate`` times as many steps per second (predicted from the
-   agreed workload and network); if so, a trial starts, unless a lost trial on this link stands.
+   DiLoCo could run at least ``diloco_gate`` times as many steps per second as an exact per-step
+   method (predicted from the agreed workload and network); if so, a trial against the running
+   method starts, unless a lost trial on this link stands.
 2. **Trial (ABA).** Each step of the trial agrees the ranks' mean training loss and step time (one
    small all-reduce). After the incumbent's first window, DiLoCo is entered (:meth:`enter`: θ_outer
    is the current θ, DDP's gradient synchronisation off); after its window, left (:meth:`leave`: the
@@ -34,6 +35,7 @@ from torch import Tensor
 from ..engine.agreement import agree_values
 from ..engine.ports import MethodControl, SyncFamilyControl
 from . import sync_trial
+from .candidates import candidate
 from .config import AutoConfig
 from .diloco_candidates import diloco_choice
 from .diloco_cost import predict_diloco
@@ -104,6 +106,11 @@ class FamilySwitcher:
         return {c.name: predict_diloco(c.cost(self.numel), st.workload, st.network, self.engine.world_size)
                 for c in self.choices}
 
+    def _dense_step(self) -> float:
+        """The fastest exact per-step candidate's predicted step (ddp, fp16, bf16; ddp is always one)."""
+        preds = self.state.predictions
+        return min(p.step_s for n, p in preds.items() if candidate(n).compressor is None)
+
     def _maybe_start(self, step: int) -> None:
         st, cfg = self.state, self.config
         if st.network is None or st.workload is None or st.chosen is None or (cfg.diloco_gate and st.reference is None):
@@ -115,17 +122,17 @@ class FamilySwitcher:
         compute = next(iter(preds.values())).compute_s
         name = sync_trial.pick_challenger({n: p.step_s for n, p in preds.items()},
                                           {c.name: c.inner_steps for c in self.choices}, compute, cfg.diloco_hide)
-        if cfg.diloco_gate and not sync_trial.gate_opens(st.reference, preds[name].step_s, cfg.diloco_gate):
+        dense = self._dense_step()
+        if cfg.diloco_gate and not sync_trial.gate_opens(dense, preds[name].step_s, cfg.diloco_gate):
             return
         window = sync_trial.window_steps(diloco_choice(name).inner_steps, cfg.diloco_rounds)
         trial = sync_trial.Trial(challenger=name, start_step=step + 1, window=window, incumbent=st.chosen,
                                  beta_s_per_byte=st.network.beta_s_per_byte)
         self.s["trial"] = trial.as_dict()
         self._event(step, "trial", challenger=name, incumbent=st.chosen, incumbent_step_s=st.reference,
-                    predicted_step_s={n: p.step_s for n, p in preds.items()}, window=window)
-        ran = "" if st.reference is None else f"{1e3 * st.reference:.0f} ms a step"
-        rank_zero_info(f"lightning_gc auto (step {step}): {st.chosen!r} runs {ran or 'unmeasured'}, {name!r} is "
-                       f"predicted at {1e3 * preds[name].step_s:.0f} ms: trying it on the training loss "
+                    dense_step_s=dense, predicted_step_s={n: p.step_s for n, p in preds.items()}, window=window)
+        rank_zero_info(f"lightning_gc auto (step {step}): a dense step is predicted at {1e3 * dense:.0f} ms, "
+                       f"{name!r} at {1e3 * preds[name].step_s:.0f} ms: trying it against {st.chosen!r} on the training loss "
                        f"({window} steps of each, {st.chosen!r} before and after)")
 
     # ------------------------------------------------------------------ trial

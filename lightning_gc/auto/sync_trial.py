@@ -8,10 +8,12 @@ Nor by the gradient-error proxy, which is not defined for DiLoCo. They are ranke
 loss removed per second of training (:mod:`lightning_gc.auto.progress`), measured on the run itself.
 
 **The gate** (:func:`gate_opens`). A trial costs progress when DiLoCo loses, so one is run only where
-DiLoCo could win by a margin: the running per-step method's measured step is at least ``gate``
-times DiLoCo's predicted step (:func:`lightning_gc.auto.diloco_cost.predict_diloco`), i.e. the
-per-step method spends most of its step waiting on the link. On a fast link the gate stays shut
-and auto stays per-step at no cost.
+the link makes exact per-step training expensive: the fastest exact per-step candidate's predicted
+step (``ddp``, ``fp16``, ``bf16``: every element sent every step) is at least ``gate`` times
+DiLoCo's predicted step (:func:`lightning_gc.auto.diloco_cost.predict_diloco`), i.e. a dense step
+spends most of its time on the link. The running method is not the yardstick: a lossy compressor
+(low rank, Top-k) can run as fast per step as DiLoCo and still make less progress per step, which
+only the trial shows. On a fast link the gate stays shut and auto stays per-step at no cost.
 
 **The challenger** (:func:`pick_challenger`): the candidate with the smallest H whose predicted step
 is within ``hide`` of compute alone (the exchange amortised out of sight); where none is, the one
@@ -47,11 +49,11 @@ from .progress import MIN_POINTS, Rate, Verdict, bracketed, compare, window_rate
 PHASES = ("incumbent_before", "diloco", "incumbent_after")
 
 
-def gate_opens(incumbent_step_s: float, challenger_step_s: float, gate: float) -> bool:
-    """Whether the per-step method's measured step is at least ``gate`` times DiLoCo's predicted one."""
-    if not (incumbent_step_s > 0 and challenger_step_s > 0):
+def gate_opens(dense_step_s: float, challenger_step_s: float, gate: float) -> bool:
+    """Whether an exact per-step method's predicted step is at least ``gate`` times DiLoCo's."""
+    if not (dense_step_s > 0 and challenger_step_s > 0):
         return False
-    return incumbent_step_s >= gate * challenger_step_s
+    return dense_step_s >= gate * challenger_step_s
 
 
 def pick_challenger(step_s: Mapping[str, float], inner_steps: Mapping[str, int], compute_s: float,
