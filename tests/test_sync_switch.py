@@ -350,3 +350,14 @@ def test_a_checkpoint_mid_trial_gives_the_same_verdict():
     assert st.sync["events"] == whole["events"] and len(whole["events"]) > cut_events
     assert sync.calls == [c for c in run.sync.calls if c[1] > mid]
     assert whole["last_trial"]["winner"] == "challenger" and math.isfinite(whole["last_trial"]["z"])
+
+
+def test_the_dense_steps_calibration_is_not_counted_as_diloco_compute():
+    """``other_s`` holds the network model's error on the dense exchange (the warm-up's calibration):
+    DiLoCo's predicted step is compute plus its own exchange, the same with or without it."""
+    run = Run(_config(diloco=("diloco10", "diloco50")), _state(SLOW), b_drop=0.0, world_size=4)
+    plain = run.sw.predictions()
+    w = run.state.workload
+    run.state.workload = Workload(w.forward_s, w.backward_s, w.numels, w.optimizer_s, 5.0)
+    for name, p in run.sw.predictions().items():
+        assert p.step_s == pytest.approx(_hand_diloco_step(SLOW, 4, int(name[-2:])), rel=1e-12) == plain[name].step_s

@@ -3,8 +3,8 @@
 Oracles: a brute-force gate and challenger rule (enumerate the candidates, smallest H among the hidden
 ones, else the fastest, ties to the first listed); Python's ``statistics.linear_regression`` for a
 window's slope, with the standard error computed by hand from its residuals; the ABA z-score written out
-by hand; a noise-free quadratic loss curve, on which a least-squares slope over equally spaced points is
-the curve's derivative at the points' mean time, so the bracket's rate is known in closed form.
+by hand (A read at B's mean loss); noise-free exponential and quadratic loss curves, whose rate at a
+given loss is known in closed form.
 """
 
 from __future__ import annotations
@@ -123,8 +123,23 @@ def test_rate_of_refuses_fewer_than_three_points():
         sync_trial.rate_of([0.1, 0.1], [1.0, 0.9])
 
 
-def _hand_z(a1: tuple[float, float], b: tuple[float, float], a2: tuple[float, float]) -> float:
-    return (b[0] - (a1[0] + a2[0]) / 2) / math.sqrt(b[1] ** 2 + (a1[1] ** 2 + a2[1] ** 2) / 4)
+def _hand_z(a1: tuple, b: tuple, a2: tuple) -> tuple[float, float]:
+    """(lead, z) of B against A read at B's mean loss: each window is (rate, se, mean loss); A's rate
+    is linear in the loss between its two windows, the weight held to [0, 1]."""
+    w = min(1.0, max(0.0, (a1[2] - b[2]) / (a1[2] - a2[2])))
+    r_a = (1 - w) * a1[0] + w * a2[0]
+    se_a = math.sqrt(((1 - w) * a1[1]) ** 2 + (w * a2[1]) ** 2)
+    return b[0] - r_a, (b[0] - r_a) / math.sqrt(b[1] ** 2 + se_a ** 2)
+
+
+def _chained(rng: random.Random, rates: tuple[float, float, float], noise: float) -> list[tuple]:
+    """Three windows of one run, each starting at the loss the one before ended at."""
+    out, level = [], 5.0
+    for rate, step_s in zip(rates, (0.3, 0.1, 0.3)):
+        durations, losses = _noisy_window(rng, 20, step_s, rate, noise, start=level)
+        level -= rate * sum(durations)
+        out.append((durations, losses))
+    return out
 
 
 def test_verdict_matches_the_hand_z_on_noisy_windows():
@@ -132,14 +147,12 @@ def test_verdict_matches_the_hand_z_on_noisy_windows():
     seen = set()
     for i in range(60):
         lead = (-0.02, 0.0, 0.002, 0.005, 0.02)[i % 5]
-        a1 = _noisy_window(rng, 20, 0.3, 0.05, 0.01)
-        b = _noisy_window(rng, 20, 0.1, 0.05 + lead, 0.01)
-        a2 = _noisy_window(rng, 20, 0.3, 0.05, 0.01)
-        hand = [_hand_rate(*w) for w in (a1, b, a2)]
-        z = _hand_z(*hand)
-        v = sync_trial.verdict(*(sync_trial.rate_of(*w) for w in (a1, b, a2)), threshold=2.0)
+        windows = _chained(rng, (0.06, 0.05 + lead, 0.04), 0.01)
+        hand = [(*_hand_rate(*w), statistics.fmean(w[1])) for w in windows]
+        want_lead, z = _hand_z(*hand)
+        v = sync_trial.verdict(*(sync_trial.rate_of(*w) for w in windows), threshold=2.0)
         assert v.z == pytest.approx(z, rel=1e-7)
-        assert v.lead_per_s == pytest.approx(hand[1][0] - (hand[0][0] + hand[2][0]) / 2, rel=1e-7, abs=1e-12)
+        assert v.lead_per_s == pytest.approx(want_lead, rel=1e-7, abs=1e-12)
         want = "challenger" if z >= 2.0 else "incumbent" if z <= -2.0 else None
         assert v.winner == want
         seen.add(v.winner)
@@ -147,63 +160,98 @@ def test_verdict_matches_the_hand_z_on_noisy_windows():
 
 
 def test_verdict_threshold_is_inclusive_both_ways():
-    flat = Rate(1.0, 0.0, 20)
+    flat = Rate(1.0, 0.0, 20, 3.0)
+    b_at = 2.5  # B's mean loss between A's two windows' (3.0 and 2.0): the weight is 1/2
     # z = (2 − 1) / 0.5 = 2 exactly: the challenger wins at the threshold
-    assert sync_trial.verdict(flat, Rate(2.0, 0.5, 20), flat, 2.0).winner == "challenger"
-    assert sync_trial.verdict(flat, Rate(2.0, 0.5, 20), flat, 2.0 + 1e-9).winner is None
-    assert sync_trial.verdict(flat, Rate(0.0, 0.5, 20), flat, 2.0).winner == "incumbent"
-    # the bracket halves the A windows' variance: se = sqrt(0.25 + (0.36 + 0.64)/4) = sqrt(0.5)
-    v = sync_trial.verdict(Rate(1.0, 0.6, 20), Rate(2.0, 0.5, 20), Rate(2.0, 0.8, 20), 1.0)
+    assert sync_trial.verdict(flat, Rate(2.0, 0.5, 20, b_at), Rate(1.0, 0.0, 20, 2.0), 2.0).winner == "challenger"
+    assert sync_trial.verdict(flat, Rate(2.0, 0.5, 20, b_at), Rate(1.0, 0.0, 20, 2.0), 2.0 + 1e-9).winner is None
+    assert sync_trial.verdict(flat, Rate(0.0, 0.5, 20, b_at), Rate(1.0, 0.0, 20, 2.0), 2.0).winner == "incumbent"
+    # halfway: se_A = sqrt((0.6/2)² + (0.8/2)²) = 0.5, A's rate 1.5, z = 0.5 / sqrt(0.25 + 0.25)
+    v = sync_trial.verdict(Rate(1.0, 0.6, 20, 3.0), Rate(2.0, 0.5, 20, b_at), Rate(2.0, 0.8, 20, 2.0), 1.0)
     assert v.z == pytest.approx(0.5 / math.sqrt(0.5), rel=1e-12)
     assert v.winner is None
+    # B's level outside A's two: the weight is held at the nearer window (never extrapolated)
+    assert sync_trial.incumbent_rate(Rate(1.0, 0.1, 20, 3.0), Rate(5.0, 0.1, 20, 1.0),
+                                     Rate(0.5, 0.1, 20, 2.0)).per_s == 0.5
+    # no progress between A's windows: no level to read, the two rates' mean
+    assert sync_trial.incumbent_rate(Rate(1.0, 0.1, 20, 3.0), Rate(5.0, 0.1, 20, 1.0),
+                                     Rate(0.5, 0.1, 20, 3.0)).per_s == 0.75
 
 
-# a noise-free quadratic loss curve: L(τ) = C − A·τ + Q·τ², so −L'(τ) = A − 2Q·τ
-C, A, Q = 6.0, 0.04, 0.0002
+# A noise-free loss that approaches its floor exponentially: L = L∞ + c·exp(−τ/T), so the rate at
+# any loss is (L − L∞)/T: linear in the loss. A method k times as fast runs on the time scale T/k.
+L_INF, C0, T_A, STEP_S, N = 2.0, 3.0, 10.6, 0.5, 20  # the slope falls about 17x over the trial
 
 
-def _quadratic_window(start_s: float, step_s: float, n: int) -> tuple[list[float], list[float], float]:
-    durations = [step_s] * n
-    times = [start_s + step_s * (i + 1) for i in range(n)]
-    return durations, [C - A * t + Q * t * t for t in times], start_s + step_s * n
+def _exponential_trial(speed_b: float) -> tuple[Rate, Rate, Rate]:
+    """A, B, A on one run: each window starts at the loss the one before ended at."""
+    windows, level = [], L_INF + C0
+    for speed in (1.0, speed_b, 1.0):
+        times = [STEP_S * (i + 1) for i in range(N)]
+        losses = [L_INF + (level - L_INF) * math.exp(-t * speed / T_A) for t in times]
+        windows.append(sync_trial.rate_of([STEP_S] * N, losses))
+        level = losses[-1]
+    return windows[0], windows[1], windows[2]
 
 
-@pytest.mark.parametrize("a_step, b_step", [(0.5, 0.5), (0.6, 0.2)])
-def test_aba_bracket_cancels_quadratic_drift(a_step, b_step):
-    """Equally spaced points: Σ(t − t̄)³ = 0, so the least-squares slope of a quadratic is L'(t̄) exactly.
-    A's windows end at step times T0 + k·d (mean T0 + d(W+1)/2) and T2 + k·d, B's at T1 + k·e: the
-    bracket's rate is −L' at (t̄1 + t̄3)/2 = t̄2 + (d − e)/2, B's own mean time when the steps are equal."""
-    w = 20
-    a1_d, a1_l, t1 = _quadratic_window(0.0, a_step, w)
-    b_d, b_l, t2 = _quadratic_window(t1, b_step, w)
-    a2_d, a2_l, _ = _quadratic_window(t2, a_step, w)
-    a1, b, a2 = (sync_trial.rate_of(a1_d, a1_l), sync_trial.rate_of(b_d, b_l), sync_trial.rate_of(a2_d, a2_l))
-    t_b = t1 + b_step * (w + 1) / 2  # B's mean point time
-    assert b.per_s == pytest.approx(A - 2 * Q * t_b, rel=1e-9)
-    bracket_at = t_b + (a_step - b_step) / 2
-    v = sync_trial.verdict(a1, b, a2, 2.0)
-    assert (a1.per_s + a2.per_s) / 2 == pytest.approx(A - 2 * Q * bracket_at, rel=1e-9)
-    assert v.lead_per_s == pytest.approx((A - 2 * Q * t_b) - (A - 2 * Q * bracket_at), abs=1e-12)
-    # without the bracket, A before B alone is off by the drift across one window and a half
-    assert a1.per_s - b.per_s == pytest.approx(2 * Q * (t_b - (a_step * (w + 1) / 2)), rel=1e-9)
+def test_reading_a_at_b_loss_is_exact_on_an_exponential_curve_where_the_time_bracket_favours_a():
+    """One method three times: the truth is no lead. Every window's least-squares slope is the same
+    multiple of its (mean loss − L∞), so A's rate read at B's loss is B's own, to rounding; the time
+    bracket (the mean of A's two rates) overstates A by half, the curve's convexity."""
+    a1, b, a2 = _exponential_trial(1.0)
+    assert a1.per_s / a2.per_s > 6  # the slope falls steeply across the trial
+    assert sync_trial.verdict(a1, b, a2, 2.0).lead_per_s == pytest.approx(0.0, abs=1e-12)
+    assert (a1.per_s + a2.per_s) / 2 > 1.4 * b.per_s  # the time bracket would call B much slower
+
+
+def test_a_faster_challenger_wins_at_its_loss_where_the_time_bracket_would_keep_a():
+    """B 1.5x as fast at every loss: A's rate read at B's mean loss is (L̄_B − L∞)/T up to the window's
+    least-squares factor, B's is 1.5 times that; the mean of A's two rates is above B's."""
+    a1, b, a2 = _exponential_trial(1.5)
+    inc = sync_trial.incumbent_rate(a1, b, a2)
+    assert b.per_s / inc.per_s == pytest.approx(1.5, rel=0.05)
+    assert sync_trial.verdict(a1, b, a2, 2.0).winner == "challenger"
+    assert (a1.per_s + a2.per_s) / 2 > b.per_s
+
+
+def test_on_a_quadratic_curve_the_reading_at_b_loss_is_within_a_percent():
+    """L = C − A·τ + Q·τ² (the slope linear in time, where the time bracket is exact): the rate at a
+    loss is √(A² − 4Q(C − L)), concave in L, so the linear reading errs low, by under 1 % here."""
+    c, a, q = 6.0, 0.04, 0.0002
+    windows, start = [], 0.0
+    for _ in PHASES:
+        times = [start + STEP_S * (i + 1) for i in range(N)]
+        windows.append(sync_trial.rate_of([STEP_S] * N, [c - a * t + q * t * t for t in times]))
+        start = times[-1]
+    a1, b, a2 = windows
+    inc = sync_trial.incumbent_rate(a1, b, a2)
+    assert math.sqrt(a * a - 4 * q * (c - b.level)) == pytest.approx(b.per_s, rel=2e-3)  # the curve's rate there
+    assert 0 < (b.per_s - inc.per_s) / b.per_s < 0.01
 
 
 def test_verdict_calls_the_same_method_a_tie_under_drift():
-    """A and B are one method (one curve, equal steps) with a little noise: the bracketed verdict finds
-    no difference, where comparing B with A's earlier window alone would call B slower."""
+    """One method three times on the exponential curve with a little noise: no difference found,
+    where comparing B with A's earlier window alone would call B slower."""
     rng = random.Random(5)
-    w, step_s, noise = 30, 0.5, 0.002
-    windows, start = [], 0.0
-    for _ in PHASES:
-        d, losses, start = _quadratic_window(start, step_s, w)
-        windows.append((d, [v + rng.gauss(0.0, noise) for v in losses]))
-    rates = [sync_trial.rate_of(*x) for x in windows]
-    hand = [_hand_rate(*x) for x in windows]
+    clean = [list(w) for w in _exponential_windows()]
+    noisy = [(d, [v + rng.gauss(0.0, 0.002) for v in losses]) for d, losses in clean]
+    rates = [sync_trial.rate_of(*x) for x in noisy]
+    hand = [(*_hand_rate(*x), statistics.fmean(x[1])) for x in noisy]
     v = sync_trial.verdict(*rates, threshold=2.0)
-    assert v.z == pytest.approx(_hand_z(*hand), rel=1e-7)
+    assert v.z == pytest.approx(_hand_z(*hand)[1], rel=1e-7)
     assert abs(v.z) < 2.0 and v.winner is None
     naive = (hand[1][0] - hand[0][0]) / math.hypot(hand[0][1], hand[1][1])
     assert naive <= -2.0  # the drift alone would have judged B the slower
+
+
+def _exponential_windows() -> list[tuple[list[float], list[float]]]:
+    out, level = [], L_INF + C0
+    for _ in PHASES:
+        times = [STEP_S * (i + 1) for i in range(N)]
+        losses = [L_INF + (level - L_INF) * math.exp(-t / T_A) for t in times]
+        out.append(([STEP_S] * N, losses))
+        level = losses[-1]
+    return out
 
 
 # ---------------------------------------------------------------- leaving DiLoCo, retrying a trial

@@ -13,9 +13,18 @@ least-squares line through the window's ``(τ, ℓ)`` gives its slope ``b`` with
 over the ranks, at every inner step; the outer step's effect lands in the window that contains it.
 
 **Drift.** ``L``'s slope shrinks as training goes on, so a method measured later would look slower.
-Trials therefore run A, B, A with windows of equal length: A's rate is the mean of its two windows,
-which bracket B's. Where the slope changes linearly in time across the three windows (``L``
-quadratic), that mean is A's rate at B's midpoint, and the drift cancels.
+Trials therefore run A, B, A with windows of equal length, A's two bracketing B's, and A's rate is
+read where B ran, in one of two ways:
+
+* **at B's loss level** (:func:`at_level`, what auto's family trial uses): the question "which
+  method reaches a lower loss sooner" is a question about each method's rate *at the loss the run
+  is at*, so A's rate is interpolated linearly in the loss between its two windows' (mean loss,
+  rate) points, at B's mean loss. This is exact where the loss approaches its floor exponentially
+  (``L = L∞ + c·e^{−τ/T}``: the rate ``(L − L∞)/T`` is linear in ``L``), however far the slope falls
+  across the trial; it also serves a B faster than A, whose window ends lower;
+* **at B's time** (:func:`bracketed`): the mean of A's two rates, exact where the slope changes
+  linearly in time (``L`` quadratic). Early in a run, where the slope falls by a large factor
+  within a trial, that mean overstates A at B's time (the slope is convex in time) and so favours A.
 
 **Verdict.** ``z = (r_B − r_A) / √(se_A² + se_B²)``: B wins when ``z ≥ threshold``, A when
 ``z ≤ −threshold``, and neither otherwise (keep the incumbent; a longer trial can separate them). With
@@ -42,11 +51,13 @@ MIN_POINTS = 3
 
 @dataclass(frozen=True)
 class Rate:
-    """Loss removed per second (``per_s``), its standard error, and the points behind it."""
+    """Loss removed per second (``per_s``), its standard error, the points behind it, and the window's
+    mean loss (``level``; NaN where unknown)."""
 
     per_s: float
     stderr: float
     points: int
+    level: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -77,7 +88,7 @@ def window_rate(times_s: Sequence[float], losses: Sequence[float]) -> Rate:
     sxx = sum((t - t_mean) ** 2 for t in times_s)
     slope = sum((t - t_mean) * (v - v_mean) for t, v in zip(times_s, losses)) / sxx
     resid = sum((v - v_mean - slope * (t - t_mean)) ** 2 for t, v in zip(times_s, losses))
-    return Rate(per_s=-slope, stderr=math.sqrt(resid / (n - 2) / sxx), points=n)
+    return Rate(per_s=-slope, stderr=math.sqrt(resid / (n - 2) / sxx), points=n, level=v_mean)
 
 
 def bracketed(before: Rate, after: Rate) -> Rate:
@@ -85,6 +96,20 @@ def bracketed(before: Rate, after: Rate) -> Rate:
     return Rate(per_s=(before.per_s + after.per_s) / 2,
                 stderr=math.sqrt(before.stderr ** 2 + after.stderr ** 2) / 2,
                 points=before.points + after.points)
+
+
+def at_level(before: Rate, after: Rate, level: float) -> Rate:
+    """A's rate at the loss ``level`` (ABA; see the module docstring): linear in the loss between its
+    two windows' (level, rate) points, the weight held to [0, 1] (never extrapolated). The standard
+    error is the weighted one's, the weight taken as exact. Where the two windows' levels are equal
+    or unknown (no progress to read a level from) it is :func:`bracketed`."""
+    span = before.level - after.level
+    if not (math.isfinite(span) and span != 0.0 and math.isfinite(level)):
+        return bracketed(before, after)
+    w = min(1.0, max(0.0, (before.level - level) / span))
+    return Rate(per_s=(1.0 - w) * before.per_s + w * after.per_s,
+                stderr=math.hypot((1.0 - w) * before.stderr, w * after.stderr),
+                points=before.points + after.points, level=level)
 
 
 def compare(incumbent: Rate, challenger: Rate, threshold: float = DEFAULT_THRESHOLD) -> Verdict:
@@ -112,5 +137,5 @@ def trial_cost(window_s: float, incumbent: Rate, challenger: Rate) -> float:
     return window_s * max(0.0, 1.0 - challenger.per_s / incumbent.per_s)
 
 
-__all__ = ["DEFAULT_THRESHOLD", "MIN_POINTS", "Rate", "Verdict", "bracketed", "compare", "trial_cost",
+__all__ = ["DEFAULT_THRESHOLD", "MIN_POINTS", "Rate", "Verdict", "at_level", "bracketed", "compare", "trial_cost",
            "window_rate"]

@@ -39,7 +39,8 @@ from .candidates import candidate
 from .config import AutoConfig
 from .diloco_candidates import diloco_choice
 from .diloco_cost import predict_diloco
-from .progress import bracketed, trial_cost
+from .model import Workload
+from .progress import trial_cost
 from .state import AutoState
 
 #: re-decide per-step after leaving DiLoCo on a moved link: (step) -> None
@@ -100,10 +101,15 @@ class FamilySwitcher:
 
     # ------------------------------------------------------------------ gate
     def predictions(self) -> dict[str, Any]:
-        """Every DiLoCo candidate's predicted step on the agreed workload and network."""
+        """Every DiLoCo candidate's predicted step on the agreed workload and network. The workload's
+        ``other_s`` is left out: the warm-up sets it so that the model's dense step equals the measured
+        one, so on a slow link it holds the network model's error on the dense exchange, which DiLoCo
+        does not send each step (auto/decider.py, ``_calibrate_other``)."""
         st = self.state
         assert st.workload is not None and st.network is not None
-        return {c.name: predict_diloco(c.cost(self.numel), st.workload, st.network, self.engine.world_size)
+        w = st.workload
+        compute = Workload(w.forward_s, w.backward_s, w.numels, w.optimizer_s, 0.0)
+        return {c.name: predict_diloco(c.cost(self.numel), compute, st.network, self.engine.world_size)
                 for c in self.choices}
 
     def _dense_step(self) -> float:
@@ -180,7 +186,7 @@ class FamilySwitcher:
 
     def _won_early(self, step: int, tr: sync_trial.Trial) -> bool:
         """DiLoCo led the incumbent's first window despite coming later (sync_trial.wins_early): it stays."""
-        before, diloco = (sync_trial.Rate(r["per_s"], r["stderr"], r["points"]) for r in tr.rates[:2])
+        before, diloco = sync_trial.rates_so_far(tr)
         if not sync_trial.wins_early(before, diloco, self.config.diloco_threshold):
             return False
         v = sync_trial.compare(before, diloco, self.config.diloco_threshold)
@@ -193,7 +199,7 @@ class FamilySwitcher:
     def _judge(self, step: int, tr: sync_trial.Trial) -> None:
         before, diloco, after = sync_trial.rates(tr)
         v = sync_trial.verdict(before, diloco, after, self.config.diloco_threshold)
-        cost = trial_cost(tr.rates[1]["seconds"], bracketed(before, after), diloco)
+        cost = trial_cost(tr.rates[1]["seconds"], sync_trial.incumbent_rate(before, diloco, after), diloco)
         winner = v.winner or "incumbent"
         self._end(step, tr, winner, z=v.z, lead_per_s=v.lead_per_s, cost_s=cost)
         if winner == "challenger":

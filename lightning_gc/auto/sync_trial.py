@@ -21,9 +21,11 @@ with the fastest predicted step. Smaller H keeps the replicas closer, so this is
 that hides the link.
 
 **The trial** (ABA, :func:`verdict`): ``rounds·H`` steps of the incumbent (A), as many of DiLoCo
-(B), as many of the incumbent again. A's rate is the mean of its two windows, which bracket B's in
-time, so a loss curve whose slope changes linearly cancels out (progress.py's noise model). DiLoCo
-wins when its rate leads by ``threshold`` standard errors; otherwise the incumbent stays.
+(B), as many of the incumbent again. A's rate is read at B's mean loss, interpolated between its
+two windows, which bracket B's (:func:`lightning_gc.auto.progress.at_level`): the flattening of the
+loss curve across the trial cancels out, even where the slope falls by a large factor, as it does
+early in a run. DiLoCo wins when its rate leads by ``threshold`` standard errors; otherwise the
+incumbent stays.
 
 **Winning early** (:func:`wins_early`): where DiLoCo's window already leads the incumbent's first
 window by ``threshold`` standard errors, it wins without the second incumbent window. A loss curve
@@ -43,7 +45,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
-from .progress import MIN_POINTS, Rate, Verdict, bracketed, compare, window_rate
+from .progress import MIN_POINTS, Rate, Verdict, at_level, compare, window_rate
 
 #: the trial's three windows, in order
 PHASES = ("incumbent_before", "diloco", "incumbent_after")
@@ -90,9 +92,14 @@ def rate_of(durations_s: Sequence[float], losses: Sequence[float]) -> Rate:
     return window_rate(cumulative(durations_s), losses)
 
 
+def incumbent_rate(before: Rate, diloco: Rate, after: Rate) -> Rate:
+    """The incumbent's rate where DiLoCo ran: at DiLoCo's mean loss, between its two windows."""
+    return at_level(before, after, diloco.level)
+
+
 def verdict(before: Rate, diloco: Rate, after: Rate, threshold: float) -> Verdict:
     """DiLoCo (``"challenger"``) against the incumbent bracketing it (``"incumbent"``); None: not separable."""
-    return compare(bracketed(before, after), diloco, threshold)
+    return compare(incumbent_rate(before, diloco, after), diloco, threshold)
 
 
 def wins_early(before: Rate, diloco: Rate, threshold: float) -> bool:
@@ -162,12 +169,22 @@ class Trial:
         return cls(**{k: (list(v) if isinstance(v, list) else v) for k, v in d.items()})
 
 
+def rates_so_far(trial: Trial) -> list[Rate]:
+    """The finished windows' rates, in PHASES order."""
+    return [_rate(r) for r in trial.rates]
+
+
 def rates(trial: Trial) -> tuple[Rate, Rate, Rate]:
     """The three finished windows' rates, in PHASES order."""
     if len(trial.rates) != len(PHASES):
         raise ValueError(f"the trial has {len(trial.rates)} finished windows of {len(PHASES)}.")
-    return tuple(Rate(r["per_s"], r["stderr"], r["points"]) for r in trial.rates)  # type: ignore[return-value]
+    return tuple(_rate(r) for r in trial.rates)  # type: ignore[return-value]
 
 
-__all__ = ["PHASES", "Trial", "cumulative", "gate_opens", "link_moved", "may_retry", "pick_challenger", "rate_of",
-           "rates", "verdict", "window_steps", "wins_early"]
+def _rate(r: Mapping) -> Rate:
+    """A finished window's rate from its record (``level`` NaN in records written before it was kept)."""
+    return Rate(r["per_s"], r["stderr"], r["points"], r.get("level", math.nan))
+
+
+__all__ = ["PHASES", "Trial", "cumulative", "gate_opens", "incumbent_rate", "link_moved", "may_retry",
+           "pick_challenger", "rate_of", "rates", "rates_so_far", "verdict", "window_steps", "wins_early"]
