@@ -361,3 +361,14 @@ def test_the_dense_steps_calibration_is_not_counted_as_diloco_compute():
     run.state.workload = Workload(w.forward_s, w.backward_s, w.numels, w.optimizer_s, 5.0)
     for name, p in run.sw.predictions().items():
         assert p.step_s == pytest.approx(_hand_diloco_step(SLOW, 4, int(name[-2:])), rel=1e-12) == plain[name].step_s
+
+
+def test_diloco_compute_is_at_most_the_running_methods_measured_step():
+    """A profile three times the measured reference step (a slow first dense step): DiLoCo's compute
+    is the reference, its exchange on top as before."""
+    st = _state(SLOW, reference=COMPUTE_S / 3)
+    run = Run(_config(diloco=("diloco10", "diloco50")), st, b_drop=0.0, world_size=4)
+    for name, p in run.sw.predictions().items():
+        exchange = _hand_diloco_step(SLOW, 4, int(name[-2:])) - COMPUTE_S
+        assert p.compute_s == pytest.approx(COMPUTE_S / 3, rel=1e-12)
+        assert p.step_s == pytest.approx(COMPUTE_S / 3 + exchange, rel=1e-12)

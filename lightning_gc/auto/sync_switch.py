@@ -101,14 +101,20 @@ class FamilySwitcher:
 
     # ------------------------------------------------------------------ gate
     def predictions(self) -> dict[str, Any]:
-        """Every DiLoCo candidate's predicted step on the agreed workload and network. The workload's
-        ``other_s`` is left out: the warm-up sets it so that the model's dense step equals the measured
-        one, so on a slow link it holds the network model's error on the dense exchange, which DiLoCo
-        does not send each step (auto/decider.py, ``_calibrate_other``)."""
+        """Every DiLoCo candidate's predicted step on the agreed workload and network.
+
+        Its compute is the profiled forward, backward and optimizer, at most the running method's
+        measured reference step (which holds them): the profile comes from the first dense steps,
+        which can run slower than later ones. The workload's ``other_s`` is left out: the warm-up
+        sets it so that the model's dense step equals the measured one, so on a slow link it holds
+        the network model's error on the dense exchange, which DiLoCo does not send each step
+        (auto/decider.py, ``_calibrate_other``)."""
         st = self.state
         assert st.workload is not None and st.network is not None
         w = st.workload
-        compute = Workload(w.forward_s, w.backward_s, w.numels, w.optimizer_s, 0.0)
+        profiled = w.forward_s + sum(w.backward_s) + w.optimizer_s
+        k = min(1.0, st.reference / profiled) if st.reference and profiled > 0 else 1.0
+        compute = Workload(k * w.forward_s, tuple(k * b for b in w.backward_s), w.numels, k * w.optimizer_s, 0.0)
         return {c.name: predict_diloco(c.cost(self.numel), compute, st.network, self.engine.world_size)
                 for c in self.choices}
 
