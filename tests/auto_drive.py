@@ -102,6 +102,10 @@ class FakeEngine:
     def enable_dense_carry(self) -> None:
         self.dense_carry = True
 
+    def count_local_step(self) -> None:
+        """A step that reached no hook (DiLoCo's inner step under auto_diloco): the counter moves on."""
+        self.step += 1
+
     def run_before_step(self, job) -> None:
         """A job before the step about to run (GCEngine runs it on its worker; auto's link canary): recorded,
         with the value it carries."""

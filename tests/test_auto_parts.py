@@ -232,7 +232,7 @@ def test_carried_walls_enter_the_every_step_tests_except_the_decisions_and_the_s
 KEYS_V2 = {"version", "chosen", "history", "workload", "costs", "network", "reference", "drifted", "settling",
            "reference_exchange", "run_medians", "corrections", "explore_left", "correction_beta",
            "last_decision_step", "last_link_step", "link_interval", "gain_interval", "last_gain_step", "gain_checks",
-           "beta_scale", "sampling", "warmup_steps", "probe_bytes", "probe_time_s", "probe_time_modelled"}
+           "beta_scale", "sampling", "warmup_steps", "probe_bytes", "probe_time_s", "probe_time_modelled", "sync"}
 
 
 def test_the_state_keeps_its_checkpoint_keys_and_reads_an_older_checkpoint():
@@ -245,5 +245,7 @@ def test_the_state_keeps_its_checkpoint_keys_and_reads_an_older_checkpoint():
     assert (st.last_link_step, st.last_gain_step, st.link_interval, st.gain_interval) == (40, 40, 100, 50)
     assert st.correction_beta == {} and st.probe_bytes == 0 and st.beta_scale == 1.0 and st.explore_left == 2
     assert st.predictions["topk"].step_s == 0.05 and st.network == NetworkModel(1e-4, 8e-9)
+    # before auto_diloco: per-step, no trial, no event
+    assert st.sync == {"trial": None, "last_trial": None, "running": None, "reference_exchange_s": None, "events": []}
     with pytest.raises(ValueError, match="unsupported auto chooser state version 1"):
         st.load({"version": 1})

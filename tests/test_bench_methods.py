@@ -287,10 +287,12 @@ def test_worker_records_the_choosers_decisions_from_its_history():
                         "reference": "modelled"}},
     ]
     gains = [{"step": 53, "delta2": {"ddp": 0.0, "topk": 0.5}, "moved": 0.07, "redecided": False}]
+    events = [{"step": 60, "event": "trial", "challenger": "diloco10"}, {"step": 90, "event": "enter", "choice": "diloco10"}]
     chooser = SimpleNamespace(chosen="topk", history=history, config=AutoConfig(candidates=("ddp", "topk")),
-                              gain_checks=gains)
+                              gain_checks=gains, sync_events=events)
     rec = _auto_state(SimpleNamespace(auto=chooser))
     assert rec["chosen"] == "topk" and rec["candidates"] == ["ddp", "topk"]
+    assert rec["sync_events"] == events and rec["sync_events"] is not events  # a copy of the record
     first, second = rec["decisions"]
     assert first == {"step": 3, "trigger": "warmup", "chosen": "ddp", "previous": None, "predicted_step_s": 0.05,
                      "measured_step_s": 0.052, "predictions": {"ddp": 0.05, "topk": 0.03},

@@ -107,6 +107,11 @@ class AutoChooser(StepParticipant):
                          if config.diloco and sync is not None and not self.nothing_to_compress else None)
 
     @property
+    def sync_events(self) -> list[dict]:
+        """Every family trial, verdict, entry into DiLoCo and exit from it (``auto_diloco``; replicated)."""
+        return self.state.sync["events"]
+
+    @property
     def measured(self) -> list[float]:
         """This rank's step walls since the first decision."""
         return self.walls.measured

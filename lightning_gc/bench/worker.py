@@ -496,7 +496,7 @@ def _auto_state(strategy) -> dict | None:
               "skipped": c.get("skipped")} for c in getattr(chooser, "gain_checks", [])]
     # auto_diloco: every trial, verdict, entry into DiLoCo and leaving it (auto/sync_switch.py)
     return {"chosen": chooser.chosen, "candidates": list(chooser.config.candidates), "decisions": decisions,
-            "gain_checks": gains, "sync_events": copy.deepcopy(chooser.state.sync["events"])}
+            "gain_checks": gains, "sync_events": copy.deepcopy(chooser.sync_events)}
 
 
 def _link_check(check: dict | None) -> dict | None:
