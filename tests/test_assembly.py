@@ -211,3 +211,26 @@ def test_diloco_closes_its_round_once_at_the_end_of_training_with_mixing():
     assert all(torch.equal(p, torch.full_like(p, 3.0)) for p in closed)  # 0 − 1.0·(0 − 3), mixing 0 at the close
     session.finish()  # teardown: nothing left to close
     assert sync.outer_steps == 1 and all(torch.equal(a, b) for a, b in zip(params, closed))
+
+
+def test_a_diloco_checkpoint_is_refused_by_the_other_kind_of_diloco_naming_the_fix():
+    """sync="diloco" runs from the first step; auto's DiLoCo (with a FamilySwitch) is entered and left.
+    Each refuses the other's checkpoint: a dormant one has nothing to resume from, a static one no
+    configuration name to enter."""
+    from lightning_gc.sync.diloco import DiLoCoConfig, DiLoCoSync
+
+    static, _ = _diloco(inner_steps=2)
+    switch = SimpleNamespace(resolve=lambda name: (DiLoCoConfig(inner_steps=2), None, "auto", False),
+                             set_gradient_sync=lambda on: flags.append(on))
+    flags: list[bool] = []
+    switching = DiLoCoSync(static.engine, DiLoCoConfig(), switch=switch)
+    assert not switching.active and switching.shared_state_dict() == {"active": False}
+    with pytest.raises(ValueError, match="ran per-step; resume it with compressor='auto'"):
+        static.load_shared_state_dict(switching.shared_state_dict())
+    with pytest.raises(ValueError, match="written by sync='diloco'; resume it with sync='diloco'"):
+        switching.load_shared_state_dict(static.shared_state_dict())
+    switching.enter("diloco2")  # a switching checkpoint resumes in the family it saved in
+    saved = switching.shared_state_dict()
+    fresh = DiLoCoSync(static.engine, DiLoCoConfig(), switch=switch)
+    fresh.load_shared_state_dict(saved)
+    assert fresh.active and fresh.choice == "diloco2" and fresh.config.inner_steps == 2 and flags == [False, False]

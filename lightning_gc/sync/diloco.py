@@ -802,6 +802,9 @@ class DiLoCoSync(StepParticipant):
                 raise ValueError("lightning_gc DiLoCo: this checkpoint was written by compressor='auto' while it "
                                  "ran per-step; resume it with compressor='auto' and auto_diloco, not sync='diloco'.")
             return True
+        if running and not state.get("choice"):
+            raise ValueError("lightning_gc DiLoCo: this checkpoint was written by sync='diloco'; resume it with "
+                             "sync='diloco' (compressor='auto' switches families itself and cannot take it over).")
         if self.active:
             self.leave()
         if running:
