@@ -222,3 +222,24 @@ def test_auto_recipe_turns_the_link_canary_on_from_yaml(tmp_path, monkeypatch):
         GCStrategy(compressor="auto", auto={**auto, "canary_factor": 0.5})
     with pytest.raises(ValueError, match=r"auto_gain_every_max=2.5 must be an integer >= 0"):
         GCStrategy(compressor="auto", auto={**auto, "gain_every_max": 2.5})
+
+
+def test_auto_diloco_recipe_builds_its_family_options_from_yaml(tmp_path, monkeypatch):
+    """recipes/auto_diloco.yaml: the strategy carries exactly the YAML's DiLoCo candidates and trial
+    options, and a misspelt candidate in YAML is refused at construction with its value and the fix."""
+    from lightning.pytorch.cli import LightningCLI
+
+    path = REPO / "recipes" / "auto_diloco.yaml"
+    block = yaml.safe_load(path.read_text())["trainer"]["strategy"]["init_args"]["auto"]
+    monkeypatch.chdir(tmp_path)
+    auto = LightningCLI(args=["--config", str(path)], run=False).trainer.strategy._config.auto
+    assert list(auto.diloco) == block["diloco"] == ["diloco10", "diloco50"]
+    assert (auto.diloco_gate, auto.diloco_rounds, auto.diloco_threshold, auto.diloco_hide, auto.diloco_retry_every) == (
+        block["diloco_gate"], block["diloco_rounds"], block["diloco_threshold"], block["diloco_hide"],
+        block["diloco_retry_every"])
+    cfg = yaml.safe_load(path.read_text())
+    cfg["trainer"]["strategy"]["init_args"]["auto"]["diloco"] = ["diloco10", "dilco50"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ValueError, match=r"'dilco50' is not a DiLoCo candidate(.|\n)*diloco10"):
+        LightningCLI(args=["--config", str(bad)], run=False)
