@@ -193,9 +193,9 @@ class FamilySwitcher:
     def _won_early(self, step: int, tr: sync_trial.Trial) -> bool:
         """DiLoCo led the incumbent's first window despite coming later (sync_trial.wins_early): it stays."""
         before, diloco = sync_trial.rates_so_far(tr)
-        if not sync_trial.wins_early(before, diloco, self.config.diloco_threshold):
+        v = sync_trial.wins_early(before, diloco, self.config.diloco_threshold)
+        if v is None:
             return False
-        v = sync_trial.compare(before, diloco, self.config.diloco_threshold)
         self._end(step, tr, "challenger", z=v.z, lead_per_s=v.lead_per_s, early=True,
                   cost_s=trial_cost(tr.rates[1]["seconds"], before, diloco))
         self.s["running"] = tr.challenger  # DiLoCo runs on: no second switch

@@ -102,10 +102,11 @@ def verdict(before: Rate, diloco: Rate, after: Rate, threshold: float) -> Verdic
     return compare(incumbent_rate(before, diloco, after), diloco, threshold)
 
 
-def wins_early(before: Rate, diloco: Rate, threshold: float) -> bool:
-    """Whether DiLoCo's window leads the incumbent's first by ``threshold`` standard errors (see the
-    module docstring: the later window is the one the flattening curve disfavours)."""
-    return compare(before, diloco, threshold).winner == "challenger"
+def wins_early(before: Rate, diloco: Rate, threshold: float) -> Verdict | None:
+    """The verdict where DiLoCo's window leads the incumbent's first by ``threshold`` standard errors
+    (see the module docstring: the later window is the one the flattening curve disfavours); else None."""
+    v = compare(before, diloco, threshold)
+    return v if v.winner == "challenger" else None
 
 
 def link_moved(measured_s: float, predicted_s: float, severe: float) -> bool:
@@ -178,7 +179,7 @@ def rates(trial: Trial) -> tuple[Rate, Rate, Rate]:
     """The three finished windows' rates, in PHASES order."""
     if len(trial.rates) != len(PHASES):
         raise ValueError(f"the trial has {len(trial.rates)} finished windows of {len(PHASES)}.")
-    return tuple(_rate(r) for r in trial.rates)  # type: ignore[return-value]
+    return tuple(rates_so_far(trial))  # type: ignore[return-value]
 
 
 def _rate(r: Mapping) -> Rate:
