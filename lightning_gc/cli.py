@@ -32,6 +32,7 @@ def _recipes_dir() -> Path | None:
 RECIPES = {
     "quickstart.yaml": "start here: Top-k keeping 1% with error feedback, 2 CPU processes",
     "auto.yaml": "compressor='auto': the method chosen at run time",
+    "auto_diloco.yaml": "compressor='auto' with DiLoCo among its choices, decided by a trial on the loss",
     "adaptive.yaml": "AdaptiveRatio, the run-time compression-ratio controller",
     "omgs.yaml": "OMGS merge plan (plan='omgs')",
     "osp.yaml": "OSP two-stage synchronisation (sync='osp')",
