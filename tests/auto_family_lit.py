@@ -49,8 +49,9 @@ class FamilyReport(L.Callback):
 
 def strategy(**auto) -> GCStrategy:
     """ddp as the only per-step candidate on a pinned link, no window, probe or re-measurement (so no
-    per-step re-decision), the trial at once (gate 0) and one DiLoCo round per window."""
-    opts = {"candidates": ["ddp"], "diloco": ["diloco10"], "diloco_gate": 0, "diloco_rounds": 1,
+    per-step re-decision), the trial at once (gate 0), per-step first (lead 0; ``diloco_lead`` in ``auto``
+    overrides it) and one DiLoCo round per window."""
+    opts = {"candidates": ["ddp"], "diloco": ["diloco10"], "diloco_gate": 0, "diloco_lead": 0, "diloco_rounds": 1,
             "window": 1000, "probe_every": 0, "gain_every": 0, "early_comm_ratio": 0.0, **auto}
     return GCStrategy(compressor="auto", start_method="forkserver", min_compress_numel=16, auto=opts, **SLOW_LINK)
 

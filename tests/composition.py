@@ -152,12 +152,12 @@ def design() -> list[dict[str, Any]]:
                # lowrank with its closing report alone (report_rides=False; every other lowrank case rides)
                {**base, "compressor": "lowrank", "resume": "resumed", "options": {"report_rides": False}}]
     # auto switching the run to DiLoCo (auto_diloco; H = 2, windows of 4 steps, a rate's fewest points rounded up
-    # to whole rounds): the trial starts at step 2 at once (gate 0), the checkpoint (step 4) holds the trial's
+    # to whole rounds): the trial starts at step 2 at once (gate 0), per-step first (lead 0), the checkpoint (step 4) holds the trial's
     # first window half full, DiLoCo is entered at the end of step 6 and the end of fit closes its round; with
     # accumulation (no_sync restores DiLoCo's flag) and AdamW with clipping (tests/test_auto_diloco_lightning.py
     # runs the whole trial, leaving included)
     families = [{**base, "compressor": "auto", "resume": "resumed", "accumulate": 2, "optimizer": "adamw_clip",
-                 "auto_options": {"diloco": ["diloco2"], "diloco_gate": 0, "diloco_rounds": 1,
+                 "auto_options": {"diloco": ["diloco2"], "diloco_gate": 0, "diloco_lead": 0, "diloco_rounds": 1,
                                   "diloco_threshold": 1e9}}]
     for case in (all_pairs(FACTORS) + stateful_product() + adamw + auto + families + options + lowbit_cases()
                  + node_cases()):

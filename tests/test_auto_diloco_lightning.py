@@ -68,3 +68,25 @@ def test_resume_from_a_checkpoint_written_while_diloco_runs_is_exact(tmp_path):
             assert torch.equal(v, resumed[r]["params"][k]), f"rank {r} {k} differs after resume"
         for k, v in full[r]["optimizer"]["state"].items():
             assert torch.equal(v["momentum_buffer"], resumed[r]["optimizer"]["state"][k]["momentum_buffer"])
+
+
+def test_diloco_first_enters_at_the_trial_start_and_stays_where_not_separable(tmp_path):
+    """``diloco_lead=1`` on the pinned slow link: the trial starts in DiLoCo (entered at the end of step
+    2), leaves it after one round (12), runs the per-step window (13-22), enters again (22) and, the
+    threshold out of reach, keeps DiLoCo, which runs on in rounds of 10 (outer steps at 32 and 42).
+    Parameters are identical across ranks exactly where a round has closed or per-step DDP runs; the
+    momentum exactly where per-step DDP runs (it is averaged on leaving, not at an outer step)."""
+    res = fit(tmp_path, strategy(diloco_lead=1.0, diloco_threshold=1e9))
+    assert _steps(res[0]) == [("trial", TRIAL, None), ("enter", TRIAL, "diloco10"), ("leave", ENTER, "diloco10"),
+                              ("enter", LEAVE, "diloco10"), ("verdict", VERDICT, "challenger")]
+    assert res[0]["sync"] == res[1]["sync"]
+    runs = [s["diloco"] for s in res[0]["steps"]]
+    assert runs == [False] * TRIAL + [True] * (ENTER - TRIAL) + [False] * (LEAVE - ENTER) + [True] * (48 - LEAVE)
+    a, b = res[0]["steps"], res[1]["steps"]
+    for step in range(48):
+        inner = runs[step] and step not in (TRIAL, LEAVE) and (step - TRIAL) % 10 != 0 and (step - LEAVE) % 10 != 0
+        same = torch.equal(a[step]["params"], b[step]["params"])
+        assert same != inner, f"step {step}: ranks {'identical' if same else 'differ'}"
+        same = all(torch.equal(x, y) for x, y in zip(a[step]["moments"], b[step]["moments"]))
+        per_step = step <= TRIAL or ENTER <= step <= LEAVE  # the entering steps included, the leaving one averaged
+        assert same == per_step, f"step {step}: momentum {'identical' if same else 'differs'}"

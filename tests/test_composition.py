@@ -31,7 +31,8 @@ from composition import (
 SUBSET = [
     {"compressor": "auto", "sync": "bsp", "plan": "model", "controller": "none", "accumulate": 2,
      "precision": "32-true", "optimizer": "adamw_clip", "resume": "resumed", "topology": "flat",
-     "auto_options": {"diloco": ["diloco2"], "diloco_gate": 0, "diloco_rounds": 1, "diloco_threshold": 1e9}},
+     "auto_options": {"diloco": ["diloco2"], "diloco_gate": 0, "diloco_lead": 0, "diloco_rounds": 1,
+                      "diloco_threshold": 1e9}},
     {"compressor": "topk", "sync": "osp", "plan": "model", "controller": "rollback", "accumulate": 1,
      "precision": "32-true", "optimizer": "adamw_clip", "resume": "resumed", "topology": "flat"},
     {"compressor": "efsignsgd", "sync": "bsp", "plan": "omgs", "controller": "none", "accumulate": 2,

@@ -234,9 +234,8 @@ def test_auto_diloco_recipe_builds_its_family_options_from_yaml(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     auto = LightningCLI(args=["--config", str(path)], run=False).trainer.strategy._config.auto
     assert list(auto.diloco) == block["diloco"] == ["diloco10", "diloco50"]
-    assert (auto.diloco_gate, auto.diloco_rounds, auto.diloco_threshold, auto.diloco_hide, auto.diloco_retry_every) == (
-        block["diloco_gate"], block["diloco_rounds"], block["diloco_threshold"], block["diloco_hide"],
-        block["diloco_retry_every"])
+    names = ("diloco_gate", "diloco_lead", "diloco_rounds", "diloco_threshold", "diloco_hide", "diloco_retry_every")
+    assert [getattr(auto, n) for n in names] == [block[n] for n in names]
     cfg = yaml.safe_load(path.read_text())
     cfg["trainer"]["strategy"]["init_args"]["auto"]["diloco"] = ["diloco10", "dilco50"]
     bad = tmp_path / "bad.yaml"

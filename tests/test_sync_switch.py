@@ -79,8 +79,9 @@ def _state(network: NetworkModel = SLOW, reference: float | None = A_STEP_S, den
 
 
 def _config(**kw) -> AutoConfig:
+    """Per-step first (lead 0) unless ``diloco_lead`` is given."""
     return AutoConfig(**{"candidates": ("ddp",), "diloco": ("diloco10",), "diloco_rounds": ROUNDS,
-                         "diloco_gate": 2.0, **kw})
+                         "diloco_gate": 2.0, "diloco_lead": 0, **kw})
 
 
 class Run:
@@ -305,6 +306,87 @@ def test_a_missing_loss_during_a_trial_names_the_fix():
         run.sw.after_step(5, A_STEP_S, False)
 
 
+# ---------------------------------------------------------------- DiLoCo first (diloco_lead)
+@pytest.mark.parametrize("lead, first", [(None, "diloco"), (4.0, "diloco"), (5.0, "per_step"), (0.0, "per_step")])
+def test_lead_decides_which_family_the_trial_starts_in(lead, first):
+    """One rank: DiLoCo's step is compute alone, 0.06 s; the dense step 0.3 s is 5 times that. From
+    ``diloco_lead`` 5 (the hand ratio, inclusive) down, DiLoCo is entered at the gate's own step;
+    above it, or at 0, the per-step method runs first. None: the default (4)."""
+    if lead is None:
+        cfg = AutoConfig(candidates=("ddp",), diloco=("diloco10",), diloco_rounds=ROUNDS)
+        assert cfg.diloco_lead == 4.0
+    else:  # 5: just above the hand ratio 0.3 / 0.06
+        cfg = _config(diloco_lead=lead * (1 + 1e-9) if lead == 5.0 else lead)
+    run = Run(cfg, _state(), b_drop=0.008)
+    run.one()
+    (ev,) = run.events("trial")
+    assert ev["order"] == f"{first}_first"
+    assert run.sync.calls == ([("enter", 0, "diloco10")] if first == "diloco" else [])
+    assert run.held[0] is (first == "diloco")  # a step that switches ends in the family it switched to
+
+
+def _diloco_first(b_drop: float, **kw) -> Run:
+    return Run(_config(diloco_lead=2.0, **kw), _state(), b_drop=b_drop)
+
+
+def test_diloco_first_faster_diloco_brackets_and_stays():
+    """DiLoCo 0.08/s against the per-step 1/30 per s, DiLoCo first: steps 1..W in DiLoCo (entered at
+    0), left at W, the per-step window W+1..2W, DiLoCo entered again at 2W, the verdict at 3W with
+    DiLoCo running on. The per-step window cost its seconds times the share of DiLoCo's progress it
+    missed, W·0.3 s · (1 − (1/30)/0.08)."""
+    run = _diloco_first(b_drop=0.008)
+    run.until(3 * W + 10)
+    assert run.sync.calls == [("enter", 0, "diloco10"), ("leave", W, "diloco10"), ("enter", 2 * W, "diloco10")]
+    last = run.state.sync["last_trial"]
+    assert last["winner"] == "challenger" and last["separated"] and last["end_step"] == 3 * W and last["z"] >= 2.0
+    assert [r["phase"] for r in last["rates"]] == ["diloco_before", "incumbent", "diloco_after"]
+    assert last["cost_s"] == pytest.approx(W * A_STEP_S * (1 - (A_DROP / A_STEP_S) / 0.08), rel=0.05)
+    assert run.sync.active and run.state.sync["running"] == "diloco10" and run.state.sync["trial"] is None
+    assert {s for s, h in run.held.items() if not h} == set(range(W + 1, 2 * W))
+
+
+def test_diloco_first_faster_per_step_wins_early_without_going_back():
+    """DiLoCo 0.002 a step at 0.1 s (0.02/s) against 1/30 per s: the per-step window leads DiLoCo's
+    first window though it came later, so it wins at 2W and DiLoCo is not entered again."""
+    run = _diloco_first(b_drop=0.002)
+    run.until(3 * W + 10)
+    assert run.sync.calls == [("enter", 0, "diloco10"), ("leave", W, "diloco10")]
+    last = run.state.sync["last_trial"]
+    assert last["winner"] == "incumbent" and last["early"] and last["end_step"] == 2 * W and last["z"] <= -2.0
+    assert last["cost_s"] == 0.0  # the per-step window was the faster: it cost nothing
+    ev = [(e["step"], e["event"], e.get("choice")) for e in run.state.sync["events"]][-2:]
+    assert ev == [(2 * W, "verdict", None), (2 * W, "stay", "ddp")]
+    assert not run.sync.active and run.state.sync["running"] is None
+
+
+def test_diloco_first_not_separable_keeps_diloco():
+    """A threshold no lead reaches: the bracketing family, DiLoCo, stays (per-step first, the
+    per-step method would: tests/test_auto_diloco_lightning.py)."""
+    run = _diloco_first(b_drop=0.004, diloco_threshold=1e9)
+    run.until(3 * W + 2)
+    last = run.state.sync["last_trial"]
+    assert last["winner"] == "challenger" and last["separated"] is False
+    assert run.sync.calls[-1] == ("enter", 2 * W, "diloco10") and run.sync.active
+
+
+def test_diloco_first_nonfinite_loss_in_its_first_window_leaves():
+    run = _diloco_first(b_drop=0.008)
+    run.until(4)
+    run.one(loss=torch.tensor(float("inf")))
+    assert run.sync.calls == [("enter", 0, "diloco10"), ("leave", 5, "diloco10")]
+    assert run.state.sync["last_trial"]["winner"] == "incumbent" and not run.sync.active
+
+
+def test_diloco_first_redecision_in_the_per_step_window_aborts():
+    run = _diloco_first(b_drop=0.008)
+    run.until(W + 3)
+    run.state.chosen = "fp16"
+    run.one()
+    last = run.state.sync["last_trial"]
+    assert last["winner"] == "aborted" and last["end_step"] == W + 4 and not run.sync.active
+    assert run.sync.calls == [("enter", 0, "diloco10"), ("leave", W, "diloco10")]
+
+
 # ---------------------------------------------------------------- watching the link under DiLoCo
 def test_an_outer_exchange_severe_drift_faster_leaves_and_redecides():
     cfg = _config()
@@ -329,10 +411,12 @@ def test_an_outer_exchange_severe_drift_faster_leaves_and_redecides():
 
 
 # ---------------------------------------------------------------- resume mid-trial
-def test_a_checkpoint_mid_trial_gives_the_same_verdict():
-    cfg = _config()
+@pytest.mark.parametrize("lead", [0.0, 2.0])
+def test_a_checkpoint_mid_trial_gives_the_same_verdict(lead):
+    """Cut in the middle window: DiLoCo's (per-step first) or the per-step method's (DiLoCo first)."""
+    cfg = _config(diloco_lead=lead)
     run = Run(cfg, _state(), b_drop=0.004)
-    mid = W + W // 2  # inside DiLoCo's window
+    mid = W + W // 2  # inside the middle window
     run.until(mid)
     saved = json.loads(json.dumps(run.state.state_dict(False, 0)))
     level, cut_events = run.level, len(run.state.sync["events"])
@@ -342,7 +426,8 @@ def test_a_checkpoint_mid_trial_gives_the_same_verdict():
     st = AutoState(probe_every=100, gain_every=50, explore=2)
     st.load(saved)
     sync = FakeSync()
-    sync.active, sync.choice = True, "diloco10"  # DiLoCo's own checkpoint restores it running
+    if not lead:
+        sync.active, sync.choice = True, "diloco10"  # DiLoCo's own checkpoint restores it running
     resumed = Run(cfg, st, b_drop=0.004, sync=sync)
     resumed.level, resumed.step = level, mid + 1
     resumed.until(3 * W + 3)

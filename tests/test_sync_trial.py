@@ -2,8 +2,8 @@
 
 Oracles: a brute-force gate and challenger rule (enumerate the candidates, smallest H among the hidden
 ones, else the fastest, ties to the first listed); Python's ``statistics.linear_regression`` for a
-window's slope, with the standard error computed by hand from its residuals; the ABA z-score written out
-by hand (A read at B's mean loss); noise-free exponential and quadratic loss curves, whose rate at a
+window's slope, with the standard error computed by hand from its residuals; the z-score written out
+by hand (the bracketing family read at the middle window's mean loss; negated where DiLoCo brackets); noise-free exponential and quadratic loss curves, whose rate at a
 given loss is known in closed form.
 """
 
@@ -171,11 +171,61 @@ def test_verdict_threshold_is_inclusive_both_ways():
     assert v.z == pytest.approx(0.5 / math.sqrt(0.5), rel=1e-12)
     assert v.winner is None
     # B's level outside A's two: the weight is held at the nearer window (never extrapolated)
-    assert sync_trial.incumbent_rate(Rate(1.0, 0.1, 20, 3.0), Rate(5.0, 0.1, 20, 1.0),
+    assert sync_trial.bracket_rate(Rate(1.0, 0.1, 20, 3.0), Rate(5.0, 0.1, 20, 1.0),
                                      Rate(0.5, 0.1, 20, 2.0)).per_s == 0.5
     # no progress between A's windows: no level to read, the two rates' mean
-    assert sync_trial.incumbent_rate(Rate(1.0, 0.1, 20, 3.0), Rate(5.0, 0.1, 20, 1.0),
+    assert sync_trial.bracket_rate(Rate(1.0, 0.1, 20, 3.0), Rate(5.0, 0.1, 20, 1.0),
                                      Rate(0.5, 0.1, 20, 3.0)).per_s == 0.75
+
+
+def test_diloco_first_verdict_is_the_hand_z_with_the_roles_swapped():
+    """DiLoCo first and last, the per-step method between: the hand z of the middle window against the
+    bracket read at its loss is the per-step method's lead, so DiLoCo's z is its negative; the
+    per-step method wins at +threshold of its own lead, DiLoCo at −threshold."""
+    rng = random.Random(12)
+    seen = set()
+    for i in range(60):
+        lead = (-0.02, 0.0, 0.002, 0.005, 0.02)[i % 5]
+        windows = _chained(rng, (0.06, 0.05 + lead, 0.04), 0.01)
+        hand = [(*_hand_rate(*w), statistics.fmean(w[1])) for w in windows]
+        per_step_lead, z = _hand_z(*hand)
+        v = sync_trial.verdict(*(sync_trial.rate_of(*w) for w in windows), threshold=2.0,
+                               order=sync_trial.DILOCO_FIRST)
+        assert v.z == pytest.approx(-z, rel=1e-7)
+        assert v.lead_per_s == pytest.approx(-per_step_lead, rel=1e-7, abs=1e-12)
+        assert v.winner == ("incumbent" if z >= 2.0 else "challenger" if z <= -2.0 else None)
+        seen.add(v.winner)
+    assert seen == {"challenger", "incumbent", None}
+    with pytest.raises(ValueError, match="order is one of"):
+        sync_trial.verdict(*(sync_trial.rate_of(*w) for w in windows), threshold=2.0, order="aba")
+
+
+def test_wins_early_is_the_middle_family_leading_the_first_window():
+    """Per-step first: only DiLoCo (the middle) can win early; DiLoCo first: only the per-step method.
+    The middle leads at exactly ``threshold`` standard errors (z = (2 − 1)/0.5 = 2), not just below."""
+    first, ahead, behind = Rate(1.0, 0.3, 20, 3.0), Rate(2.0, 0.4, 20, 2.5), Rate(0.0, 0.4, 20, 2.5)
+    per, dil = sync_trial.PER_STEP_FIRST, sync_trial.DILOCO_FIRST
+    assert sync_trial.wins_early(first, ahead, 2.0, per).winner == "challenger"
+    assert sync_trial.wins_early(first, ahead, 2.0, dil).winner == "incumbent"
+    assert sync_trial.wins_early(first, ahead, 2.0, per).z == pytest.approx(2.0, rel=1e-12)
+    assert sync_trial.wins_early(first, ahead, 2.0, dil).z == pytest.approx(-2.0, rel=1e-12)
+    assert sync_trial.wins_early(first, ahead, 2.0 + 1e-9, per) is None
+    assert sync_trial.wins_early(first, ahead, 2.0 + 1e-9, dil) is None
+    for order in (per, dil):  # the middle far behind: a loss is never decided early
+        assert sync_trial.wins_early(first, behind, 2.0, order) is None
+    assert (sync_trial.keeper(per), sync_trial.keeper(dil)) == ("incumbent", "challenger")
+
+
+def test_first_family_is_diloco_from_lead_times_its_step():
+    dil, per = sync_trial.DILOCO_FIRST, sync_trial.PER_STEP_FIRST
+    assert sync_trial.first_family(4.0, 1.0, 4.0) == dil
+    assert sync_trial.first_family(4.0 * (1 - 1e-12), 1.0, 4.0) == per
+    assert sync_trial.first_family(100.0, 1.0, 0.0) == per  # 0: never DiLoCo first
+    assert sync_trial.first_family(100.0, 0.0, 4.0) == per  # no DiLoCo prediction
+    rng = random.Random(2)
+    for _ in range(200):
+        d, c, lead = rng.uniform(0.01, 5), rng.uniform(0.01, 1), rng.choice([0.0, 1.0, 2.5, 4.0])
+        assert sync_trial.first_family(d, c, lead) == (dil if lead and d >= lead * c else per)
 
 
 # A noise-free loss that approaches its floor exponentially: L = L∞ + c·exp(−τ/T), so the rate at
@@ -208,7 +258,7 @@ def test_a_faster_challenger_wins_at_its_loss_where_the_time_bracket_would_keep_
     """B 1.5x as fast at every loss: A's rate read at B's mean loss is (L̄_B − L∞)/T up to the window's
     least-squares factor, B's is 1.5 times that; the mean of A's two rates is above B's."""
     a1, b, a2 = _exponential_trial(1.5)
-    inc = sync_trial.incumbent_rate(a1, b, a2)
+    inc = sync_trial.bracket_rate(a1, b, a2)
     assert b.per_s / inc.per_s == pytest.approx(1.5, rel=0.05)
     assert sync_trial.verdict(a1, b, a2, 2.0).winner == "challenger"
     assert (a1.per_s + a2.per_s) / 2 > b.per_s
@@ -224,9 +274,25 @@ def test_on_a_quadratic_curve_the_reading_at_b_loss_is_within_a_percent():
         windows.append(sync_trial.rate_of([STEP_S] * N, [c - a * t + q * t * t for t in times]))
         start = times[-1]
     a1, b, a2 = windows
-    inc = sync_trial.incumbent_rate(a1, b, a2)
+    inc = sync_trial.bracket_rate(a1, b, a2)
     assert math.sqrt(a * a - 4 * q * (c - b.level)) == pytest.approx(b.per_s, rel=2e-3)  # the curve's rate there
     assert 0 < (b.per_s - inc.per_s) / b.per_s < 0.01
+
+
+def test_diloco_first_on_an_exponential_curve_keeps_the_faster_diloco():
+    """DiLoCo 1.5x as fast at every loss, run first and last: read at the per-step window's loss,
+    DiLoCo's bracket is 1.5 times the per-step rate and wins; the same method three times is a tie."""
+    windows, level = [], L_INF + C0
+    for speed in (1.5, 1.0, 1.5):
+        times = [STEP_S * (i + 1) for i in range(N)]
+        losses = [L_INF + (level - L_INF) * math.exp(-t * speed / T_A) for t in times]
+        windows.append(sync_trial.rate_of([STEP_S] * N, losses))
+        level = losses[-1]
+    b1, a, b2 = windows
+    assert sync_trial.bracket_rate(b1, a, b2).per_s / a.per_s == pytest.approx(1.5, rel=0.05)
+    assert sync_trial.verdict(b1, a, b2, 2.0, sync_trial.DILOCO_FIRST).winner == "challenger"
+    a1, b, a2 = _exponential_trial(1.0)
+    assert sync_trial.verdict(a1, b, a2, 2.0, sync_trial.DILOCO_FIRST).lead_per_s == pytest.approx(0.0, abs=1e-12)
 
 
 def test_verdict_calls_the_same_method_a_tie_under_drift():
@@ -323,6 +389,23 @@ def test_rates_refuses_an_unfinished_trial():
         tr.close_window()
         with pytest.raises(ValueError, match=f"{k + 1} finished windows of 3"):
             sync_trial.rates(tr)
+
+
+def test_a_diloco_first_trial_names_its_windows_and_families():
+    tr = Trial(challenger="diloco10", start_step=7, window=3, incumbent="ddp", beta_s_per_byte=4e-7,
+               order=sync_trial.DILOCO_FIRST)
+    seen = []
+    for k in range(3):
+        seen.append((tr.phase_name, tr.in_diloco))
+        for i in range(3):
+            tr.add(0.1, 2.0 - 0.1 * (i + 3 * k) + 0.001 * (i == 1))
+        tr.close_window()
+    assert seen == [("diloco_before", True), ("incumbent", False), ("diloco_after", True)]
+    assert [x["phase"] for x in tr.rates] == ["diloco_before", "incumbent", "diloco_after"]
+    assert Trial.from_dict(json.loads(json.dumps(tr.as_dict()))) == tr
+    old = _trial().as_dict()
+    del old["order"]  # a trial checkpointed before the order was kept ran per-step first
+    assert Trial.from_dict(old).order == sync_trial.PER_STEP_FIRST and not Trial.from_dict(old).in_diloco
 
 
 def test_trial_round_trips_through_a_plain_dict():

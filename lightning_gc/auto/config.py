@@ -201,6 +201,12 @@ class AutoConfig:
     Lower it to try DiLoCo on faster links (each losing trial costs about one window of slower
     progress); raise it to try only where the link dominates a dense step. 0: try at once after the
     first decision, whatever the link (to compare the families on your job)."""
+    diloco_lead: float = _opt("sync", 4.0)
+    """Where that dense step is predicted at least this many times DiLoCo's, the trial starts in DiLoCo
+    and brackets the per-step method (DiLoCo, per-step, DiLoCo), and DiLoCo stays unless the
+    per-step method is shown faster; below it, the per-step method brackets DiLoCo and stays unless
+    DiLoCo is shown faster. The family run twice is the one the trial expects to keep: a trial
+    costs about one window of the family it leaves. 0: always start per-step."""
     diloco_rounds: int = _opt("sync", 3)
     """DiLoCo rounds (of H steps) in each of the trial's three windows. More rounds separate smaller
     differences in progress and cost more when DiLoCo loses."""
@@ -315,6 +321,10 @@ class AutoConfig:
             check_number("auto_diloco_gate", self.diloco_gate,
                          "0 (try at once) or a finite factor >= 1 (e.g. 2.0: try DiLoCo where a dense per-step "
                          "step is predicted at least twice DiLoCo's).", at_least=1)
+        if self.diloco_lead != 0:
+            check_number("auto_diloco_lead", self.diloco_lead,
+                         "0 (always start the trial per-step) or a finite factor >= 1 (e.g. 4.0: start in DiLoCo "
+                         "where a dense step is predicted at least four times DiLoCo's).", at_least=1)
         _int("diloco_rounds", self.diloco_rounds, 1, "Use at least 1 round per window, e.g. 3.")
         check_number("auto_diloco_threshold", self.diloco_threshold,
                      "a positive number of standard errors, e.g. 2.0.", above=0)

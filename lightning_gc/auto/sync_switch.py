@@ -7,13 +7,15 @@ the step boundary after DiLoCo's own post-step work (the DiLoCo participant runs
    DiLoCo could run at least ``diloco_gate`` times as many steps per second as an exact per-step
    method (predicted from the agreed workload and network); if so, a trial against the running
    method starts, unless a lost trial on this link stands.
-2. **Trial (ABA).** Each step of the trial agrees the ranks' mean training loss and step time (one
-   small all-reduce). After the incumbent's first window, DiLoCo is entered (:meth:`enter`: θ_outer
-   is the current θ, DDP's gradient synchronisation off); after its window, left (:meth:`leave`: the
-   round is closed, every rank holds θ_outer, the inner optimizer state becomes the ranks' mean, DDP
-   on again); after the incumbent's second window, the verdict. DiLoCo's window is whole rounds, so
-   leaving never cuts one. A per-step re-decision during the incumbent's windows that changes the
-   method or the network model ends the trial (its windows would not be one method on one link).
+2. **Trial.** Three windows, the family the gate favours first and last (``diloco_lead``,
+   sync_trial.first_family). Each step of the trial agrees the ranks' mean training loss and step
+   time (one small all-reduce). Between windows of different families, DiLoCo is entered
+   (``enter``: θ_outer is the current θ, DDP's gradient synchronisation off) or left (``leave``:
+   the round is closed, every rank holds θ_outer, the inner optimizer state becomes the ranks'
+   mean, DDP on again); after the third window (or an early win after the second), the verdict.
+   DiLoCo's window is whole rounds, so leaving never cuts one. A per-step re-decision during the
+   per-step window that changes the method or the network model ends the trial (its windows would
+   not be one method on one link).
 3. **Running DiLoCo.** The first outer exchange's agreed time is the reference; an exchange
    ``severe_drift`` times slower or faster means the link moved: auto leaves DiLoCo and decides
    again, per-step, on a fresh probe (the gate may bring DiLoCo back once measured again).
@@ -138,14 +140,19 @@ class FamilySwitcher:
         if cfg.diloco_gate and not sync_trial.gate_opens(dense, preds[name].step_s, cfg.diloco_gate):
             return
         window = sync_trial.window_steps(diloco_choice(name).inner_steps, cfg.diloco_rounds)
+        order = sync_trial.first_family(dense, preds[name].step_s, cfg.diloco_lead)
         trial = sync_trial.Trial(challenger=name, start_step=step + 1, window=window, incumbent=st.chosen,
-                                 beta_s_per_byte=st.network.beta_s_per_byte)
+                                 beta_s_per_byte=st.network.beta_s_per_byte, order=order)
         self.s["trial"] = trial.as_dict()
         self._event(step, "trial", challenger=name, incumbent=st.chosen, incumbent_step_s=st.reference,
-                    dense_step_s=dense, predicted_step_s={n: p.step_s for n, p in preds.items()}, window=window)
+                    dense_step_s=dense, predicted_step_s={n: p.step_s for n, p in preds.items()}, window=window,
+                    order=order)
+        bracket = name if trial.in_diloco else st.chosen
         rank_zero_info(f"lightning_gc auto (step {step}): a dense step is predicted at {1e3 * dense:.0f} ms, "
                        f"{name!r} at {1e3 * preds[name].step_s:.0f} ms: trying it against {st.chosen!r} on the training loss "
-                       f"({window} steps of each, {st.chosen!r} before and after)")
+                       f"({window} steps of each, {bracket!r} before and after)")
+        if trial.in_diloco:
+            self._enter(step, name, "trial")
 
     # ------------------------------------------------------------------ trial
     def _agree(self, duration_s: float, loss: float | None) -> tuple[bool, bool, float, float]:
@@ -161,7 +168,7 @@ class FamilySwitcher:
         tr = sync_trial.Trial.from_dict(self.s["trial"])
         st = self.state
         beta = st.network.beta_s_per_byte if st.network is not None else None
-        if tr.phase != 1 and (st.chosen != tr.incumbent or beta != tr.beta_s_per_byte):
+        if not tr.in_diloco and (st.chosen != tr.incumbent or beta != tr.beta_s_per_byte):
             self._end(step, tr, "aborted", why=f"auto re-decided: {st.chosen!r} on β {beta!r} s/B")
             return
         every, finite, dt, mean_loss = self._agree(duration_s, loss)
@@ -170,7 +177,7 @@ class FamilySwitcher:
                              f"step {step} returned none. Return the loss from training_step (Trainer), or pass "
                              "optimizer.step a closure that returns it (Fabric); or drop auto_diloco.")
         if not finite:
-            if tr.phase == 1:
+            if tr.in_diloco:
                 self._end(step, tr, "incumbent", why="the loss went non-finite under DiLoCo")
             else:
                 self._end(step, tr, "aborted", why="the loss went non-finite under the per-step method")
@@ -178,41 +185,43 @@ class FamilySwitcher:
         if not tr.add(dt, mean_loss):
             self.s["trial"] = tr.as_dict()
             return
+        was_diloco = tr.in_diloco
         tr.close_window()
-        if tr.phase == 1:
-            self._enter(step, tr.challenger, "trial")
-        elif tr.phase == 2 and self._won_early(step, tr):
-            return
-        elif tr.phase == 2:
-            self._leave(step, "trial")
-        else:
+        if tr.phase == 3:
             self._judge(step, tr)
             return
+        if tr.phase == 2 and self._won_early(step, tr):
+            return
+        if was_diloco:
+            self._leave(step, "trial")
+        else:
+            self._enter(step, tr.challenger, "trial")
         self.s["trial"] = tr.as_dict()
 
     def _won_early(self, step: int, tr: sync_trial.Trial) -> bool:
-        """DiLoCo led the incumbent's first window despite coming later (sync_trial.wins_early): it stays."""
-        before, diloco = sync_trial.rates_so_far(tr)
-        v = sync_trial.wins_early(before, diloco, self.config.diloco_threshold)
+        """The middle window led the first despite coming later (sync_trial.wins_early): its family
+        stays, with no further switch."""
+        first, middle = sync_trial.rates_so_far(tr)
+        v = sync_trial.wins_early(first, middle, self.config.diloco_threshold, tr.order)
         if v is None:
             return False
-        self._end(step, tr, "challenger", z=v.z, lead_per_s=v.lead_per_s, early=True,
-                  cost_s=trial_cost(tr.rates[1]["seconds"], before, diloco))
-        self.s["running"] = tr.challenger  # DiLoCo runs on: no second switch
-        self._event(step, "stay", choice=tr.challenger, why="won_early")
+        self._end(step, tr, v.winner, z=v.z, lead_per_s=v.lead_per_s, early=True,
+                  cost_s=trial_cost(tr.rates[1]["seconds"], first, middle))
+        self._event(step, "stay", choice=tr.challenger if self.in_diloco else tr.incumbent, why="won_early")
         return True
 
     def _judge(self, step: int, tr: sync_trial.Trial) -> None:
-        before, diloco, after = sync_trial.rates(tr)
-        v = sync_trial.verdict(before, diloco, after, self.config.diloco_threshold)
-        cost = trial_cost(tr.rates[1]["seconds"], sync_trial.incumbent_rate(before, diloco, after), diloco)
-        winner = v.winner or "incumbent"
-        self._end(step, tr, winner, z=v.z, lead_per_s=v.lead_per_s, cost_s=cost)
-        if winner == "challenger":
+        first, middle, last = sync_trial.rates(tr)
+        v = sync_trial.verdict(first, middle, last, self.config.diloco_threshold, tr.order)
+        cost = trial_cost(tr.rates[1]["seconds"], sync_trial.bracket_rate(first, middle, last), middle)
+        winner = v.winner or sync_trial.keeper(tr.order)
+        self._end(step, tr, winner, z=v.z, lead_per_s=v.lead_per_s, cost_s=cost, separated=v.winner is not None)
+        if winner == "challenger" and not self.in_diloco:
             self._enter(step, tr.challenger, "won")
 
     def _end(self, step: int, tr: sync_trial.Trial, winner: str, **detail: Any) -> None:
-        if self.in_diloco and not detail.get("early"):
+        """Record the verdict; leave DiLoCo unless it won (the trial may end inside its window)."""
+        if self.in_diloco and winner != "challenger":
             self._leave(step, "trial_" + winner)
         record = {"end_step": step, "challenger": tr.challenger, "incumbent": tr.incumbent, "winner": winner,
                   "beta_s_per_byte": tr.beta_s_per_byte, "rates": tr.rates, **detail}

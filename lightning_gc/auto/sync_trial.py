@@ -20,18 +20,22 @@ is within ``hide`` of compute alone (the exchange amortised out of sight); where
 with the fastest predicted step. Smaller H keeps the replicas closer, so this is the least drift
 that hides the link.
 
-**The trial** (ABA, :func:`verdict`): ``rounds·H`` steps of the incumbent (A), as many of DiLoCo
-(B), as many of the incumbent again. A's rate is read at B's mean loss, interpolated between its
-two windows, which bracket B's (:func:`lightning_gc.auto.progress.at_level`): the flattening of the
-loss curve across the trial cancels out, even where the slope falls by a large factor, as it does
-early in a run. DiLoCo wins when its rate leads by ``threshold`` standard errors; otherwise the
-incumbent stays.
+**The trial** (:func:`verdict`): three windows of ``rounds·H`` steps, the family expected to stay
+run first and last, the other between (:func:`first_family`). Where a dense step is predicted at
+least ``lead`` times DiLoCo's step, DiLoCo brackets the per-step method (``diloco_first``: DiLoCo,
+per-step, DiLoCo); otherwise the per-step method brackets DiLoCo (``per_step_first``). The
+bracketing family's rate is read at the middle window's mean loss, interpolated between its two
+windows (:func:`lightning_gc.auto.progress.at_level`): the flattening of the loss curve across the
+trial cancels out, even where the slope falls by a large factor, as it does early in a run. A
+family wins by leading the other by ``threshold`` standard errors; where neither does, the
+bracketing family stays. Running the likelier winner twice makes the trial cheaper where the prior
+is right: it spends one window, not two, in the family it leaves.
 
-**Winning early** (:func:`wins_early`): where DiLoCo's window already leads the incumbent's first
-window by ``threshold`` standard errors, it wins without the second incumbent window. A loss curve
-flattens as training goes on, so a window measured later looks slower: B after A is biased against
-B, and a lead it shows despite that is a lead the bracket would show too. A trial DiLoCo wins
-early costs no second switch and one window less.
+**Winning early** (:func:`wins_early`): where the middle window already leads the first by
+``threshold`` standard errors, the middle family wins without the third window. A loss curve
+flattens as training goes on, so a window measured later looks slower: the middle window is biased
+against, and a lead it shows despite that is a lead the bracket would show too. An early win
+costs no further switch and one window less.
 
 **Leaving DiLoCo** (:func:`link_moved`): while DiLoCo runs, each outer exchange's agreed time (the
 slowest rank's) is compared with the first one's after entering, a measurement on the link it was
@@ -47,8 +51,13 @@ from dataclasses import asdict, dataclass, field
 
 from .progress import MIN_POINTS, Rate, Verdict, at_level, compare, window_rate
 
-#: the trial's three windows, in order
-PHASES = ("incumbent_before", "diloco", "incumbent_after")
+#: the per-step method first and last (DiLoCo between): the trial's three windows, in order
+PER_STEP_FIRST = "per_step_first"
+#: DiLoCo first and last (the per-step method between)
+DILOCO_FIRST = "diloco_first"
+ORDERS = {PER_STEP_FIRST: ("incumbent_before", "diloco", "incumbent_after"),
+          DILOCO_FIRST: ("diloco_before", "incumbent", "diloco_after")}
+PHASES = ORDERS[PER_STEP_FIRST]
 
 
 def gate_opens(dense_step_s: float, challenger_step_s: float, gate: float) -> bool:
@@ -56,6 +65,12 @@ def gate_opens(dense_step_s: float, challenger_step_s: float, gate: float) -> bo
     if not (dense_step_s > 0 and challenger_step_s > 0):
         return False
     return dense_step_s >= gate * challenger_step_s
+
+
+def first_family(dense_step_s: float, challenger_step_s: float, lead: float) -> str:
+    """The trial's order: DiLoCo first where a dense step is predicted at least ``lead`` times DiLoCo's
+    (0: never), else the per-step method first."""
+    return DILOCO_FIRST if lead and gate_opens(dense_step_s, challenger_step_s, lead) else PER_STEP_FIRST
 
 
 def pick_challenger(step_s: Mapping[str, float], inner_steps: Mapping[str, int], compute_s: float,
@@ -92,21 +107,39 @@ def rate_of(durations_s: Sequence[float], losses: Sequence[float]) -> Rate:
     return window_rate(cumulative(durations_s), losses)
 
 
-def incumbent_rate(before: Rate, diloco: Rate, after: Rate) -> Rate:
-    """The incumbent's rate where DiLoCo ran: at DiLoCo's mean loss, between its two windows."""
-    return at_level(before, after, diloco.level)
+def bracket_rate(first: Rate, middle: Rate, last: Rate) -> Rate:
+    """The bracketing family's rate where the middle one ran: at the middle's mean loss, between its two windows."""
+    return at_level(first, last, middle.level)
 
 
-def verdict(before: Rate, diloco: Rate, after: Rate, threshold: float) -> Verdict:
-    """DiLoCo (``"challenger"``) against the incumbent bracketing it (``"incumbent"``); None: not separable."""
-    return compare(incumbent_rate(before, diloco, after), diloco, threshold)
+def _families(order: str, bracket: Rate, middle: Rate) -> tuple[Rate, Rate]:
+    """(the per-step method's rate, DiLoCo's) from the bracketing family's and the middle one's."""
+    if order not in ORDERS:
+        raise ValueError(f"a trial's order is one of {sorted(ORDERS)}, not {order!r}.")
+    return (bracket, middle) if order == PER_STEP_FIRST else (middle, bracket)
 
 
-def wins_early(before: Rate, diloco: Rate, threshold: float) -> Verdict | None:
-    """The verdict where DiLoCo's window leads the incumbent's first by ``threshold`` standard errors
-    (see the module docstring: the later window is the one the flattening curve disfavours); else None."""
-    v = compare(before, diloco, threshold)
-    return v if v.winner == "challenger" else None
+def middle_family(order: str) -> str:
+    """Who runs in the middle window: ``"challenger"`` (DiLoCo) or ``"incumbent"`` (the per-step method)."""
+    return "challenger" if order == PER_STEP_FIRST else "incumbent"
+
+
+def keeper(order: str) -> str:
+    """Who stays where the trial does not separate the two: the bracketing family."""
+    return "incumbent" if order == PER_STEP_FIRST else "challenger"
+
+
+def verdict(first: Rate, middle: Rate, last: Rate, threshold: float, order: str = PER_STEP_FIRST) -> Verdict:
+    """DiLoCo (``"challenger"``) against the per-step method (``"incumbent"``), the bracketing family read
+    at the middle one's loss; ``z`` is DiLoCo's lead in standard errors; winner None: not separable."""
+    return compare(*_families(order, bracket_rate(first, middle, last), middle), threshold)
+
+
+def wins_early(first: Rate, middle: Rate, threshold: float, order: str = PER_STEP_FIRST) -> Verdict | None:
+    """The verdict where the middle window leads the first by ``threshold`` standard errors (see the
+    module docstring: the later window is the one the flattening curve disfavours); else None."""
+    v = compare(*_families(order, first, middle), threshold)
+    return v if v.winner == middle_family(order) else None
 
 
 def link_moved(measured_s: float, predicted_s: float, severe: float) -> bool:
@@ -133,21 +166,27 @@ def may_retry(step: int, last: Mapping | None, beta_s_per_byte: float, retry_eve
 
 @dataclass
 class Trial:
-    """One ABA trial in progress (replicated: every figure in it is agreed)."""
+    """One trial in progress (replicated: every figure in it is agreed)."""
 
     challenger: str
     start_step: int
     window: int  # steps per window
     incumbent: str
     beta_s_per_byte: float
-    phase: int = 0  # index into PHASES
+    phase: int = 0  # index into ORDERS[order]
     durations: list[float] = field(default_factory=list)  # this window's agreed step durations
     losses: list[float] = field(default_factory=list)  # this window's mean losses over the ranks
     rates: list[dict] = field(default_factory=list)  # the finished windows' rates
+    order: str = PER_STEP_FIRST  # which family brackets the other (ORDERS)
 
     @property
     def phase_name(self) -> str:
-        return PHASES[self.phase]
+        return ORDERS[self.order][self.phase]
+
+    @property
+    def in_diloco(self) -> bool:
+        """Whether the window now measured is DiLoCo's."""
+        return self.phase_name.startswith("diloco")
 
     def add(self, duration_s: float, loss: float) -> bool:
         """Record one step; returns whether the window is full (then :meth:`close_window`)."""
@@ -171,14 +210,14 @@ class Trial:
 
 
 def rates_so_far(trial: Trial) -> list[Rate]:
-    """The finished windows' rates, in PHASES order."""
+    """The finished windows' rates, in the trial's order."""
     return [_rate(r) for r in trial.rates]
 
 
 def rates(trial: Trial) -> tuple[Rate, Rate, Rate]:
-    """The three finished windows' rates, in PHASES order."""
-    if len(trial.rates) != len(PHASES):
-        raise ValueError(f"the trial has {len(trial.rates)} finished windows of {len(PHASES)}.")
+    """The three finished windows' rates, in the trial's order."""
+    if len(trial.rates) != 3:
+        raise ValueError(f"the trial has {len(trial.rates)} finished windows of 3.")
     return tuple(rates_so_far(trial))  # type: ignore[return-value]
 
 
@@ -187,5 +226,6 @@ def _rate(r: Mapping) -> Rate:
     return Rate(r["per_s"], r["stderr"], r["points"], r.get("level", math.nan))
 
 
-__all__ = ["PHASES", "Trial", "cumulative", "gate_opens", "incumbent_rate", "link_moved", "may_retry",
-           "pick_challenger", "rate_of", "rates", "rates_so_far", "verdict", "window_steps", "wins_early"]
+__all__ = ["DILOCO_FIRST", "ORDERS", "PER_STEP_FIRST", "PHASES", "Trial", "bracket_rate", "cumulative",
+           "first_family", "gate_opens", "keeper", "link_moved", "may_retry", "middle_family", "pick_challenger",
+           "rate_of", "rates", "rates_so_far", "verdict", "window_steps", "wins_early"]
