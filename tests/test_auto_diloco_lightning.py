@@ -5,8 +5,9 @@ bit-identical to the uninterrupted run.
 
 The switches are made deterministic, not timed: a pinned link and ``ddp`` as the only per-step
 candidate fix the first decision, ``diloco_gate=0`` starts the trial right after it, and
-``diloco_threshold=1e9`` makes the verdict the incumbent's, so every run enters DiLoCo after the
-incumbent's window and leaves it after its own (tests/test_sync_switch.py drives the verdicts).
+``diloco_threshold=1e9`` makes the verdict the bracketing family's: per-step first (``diloco_lead=0``),
+every run enters DiLoCo after the incumbent's window and leaves it after its own; DiLoCo first, it
+enters as the trial starts and keeps DiLoCo (tests/test_sync_switch.py drives the verdicts).
 """
 
 from __future__ import annotations

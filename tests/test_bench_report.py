@@ -359,6 +359,26 @@ def test_a_re_decision_shows_the_sequence_and_a_run_without_a_decision_says_so()
     assert "| `auto` → no decision |" in report.markdown(doc)
 
 
+@pytest.mark.parametrize("winner, early, order, want", [
+    ("challenger", False, "per_step_first", "topk→diloco50"),  # won by the bracket: entered again
+    ("challenger", True, "per_step_first", "topk→diloco50"),  # won early: stayed
+    ("challenger", False, "diloco_first", "topk→diloco50"),  # kept as the bracketing family
+    ("incumbent", True, "diloco_first", "topk"),  # the per-step method won early
+    ("incumbent", False, "per_step_first", "topk")])
+def test_the_pick_shows_diloco_wherever_a_trial_ended_for_it(winner, early, order, want):
+    """A trial's own windows are not picks; its verdict is, whichever order the trial ran in."""
+    record = _auto_record(_decision(0, "warmup", "topk", 0.012, 0.013))
+    enter = {"event": "enter", "step": 1 if order == "diloco_first" else 31, "choice": "diloco50", "why": "trial"}
+    record["sync_events"] = [{"event": "trial", "step": 1, "challenger": "diloco50", "order": order}, enter,
+                             {"event": "verdict", "step": 91, "challenger": "diloco50", "incumbent": "topk",
+                              "winner": winner, "early": early}]
+    doc = _auto_doc(record=record)
+    assert report.auto_pick(doc["results"][1]) == want
+    if winner == "challenger":  # DiLoCo then left on a moved link
+        record["sync_events"].append({"event": "leave", "step": 200, "choice": "diloco50", "why": "link_moved"})
+        assert report.auto_pick(_auto_doc(record=record)["results"][1]) == want + "→per-step"
+
+
 def test_the_link_column_says_where_each_decisions_network_came_from():
     warm = dict(_decision(0, "warmup", "topk", 0.012, 0.013), network_source="dense_step")
     kept = dict(_decision(2, "periodic", "topk", 0.012, None), network_source="check",

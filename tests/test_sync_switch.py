@@ -345,6 +345,41 @@ def test_diloco_first_faster_diloco_brackets_and_stays():
     assert {s for s, h in run.held.items() if not h} == set(range(W + 1, 2 * W))
 
 
+def test_diloco_first_per_step_window_closes_once_its_error_is_diloco_firsts():
+    """Windows of 6 rounds (60 steps): the per-step window ends at the first step, from the 20th on,
+    where its hand-computed standard error is at most DiLoCo's first window's; DiLoCo is entered
+    again there, and its last window is whole rounds again."""
+    cfg = _config(diloco_lead=2.0, diloco_rounds=6)
+    w = 6 * H
+    run = Run(cfg, _state(), b_drop=0.008, noise=0.003)
+    fed: list[tuple[float, float]] = []
+    while not run.events("verdict"):
+        diloco = run.sync.active
+        loss = run.level + random.Random(run.step).gauss(0.0, 0.003)
+        if not diloco and run.step > w:
+            fed.append((A_STEP_S, loss))
+        run.one(loss=torch.tensor(loss, dtype=torch.float64))
+    first_se = run.state.sync["last_trial"]["rates"][0]["stderr"]
+    n = next(k for k in range(20, w + 1) if _hand_se(fed[:k]) <= first_se)
+    assert n < w and len(fed) == n  # it closed early, where the hand rule says
+    assert run.sync.calls == [("enter", 0, "diloco10"), ("leave", w, "diloco10"), ("enter", w + n, "diloco10")]
+    assert [r["points"] for r in run.state.sync["last_trial"]["rates"]] == [w, n, w]
+
+
+def _hand_se(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope's standard error of loss against cumulative time, by hand."""
+    t, acc = [], 0.0
+    for d, _ in points:
+        acc += d
+        t.append(acc)
+    y = [v for _, v in points]
+    tm, ym = sum(t) / len(t), sum(y) / len(y)
+    sxx = sum((x - tm) ** 2 for x in t)
+    b = sum((x - tm) * (v - ym) for x, v in zip(t, y)) / sxx
+    resid = [v - ym - b * (x - tm) for x, v in zip(t, y)]
+    return math.sqrt(sum(r * r for r in resid) / (len(t) - 2) / sxx)
+
+
 def test_diloco_first_faster_per_step_wins_early_without_going_back():
     """DiLoCo 0.002 a step at 0.1 s (0.02/s) against 1/30 per s: the per-step window leads DiLoCo's
     first window though it came later, so it wins at 2W and DiLoCo is not entered again."""

@@ -408,6 +408,36 @@ def test_a_diloco_first_trial_names_its_windows_and_families():
     assert Trial.from_dict(old).order == sync_trial.PER_STEP_FIRST and not Trial.from_dict(old).in_diloco
 
 
+def test_only_the_per_step_window_between_dilocos_closes_early_by_the_hand_rule():
+    """DiLoCo first: the middle window may close after max(round, 20) steps, at the first step whose
+    hand-computed standard error is at most the first window's; no other window, nor per-step first."""
+    rng = random.Random(4)
+    for order in (sync_trial.DILOCO_FIRST, sync_trial.PER_STEP_FIRST):
+        tr = Trial(challenger="diloco10", start_step=0, window=80, incumbent="ddp", beta_s_per_byte=4e-7, order=order)
+        feeds = []
+        for k in range(3):
+            for i in range(80):
+                d = 0.1 if tr.in_diloco else 0.3
+                loss = 5.0 - 0.01 * (i + 80 * k) + rng.gauss(0.0, 0.01 if k != 1 else 0.003)  # a quieter middle
+                feeds.append((d, loss))
+                full = tr.add(d, loss)
+                n = len(tr.durations)
+                want = k == 1 and order == sync_trial.DILOCO_FIRST and n >= 25 and n < 80 and _hand_rate(
+                    *zip(*feeds[-n:]))[1] <= tr.rates[0]["stderr"]
+                assert tr.closes_early(25) == want, (order, k, n)
+                if full or want:
+                    break
+            tr.close_window()
+            if order == sync_trial.DILOCO_FIRST and k == 1:
+                assert 25 <= tr.rates[1]["points"] < 80  # it did close early, on this noise
+        assert [r["points"] for r in tr.rates][::2] == [80, 80]
+    short = Trial(challenger="diloco10", start_step=0, window=80, incumbent="ddp", beta_s_per_byte=4e-7,
+                  order=sync_trial.DILOCO_FIRST, phase=1, rates=[{"stderr": 1.0}])
+    for i in range(sync_trial.MIN_BALANCED_POINTS):  # a huge first error, yet never before 20 points
+        short.add(0.3, 1.0 - 0.01 * i)
+        assert short.closes_early(5) == (i + 1 >= sync_trial.MIN_BALANCED_POINTS)
+
+
 def test_trial_round_trips_through_a_plain_dict():
     tr = _trial(window=3)
     for i in range(3):

@@ -13,7 +13,8 @@ least-squares line through the window's ``(τ, ℓ)`` gives its slope ``b`` with
 over the ranks, at every inner step; the outer step's effect lands in the window that contains it.
 
 **Drift.** ``L``'s slope shrinks as training goes on, so a method measured later would look slower.
-Trials therefore run A, B, A with windows of equal length, A's two bracketing B's, and A's rate is
+Trials therefore run A, B, A with windows of equal length (A: whichever family the trial brackets
+with), A's two bracketing B's, and A's rate is
 read where B ran, in one of two ways:
 
 * **at B's loss level** (:func:`at_level`, what auto's family trial uses): the question "which

@@ -13,9 +13,10 @@ the step boundary after DiLoCo's own post-step work (the DiLoCo participant runs
    (``enter``: θ_outer is the current θ, DDP's gradient synchronisation off) or left (``leave``:
    the round is closed, every rank holds θ_outer, the inner optimizer state becomes the ranks'
    mean, DDP on again); after the third window (or an early win after the second), the verdict.
-   DiLoCo's window is whole rounds, so leaving never cuts one. A per-step re-decision during the
-   per-step window that changes the method or the network model ends the trial (its windows would
-   not be one method on one link).
+   DiLoCo's window is whole rounds, so leaving never cuts one; the per-step window between two of
+   DiLoCo's may close sooner (``Trial.closes_early``). A per-step re-decision during the per-step
+   window that changes the method or the network model ends the trial (its windows would not be
+   one method on one link).
 3. **Running DiLoCo.** The first outer exchange's agreed time is the reference; an exchange
    ``severe_drift`` times slower or faster means the link moved: auto leaves DiLoCo and decides
    again, per-step, on a fresh probe (the gate may bring DiLoCo back once measured again).
@@ -182,7 +183,7 @@ class FamilySwitcher:
             else:
                 self._end(step, tr, "aborted", why="the loss went non-finite under the per-step method")
             return
-        if not tr.add(dt, mean_loss):
+        if not (tr.add(dt, mean_loss) or tr.closes_early(diloco_choice(tr.challenger).inner_steps)):
             self.s["trial"] = tr.as_dict()
             return
         was_diloco = tr.in_diloco

@@ -108,8 +108,8 @@ def auto_sequence(result: dict) -> list[str]:
     auto = result.get("auto") or {}
     ran = [(int(d["step"]), 0, d["chosen"]) for d in auto.get("decisions") or []]
     for e in auto.get("sync_events") or []:
-        if e.get("event") == "enter" and e.get("why") == "won":
-            ran.append((int(e["step"]), 1, str(e["choice"])))
+        if e.get("event") == "verdict" and e.get("winner") == "challenger":  # whichever order, early or not
+            ran.append((int(e["step"]), 1, str(e["challenger"])))
         elif e.get("event") == "leave" and e.get("why") == "link_moved":  # the per-step method it left for
             ran.append((int(e["step"]), 1, "per-step"))
     seq = [chosen for chosen, _ in itertools.groupby(name for _, _, name in sorted(ran))]
