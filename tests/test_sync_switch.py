@@ -307,16 +307,16 @@ def test_a_missing_loss_during_a_trial_names_the_fix():
 
 
 # ---------------------------------------------------------------- DiLoCo first (diloco_lead)
-@pytest.mark.parametrize("lead, first", [(None, "diloco"), (4.0, "diloco"), (5.0, "per_step"), (0.0, "per_step")])
+@pytest.mark.parametrize("lead, first", [(None, "diloco"), (4.99, "diloco"), (5.01, "per_step"), (0.0, "per_step")])
 def test_lead_decides_which_family_the_trial_starts_in(lead, first):
-    """One rank: DiLoCo's step is compute alone, 0.06 s; the dense step 0.3 s is 5 times that. From
-    ``diloco_lead`` 5 (the hand ratio, inclusive) down, DiLoCo is entered at the gate's own step;
-    above it, or at 0, the per-step method runs first. None: the default (4)."""
+    """One rank: DiLoCo's step is compute alone, 0.06 s; the dense step 0.3 s is 5 times that. With
+    ``diloco_lead`` below 5, DiLoCo is entered at the gate's own step; above it, or at 0, the
+    per-step method runs first. None: the default (2, the gate's)."""
     if lead is None:
         cfg = AutoConfig(candidates=("ddp",), diloco=("diloco10",), diloco_rounds=ROUNDS)
-        assert cfg.diloco_lead == 4.0
-    else:  # 5: just above the hand ratio 0.3 / 0.06
-        cfg = _config(diloco_lead=lead * (1 + 1e-9) if lead == 5.0 else lead)
+        assert cfg.diloco_lead == cfg.diloco_gate == 2.0
+    else:
+        cfg = _config(diloco_lead=lead)
     run = Run(cfg, _state(), b_drop=0.008)
     run.one()
     (ev,) = run.events("trial")

@@ -201,12 +201,15 @@ class AutoConfig:
     Lower it to try DiLoCo on faster links (each losing trial costs about one window of slower
     progress); raise it to try only where the link dominates a dense step. 0: try at once after the
     first decision, whatever the link (to compare the families on your job)."""
-    diloco_lead: float = _opt("sync", 4.0)
+    diloco_lead: float = _opt("sync", 2.0)
     """Where that dense step is predicted at least this many times DiLoCo's, the trial starts in DiLoCo
     and brackets the per-step method (DiLoCo, per-step, DiLoCo), and DiLoCo stays unless the
     per-step method is shown faster; below it, the per-step method brackets DiLoCo and stays unless
-    DiLoCo is shown faster. The family run twice is the one the trial expects to keep: a trial
-    costs about one window of the family it leaves. 0: always start per-step."""
+    DiLoCo is shown faster. Either way a trial costs about one window of the family it leaves; the
+    order decides who stays where the trial cannot separate them. The default, equal to
+    ``diloco_gate``'s, starts every trial in DiLoCo: where the gate opens, a dense step spends most
+    of its time on the link. Raise it (0: always per-step first) where a per-step method usually
+    wins on such links."""
     diloco_rounds: int = _opt("sync", 3)
     """DiLoCo rounds (of H steps) in each of the trial's three windows. More rounds separate smaller
     differences in progress and cost more when DiLoCo loses."""
