@@ -142,7 +142,11 @@ def _chained(rng: random.Random, rates: tuple[float, float, float], noise: float
     return out
 
 
-def test_verdict_matches_the_hand_z_on_noisy_windows():
+@pytest.mark.parametrize("order, sign, middle, bracket", [
+    (sync_trial.PER_STEP_FIRST, 1, "challenger", "incumbent"), (sync_trial.DILOCO_FIRST, -1, "incumbent", "challenger")])
+def test_verdict_matches_the_hand_z_on_noisy_windows(order, sign, middle, bracket):
+    """The hand z is the middle window's lead over the bracket read at its loss. Per-step first the
+    middle is DiLoCo, so the verdict's z (DiLoCo's lead) is the hand z; DiLoCo first, its negative."""
     rng = random.Random(11)
     seen = set()
     for i in range(60):
@@ -150,13 +154,14 @@ def test_verdict_matches_the_hand_z_on_noisy_windows():
         windows = _chained(rng, (0.06, 0.05 + lead, 0.04), 0.01)
         hand = [(*_hand_rate(*w), statistics.fmean(w[1])) for w in windows]
         want_lead, z = _hand_z(*hand)
-        v = sync_trial.verdict(*(sync_trial.rate_of(*w) for w in windows), threshold=2.0)
-        assert v.z == pytest.approx(z, rel=1e-7)
-        assert v.lead_per_s == pytest.approx(want_lead, rel=1e-7, abs=1e-12)
-        want = "challenger" if z >= 2.0 else "incumbent" if z <= -2.0 else None
-        assert v.winner == want
+        v = sync_trial.verdict(*(sync_trial.rate_of(*w) for w in windows), threshold=2.0, order=order)
+        assert v.z == pytest.approx(sign * z, rel=1e-7)
+        assert v.lead_per_s == pytest.approx(sign * want_lead, rel=1e-7, abs=1e-12)
+        assert v.winner == (middle if z >= 2.0 else bracket if z <= -2.0 else None)
         seen.add(v.winner)
     assert seen == {"challenger", "incumbent", None}  # every outcome exercised
+    with pytest.raises(ValueError, match="order is one of"):
+        sync_trial.verdict(*(sync_trial.rate_of(*w) for w in windows), threshold=2.0, order="aba")
 
 
 def test_verdict_threshold_is_inclusive_both_ways():
@@ -176,28 +181,6 @@ def test_verdict_threshold_is_inclusive_both_ways():
     # no progress between A's windows: no level to read, the two rates' mean
     assert sync_trial.bracket_rate(Rate(1.0, 0.1, 20, 3.0), Rate(5.0, 0.1, 20, 1.0),
                                      Rate(0.5, 0.1, 20, 3.0)).per_s == 0.75
-
-
-def test_diloco_first_verdict_is_the_hand_z_with_the_roles_swapped():
-    """DiLoCo first and last, the per-step method between: the hand z of the middle window against the
-    bracket read at its loss is the per-step method's lead, so DiLoCo's z is its negative; the
-    per-step method wins at +threshold of its own lead, DiLoCo at −threshold."""
-    rng = random.Random(12)
-    seen = set()
-    for i in range(60):
-        lead = (-0.02, 0.0, 0.002, 0.005, 0.02)[i % 5]
-        windows = _chained(rng, (0.06, 0.05 + lead, 0.04), 0.01)
-        hand = [(*_hand_rate(*w), statistics.fmean(w[1])) for w in windows]
-        per_step_lead, z = _hand_z(*hand)
-        v = sync_trial.verdict(*(sync_trial.rate_of(*w) for w in windows), threshold=2.0,
-                               order=sync_trial.DILOCO_FIRST)
-        assert v.z == pytest.approx(-z, rel=1e-7)
-        assert v.lead_per_s == pytest.approx(-per_step_lead, rel=1e-7, abs=1e-12)
-        assert v.winner == ("incumbent" if z >= 2.0 else "challenger" if z <= -2.0 else None)
-        seen.add(v.winner)
-    assert seen == {"challenger", "incumbent", None}
-    with pytest.raises(ValueError, match="order is one of"):
-        sync_trial.verdict(*(sync_trial.rate_of(*w) for w in windows), threshold=2.0, order="aba")
 
 
 def test_wins_early_is_the_middle_family_leading_the_first_window():

@@ -14,9 +14,10 @@ the step boundary after DiLoCo's own post-step work (the DiLoCo participant runs
    the round is closed, every rank holds θ_outer, the inner optimizer state becomes the ranks'
    mean, DDP on again); after the third window (or an early win after the second), the verdict.
    DiLoCo's window is whole rounds, so leaving never cuts one; the per-step window between two of
-   DiLoCo's may close sooner (``Trial.closes_early``). A per-step re-decision during the per-step
-   window that changes the method or the network model ends the trial (its windows would not be
-   one method on one link).
+   DiLoCo's may close sooner (``Trial.closes_early``). auto's per-step watch is held from the
+   trial's start to its verdict, so no gain, drift or periodic check re-decides inside a window
+   (such checks fall due on the step counter, which runs on through DiLoCo's steps); should the
+   method or the network model change all the same, the trial ends unjudged (``aborted``).
 3. **Running DiLoCo.** The first outer exchange's agreed time is the reference; an exchange
    ``severe_drift`` times slower or faster means the link moved: auto leaves DiLoCo and decides
    again, per-step, on a fresh probe (the gate may bring DiLoCo back once measured again).
@@ -87,8 +88,9 @@ class FamilySwitcher:
     # ------------------------------------------------------------------ the step boundary
     def after_step(self, step: int, duration_s: float, busy: bool) -> bool:
         """Run the module docstring's rules for the step that just ended. ``busy``: a per-step trial
-        is on (no family trial starts then). Returns whether auto's per-step watch holds this step
-        (it was DiLoCo's, or the family changed at its end)."""
+        is on (no family trial starts then). Returns whether auto's per-step watch holds this step:
+        it was DiLoCo's, the family changed at its end, or a trial is on (its per-step windows
+        measure one method: no gain, drift or periodic re-decision until the verdict)."""
         was_diloco = self.in_diloco
         loss, self._loss = self._loss, None
         if self.s["trial"] is not None:
@@ -97,7 +99,7 @@ class FamilySwitcher:
             self._watch_exchange(step)
         elif not busy:
             self._maybe_start(step)
-        return was_diloco or self.in_diloco
+        return was_diloco or self.in_diloco or self.s["trial"] is not None
 
     def _event(self, step: int, event: str, **detail: Any) -> None:
         self.s["events"].append({"step": step, "event": event, **detail})
