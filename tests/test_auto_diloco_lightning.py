@@ -77,7 +77,9 @@ def test_diloco_first_enters_at_the_trial_start_and_stays_where_not_separable(tm
     threshold out of reach, keeps DiLoCo, which runs on in rounds of 10 (outer steps at 32 and 42).
     Parameters are identical across ranks exactly where a round has closed or per-step DDP runs; the
     momentum exactly where per-step DDP runs (it is averaged on leaving, not at an outer step)."""
-    res = fit(tmp_path, strategy(diloco_lead=1.0, diloco_threshold=1e9))
+    # severe_drift 0: DiLoCo runs on after the verdict, and on a loaded machine the times of its outer
+    # exchanges (loopback, milliseconds) can differ twice over, which would read as a moved link
+    res = fit(tmp_path, strategy(diloco_lead=1.0, diloco_threshold=1e9, severe_drift=0))
     assert _steps(res[0]) == [("trial", TRIAL, None), ("enter", TRIAL, "diloco10"), ("leave", ENTER, "diloco10"),
                               ("enter", LEAVE, "diloco10"), ("verdict", VERDICT, "challenger")]
     assert res[0]["sync"] == res[1]["sync"]
