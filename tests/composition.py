@@ -158,6 +158,12 @@ def design() -> list[dict[str, Any]]:
     # runs the whole trial, leaving included)
     families = [{**base, "compressor": "auto", "resume": "resumed", "accumulate": 2, "optimizer": "adamw_clip",
                  "auto_options": {"diloco": ["diloco2"], "diloco_gate": 0, "diloco_lead": 0, "diloco_rounds": 1,
+                                  "diloco_threshold": 1e9}},
+                # the same trial DiLoCo first (diloco_lead 1 on a pinned 2 Mbit/s link: a dense step predicted
+                # far above DiLoCo's), entered at step 2: the checkpoint (step 4) falls inside DiLoCo's first window
+                {**base, "compressor": "auto", "resume": "resumed", "accumulate": 2, "optimizer": "adamw_clip",
+                 "options": {"network_alpha_s": 2e-3, "network_beta_s_per_byte": 8 / 2e6},
+                 "auto_options": {"diloco": ["diloco2"], "diloco_gate": 0, "diloco_lead": 1, "diloco_rounds": 1,
                                   "diloco_threshold": 1e9}}]
     for case in (all_pairs(FACTORS) + stateful_product() + adamw + auto + families + options + lowbit_cases()
                  + node_cases()):
