@@ -326,8 +326,8 @@ class AutoConfig:
                          "step is predicted at least twice DiLoCo's).", at_least=1)
         if self.diloco_lead != 0:
             check_number("auto_diloco_lead", self.diloco_lead,
-                         "0 (always start the trial per-step) or a finite factor >= 1 (e.g. 4.0: start in DiLoCo "
-                         "where a dense step is predicted at least four times DiLoCo's).", at_least=1)
+                         "0 (always start the trial per-step) or a finite factor >= 1 (e.g. 2.0: start in DiLoCo "
+                         "where a dense step is predicted at least twice DiLoCo's).", at_least=1)
         _int("diloco_rounds", self.diloco_rounds, 1, "Use at least 1 round per window, e.g. 3.")
         check_number("auto_diloco_threshold", self.diloco_threshold,
                      "a positive number of standard errors, e.g. 2.0.", above=0)

@@ -28,8 +28,8 @@ bracketing family's rate is read at the middle window's mean loss, interpolated 
 windows (:func:`lightning_gc.auto.progress.at_level`): the flattening of the loss curve across the
 trial cancels out, even where the slope falls by a large factor, as it does early in a run. A
 family wins by leading the other by ``threshold`` standard errors; where neither does, the
-bracketing family stays. Running the likelier winner twice makes the trial cheaper where the prior
-is right: it spends one window, not two, in the family it leaves.
+bracketing family stays. Either order costs about one window of the family that loses; the order
+decides who stays where the trial cannot separate them, so the family the link favours brackets.
 
 **A shorter per-step window** (:meth:`Trial.closes_early`). DiLoCo's windows are whole rounds;
 the per-step window between two of them needs no such unit, and where DiLoCo leads it is the one
