@@ -345,29 +345,42 @@ def test_diloco_first_faster_diloco_brackets_and_stays():
     assert all(run.held.values())  # the per-step window too: no per-step re-decision inside it
 
 
-def test_diloco_first_per_step_window_closes_once_its_error_is_diloco_firsts():
+@pytest.mark.parametrize("b_drop", [0.008, A_DROP * B_STEP_S / A_STEP_S])
+def test_diloco_first_per_step_window_closes_at_the_hand_step(b_drop):
     """Windows of 6 rounds (60 steps): the per-step window ends at the first step, from the 20th on,
-    where its hand-computed standard error is at most DiLoCo's first window's; DiLoCo is entered
-    again there, and its last window is whole rounds again."""
+    where by hand it trails DiLoCo's first window without its first round by 2 standard errors, or
+    (from a round's 10 steps) its standard error is at most DiLoCo's first window's; DiLoCo is
+    entered again there, and its last window is whole rounds again. DiLoCo 2.4 times as fast per
+    second: the trailing rule ends it; equally fast: the precision rule."""
     cfg = _config(diloco_lead=2.0, diloco_rounds=6)
     w = 6 * H
-    run = Run(cfg, _state(), b_drop=0.008, noise=0.003)
+    run = Run(cfg, _state(), b_drop=b_drop, noise=0.003)
+    first: list[tuple[float, float]] = []
     fed: list[tuple[float, float]] = []
     while not run.events("verdict"):
         diloco = run.sync.active
         loss = run.level + random.Random(run.step).gauss(0.0, 0.003)
+        if run.step >= 1 and diloco and len(first) < w:
+            first.append((B_STEP_S, loss))
         if not diloco and run.step > w:
             fed.append((A_STEP_S, loss))
         run.one(loss=torch.tensor(loss, dtype=torch.float64))
     first_se = run.state.sync["last_trial"]["rates"][0]["stderr"]
-    n = next(k for k in range(20, w + 1) if _hand_se(fed[:k]) <= first_se)
+    recent = _hand_fit(first[H:])
+    n = next(k for k in range(20, w + 1) if _trails_by_hand(recent, _hand_fit(fed[:k]))
+             or (k >= H and _hand_fit(fed[:k])[1] <= first_se))
     assert n < w and len(fed) == n  # it closed early, where the hand rule says
+    assert (n == 20) == (b_drop == 0.008)  # the trailing rule at its floor; the precision rule later
     assert run.sync.calls == [("enter", 0, "diloco10"), ("leave", w, "diloco10"), ("enter", w + n, "diloco10")]
     assert [r["points"] for r in run.state.sync["last_trial"]["rates"]] == [w, n, w]
 
 
-def _hand_se(points: list[tuple[float, float]]) -> float:
-    """The least-squares slope's standard error of loss against cumulative time, by hand."""
+def _trails_by_hand(recent: tuple[float, float], middle: tuple[float, float]) -> bool:
+    return (recent[0] - middle[0]) / math.hypot(recent[1], middle[1]) >= 2.0
+
+
+def _hand_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(minus the least-squares slope of loss against cumulative time, its standard error), by hand."""
     t, acc = [], 0.0
     for d, _ in points:
         acc += d
@@ -377,7 +390,7 @@ def _hand_se(points: list[tuple[float, float]]) -> float:
     sxx = sum((x - tm) ** 2 for x in t)
     b = sum((x - tm) * (v - ym) for x, v in zip(t, y)) / sxx
     resid = [v - ym - b * (x - tm) for x, v in zip(t, y)]
-    return math.sqrt(sum(r * r for r in resid) / (len(t) - 2) / sxx)
+    return -b, math.sqrt(sum(r * r for r in resid) / (len(t) - 2) / sxx)
 
 
 def test_diloco_first_faster_per_step_wins_early_without_going_back():

@@ -391,34 +391,89 @@ def test_a_diloco_first_trial_names_its_windows_and_families():
     assert Trial.from_dict(old).order == sync_trial.PER_STEP_FIRST and not Trial.from_dict(old).in_diloco
 
 
+def _hand_trails(recent: tuple[float, float], middle: tuple[float, float], threshold: float = 2.0) -> bool:
+    """DiLoCo's recent rate leads the middle one's by ``threshold`` standard errors of the difference."""
+    return (recent[0] - middle[0]) / math.hypot(recent[1], middle[1]) >= threshold
+
+
 def test_only_the_per_step_window_between_dilocos_closes_early_by_the_hand_rule():
-    """DiLoCo first: the middle window may close after max(round, 20) steps, at the first step whose
-    hand-computed standard error is at most the first window's; no other window, nor per-step first."""
+    """DiLoCo first: the middle window may close after 20 steps, at the first step where, by hand, it
+    trails DiLoCo's first window without its first round, or (after a round's 25 steps) its standard
+    error is at most the first window's; no other window, nor per-step first. Every window here
+    removes the same loss per second, so the precision rule is the one that fires."""
     rng = random.Random(4)
     for order in (sync_trial.DILOCO_FIRST, sync_trial.PER_STEP_FIRST):
-        tr = Trial(challenger="diloco10", start_step=0, window=80, incumbent="ddp", beta_s_per_byte=4e-7, order=order)
-        feeds = []
+        tr = Trial(challenger="diloco10", start_step=0, window=80, incumbent="ddp", beta_s_per_byte=4e-7, order=order,
+                   round_steps=25)
+        feeds, first = [], None
         for k in range(3):
             for i in range(80):
-                d = 0.1 if tr.in_diloco else 0.3
                 loss = 5.0 - 0.01 * (i + 80 * k) + rng.gauss(0.0, 0.01 if k != 1 else 0.003)  # a quieter middle
-                feeds.append((d, loss))
-                full = tr.add(d, loss)
+                feeds.append((0.1, loss))
+                full = tr.add(0.1, loss)
                 n = len(tr.durations)
-                want = k == 1 and order == sync_trial.DILOCO_FIRST and n >= 25 and n < 80 and _hand_rate(
-                    *zip(*feeds[-n:]))[1] <= tr.rates[0]["stderr"]
-                assert tr.closes_early(25) == want, (order, k, n)
+                mid = _hand_rate(*zip(*feeds[-n:])) if k == 1 and n >= 3 else None
+                want = k == 1 and order == sync_trial.DILOCO_FIRST and 20 <= n < 80 and (
+                    _hand_trails(_hand_rate(*zip(*first[25:])), mid)
+                    or (n >= 25 and mid[1] <= tr.rates[0]["stderr"]))
+                assert tr.closes_early(2.0) == want, (order, k, n)
                 if full or want:
                     break
+            first = first or feeds[:]
             tr.close_window()
             if order == sync_trial.DILOCO_FIRST and k == 1:
-                assert 25 <= tr.rates[1]["points"] < 80  # it did close early, on this noise
+                assert 25 <= tr.rates[1]["points"] < 80  # it did close early, on this noise, by precision
         assert [r["points"] for r in tr.rates][::2] == [80, 80]
     short = Trial(challenger="diloco10", start_step=0, window=80, incumbent="ddp", beta_s_per_byte=4e-7,
-                  order=sync_trial.DILOCO_FIRST, phase=1, rates=[{"stderr": 1.0}])
+                  order=sync_trial.DILOCO_FIRST, phase=1, rates=[{"per_s": 0.0, "stderr": 1.0, "points": 80}],
+                  round_steps=5)
     for i in range(sync_trial.MIN_BALANCED_POINTS):  # a huge first error, yet never before 20 points
         short.add(0.3, 1.0 - 0.01 * i)
-        assert short.closes_early(5) == (i + 1 >= sync_trial.MIN_BALANCED_POINTS)
+        assert short.closes_early(2.0) == (i + 1 >= sync_trial.MIN_BALANCED_POINTS)
+
+
+def test_a_per_step_window_that_trails_dilocos_recent_rounds_closes_at_the_hand_step():
+    """A per-step window whose loss rises (as after taking a compressor up mid-run) closes at the
+    first step, from the 20th, where by hand it trails DiLoCo's first window without its first
+    round; the recorded recent rate is that hand fit. A per-step window as fast as DiLoCo is not cut
+    by the trailing rule, though it trails the whole first window (which ran where the loss fell faster)."""
+    for seed in range(5):
+        rng = random.Random(seed)
+        tr = Trial(challenger="diloco50", start_step=0, window=150, incumbent="lowrank_bf16", beta_s_per_byte=4e-7,
+                   order=sync_trial.DILOCO_FIRST, round_steps=50)
+        durations = [0.2 * rng.uniform(0.9, 1.1) for _ in range(150)]
+        t = list(itertools.accumulate(durations))
+        losses = [1.7 + 2.0 * math.exp(-x / 6.0) + rng.gauss(0.0, 0.05) for x in t]  # fast early, slower later
+        for d, v in zip(durations, losses):
+            tr.add(d, v)
+        tr.close_window()
+        recent = _hand_rate(durations[50:], losses[50:])
+        assert tr.recent["per_s"] == pytest.approx(recent[0], rel=1e-9)
+        assert tr.recent["stderr"] == pytest.approx(recent[1], rel=1e-9)
+        feeds, closed_at = [], None
+        for i in range(150):
+            d, loss = 0.25, 1.75 + 0.004 * i + rng.gauss(0.0, 0.05)  # rising
+            feeds.append((d, loss))
+            tr.add(d, loss)
+            want = i + 1 >= 20 and _hand_trails(recent, _hand_rate(*zip(*feeds)))
+            assert tr.closes_early(2.0) == want, (seed, i)
+            if want:
+                closed_at = i + 1
+                break
+        assert closed_at is not None and closed_at < 50  # before the precision rule could close it
+    # as fast as DiLoCo's recent rounds, measured later: the whole first window would call it trailing
+    mid_tr = Trial(challenger="diloco50", start_step=0, window=150, incumbent="lowrank_bf16", beta_s_per_byte=4e-7,
+                   order=sync_trial.DILOCO_FIRST, round_steps=50)
+    durations, t = [0.2] * 150, [0.2 * (i + 1) for i in range(150)]
+    for x in t:
+        mid_tr.add(0.2, 1.7 + 2.0 * math.exp(-x / 6.0))
+    mid_tr.close_window()
+    whole, recent = mid_tr.rates[0], mid_tr.recent
+    for i in range(20):  # the recent rounds' own slope, continued, with a little noise
+        mid_tr.add(0.2, 2.0 - recent["per_s"] * 0.2 * i + 0.001 * (-1) ** i)
+    mid = _hand_rate([0.2] * 20, mid_tr.losses)
+    assert _hand_trails((whole["per_s"], whole["stderr"]), mid) and not _hand_trails((recent["per_s"], recent["stderr"]), mid)
+    assert not mid_tr.closes_early(2.0)
 
 
 def test_trial_round_trips_through_a_plain_dict():

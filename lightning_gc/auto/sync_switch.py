@@ -145,7 +145,8 @@ class FamilySwitcher:
         window = sync_trial.window_steps(diloco_choice(name).inner_steps, cfg.diloco_rounds)
         order = sync_trial.first_family(dense, preds[name].step_s, cfg.diloco_lead)
         trial = sync_trial.Trial(challenger=name, start_step=step + 1, window=window, incumbent=st.chosen,
-                                 beta_s_per_byte=st.network.beta_s_per_byte, order=order)
+                                 beta_s_per_byte=st.network.beta_s_per_byte, order=order,
+                                 round_steps=diloco_choice(name).inner_steps)
         self.s["trial"] = trial.as_dict()
         self._event(step, "trial", challenger=name, incumbent=st.chosen, incumbent_step_s=st.reference,
                     dense_step_s=dense, predicted_step_s={n: p.step_s for n, p in preds.items()}, window=window,
@@ -185,7 +186,7 @@ class FamilySwitcher:
             else:
                 self._end(step, tr, "aborted", why="the loss went non-finite under the per-step method")
             return
-        if not (tr.add(dt, mean_loss) or tr.closes_early(diloco_choice(tr.challenger).inner_steps)):
+        if not (tr.add(dt, mean_loss) or tr.closes_early(self.config.diloco_threshold)):
             self.s["trial"] = tr.as_dict()
             return
         was_diloco = tr.in_diloco

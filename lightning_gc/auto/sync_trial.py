@@ -33,11 +33,20 @@ decides who stays where the trial cannot separate them, so the family the link f
 
 **A shorter per-step window** (:meth:`Trial.closes_early`). DiLoCo's windows are whole rounds;
 the per-step window between two of them needs no such unit, and where DiLoCo leads it is the one
-the trial pays for. It closes as soon as its rate's standard error is no larger than DiLoCo's
-first window's, after at least one round's steps (and :data:`MIN_BALANCED_POINTS`): from there on
-the verdict's error is dominated by DiLoCo's windows, and more per-step steps add cost, not
-precision. The rule looks at the spread of the losses, never at the rate itself, so it does not
-bias the rate it stops.
+the trial pays for. After :data:`MIN_BALANCED_POINTS` steps it closes as soon as either holds:
+
+* it trails DiLoCo's recent rounds (its first window without the first round) by ``threshold``
+  standard errors (:func:`trails`). Taking a compressor up mid-run can have a transient of its own
+  (a low-rank one, taken up after DiLoCo or after DDP alike, has raised the loss for tens of
+  steps), and a window that has already lost this clearly only adds that cost. DiLoCo's recent rounds ran at a
+  higher loss than this window, where rates are larger, so the comparison leans towards DiLoCo,
+  the family the link favours in this order; leaving out the first round, where early in a run
+  the loss falls fastest, keeps that lean small. What it cuts is this window only: the verdict
+  still reads both families at the same loss, with DiLoCo's third window.
+* after one round's steps too, its rate's standard error is no larger than DiLoCo's first window's:
+  from there on the verdict's error is dominated by DiLoCo's windows, and more per-step steps add
+  cost, not precision. This looks at the spread of the losses, never at the rate itself, so it
+  does not bias the rate it stops.
 
 **Winning early** (:func:`wins_early`): where the middle window already leads the first by
 ``threshold`` standard errors, the middle family wins without the third window. A loss curve
@@ -155,6 +164,11 @@ def wins_early(first: Rate, middle: Rate, threshold: float, order: str = PER_STE
     return v if v.winner == middle_family(order) else None
 
 
+def trails(first: Rate, middle: Rate, threshold: float) -> bool:
+    """Whether the per-step ``middle`` window trails DiLoCo's ``first`` by ``threshold`` standard errors."""
+    return compare(middle, first, threshold).winner == "challenger"
+
+
 def link_moved(measured_s: float, predicted_s: float, severe: float) -> bool:
     """Whether an outer exchange took ``severe`` times longer or shorter than predicted (0: never)."""
     if not severe or not (predicted_s > 0) or not math.isfinite(measured_s):
@@ -191,6 +205,8 @@ class Trial:
     losses: list[float] = field(default_factory=list)  # this window's mean losses over the ranks
     rates: list[dict] = field(default_factory=list)  # the finished windows' rates
     order: str = PER_STEP_FIRST  # which family brackets the other (ORDERS)
+    round_steps: int = 0  # DiLoCo's H (0 in records from before it was kept)
+    recent: dict | None = None  # diloco_first: DiLoCo's first window without its first round (Trial.closes_early)
 
     @property
     def phase_name(self) -> str:
@@ -207,21 +223,31 @@ class Trial:
         self.losses.append(float(loss))
         return len(self.durations) >= self.window
 
-    def closes_early(self, round_steps: int) -> bool:
+    def closes_early(self, threshold: float) -> bool:
         """Whether the window now measured may close before ``window`` steps (module docstring): only
-        the per-step window between two of DiLoCo's, after ``round_steps`` steps (and
-        :data:`MIN_BALANCED_POINTS`), once its standard error is at most the first window's."""
+        the per-step window between two of DiLoCo's, after :data:`MIN_BALANCED_POINTS` steps, once it
+        trails DiLoCo's recent rounds by ``threshold`` standard errors (:func:`trails`), or, after one
+        round's steps too, once its standard error is at most DiLoCo's first window's."""
         n = len(self.durations)
-        if self.order != DILOCO_FIRST or self.phase != 1 or n < max(round_steps, MIN_BALANCED_POINTS):
+        if self.order != DILOCO_FIRST or self.phase != 1 or n < MIN_BALANCED_POINTS:
             return False
-        return rate_of(self.durations, self.losses).stderr <= float(self.rates[0]["stderr"])
+        rate, first = rate_of(self.durations, self.losses), _rate(self.rates[0])
+        recent = _rate(self.recent) if self.recent is not None else first
+        return trails(recent, rate, threshold) or (n >= self.round_steps and rate.stderr <= first.stderr)
 
     def close_window(self) -> Rate:
         r = rate_of(self.durations, self.losses)
+        if self.phase == 0 and self.order == DILOCO_FIRST:
+            self.recent = asdict(self._later_rounds())
         self.rates.append({"phase": self.phase_name, **asdict(r), "seconds": sum(self.durations)})
         self.durations, self.losses = [], []
         self.phase += 1
         return r
+
+    def _later_rounds(self) -> Rate:
+        """This window's rate without its first round (the whole window where that leaves too few points)."""
+        k = self.round_steps if len(self.durations) - self.round_steps >= MIN_POINTS else 0
+        return rate_of(self.durations[k:], self.losses[k:])
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -250,4 +276,4 @@ def _rate(r: Mapping) -> Rate:
 
 __all__ = ["DILOCO_FIRST", "MIN_BALANCED_POINTS", "ORDERS", "PER_STEP_FIRST", "PHASES", "Trial", "bracket_rate", "cumulative",
            "first_family", "gate_opens", "keeper", "link_moved", "may_retry", "middle_family", "pick_challenger",
-           "rate_of", "rates", "rates_so_far", "verdict", "window_steps", "wins_early"]
+           "rate_of", "rates", "rates_so_far", "trails", "verdict", "window_steps", "wins_early"]
