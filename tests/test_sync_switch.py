@@ -455,6 +455,7 @@ def test_an_outer_exchange_severe_drift_faster_leaves_and_redecides():
     assert run.sync.calls[-1] == ("leave", step, "diloco10")
     (ev,) = [e for e in run.events("leave") if e["why"] == "link_moved"]
     assert ev["step"] == step and ev["state_bytes"] == 4321
+    assert (ev["exchange_s"], ev["reference_s"]) == (1.0 / cfg.severe_drift, 1.0)  # what the rule read
     assert run.state.sync["running"] is None and run.state.settling
 
 

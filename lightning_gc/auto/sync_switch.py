@@ -242,12 +242,12 @@ class FamilySwitcher:
         self._seen_stats = None
         self._event(step, "enter", choice=name, why=why)
 
-    def _leave(self, step: int, why: str) -> None:
+    def _leave(self, step: int, why: str, **detail: Any) -> None:
         name = self.sync.choice
         sent = self.sync.leave()
         self.s["running"], self.s["reference_exchange_s"] = None, None
         self.state.settling = True  # the first per-step window after it holds the switch
-        self._event(step, "leave", choice=name, why=why, state_bytes=sent)
+        self._event(step, "leave", choice=name, why=why, state_bytes=sent, **detail)
 
     # ------------------------------------------------------------------ running DiLoCo
     def _watch_exchange(self, step: int) -> None:
@@ -263,7 +263,7 @@ class FamilySwitcher:
         if sync_trial.link_moved(took, ref, self.config.severe_drift):
             rank_zero_info(f"lightning_gc auto (step {step}): DiLoCo's outer exchange took {took:.2f} s against "
                            f"{ref:.2f} s at first: the link moved, back to per-step and re-deciding")
-            self._leave(step, "link_moved")
+            self._leave(step, "link_moved", exchange_s=took, reference_s=ref)
             self._redecide(step)
 
 
