@@ -472,7 +472,8 @@ def test_a_per_step_window_that_trails_dilocos_recent_rounds_closes_at_the_hand_
     for i in range(20):  # the recent rounds' own slope, continued, with a little noise
         mid_tr.add(0.2, 2.0 - recent["per_s"] * 0.2 * i + 0.001 * (-1) ** i)
     mid = _hand_rate([0.2] * 20, mid_tr.losses)
-    assert _hand_trails((whole["per_s"], whole["stderr"]), mid) and not _hand_trails((recent["per_s"], recent["stderr"]), mid)
+    assert _hand_trails((whole["per_s"], whole["stderr"]), mid)
+    assert not _hand_trails((recent["per_s"], recent["stderr"]), mid)
     assert not mid_tr.closes_early(2.0)
 
 

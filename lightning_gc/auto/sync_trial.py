@@ -38,11 +38,11 @@ the trial pays for. After :data:`MIN_BALANCED_POINTS` steps it closes as soon as
 * it trails DiLoCo's recent rounds (its first window without the first round) by ``threshold``
   standard errors (:func:`trails`). Taking a compressor up mid-run can have a transient of its own
   (a low-rank one, taken up after DiLoCo or after DDP alike, has raised the loss for tens of
-  steps), and a window that has already lost this clearly only adds that cost. DiLoCo's recent rounds ran at a
-  higher loss than this window, where rates are larger, so the comparison leans towards DiLoCo,
-  the family the link favours in this order; leaving out the first round, where early in a run
-  the loss falls fastest, keeps that lean small. What it cuts is this window only: the verdict
-  still reads both families at the same loss, with DiLoCo's third window.
+  steps), and a window that has already lost this clearly only adds that cost. DiLoCo's recent
+  rounds ran at a higher loss than this window, where rates are larger, so the comparison leans
+  towards DiLoCo, the family the link favours in this order; leaving out the first round, where
+  early in a run the loss falls fastest, keeps that lean small. What it cuts is this window only:
+  the verdict still reads both families at the same loss, with DiLoCo's third window.
 * after one round's steps too, its rate's standard error is no larger than DiLoCo's first window's:
   from there on the verdict's error is dominated by DiLoCo's windows, and more per-step steps add
   cost, not precision. This looks at the spread of the losses, never at the rate itself, so it
