@@ -464,8 +464,7 @@ def test_a_per_step_window_that_trails_dilocos_recent_rounds_closes_at_the_hand_
     # as fast as DiLoCo's recent rounds, measured later: the whole first window would call it trailing
     mid_tr = Trial(challenger="diloco50", start_step=0, window=150, incumbent="lowrank_bf16", beta_s_per_byte=4e-7,
                    order=sync_trial.DILOCO_FIRST, round_steps=50)
-    durations, t = [0.2] * 150, [0.2 * (i + 1) for i in range(150)]
-    for x in t:
+    for x in (0.2 * (i + 1) for i in range(150)):
         mid_tr.add(0.2, 1.7 + 2.0 * math.exp(-x / 6.0))
     mid_tr.close_window()
     whole, recent = mid_tr.rates[0], mid_tr.recent

@@ -164,9 +164,9 @@ def wins_early(first: Rate, middle: Rate, threshold: float, order: str = PER_STE
     return v if v.winner == middle_family(order) else None
 
 
-def trails(first: Rate, middle: Rate, threshold: float) -> bool:
-    """Whether the per-step ``middle`` window trails DiLoCo's ``first`` by ``threshold`` standard errors."""
-    return compare(middle, first, threshold).winner == "challenger"
+def trails(diloco: Rate, middle: Rate, threshold: float) -> bool:
+    """Whether the per-step ``middle`` window trails DiLoCo's rate ``diloco`` by ``threshold`` standard errors."""
+    return compare(middle, diloco, threshold).winner == "challenger"
 
 
 def link_moved(measured_s: float, predicted_s: float, severe: float) -> bool:
