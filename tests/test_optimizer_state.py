@@ -1,13 +1,14 @@
 """lightning_gc/sync/optimizer_state.py: the ranks' drifted optimizer states made one, on 3 gloo ranks.
 
 Oracles: the mean of every rank's state, computed in float64 from all ranks' tensors gathered in the
-test; bit-identical parameters after a per-step update from identical parameters and gradients (and,
+test (with a bfloat16 wire: of their bfloat16 roundings, within the rounding of its partial sums); bit-identical parameters after a per-step update from identical parameters and gradients (and,
 for contrast, different parameters without the averaging); a step counter that differs raises on
 every rank.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import gather_all, run_distributed
@@ -47,7 +48,7 @@ def _one_update(model, opt) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _drifted(rank: int, ws: int, kind: str) -> dict:
+def _drifted(rank: int, ws: int, kind: str, wire_dtype: torch.dtype | None = None) -> dict:
     out = {}
     for average in (False, True):
         model = _model()
@@ -55,13 +56,17 @@ def _drifted(rank: int, ws: int, kind: str) -> dict:
                else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         _local_steps(model, opt, rank, 3)
         keys = ("exp_avg", "exp_avg_sq") if kind == "adamw" else ("momentum_buffer",)
-        before = {k: gather_all(_flat_state(opt, k).double(), ws) for k in keys}
+        wired = (lambda t: t.to(wire_dtype)) if wire_dtype is not None else (lambda t: t)
+        before = {k: gather_all(wired(_flat_state(opt, k)).double(), ws) for k in keys}
         if average:
-            out["sent"] = average_optimizer_state(opt)
+            out["sent"] = average_optimizer_state(opt, wire_dtype=wire_dtype)
             for k in keys:
                 after = gather_all(_flat_state(opt, k), ws)
                 want = sum(before[k]) / ws
                 out[f"{k} err"] = float((after[rank].double() - want).abs().max() / want.abs().max())
+                # the N - 1 partial sums each round by at most half a unit in the last place (2^-8 relative)
+                bound = 2 * (ws - 1) * 2.0 ** -8 * sum(b.abs() for b in before[k]) / ws
+                out[f"{k} within rounding"] = bool(((after[rank].double() - want).abs() <= bound).all())
                 out[f"{k} same"] = all(torch.equal(after[0], a) for a in after)
             if kind == "adamw":
                 out["steps"] = [float(opt.state[p]["step"]) for p in opt.param_groups[0]["params"]]
@@ -78,6 +83,23 @@ def test_adamw_moments_become_their_mean_and_the_replicas_stay_identical():
         assert o["identical after update, averaged=True"]
         assert not o["identical after update, averaged=False"]  # the drift the averaging removes
         assert o["sent"] > 0
+
+
+def test_a_bfloat16_wire_halves_the_bytes_and_keeps_the_mean_within_its_rounding():
+    fp32 = run_distributed(_drifted, WS, "adamw")
+    for o, full in zip(run_distributed(_drifted, WS, "adamw", torch.bfloat16), fp32):
+        assert o["exp_avg within rounding"] and o["exp_avg_sq within rounding"], o
+        assert o["exp_avg same"] and o["exp_avg_sq same"]  # every rank the same bits
+        assert o["sent"] == pytest.approx(full["sent"] / 2, rel=0.02)  # each tensor rounds its own ring bytes
+        assert o["steps"] == [3.0] * 4
+        assert o["identical after update, averaged=True"]
+
+
+def test_a_wire_dtype_that_is_not_floating_point_is_refused():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with pytest.raises(ValueError, match="wire_dtype=torch.int8 must be a floating-point"):
+        average_optimizer_state(opt, wire_dtype=torch.int8)
 
 
 def test_sgd_momentum_buffers_become_their_mean():

@@ -69,6 +69,10 @@ _DILOCO_GROUP_ID = 1 << 21  # GroupContext.group_id of the outer exchange: rando
 PUBLISHED_OUTER_ARGS: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 #: SparseLoCo's outer step: plain SGD at lr 1, the error memory in place of the outer momentum
 SPARSELOCO_OUTER_ARGS: dict[str, Any] = {"lr": 1.0}
+#: the dtype the inner optimizer's state travels in when DiLoCo is left (``leave``): AdamW's two
+#: moments are twice the model, the largest fixed cost of a switch on a slow link; bfloat16 halves
+#: it and keeps the ranks bit-identical (sync/optimizer_state.py says what it rounds). None: fp32
+LEAVE_WIRE_DTYPE: torch.dtype | None = torch.bfloat16
 #: compressors of the pseudo-gradient that only DiLoCo runs (``diloco_compressor``)
 DELTA_COMPRESSORS: tuple[str, ...] = ("sparseloco",)
 
@@ -483,8 +487,8 @@ class DiLoCoSync(StepParticipant):
 
     def leave(self) -> int:
         """Hand the run back to per-step synchronisation: close the round (:meth:`finish`: every rank
-        holds θ_outer), then make the inner optimizer's state the ranks' mean
-        (:func:`~lightning_gc.sync.optimizer_state.average_optimizer_state`), so identical gradients
+        holds θ_outer), then make the inner optimizer's state the ranks' mean, summed in
+        :data:`LEAVE_WIRE_DTYPE` (:func:`~lightning_gc.sync.optimizer_state.average_optimizer_state`), so identical gradients
         give identical updates again. The caller then turns DDP's gradient synchronisation back on.
         Returns the bytes this rank sent for the optimizer state."""
         if not self.active:
@@ -492,7 +496,7 @@ class DiLoCoSync(StepParticipant):
         self.finish()
         sent = 0
         if self._optimizer is not None and self.group is not None:
-            sent = average_optimizer_state(self._optimizer, self.group)
+            sent = average_optimizer_state(self._optimizer, self.group, wire_dtype=LEAVE_WIRE_DTYPE)
         if self.switch is not None:
             self._go_dormant()
         return sent
