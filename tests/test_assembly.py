@@ -234,3 +234,33 @@ def test_a_diloco_checkpoint_is_refused_by_the_other_kind_of_diloco_naming_the_f
     fresh = DiLoCoSync(static.engine, DiLoCoConfig(), switch=switch)
     fresh.load_shared_state_dict(saved)
     assert fresh.active and fresh.choice == "diloco2" and fresh.config.inner_steps == 2 and flags == [False, False]
+
+
+@pytest.mark.parametrize("first", [2, 7])
+def test_a_first_round_moves_every_outer_step_and_survives_a_checkpoint(first):
+    """Entered with ``first_round``, DiLoCo (H = 4) takes its outer steps after ``first``, ``first`` + 4,
+    ... inner steps; a checkpoint written mid-round resumes on the same schedule (by hand: the inner
+    steps after which ``outer_steps`` grows)."""
+    from lightning_gc.sync.diloco import DiLoCoConfig, DiLoCoSync
+
+    static, _ = _diloco(inner_steps=4)
+    switch = SimpleNamespace(resolve=lambda name: (DiLoCoConfig(inner_steps=4), None, "auto", False),
+                             set_gradient_sync=lambda on: None)
+    sync = DiLoCoSync(static.engine, DiLoCoConfig(), switch=switch)
+    with pytest.raises(ValueError, match=r"first_round=8 must be an integer in \[1, 2H\) = \[1, 8\)"):
+        sync.enter("diloco4", 8)
+    sync.enter("diloco4", first)
+
+    def outer_after(s: DiLoCoSync, steps: int) -> list[int]:
+        out = []
+        for _ in range(steps):
+            before = s.outer_steps
+            s.after_optimizer_step()
+            if s.outer_steps > before:
+                out.append(s.inner_step)
+        return out
+
+    assert outer_after(sync, first + 1) == [first]
+    fresh = DiLoCoSync(static.engine, DiLoCoConfig(), switch=switch)
+    fresh.load_shared_state_dict(sync.shared_state_dict())
+    assert outer_after(fresh, 8) == [first + 4, first + 8]

@@ -21,9 +21,13 @@ from lightning_gc.sync.diloco import LEAVE_WIRE_DTYPE
 
 pytestmark = pytest.mark.slow
 
-# warm-up steps 0-1 (decision at 1); the trial starts at 2: the incumbent's window 3-12, DiLoCo's 13-22
-# (entered at the end of 12, its round closed and left at the end of 22), the incumbent again 23-32
-TRIAL, ENTER, LEAVE, VERDICT = 2, 12, 22, 32
+# warm-up steps 0-1 (decision at 1); the trial starts at 2: the incumbent's window 3-12, DiLoCo's 13-19
+# (entered at the end of 12, 13 steps done; its round runs to the next multiple of H = 10, 7 steps, and is
+# closed and left at the end of 19), the incumbent again 20-29
+TRIAL, ENTER, LEAVE, VERDICT = 2, 12, 19, 29
+# DiLoCo first: entered at the end of 2 (3 done), its round of 7 to 10 done, left at the end of 9; the
+# per-step window 10-19; DiLoCo entered again at the end of 19 (20 done, a whole round), the verdict at 29
+D_ENTER, D_LEAVE, D_BACK, D_VERDICT = 2, 9, 19, 29
 
 
 def _steps(report: dict) -> list[tuple[str, int, str | None]]:
@@ -59,7 +63,7 @@ def test_switching_to_diloco_and_back_keeps_the_ranks_identical_outside_it(tmp_p
 
 
 def test_resume_from_a_checkpoint_written_while_diloco_runs_is_exact(tmp_path):
-    """16 steps an epoch: the checkpoint after epoch 0 (step 16) falls inside DiLoCo's window (12-21),
+    """16 steps an epoch: the checkpoint after epoch 0 (step 16) falls inside DiLoCo's window (13-19),
     with the trial's first window's figures, θ_outer, each rank's θ_local and momentum in it."""
     ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
     full = fit(tmp_path / "a", strategy(diloco_threshold=1e9), callbacks=[ckpt_cb], enable_checkpointing=True)
@@ -77,23 +81,37 @@ def test_resume_from_a_checkpoint_written_while_diloco_runs_is_exact(tmp_path):
 
 def test_diloco_first_enters_at_the_trial_start_and_stays_where_not_separable(tmp_path):
     """``diloco_lead=1`` on the pinned slow link: the trial starts in DiLoCo (entered at the end of step
-    2), leaves it after one round (12), runs the per-step window (13-22), enters again (22) and, the
-    threshold out of reach, keeps DiLoCo, which runs on in rounds of 10 (outer steps at 32 and 42).
+    2), leaves it when its first round reaches a multiple of H (9), runs the per-step window (10-19),
+    enters again (19) and, the threshold out of reach, keeps DiLoCo, which runs on in rounds of 10
+    (outer steps at 29 and 39: 30 and 40 steps done, as a run that started in DiLoCo would take them).
     Parameters are identical across ranks exactly where a round has closed or per-step DDP runs; the
     momentum exactly where per-step DDP runs (it is averaged on leaving, not at an outer step)."""
     # severe_drift 0: DiLoCo runs on after the verdict, and on a loaded machine the times of its outer
     # exchanges (loopback, milliseconds) can differ twice over, which would read as a moved link
     res = fit(tmp_path, strategy(diloco_lead=1.0, diloco_threshold=1e9, severe_drift=0))
-    assert _steps(res[0]) == [("trial", TRIAL, None), ("enter", TRIAL, "diloco10"), ("leave", ENTER, "diloco10"),
-                              ("enter", LEAVE, "diloco10"), ("verdict", VERDICT, "challenger")]
+    assert _steps(res[0]) == [("trial", D_ENTER, None), ("enter", D_ENTER, "diloco10"), ("leave", D_LEAVE, "diloco10"),
+                              ("enter", D_BACK, "diloco10"), ("verdict", D_VERDICT, "challenger")]
     assert res[0]["sync"] == res[1]["sync"]
     runs = [s["diloco"] for s in res[0]["steps"]]
-    assert runs == [False] * TRIAL + [True] * (ENTER - TRIAL) + [False] * (LEAVE - ENTER) + [True] * (48 - LEAVE)
+    assert runs == [False] * D_ENTER + [True] * (D_LEAVE - D_ENTER) + [False] * (D_BACK - D_LEAVE) + [True] * (48 - D_BACK)
     a, b = res[0]["steps"], res[1]["steps"]
     for step in range(48):
-        inner = runs[step] and step not in (TRIAL, LEAVE) and (step - TRIAL) % 10 != 0 and (step - LEAVE) % 10 != 0
+        inner = runs[step] and step not in (D_ENTER, D_BACK) and (step + 1) % 10 != 0
         same = torch.equal(a[step]["params"], b[step]["params"])
         assert same != inner, f"step {step}: ranks {'identical' if same else 'differ'}"
         same = all(torch.equal(x, y) for x, y in zip(a[step]["moments"], b[step]["moments"]))
-        per_step = step <= TRIAL or ENTER <= step <= LEAVE  # the entering steps included, the leaving one averaged
+        per_step = step <= D_ENTER or D_LEAVE <= step <= D_BACK  # the entering steps included, the leaving one averaged
         assert same == per_step, f"step {step}: momentum {'identical' if same else 'differs'}"
+
+
+def test_entered_off_the_multiple_of_h_the_outer_steps_fall_on_it(tmp_path):
+    """DiLoCo first with windows of 2 rounds: entered at the end of step 2 (3 steps done), the first
+    outer step comes after 7 inner steps (10 done, the end of step 9), the next after 10 more (the end
+    of step 19), where the window ends and DiLoCo is left. The ranks' parameters are identical after
+    exactly those DiLoCo steps: the schedule itself is moved, not only where the trial cuts it."""
+    res = fit(tmp_path, strategy(diloco_lead=1.0, diloco_rounds=2, diloco_threshold=1e9, severe_drift=0))
+    assert _steps(res[0])[:3] == [("trial", 2, None), ("enter", 2, "diloco10"), ("leave", 19, "diloco10")]
+    assert res[0]["sync"]["events"][1]["first_round"] == 7
+    a, b = res[0]["steps"], res[1]["steps"]
+    closed = [step for step in range(3, 20) if torch.equal(a[step]["params"], b[step]["params"])]
+    assert closed == [9, 19]

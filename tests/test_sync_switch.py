@@ -45,9 +45,9 @@ class FakeSync:
         self.calls: list[tuple[str, int, str]] = []
         self.now = -1  # the step being closed (set by the driver)
 
-    def enter(self, choice: str) -> None:
+    def enter(self, choice: str, first_round: int | None = None) -> None:
         assert not self.active, "entered twice"
-        self.active, self.choice = True, choice
+        self.active, self.choice, self.first_round = True, choice, first_round
         self.calls.append(("enter", self.now, choice))
 
     def leave(self) -> int:
@@ -79,9 +79,10 @@ def _state(network: NetworkModel = SLOW, reference: float | None = A_STEP_S, den
 
 
 def _config(**kw) -> AutoConfig:
-    """Per-step first (lead 0) unless ``diloco_lead`` is given."""
+    """Per-step first (lead 0) unless ``diloco_lead`` is given; DiLoCo's rounds H steps from entering
+    (the hand counts below) unless ``diloco_align`` is given."""
     return AutoConfig(**{"candidates": ("ddp",), "diloco": ("diloco10",), "diloco_rounds": ROUNDS,
-                         "diloco_gate": 2.0, "diloco_lead": 0, **kw})
+                         "diloco_gate": 2.0, "diloco_lead": 0, "diloco_align": False, **kw})
 
 
 class Run:
@@ -343,6 +344,37 @@ def test_diloco_first_faster_diloco_brackets_and_stays():
     assert last["cost_s"] == pytest.approx(W * A_STEP_S * (1 - (A_DROP / A_STEP_S) / 0.08), rel=0.05)
     assert run.sync.active and run.state.sync["running"] == "diloco10" and run.state.sync["trial"] is None
     assert all(run.held.values())  # the per-step window too: no per-step re-decision inside it
+
+
+def test_aligned_rounds_end_every_diloco_window_on_a_multiple_of_h():
+    """diloco_align (the default): the trial starts after step 6, so DiLoCo is entered with 7 steps
+    done; the next multiple of H = 10 is 3 steps away, under H/2, so the first round runs to 20: 13
+    steps, and the window of 2 rounds is 23 steps (7..29), left after step 29 (30 done). The per-step
+    window is steps 30..49; DiLoCo is entered again with 50 done, a whole first round, its window
+    50..69, the verdict after 69. By hand, not by sync_trial.first_round."""
+    run = _diloco_first(b_drop=0.008, diloco_align=True)
+    run.step = 6
+    firsts = []
+    enter = run.sync.enter
+    run.sync.enter = lambda choice, first_round=None: (firsts.append(first_round), enter(choice, first_round))
+    run.until(80)
+    assert run.sync.calls == [("enter", 6, "diloco10"), ("leave", 29, "diloco10"), ("enter", 49, "diloco10")]
+    assert firsts == [13, 10]
+    assert [e["first_round"] for e in run.events("enter")] == [13, 10]
+    last = run.state.sync["last_trial"]
+    assert last["winner"] == "challenger" and last["end_step"] == 69
+    assert [r["points"] for r in last["rates"]] == [23, W, W]
+
+
+def test_aligned_rounds_per_step_first_cut_a_round_short():
+    """Per-step first from step 0: the incumbent's window 1..20, DiLoCo entered with 21 done: its first
+    round runs the 9 steps to 30, its window 21..39 (19 steps), left after 39; the incumbent 40..59."""
+    run = Run(_config(diloco_align=True), _state(), b_drop=0.01 * B_STEP_S / A_STEP_S)
+    run.until(3 * W + 5)
+    assert run.sync.calls == [("enter", W, "diloco10"), ("leave", 2 * W - 1, "diloco10")]
+    assert [e["first_round"] for e in run.events("enter")] == [9]
+    last = run.state.sync["last_trial"]
+    assert last["end_step"] == 3 * W - 1 and [r["points"] for r in last["rates"]] == [W, W - 1, W]
 
 
 @pytest.mark.parametrize("b_drop", [0.008, A_DROP * B_STEP_S / A_STEP_S])

@@ -90,6 +90,31 @@ def test_window_steps_and_cumulative():
     assert sync_trial.cumulative([]) == []
 
 
+@pytest.mark.parametrize("h", [1, 2, 3, 10, 50])
+def test_first_round_reaches_the_next_multiple_of_h_at_least_half_a_round_away(h):
+    """Brute force: the smallest later step count that is a multiple of H and at least ⌈H/2⌉ away."""
+    for done in range(0, 4 * h + 3):
+        want = next(e for e in itertools.count(done + 1) if e % h == 0 and e - done >= math.ceil(h / 2)) - done
+        assert sync_trial.first_round(done, h) == want, (h, done)
+    assert sync_trial.first_round(182, 50) == 68 and sync_trial.first_round(12, 50) == 38  # joined; cut
+
+
+def test_a_stretched_diloco_window_closes_after_its_first_round_and_leaves_it_out_of_recent():
+    """A DiLoCo-first window of 2 rounds of H = 10 whose first round is 13 steps (stretch 3): full at
+    23 steps; its recent rate is the hand fit of the 10 steps after the first round; the next window
+    has no stretch."""
+    rng = random.Random(3)
+    tr = Trial(challenger="diloco10", start_step=0, window=20, incumbent="ddp", beta_s_per_byte=4e-7,
+               order=sync_trial.DILOCO_FIRST, round_steps=10, stretch=3)
+    durations, losses = _noisy_window(rng, 23, 0.2, 0.5, 0.01)
+    full = [tr.add(d, v) for d, v in zip(durations, losses)]
+    assert full == [False] * 22 + [True]
+    tr.close_window()
+    assert tr.recent["per_s"] == pytest.approx(_hand_rate(durations[13:], losses[13:])[0], rel=1e-9)
+    assert tr.stretch == 0 and tr.rates[0]["points"] == 23
+    assert [tr.add(0.3, 1.0) for _ in range(20)][-2:] == [False, True]
+
+
 # ---------------------------------------------------------------- rates and the verdict
 def _hand_rate(durations: list[float], losses: list[float]) -> tuple[float, float]:
     """(minus the slope, its standard error): statistics' slope, the error from the residuals by hand."""

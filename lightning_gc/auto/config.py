@@ -220,6 +220,11 @@ class AutoConfig:
     """The challenger is the smallest H whose predicted step is within this fraction of compute alone."""
     diloco_retry_every: int = _opt("sync", 0)
     """Steps after a lost trial before another (0: only once the link's β moved by ``severe_drift``)."""
+    diloco_align: bool = _opt("sync", True)
+    """Keep DiLoCo's outer steps on multiples of H of the optimizer step, where a run that started
+    in DiLoCo takes them: the first round after entering runs to the next multiple (joined to the
+    one after where that is under H/2 steps away), so validation, checkpoints and logs every H (or
+    a multiple of it) see a θ_outer just updated. False: the first round is H steps from entering."""
 
     def __post_init__(self) -> None:
         self._check_choice()
@@ -333,6 +338,9 @@ class AutoConfig:
                      "a positive number of standard errors, e.g. 2.0.", above=0)
         check_number("auto_diloco_hide", self.diloco_hide, "a finite fraction >= 0 of compute, e.g. 0.1.", at_least=0)
         _int("diloco_retry_every", self.diloco_retry_every, 0, "Use 0 to retry only on a new link, or e.g. 1000.")
+        if not isinstance(self.diloco_align, bool):
+            raise ValueError(f"auto_diloco_align={self.diloco_align!r} must be true or false (true: DiLoCo's outer "
+                             "steps fall on multiples of H of the optimizer step, as a static DiLoCo run's do).")
 
     def canary(self) -> LinkCanary | None:
         """The :class:`~lightning_gc.auto.canary.LinkCanary` of these options (None: off)."""

@@ -10,14 +10,16 @@ the step boundary after DiLoCo's own post-step work (the DiLoCo participant runs
 2. **Trial.** Three windows, the family the gate favours first and last (``diloco_lead``,
    sync_trial.first_family). Each step of the trial agrees the ranks' mean training loss and step
    time (one small all-reduce). Between windows of different families, DiLoCo is entered
-   (``enter``: θ_outer is the current θ, DDP's gradient synchronisation off) or left (``leave``:
-   the round is closed, every rank holds θ_outer, the inner optimizer state becomes the ranks'
-   mean, DDP on again); after the third window (or an early win after the second), the verdict.
-   DiLoCo's window is whole rounds, so leaving never cuts one; the per-step window between two of
-   DiLoCo's may close sooner (``Trial.closes_early``). auto's per-step watch is held from the
-   trial's start to its verdict, so no gain, drift or periodic check re-decides inside a window
-   (such checks fall due on the step counter, which runs on through DiLoCo's steps); should the
-   method or the network model change all the same, the trial ends unjudged (``aborted``).
+   (``enter``: θ_outer is the current θ, DDP's gradient synchronisation off, the first round up to
+   the next multiple of H, sync_trial.first_round, so outer steps fall where a static DiLoCo run
+   takes them) or left (``leave``: the round is closed, every rank holds θ_outer, the inner
+   optimizer state becomes the ranks' mean, DDP on again); after the third window (or an early win
+   after the second), the verdict. DiLoCo's window is whole rounds (the first one stretched or cut
+   to that multiple of H), so leaving never cuts one; the per-step window between two of DiLoCo's
+   may close sooner (``Trial.closes_early``). auto's per-step watch is held from the trial's start
+   to its verdict, so no gain, drift or periodic check re-decides inside a window (such checks fall
+   due on the step counter, which runs on through DiLoCo's steps); should the method or the
+   network model change all the same, the trial ends unjudged (``aborted``).
 3. **Running DiLoCo.** The first outer exchange's agreed time is the reference; an exchange
    ``severe_drift`` times slower or faster means the link moved: auto leaves DiLoCo and decides
    again, per-step, on a fresh probe (the gate may bring DiLoCo back once measured again).
@@ -147,7 +149,6 @@ class FamilySwitcher:
         trial = sync_trial.Trial(challenger=name, start_step=step + 1, window=window, incumbent=st.chosen,
                                  beta_s_per_byte=st.network.beta_s_per_byte, order=order,
                                  round_steps=diloco_choice(name).inner_steps)
-        self.s["trial"] = trial.as_dict()
         self._event(step, "trial", challenger=name, incumbent=st.chosen, incumbent_step_s=st.reference,
                     dense_step_s=dense, predicted_step_s={n: p.step_s for n, p in preds.items()}, window=window,
                     order=order)
@@ -156,7 +157,8 @@ class FamilySwitcher:
                        f"{name!r} at {1e3 * preds[name].step_s:.0f} ms: trying it against {st.chosen!r} on the training loss "
                        f"({window} steps of each, {bracket!r} before and after)")
         if trial.in_diloco:
-            self._enter(step, name, "trial")
+            trial.stretch = self._enter(step, name, "trial") - trial.round_steps
+        self.s["trial"] = trial.as_dict()
 
     # ------------------------------------------------------------------ trial
     def _agree(self, duration_s: float, loss: float | None) -> tuple[bool, bool, float, float]:
@@ -199,7 +201,7 @@ class FamilySwitcher:
         if was_diloco:
             self._leave(step, "trial")
         else:
-            self._enter(step, tr.challenger, "trial")
+            tr.stretch = self._enter(step, tr.challenger, "trial") - tr.round_steps
         self.s["trial"] = tr.as_dict()
 
     def _won_early(self, step: int, tr: sync_trial.Trial) -> bool:
@@ -236,11 +238,16 @@ class FamilySwitcher:
                        f"ended: {winner}" + (f" (z = {z:.2f})" if z is not None else f" ({detail.get('why')})"))
 
     # ------------------------------------------------------------------ the two verbs
-    def _enter(self, step: int, name: str, why: str) -> None:
-        self.sync.enter(name)
+    def _enter(self, step: int, name: str, why: str) -> int:
+        """Enter DiLoCo after ``step``, its first round up to the next multiple of H
+        (sync_trial.first_round; H steps without ``diloco_align``); returns that round's steps."""
+        h = diloco_choice(name).inner_steps
+        first = sync_trial.first_round(step + 1, h) if self.config.diloco_align else h
+        self.sync.enter(name, first)
         self.s["running"], self.s["reference_exchange_s"] = name, None
         self._seen_stats = None
-        self._event(step, "enter", choice=name, why=why)
+        self._event(step, "enter", choice=name, why=why, first_round=first)
+        return first
 
     def _leave(self, step: int, why: str, **detail: Any) -> None:
         name = self.sync.choice

@@ -114,6 +114,17 @@ def window_steps(inner_steps: int, rounds: int) -> int:
     return h * max(int(rounds), -(-MIN_POINTS // h))
 
 
+def first_round(steps_done: int, inner_steps: int) -> int:
+    """Inner steps of DiLoCo's first round when it is entered after ``steps_done`` optimizer steps: up
+    to the next multiple of H, where a run that started in DiLoCo synchronises, so evaluations,
+    checkpoints and logs at multiples of H see a θ_outer just updated, as they would with a static
+    DiLoCo. A first round shorter than H/2 is joined to the next, so it has ⌈H/2⌉ to ⌈H/2⌉ + H − 1
+    steps: never an exchange for a handful of steps."""
+    h = int(inner_steps)
+    r = (-int(steps_done)) % h
+    return r + h if r < (h + 1) // 2 else r
+
+
 def cumulative(durations_s: Sequence[float]) -> list[float]:
     """Training seconds at the end of each step, from each step's duration."""
     out, t = [], 0.0
@@ -207,6 +218,7 @@ class Trial:
     order: str = PER_STEP_FIRST  # which family brackets the other (ORDERS)
     round_steps: int = 0  # DiLoCo's H (0 in records from before it was kept)
     recent: dict | None = None  # diloco_first: DiLoCo's first window without its first round (Trial.closes_early)
+    stretch: int = 0  # steps this DiLoCo window's first round has beyond H (first_round − H; may be < 0)
 
     @property
     def phase_name(self) -> str:
@@ -218,10 +230,11 @@ class Trial:
         return self.phase_name.startswith("diloco")
 
     def add(self, duration_s: float, loss: float) -> bool:
-        """Record one step; returns whether the window is full (then :meth:`close_window`)."""
+        """Record one step; returns whether the window is full (then :meth:`close_window`): ``window``
+        steps, DiLoCo's with its first round's ``stretch``, so it ends on an outer step."""
         self.durations.append(float(duration_s))
         self.losses.append(float(loss))
-        return len(self.durations) >= self.window
+        return len(self.durations) >= self.window + self.stretch
 
     def closes_early(self, threshold: float) -> bool:
         """Whether the window now measured may close before ``window`` steps (module docstring): only
@@ -240,13 +253,14 @@ class Trial:
         if self.phase == 0 and self.order == DILOCO_FIRST:
             self.recent = asdict(self._later_rounds())
         self.rates.append({"phase": self.phase_name, **asdict(r), "seconds": sum(self.durations)})
-        self.durations, self.losses = [], []
+        self.durations, self.losses, self.stretch = [], [], 0
         self.phase += 1
         return r
 
     def _later_rounds(self) -> Rate:
         """This window's rate without its first round (the whole window where that leaves too few points)."""
-        k = self.round_steps if len(self.durations) - self.round_steps >= MIN_POINTS else 0
+        k = self.round_steps + self.stretch
+        k = k if len(self.durations) - k >= MIN_POINTS else 0
         return rate_of(self.durations[k:], self.losses[k:])
 
     def as_dict(self) -> dict:
@@ -275,5 +289,5 @@ def _rate(r: Mapping) -> Rate:
 
 
 __all__ = ["DILOCO_FIRST", "MIN_BALANCED_POINTS", "ORDERS", "PER_STEP_FIRST", "PHASES", "Trial", "bracket_rate", "cumulative",
-           "first_family", "gate_opens", "keeper", "link_moved", "may_retry", "middle_family", "pick_challenger",
+           "first_family", "first_round", "gate_opens", "keeper", "link_moved", "may_retry", "middle_family", "pick_challenger",
            "rate_of", "rates", "rates_so_far", "trails", "verdict", "window_steps", "wins_early"]

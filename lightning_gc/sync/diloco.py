@@ -366,6 +366,7 @@ class DiLoCoSync(StepParticipant):
         self.outer_optimizer = config.build_outer_optimizer(self.theta_outer)
         self.memories: dict[int, Tensor] = {}  # per fragment: flat error memory (fp32), with error feedback
         self.inner_step = 0  # optimizer steps taken (every rank the same)
+        self.round_shift = 0  # inner steps the round schedule is moved by (enter's first_round − H)
         self.outer_steps = 0  # outer steps applied (per fragment with streaming), discarded ones not counted
         self.sends = [0] * len(self.fragments)  # exchanges started per fragment
         self.last_send = [0] * len(self.fragments)  # inner step of each fragment's last send
@@ -374,14 +375,22 @@ class DiLoCoSync(StepParticipant):
                         if config.overlap_steps > 0 and self.world_size > 1 else InlineRunner())
         self._finished_at: int | None = None  # the inner step of the last closing round (finish)
 
-    def enter(self, choice: str) -> None:
+    def enter(self, choice: str, first_round: int | None = None) -> None:
         """Start DiLoCo now, as configuration ``choice`` of :attr:`switch`: θ_outer is the current θ, a
-        fresh outer optimizer, and DDP's gradient synchronisation off. Between steps, on every rank alike."""
+        fresh outer optimizer, and DDP's gradient synchronisation off. Between steps, on every rank alike.
+        ``first_round``: inner steps until the first outer step (None: H); every later one follows H
+        steps after the one before, so a caller can keep the rounds on the steps a run that started in
+        DiLoCo would synchronise at."""
         if self.switch is None:
             raise RuntimeError("DiLoCoSync.enter() is for a run that switches families (compressor='auto').")
         if self.active:
             raise RuntimeError(f"DiLoCo is running already (as {self.choice!r}); leave() it first.")
         self._configure(*self.switch.resolve(choice))
+        h = self.config.inner_steps
+        if first_round is not None and not (isinstance(first_round, int) and 1 <= first_round < 2 * h):
+            raise ValueError(f"first_round={first_round!r} must be an integer in [1, 2H) = [1, {2 * h}) for "
+                             f"{choice!r}, whose H is {h}.")
+        self.round_shift = (first_round or h) - h
         self.choice, self.active = choice, True
         self.switch.set_gradient_sync(False)
 
@@ -443,8 +452,8 @@ class DiLoCoSync(StepParticipant):
             if self._pending[p].due == t:
                 self._apply(p)
         for p in range(len(self.fragments)):
-            off = cfg.send_offset(p)
-            if t >= off and (t - off) % cfg.inner_steps == 0:
+            off = cfg.send_offset(p) + self.round_shift
+            if t >= max(off, 1) and (t - off) % cfg.inner_steps == 0:
                 self._send(p)
                 if cfg.overlap_steps == 0:
                     self._apply(p)
@@ -720,6 +729,7 @@ class DiLoCoSync(StepParticipant):
         return {
             "active": True, "choice": self.choice,
             "inner_step": self.inner_step,
+            "round_shift": self.round_shift,
             "outer_steps": self.outer_steps,
             "workers": self.layout,
             "sends": list(self.sends),
@@ -745,6 +755,7 @@ class DiLoCoSync(StepParticipant):
                 o.copy_(saved[n])
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.inner_step = int(state["inner_step"])
+        self.round_shift = int(state.get("round_shift", 0))  # 0 in checkpoints from before it was kept
         self.outer_steps = int(state["outer_steps"])
         self.sends = list(state.get("sends", self.sends))
         self.last_send = list(state.get("last_send", self.last_send))
