@@ -385,11 +385,13 @@ class DiLoCoSync(StepParticipant):
             raise RuntimeError("DiLoCoSync.enter() is for a run that switches families (compressor='auto').")
         if self.active:
             raise RuntimeError(f"DiLoCo is running already (as {self.choice!r}); leave() it first.")
-        self._configure(*self.switch.resolve(choice))
-        h = self.config.inner_steps
-        if first_round is not None and not (isinstance(first_round, int) and 1 <= first_round < 2 * h):
+        resolved = self.switch.resolve(choice)
+        h = resolved[0].inner_steps
+        if first_round is not None and (isinstance(first_round, bool) or not isinstance(first_round, int)
+                                        or not 1 <= first_round < 2 * h):
             raise ValueError(f"first_round={first_round!r} must be an integer in [1, 2H) = [1, {2 * h}) for "
                              f"{choice!r}, whose H is {h}.")
+        self._configure(*resolved)
         self.round_shift = (first_round or h) - h
         self.choice, self.active = choice, True
         self.switch.set_gradient_sync(False)
