@@ -439,6 +439,22 @@ def test_diloco_first_faster_per_step_wins_early_without_going_back():
     assert not run.sync.active and run.state.sync["running"] is None
 
 
+def test_diloco_first_on_a_steepening_loss_the_per_step_lead_does_not_win_early():
+    """DiLoCo's first window removes 0.0001 more loss every step (0.001 a step at 0.1 s to 0.002 by
+    its end, 0.015/s on the whole window): the per-step window's 1/30 per s leads the whole window,
+    but DiLoCo's later round ran faster than the whole of it, so the trial goes on to DiLoCo's
+    third window (entered at 2W) and the verdict at 3W."""
+    run = _diloco_first(b_drop=0.0)
+    while run.step <= 3 * W + 5:
+        run.b_drop = 0.001 + 0.0001 * min(run.step, W) if run.step <= W else 0.002
+        run.one()
+    assert run.sync.calls[:3] == [("enter", 0, "diloco10"), ("leave", W, "diloco10"), ("enter", 2 * W, "diloco10")]
+    last = run.state.sync["last_trial"]
+    assert last["end_step"] == 3 * W and not last.get("early") and len(last["rates"]) == 3
+    first = last["rates"][0]
+    assert first["per_s"] < A_DROP / A_STEP_S  # the per-step window did lead the first window
+
+
 def test_diloco_first_not_separable_keeps_diloco():
     """A threshold no lead reaches: the bracketing family, DiLoCo, stays (per-step first, the
     per-step method would: tests/test_auto_diloco_lightning.py)."""

@@ -224,6 +224,35 @@ def test_wins_early_is_the_middle_family_leading_the_first_window():
     assert (sync_trial.keeper(per), sync_trial.keeper(dil)) == ("incumbent", "challenger")
 
 
+def test_no_early_win_where_the_first_windows_later_rounds_ran_faster_by_the_threshold():
+    """``recent`` 1.6 ± 0.3 against the whole first window's 1.0: 0.6 = 2 of recent's standard errors,
+    a steepening curve, so the middle's lead decides nothing; 0.59 short of it, the early win stands."""
+    first, ahead = Rate(1.0, 0.3, 20, 3.0), Rate(2.0, 0.4, 20, 2.5)
+    for order in (sync_trial.PER_STEP_FIRST, sync_trial.DILOCO_FIRST):
+        assert sync_trial.wins_early(first, ahead, 2.0, order, recent=Rate(1.6, 0.3, 10, 2.9)) is None
+        assert sync_trial.wins_early(first, ahead, 2.0, order, recent=Rate(1.59, 0.3, 10, 2.9)) is not None
+        assert sync_trial.wins_early(first, ahead, 2.0, order, recent=Rate(0.5, 0.3, 10, 2.9)) is not None
+    assert sync_trial.steepening(first, Rate(1.6, 0.3, 10, 2.9), 2.0)
+    assert not sync_trial.steepening(first, Rate(1.6, 0.3 + 1e-9, 10, 2.9), 2.0)
+
+
+def test_a_window_on_an_accelerating_loss_records_a_steepening_recent_rate():
+    """Loss 5 − 0.02·t² over 30 steps of 0.2 s (rounds of 10): the later rounds' rate, by hand, is
+    above the whole window's by far more than two of its standard errors; on 5 − 0.5·t, not."""
+    for curve, steep in ((lambda t: 5.0 - 0.02 * t * t, True), (lambda t: 5.0 - 0.5 * t, False)):
+        rng = random.Random(1)
+        tr = Trial(challenger="diloco10", start_step=0, window=30, incumbent="ddp", beta_s_per_byte=4e-7,
+                   round_steps=10)
+        times = [0.2 * (i + 1) for i in range(30)]
+        losses = [curve(t) + rng.gauss(0.0, 0.001) for t in times]
+        for v in losses:
+            tr.add(0.2, v)
+        tr.close_window()
+        assert tr.recent["per_s"] == pytest.approx(_hand_rate([0.2] * 20, losses[10:])[0], rel=1e-9)
+        first, recent = sync_trial.rates_so_far(tr)[0], sync_trial.rate_record(tr.recent)
+        assert sync_trial.steepening(first, recent, 2.0) is steep
+
+
 def test_first_family_is_diloco_from_lead_times_its_step():
     dil, per = sync_trial.DILOCO_FIRST, sync_trial.PER_STEP_FIRST
     assert sync_trial.first_family(4.0, 1.0, 4.0) == dil

@@ -208,7 +208,8 @@ class FamilySwitcher:
         """The middle window led the first despite coming later (sync_trial.wins_early): its family
         stays, with no further switch."""
         first, middle = sync_trial.rates_so_far(tr)
-        v = sync_trial.wins_early(first, middle, self.config.diloco_threshold, tr.order)
+        recent = sync_trial.rate_record(tr.recent) if tr.recent is not None else None
+        v = sync_trial.wins_early(first, middle, self.config.diloco_threshold, tr.order, recent)
         if v is None:
             return False
         self._end(step, tr, v.winner, z=v.z, lead_per_s=v.lead_per_s, early=True,

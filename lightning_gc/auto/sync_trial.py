@@ -52,7 +52,9 @@ the trial pays for. After :data:`MIN_BALANCED_POINTS` steps it closes as soon as
 ``threshold`` standard errors, the middle family wins without the third window. A loss curve
 flattens as training goes on, so a window measured later looks slower: the middle window is biased
 against, and a lead it shows despite that is a lead the bracket would show too. An early win
-costs no further switch and one window less.
+costs no further switch and one window less. Not every curve flattens: some fall slowly at first,
+then steeply, and there the later window is the favoured one. So where the first window's later
+rounds ran faster than the whole of it (:func:`steepening`), there is no early win.
 
 **Leaving DiLoCo** (:func:`link_moved`): while DiLoCo runs, each outer exchange's agreed time (the
 slowest rank's) is compared with the first one's after entering, a measurement on the link it was
@@ -168,11 +170,23 @@ def verdict(first: Rate, middle: Rate, last: Rate, threshold: float, order: str 
     return compare(*_families(order, bracket_rate(first, middle, last), middle), threshold)
 
 
-def wins_early(first: Rate, middle: Rate, threshold: float, order: str = PER_STEP_FIRST) -> Verdict | None:
+def wins_early(first: Rate, middle: Rate, threshold: float, order: str = PER_STEP_FIRST,
+               recent: Rate | None = None) -> Verdict | None:
     """The verdict where the middle window leads the first by ``threshold`` standard errors (see the
-    module docstring: the later window is the one the flattening curve disfavours); else None."""
+    module docstring: the later window is the one the flattening curve disfavours); else None.
+    ``recent``: the first window without its first round; where it ran faster than the whole window
+    by ``threshold`` of its standard errors (:func:`steepening`), the curve was not flattening and
+    there is no early win: the third window decides."""
+    if recent is not None and steepening(first, recent, threshold):
+        return None
     v = compare(*_families(order, first, middle), threshold)
     return v if v.winner == middle_family(order) else None
+
+
+def steepening(first: Rate, recent: Rate, threshold: float) -> bool:
+    """Whether a window's later rounds (``recent``) removed loss faster than the whole window by
+    ``threshold`` standard errors of the later rounds' rate: the loss curve steepened within it."""
+    return recent.per_s - first.per_s >= threshold * recent.stderr
 
 
 def trails(diloco: Rate, middle: Rate, threshold: float) -> bool:
@@ -217,7 +231,7 @@ class Trial:
     rates: list[dict] = field(default_factory=list)  # the finished windows' rates
     order: str = PER_STEP_FIRST  # which family brackets the other (ORDERS)
     round_steps: int = 0  # DiLoCo's H (0 in records from before it was kept)
-    recent: dict | None = None  # diloco_first: DiLoCo's first window without its first round (Trial.closes_early)
+    recent: dict | None = None  # the first window without its first round (closes_early, wins_early)
     stretch: int = 0  # steps this DiLoCo window's first round has beyond H (first_round − H; may be < 0)
 
     @property
@@ -244,13 +258,13 @@ class Trial:
         n = len(self.durations)
         if self.order != DILOCO_FIRST or self.phase != 1 or n < MIN_BALANCED_POINTS:
             return False
-        rate, first = rate_of(self.durations, self.losses), _rate(self.rates[0])
-        recent = _rate(self.recent) if self.recent is not None else first
+        rate, first = rate_of(self.durations, self.losses), rate_record(self.rates[0])
+        recent = rate_record(self.recent) if self.recent is not None else first
         return trails(recent, rate, threshold) or (n >= self.round_steps and rate.stderr <= first.stderr)
 
     def close_window(self) -> Rate:
         r = rate_of(self.durations, self.losses)
-        if self.phase == 0 and self.order == DILOCO_FIRST:
+        if self.phase == 0:
             self.recent = asdict(self._later_rounds())
         self.rates.append({"phase": self.phase_name, **asdict(r), "seconds": sum(self.durations)})
         self.durations, self.losses, self.stretch = [], [], 0
@@ -273,7 +287,7 @@ class Trial:
 
 def rates_so_far(trial: Trial) -> list[Rate]:
     """The finished windows' rates, in the trial's order."""
-    return [_rate(r) for r in trial.rates]
+    return [rate_record(r) for r in trial.rates]
 
 
 def rates(trial: Trial) -> tuple[Rate, Rate, Rate]:
@@ -283,11 +297,11 @@ def rates(trial: Trial) -> tuple[Rate, Rate, Rate]:
     return tuple(rates_so_far(trial))  # type: ignore[return-value]
 
 
-def _rate(r: Mapping) -> Rate:
+def rate_record(r: Mapping) -> Rate:
     """A finished window's rate from its record (``level`` NaN in records written before it was kept)."""
     return Rate(r["per_s"], r["stderr"], r["points"], r.get("level", math.nan))
 
 
 __all__ = ["DILOCO_FIRST", "MIN_BALANCED_POINTS", "ORDERS", "PER_STEP_FIRST", "PHASES", "Trial", "bracket_rate", "cumulative",
            "first_family", "first_round", "gate_opens", "keeper", "link_moved", "may_retry", "middle_family", "pick_challenger",
-           "rate_of", "rates", "rates_so_far", "trails", "verdict", "window_steps", "wins_early"]
+           "rate_of", "rate_record", "rates", "rates_so_far", "steepening", "trails", "verdict", "window_steps", "wins_early"]
