@@ -164,7 +164,12 @@ def design() -> list[dict[str, Any]]:
                 {**base, "compressor": "auto", "resume": "resumed", "accumulate": 2, "optimizer": "adamw_clip",
                  "options": {"network_alpha_s": 2e-3, "network_beta_s_per_byte": 8 / 2e6},
                  "auto_options": {"diloco": ["diloco2"], "diloco_gate": 0, "diloco_lead": 1, "diloco_rounds": 1,
-                                  "diloco_threshold": 1e9}}]
+                                  "diloco_threshold": 1e9}},
+                # DiLoCo first with its rounds counted from entering (diloco_align off), plain SGD, no accumulation
+                {**base, "compressor": "auto", "resume": "resumed",
+                 "options": {"network_alpha_s": 2e-3, "network_beta_s_per_byte": 8 / 2e6},
+                 "auto_options": {"diloco": ["diloco2"], "diloco_gate": 0, "diloco_lead": 1, "diloco_rounds": 1,
+                                  "diloco_threshold": 1e9, "diloco_align": False}}]
     for case in (all_pairs(FACTORS) + stateful_product() + adamw + auto + families + options + lowbit_cases()
                  + node_cases()):
         key = tuple(case[n] for n in FACTORS) + (repr(sorted(case.get("options", {}).items())), world(case),
