@@ -312,10 +312,10 @@ def test_a_missing_loss_during_a_trial_names_the_fix():
 def test_lead_decides_which_family_the_trial_starts_in(lead, first):
     """One rank: DiLoCo's step is compute alone, 0.06 s; the dense step 0.3 s is 5 times that. With
     ``diloco_lead`` below 5, DiLoCo is entered at the gate's own step; above it, or at 0, the
-    per-step method runs first. None: the default (2, the gate's)."""
+    per-step method runs first. None: the default (1.5, the gate's)."""
     if lead is None:
         cfg = AutoConfig(candidates=("ddp",), diloco=("diloco10",), diloco_rounds=ROUNDS)
-        assert cfg.diloco_lead == cfg.diloco_gate == 2.0
+        assert cfg.diloco_lead == cfg.diloco_gate == 1.5
     else:
         cfg = _config(diloco_lead=lead)
     run = Run(cfg, _state(), b_drop=0.008)

@@ -195,20 +195,22 @@ class AutoConfig:
     ``("diloco10", "diloco50")`` (a string joins names with ``+``); empty (the default): per-step
     methods only. Where the gate opens, a
     trial on the training loss decides (docs/auto-diloco.md)."""
-    diloco_gate: float = _opt("sync", 2.0)
+    diloco_gate: float = _opt("sync", 1.5)
     """A trial runs only where an exact per-step method's predicted step (the fastest of ``ddp``,
     ``fp16``, ``bf16`` among the candidates) is at least this many times DiLoCo's predicted step.
-    Lower it to try DiLoCo on faster links (each losing trial costs about one window of slower
-    progress); raise it to try only where the link dominates a dense step. 0: try at once after the
-    first decision, whatever the link (to compare the families on your job)."""
-    diloco_lead: float = _opt("sync", 2.0)
+    1.5 opens it where the link takes at least a third of a dense step: DiLoCo can win there by
+    progressing more per step, not only by stepping faster, and a compute-bound job (a fast link)
+    stays shut. Lower it to try DiLoCo on faster links (each losing trial costs about one window of
+    slower progress); raise it to try only where the link dominates a dense step. 0: try at once
+    after the first decision, whatever the link (to compare the families on your job)."""
+    diloco_lead: float = _opt("sync", 1.5)
     """Where that dense step is predicted at least this many times DiLoCo's, the trial starts in DiLoCo
     and brackets the per-step method (DiLoCo, per-step, DiLoCo), and DiLoCo stays unless the
     per-step method is shown faster; below it, the per-step method brackets DiLoCo and stays unless
     DiLoCo is shown faster. Either way a trial costs about one window of the family it leaves; the
     order decides who stays where the trial cannot separate them. The default, equal to
-    ``diloco_gate``'s, starts every trial in DiLoCo: where the gate opens, a dense step spends most
-    of its time on the link. Raise it (0: always per-step first) where a per-step method usually
+    ``diloco_gate``'s, starts every trial in DiLoCo: where the gate opens, the link takes a large
+    share of a dense step. Raise it (0: always per-step first) where a per-step method usually
     wins on such links."""
     diloco_rounds: int = _opt("sync", 3)
     """DiLoCo rounds (of H steps) in each of the trial's three windows. More rounds separate smaller

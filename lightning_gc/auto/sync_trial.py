@@ -10,8 +10,8 @@ loss removed per second of training (:mod:`lightning_gc.auto.progress`), measure
 **The gate** (:func:`gate_opens`). A trial costs progress when DiLoCo loses, so one is run only where
 the link makes exact per-step training expensive: the fastest exact per-step candidate's predicted
 step (``ddp``, ``fp16``, ``bf16``: every element sent every step) is at least ``gate`` times
-DiLoCo's predicted step (:func:`lightning_gc.auto.diloco_cost.predict_diloco`), i.e. a dense step
-spends most of its time on the link. The running method is not the yardstick: a lossy compressor
+DiLoCo's predicted step (:func:`lightning_gc.auto.diloco_cost.predict_diloco`), i.e. the link takes a
+large share of a dense step (a third of it at the default 1.5). The running method is not the yardstick: a lossy compressor
 (low rank, Top-k) can run as fast per step as DiLoCo and still make less progress per step, which
 only the trial shows. On a fast link the gate stays shut and auto stays per-step at no cost.
 
