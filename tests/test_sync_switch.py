@@ -20,7 +20,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from dist_harness import run_distributed
 
+from lightning_gc.auto import sync_switch
 from lightning_gc.auto.config import AutoConfig
 from lightning_gc.auto.model import Prediction, Workload
 from lightning_gc.auto.state import AutoState
@@ -289,12 +291,17 @@ def test_per_step_redecision_in_window_two_aborts_without_a_verdict():
     assert [e["step"] for e in run.events("trial")] == [0, 2 * W + 6]  # judged nothing: tried again
 
 
-def test_nonfinite_loss_under_diloco_leaves_and_the_incumbent_stays():
+def test_nonfinite_loss_under_diloco_leaves_at_the_rounds_end_and_the_incumbent_stays():
+    """DiLoCo's steps are agreed at the round's outer step (which discards a non-finite round on
+    every rank), so the trial ends there: at step W + H, the round entered after step W."""
     run = Run(_config(), _state(), b_drop=0.008)
     run.until(W + 4)
     assert run.sync.active
     assert run.one(loss=torch.tensor(float("nan"))) is True  # a DiLoCo step
-    assert run.sync.calls == [("enter", W, "diloco10"), ("leave", W + 5, "diloco10")]
+    run.until(W + H - 1)
+    assert run.sync.calls == [("enter", W, "diloco10")]
+    run.one()
+    assert run.sync.calls == [("enter", W, "diloco10"), ("leave", W + H, "diloco10")]
     last = run.state.sync["last_trial"]
     assert last["winner"] == "incumbent" and "non-finite" in last["why"] and not run.sync.active
 
@@ -465,11 +472,12 @@ def test_diloco_first_not_separable_keeps_diloco():
     assert run.sync.calls[-1] == ("enter", 2 * W, "diloco10") and run.sync.active
 
 
-def test_diloco_first_nonfinite_loss_in_its_first_window_leaves():
+def test_diloco_first_nonfinite_loss_in_its_first_window_leaves_at_the_rounds_end():
     run = _diloco_first(b_drop=0.008)
     run.until(4)
     run.one(loss=torch.tensor(float("inf")))
-    assert run.sync.calls == [("enter", 0, "diloco10"), ("leave", 5, "diloco10")]
+    run.until(H)
+    assert run.sync.calls == [("enter", 0, "diloco10"), ("leave", H, "diloco10")]
     assert run.state.sync["last_trial"]["winner"] == "incumbent" and not run.sync.active
 
 
@@ -508,17 +516,22 @@ def test_an_outer_exchange_severe_drift_faster_leaves_and_redecides():
 
 
 # ---------------------------------------------------------------- resume mid-trial
-@pytest.mark.parametrize("lead", [0.0, 2.0])
-def test_a_checkpoint_mid_trial_gives_the_same_verdict(lead):
-    """Cut in the middle window: DiLoCo's (per-step first) or the per-step method's (DiLoCo first)."""
+@pytest.mark.parametrize("lead, cut", [(0.0, 0), (0.0, 3), (2.0, 0), (2.0, 3)])
+def test_a_checkpoint_mid_trial_gives_the_same_verdict(lead, cut):
+    """Cut in the middle window: DiLoCo's (per-step first; at a round's end, or 3 steps into a round,
+    whose steps the checkpoint agrees first) or the per-step method's (DiLoCo first)."""
     cfg = _config(diloco_lead=lead)
-    run = Run(cfg, _state(), b_drop=0.004)
-    mid = W + W // 2  # inside the middle window
-    run.until(mid)
-    saved = json.loads(json.dumps(run.state.state_dict(False, 0)))
-    level, cut_events = run.level, len(run.state.sync["events"])
+    mid = W + W // 2 + cut  # inside the middle window
+    run = Run(cfg, _state(), b_drop=0.004)  # not interrupted
     run.until(3 * W + 3)
     whole = run.state.sync
+    first = Run(cfg, _state(), b_drop=0.004)  # saved after step mid
+    first.until(mid)
+    first.sw.flush(mid)
+    assert first.sw._pending == []
+    saved = json.loads(json.dumps(first.state.state_dict(False, 0)))
+    level, cut_events = first.level, len(first.state.sync["events"])
+    assert len(saved["sync"]["trial"]["durations"]) == W // 2 + cut  # every step of the window so far
 
     st = AutoState(probe_every=100, gain_every=50, explore=2)
     st.load(saved)
@@ -554,3 +567,65 @@ def test_diloco_compute_is_at_most_the_running_methods_measured_step():
         exchange = _hand_diloco_step(SLOW, 4, int(name[-2:])) - COMPUTE_S
         assert p.compute_s == pytest.approx(COMPUTE_S / 3, rel=1e-12)
         assert p.step_s == pytest.approx(COMPUTE_S / 3 + exchange, rel=1e-12)
+
+
+# ---------------------------------------------------------------- DiLoCo's steps agreed once a round
+def _counting(calls: list[int]):
+    plain = sync_switch.agree_values
+
+    def agree(values, op, group, device):
+        calls.append(len(values))
+        return plain(values, op, group, device)
+    return agree
+
+
+def test_a_diloco_window_agrees_once_a_round_and_a_per_step_window_every_step(monkeypatch):
+    """Per-step first: W per-step steps, one all-reduce of 4 figures each; then DiLoCo's window of
+    ROUNDS rounds, one all-reduce of 4·H figures at each outer step, none between."""
+    calls: list[int] = []
+    monkeypatch.setattr(sync_switch, "agree_values", _counting(calls))
+    run = Run(_config(), _state(), b_drop=0.001)  # DiLoCo slower: its window ends in a leave
+    run.until(W)
+    assert calls == [4] * W
+    calls.clear()
+    for _ in range(ROUNDS):
+        run.until(run.step + H - 2)
+        assert calls == [] and run.sync.active
+        run.one()
+        assert calls == [4 * H]
+        calls.clear()
+    assert not run.sync.active and len(run.state.sync["trial"]["rates"]) == 2
+
+
+def _ranks_agree_diloco_steps(rank: int, world: int) -> tuple[dict, list[int], list[float]]:
+    """DiLoCo first from step 0; rank r's step s takes 0.1 + 0.01·r + 0.001·s seconds at a loss of
+    5 − 0.01·s + 0.1·r. A checkpoint's flush after step W − 1, then the window's last step."""
+    calls: list[int] = []
+    sync_switch.agree_values = _counting(calls)
+    sync = FakeSync()
+    state = _state()
+    sw = FamilySwitcher(_engine(world), _config(diloco_gate=1.5, diloco_lead=1.5), state, sync, lambda s: None)
+    flushed: list[float] = []
+    for step in range(W + 1):
+        sw.note_loss(torch.tensor(5.0 - 0.01 * step + 0.1 * rank, dtype=torch.float64))
+        sync.now = step
+        sw.after_step(step, 0.1 + 0.01 * rank + 0.001 * step, False)
+        if step == W - 1:
+            sw.flush(step)
+            flushed = list(state.sync["trial"]["durations"])
+    return state.sync, calls, flushed
+
+
+def test_three_ranks_agree_diloco_steps_at_its_outer_steps_and_at_a_checkpoint():
+    """Three gloo ranks with different step times and losses: the trial holds the ranks' mean of
+    every step (by hand), identical on every rank; the all-reduces fall at the round's end (step H),
+    at the flush (the H − 1 steps of the second round) and at the window's end (its last step)."""
+    out = run_distributed(_ranks_agree_diloco_steps, 3)
+    syncs, calls, flushed = zip(*out)
+    assert syncs[0] == syncs[1] == syncs[2] and flushed[0] == flushed[1] == flushed[2]
+    assert list(calls[0]) == [4 * H, 4 * (H - 1), 4]
+    hand = [0.1 + 0.01 * 1 + 0.001 * s for s in range(1, W)]  # the mean rank is 1
+    assert flushed[0] == pytest.approx(hand, abs=1e-12)
+    first = syncs[0]["trial"]["rates"][0]
+    assert first["points"] == W and first["seconds"] == pytest.approx(sum(hand) + 0.11 + 0.001 * W, abs=1e-9)
+    assert first["per_s"] > 0 and [e["event"] for e in syncs[0]["events"]] == ["trial", "enter", "leave"]

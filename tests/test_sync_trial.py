@@ -99,6 +99,23 @@ def test_first_round_reaches_the_next_multiple_of_h_at_least_half_a_round_away(h
     assert sync_trial.first_round(182, 50) == 68 and sync_trial.first_round(12, 50) == 38  # joined; cut
 
 
+@pytest.mark.parametrize("h", [1, 2, 3, 10, 50])
+def test_ends_round_marks_exactly_the_outer_steps_of_a_simulated_window(h):
+    """Brute force: lay out a window's rounds (the first ``h + stretch`` steps, then ``h`` each) and
+    list the steps that close one."""
+    for stretch in range(-(h // 2), h):
+        ends, left, length = set(), h + stretch, 0
+        for n in range(1, 6 * h + 1):
+            left -= 1
+            if left == 0:
+                ends.add(n)
+                left = h
+            length = n
+        got = {n for n in range(1, length + 1) if sync_trial.ends_round(n, h, stretch)}
+        assert got == ends, (h, stretch)
+    assert all(sync_trial.ends_round(n, 0) for n in range(1, 5))  # a record without H: every step
+
+
 def test_a_stretched_diloco_window_closes_after_its_first_round_and_leaves_it_out_of_recent():
     """A DiLoCo-first window of 2 rounds of H = 10 whose first round is 13 steps (stretch 3): full at
     23 steps; its recent rate is the hand fit of the 10 steps after the first round; the next window

@@ -421,11 +421,15 @@ class AutoChooser(StepParticipant):
 
     # ------------------------------------------------------------------ decision
     def state_dict(self) -> dict:
+        if self.families is not None:  # called on every rank (Session.state_dict)
+            self.families.flush(self.engine.step - 1)
         return self.state.state_dict(bool(self.tap.armed), int(self.engine.config.warmup_steps))
 
     def load_state_dict(self, state: dict) -> None:
         st, engine = self.state, self.engine
         st.load(state)
+        if self.families is not None:
+            self.families.discard_pending()
         if st.network is not None and not engine.network.pinned:
             engine.adopt_network(st.network)
         if st.chosen is not None and state.get("warmup_steps") is not None:  # an early end of the warm-up

@@ -8,8 +8,12 @@ the step boundary after DiLoCo's own post-step work (the DiLoCo participant runs
    method (predicted from the agreed workload and network); if so, a trial against the running
    method starts, unless a lost trial on this link stands.
 2. **Trial.** Three windows, the family the gate favours first and last (``diloco_lead``,
-   sync_trial.first_family). Each step of the trial agrees the ranks' mean training loss and step
-   time (one small all-reduce). Between windows of different families, DiLoCo is entered
+   sync_trial.first_family). The trial reads the ranks' mean training loss and step time of every
+   step: a per-step window agrees them each step (one small all-reduce; the ranks wait for each
+   other at every step anyway), a DiLoCo window once a round, at its outer step, for all of the
+   round's steps (sync_trial.ends_round). An all-reduce every step would hold DiLoCo's ranks in
+   lock-step, each step as slow as the slowest rank's, and the trial would measure DiLoCo slower
+   than it runs. A checkpoint agrees the steps of the round so far first (:meth:`flush`). Between windows of different families, DiLoCo is entered
    (``enter``: θ_outer is the current θ, DDP's gradient synchronisation off, the first round up to
    the next multiple of H, sync_trial.first_round, so outer steps fall where a static DiLoCo run
    takes them) or left (``leave``: the round is closed, every rank holds θ_outer, the inner
@@ -72,6 +76,7 @@ class FamilySwitcher:
         self.numel = sum(p.numel() for p in engine.params)
         self._redecide = redecide
         self._loss: float | None = None
+        self._pending: list[tuple[float, float | None]] = []  # this rank's DiLoCo trial steps not yet agreed
         self._seen_stats: Any = None  # the last outer step's stats already watched
 
     @property
@@ -161,14 +166,43 @@ class FamilySwitcher:
         self.s["trial"] = trial.as_dict()
 
     # ------------------------------------------------------------------ trial
-    def _agree(self, duration_s: float, loss: float | None) -> tuple[bool, bool, float, float]:
-        """(every rank had a loss, every loss finite, mean duration, mean loss): one all-reduce."""
-        has = loss is not None
-        finite = has and math.isfinite(loss)  # type: ignore[arg-type]
-        n = self.engine.world_size
-        out = agree_values([float(has), float(finite), duration_s, loss if finite else 0.0], "sum",
+    def _agree_pending(self, step: int) -> list[tuple[float, float]] | None:
+        """The steps not yet agreed, as (mean duration, mean loss) over the ranks, in one all-reduce;
+        None where some rank's loss was non-finite. Every rank holds as many (they count steps)."""
+        pending, self._pending = self._pending, []
+        m, n = len(pending), self.engine.world_size
+        has = [float(loss is not None) for _, loss in pending]
+        finite = [float(loss is not None and math.isfinite(loss)) for _, loss in pending]
+        losses = [loss if ok else 0.0 for (_, loss), ok in zip(pending, finite)]
+        out = agree_values(has + finite + [d for d, _ in pending] + losses, "sum",
                            self.engine.process_group, self.engine.device)
-        return out[0] == n, out[1] == n, out[2] / n, out[3] / n
+        missing = [step - m + 1 + i for i in range(m) if out[i] != n]
+        if missing:
+            raise ValueError("lightning_gc auto: auto_diloco judges DiLoCo by the training loss, and some rank's "
+                             f"step {missing[0]} returned none. Return the loss from training_step (Trainer), or pass "
+                             "optimizer.step a closure that returns it (Fabric); or drop auto_diloco.")
+        if any(out[m + i] != n for i in range(m)):
+            return None
+        return [(out[2 * m + i] / n, out[3 * m + i] / n) for i in range(m)]
+
+    def flush(self, step: int) -> None:
+        """Agree the DiLoCo trial steps of the round so far into the trial (before a checkpoint, on
+        every rank), so that the replicated state saved holds them. A non-finite loss among them
+        ends the trial at the round's end, as it would have without the checkpoint."""
+        if not self._pending or self.s["trial"] is None:
+            return
+        tr = sync_trial.Trial.from_dict(self.s["trial"])
+        agreed = self._agree_pending(step)
+        if agreed is None:
+            tr.nonfinite = True
+        else:
+            for dt, mean_loss in agreed:  # the round's outer step is still ahead: the window is not full
+                tr.add(dt, mean_loss)
+        self.s["trial"] = tr.as_dict()
+
+    def discard_pending(self) -> None:
+        """Forget this rank's unagreed steps (the state was loaded from a checkpoint, which holds them)."""
+        self._pending = []
 
     def _trial_step(self, step: int, duration_s: float, loss: float | None) -> None:
         tr = sync_trial.Trial.from_dict(self.s["trial"])
@@ -177,18 +211,19 @@ class FamilySwitcher:
         if not tr.in_diloco and (st.chosen != tr.incumbent or beta != tr.beta_s_per_byte):
             self._end(step, tr, "aborted", why=f"auto re-decided: {st.chosen!r} on β {beta!r} s/B")
             return
-        every, finite, dt, mean_loss = self._agree(duration_s, loss)
-        if not every:
-            raise ValueError("lightning_gc auto: auto_diloco judges DiLoCo by the training loss, and some rank's "
-                             f"step {step} returned none. Return the loss from training_step (Trainer), or pass "
-                             "optimizer.step a closure that returns it (Fabric); or drop auto_diloco.")
-        if not finite:
+        self._pending.append((duration_s, loss))
+        if tr.in_diloco and not sync_trial.ends_round(len(tr.durations) + len(self._pending), tr.round_steps,
+                                                      tr.stretch):
+            return
+        agreed = self._agree_pending(step)
+        if agreed is None or tr.nonfinite:
             if tr.in_diloco:
                 self._end(step, tr, "incumbent", why="the loss went non-finite under DiLoCo")
             else:
                 self._end(step, tr, "aborted", why="the loss went non-finite under the per-step method")
             return
-        if not (tr.add(dt, mean_loss) or tr.closes_early(self.config.diloco_threshold)):
+        full = [tr.add(dt, mean_loss) for dt, mean_loss in agreed][-1]
+        if not (full or tr.closes_early(self.config.diloco_threshold)):
             self.s["trial"] = tr.as_dict()
             return
         was_diloco = tr.in_diloco

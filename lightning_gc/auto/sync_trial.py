@@ -127,6 +127,16 @@ def first_round(steps_done: int, inner_steps: int) -> int:
     return r + h if r < (h + 1) // 2 else r
 
 
+def ends_round(steps: int, round_steps: int, stretch: int = 0) -> bool:
+    """Whether the ``steps``-th step (from 1) of a DiLoCo window ends one of its rounds: the first has
+    ``round_steps + stretch`` steps, the later ones ``round_steps``. A record without ``round_steps``
+    (0, from before it was kept) ends one every step."""
+    if round_steps <= 0:
+        return True
+    first = round_steps + stretch
+    return steps >= first and (steps - first) % round_steps == 0
+
+
 def cumulative(durations_s: Sequence[float]) -> list[float]:
     """Training seconds at the end of each step, from each step's duration."""
     out, t = [], 0.0
@@ -233,6 +243,7 @@ class Trial:
     round_steps: int = 0  # DiLoCo's H (0 in records from before it was kept)
     recent: dict | None = None  # the first window without its first round (closes_early, wins_early)
     stretch: int = 0  # steps this DiLoCo window's first round has beyond H (first_round − H; may be < 0)
+    nonfinite: bool = False  # a DiLoCo step agreed early (at a checkpoint) had a non-finite loss
 
     @property
     def phase_name(self) -> str:
@@ -303,5 +314,5 @@ def rate_record(r: Mapping) -> Rate:
 
 
 __all__ = ["DILOCO_FIRST", "MIN_BALANCED_POINTS", "ORDERS", "PER_STEP_FIRST", "PHASES", "Trial", "bracket_rate", "cumulative",
-           "first_family", "first_round", "gate_opens", "keeper", "link_moved", "may_retry", "middle_family", "pick_challenger",
+           "ends_round", "first_family", "first_round", "gate_opens", "keeper", "link_moved", "may_retry", "middle_family", "pick_challenger",
            "rate_of", "rate_record", "rates", "rates_so_far", "steepening", "trails", "verdict", "window_steps", "wins_early"]
