@@ -13,17 +13,18 @@ the step boundary after DiLoCo's own post-step work (the DiLoCo participant runs
    other at every step anyway), a DiLoCo window once a round, at its outer step, for all of the
    round's steps (sync_trial.ends_round). An all-reduce every step would hold DiLoCo's ranks in
    lock-step, each step as slow as the slowest rank's, and the trial would measure DiLoCo slower
-   than it runs. A checkpoint agrees the steps of the round so far first (:meth:`flush`). Between windows of different families, DiLoCo is entered
-   (``enter``: θ_outer is the current θ, DDP's gradient synchronisation off, the first round up to
-   the next multiple of H, sync_trial.first_round, so outer steps fall where a static DiLoCo run
-   takes them) or left (``leave``: the round is closed, every rank holds θ_outer, the inner
-   optimizer state becomes the ranks' mean, DDP on again); after the third window (or an early win
-   after the second), the verdict. DiLoCo's window is whole rounds (the first one stretched or cut
-   to that multiple of H), so leaving never cuts one; the per-step window between two of DiLoCo's
-   may close sooner (``Trial.closes_early``). auto's per-step watch is held from the trial's start
-   to its verdict, so no gain, drift or periodic check re-decides inside a window (such checks fall
-   due on the step counter, which runs on through DiLoCo's steps); should the method or the
-   network model change all the same, the trial ends unjudged (``aborted``).
+   than it runs. A checkpoint agrees the steps of the round so far first (:meth:`flush`). Between
+   windows of different families, DiLoCo is entered (``enter``: θ_outer is the current θ, DDP's
+   gradient synchronisation off, the first round up to the next multiple of H,
+   sync_trial.first_round, so outer steps fall where a static DiLoCo run takes them) or left
+   (``leave``: the round is closed, every rank holds θ_outer, the inner optimizer state becomes the
+   ranks' mean, DDP on again); after the third window (or an early win after the second), the
+   verdict. DiLoCo's window is whole rounds (the first one stretched or cut to that multiple of H),
+   so leaving never cuts one; the per-step window between two of DiLoCo's may close sooner
+   (``Trial.closes_early``). auto's per-step watch is held from the trial's start to its verdict, so
+   no gain, drift or periodic check re-decides inside a window (such checks fall due on the step
+   counter, which runs on through DiLoCo's steps); should the method or the network model change all
+   the same, the trial ends unjudged (``aborted``).
 3. **Running DiLoCo.** The first outer exchange's agreed time is the reference; an exchange
    ``severe_drift`` times slower or faster means the link moved: auto leaves DiLoCo and decides
    again, per-step, on a fresh probe (the gate may bring DiLoCo back once measured again).
