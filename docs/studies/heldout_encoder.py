@@ -26,11 +26,10 @@ from types import SimpleNamespace
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_gc.examples.classification import GeneratedTensorData, stream_generator
+from lightning_gc.examples.classification import ClassifierModule, GeneratedTensorData, stream_generator
 from lightning_gc.examples.transformer import adamw_param_groups
 
 __all__ = ["BigramTeacherData", "EncoderClassifier", "workload"]
@@ -89,8 +88,9 @@ class BigramTeacherData(GeneratedTensorData):
         return torch.cat(xs)[:n].contiguous(), torch.cat(ys)[:n].contiguous()
 
 
-class EncoderClassifier(L.LightningModule):
-    """``nn.TransformerEncoder`` classifier trained with AdamW and a linear warm-up."""
+class EncoderClassifier(ClassifierModule):
+    """``nn.TransformerEncoder`` classifier trained with AdamW and a linear warm-up (the loss, its
+    logging and validation are the example classifiers')."""
 
     def __init__(self, vocab: int = 8, seq_len: int = 16, num_classes: int = 4, d_model: int = 128,
                  n_heads: int = 4, n_layers: int = 2, ff_mult: int = 4, lr: float = 2e-3,
@@ -113,19 +113,6 @@ class EncoderClassifier(L.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.encoder(self.tok(x) + self.pos[: x.shape[1]])
         return self.head(self.norm(h.mean(dim=1)))
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        x, y = batch
-        logits = self(x)
-        self.log("val_loss", F.cross_entropy(logits, y), on_epoch=True, sync_dist=True)
-        self.val_acc.update(logits, y)
-        self.log("val_acc", self.val_acc, on_epoch=True, prog_bar=True, sync_dist=True)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         torch.nn.utils.clip_grad_norm_(self.parameters(), self.hparams.grad_clip)
