@@ -223,7 +223,8 @@ class FamilySwitcher:
             else:
                 self._end(step, tr, "aborted", why="the loss went non-finite under the per-step method")
             return
-        full = [tr.add(dt, mean_loss) for dt, mean_loss in agreed][-1]
+        for dt, mean_loss in agreed:
+            full = tr.add(dt, mean_loss)
         if not (full or tr.closes_early(self.config.diloco_threshold)):
             self.s["trial"] = tr.as_dict()
             return

@@ -7,13 +7,14 @@ always the shorter (it sends once every H steps) and each of its steps does less
 Nor by the gradient-error proxy, which is not defined for DiLoCo. They are ranked on one scale,
 loss removed per second of training (:mod:`lightning_gc.auto.progress`), measured on the run itself.
 
-**The gate** (:func:`gate_opens`). A trial costs progress when DiLoCo loses, so one is run only where
-the link makes exact per-step training expensive: the fastest exact per-step candidate's predicted
-step (``ddp``, ``fp16``, ``bf16``: every element sent every step) is at least ``gate`` times
-DiLoCo's predicted step (:func:`lightning_gc.auto.diloco_cost.predict_diloco`), i.e. the link takes a
-large share of a dense step (a third of it at the default 1.5). The running method is not the yardstick: a lossy compressor
-(low rank, Top-k) can run as fast per step as DiLoCo and still make less progress per step, which
-only the trial shows. On a fast link the gate stays shut and auto stays per-step at no cost.
+**The gate** (:func:`gate_opens`). A trial costs progress when DiLoCo loses, so one is run only
+where the link makes exact per-step training expensive: the fastest exact per-step candidate's
+predicted step (``ddp``, ``fp16``, ``bf16``: every element sent every step) is at least ``gate``
+times DiLoCo's predicted step (:func:`lightning_gc.auto.diloco_cost.predict_diloco`), i.e. the link
+takes a large share of a dense step (a third of it at the default 1.5). The running method is not
+the yardstick: a lossy compressor (low rank, Top-k) can run as fast per step as DiLoCo and still
+make less progress per step, which only the trial shows. On a fast link the gate stays shut and auto
+stays per-step at no cost.
 
 **The challenger** (:func:`pick_challenger`): the candidate with the smallest H whose predicted step
 is within ``hide`` of compute alone (the exchange amortised out of sight); where none is, the one
