@@ -165,6 +165,12 @@ def design() -> list[dict[str, Any]]:
                  "options": {"network_alpha_s": 2e-3, "network_beta_s_per_byte": 8 / 2e6},
                  "auto_options": {"diloco": ["diloco2"], "diloco_gate": 0, "diloco_lead": 1, "diloco_rounds": 1,
                                   "diloco_threshold": 1e9}},
+                # Streaming DiLoCo first (diloco4f2: H 4, 2 fragments, each exchange overlapped with the next
+                # step on a worker thread), with accumulation and AdamW with clipping
+                {**base, "compressor": "auto", "resume": "resumed", "accumulate": 2, "optimizer": "adamw_clip",
+                 "options": {"network_alpha_s": 2e-3, "network_beta_s_per_byte": 8 / 2e6},
+                 "auto_options": {"diloco": ["diloco4f2"], "diloco_gate": 0, "diloco_lead": 1, "diloco_rounds": 1,
+                                  "diloco_threshold": 1e9}},
                 # DiLoCo first with its rounds counted from entering (diloco_align off), plain SGD, no accumulation
                 {**base, "compressor": "auto", "resume": "resumed",
                  "options": {"network_alpha_s": 2e-3, "network_beta_s_per_byte": 8 / 2e6},

@@ -20,8 +20,8 @@ COMPUTE = 0.07
 ALPHA, BETA = 1e-3, 8 / 20e6  # 1 ms a message, 20 Mbit/s
 
 
-def _ring(m: float) -> float:
-    return 2 * (N - 1) * ALPHA + 2 * (N - 1) / N * m * BETA
+def _ring(m: float, beta: float = BETA) -> float:
+    return 2 * (N - 1) * ALPHA + 2 * (N - 1) / N * m * beta
 
 
 NET = NetworkModel(alpha_s=ALPHA, beta_s_per_byte=BETA)
@@ -61,6 +61,22 @@ def test_overlap_hides_the_exchange_behind_tau_steps_of_compute():
     assert p.exposed_s == 0.0 and p.step_s == pytest.approx(COMPUTE + 4 * 2 * (N - 1) * ALPHA / 12, rel=1e-3)
 
 
+def test_unequal_fragments_expose_what_each_share_does_not_hide():
+    # 400 Mbit/s, shares 0.7 / 0.3: τ = 1 step of compute hides the small fragment's exchange and part of
+    # the large one's
+    beta = 8 / 400e6
+    net = NetworkModel(alpha_s=ALPHA, beta_s_per_byte=beta)
+    cand = DiLoCoCandidate(inner_steps=12, fragments=2, overlap_steps=1, shares=(0.7, 0.3))
+    p = predict_diloco(cand, WORK, net, N)
+    x_big, x_small = _ring(4 * NUMEL * 0.7, beta), _ring(4 * NUMEL * 0.3, beta)
+    assert x_small < COMPUTE < x_big
+    assert p.exchange_s == pytest.approx(x_big)
+    assert p.step_s == pytest.approx(COMPUTE + (2 * _ring(4, beta) + (x_big - COMPUTE)) / 12)
+    equal = predict_diloco(DiLoCoCandidate(inner_steps=12, fragments=2, overlap_steps=1), WORK, net, N)
+    assert equal.step_s < p.step_s  # two halves would hide more
+    assert p.bytes_per_step == pytest.approx(equal.bytes_per_step)
+
+
 def test_a_gathered_sparse_delta_sends_every_peer_its_payload():
     # 1/64 of the elements at ~2 bytes each; on 4 ranks the engine's direct exchange: α + (N−1)·payload·β
     cand = DiLoCoCandidate(inner_steps=10, delta_bytes_per_element=2 / 64, wire="allgather")
@@ -81,6 +97,9 @@ def test_one_rank_is_its_compute():
     (dict(inner_steps=8, fragments=2, overlap_steps=4), r"\[0, 4\)"),
     (dict(inner_steps=8, delta_bytes_per_element=0.0), "delta_bytes_per_element=0.0"),
     (dict(inner_steps=8, wire="ring"), "wire='ring'"),
+    (dict(inner_steps=8, fragments=2, shares=(0.5,)), "shares"),
+    (dict(inner_steps=8, fragments=2, shares=(0.6, 0.6)), "summing to 1"),
+    (dict(inner_steps=8, fragments=2, shares=(1.0, 0.0)), "positive"),
 ])
 def test_refuses_a_configuration_diloco_would_refuse(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -161,6 +161,38 @@ def test_gate_opens_at_twice_the_hand_predicted_diloco_step(net, challenger, abo
     assert run.state.sync["trial"]["start_step"] == 1 and run.state.sync["trial"]["phase"] == 0
 
 
+def _hand_streaming_step(net: NetworkModel, n: int, h: int, f: int, tau: int) -> float:
+    """compute + Σ over F equal fragments of (flag + what τ steps of compute do not hide of its Δ) / H."""
+    a, b, payload = net.alpha_s, net.beta_s_per_byte, 2.0 * NUMEL / f
+    x = min(2 * (n - 1) * a + 2 * (n - 1) / n * payload * b, a + (n - 1) * payload * b)
+    flag = 2 * (n - 1) * a + 2 * (n - 1) / n * 4 * b
+    return COMPUTE_S + f * (flag + max(0.0, x - tau * COMPUTE_S)) / h
+
+
+@pytest.mark.parametrize("net, challenger", [(SLOW, "diloco50f5"), (FAST, "diloco50")])
+def test_streaming_is_the_challenger_only_where_it_hides_what_plain_diloco_leaves(net, challenger):
+    """Four ranks, the model in 5 equal tensors. On 20 Mbit/s plain H = 50 leaves its exchange exposed
+    and 5 fragments each overlapped with 5 steps hide theirs: streaming is tried. On 1 Gbit/s plain H = 50
+    hides the link too, and of equal H the one that drops no local steps is tried."""
+    steps = {"diloco50": _hand_diloco_step(net, 4, 50), "diloco50f5": _hand_streaming_step(net, 4, 50, 5, 5)}
+    assert (steps["diloco50"] > 1.1 * COMPUTE_S) == (net is SLOW) and steps["diloco50f5"] <= 1.1 * COMPUTE_S
+    state = _state(net, 100.0)  # a dense step far slower than either: the gate opens
+    state.workload = Workload(forward_s=0.02, backward_s=(0.03 / 5,) * 5, numels=(NUMEL // 5,) * 5, optimizer_s=0.01)
+    engine = _engine(4)
+    engine.params = [torch.zeros(NUMEL // 5) for _ in range(5)]
+    sw = FamilySwitcher(engine, _config(diloco=("diloco50f5", "diloco50")), state, FakeSync(), lambda step: None)
+    sw.after_step(0, 100.0, False)
+    (ev,) = [e for e in state.sync["events"] if e["event"] == "trial"]
+    assert ev["challenger"] == challenger
+    for k, s in steps.items():
+        assert ev["predicted_step_s"][k] == pytest.approx(s, rel=1e-12)
+
+
+def test_a_streaming_candidate_with_more_fragments_than_tensors_is_refused_at_setup():
+    with pytest.raises(ValueError, match="'diloco50f5' cuts the model into 5 fragments, but it has 1"):
+        FamilySwitcher(_engine(4), _config(diloco=("diloco50f5",)), _state(), FakeSync(), lambda step: None)
+
+
 def test_gate_shut_on_a_fast_link_runs_no_trial():
     """One rank: DiLoCo's step is compute alone (0.06 s); a dense step predicted at 0.07 s is under
     twice that, so nothing is tried however long the run."""

@@ -1,7 +1,7 @@
 """The pure rules of auto's family trial (lightning_gc/auto/sync_trial.py), against oracles written here.
 
 Oracles: a brute-force gate and challenger rule (enumerate the candidates, smallest H among the hidden
-ones, else the fastest, ties to the first listed); Python's ``statistics.linear_regression`` for a
+ones, then the fewest fragments, else the fastest, ties to the first listed); Python's ``statistics.linear_regression`` for a
 window's slope, with the standard error computed by hand from its residuals; the z-score written out
 by hand (the bracketing family read at the middle window's mean loss; negated where DiLoCo brackets); noise-free exponential and quadratic loss curves, whose rate at a
 given loss is known in closed form.
@@ -18,7 +18,7 @@ import statistics
 import pytest
 
 from lightning_gc.auto import sync_trial
-from lightning_gc.auto.progress import Rate
+from lightning_gc.auto.progress import MIN_POINTS, Rate
 from lightning_gc.auto.sync_trial import PHASES, Trial
 
 
@@ -38,10 +38,14 @@ def test_gate_opens_matches_the_rule_on_a_grid_and_at_its_edge():
     assert sync_trial.gate_opens(1.0, 1.0, 0.0)  # gate 0: open wherever both steps are known
 
 
-def _challenger_oracle(steps: list[tuple[str, float]], h: dict[str, int], compute: float, hide: float) -> str:
+def _challenger_oracle(steps: list[tuple[str, float]], hf: dict[str, tuple[int, int]], compute: float,
+                       hide: float) -> str:
     best = None
-    for name, s in steps:  # smallest H among the hidden ones, first listed on a tie
-        if s <= (1 + hide) * compute and (best is None or h[name] < h[best]):
+    for name, s in steps:  # smallest H among the hidden ones, then fewest fragments, first listed on a tie
+        if not s <= (1 + hide) * compute:
+            continue
+        (h, f), bh = hf[name], hf[best] if best is not None else None
+        if best is None or h < bh[0] or (h == bh[0] and f < bh[1]):
             best = name
     if best is not None:
         return best
@@ -52,7 +56,8 @@ def _challenger_oracle(steps: list[tuple[str, float]], h: dict[str, int], comput
 
 
 def test_pick_challenger_hand_cases():
-    h = {"diloco10": 10, "diloco50": 50, "sparseloco10": 10, "sparseloco50": 50}
+    h = {"diloco10": (10, 1), "diloco50": (50, 1), "sparseloco10": (10, 1), "sparseloco50": (50, 1),
+         "diloco10f2": (10, 2), "diloco50f5": (50, 5)}
     # both hidden: the smaller H, though diloco50 is faster
     assert sync_trial.pick_challenger({"diloco10": 1.05, "diloco50": 1.01}, h, 1.0, 0.1) == "diloco10"
     # only the larger H hides the link
@@ -65,14 +70,21 @@ def test_pick_challenger_hand_cases():
     # exactly (1 + hide) * compute counts as hidden
     assert sync_trial.pick_challenger({"diloco10": 1.5, "diloco50": 1.25}, h, 1.0, 0.25) == "diloco50"
     assert sync_trial.pick_challenger({"diloco50": 1.25, "diloco10": 1.25}, h, 1.0, 0.25) == "diloco10"
+    # streaming: of equal H and both hidden, the plain one, though the streaming one is faster
+    assert sync_trial.pick_challenger({"diloco50f5": 1.0, "diloco50": 1.05}, h, 1.0, 0.1) == "diloco50"
+    # streaming at a smaller H hides the link where plain DiLoCo needs the larger H
+    assert sync_trial.pick_challenger({"diloco10": 1.5, "diloco10f2": 1.05, "diloco50": 1.08}, h, 1.0, 0.1) == "diloco10f2"
+    # none hidden: the fastest, streaming or not
+    assert sync_trial.pick_challenger({"diloco50": 1.6, "diloco50f5": 1.3, "diloco10": 3.0}, h, 1.0, 0.1) == "diloco50f5"
 
 
 def test_pick_challenger_matches_brute_force_on_random_sets():
     rng = random.Random(7)
-    names = ["diloco10", "diloco50", "sparseloco10", "sparseloco50"]
-    h = {n: int(n[-2:]) for n in names}
-    for _ in range(400):
-        chosen = rng.sample(names, rng.randint(1, 4))
+    h = {"diloco10": (10, 1), "diloco50": (50, 1), "sparseloco10": (10, 1), "sparseloco50": (50, 1),
+         "diloco10f2": (10, 2), "diloco50f5": (50, 5), "diloco50f10": (50, 10), "sparseloco50f5": (50, 5)}
+    names = list(h)
+    for _ in range(800):
+        chosen = rng.sample(names, rng.randint(1, len(names)))
         steps = [(n, rng.choice([1.0, 1.05, 1.1, 1.2, 1.5, 2.0])) for n in chosen]
         compute, hide = rng.choice([0.9, 1.0]), rng.choice([0.0, 0.1, 0.2])
         got = sync_trial.pick_challenger(dict(steps), h, compute, hide)
@@ -82,6 +94,20 @@ def test_pick_challenger_matches_brute_force_on_random_sets():
 def test_pick_challenger_refuses_an_empty_set():
     with pytest.raises(ValueError, match="at least one DiLoCo candidate"):
         sync_trial.pick_challenger({}, {}, 1.0, 0.1)
+
+
+def test_every_diloco_window_keeps_enough_points_however_its_first_round_is_cut():
+    """Brute force: for every H, rounds and number of steps done at entering, a DiLoCo window of
+    ``window_steps`` with the aligned first round (``window + first_round − H`` steps) has at least
+    MIN_POINTS steps, and windows are whole rounds no longer than needed."""
+    for h in range(1, 61):
+        for rounds in (1, 2, 3):
+            w = sync_trial.window_steps(h, rounds)
+            assert w % h == 0 and w >= rounds * h
+            shortest = min(w + sync_trial.first_round(done, h) - h for done in range(1, 3 * h))
+            assert shortest >= MIN_POINTS, (h, rounds, w)
+            if w > rounds * h:  # one round fewer would not do
+                assert w - h + min(sync_trial.first_round(d, h) for d in range(1, 3 * h)) - h < MIN_POINTS
 
 
 def test_window_steps_and_cumulative():

@@ -191,10 +191,11 @@ class AutoConfig:
     # ------------------------------------------------------------------ sync
     diloco: tuple[str, ...] = _opt("sync", ())
     """DiLoCo configurations auto may switch the run to, each a form of Δ and H
-    (:mod:`lightning_gc.auto.diloco_candidates`): ``diloco<H>`` (fp16 Δ) or ``sparseloco<H>``, e.g.
-    ``("diloco10", "diloco50")`` (a string joins names with ``+``); empty (the default): per-step
-    methods only. Where the gate opens, a
-    trial on the training loss decides (docs/auto-diloco.md)."""
+    (:mod:`lightning_gc.auto.diloco_candidates`): ``diloco<H>`` (fp16 Δ) or ``sparseloco<H>``, with
+    Streaming DiLoCo's ``f<F>`` fragments and ``t<τ>`` overlap steps as optional suffixes, e.g.
+    ``("diloco10", "diloco50")`` or ``("diloco10", "diloco50", "diloco50f5")`` (a string joins names
+    with ``+``); empty (the default): per-step methods only. Where the gate opens, a trial on the
+    training loss decides (docs/auto-diloco.md)."""
     diloco_gate: float = _opt("sync", 1.5)
     """A trial runs only where an exact per-step method's predicted step (the fastest of ``ddp``,
     ``fp16``, ``bf16`` among the candidates) is at least this many times DiLoCo's predicted step.

@@ -10,7 +10,10 @@ allreduce) and then the fragment's Δ on the link, taking ``x`` seconds by its w
 ``overlap_steps`` τ = 0 the main thread waits for it, so all of ``x`` is exposed; with τ > 0 it runs on a
 worker thread behind the next τ inner steps' compute ``c`` and only ``max(0, x − τ·c)`` is exposed. So
 
-    step = c + F · (flag + exposed) / H,        exposed = x if τ = 0 else max(0, x − τ·c).
+    step = c + Σ_p (flag + exposed_p) / H,        exposed_p = max(0, x_p − τ·c),
+
+summed over the F fragments, ``x_p`` the time of fragment ``p``'s share of Δ (equal shares unless
+given: DiLoCo cuts whole tensors, so shares differ a little).
 
 What it leaves out, and how to read it:
 
@@ -55,6 +58,9 @@ class DiLoCoCandidate:
         delta_bytes_per_element: payload bytes per model element of one Δ (4 for fp32, 2 for an fp16
             cast, about ``density · (value + offset bytes)`` for a sparse format).
         wire: how the payload travels (:data:`DeltaWire`).
+        shares: each fragment's fraction of the model's elements, in send order (empty: F equal
+            fragments). DiLoCo cuts whole tensors, so a large embedding makes one fragment larger,
+            and with τ > 0 the largest fragment is the one whose exchange shows.
     """
 
     inner_steps: int
@@ -62,6 +68,7 @@ class DiLoCoCandidate:
     overlap_steps: int = 0
     delta_bytes_per_element: float = 4.0
     wire: DeltaWire = "dense"
+    shares: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         h, f, tau = self.inner_steps, self.fragments, self.overlap_steps
@@ -77,6 +84,10 @@ class DiLoCoCandidate:
             raise ValueError(f"DiLoCoCandidate.delta_bytes_per_element={b!r} must be a number > 0, e.g. 2.0 (fp16).")
         if self.wire not in ("dense", "allreduce", "allgather"):
             raise ValueError(f"DiLoCoCandidate.wire={self.wire!r} must be 'dense', 'allreduce' or 'allgather'.")
+        s = self.shares
+        if s and (len(s) != f or any(not (math.isfinite(x) and x > 0) for x in s) or abs(sum(s) - 1.0) > 1e-6):
+            raise ValueError(f"DiLoCoCandidate.shares={s!r} must hold fragments={f} positive fractions summing to 1, "
+                             "or be empty (equal fragments).")
 
     def describe(self) -> str:
         parts = [f"H={self.inner_steps}"]
@@ -93,8 +104,8 @@ class DiLoCoPrediction:
 
     step_s: float
     compute_s: float
-    exchange_s: float  # one fragment's Δ on the link
-    exposed_s: float  # of which the main thread waits, per fragment exchange
+    exchange_s: float  # one fragment's Δ on the link (the largest fragment's with unequal shares)
+    exposed_s: float  # of which the main thread waits, per fragment exchange (mean over the fragments)
     bytes_per_step: float  # bytes this rank sends, averaged over the H steps
 
 
@@ -119,14 +130,18 @@ def predict_diloco(cand: DiLoCoCandidate, workload: Workload, network: NetworkMo
     compute = workload.forward_s + workload.backward_total_s + workload.optimizer_s + workload.other_s
     if world_size <= 1:
         return DiLoCoPrediction(compute, compute, 0.0, 0.0, 0.0)
-    payload = workload.numel * cand.delta_bytes_per_element / cand.fragments
-    x = exchange_seconds(cand, network, world_size, payload)
-    exposed = x if cand.overlap_steps == 0 else max(0.0, x - cand.overlap_steps * compute)
     flag = cost_model.ring_allreduce_cost(network.alpha_s, network.beta_s_per_byte, FLAG_BYTES, world_size)
-    per_round = cand.fragments * (flag + exposed)
-    sent = cand.fragments * _bytes_sent(cand, payload, world_size)
-    return DiLoCoPrediction(step_s=compute + per_round / cand.inner_steps, compute_s=compute, exchange_s=x,
-                            exposed_s=exposed, bytes_per_step=sent / cand.inner_steps)
+    hidden = cand.overlap_steps * compute  # compute the exchange runs behind (0 without overlap)
+    xs, exposed, sent = [], 0.0, 0.0
+    for share in cand.shares or (1.0 / cand.fragments,) * cand.fragments:
+        payload = workload.numel * cand.delta_bytes_per_element * share
+        x = exchange_seconds(cand, network, world_size, payload)
+        xs.append(x)
+        exposed += max(0.0, x - hidden)
+        sent += _bytes_sent(cand, payload, world_size)
+    per_round = cand.fragments * flag + exposed
+    return DiLoCoPrediction(step_s=compute + per_round / cand.inner_steps, compute_s=compute, exchange_s=max(xs),
+                            exposed_s=exposed / cand.fragments, bytes_per_step=sent / cand.inner_steps)
 
 
 __all__ = ["DeltaWire", "DiLoCoCandidate", "DiLoCoPrediction", "exchange_seconds", "predict_diloco"]

@@ -74,7 +74,9 @@ class FamilySwitcher:
                  redecide: Redecide) -> None:
         self.engine, self.config, self.state, self.sync = engine, config, state, sync
         self.choices = [diloco_choice(n) for n in config.diloco]
-        self.numel = sum(p.numel() for p in engine.params)
+        self.numels = [p.numel() for p in engine.params]  # model order, as DiLoCo cuts its fragments
+        for c in self.choices:
+            c.check_model(self.numels)
         self._redecide = redecide
         self._loss: float | None = None
         self._pending: list[tuple[float, float | None]] = []  # this rank's DiLoCo trial steps not yet agreed
@@ -128,7 +130,7 @@ class FamilySwitcher:
         profiled = w.forward_s + sum(w.backward_s) + w.optimizer_s
         k = min(1.0, st.reference / profiled) if st.reference and profiled > 0 else 1.0
         compute = Workload(k * w.forward_s, tuple(k * b for b in w.backward_s), w.numels, k * w.optimizer_s, 0.0)
-        return {c.name: predict_diloco(c.cost(self.numel), compute, st.network, self.engine.world_size)
+        return {c.name: predict_diloco(c.cost(self.numels), compute, st.network, self.engine.world_size)
                 for c in self.choices}
 
     def _dense_step(self) -> float:
@@ -146,7 +148,8 @@ class FamilySwitcher:
         preds = self.predictions()
         compute = next(iter(preds.values())).compute_s
         name = sync_trial.pick_challenger({n: p.step_s for n, p in preds.items()},
-                                          {c.name: c.inner_steps for c in self.choices}, compute, cfg.diloco_hide)
+                                          {c.name: (c.inner_steps, c.fragments) for c in self.choices}, compute,
+                                          cfg.diloco_hide)
         dense = self._dense_step()
         if cfg.diloco_gate and not sync_trial.gate_opens(dense, preds[name].step_s, cfg.diloco_gate):
             return

@@ -17,9 +17,11 @@ make less progress per step, which only the trial shows. On a fast link the gate
 stays per-step at no cost.
 
 **The challenger** (:func:`pick_challenger`): the candidate with the smallest H whose predicted step
-is within ``hide`` of compute alone (the exchange amortised out of sight); where none is, the one
-with the fastest predicted step. Smaller H keeps the replicas closer, so this is the least drift
-that hides the link.
+is within ``hide`` of compute alone (the exchange amortised out of sight), of equal H the one with
+the fewest fragments; where none is, the one with the fastest predicted step. Smaller H keeps the
+replicas closer, and fewer fragments drop fewer local steps (a streaming fragment's τ steps are
+dropped at its outer step), so this is the least drift that hides the link: Streaming DiLoCo is
+tried only where it hides what plain DiLoCo with the same H would leave exposed.
 
 **The trial** (:func:`verdict`): three windows of ``rounds·H`` steps, the family expected to stay
 run first and last, the other between (:func:`first_family`). Where a dense step is predicted at
@@ -98,23 +100,24 @@ def first_family(dense_step_s: float, challenger_step_s: float, lead: float) -> 
     return DILOCO_FIRST if lead and gate_opens(dense_step_s, challenger_step_s, lead) else PER_STEP_FIRST
 
 
-def pick_challenger(step_s: Mapping[str, float], inner_steps: Mapping[str, int], compute_s: float,
+def pick_challenger(step_s: Mapping[str, float], drift: Mapping[str, tuple[int, int]], compute_s: float,
                     hide: float) -> str:
     """The DiLoCo candidate to try (see the module docstring); ``step_s``: predicted step per candidate,
-    in tie-break order; ``inner_steps``: each one's H."""
+    in tie-break order; ``drift``: each one's (H, F)."""
     if not step_s:
         raise ValueError("pick_challenger needs at least one DiLoCo candidate.")
     hidden = [n for n, s in step_s.items() if s <= (1.0 + hide) * compute_s]
     if hidden:
-        return min(hidden, key=lambda n: inner_steps[n])  # min() keeps the first of equal H
+        return min(hidden, key=lambda n: drift[n])  # min() keeps the first of equal (H, F)
     return min(step_s, key=lambda n: step_s[n])
 
 
 def window_steps(inner_steps: int, rounds: int) -> int:
-    """Steps in each of the trial's windows: ``rounds`` whole DiLoCo rounds, and at least the
-    :data:`~lightning_gc.auto.progress.MIN_POINTS` a window's rate needs."""
+    """Steps in each of the trial's windows: ``rounds`` whole DiLoCo rounds, and enough of them that
+    the window keeps the :data:`~lightning_gc.auto.progress.MIN_POINTS` a window's rate needs even when
+    its first round is cut to ⌈H/2⌉ steps (:func:`first_round`), i.e. ⌊H/2⌋ short."""
     h = int(inner_steps)
-    return h * max(int(rounds), -(-MIN_POINTS // h))
+    return h * max(int(rounds), -(-(MIN_POINTS + h // 2) // h))
 
 
 def first_round(steps_done: int, inner_steps: int) -> int:
