@@ -56,12 +56,12 @@ def strategy(**auto) -> GCStrategy:
     return GCStrategy(compressor="auto", start_method="forkserver", min_compress_numel=16, auto=opts, **SLOW_LINK)
 
 
-def fit(tmp, strat, ckpt_path=None, callbacks=(), **trainer_kw) -> list[dict]:
+def fit(tmp, strat, ckpt_path=None, callbacks=(), model=None, **trainer_kw) -> list[dict]:
     out = tmp / "report"
     out.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(strategy=strat, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(tmp), num_sanity_val_steps=0,
                         callbacks=[FamilyReport(str(out)), *callbacks],
                         **{"max_epochs": 3, "enable_checkpointing": False, **trainer_kw})
-    trainer.fit(TinyClassifier(momentum=0.9), make_loader(n=512), ckpt_path=ckpt_path)
+    trainer.fit(model or TinyClassifier(momentum=0.9), make_loader(n=512), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]

@@ -115,3 +115,22 @@ def test_entered_off_the_multiple_of_h_the_outer_steps_fall_on_it(tmp_path):
     a, b = res[0]["steps"], res[1]["steps"]
     closed = [step for step in range(3, 20) if torch.equal(a[step]["params"], b[step]["params"])]
     assert closed == [9, 19]
+
+
+def test_a_nan_step_under_diloco_ends_the_trial_and_per_step_resumes_finite_and_identical(tmp_path):
+    """Rank 1's loss is NaN at step 15, inside DiLoCo's window (13-19): its gradient, momentum and
+    parameters go NaN. The trial ends for the incumbent at the round's end (19), where the round is
+    discarded (every rank back on θ_outer), rank 1's momentum takes rank 0's, and leaving averages
+    finite states: per-step DDP then runs on finite, bit-identical ranks to the end."""
+    from lit_models import TinyClassifier
+
+    res = fit(tmp_path, strategy(diloco_threshold=1e9), model=TinyClassifier(momentum=0.9, nan_at_step=15, nan_rank=1))
+    events = res[0]["sync"]["events"]
+    assert _steps(res[0])[:3] == [("trial", TRIAL, None), ("enter", ENTER, "diloco10"), ("leave", LEAVE, "diloco10")]
+    assert events[3]["event"] == "verdict" and events[3]["winner"] == "incumbent" and "non-finite" in events[3]["why"]
+    a, b = res[0]["steps"], res[1]["steps"]
+    assert not torch.isfinite(b[15]["params"]).all()  # the scenario is not vacuous
+    for step in range(LEAVE, len(a)):
+        assert torch.isfinite(a[step]["params"]).all(), step
+        assert torch.equal(a[step]["params"], b[step]["params"]), step
+        assert all(torch.equal(x, y) for x, y in zip(a[step]["moments"], b[step]["moments"])), step

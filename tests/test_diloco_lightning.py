@@ -9,6 +9,7 @@ import lightning as L
 import pytest
 import torch
 from diloco_lit import ValLoaderClassifier, fit
+from lit_models import TinyClassifier
 
 from lightning_gc import GCStrategy
 
@@ -43,5 +44,20 @@ def test_ranks_drift_inside_a_round_and_agree_after_it_evaluation_sees_theta_out
     assert len(res[0]["evaluated"]) == len(res[1]["evaluated"]) == 4
     for a, b in zip(res[0]["evaluated"], res[1]["evaluated"]):
         assert torch.equal(a, b)
+    for k, v in res[0]["params"].items():
+        assert torch.equal(v, res[1]["params"][k]), k
+
+
+def test_a_nan_step_on_one_rank_costs_one_round_not_the_rest_of_the_run(tmp_path):
+    """H = 4, 16 steps, inner SGD with momentum 0.9; rank 1's loss is NaN at step 5, so its gradient,
+    momentum and parameters go NaN. The round of steps 5-8 is discarded on both ranks; rank 1's
+    momentum takes rank 0's (the finite ranks' mean), so the rounds after it are taken: 3 outer
+    steps of 4, and both ranks end identical and finite. Before the repair, rank 1's NaN momentum
+    made every later round NaN: 1 outer step of 4."""
+    res = fit(tmp_path, GCStrategy(sync="diloco", compressor="dense", diloco_inner_steps=4, start_method="forkserver"),
+              model=TinyClassifier(momentum=0.9, nan_at_step=5, nan_rank=1), max_epochs=4)
+    for r in range(2):
+        assert res[r]["global_step"] == 16 and res[r]["outer_steps"] == 3, res[r]["outer_steps"]
+        assert all(torch.isfinite(v).all() for v in res[r]["params"].values())
     for k, v in res[0]["params"].items():
         assert torch.equal(v, res[1]["params"][k]), k

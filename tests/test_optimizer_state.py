@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from dist_harness import gather_all, run_distributed
 
-from lightning_gc.sync.optimizer_state import average_optimizer_state
+from lightning_gc.sync.optimizer_state import average_optimizer_state, repair_optimizer_state
 
 WS = 3
 
@@ -175,3 +175,61 @@ def test_leaving_diloco_mid_round_keeps_the_replicas_bit_identical_per_step():
     # without averaging the inner optimizers' drifted moments, the same per-step updates split the replicas
     for o in run_distributed(_leave_diloco, WS, False):
         assert o["params identical at the switch"] and o["identical per-step"][0] is False
+
+
+# ---------------------------------------------------------------- repairing a non-finite state
+def _repaired(rank: int, ws: int, bad: tuple[int, ...], kind: str) -> dict:
+    """AdamW or SGD with momentum, drifted on each rank's data; the ranks in ``bad`` then hold a NaN in
+    their state of the first layer's weight, and every rank repairs the first layer's two tensors
+    (the second layer, never repaired, holds an inf on rank 0, which must stay)."""
+    model = _model()
+    opt = (torch.optim.AdamW(model.parameters(), lr=0.01) if kind == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    _local_steps(model, opt, rank, 3)
+    first = [model[0].weight, model[0].bias]
+    key = "exp_avg_sq" if kind == "adamw" else "momentum_buffer"
+    if rank in bad:
+        opt.state[model[0].weight][key][0, 0] = float("nan")
+    if rank == 0:
+        opt.state[model[2].weight][key][0, 0] = float("inf")
+    tensors = lambda p: {k: v.clone() for k, v in opt.state.get(p, {}).items()}  # noqa: E731
+    before = [gather_all(torch.cat([v.reshape(-1).double() for v in tensors(p).values()]), ws) for p in first]
+    other = tensors(model[2].weight)
+    sent = repair_optimizer_state(opt, first)
+    out = {"sent": sent, "kept": all(torch.equal(other[k], v) for k, v in tensors(model[2].weight).items()),
+           "has_state": [p in opt.state for p in first]}
+    if all(out["has_state"]):
+        out["after"] = [torch.cat([v.reshape(-1).double() for v in tensors(p).values()]) for p in first]
+        out["before"] = before
+    return out
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_a_rank_whose_state_went_non_finite_takes_the_finite_ranks_mean(kind):
+    """Rank 1's state is NaN: it takes the float64 mean of ranks 0 and 2 (its step counter is the same on
+    every rank and stays); ranks 0 and 2 keep their own bits; parameters outside the repair keep theirs."""
+    outs = run_distributed(_repaired, WS, (1,), kind)
+    for rank, o in enumerate(outs):
+        assert o["kept"] and o["has_state"] == [True, True]
+        for k, after in enumerate(o["after"]):
+            before = o["before"][k]
+            if rank == 1:
+                want = (before[0] + before[2]) / 2
+                assert torch.allclose(after, want, rtol=1e-6, atol=0), (kind, k)  # fp32: one rounding of the sum
+            else:
+                assert torch.equal(after, before[rank]), (kind, rank, k)
+        assert o["sent"] > 4  # the flag and the state
+
+
+def test_no_rank_non_finite_costs_one_flag_and_changes_nothing():
+    outs = run_distributed(_repaired, WS, (), "adamw")
+    for rank, o in enumerate(outs):
+        assert o["kept"] and all(torch.equal(a, b[rank]) for a, b in zip(o["after"], o["before"]))
+        assert o["sent"] == round(2 * (WS - 1) * 4 / WS)  # one float32 flag on the ring
+
+
+def test_every_rank_non_finite_drops_that_state_on_every_rank():
+    """No finite rank to take a mean from: every rank drops the repaired parameters' state alike (AdamW
+    then starts it afresh, step counters included, on every rank)."""
+    for o in run_distributed(_repaired, WS, (0, 1, 2), "adamw"):
+        assert o["has_state"] == [False, False] and o["kept"]

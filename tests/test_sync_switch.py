@@ -214,22 +214,23 @@ def test_no_trial_without_a_reference_or_while_busy():
 
 
 # ---------------------------------------------------------------- full trials
-def test_diloco_faster_wins_early_and_runs_on():
+def test_diloco_faster_wins_after_the_bracket_and_runs_on():
     """DiLoCo removes 0.008 a step at 0.1 s (0.08/s) against the incumbent's 0.01 at 0.3 s (1/30 per
-    s): its window already leads the incumbent's first by far more than the threshold, so it wins at
-    the end of its own window and stays (no leave, no second incumbent window). Windows counted from
-    step 0: window 1 is steps 1..20 (enter at 20), DiLoCo 21..40 (verdict at 40)."""
+    s): far ahead already after its own window, it still waits for the incumbent's second window (no
+    early win), then wins and is entered again. Windows counted from step 0: the incumbent 1..W
+    (enter at W), DiLoCo W+1..2W (leave at 2W), the incumbent 2W+1..3W (verdict and enter at 3W)."""
     run = Run(_config(), _state(), b_drop=0.008)
-    run.until(70)
-    assert run.sync.calls == [("enter", W, "diloco10")]
+    run.until(3 * W + 10)
+    assert run.sync.calls == [("enter", W, "diloco10"), ("leave", 2 * W, "diloco10"), ("enter", 3 * W, "diloco10")]
     ev = [(e["step"], e["event"], e.get("why")) for e in run.state.sync["events"]]
-    assert ev == [(0, "trial", None), (W, "enter", "trial"), (2 * W, "verdict", None), (2 * W, "stay", "won_early")]
+    assert ev == [(0, "trial", None), (W, "enter", "trial"), (2 * W, "leave", "trial"), (3 * W, "verdict", None),
+                  (3 * W, "enter", "won")]
     last = run.state.sync["last_trial"]
-    assert last["winner"] == "challenger" and last["early"] and last["end_step"] == 2 * W and last["z"] >= 2.0
-    assert [r["phase"] for r in last["rates"]] == ["incumbent_before", "diloco"]
-    for r, want in zip(last["rates"], (A_DROP / A_STEP_S, 0.008 / B_STEP_S)):
+    assert last["winner"] == "challenger" and last["end_step"] == 3 * W and last["z"] >= 2.0
+    assert [r["phase"] for r in last["rates"]] == ["incumbent_before", "diloco", "incumbent_after"]
+    for r, want in zip(last["rates"], (A_DROP / A_STEP_S, 0.008 / B_STEP_S, A_DROP / A_STEP_S)):
         assert r["per_s"] == pytest.approx(want, rel=0.05) and r["points"] == W
-    assert last["cost_s"] == 0.0  # DiLoCo was the faster: its window cost nothing
+    assert last["cost_s"] == 0.0 and not last["steepened"]  # DiLoCo was the faster: its window cost nothing
     assert run.state.sync["trial"] is None and run.state.sync["running"] == "diloco10" and run.sync.active
     assert all(run.held.values())  # the trial from step 0, then DiLoCo
 
@@ -254,7 +255,7 @@ def test_diloco_behind_the_first_window_wins_by_the_bracket():
         run.step += 1
     assert run.sync.calls == [("enter", W, "diloco10"), ("leave", 2 * W, "diloco10"), ("enter", 3 * W, "diloco10")]
     last = run.state.sync["last_trial"]
-    assert last["winner"] == "challenger" and not last.get("early") and last["end_step"] == 3 * W
+    assert last["winner"] == "challenger" and not last["steepened"] and last["end_step"] == 3 * W
     # the oracle: rates by hand, the bracket's mean of the incumbent's two windows
     a = (drops[1] / A_STEP_S + drops[2] / A_STEP_S) / 2
     assert last["rates"][1]["per_s"] > a and last["rates"][1]["per_s"] < drops[1] / A_STEP_S
@@ -464,34 +465,43 @@ def _hand_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return -b, math.sqrt(sum(r * r for r in resid) / (len(t) - 2) / sxx)
 
 
-def test_diloco_first_faster_per_step_wins_early_without_going_back():
-    """DiLoCo 0.002 a step at 0.1 s (0.02/s) against 1/30 per s: the per-step window leads DiLoCo's
-    first window though it came later, so it wins at 2W and DiLoCo is not entered again."""
+def test_diloco_first_faster_per_step_wins_after_dilocos_third_window():
+    """DiLoCo 0.002 a step at 0.1 s (0.02/s) against 1/30 per s: the per-step window leads, but the
+    verdict waits for DiLoCo's third window (entered at 2W); the per-step method wins at 3W and DiLoCo
+    is left there."""
     run = _diloco_first(b_drop=0.002)
     run.until(3 * W + 10)
-    assert run.sync.calls == [("enter", 0, "diloco10"), ("leave", W, "diloco10")]
+    assert run.sync.calls == [("enter", 0, "diloco10"), ("leave", W, "diloco10"), ("enter", 2 * W, "diloco10"),
+                              ("leave", 3 * W, "diloco10")]
     last = run.state.sync["last_trial"]
-    assert last["winner"] == "incumbent" and last["early"] and last["end_step"] == 2 * W and last["z"] <= -2.0
+    assert last["winner"] == "incumbent" and last["end_step"] == 3 * W and last["z"] <= -2.0
     assert last["cost_s"] == 0.0  # the per-step window was the faster: it cost nothing
-    ev = [(e["step"], e["event"], e.get("choice")) for e in run.state.sync["events"]][-2:]
-    assert ev == [(2 * W, "verdict", None), (2 * W, "stay", "ddp")]
     assert not run.sync.active and run.state.sync["running"] is None
 
 
-def test_diloco_first_on_a_steepening_loss_the_per_step_lead_does_not_win_early():
-    """DiLoCo's first window removes 0.0001 more loss every step (0.001 a step at 0.1 s to 0.002 by
-    its end, 0.015/s on the whole window): the per-step window's 1/30 per s leads the whole window,
-    but DiLoCo's later round ran faster than the whole of it, so the trial goes on to DiLoCo's
-    third window (entered at 2W) and the verdict at 3W."""
+def test_diloco_first_a_plateau_then_a_fall_is_judged_after_the_fall():
+    """A loss that sits on a plateau for the first W steps (both families remove 0.0002 a step), then
+    falls (0.01 a step): DiLoCo, at 0.1 s a step against 0.3 s, is three times as fast per second in
+    both phases. Its first window saw only the plateau, the per-step window only the fall: five times
+    faster than that window. The third window (DiLoCo in the fall) ran faster than the first by far:
+    the curve steepened, the per-step window is judged against it alone, and DiLoCo wins and stays."""
     run = _diloco_first(b_drop=0.0)
     while run.step <= 3 * W + 5:
-        run.b_drop = 0.001 + 0.0001 * min(run.step, W) if run.step <= W else 0.002
-        run.one()
-    assert run.sync.calls[:3] == [("enter", 0, "diloco10"), ("leave", W, "diloco10"), ("enter", 2 * W, "diloco10")]
+        plateau = run.step <= W
+        run.b_drop = 0.0002 if plateau else 0.01
+        diloco = run.sync.active
+        run.sw.note_loss(torch.tensor(run.level + random.Random(run.step).gauss(0.0, 0.001), dtype=torch.float64))
+        run.level -= run.b_drop if diloco or plateau else 0.01
+        run.sync.now = run.step
+        run.held[run.step] = run.sw.after_step(run.step, B_STEP_S if diloco else A_STEP_S, False)
+        run.step += 1
+    assert run.sync.calls == [("enter", 0, "diloco10"), ("leave", W, "diloco10"), ("enter", 2 * W, "diloco10")]
     last = run.state.sync["last_trial"]
-    assert last["end_step"] == 3 * W and not last.get("early") and len(last["rates"]) == 3
-    first = last["rates"][0]
-    assert first["per_s"] < A_DROP / A_STEP_S  # the per-step window did lead the first window
+    assert last["winner"] == "challenger" and last["steepened"] and last["end_step"] == 3 * W
+    first, middle, third = (r["per_s"] for r in last["rates"])
+    assert middle > 2 * first  # what misled a verdict after two windows
+    assert third == pytest.approx(0.01 / B_STEP_S, rel=0.05) and middle == pytest.approx(0.01 / A_STEP_S, rel=0.05)
+    assert last["z"] == pytest.approx((third - middle) / math.hypot(*(r["stderr"] for r in last["rates"][1:])), rel=1e-9)
 
 
 def test_diloco_first_not_separable_keeps_diloco():
@@ -531,7 +541,7 @@ def test_an_outer_exchange_severe_drift_faster_leaves_and_redecides():
     assert run.sync.active and run.state.sync["reference_exchange_s"] is None
     run.until(3 * W + 5)
     run.one(stats=SimpleNamespace(comm_s=1.0))  # the first outer exchange: the reference
-    assert run.state.sync["reference_exchange_s"] == 1.0
+    assert run.state.sync["reference_exchange_s"] == {"0": 1.0}
     stats = SimpleNamespace(comm_s=1.0 / (0.95 * cfg.severe_drift))  # faster, not by severe_drift
     run.one(stats=stats)
     stats.comm_s = 0.01  # the same outer step seen again is not read again
@@ -545,6 +555,30 @@ def test_an_outer_exchange_severe_drift_faster_leaves_and_redecides():
     assert ev["step"] == step and ev["state_bytes"] == 4321
     assert (ev["exchange_s"], ev["reference_s"]) == (1.0 / cfg.severe_drift, 1.0)  # what the rule read
     assert run.state.sync["running"] is None and run.state.settling
+
+
+def test_streaming_fragments_of_different_sizes_are_each_compared_with_their_own_first_exchange():
+    """Streaming DiLoCo with fragments whose exchanges take 1.0 s and 0.2 s (5× apart, past
+    severe_drift 2): each is compared with its own first, so alternating them moves nothing; fragment
+    1 at 2× its own first is a moved link. A reference kept as one float (a checkpoint from before)
+    is fragment 0's."""
+    cfg = _config()
+    run = Run(cfg, _state(), b_drop=0.008)
+    run.until(3 * W + 5)
+    assert run.sync.active
+    for k in range(6):
+        run.one(stats=SimpleNamespace(comm_s=(1.0, 0.2)[k % 2], fragment=k % 2))
+    assert run.sync.active and run.redecided == [] and run.state.sync["reference_exchange_s"] == {"0": 1.0, "1": 0.2}
+    step = run.step
+    run.one(stats=SimpleNamespace(comm_s=0.2 * cfg.severe_drift, fragment=1))
+    assert run.redecided == [step] and not run.sync.active
+    (ev,) = [e for e in run.events("leave") if e["why"] == "link_moved"]
+    assert (ev["exchange_s"], ev["reference_s"]) == (0.2 * cfg.severe_drift, 0.2)
+    run2 = Run(cfg, _state(), b_drop=0.008)
+    run2.until(3 * W + 5)
+    run2.state.sync["reference_exchange_s"] = 1.0
+    run2.one(stats=SimpleNamespace(comm_s=1.9, fragment=0))
+    assert run2.sync.active and run2.state.sync["reference_exchange_s"] == {"0": 1.0}
 
 
 # ---------------------------------------------------------------- resume mid-trial

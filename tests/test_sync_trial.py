@@ -240,7 +240,7 @@ def test_verdict_threshold_is_inclusive_both_ways():
     assert sync_trial.verdict(flat, Rate(2.0, 0.5, 20, b_at), Rate(1.0, 0.0, 20, 2.0), 2.0 + 1e-9).winner is None
     assert sync_trial.verdict(flat, Rate(0.0, 0.5, 20, b_at), Rate(1.0, 0.0, 20, 2.0), 2.0).winner == "incumbent"
     # halfway: se_A = sqrt((0.6/2)² + (0.8/2)²) = 0.5, A's rate 1.5, z = 0.5 / sqrt(0.25 + 0.25)
-    v = sync_trial.verdict(Rate(1.0, 0.6, 20, 3.0), Rate(2.0, 0.5, 20, b_at), Rate(2.0, 0.8, 20, 2.0), 1.0)
+    v = sync_trial.verdict(Rate(2.0, 0.6, 20, 3.0), Rate(2.0, 0.5, 20, b_at), Rate(1.0, 0.8, 20, 2.0), 1.0)
     assert v.z == pytest.approx(0.5 / math.sqrt(0.5), rel=1e-12)
     assert v.winner is None
     # B's level outside A's two: the weight is held at the nearer window (never extrapolated)
@@ -251,37 +251,39 @@ def test_verdict_threshold_is_inclusive_both_ways():
                                      Rate(0.5, 0.1, 20, 3.0)).per_s == 0.75
 
 
-def test_wins_early_is_the_middle_family_leading_the_first_window():
-    """Per-step first: only DiLoCo (the middle) can win early; DiLoCo first: only the per-step method.
-    The middle leads at exactly ``threshold`` standard errors (z = (2 − 1)/0.5 = 2), not just below."""
-    first, ahead, behind = Rate(1.0, 0.3, 20, 3.0), Rate(2.0, 0.4, 20, 2.5), Rate(0.0, 0.4, 20, 2.5)
+def test_steepened_is_the_third_window_ahead_of_the_first_by_the_threshold():
+    """The bracketing family's third window 1.0 ahead of its first, whose rates have standard errors 0.3
+    and 0.4 (0.5 for the difference): exactly two standard errors, steepened; a hair less, not; behind,
+    never. keeper: the bracketing family."""
+    first = Rate(1.0, 0.3, 20, 3.0)
+    assert sync_trial.steepened(first, Rate(2.0, 0.4, 20, 1.0), 2.0)
+    assert not sync_trial.steepened(first, Rate(2.0 - 1e-9, 0.4, 20, 1.0), 2.0)
+    assert not sync_trial.steepened(first, Rate(0.2, 0.4, 20, 1.0), 2.0)
     per, dil = sync_trial.PER_STEP_FIRST, sync_trial.DILOCO_FIRST
-    assert sync_trial.wins_early(first, ahead, 2.0, per).winner == "challenger"
-    assert sync_trial.wins_early(first, ahead, 2.0, dil).winner == "incumbent"
-    assert sync_trial.wins_early(first, ahead, 2.0, per).z == pytest.approx(2.0, rel=1e-12)
-    assert sync_trial.wins_early(first, ahead, 2.0, dil).z == pytest.approx(-2.0, rel=1e-12)
-    assert sync_trial.wins_early(first, ahead, 2.0 + 1e-9, per) is None
-    assert sync_trial.wins_early(first, ahead, 2.0 + 1e-9, dil) is None
-    for order in (per, dil):  # the middle far behind: a loss is never decided early
-        assert sync_trial.wins_early(first, behind, 2.0, order) is None
     assert (sync_trial.keeper(per), sync_trial.keeper(dil)) == ("incumbent", "challenger")
 
 
-def test_no_early_win_where_the_first_windows_later_rounds_ran_faster_by_the_threshold():
-    """``recent`` 1.6 ± 0.3 against the whole first window's 1.0: 0.6 = 2 of recent's standard errors,
-    a steepening curve, so the middle's lead decides nothing; 0.59 short of it, the early win stands."""
-    first, ahead = Rate(1.0, 0.3, 20, 3.0), Rate(2.0, 0.4, 20, 2.5)
-    for order in (sync_trial.PER_STEP_FIRST, sync_trial.DILOCO_FIRST):
-        assert sync_trial.wins_early(first, ahead, 2.0, order, recent=Rate(1.6, 0.3, 10, 2.9)) is None
-        assert sync_trial.wins_early(first, ahead, 2.0, order, recent=Rate(1.59, 0.3, 10, 2.9)) is not None
-        assert sync_trial.wins_early(first, ahead, 2.0, order, recent=Rate(0.5, 0.3, 10, 2.9)) is not None
-    assert sync_trial.steepening(first, Rate(1.6, 0.3, 10, 2.9), 2.0)
-    assert not sync_trial.steepening(first, Rate(1.6, 0.3 + 1e-9, 10, 2.9), 2.0)
+def test_on_a_steepened_curve_the_middle_window_is_judged_against_the_third_alone():
+    """The windows of an `mlp` trial (DiLoCo first): DiLoCo removed 0.0259 ± 0.0014 loss/s on a plateau
+    at loss 2.164, the per-step method 0.0853 ± 0.0016 at 1.618 as the loss began to fall, DiLoCo
+    0.1004 ± 0.0019 at 0.81. Read between DiLoCo's windows at 1.618, DiLoCo trails; against its third
+    window alone, DiLoCo leads by (0.1004 − 0.0853) / √(0.0016² + 0.0019²) standard errors (by hand)."""
+    first, middle, last = Rate(0.0259, 0.0014, 138, 2.164), Rate(0.0853, 0.0016, 150, 1.618), Rate(0.1004, 0.0019, 150, 0.81)
+    v = sync_trial.verdict(first, middle, last, 2.0, sync_trial.DILOCO_FIRST)
+    z = (0.1004 - 0.0853) / math.sqrt(0.0016 ** 2 + 0.0019 ** 2)
+    assert v.z == pytest.approx(z, rel=1e-9) and v.winner == "challenger"
+    assert sync_trial.bracket_for(first, middle, last, 2.0) is last
+    interpolated = sync_trial.bracket_rate(first, middle, last)
+    assert interpolated.per_s < middle.per_s  # what the at-level reading said: the per-step method ahead
+    # on a flattening curve (the third window slower than the first) the at-level reading stands
+    flat_last = Rate(0.02, 0.0019, 150, 0.81)
+    assert sync_trial.bracket_for(first, middle, flat_last, 2.0) == sync_trial.bracket_rate(first, middle, flat_last)
 
 
-def test_a_window_on_an_accelerating_loss_records_a_steepening_recent_rate():
-    """Loss 5 − 0.02·t² over 30 steps of 0.2 s (rounds of 10): the later rounds' rate, by hand, is
-    above the whole window's by far more than two of its standard errors; on 5 − 0.5·t, not."""
+def test_a_window_records_its_later_rounds_rate():
+    """Loss 5 − 0.02·t² over 30 steps of 0.2 s (rounds of 10): the later rounds' rate (``recent``, which
+    a per-step window closing early is compared with) is the hand rate of steps 10-29, above the whole
+    window's; on 5 − 0.5·t, equal to it within the noise."""
     for curve, steep in ((lambda t: 5.0 - 0.02 * t * t, True), (lambda t: 5.0 - 0.5 * t, False)):
         rng = random.Random(1)
         tr = Trial(challenger="diloco10", start_step=0, window=30, incumbent="ddp", beta_s_per_byte=4e-7,
@@ -293,7 +295,7 @@ def test_a_window_on_an_accelerating_loss_records_a_steepening_recent_rate():
         tr.close_window()
         assert tr.recent["per_s"] == pytest.approx(_hand_rate([0.2] * 20, losses[10:])[0], rel=1e-9)
         first, recent = sync_trial.rates_so_far(tr)[0], sync_trial.rate_record(tr.recent)
-        assert sync_trial.steepening(first, recent, 2.0) is steep
+        assert (recent.per_s - first.per_s > 2.0 * recent.stderr) is steep
 
 
 def test_first_family_is_diloco_from_lead_times_its_step():

@@ -66,7 +66,8 @@ class AutoState:
     probe_time_s: float = 0.0  # that message's agreed time: the link check's reference
     probe_time_modelled: bool = False  # whether probe_time_s is the model's, not a measured one
     #: the synchronisation family (auto_diloco, auto/sync_switch.py): the trial in progress, the last one,
-    #: the DiLoCo configuration running (None: per-step), its first outer exchange's time, every event
+    #: the DiLoCo configuration running (None: per-step), its first outer exchange's time per fragment
+    #: (``{"0": s, ...}``), every event
     sync: dict = field(default_factory=lambda: {"trial": None, "last_trial": None, "running": None,
                                                 "reference_exchange_s": None, "events": []})
 

@@ -18,7 +18,7 @@ the step boundary after DiLoCo's own post-step work (the DiLoCo participant runs
    gradient synchronisation off, the first round up to the next multiple of H,
    sync_trial.first_round, so outer steps fall where a static DiLoCo run takes them) or left
    (``leave``: the round is closed, every rank holds θ_outer, the inner optimizer state becomes the
-   ranks' mean, DDP on again); after the third window (or an early win after the second), the
+   ranks' mean, DDP on again); after the third window, the
    verdict. DiLoCo's window is whole rounds (the first one stretched or cut to that multiple of H),
    so leaving never cuts one; the per-step window between two of DiLoCo's may close sooner
    (``Trial.closes_early``). auto's per-step watch is held from the trial's start to its verdict, so
@@ -236,33 +236,20 @@ class FamilySwitcher:
         if tr.phase == 3:
             self._judge(step, tr)
             return
-        if tr.phase == 2 and self._won_early(step, tr):
-            return
         if was_diloco:
             self._leave(step, "trial")
         else:
             tr.stretch = self._enter(step, tr.challenger, "trial") - tr.round_steps
         self.s["trial"] = tr.as_dict()
 
-    def _won_early(self, step: int, tr: sync_trial.Trial) -> bool:
-        """The middle window led the first despite coming later (sync_trial.wins_early): its family
-        stays, with no further switch."""
-        first, middle = sync_trial.rates_so_far(tr)
-        recent = sync_trial.rate_record(tr.recent) if tr.recent is not None else None
-        v = sync_trial.wins_early(first, middle, self.config.diloco_threshold, tr.order, recent)
-        if v is None:
-            return False
-        self._end(step, tr, v.winner, z=v.z, lead_per_s=v.lead_per_s, early=True,
-                  cost_s=trial_cost(tr.rates[1]["seconds"], first, middle))
-        self._event(step, "stay", choice=tr.challenger if self.in_diloco else tr.incumbent, why="won_early")
-        return True
-
     def _judge(self, step: int, tr: sync_trial.Trial) -> None:
         first, middle, last = sync_trial.rates(tr)
-        v = sync_trial.verdict(first, middle, last, self.config.diloco_threshold, tr.order)
-        cost = trial_cost(tr.rates[1]["seconds"], sync_trial.bracket_rate(first, middle, last), middle)
+        threshold = self.config.diloco_threshold
+        v = sync_trial.verdict(first, middle, last, threshold, tr.order)
+        cost = trial_cost(tr.rates[1]["seconds"], sync_trial.bracket_for(first, middle, last, threshold), middle)
         winner = v.winner or sync_trial.keeper(tr.order)
-        self._end(step, tr, winner, z=v.z, lead_per_s=v.lead_per_s, cost_s=cost, separated=v.winner is not None)
+        self._end(step, tr, winner, z=v.z, lead_per_s=v.lead_per_s, cost_s=cost, separated=v.winner is not None,
+                  steepened=sync_trial.steepened(first, last, threshold))
         if winner == "challenger" and not self.in_diloco:
             self._enter(step, tr.challenger, "won")
 
@@ -304,9 +291,15 @@ class FamilySwitcher:
             return
         self._seen_stats = stats
         took = agree_values([stats.comm_s], "max", self.engine.process_group, self.engine.device)[0]
-        ref = self.s["reference_exchange_s"]
-        if ref is None:
-            self.s["reference_exchange_s"] = took
+        # per fragment: Streaming DiLoCo's fragments differ in size (whole tensors), so each exchange is
+        # compared with the same fragment's first one; a float is a record from before (one fragment)
+        refs = self.s["reference_exchange_s"]
+        refs = {"0": refs} if isinstance(refs, (int, float)) else dict(refs or {})
+        key = str(getattr(stats, "fragment", 0))
+        first = key not in refs  # this fragment's first exchange: the reference
+        ref = refs.setdefault(key, took)
+        self.s["reference_exchange_s"] = refs
+        if first:
             return
         if sync_trial.link_moved(took, ref, self.config.severe_drift):
             rank_zero_info(f"lightning_gc auto (step {step}): DiLoCo's outer exchange took {took:.2f} s against "

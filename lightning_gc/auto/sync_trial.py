@@ -29,8 +29,8 @@ least ``lead`` times DiLoCo's step, DiLoCo brackets the per-step method (``diloc
 per-step, DiLoCo); otherwise the per-step method brackets DiLoCo (``per_step_first``). The
 bracketing family's rate is read at the middle window's mean loss, interpolated between its two
 windows (:func:`lightning_gc.auto.progress.at_level`): the flattening of the loss curve across the
-trial cancels out, even where the slope falls by a large factor, as it does early in a run. A
-family wins by leading the other by ``threshold`` standard errors; where neither does, the
+trial cancels out, even where the slope falls by a large factor, as it does early in a run (where
+the curve steepened instead, its third window: below). A family wins by leading the other by ``threshold`` standard errors; where neither does, the
 bracketing family stays. Either order costs about one window of the family that loses; the order
 decides who stays where the trial cannot separate them, so the family the link favours brackets.
 
@@ -51,16 +51,22 @@ the trial pays for. After :data:`MIN_BALANCED_POINTS` steps it closes as soon as
   cost, not precision. This looks at the spread of the losses, never at the rate itself, so it
   does not bias the rate it stops.
 
-**Winning early** (:func:`wins_early`): where the middle window already leads the first by
-``threshold`` standard errors, the middle family wins without the third window. A loss curve
-flattens as training goes on, so a window measured later looks slower: the middle window is biased
-against, and a lead it shows despite that is a lead the bracket would show too. An early win
-costs no further switch and one window less. Not every curve flattens: some fall slowly at first,
-then steeply, and there the later window is the favoured one. So where the first window's later
-rounds ran faster than the whole of it (:func:`steepening`), there is no early win.
+**No early win.** The verdict always waits for the third window. Judging after two windows would
+compare windows at different losses, which is sound only where the loss curve flattens (the later
+window disfavoured), and two windows cannot show that. A curve can also steepen: some tasks sit on a
+plateau, then fall steeply. With a plateau in the first window and the fall in the second, the
+middle family looked several times faster on `mlp` though it was the slower to the target.
+
+**A steepened curve** (:func:`steepened`): where the bracketing family's third window ran faster than
+its first by ``threshold`` standard errors, the loss curve steepened during the trial, and reading
+the bracket's rate at the middle window's loss (a line between a plateau and a fall) is not
+meaningful. The middle window is then judged against the third alone: the two adjacent windows after
+the change. A third window measured later is favoured while the curve still steepens, which leans to
+the bracketing family, the one the link favours; on a flattening curve the rule never applies.
 
 **Leaving DiLoCo** (:func:`link_moved`): while DiLoCo runs, each outer exchange's agreed time (the
-slowest rank's) is compared with the first one's after entering, a measurement on the link it was
+slowest rank's) is compared with the same fragment's first one after entering (Streaming DiLoCo's
+fragments differ in size), a measurement on the link it was
 chosen on (not the model's prediction, whose error would read as a move); ``severe`` times slower or
 faster means the link moved, and auto goes back to per-step and decides again on a fresh probe.
 """
@@ -178,29 +184,22 @@ def keeper(order: str) -> str:
     return "incumbent" if order == PER_STEP_FIRST else "challenger"
 
 
+def steepened(first: Rate, last: Rate, threshold: float) -> bool:
+    """Whether the bracketing family's ``last`` window removed loss faster than its ``first`` by
+    ``threshold`` standard errors of their difference: the curve steepened during the trial."""
+    return last.per_s - first.per_s >= threshold * math.hypot(first.stderr, last.stderr)
+
+
+def bracket_for(first: Rate, middle: Rate, last: Rate, threshold: float) -> Rate:
+    """The bracketing family's rate the middle window is judged against (module docstring): read at the
+    middle window's loss between its two windows, or its third window alone where the curve steepened."""
+    return last if steepened(first, last, threshold) else bracket_rate(first, middle, last)
+
+
 def verdict(first: Rate, middle: Rate, last: Rate, threshold: float, order: str = PER_STEP_FIRST) -> Verdict:
-    """DiLoCo (``"challenger"``) against the per-step method (``"incumbent"``), the bracketing family read
-    at the middle one's loss; ``z`` is DiLoCo's lead in standard errors; winner None: not separable."""
-    return compare(*_families(order, bracket_rate(first, middle, last), middle), threshold)
-
-
-def wins_early(first: Rate, middle: Rate, threshold: float, order: str = PER_STEP_FIRST,
-               recent: Rate | None = None) -> Verdict | None:
-    """The verdict where the middle window leads the first by ``threshold`` standard errors (see the
-    module docstring: the later window is the one the flattening curve disfavours); else None.
-    ``recent``: the first window without its first round; where it ran faster than the whole window
-    by ``threshold`` of its standard errors (:func:`steepening`), the curve was not flattening and
-    there is no early win: the third window decides."""
-    if recent is not None and steepening(first, recent, threshold):
-        return None
-    v = compare(*_families(order, first, middle), threshold)
-    return v if v.winner == middle_family(order) else None
-
-
-def steepening(first: Rate, recent: Rate, threshold: float) -> bool:
-    """Whether a window's later rounds (``recent``) removed loss faster than the whole window by
-    ``threshold`` standard errors of the later rounds' rate: the loss curve steepened within it."""
-    return recent.per_s - first.per_s >= threshold * recent.stderr
+    """DiLoCo (``"challenger"``) against the per-step method (``"incumbent"``), the middle window against
+    :func:`bracket_for`; ``z`` is DiLoCo's lead in standard errors; winner None: not separable."""
+    return compare(*_families(order, bracket_for(first, middle, last, threshold), middle), threshold)
 
 
 def trails(diloco: Rate, middle: Rate, threshold: float) -> bool:
@@ -245,7 +244,7 @@ class Trial:
     rates: list[dict] = field(default_factory=list)  # the finished windows' rates
     order: str = PER_STEP_FIRST  # which family brackets the other (ORDERS)
     round_steps: int = 0  # DiLoCo's H (0 in records from before it was kept)
-    recent: dict | None = None  # the first window without its first round (closes_early, wins_early)
+    recent: dict | None = None  # the first window without its first round (closes_early)
     stretch: int = 0  # steps this DiLoCo window's first round has beyond H (first_round − H; may be < 0)
     nonfinite: bool = False  # a DiLoCo step agreed early (at a checkpoint) had a non-finite loss
 
@@ -319,4 +318,5 @@ def rate_record(r: Mapping) -> Rate:
 
 __all__ = ["DILOCO_FIRST", "MIN_BALANCED_POINTS", "ORDERS", "PER_STEP_FIRST", "PHASES", "Trial", "bracket_rate", "cumulative",
            "ends_round", "first_family", "first_round", "gate_opens", "keeper", "link_moved", "may_retry", "middle_family", "pick_challenger",
-           "rate_of", "rate_record", "rates", "rates_so_far", "steepening", "trails", "verdict", "window_steps", "wins_early"]
+           "rate_of", "rate_record", "rates", "rates_so_far", "steepened", "bracket_for", "trails", "verdict",
+           "window_steps"]

@@ -62,7 +62,7 @@ from ..comm.worker import InlineRunner, OrderedWorker
 from ..engine.ports import EngineControl, FamilySwitch
 from ..engine.session import StepParticipant
 from .diloco_nodes import NodeWorkers
-from .optimizer_state import average_optimizer_state
+from .optimizer_state import average_optimizer_state, repair_optimizer_state
 
 _DILOCO_GROUP_ID = 1 << 21  # GroupContext.group_id of the outer exchange: random draws differ from any plan group
 #: the published outer optimizer (DiLoCo, Douillard et al. 2023, section 3)
@@ -638,10 +638,14 @@ class DiLoCoSync(StepParticipant):
             if job.bad:
                 stats.discarded = True
                 alpha = 0.0  # back to θ_outer of before the round
+                if self._optimizer is not None and self.group is not None:  # the round's NaN must not outlive it
+                    stats.bytes_sent += repair_optimizer_state(self._optimizer, [self.params[i] for i in idx],
+                                                               self.group, LEAVE_WIRE_DTYPE)
                 rank_zero_warn(
                     f"lightning_gc DiLoCo: the pseudo-gradient of fragment {p} sent at step {job.sent_at} is non-finite "
                     "on some rank; that round is discarded on every rank (θ_outer, outer optimizer and error memory "
-                    "unchanged). Lower the inner learning rate or clip the inner gradients."
+                    "unchanged; a rank's inner optimizer state that went non-finite takes the finite ranks' mean). "
+                    "Lower the inner learning rate or clip the inner gradients."
                 )
             else:
                 assert job.mean is not None

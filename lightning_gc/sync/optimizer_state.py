@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._finite import all_finite
 from ..comm.cost_model import ring_allreduce_bytes
 
 #: state keys that count steps: checked equal, never averaged (torch's Adam family keeps ``step`` as a
@@ -38,12 +39,15 @@ from ..comm.cost_model import ring_allreduce_bytes
 COUNTER_KEYS = ("step",)
 
 
-def _state_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str, Tensor, bool]]:
-    """Every tensor of the optimizer's per-parameter state in parameter order: (name, tensor, whether
-    it is averaged: floating point and not a step counter)."""
+def _state_tensors(optimizer: torch.optim.Optimizer, only: list[Tensor] | None = None) -> list[tuple[str, Tensor, bool]]:
+    """Every tensor of the optimizer's per-parameter state in parameter order (of the parameters
+    ``only``, where given): (name, tensor, whether it is averaged: floating point and not a step counter)."""
+    keep = None if only is None else {id(p) for p in only}
     out = []
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
+            if keep is not None and id(p) not in keep:
+                continue
             for key, value in sorted(optimizer.state.get(p, {}).items()):
                 if isinstance(value, Tensor):
                     averaged = torch.is_floating_point(value) and key not in COUNTER_KEYS
@@ -102,4 +106,45 @@ def average_optimizer_state(optimizer: torch.optim.Optimizer, group: Any = None,
     return sent
 
 
-__all__ = ["COUNTER_KEYS", "average_optimizer_state"]
+def repair_optimizer_state(optimizer: torch.optim.Optimizer, params: list[Tensor], group: Any = None,
+                           wire_dtype: torch.dtype | None = None) -> int:
+    """Where a rank's state of ``params`` holds a non-finite value, replace it by the mean of the ranks
+    whose state is finite; returns the bytes this rank sent. A collective, called by every rank of
+    ``group`` alike (DiLoCo calls it where it discards a round, which every rank knows).
+
+    Why: a NaN gradient on one rank makes its momentum (or Adam's moments) NaN, so every later inner
+    step on that rank is NaN again and every later round is discarded; and leaving DiLoCo would
+    average it into every rank. The mean of the finite ranks is the estimate of the same quantity
+    from the other shards, at the same step count, so bias corrections stay right (zeroing the moments
+    at a late step would make Adam's next updates several times too large). Ranks whose state is
+    finite keep their own. Where no rank's is, every rank drops that state (the optimizer starts it
+    afresh at its next step, on every rank alike, so step counters still agree). Costs one flag
+    allreduce where every rank is finite, and one allreduce of the state otherwise."""
+    tensors = _state_tensors(optimizer, params)
+    if not tensors:
+        return 0
+    _check_layout(tensors, group)
+    world_size = dist.get_world_size(group)
+    ok = all(all_finite(t) for _, t, averaged in tensors if averaged)
+    flag = torch.tensor([float(ok)], device=tensors[0][1].device)
+    dist.all_reduce(flag, group=group)
+    n_ok, sent = int(flag.item()), ring_allreduce_bytes(4, world_size)
+    if n_ok == world_size:
+        return sent
+    if n_ok == 0:
+        for p in params:
+            optimizer.state.pop(p, None)
+        return sent
+    for _, t, averaged in tensors:
+        if not averaged:
+            continue
+        dtype = wire_dtype or torch.promote_types(t.dtype, torch.float32)
+        wire = t.detach().to(dtype, copy=True) if ok else torch.zeros(t.shape, dtype=dtype, device=t.device)
+        dist.all_reduce(wire, group=group)
+        if not ok:
+            t.detach().copy_(wire.to(torch.promote_types(t.dtype, torch.float32)).div_(n_ok))
+        sent += ring_allreduce_bytes(wire.numel() * wire.element_size(), world_size)
+    return sent
+
+
+__all__ = ["COUNTER_KEYS", "average_optimizer_state", "repair_optimizer_state"]
