@@ -93,7 +93,7 @@ class DiLoCoChoice:
 #: the forms of Δ, as a name's prefix
 DELTA_FORMS: dict[str, str] = {"diloco": "fp16", "sparseloco": "sparseloco"}
 #: the names the docs use as examples: the small set of H the papers' small models run well with
-DILOCO_CANDIDATES: tuple[str, ...] = ("diloco10", "diloco50", "sparseloco10", "sparseloco50")
+DILOCO_CANDIDATES: tuple[str, ...] = ("diloco10", "diloco50", "diloco50f5", "sparseloco10", "sparseloco50")
 _NAME = re.compile(r"^(diloco|sparseloco)([1-9][0-9]*)(?:f([1-9][0-9]*))?(?:t([0-9]+))?$")
 
 
