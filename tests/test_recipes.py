@@ -233,7 +233,7 @@ def test_auto_diloco_recipe_builds_its_family_options_from_yaml(tmp_path, monkey
     block = yaml.safe_load(path.read_text())["trainer"]["strategy"]["init_args"]["auto"]
     monkeypatch.chdir(tmp_path)
     auto = LightningCLI(args=["--config", str(path)], run=False).trainer.strategy._config.auto
-    assert list(auto.diloco) == block["diloco"] == ["diloco10", "diloco50"]
+    assert list(auto.diloco) == block["diloco"] == ["diloco10", "diloco50", "diloco50f5"]
     names = ("diloco_gate", "diloco_lead", "diloco_rounds", "diloco_threshold", "diloco_hide", "diloco_retry_every")
     assert [getattr(auto, n) for n in names] == [block[n] for n in names]
     cfg = yaml.safe_load(path.read_text())
