@@ -174,11 +174,6 @@ def _families(order: str, bracket: Rate, middle: Rate) -> tuple[Rate, Rate]:
     return (bracket, middle) if order == PER_STEP_FIRST else (middle, bracket)
 
 
-def middle_family(order: str) -> str:
-    """Who runs in the middle window: ``"challenger"`` (DiLoCo) or ``"incumbent"`` (the per-step method)."""
-    return "challenger" if order == PER_STEP_FIRST else "incumbent"
-
-
 def keeper(order: str) -> str:
     """Who stays where the trial does not separate the two: the bracketing family."""
     return "incumbent" if order == PER_STEP_FIRST else "challenger"
@@ -317,6 +312,6 @@ def rate_record(r: Mapping) -> Rate:
 
 
 __all__ = ["DILOCO_FIRST", "MIN_BALANCED_POINTS", "ORDERS", "PER_STEP_FIRST", "PHASES", "Trial", "bracket_rate", "cumulative",
-           "ends_round", "first_family", "first_round", "gate_opens", "keeper", "link_moved", "may_retry", "middle_family", "pick_challenger",
+           "ends_round", "first_family", "first_round", "gate_opens", "keeper", "link_moved", "may_retry", "pick_challenger",
            "rate_of", "rate_record", "rates", "rates_so_far", "steepened", "bracket_for", "trails", "verdict",
            "window_steps"]

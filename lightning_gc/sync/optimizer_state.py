@@ -99,11 +99,19 @@ def average_optimizer_state(optimizer: torch.optim.Optimizer, group: Any = None,
         if not averaged:
             _check_equal(name, t, group)
             continue
-        wire = t.detach().to(wire_dtype or torch.promote_types(t.dtype, torch.float32))
-        dist.all_reduce(wire, group=group)
+        wire = _summed(t, wire_dtype, group)
         t.detach().copy_(wire.to(torch.promote_types(t.dtype, torch.float32)).div_(world_size))
         sent += ring_allreduce_bytes(wire.numel() * wire.element_size(), world_size)
     return sent
+
+
+def _summed(t: Tensor, wire_dtype: torch.dtype | None, group: Any, send_zeros: bool = False) -> Tensor:
+    """The sum over the ranks of ``t`` (of zeros of its shape, with ``send_zeros``), in ``wire_dtype``
+    (None: fp32 or ``t``'s own wider dtype); a new tensor, ``t`` is left as it is."""
+    dtype = wire_dtype or torch.promote_types(t.dtype, torch.float32)
+    wire = torch.zeros(t.shape, dtype=dtype, device=t.device) if send_zeros else t.detach().to(dtype, copy=True)
+    dist.all_reduce(wire, group=group)
+    return wire
 
 
 def repair_optimizer_state(optimizer: torch.optim.Optimizer, params: list[Tensor], group: Any = None,
@@ -138,9 +146,7 @@ def repair_optimizer_state(optimizer: torch.optim.Optimizer, params: list[Tensor
     for _, t, averaged in tensors:
         if not averaged:
             continue
-        dtype = wire_dtype or torch.promote_types(t.dtype, torch.float32)
-        wire = t.detach().to(dtype, copy=True) if ok else torch.zeros(t.shape, dtype=dtype, device=t.device)
-        dist.all_reduce(wire, group=group)
+        wire = _summed(t, wire_dtype, group, send_zeros=not ok)
         if not ok:
             t.detach().copy_(wire.to(torch.promote_types(t.dtype, torch.float32)).div_(n_ok))
         sent += ring_allreduce_bytes(wire.numel() * wire.element_size(), world_size)
