@@ -74,9 +74,10 @@ class FamilySwitcher:
                  redecide: Redecide) -> None:
         self.engine, self.config, self.state, self.sync = engine, config, state, sync
         self.choices = [diloco_choice(n) for n in config.diloco]
-        self.numels = [p.numel() for p in engine.params]  # model order, as DiLoCo cuts its fragments
+        numels = [p.numel() for p in engine.params]  # model order, as DiLoCo cuts its fragments
         for c in self.choices:
-            c.check_model(self.numels)
+            c.check_model(numels)
+        self.costs = {c.name: c.cost(numels) for c in self.choices}  # the model's shape: fixed for the run
         self._redecide = redecide
         self._loss: float | None = None
         self._pending: list[tuple[float, float | None]] = []  # this rank's DiLoCo trial steps not yet agreed
@@ -130,8 +131,7 @@ class FamilySwitcher:
         profiled = w.forward_s + sum(w.backward_s) + w.optimizer_s
         k = min(1.0, st.reference / profiled) if st.reference and profiled > 0 else 1.0
         compute = Workload(k * w.forward_s, tuple(k * b for b in w.backward_s), w.numels, k * w.optimizer_s, 0.0)
-        return {c.name: predict_diloco(c.cost(self.numels), compute, st.network, self.engine.world_size)
-                for c in self.choices}
+        return {n: predict_diloco(cost, compute, st.network, self.engine.world_size) for n, cost in self.costs.items()}
 
     def _dense_step(self) -> float:
         """The fastest exact per-step candidate's predicted step (ddp, fp16, bf16; ddp is always one)."""
